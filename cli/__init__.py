@@ -1,0 +1,1 @@
+"""The `outbox-inbox` command line."""

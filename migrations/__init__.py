@@ -1,0 +1,1 @@
+"""Alembic environment and revisions of the outbox/inbox tables, shipped inside the package."""

@@ -1,0 +1,96 @@
+"""The broker interface. `brokers.rabbitmq` implements it on RabbitMQ (pika).
+
+Thread safety: a `Publisher` or `Consumer` belongs to the thread that opened it; open one per
+thread. `Broker` objects themselves only hold settings and may be shared.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from .messages import WireMessage
+from .topology import Topology
+
+
+class PublishOutcome(enum.Enum):
+    """What became of one message handed to `Publisher.publish_batch`."""
+
+    CONFIRMED = "confirmed"  # the broker took responsibility for it
+    RETURNED = "returned"  # confirmed, but no queue was bound for its routing key
+    NACKED = "nacked"  # the broker refused it (e.g. a full queue with reject-publish)
+    TIMEOUT = "timeout"  # no confirm in time: unknown, so it will be sent again
+    SKIPPED = "skipped"  # not sent: an earlier message with its ordering key failed
+    FAILED = "failed"  # not confirmed because the connection failed
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A message taken from a queue and not yet acknowledged."""
+
+    message: WireMessage
+    tag: int
+    redelivered: bool
+
+
+class Publisher(Protocol):
+    def publish_batch(
+        self, messages: Sequence[WireMessage], *, window: int, timeout: float
+    ) -> list[PublishOutcome]:
+        """Publish persistent, mandatory messages with confirms; one outcome per message.
+
+        At most `window` messages are unconfirmed at a time. Two messages with the same
+        ordering key are never in flight together, and once one fails, the later ones with that
+        key are SKIPPED, so a key's messages reach the queue in the order given. Per-message
+        problems are outcomes; if the connection fails, the unconfirmed messages are FAILED and
+        `broken` becomes true.
+        """
+        ...
+
+    @property
+    def broken(self) -> bool:
+        """True once the connection failed: close this publisher and open another."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Consumer(Protocol):
+    def fetch(self, max_count: int, wait: float) -> list[Delivery]:
+        """Up to `max_count` deliveries, waiting at most `wait` seconds once one has arrived.
+
+        Returns an empty list when none arrived within `wait`. Raises BrokerConnectionError
+        when the connection is lost; unacknowledged deliveries then return to the queue.
+        """
+        ...
+
+    def ack_through(self, tag: int) -> None:
+        """Acknowledge every delivery up to and including `tag`."""
+        ...
+
+    def ack(self, tag: int) -> None: ...
+
+    def dead_letter(self, delivery: Delivery, exchange: str, routing_key: str, reason: str) -> None:
+        """Republish `delivery` with the reason in headers (confirmed), then acknowledge it."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Broker(Protocol):
+    """A message broker: declares topology, opens publishers and consumers."""
+
+    def declare(self, topology: Topology) -> None:
+        """Declare every exchange, queue and binding; raise TopologyMismatch on a conflict."""
+        ...
+
+    def publisher(self) -> Publisher: ...
+
+    def consumer(self, queue: str, *, prefetch: int) -> Consumer: ...
+
+    @property
+    def description(self) -> str:
+        """Where the broker is, with any password masked."""
+        ...

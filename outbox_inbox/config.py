@@ -1,0 +1,100 @@
+"""Settings of a service, with every default in one place (documented in docs/configuration.md)."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field, fields
+
+from .errors import ConfigurationError
+from .retry import RetryPolicy
+
+#: An unquoted PostgreSQL identifier of at most 63 bytes: what a schema name may be.
+_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+#: A service name becomes part of routing keys and queue names: no dots, no wildcards.
+_SERVICE_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
+
+DB_URL_ENV = "OUTBOX_INBOX_DB_URL"
+MQ_URL_ENV = "OUTBOX_INBOX_MQ_URL"
+
+
+def validate_identifier(value: str, what: str = "schema") -> str:
+    """Return `value` if it is a lower-case SQL identifier, else raise ConfigurationError."""
+    if not isinstance(value, str) or not _IDENTIFIER.match(value):
+        raise ConfigurationError(
+            f"invalid {what} name {value!r}: use lower-case letters, digits and _ "
+            "(starting with a letter or _, at most 63 characters)"
+        )
+    return value
+
+
+def validate_service_name(value: str) -> str:
+    """Return `value` if it can name a service in routing keys and queues."""
+    if not isinstance(value, str) or not _SERVICE_NAME.match(value):
+        raise ConfigurationError(
+            f"invalid service name {value!r}: use lower-case letters, digits, _ and - "
+            "(starting with a letter, no dots or wildcards)"
+        )
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """Tunables of a `Service`. Every field is a keyword argument of `Service`."""
+
+    db_url: str | None = None
+    mq_url: str | None = None
+    schema: str = "outbox_inbox"
+
+    # outbox
+    max_payload_bytes: int = 1024 * 1024
+
+    # relay
+    relay_batch_size: int = 500
+    publish_window: int = 500
+    confirm_timeout: float = 30.0
+    relay_poll_interval: float = 1.0
+    relay_retry_initial: float = 1.0
+    relay_retry_max: float = 60.0
+
+    # receiver
+    prefetch: int = 500
+    receive_batch_size: int = 250
+    receive_batch_wait: float = 0.05
+    single_active_consumer: bool = True
+
+    # worker
+    worker_batch_size: int = 50
+    worker_threads: int = 1
+    lease: float = 60.0
+    worker_poll_interval: float = 0.5
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+
+    # connections
+    reconnect_initial: float = 0.5
+    reconnect_max: float = 30.0
+
+    def __post_init__(self) -> None:
+        validate_identifier(self.schema)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            if value <= 0:
+                raise ConfigurationError(f"{f.name} must be > 0, got {value!r}")
+        if self.publish_window > self.relay_batch_size:
+            object.__setattr__(self, "publish_window", self.relay_batch_size)
+        if self.receive_batch_size > self.prefetch:
+            raise ConfigurationError("receive_batch_size must not exceed prefetch")
+        if not isinstance(self.retry, RetryPolicy):
+            raise ConfigurationError("retry must be a RetryPolicy")
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> Settings:
+        """Settings where db_url / mq_url default to OUTBOX_INBOX_DB_URL / OUTBOX_INBOX_MQ_URL."""
+        values: dict[str, object] = {
+            "db_url": os.environ.get(DB_URL_ENV),
+            "mq_url": os.environ.get(MQ_URL_ENV),
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]

@@ -1,0 +1,184 @@
+"""Writing messages into the outbox table, in the caller's transaction."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Connection
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session
+
+from . import queries
+from .config import validate_service_name
+from .context import current_message
+from .errors import MessageError, StorageError
+from .messages import (
+    COMMAND,
+    COMMANDS_EXCHANGE,
+    EVENT,
+    EVENTS_EXCHANGE,
+    check_headers,
+    encode_payload,
+)
+from .tables import Tables
+
+_WORD = "abcdefghijklmnopqrstuvwxyz0123456789_-"
+
+
+def _check_name(value: str, what: str) -> str:
+    """A message name: dot-separated words, no wildcards, e.g. ``order.placed``."""
+    if not isinstance(value, str) or not value:
+        raise MessageError(f"{what} must be a non-empty string")
+    for word in value.split("."):
+        if not word or any(ch not in _WORD for ch in word.lower()):
+            raise MessageError(
+                f"invalid {what} {value!r}: use dot-separated words of letters, digits, _ and -"
+            )
+    return value
+
+
+class Outbox:
+    """Writes messages of one service into its outbox table.
+
+    Both methods add one row in the given `Session` or `Connection` and return the new message
+    id. They never commit, flush-and-commit or open a transaction of their own: the message
+    leaves if and only if the caller's transaction commits. They are thread-safe (no state).
+    Raises `MessageError` for an invalid name, payload or header, `PayloadTooLarge` over the
+    size limit, and `StorageError` if the database refuses the row.
+    """
+
+    def __init__(self, service: str, tables: Tables, *, max_payload_bytes: int) -> None:
+        self._service = validate_service_name(service)
+        self._tables = tables
+        self._limit = max_payload_bytes
+
+    def publish(
+        self,
+        session: Session | Connection,
+        event: str,
+        payload: Any,
+        *,
+        key: str | None = None,
+        headers: Mapping[str, Any] | None = None,
+        correlation_id: str | None = None,
+        message_id: uuid.UUID | None = None,
+        priority: int | None = None,
+        ttl: float | timedelta | None = None,
+        version: int = 1,
+        delay: float | timedelta | None = None,
+    ) -> uuid.UUID:
+        """Publish event `event` (``entity.happened``) as ``<service>.<event>`` on `events`."""
+        _check_name(event, "event name")
+        return self._write(
+            session,
+            kind=EVENT,
+            exchange=EVENTS_EXCHANGE,
+            routing_key=f"{self._service}.{event}",
+            payload=payload,
+            key=key,
+            headers=headers,
+            correlation_id=correlation_id,
+            message_id=message_id,
+            priority=priority,
+            ttl=ttl,
+            version=version,
+            delay=delay,
+        )
+
+    def send(
+        self,
+        session: Session | Connection,
+        to_service: str,
+        command: str,
+        payload: Any,
+        *,
+        key: str | None = None,
+        headers: Mapping[str, Any] | None = None,
+        correlation_id: str | None = None,
+        message_id: uuid.UUID | None = None,
+        priority: int | None = None,
+        ttl: float | timedelta | None = None,
+        version: int = 1,
+        delay: float | timedelta | None = None,
+    ) -> uuid.UUID:
+        """Send `command` (``entity.verb``) to `to_service` as ``<to_service>.<command>``."""
+        validate_service_name(to_service)
+        _check_name(command, "command name")
+        return self._write(
+            session,
+            kind=COMMAND,
+            exchange=COMMANDS_EXCHANGE,
+            routing_key=f"{to_service}.{command}",
+            payload=payload,
+            key=key,
+            headers=headers,
+            correlation_id=correlation_id,
+            message_id=message_id,
+            priority=priority,
+            ttl=ttl,
+            version=version,
+            delay=delay,
+        )
+
+    def _write(
+        self,
+        session: Session | Connection,
+        *,
+        kind: str,
+        exchange: str,
+        routing_key: str,
+        payload: Any,
+        key: str | None,
+        headers: Mapping[str, Any] | None,
+        correlation_id: str | None,
+        message_id: uuid.UUID | None,
+        priority: int | None,
+        ttl: float | timedelta | None,
+        version: int,
+        delay: float | timedelta | None,
+    ) -> uuid.UUID:
+        if not isinstance(session, Session | Connection):
+            raise MessageError("pass the SQLAlchemy Session or Connection of your transaction")
+        encode_payload(payload, limit=self._limit)
+        clean_headers = check_headers(headers)
+        if key is not None and (not isinstance(key, str) or not key or len(key) > 255):
+            raise MessageError("key must be a non-empty string of at most 255 characters")
+        if priority is not None and (isinstance(priority, bool) or not 0 <= priority <= 255):
+            raise MessageError("priority must be an int in 0..255")
+        if not isinstance(version, int) or version < 1:
+            raise MessageError("version must be an int >= 1")
+        now = datetime.now(UTC)
+        row: dict[str, Any] = {
+            "message_id": message_id or uuid.uuid4(),
+            "kind": kind,
+            "exchange": exchange,
+            "routing_key": routing_key,
+            "payload": payload,
+            "headers": clean_headers,
+            "version": version,
+            "key": key,
+            "priority": priority,
+            "expires_at": now + _seconds(ttl, "ttl") if ttl is not None else None,
+        }
+        if delay is not None:
+            row["available_at"] = now + _seconds(delay, "delay")
+        parent = current_message()
+        row["correlation_id"] = correlation_id or (
+            parent.correlation_id or str(parent.message_id) if parent else str(row["message_id"])
+        )
+        row["causation_id"] = str(parent.message_id) if parent else None
+        try:
+            queries.insert_outbox(session, self._tables, [row])
+        except SQLAlchemyError as exc:
+            raise StorageError(f"writing to the outbox failed: {exc}") from exc
+        return row["message_id"]  # type: ignore[no-any-return]
+
+
+def _seconds(value: float | timedelta, what: str) -> timedelta:
+    delta = value if isinstance(value, timedelta) else timedelta(seconds=value)
+    if delta.total_seconds() <= 0:
+        raise MessageError(f"{what} must be positive")
+    return delta

@@ -1,0 +1,180 @@
+"""The relay: publishes committed outbox rows to the broker and marks them after the confirm."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import Engine
+from sqlalchemy.engine import RowMapping
+from sqlalchemy.exc import SQLAlchemyError
+
+from . import queries
+from .backoff import Backoff
+from .broker import Broker, Publisher, PublishOutcome
+from .config import Settings
+from .errors import BrokerError
+from .messages import COMMAND, OutgoingMessage, to_wire
+from .tables import Tables
+from .waker import Waker
+
+log = logging.getLogger(__name__)
+
+_PUBLISHED = (PublishOutcome.CONFIRMED, PublishOutcome.RETURNED)
+
+
+def outgoing(row: RowMapping, source: str) -> OutgoingMessage:
+    """The message an outbox row carries."""
+    return OutgoingMessage(
+        id=row["id"],
+        message_id=row["message_id"],
+        kind=row["kind"],
+        exchange=row["exchange"],
+        routing_key=row["routing_key"],
+        payload=row["payload"],
+        headers=row["headers"] or {},
+        source=source,
+        version=row["version"],
+        correlation_id=row["correlation_id"],
+        causation_id=row["causation_id"],
+        key=row["key"],
+        priority=row["priority"],
+        created_at=row["created_at"],
+        expires_at=row["expires_at"],
+        attempt=row["attempts"] + 1,
+    )
+
+
+class Relay:
+    """Moves outbox rows to the broker. Run one or several, in threads or processes.
+
+    Each batch is one database transaction: claim rows (``FOR UPDATE SKIP LOCKED``), publish
+    them with confirms, mark the confirmed ones published, count a failed attempt on the rest,
+    commit. A crash anywhere before the commit leaves the rows unpublished, so they are sent
+    again and the receiving inbox drops the copy. A returned event (no queue subscribes to
+    it) counts as published; a returned command does not.
+    """
+
+    def __init__(
+        self,
+        *,
+        service: str,
+        engine: Engine,
+        tables: Tables,
+        broker: Broker,
+        settings: Settings,
+        waker_factory: Callable[[threading.Event], Waker | None] | None = None,
+    ) -> None:
+        self._service = service
+        self._engine = engine
+        self._tables = tables
+        self._broker = broker
+        self._settings = settings
+        self._waker_factory = waker_factory
+        self._publisher: Publisher | None = None
+        self.published = 0  # messages marked published by this relay (for tests and status)
+
+    def run(self, stop: threading.Event, *, on_started: Callable[[], None] | None = None) -> None:
+        """Relay batches until `stop` is set; the batch in hand is finished first."""
+        waker = self._waker_factory(stop) if self._waker_factory else None
+        backoff = Backoff(self._settings.reconnect_initial, self._settings.reconnect_max)
+        if on_started:
+            on_started()
+        try:
+            while not stop.is_set():
+                try:
+                    count = self.relay_once()
+                    backoff.reset()
+                except BrokerError as exc:
+                    log.warning("relay: broker unavailable, retrying: %s", exc)
+                    self._drop_publisher()
+                    backoff.sleep(stop)
+                    continue
+                except SQLAlchemyError as exc:
+                    log.warning("relay: database unavailable, retrying: %s", _short(exc))
+                    backoff.sleep(stop)
+                    continue
+                if count < self._settings.relay_batch_size:
+                    if waker is not None:
+                        waker.wait(self._settings.relay_poll_interval)
+                    else:
+                        stop.wait(self._settings.relay_poll_interval)
+        finally:
+            self._drop_publisher()
+            if waker is not None:
+                waker.close()
+
+    def relay_once(self) -> int:
+        """Relay one batch; return how many rows were claimed."""
+        s = self._settings
+        with self._engine.connect() as conn, conn.begin():
+            rows = queries.claim_outbox(conn, self._tables, s.relay_batch_size)
+            if not rows:
+                return 0
+            publisher = self._ensure_publisher()
+            messages = [outgoing(row, self._service) for row in rows]
+            outcomes = publisher.publish_batch(
+                [to_wire(m) for m in messages], window=s.publish_window, timeout=s.confirm_timeout
+            )
+            published: list[int] = []
+            failed: dict[str, list[tuple[int, int]]] = {}
+            for message, row, outcome in zip(messages, rows, outcomes, strict=True):
+                if outcome is PublishOutcome.CONFIRMED or (
+                    outcome is PublishOutcome.RETURNED and message.kind != COMMAND
+                ):
+                    published.append(message.id)
+                else:
+                    reason = (
+                        "unroutable: no queue is bound for this command"
+                        if outcome is PublishOutcome.RETURNED
+                        else f"publish {outcome.value}"
+                    )
+                    failed.setdefault(reason, []).append((message.id, row["attempts"]))
+            queries.mark_published(conn, self._tables, published)
+            for reason, items in failed.items():
+                for attempts, ids in _group_by_attempts(items).items():
+                    queries.mark_publish_failed(
+                        conn, self._tables, ids, reason, self._retry_delay(attempts)
+                    )
+            if failed:
+                log.warning(
+                    "relay: %d of %d messages not confirmed, kept for retry",
+                    sum(len(v) for v in failed.values()),
+                    len(rows),
+                    extra={"reasons": sorted(failed)},
+                )
+        self.published += len(published)
+        if publisher.broken:
+            self._drop_publisher()
+            raise BrokerError("publishing connection broke during the batch")
+        return len(rows)
+
+    def _retry_delay(self, attempts: int) -> timedelta:
+        s = self._settings
+        return timedelta(seconds=min(s.relay_retry_initial * 2**attempts, s.relay_retry_max))
+
+    def _ensure_publisher(self) -> Publisher:
+        if self._publisher is None or self._publisher.broken:
+            self._drop_publisher()
+            self._publisher = self._broker.publisher()
+        return self._publisher
+
+    def _drop_publisher(self) -> None:
+        if self._publisher is not None:
+            self._publisher.close()
+            self._publisher = None
+
+
+def _group_by_attempts(items: list[tuple[int, int]]) -> dict[int, list[int]]:
+    groups: dict[int, list[int]] = {}
+    for row_id, attempts in items:
+        groups.setdefault(attempts, []).append(row_id)
+    return groups
+
+
+def _short(exc: Any) -> str:
+    """First line of a driver error, which may otherwise carry a whole statement."""
+    return str(exc).splitlines()[0] if str(exc) else repr(exc)

@@ -1,0 +1,319 @@
+"""The `Service` facade: configuration, handlers, and the relay, receiver and worker roles."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any, TypeVar
+
+from sqlalchemy import Engine, create_engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from . import migrate as migrations
+from .broker import Broker
+from .config import Settings, validate_service_name
+from .errors import ConfigurationError
+from .handlers import Handler, Handlers, Subscription
+from .logsafe import mask_url
+from .messages import COMMAND, EVENT
+from .outbox import Outbox
+from .receiver import Receiver
+from .relay import Relay
+from .retry import RetryPolicy
+from .tables import Tables, build_tables
+from .topology import Topology, command_routing_key, service_topology
+from .waker import Waker, notify_channel, psycopg_conninfo
+from .worker import Worker
+
+log = logging.getLogger(__name__)
+
+H = TypeVar("H", bound=Handler)
+
+
+class Service:
+    """One microservice's end of the messaging: its outbox, inbox, handlers and topology.
+
+    ``Service("billing", db_url=..., mq_url=...)`` with any `Settings` field as a keyword.
+    Register handlers with `on_command` / `on_event` before `start()`. A Service is safe to
+    share between threads: `outbox`, `session()` and `engine` may be used from any thread.
+    Construction validates the settings and connects to nothing.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        db_url: str | None = None,
+        mq_url: str | None = None,
+        engine: Engine | None = None,
+        broker: Broker | None = None,
+        **settings: Any,
+    ) -> None:
+        self.name = validate_service_name(name)
+        try:
+            self.settings = Settings(db_url=db_url, mq_url=mq_url, **settings)
+        except TypeError as exc:
+            raise ConfigurationError(f"unknown setting: {exc}") from exc
+        if engine is None and not db_url:
+            raise ConfigurationError(f"service {name!r} needs db_url or engine")
+        self.tables: Tables = build_tables(self.settings.schema)
+        self.handlers = Handlers()
+        self.outbox = Outbox(
+            self.name, self.tables, max_payload_bytes=self.settings.max_payload_bytes
+        )
+        self._engine = engine
+        self._broker = broker
+        self._sessionmaker: sessionmaker[Session] | None = None
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"Service({self.name!r}, db={mask_url(self.settings.db_url)!r})"
+
+    # --- wiring ---------------------------------------------------------------------------
+
+    @property
+    def engine(self) -> Engine:
+        """The SQLAlchemy engine of the service's database (created on first use)."""
+        with self._lock:
+            if self._engine is None:
+                assert self.settings.db_url is not None
+                extra = 3 + self.settings.worker_threads
+                self._engine = create_engine(
+                    self.settings.db_url, pool_pre_ping=True, pool_size=extra, max_overflow=10
+                )
+            return self._engine
+
+    @property
+    def broker(self) -> Broker:
+        """The message broker (RabbitMQ at mq_url)."""
+        with self._lock:
+            if self._broker is None:
+                if not self.settings.mq_url:
+                    raise ConfigurationError(f"service {self.name!r} needs mq_url or broker")
+                from .brokers.rabbitmq import RabbitMQBroker
+
+                self._broker = RabbitMQBroker(self.settings.mq_url)
+            return self._broker
+
+    def session(self) -> Session:
+        """A new Session on the service's database. The caller begins and commits it."""
+        if self._sessionmaker is None:
+            self._sessionmaker = sessionmaker(self.engine)
+        return self._sessionmaker()
+
+    # --- handlers -------------------------------------------------------------------------
+
+    def on_command(self, command: str, *, retry: RetryPolicy | None = None) -> Callable[[H], H]:
+        """Register the handler of command ``<this service>.<command>``.
+
+        The handler is called as ``handler(message, session)`` inside the transaction that
+        marks the message processed; it must not commit. Raise `Retry` or `Reject` to choose
+        what happens to the message; any other exception is retried by `retry` (or the
+        service's policy).
+        """
+
+        def register(handler: H) -> H:
+            routing_key = command_routing_key(self.name, command)
+            self.handlers.add(Subscription(COMMAND, routing_key, handler, retry))
+            return handler
+
+        return register
+
+    def on_event(self, pattern: str, *, retry: RetryPolicy | None = None) -> Callable[[H], H]:
+        """Register a handler of events matching topic `pattern` (e.g. ``orders.order.*``).
+
+        A message matching several event handlers runs them all, in registration order, in
+        one savepoint: they succeed or are retried together.
+        """
+        if not pattern or any(not w for w in pattern.split(".")):
+            raise ConfigurationError(f"invalid event pattern {pattern!r}")
+
+        def register(handler: H) -> H:
+            self.handlers.add(Subscription(EVENT, pattern, handler, retry))
+            return handler
+
+        return register
+
+    # --- setup ----------------------------------------------------------------------------
+
+    def topology(self) -> Topology:
+        """Exchanges, queues and bindings this service needs."""
+        return service_topology(
+            self.name,
+            self.handlers.event_patterns(),
+            single_active_consumer=self.settings.single_active_consumer,
+        )
+
+    def declare_topology(self) -> None:
+        """Declare the topology on the broker (idempotent)."""
+        self.broker.declare(self.topology())
+
+    def migrate(self, revision: str = "heads") -> None:
+        """Apply the shipped migrations to the service's database (``outbox-inbox db upgrade``)."""
+        with self.engine.connect() as conn:
+            migrations.upgrade(
+                migrations.alembic_config(schema=self.settings.schema, connection=conn), revision
+            )
+            conn.commit()
+
+    # --- roles ----------------------------------------------------------------------------
+
+    def _waker(self, table: str) -> Callable[[threading.Event], Waker | None]:
+        def factory(stop: threading.Event) -> Waker | None:
+            if self.engine.dialect.name != "postgresql":
+                return None
+            return Waker(
+                psycopg_conninfo(self.engine.url),
+                notify_channel(self.settings.schema, table),
+                stop,
+            )
+
+        return factory
+
+    def relay(self) -> Relay:
+        """A new relay for this service (run it with `Relay.run(stop)`)."""
+        return Relay(
+            service=self.name,
+            engine=self.engine,
+            tables=self.tables,
+            broker=self.broker,
+            settings=self.settings,
+            waker_factory=self._waker(self.tables.outbox.name),
+        )
+
+    def receiver(self) -> Receiver:
+        """A new receiver for this service's inbox queue."""
+        return Receiver(
+            service=self.name,
+            engine=self.engine,
+            tables=self.tables,
+            broker=self.broker,
+            settings=self.settings,
+        )
+
+    def worker(self, name: str | None = None) -> Worker:
+        """A new worker running this service's handlers."""
+        return Worker(
+            engine=self.engine,
+            tables=self.tables,
+            handlers=self.handlers,
+            settings=self.settings,
+            name=name,
+            waker_factory=self._waker(self.tables.inbox.name),
+        )
+
+    def start(
+        self, *, relay: bool = True, receiver: bool = True, workers: int | None = None
+    ) -> None:
+        """Declare the topology, then run the roles in background threads.
+
+        Returns once every role has started. Raises if the topology cannot be declared (the
+        broker is unreachable or holds conflicting objects). Call `stop()` to end them.
+        """
+        if self._threads:
+            raise ConfigurationError("service already started")
+        self.declare_topology()
+        self._stop.clear()
+        roles: list[tuple[str, Callable[..., None]]] = []
+        if relay:
+            roles.append(("relay", self.relay().run))
+        if receiver:
+            roles.append(("receiver", self.receiver().run))
+        for n in range(self.settings.worker_threads if workers is None else workers):
+            roles.append((f"worker-{n}", self.worker().run))
+        started = threading.Barrier(len(roles) + 1)
+        for role, run in roles:
+            thread = threading.Thread(
+                target=self._supervise,
+                args=(role, run, started),
+                name=f"outbox-inbox-{self.name}-{role}",
+                daemon=True,
+            )
+            self._threads.append(thread)
+            thread.start()
+        started.wait(timeout=30)
+        log.info("service %s started: %s", self.name, ", ".join(r for r, _ in roles))
+
+    def _supervise(self, role: str, run: Callable[..., None], started: threading.Barrier) -> None:
+        """Run a role; if it dies of an unexpected error, log it and start it again."""
+        announced = False
+
+        def on_started() -> None:
+            nonlocal announced
+            if not announced:
+                announced = True
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    started.wait(timeout=30)
+
+        while not self._stop.is_set():
+            try:
+                run(self._stop, on_started=on_started)
+            except Exception:
+                log.exception("service %s: %s crashed; restarting in 1 s", self.name, role)
+                self._stop.wait(1.0)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ask every role to stop after the work in hand and wait up to `timeout` seconds."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout)
+        alive = [t.name for t in self._threads if t.is_alive()]
+        self._threads = []
+        if alive:
+            log.warning("service %s: threads still running after stop: %s", self.name, alive)
+
+    def run(self) -> None:
+        """`start()`, then block until SIGTERM or SIGINT, then `stop()`."""
+        with _stop_on_signals(self._stop):
+            self.start()
+            self._stop.wait()
+        self.stop()
+
+    def run_relay(self) -> None:
+        """Run only the relay in this thread until SIGTERM or SIGINT."""
+        self._run_role(self.relay().run)
+
+    def run_receiver(self) -> None:
+        """Run only the receiver in this thread until SIGTERM or SIGINT."""
+        self.declare_topology()
+        self._run_role(self.receiver().run)
+
+    def run_worker(self) -> None:
+        """Run only a worker in this thread until SIGTERM or SIGINT."""
+        self._run_role(self.worker().run)
+
+    def _run_role(self, run: Callable[..., None]) -> None:
+        self._stop.clear()
+        with _stop_on_signals(self._stop):
+            self._supervise("role", run, threading.Barrier(1))
+
+    def close(self) -> None:
+        """Stop the roles and release the database connections."""
+        self.stop()
+        if self._engine is not None:
+            self._engine.dispose()
+
+
+@contextlib.contextmanager
+def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
+    """Set `stop` on SIGTERM / SIGINT while the block runs (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        log.info("received signal %d, stopping", signum)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

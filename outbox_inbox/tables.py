@@ -1,0 +1,163 @@
+"""The outbox and inbox tables: the one SQLAlchemy Core metadata the migrations are made from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    Column,
+    DateTime,
+    Identity,
+    Index,
+    Integer,
+    MetaData,
+    SmallInteger,
+    String,
+    Table,
+    Text,
+    Uuid,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+
+from .config import validate_identifier
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+#: Inbox row states. A row is `pending` until it is `processed` or `dead`.
+PENDING, PROCESSED, DEAD = "pending", "processed", "dead"
+INBOX_STATUSES = (PENDING, PROCESSED, DEAD)
+
+#: Name of the alembic version table, kept in the library's schema so that it never collides
+#: with the service's own `alembic_version`.
+VERSION_TABLE = "outbox_inbox_version"
+
+_BigId = BigInteger().with_variant(Integer(), "sqlite")
+_Json = JSON().with_variant(JSONB(), "postgresql")
+_Time = DateTime(timezone=True)
+
+
+@dataclass(frozen=True)
+class Tables:
+    """The three tables of one schema, sharing one `MetaData`."""
+
+    schema: str
+    metadata: MetaData
+    outbox: Table
+    inbox: Table
+    deliveries: Table
+
+
+@cache
+def build_tables(schema: str | None = "outbox_inbox") -> Tables:
+    """Return the tables of `schema` (validated as an identifier); None means the default schema.
+
+    The result is cached: every caller asking for one schema shares one `MetaData`.
+    """
+    if schema is not None:
+        validate_identifier(schema)
+    metadata = MetaData(schema=schema, naming_convention=NAMING_CONVENTION)
+
+    outbox = Table(
+        "outbox_messages",
+        metadata,
+        # The identity orders rows of one ordering key; writers of one key are serialized
+        # (see queries.insert_outbox), so for them it is also the commit order.
+        Column("id", _BigId, Identity(always=False), primary_key=True),
+        Column("message_id", Uuid(as_uuid=True), nullable=False, unique=True),
+        Column("kind", String(16), nullable=False),
+        Column("exchange", String(255), nullable=False),
+        Column("routing_key", String(255), nullable=False),
+        Column("payload", _Json, nullable=False),
+        Column("headers", _Json, nullable=False),
+        Column("version", Integer, nullable=False, server_default=text("1")),
+        Column("correlation_id", String(255), nullable=True),
+        Column("causation_id", String(255), nullable=True),
+        Column("key", String(255), nullable=True),
+        Column("priority", SmallInteger, nullable=True),
+        Column("created_at", _Time, nullable=False, server_default=func.now()),
+        Column("available_at", _Time, nullable=False, server_default=func.now()),
+        Column("expires_at", _Time, nullable=True),
+        Column("published_at", _Time, nullable=True),
+        Column("attempts", Integer, nullable=False, server_default=text("0")),
+        Column("last_error", Text, nullable=True),
+        CheckConstraint("kind IN ('command', 'event')", name="kind"),
+    )
+    Index(
+        "ix_outbox_messages_unpublished",
+        outbox.c.id,
+        postgresql_where=outbox.c.published_at.is_(None),
+        sqlite_where=outbox.c.published_at.is_(None),
+    )
+    Index(
+        "ix_outbox_messages_unpublished_key",
+        outbox.c.key,
+        outbox.c.id,
+        postgresql_where=outbox.c.published_at.is_(None) & outbox.c.key.is_not(None),
+        sqlite_where=outbox.c.published_at.is_(None) & outbox.c.key.is_not(None),
+    )
+
+    inbox = Table(
+        "inbox_messages",
+        metadata,
+        Column("id", _BigId, Identity(always=False), primary_key=True),
+        Column("message_id", Uuid(as_uuid=True), nullable=False, unique=True),
+        Column("source", String(255), nullable=True),
+        Column("kind", String(16), nullable=False),
+        Column("routing_key", String(255), nullable=False),
+        Column("payload", _Json, nullable=False),
+        Column("headers", _Json, nullable=False),
+        Column("version", Integer, nullable=False, server_default=text("1")),
+        Column("correlation_id", String(255), nullable=True),
+        Column("causation_id", String(255), nullable=True),
+        Column("key", String(255), nullable=True),
+        Column("priority", SmallInteger, nullable=False, server_default=text("0")),
+        Column("created_at", _Time, nullable=True),
+        Column("expires_at", _Time, nullable=True),
+        Column("received_at", _Time, nullable=False, server_default=func.now()),
+        Column("status", String(16), nullable=False, server_default=text("'pending'")),
+        Column("attempts", Integer, nullable=False, server_default=text("0")),
+        Column("finished", Integer, nullable=False, server_default=text("0")),
+        Column("next_attempt_at", _Time, nullable=False, server_default=func.now()),
+        Column("locked_until", _Time, nullable=True),
+        Column("locked_by", String(255), nullable=True),
+        Column("processed_at", _Time, nullable=True),
+        Column("last_error", Text, nullable=True),
+        Column("dead_reason", String(255), nullable=True),
+        CheckConstraint("status IN ('pending', 'processed', 'dead')", name="status"),
+        CheckConstraint("kind IN ('command', 'event')", name="kind"),
+    )
+    Index(
+        "ix_inbox_messages_pending",
+        inbox.c.priority.desc(),
+        inbox.c.id,
+        postgresql_where=inbox.c.status == PENDING,
+        sqlite_where=inbox.c.status == PENDING,
+    )
+    Index(
+        "ix_inbox_messages_pending_key",
+        inbox.c.key,
+        inbox.c.id,
+        postgresql_where=(inbox.c.status == PENDING) & inbox.c.key.is_not(None),
+        sqlite_where=(inbox.c.status == PENDING) & inbox.c.key.is_not(None),
+    )
+
+    deliveries = Table(
+        "inbox_deliveries",
+        metadata,
+        Column("message_id", Uuid(as_uuid=True), primary_key=True),
+        Column("deliveries", Integer, nullable=False, server_default=text("0")),
+        Column("first_seen_at", _Time, nullable=False, server_default=func.now()),
+        Column("last_seen_at", _Time, nullable=False, server_default=func.now()),
+    )
+    return Tables(schema or "", metadata, outbox, inbox, deliveries)

@@ -1,0 +1,117 @@
+"""The broker objects a service needs: exchanges, queues and bindings (DESIGN.md §4)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .messages import COMMANDS_EXCHANGE, EVENTS_EXCHANGE
+
+DEAD_LETTER_EXCHANGE = "dead_letter"
+UNROUTABLE_EXCHANGE = "unroutable"
+UNROUTABLE_QUEUE = "unroutable"
+
+
+@dataclass(frozen=True)
+class Exchange:
+    name: str
+    type: str
+    durable: bool = True
+    arguments: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Queue:
+    name: str
+    durable: bool = True
+    arguments: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Binding:
+    exchange: str
+    queue: str
+    routing_key: str
+
+
+@dataclass(frozen=True)
+class Topology:
+    """What one service declares. Declaring it twice changes nothing."""
+
+    exchanges: tuple[Exchange, ...]
+    queues: tuple[Queue, ...]
+    bindings: tuple[Binding, ...]
+
+
+def inbox_queue(service: str) -> str:
+    """Name of the queue a service consumes from."""
+    return f"{service}.inbox"
+
+
+def dead_letter_queue(service: str) -> str:
+    """Name of the queue holding what a service's receiver could never store."""
+    return f"{service}.dead_letter"
+
+
+def command_routing_key(service: str, command: str) -> str:
+    """Routing key of `command` (``entity.verb``) addressed to `service`."""
+    return f"{service}.{command}"
+
+
+def service_topology(
+    service: str,
+    event_patterns: Iterable[str],
+    *,
+    single_active_consumer: bool = True,
+) -> Topology:
+    """Build the topology of `service`, subscribed to `event_patterns` on the events exchange.
+
+    The shared exchanges are declared by every service with the same arguments, so the order in
+    which services start does not matter. The `commands` exchange has `unroutable` as its
+    alternate exchange: a command to a service that has no queue yet is kept there.
+    """
+    inbox_args: dict[str, Any] = {
+        # A message the receiver rejects (or that a quorum queue gives up on) is kept.
+        "x-dead-letter-exchange": DEAD_LETTER_EXCHANGE,
+        "x-dead-letter-routing-key": service,
+    }
+    if single_active_consumer:
+        # Receipt order is per-key handling order: one receiver consumes at a time, the others
+        # stand by and take over when it goes away.
+        inbox_args["x-single-active-consumer"] = True
+    exchanges = (
+        Exchange(COMMANDS_EXCHANGE, "topic", arguments={"alternate-exchange": UNROUTABLE_EXCHANGE}),
+        Exchange(EVENTS_EXCHANGE, "topic"),
+        Exchange(DEAD_LETTER_EXCHANGE, "topic"),
+        Exchange(UNROUTABLE_EXCHANGE, "fanout"),
+    )
+    queues = (
+        Queue(inbox_queue(service), arguments=inbox_args),
+        Queue(dead_letter_queue(service)),
+        Queue(UNROUTABLE_QUEUE),
+    )
+    bindings = [
+        Binding(COMMANDS_EXCHANGE, inbox_queue(service), f"{service}.#"),
+        Binding(DEAD_LETTER_EXCHANGE, dead_letter_queue(service), service),
+        Binding(UNROUTABLE_EXCHANGE, UNROUTABLE_QUEUE, ""),
+    ]
+    for pattern in sorted(set(event_patterns)):
+        bindings.append(Binding(EVENTS_EXCHANGE, inbox_queue(service), pattern))
+    return Topology(exchanges, queues, tuple(bindings))
+
+
+def topic_matches(pattern: str, routing_key: str) -> bool:
+    """AMQP topic matching: ``*`` is one word, ``#`` zero or more words."""
+    return _match(pattern.split("."), routing_key.split("."))
+
+
+def _match(pattern: list[str], words: list[str]) -> bool:
+    if not pattern:
+        return not words
+    head, rest = pattern[0], pattern[1:]
+    if head == "#":
+        return any(_match(rest, words[i:]) for i in range(len(words) + 1))
+    if not words:
+        return False
+    return (head == "*" or head == words[0]) and _match(rest, words[1:])
