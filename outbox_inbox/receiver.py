@@ -15,6 +15,7 @@ from .backoff import Backoff
 from .broker import Broker, Consumer, Delivery
 from .config import Settings
 from .errors import BrokerError, InvalidMessage
+from .listener import Listener, call
 from .messages import from_wire
 from .tables import Tables
 from .topology import DEAD_LETTER_EXCHANGE, inbox_queue
@@ -40,14 +41,14 @@ class Receiver:
         tables: Tables,
         broker: Broker,
         settings: Settings,
-        on_stored: Callable[[], None] | None = None,
+        listener: Listener | None = None,
     ) -> None:
         self._service = service
         self._engine = engine
         self._tables = tables
         self._broker = broker
         self._settings = settings
-        self._on_stored = on_stored
+        self._listener = listener
         self.stored = 0  # new inbox rows written by this receiver
         self.duplicates = 0  # deliveries dropped as already stored
 
@@ -105,8 +106,7 @@ class Receiver:
                 new = queries.insert_inbox(conn, self._tables, list(rows.values()))
             self.stored += new
             self.duplicates += len(batch) - new
-            if new and self._on_stored:
-                self._on_stored()
+            call(self._listener, "received", new, len(batch) - new)
         if last_tag:
             consumer.ack_through(last_tag)
 

@@ -17,6 +17,7 @@ from .backoff import Backoff
 from .broker import Broker, Publisher, PublishOutcome
 from .config import Settings
 from .errors import BrokerError
+from .listener import Listener, call
 from .messages import COMMAND, OutgoingMessage, to_wire
 from .tables import Tables
 from .waker import Waker
@@ -67,8 +68,10 @@ class Relay:
         broker: Broker,
         settings: Settings,
         waker_factory: Callable[[threading.Event], Waker | None] | None = None,
+        listener: Listener | None = None,
     ) -> None:
         self._service = service
+        self._listener = listener
         self._engine = engine
         self._tables = tables
         self._broker = broker
@@ -119,6 +122,7 @@ class Relay:
             outcomes = publisher.publish_batch(
                 [to_wire(m) for m in messages], window=s.publish_window, timeout=s.confirm_timeout
             )
+            call(self._listener, "relay_confirmed", messages, outcomes)
             published: list[int] = []
             failed: dict[str, list[tuple[int, int]]] = {}
             for message, row, outcome in zip(messages, rows, outcomes, strict=True):
@@ -147,6 +151,9 @@ class Relay:
                     extra={"reasons": sorted(failed)},
                 )
         self.published += len(published)
+        if self._listener is not None:
+            done = set(published)
+            call(self._listener, "relay_committed", [m for m in messages if m.id in done])
         if publisher.broken:
             self._drop_publisher()
             raise BrokerError("publishing connection broke during the batch")

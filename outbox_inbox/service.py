@@ -18,6 +18,7 @@ from .broker import Broker
 from .config import Settings, validate_service_name
 from .errors import ConfigurationError
 from .handlers import Handler, Handlers, Subscription
+from .listener import Listener
 from .logsafe import mask_url
 from .messages import COMMAND, EVENT
 from .outbox import Outbox
@@ -51,6 +52,7 @@ class Service:
         mq_url: str | None = None,
         engine: Engine | None = None,
         broker: Broker | None = None,
+        listener: Listener | None = None,
         **settings: Any,
     ) -> None:
         self.name = validate_service_name(name)
@@ -67,6 +69,7 @@ class Service:
         )
         self._engine = engine
         self._broker = broker
+        self.listener = listener
         self._sessionmaker: sessionmaker[Session] | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -185,6 +188,7 @@ class Service:
             broker=self.broker,
             settings=self.settings,
             waker_factory=self._waker(self.tables.outbox.name),
+            listener=self.listener,
         )
 
     def receiver(self) -> Receiver:
@@ -195,6 +199,7 @@ class Service:
             tables=self.tables,
             broker=self.broker,
             settings=self.settings,
+            listener=self.listener,
         )
 
     def worker(self, name: str | None = None) -> Worker:
@@ -206,6 +211,7 @@ class Service:
             settings=self.settings,
             name=name,
             waker_factory=self._waker(self.tables.inbox.name),
+            listener=self.listener,
         )
 
     def start(

@@ -22,6 +22,7 @@ from .config import Settings
 from .context import handling
 from .errors import Reject, Retry
 from .handlers import Handlers, Subscription
+from .listener import Listener, call
 from .messages import message_from_row
 from .retry import RetryPolicy
 from .tables import Tables
@@ -65,7 +66,9 @@ class Worker:
         name: str | None = None,
         waker_factory: Callable[[threading.Event], Waker | None] | None = None,
         abandon_after: int = 3,
+        listener: Listener | None = None,
     ) -> None:
+        self._listener = listener
         self._engine = engine
         self._tables = tables
         self._handlers = handlers
@@ -176,22 +179,26 @@ class Worker:
                     subscription.handler(message, session)
             session.flush()
             session.commit()  # releases the savepoint; the outer transaction commits later
+            call(self._listener, "handled", message)
             return True
         except Reject as exc:
             session.rollback()
             log.warning("worker: %s rejected: %s", message.message_id, exc.reason)
             queries.mark_dead(conn, self._tables, row_id, REJECTED, exc.reason, finished=True)
+            call(self._listener, "failed", message, exc, dead=True)
             return False
         except Exception as exc:
             session.rollback()
-            self._failed(conn, row, subscriptions, exc)
+            dead = self._failed(conn, row, subscriptions, exc)
+            call(self._listener, "failed", message, exc, dead=dead)
             return False
         finally:
             session.close()
 
     def _failed(
         self, conn: Connection, row: RowMapping, subscriptions: list[Subscription], exc: Exception
-    ) -> None:
+    ) -> bool:
+        """Record a handler failure: retry later, or dead past the policy. True if dead."""
         policy = _policy(subscriptions, self._settings.retry)
         attempt = row["finished"] + 1
         error = "".join(traceback.format_exception(exc))[-8000:]
@@ -204,7 +211,7 @@ class Worker:
                 "worker: %s failed on attempt %d, giving up: %r", row["message_id"], attempt, exc
             )
             queries.mark_dead(conn, self._tables, row["id"], MAX_ATTEMPTS, error, finished=True)
-            return
+            return True
         log.warning(
             "worker: %s failed on attempt %d, retrying in %.1fs: %r",
             row["message_id"],
@@ -213,6 +220,7 @@ class Worker:
             exc,
         )
         queries.mark_retry(conn, self._tables, row["id"], error, timedelta(seconds=delay))
+        return False
 
 
 def _policy(subscriptions: list[Subscription], default: RetryPolicy) -> RetryPolicy:
