@@ -1,0 +1,72 @@
+"""Helpers shared by the integration and end-to-end tests."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from sqlalchemy import create_engine, text
+
+from outbox_inbox import Service
+
+T = TypeVar("T")
+
+#: Settings that make the roles react fast in tests.
+FAST: dict[str, Any] = {
+    "relay_poll_interval": 0.2,
+    "worker_poll_interval": 0.1,
+    "receive_batch_wait": 0.02,
+    "reconnect_initial": 0.1,
+    "reconnect_max": 1.0,
+}
+
+
+def wait_until(
+    condition: Callable[[], T], timeout: float = 20.0, interval: float = 0.05, what: str = ""
+) -> T:
+    """Poll `condition` until it returns something truthy; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or condition}")
+        time.sleep(interval)
+
+
+def make_service(name: str, db_url: str, mq_url: str | None, **settings: Any) -> Service:
+    """A migrated service with an `effects` table its handlers can write to."""
+    values = {**FAST, **settings}
+    service = Service(name, db_url=db_url, mq_url=mq_url, **values)
+    service.migrate()
+    with service.engine.begin() as conn:
+        conn.execute(
+            text(
+                "CREATE TABLE IF NOT EXISTS effects ("
+                " message_id text PRIMARY KEY, type text NOT NULL, info text,"
+                " seq bigserial, at timestamptz NOT NULL DEFAULT clock_timestamp())"
+            )
+        )
+    return service
+
+
+def scalar(db_url: str, sql: str, **params: Any) -> Any:
+    """Run one query on a short-lived connection and return its single value."""
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            return conn.execute(text(sql), params).scalar()
+    finally:
+        engine.dispose()
+
+
+def rows(db_url: str, sql: str, **params: Any) -> list[Any]:
+    """Run one query on a short-lived connection and return all rows."""
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            return list(conn.execute(text(sql), params).all())
+    finally:
+        engine.dispose()

@@ -1,0 +1,84 @@
+"""Outbox writes happen in the caller's transaction and nowhere else."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from helpers import make_service, rows, scalar
+from sqlalchemy import text
+
+from outbox_inbox import MessageError, PayloadTooLarge, StorageError
+
+
+def test_publish_and_send_write_rows_that_commit_with_the_business_transaction(
+    db_url: str,
+) -> None:
+    svc = make_service("orders", db_url, None)
+    with svc.session() as session, session.begin():
+        session.execute(text("INSERT INTO effects (message_id, type) VALUES ('biz', 'order')"))
+        event_id = svc.outbox.publish(session, "order.placed", {"id": 1}, key="order-1")
+        command_id = svc.outbox.send(session, "billing", "invoice.create", {"order": 1})
+        # Nothing is visible to others before the caller commits.
+        assert scalar(db_url, "SELECT count(*) FROM outbox_inbox.outbox_messages") == 0
+    found = rows(
+        db_url,
+        "SELECT message_id, kind, exchange, routing_key, key, correlation_id"
+        " FROM outbox_inbox.outbox_messages ORDER BY id",
+    )
+    assert [(r[0], r[1], r[2], r[3], r[4]) for r in found] == [
+        (event_id, "event", "events", "orders.order.placed", "order-1"),
+        (command_id, "command", "commands", "billing.invoice.create", None),
+    ]
+    assert found[0][5] == str(event_id)  # a new conversation is correlated by its first id
+    svc.close()
+
+
+def test_rolled_back_transaction_leaves_no_outbox_row(db_url: str) -> None:
+    svc = make_service("orders", db_url, None)
+    with svc.session() as session, session.begin():
+        svc.outbox.publish(session, "order.placed", {"id": 1})
+        session.rollback()
+    with svc.engine.connect() as conn, conn.begin() as tx:
+        svc.outbox.send(conn, "billing", "invoice.create", {})
+        tx.rollback()
+    assert scalar(db_url, "SELECT count(*) FROM outbox_inbox.outbox_messages") == 0
+    svc.close()
+
+
+def test_the_outbox_never_commits_the_callers_transaction(db_url: str) -> None:
+    svc = make_service("orders", db_url, None)
+    session = svc.session()
+    session.begin()
+    svc.outbox.publish(session, "order.placed", {"id": 1})
+    assert session.in_transaction()
+    session.close()  # closing without commit discards the row
+    assert scalar(db_url, "SELECT count(*) FROM outbox_inbox.outbox_messages") == 0
+    svc.close()
+
+
+def test_bad_messages_are_refused_with_a_clear_error_and_the_transaction_survives(
+    db_url: str,
+) -> None:
+    svc = make_service("orders", db_url, None, max_payload_bytes=100)
+    with svc.session() as session, session.begin():
+        with pytest.raises(PayloadTooLarge):
+            svc.outbox.publish(session, "order.placed", {"blob": "x" * 200})
+        with pytest.raises(MessageError, match="JSON"):
+            svc.outbox.publish(session, "order.placed", {"id": {1, 2}})
+        with pytest.raises(MessageError, match="invalid event name"):
+            svc.outbox.publish(session, "order.*", {})
+        with pytest.raises(MessageError, match="reserved"):
+            svc.outbox.publish(session, "order.placed", {}, headers={"x-attempt": 3})
+        svc.outbox.publish(session, "order.placed", {"id": 1})
+    assert scalar(db_url, "SELECT count(*) FROM outbox_inbox.outbox_messages") == 1
+    svc.close()
+
+
+def test_missing_tables_give_a_storage_error(db_url: str) -> None:
+    from outbox_inbox import Service
+
+    svc = Service("orders", db_url=db_url)
+    with svc.session() as session, session.begin(), pytest.raises(StorageError, match="outbox"):
+        svc.outbox.publish(session, "order.placed", {"id": 1}, message_id=uuid.uuid4())
+    svc.close()

@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+import pytest
+
+from outbox_inbox import ConfigurationError, MessageError, Service
+from outbox_inbox.logsafe import mask_url
+from outbox_inbox.tables import build_tables
+
+
+@pytest.mark.parametrize(
+    "schema", ["public; drop table x", "Outbox", "1abc", "a" * 64, "", "x-y", 'a"b']
+)
+def test_schema_that_is_not_an_identifier_is_refused(schema: str) -> None:
+    with pytest.raises(ConfigurationError, match="invalid schema"):
+        Service("billing", db_url="postgresql+psycopg://localhost/x", schema=schema)
+    with pytest.raises(ConfigurationError):
+        build_tables(schema)
+
+
+@pytest.mark.parametrize("name", ["Billing", "bill.ing", "bill*", "#", "", "1billing"])
+def test_service_name_must_fit_in_routing_keys(name: str) -> None:
+    with pytest.raises(ConfigurationError, match="invalid service name"):
+        Service(name, db_url="postgresql+psycopg://localhost/x")
+
+
+def test_unknown_or_invalid_setting_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match="unknown setting"):
+        Service("billing", db_url="postgresql+psycopg://localhost/x", lease_time=3)
+    with pytest.raises(ConfigurationError, match="lease must be > 0"):
+        Service("billing", db_url="postgresql+psycopg://localhost/x", lease=0)
+    with pytest.raises(ConfigurationError, match="needs db_url"):
+        Service("billing")
+
+
+def test_constructing_a_service_connects_to_nothing() -> None:
+    service = Service(
+        "billing", db_url="postgresql+psycopg://u:pw@127.0.0.1:1/x", mq_url="amqp://127.0.0.1:1/"
+    )
+    assert "pw" not in repr(service)
+
+
+def test_invalid_message_names_are_refused_before_any_database_work() -> None:
+    service = Service("billing", db_url="postgresql+psycopg://localhost/x")
+    with pytest.raises(MessageError, match="Session or Connection"):
+        service.outbox.publish(object(), "invoice.created", {})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("url", "masked"),
+    [
+        ("postgresql+psycopg://app:s3cr%40t@db:5432/x", "postgresql+psycopg://app:***@db:5432/x"),
+        ("amqp://guest:guest@127.0.0.1:5672/%2F", "amqp://guest:***@127.0.0.1:5672/%2F"),
+        ("amqp://127.0.0.1/", "amqp://127.0.0.1/"),
+        (None, ""),
+    ],
+)
+def test_mask_url_hides_passwords(url: str | None, masked: str) -> None:
+    assert mask_url(url) == masked

@@ -1,0 +1,116 @@
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+
+import pytest
+
+from outbox_inbox import InvalidMessage, MessageError, PayloadTooLarge
+from outbox_inbox.messages import (
+    FOREIGN_ID_NAMESPACE,
+    H_ORIGINAL_ID,
+    OutgoingMessage,
+    WireMessage,
+    check_headers,
+    encode_payload,
+    from_wire,
+    to_wire,
+)
+
+
+def _outgoing(**overrides: object) -> OutgoingMessage:
+    values: dict[str, object] = {
+        "id": 7,
+        "message_id": uuid.uuid4(),
+        "kind": "event",
+        "exchange": "events",
+        "routing_key": "orders.order.placed",
+        "payload": {"id": 1, "name": "Zoë"},
+        "headers": {"tenant": "acme"},
+        "source": "orders",
+        "correlation_id": "corr-1",
+        "causation_id": "cause-1",
+        "key": "order-1",
+        "priority": 5,
+        "created_at": datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=UTC),
+        "expires_at": datetime(2026, 1, 3, tzinfo=UTC),
+        "attempt": 2,
+    }
+    values.update(overrides)
+    return OutgoingMessage(**values)  # type: ignore[arg-type]
+
+
+def test_wire_round_trip_keeps_every_envelope_field() -> None:
+    message = _outgoing()
+    row = from_wire(to_wire(message))
+    assert row["message_id"] == message.message_id
+    assert row["routing_key"] == "orders.order.placed"
+    assert row["kind"] == "event"
+    assert row["source"] == "orders"
+    assert row["payload"] == {"id": 1, "name": "Zoë"}
+    assert row["headers"]["tenant"] == "acme"
+    assert row["correlation_id"] == "corr-1"
+    assert row["causation_id"] == "cause-1"
+    assert row["key"] == "order-1"
+    assert row["priority"] == 5
+    assert row["created_at"] == message.created_at  # microseconds survive
+    assert row["expires_at"] == message.expires_at
+
+
+def test_a_plain_amqp_message_with_id_and_json_body_is_valid() -> None:
+    row = from_wire(
+        WireMessage(
+            exchange="commands",
+            routing_key="billing.invoice.create",
+            body=b"[1,2]",
+            message_id="abc-123",
+            content_type=None,
+        )
+    )
+    assert row["kind"] == "command"
+    assert row["payload"] == [1, 2]
+    assert row["message_id"] == uuid.uuid5(FOREIGN_ID_NAMESPACE, "abc-123")
+    assert row["headers"][H_ORIGINAL_ID] == "abc-123"
+
+
+@pytest.mark.parametrize(
+    ("wire", "reason"),
+    [
+        (WireMessage("events", "a.b.c", b"{}", message_id=""), "no message_id"),
+        (WireMessage("events", "a.b.c", b"not json", message_id="m1"), "not JSON"),
+        (WireMessage("events", "a.b.c", b"\xff\xfe", message_id="m1"), "not JSON"),
+        (
+            WireMessage("events", "a.b.c", b"{}", message_id="m1", content_type="text/xml"),
+            "content type",
+        ),
+        (
+            WireMessage("events", "a.b.c", b"{}", message_id="m1", headers={"x-kind": "query"}),
+            "command or event",
+        ),
+        (
+            WireMessage(
+                "events", "a.b.c", b"{}", message_id="m1", headers={"x-created-at": "soon"}
+            ),
+            "ISO 8601",
+        ),
+    ],
+)
+def test_invalid_envelope_is_refused_with_its_reason(wire: WireMessage, reason: str) -> None:
+    with pytest.raises(InvalidMessage, match=reason):
+        from_wire(wire)
+
+
+def test_payload_must_be_json_and_within_the_limit() -> None:
+    with pytest.raises(MessageError, match="JSON"):
+        encode_payload({"when": datetime.now(UTC)})
+    with pytest.raises(MessageError):
+        encode_payload(float("nan"))
+    with pytest.raises(PayloadTooLarge, match="over the limit"):
+        encode_payload("x" * 100, limit=50)
+    assert encode_payload({"a": 1}, limit=50) == b'{"a":1}'
+
+
+def test_reserved_headers_are_refused() -> None:
+    with pytest.raises(MessageError, match="reserved"):
+        check_headers({"x-key": "k"})
+    assert check_headers({"tenant": "acme"}) == {"tenant": "acme"}
