@@ -17,7 +17,7 @@ from outbox_inbox.migrate import schema_from_config
 from outbox_inbox.tables import VERSION_TABLE, build_tables
 
 config = context.config
-schema = schema_from_config(config)
+schema = schema_from_config(config, context.get_x_argument(as_dictionary=True))
 config.attributes["outbox_inbox_schema"] = schema
 target_metadata = build_tables(schema).metadata
 

@@ -266,7 +266,7 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def message_from_row(row: Mapping[str, Any]) -> Message:
+def message_from_row(row: Mapping[Any, Any]) -> Message:
     """Build the handler's view of an inbox row."""
     return Message(
         message_id=row["message_id"],
@@ -280,7 +280,7 @@ def message_from_row(row: Mapping[str, Any]) -> Message:
         causation_id=row["causation_id"],
         key=row["key"],
         priority=row["priority"],
-        attempt=row["finished"] + 1,
+        attempt=row["attempts"],
         created_at=row["created_at"],
         expires_at=row["expires_at"],
     )

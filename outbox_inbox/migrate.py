@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import io
 from pathlib import Path
 from typing import Any
@@ -20,16 +21,15 @@ DEFAULT_SCHEMA = "outbox_inbox"
 
 def script_location() -> str:
     """Directory of the shipped migrations (inside the installed package)."""
-    from . import migrations
+    package = importlib.import_module("outbox_inbox.migrations")
+    return str(Path(package.__file__ or "").parent)
 
-    return str(Path(migrations.__file__).parent)
 
-
-def schema_from_config(config: Config) -> str:
-    """The schema to migrate: attributes, then ``-x schema=``, then the default."""
+def schema_from_config(config: Config, x_arguments: dict[str, str]) -> str:
+    """The schema to migrate: config attributes, then ``-x schema=NAME``, then the default."""
     schema = config.attributes.get("outbox_inbox_schema")
     if schema is None:
-        schema = config.get_x_argument(as_dictionary=True).get("schema", DEFAULT_SCHEMA)
+        schema = x_arguments.get("schema", DEFAULT_SCHEMA)
     return validate_identifier(str(schema))
 
 

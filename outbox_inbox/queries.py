@@ -281,8 +281,8 @@ def count_deliveries(
     if not message_ids:
         return {}
     d = tables.deliveries
-    stmt = pg_insert(d).values([{"message_id": m, "deliveries": 1} for m in message_ids])
-    stmt = stmt.on_conflict_do_update(
+    insert = pg_insert(d).values([{"message_id": m, "deliveries": 1} for m in message_ids])
+    stmt = insert.on_conflict_do_update(
         index_elements=[d.c.message_id],
         set_={"deliveries": d.c.deliveries + 1, "last_seen_at": func.now()},
     ).returning(d.c.message_id, d.c.deliveries)

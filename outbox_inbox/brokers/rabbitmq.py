@@ -6,7 +6,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pika
@@ -95,46 +95,28 @@ class RabbitMQBroker:
         try:
             channel = connection.channel()
             for exchange in topology.exchanges:
-                channel = self._declaring(
-                    connection,
-                    channel,
-                    f"exchange {exchange.name!r}",
-                    lambda ch, e=exchange: ch.exchange_declare(
-                        e.name, e.type, durable=e.durable, arguments=dict(e.arguments) or None
-                    ),
-                )
+                try:
+                    channel.exchange_declare(
+                        exchange.name,
+                        exchange.type,
+                        durable=exchange.durable,
+                        arguments=dict(exchange.arguments) or None,
+                    )
+                except pika.exceptions.ChannelClosedByBroker as exc:
+                    raise _mismatch(f"exchange {exchange.name!r}", exc) from exc
             for queue in topology.queues:
-                channel = self._declaring(
-                    connection,
-                    channel,
-                    f"queue {queue.name!r}",
-                    lambda ch, q=queue: ch.queue_declare(
-                        q.name, durable=q.durable, arguments=dict(q.arguments) or None
-                    ),
-                )
+                try:
+                    channel.queue_declare(
+                        queue.name, durable=queue.durable, arguments=dict(queue.arguments) or None
+                    )
+                except pika.exceptions.ChannelClosedByBroker as exc:
+                    raise _mismatch(f"queue {queue.name!r}", exc) from exc
             for binding in topology.bindings:
                 channel.queue_bind(binding.queue, binding.exchange, binding.routing_key)
         except CONNECTION_ERRORS as exc:
             raise BrokerError(f"declaring topology on {self.description} failed: {exc!r}") from exc
         finally:
             _close_quietly(connection)
-
-    @staticmethod
-    def _declaring(
-        connection: pika.BlockingConnection,
-        channel: BlockingChannel,
-        what: str,
-        declare: Callable[[BlockingChannel], Any],
-    ) -> BlockingChannel:
-        try:
-            declare(channel)
-        except pika.exceptions.ChannelClosedByBroker as exc:
-            if exc.reply_code == 406:  # PRECONDITION_FAILED: exists with other arguments
-                raise TopologyMismatch(
-                    f"{what} exists with other arguments: {exc.reply_text}"
-                ) from exc
-            raise
-        return channel
 
     def publisher(self) -> RabbitMQPublisher:
         return RabbitMQPublisher(self.connect())
@@ -386,6 +368,12 @@ class RabbitMQConsumer:
             with contextlib.suppress(*CONNECTION_ERRORS):
                 self._channel.cancel()
         _close_quietly(self._connection)
+
+
+def _mismatch(what: str, exc: pika.exceptions.ChannelClosedByBroker) -> BrokerError:
+    if exc.reply_code == 406:  # PRECONDITION_FAILED: it exists with other arguments
+        return TopologyMismatch(f"{what} exists with other arguments: {exc.reply_text}")
+    return BrokerError(f"declaring {what} failed: {exc.reply_text}")
 
 
 def _close_quietly(connection: pika.BlockingConnection) -> None:
