@@ -67,3 +67,15 @@ class Reject(HandlerOutcome):
     def __init__(self, reason: str) -> None:
         self.reason = reason
         super().__init__(reason)
+
+
+def storage_error(exc: BaseException, action: str) -> StorageError:
+    """Translate a SQLAlchemy/driver error raised while doing `action` into a StorageError."""
+    original = getattr(exc, "orig", None)
+    if getattr(original, "sqlstate", None) == "42P01":  # undefined_table
+        return SchemaMissing(
+            f"{action}: the outbox/inbox tables are missing; run `outbox-inbox db upgrade` "
+            "(or Service.migrate())"
+        )
+    first = str(original or exc).splitlines()[0] if str(original or exc) else repr(exc)
+    return StorageError(f"{action} failed: {first}")

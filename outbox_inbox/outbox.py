@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 from . import queries
 from .config import validate_service_name
 from .context import current_message
-from .errors import MessageError, StorageError
+from .errors import MessageError, storage_error
 from .messages import (
     COMMAND,
     COMMANDS_EXCHANGE,
@@ -173,7 +173,7 @@ class Outbox:
         try:
             queries.insert_outbox(session, self._tables, [row])
         except SQLAlchemyError as exc:
-            raise StorageError(f"writing to the outbox failed: {exc}") from exc
+            raise storage_error(exc, "writing to the outbox") from exc
         return row["message_id"]  # type: ignore[no-any-return]
 
 

@@ -8,7 +8,7 @@ import pytest
 from helpers import make_service, rows, scalar
 from sqlalchemy import text
 
-from outbox_inbox import MessageError, PayloadTooLarge, StorageError
+from outbox_inbox import MessageError, PayloadTooLarge, SchemaMissing
 
 
 def test_publish_and_send_write_rows_that_commit_with_the_business_transaction(
@@ -75,10 +75,10 @@ def test_bad_messages_are_refused_with_a_clear_error_and_the_transaction_survive
     svc.close()
 
 
-def test_missing_tables_give_a_storage_error(db_url: str) -> None:
+def test_missing_tables_say_to_run_db_upgrade(db_url: str) -> None:
     from outbox_inbox import Service
 
     svc = Service("orders", db_url=db_url)
-    with svc.session() as session, session.begin(), pytest.raises(StorageError, match="outbox"):
+    with svc.session() as session, session.begin(), pytest.raises(SchemaMissing, match="db upgrade"):
         svc.outbox.publish(session, "order.placed", {"id": 1}, message_id=uuid.uuid4())
     svc.close()
