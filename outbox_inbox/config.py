@@ -67,6 +67,7 @@ class Settings:
     worker_batch_size: int = 50
     worker_threads: int = 1
     lease: float = 60.0
+    abandon_after: int = 3
     worker_poll_interval: float = 0.5
     retry: RetryPolicy = field(default_factory=RetryPolicy)
 

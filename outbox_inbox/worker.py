@@ -65,7 +65,6 @@ class Worker:
         settings: Settings,
         name: str | None = None,
         waker_factory: Callable[[threading.Event], Waker | None] | None = None,
-        abandon_after: int = 3,
         listener: Listener | None = None,
     ) -> None:
         self._listener = listener
@@ -75,7 +74,6 @@ class Worker:
         self._settings = settings
         self.name = name or worker_name()
         self._waker_factory = waker_factory
-        self._abandon_after = abandon_after
         self._stop = threading.Event()
         self.processed = 0
 
@@ -147,7 +145,7 @@ class Worker:
         """Run the handlers of one row in a savepoint; True if it is to be marked processed."""
         message = message_from_row(row)
         row_id = row["id"]
-        if row["attempts"] - row["finished"] > self._abandon_after:
+        if row["attempts"] - row["finished"] > self._settings.abandon_after:
             log.error(
                 "worker: message %s was claimed %d times without finishing; dead (abandoned)",
                 message.message_id,
