@@ -7,9 +7,9 @@ thread. `Broker` objects themselves only hold settings and may be shared.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from .messages import WireMessage
 from .topology import Topology
@@ -72,8 +72,16 @@ class Consumer(Protocol):
 
     def ack(self, tag: int) -> None: ...
 
-    def dead_letter(self, delivery: Delivery, exchange: str, routing_key: str, reason: str) -> None:
-        """Republish `delivery` with the reason in headers (confirmed), then acknowledge it."""
+    def forward(
+        self, delivery: Delivery, exchange: str, routing_key: str, headers: Mapping[str, Any]
+    ) -> None:
+        """Republish `delivery` to `exchange` with `headers` added, confirmed, then ack it.
+
+        The original exchange and routing key are kept in ``x-original-exchange`` and
+        ``x-original-routing-key``. Used for delay tiers and dead letters. Raises BrokerError
+        if the target does not route or refuses, BrokerConnectionError if the connection fails;
+        the delivery is then not acknowledged.
+        """
         ...
 
     def close(self) -> None: ...

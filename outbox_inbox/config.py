@@ -62,6 +62,19 @@ class Settings:
     receive_batch_size: int = 250
     receive_batch_wait: float = 0.05
     single_active_consumer: bool = True
+    receive_retry: RetryPolicy = field(
+        default_factory=lambda: RetryPolicy(
+            initial=1, multiplier=2, max_interval=1800, max_attempts=12
+        )
+    )
+    delay_tiers: tuple[float, ...] = (1, 5, 10, 30, 60, 300, 1800)
+    max_redeliveries: int = 5
+
+    # inbox queue options (part of the queue's arguments: changing one needs a new queue)
+    queue_type: str = "classic"
+    delivery_limit: int | None = None
+    inbox_max_length: int | None = None
+    max_priority: int | None = None
 
     # worker
     worker_batch_size: int = 50
@@ -87,8 +100,23 @@ class Settings:
             object.__setattr__(self, "publish_window", self.relay_batch_size)
         if self.receive_batch_size > self.prefetch:
             raise ConfigurationError("receive_batch_size must not exceed prefetch")
-        if not isinstance(self.retry, RetryPolicy):
-            raise ConfigurationError("retry must be a RetryPolicy")
+        if not isinstance(self.retry, RetryPolicy) or not isinstance(
+            self.receive_retry, RetryPolicy
+        ):
+            raise ConfigurationError("retry and receive_retry must be RetryPolicy objects")
+        tiers = tuple(float(t) for t in self.delay_tiers)
+        if not tiers or any(t <= 0 for t in tiers) or list(tiers) != sorted(set(tiers)):
+            raise ConfigurationError("delay_tiers must be positive seconds in increasing order")
+        object.__setattr__(self, "delay_tiers", tiers)
+        if self.queue_type not in ("classic", "quorum"):
+            raise ConfigurationError("queue_type must be 'classic' or 'quorum'")
+        if self.delivery_limit is not None and self.queue_type != "quorum":
+            raise ConfigurationError("delivery_limit needs queue_type='quorum'")
+        if self.max_priority is not None:
+            if self.queue_type == "quorum":
+                raise ConfigurationError("max_priority needs a classic queue")
+            if not 1 <= self.max_priority <= 255:
+                raise ConfigurationError("max_priority must be in 1..255")
 
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:

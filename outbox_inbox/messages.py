@@ -36,8 +36,38 @@ H_CREATED = "x-created-at"
 H_EXPIRES = "x-expires-at"
 H_ATTEMPT = "x-attempt"
 H_ORIGINAL_ID = "x-original-message-id"
-RESERVED_HEADERS = frozenset(
-    {H_KIND, H_VERSION, H_CAUSATION, H_KEY, H_CREATED, H_EXPIRES, H_ATTEMPT, H_ORIGINAL_ID}
+#: Transport headers: set by the receiver when it forwards a message to a delay tier or to the
+#: dead letters, and not kept in the inbox row.
+H_ORIGINAL_EXCHANGE = "x-original-exchange"
+H_ORIGINAL_ROUTING_KEY = "x-original-routing-key"
+H_RECEIVE_ATTEMPT = "x-receive-attempt"
+H_RETRY_DELAY = "x-retry-delay-ms"
+H_LAST_ERROR = "x-last-error"
+H_DEAD_REASON = "x-dead-reason"
+H_DEAD_QUEUE = "x-dead-queue"
+TRANSPORT_HEADERS = frozenset(
+    {
+        H_ORIGINAL_EXCHANGE,
+        H_ORIGINAL_ROUTING_KEY,
+        H_RECEIVE_ATTEMPT,
+        H_RETRY_DELAY,
+        H_LAST_ERROR,
+        H_DEAD_REASON,
+        H_DEAD_QUEUE,
+        "x-death",
+        "x-first-death-exchange",
+        "x-first-death-queue",
+        "x-first-death-reason",
+        "x-last-death-exchange",
+        "x-last-death-queue",
+        "x-last-death-reason",
+    }
+)
+RESERVED_HEADERS = (
+    frozenset(
+        {H_KIND, H_VERSION, H_CAUSATION, H_KEY, H_CREATED, H_EXPIRES, H_ATTEMPT, H_ORIGINAL_ID}
+    )
+    | TRANSPORT_HEADERS
 )
 
 #: Namespace for turning a sender's non-UUID message id into the UUID the inbox keys on.
@@ -217,8 +247,12 @@ def from_wire(wire: WireMessage) -> dict[str, Any]:
     except (UnicodeDecodeError, ValueError) as exc:
         raise InvalidMessage(f"body is not JSON: {exc}") from exc
     raw_headers = dict(wire.headers or {})
+    exchange = _text(raw_headers.get(H_ORIGINAL_EXCHANGE)) or wire.exchange
+    routing_key = wire.type or _text(raw_headers.get(H_ORIGINAL_ROUTING_KEY)) or wire.routing_key
+    for name in TRANSPORT_HEADERS:
+        raw_headers.pop(name, None)
     kind = _text(raw_headers.pop(H_KIND, None)) or (
-        COMMAND if wire.exchange == COMMANDS_EXCHANGE else EVENT
+        COMMAND if exchange == COMMANDS_EXCHANGE else EVENT
     )
     if kind not in (COMMAND, EVENT):
         raise InvalidMessage(f"header {H_KIND} must be command or event, got {kind!r}")
@@ -232,7 +266,6 @@ def from_wire(wire: WireMessage) -> dict[str, Any]:
     if not 0 <= priority <= 255:
         raise InvalidMessage(f"priority {priority} is outside 0..255")
     key = _text(raw_headers.pop(H_KEY, None))
-    routing_key = wire.type or wire.routing_key
     headers = {name: _jsonable(value) for name, value in raw_headers.items()}
     return {
         "message_id": message_uuid,

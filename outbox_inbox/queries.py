@@ -26,7 +26,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.orm import Session
 
-from .tables import DEAD, PENDING, PROCESSED, Tables
+from .tables import DEAD, PENDING, PROCESSED, Tables, outbox_unsent
 
 #: Advisory-lock namespaces (the first key of the two-key form). Writers of one ordering key
 #: serialize on WRITER_LOCK; a relay holds RELAY_LOCK on each key it is publishing.
@@ -72,15 +72,15 @@ def claim_outbox(conn: Connection, tables: Tables, limit: int) -> list[RowMappin
     earlier = o.alias("earlier")
     held_back = exists().where(
         earlier.c.key == o.c.key,
-        earlier.c.published_at.is_(None),
+        outbox_unsent(earlier),
         earlier.c.id < o.c.id,
         earlier.c.available_at > func.now(),
     )
     key_free = and_(~held_back, func.pg_try_advisory_xact_lock(RELAY_LOCK, func.hashtext(o.c.key)))
     stmt = (
-        select(o)
+        select(o, func.now().label("claimed_at"))
         .where(
-            o.c.published_at.is_(None),
+            outbox_unsent(o),
             o.c.available_at <= func.now(),
             or_(o.c.key.is_(None), key_free),
         )
@@ -96,6 +96,13 @@ def mark_published(conn: Connection, tables: Tables, ids: Sequence[int]) -> None
     if ids:
         o = tables.outbox
         conn.execute(update(o).where(o.c.id.in_(ids)).values(published_at=func.now()))
+
+
+def mark_expired(conn: Connection, tables: Tables, ids: Sequence[int]) -> None:
+    """Set expired_at on rows whose time to live ran out before they were published."""
+    if ids:
+        o = tables.outbox
+        conn.execute(update(o).where(o.c.id.in_(ids)).values(expired_at=func.now()))
 
 
 def mark_publish_failed(
@@ -118,9 +125,7 @@ def mark_publish_failed(
 def outbox_backlog(conn: Connection, tables: Tables) -> tuple[int, float | None]:
     """Unpublished rows and the age in seconds of the oldest one."""
     o = tables.outbox
-    row = conn.execute(
-        select(func.count(), func.min(o.c.created_at)).where(o.c.published_at.is_(None))
-    ).one()
+    row = conn.execute(select(func.count(), func.min(o.c.created_at)).where(outbox_unsent(o))).one()
     count, oldest = row
     age = None
     if oldest is not None:

@@ -79,6 +79,7 @@ class Relay:
         self._waker_factory = waker_factory
         self._publisher: Publisher | None = None
         self.published = 0  # messages marked published by this relay (for tests and status)
+        self.expired = 0  # messages marked expired instead
 
     def run(self, stop: threading.Event, *, on_started: Callable[[], None] | None = None) -> None:
         """Relay batches until `stop` is set; the batch in hand is finished first."""
@@ -117,6 +118,14 @@ class Relay:
             rows = queries.claim_outbox(conn, self._tables, s.relay_batch_size)
             if not rows:
                 return 0
+            expired = [r["id"] for r in rows if _expired(r)]
+            if expired:
+                queries.mark_expired(conn, self._tables, expired)
+                log.warning("relay: %d messages expired before they were published", len(expired))
+                self.expired += len(expired)
+                rows = [r for r in rows if not _expired(r)]
+                if not rows:
+                    return len(expired)
             publisher = self._ensure_publisher()
             messages = [outgoing(row, self._service) for row in rows]
             outcomes = publisher.publish_batch(
@@ -157,7 +166,7 @@ class Relay:
         if publisher.broken:
             self._drop_publisher()
             raise BrokerError("publishing connection broke during the batch")
-        return len(rows)
+        return len(rows) + len(expired)
 
     def _retry_delay(self, attempts: int) -> timedelta:
         s = self._settings
@@ -173,6 +182,11 @@ class Relay:
         if self._publisher is not None:
             self._publisher.close()
             self._publisher = None
+
+
+def _expired(row: RowMapping) -> bool:
+    expires_at = row["expires_at"]
+    return expires_at is not None and bool(expires_at <= row["claimed_at"])
 
 
 def _group_by_attempts(items: list[tuple[int, int]]) -> dict[int, list[int]]:

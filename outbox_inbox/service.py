@@ -147,10 +147,16 @@ class Service:
 
     def topology(self) -> Topology:
         """Exchanges, queues and bindings this service needs."""
+        s = self.settings
         return service_topology(
             self.name,
             self.handlers.event_patterns(),
-            single_active_consumer=self.settings.single_active_consumer,
+            single_active_consumer=s.single_active_consumer,
+            delay_tiers=s.delay_tiers,
+            queue_type=s.queue_type,
+            delivery_limit=s.delivery_limit,
+            max_length=s.inbox_max_length,
+            max_priority=s.max_priority,
         )
 
     def declare_topology(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 from sqlalchemy import (
     JSON,
@@ -20,10 +21,12 @@ from sqlalchemy import (
     Table,
     Text,
     Uuid,
+    and_,
     func,
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.sql.elements import ColumnElement
 
 from .config import validate_identifier
 
@@ -58,6 +61,11 @@ class Tables:
     deliveries: Table
 
 
+def outbox_unsent(outbox: Table | Any) -> ColumnElement[bool]:
+    """The predicate of outbox rows still to be published: neither published nor expired."""
+    return and_(outbox.c.published_at.is_(None), outbox.c.expired_at.is_(None))
+
+
 @cache
 def build_tables(schema: str | None = "outbox_inbox") -> Tables:
     """Return the tables of `schema` (validated as an identifier); None means the default schema.
@@ -89,22 +97,25 @@ def build_tables(schema: str | None = "outbox_inbox") -> Tables:
         Column("available_at", _Time, nullable=False, server_default=func.now()),
         Column("expires_at", _Time, nullable=True),
         Column("published_at", _Time, nullable=True),
+        # Set instead of published_at when the row expired before it could be published.
+        Column("expired_at", _Time, nullable=True),
         Column("attempts", Integer, nullable=False, server_default=text("0")),
         Column("last_error", Text, nullable=True),
         CheckConstraint("kind IN ('command', 'event')", name="kind"),
     )
+    unsent = outbox_unsent(outbox)
     Index(
         "ix_outbox_messages_unpublished",
         outbox.c.id,
-        postgresql_where=outbox.c.published_at.is_(None),
-        sqlite_where=outbox.c.published_at.is_(None),
+        postgresql_where=unsent,
+        sqlite_where=unsent,
     )
     Index(
         "ix_outbox_messages_unpublished_key",
         outbox.c.key,
         outbox.c.id,
-        postgresql_where=outbox.c.published_at.is_(None) & outbox.c.key.is_not(None),
-        sqlite_where=outbox.c.published_at.is_(None) & outbox.c.key.is_not(None),
+        postgresql_where=unsent & outbox.c.key.is_not(None),
+        sqlite_where=unsent & outbox.c.key.is_not(None),
     )
 
     inbox = Table(

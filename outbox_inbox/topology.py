@@ -9,6 +9,7 @@ from typing import Any
 from .messages import COMMANDS_EXCHANGE, EVENTS_EXCHANGE
 
 DEAD_LETTER_EXCHANGE = "dead_letter"
+RETRY_EXCHANGE = "retry"
 UNROUTABLE_EXCHANGE = "unroutable"
 UNROUTABLE_QUEUE = "unroutable"
 
@@ -54,6 +55,19 @@ def dead_letter_queue(service: str) -> str:
     return f"{service}.dead_letter"
 
 
+def tier_name(seconds: float) -> str:
+    """A readable name of a delay tier: ``1s``, ``30s``, ``5m``, ``2h``, ``1.5s``."""
+    for unit, size in (("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
+
+
+def delay_queue(service: str, seconds: float) -> str:
+    """Name of the service's delay queue whose messages wait `seconds`."""
+    return f"{service}.delay.{tier_name(seconds)}"
+
+
 def command_routing_key(service: str, command: str) -> str:
     """Routing key of `command` (``entity.verb``) addressed to `service`."""
     return f"{service}.{command}"
@@ -64,12 +78,19 @@ def service_topology(
     event_patterns: Iterable[str],
     *,
     single_active_consumer: bool = True,
+    delay_tiers: Iterable[float] = (),
+    queue_type: str = "classic",
+    delivery_limit: int | None = None,
+    max_length: int | None = None,
+    max_priority: int | None = None,
 ) -> Topology:
     """Build the topology of `service`, subscribed to `event_patterns` on the events exchange.
 
     The shared exchanges are declared by every service with the same arguments, so the order in
     which services start does not matter. The `commands` exchange has `unroutable` as its
-    alternate exchange: a command to a service that has no queue yet is kept there.
+    alternate exchange: a command to a service that has no queue yet is kept there. Each delay
+    tier is a queue of its own with one fixed TTL whose expired messages go back to the inbox
+    through the `retry` exchange.
     """
     inbox_args: dict[str, Any] = {
         # A message the receiver rejects (or that a quorum queue gives up on) is kept.
@@ -80,25 +101,48 @@ def service_topology(
         # Receipt order is per-key handling order: one receiver consumes at a time, the others
         # stand by and take over when it goes away.
         inbox_args["x-single-active-consumer"] = True
+    if queue_type == "quorum":
+        inbox_args["x-queue-type"] = "quorum"
+        if delivery_limit is not None:
+            inbox_args["x-delivery-limit"] = delivery_limit
+    if max_length is not None:
+        # A full queue refuses new messages; the relay sees a nack and keeps the row.
+        inbox_args["x-max-length"] = max_length
+        inbox_args["x-overflow"] = "reject-publish"
+    if max_priority is not None:
+        inbox_args["x-max-priority"] = max_priority
     exchanges = (
         Exchange(COMMANDS_EXCHANGE, "topic", arguments={"alternate-exchange": UNROUTABLE_EXCHANGE}),
         Exchange(EVENTS_EXCHANGE, "topic"),
         Exchange(DEAD_LETTER_EXCHANGE, "topic"),
         Exchange(UNROUTABLE_EXCHANGE, "fanout"),
+        Exchange(RETRY_EXCHANGE, "direct"),
     )
-    queues = (
+    queues = [
         Queue(inbox_queue(service), arguments=inbox_args),
         Queue(dead_letter_queue(service)),
         Queue(UNROUTABLE_QUEUE),
-    )
+    ]
+    for seconds in delay_tiers:
+        queues.append(
+            Queue(
+                delay_queue(service, seconds),
+                arguments={
+                    "x-message-ttl": int(seconds * 1000),
+                    "x-dead-letter-exchange": RETRY_EXCHANGE,
+                    "x-dead-letter-routing-key": service,
+                },
+            )
+        )
     bindings = [
         Binding(COMMANDS_EXCHANGE, inbox_queue(service), f"{service}.#"),
+        Binding(RETRY_EXCHANGE, inbox_queue(service), service),
         Binding(DEAD_LETTER_EXCHANGE, dead_letter_queue(service), service),
         Binding(UNROUTABLE_EXCHANGE, UNROUTABLE_QUEUE, ""),
     ]
     for pattern in sorted(set(event_patterns)):
         bindings.append(Binding(EVENTS_EXCHANGE, inbox_queue(service), pattern))
-    return Topology(exchanges, queues, tuple(bindings))
+    return Topology(exchanges, tuple(queues), tuple(bindings))
 
 
 def topic_matches(pattern: str, routing_key: str) -> bool:

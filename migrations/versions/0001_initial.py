@@ -46,6 +46,7 @@ def upgrade() -> None:
         sa.Column("available_at", _time, server_default=sa.func.now(), nullable=False),
         sa.Column("expires_at", _time, nullable=True),
         sa.Column("published_at", _time, nullable=True),
+        sa.Column("expired_at", _time, nullable=True),
         sa.Column("attempts", sa.Integer(), server_default=sa.text("0"), nullable=False),
         sa.Column("last_error", sa.Text(), nullable=True),
         sa.CheckConstraint("kind IN ('command', 'event')", name="ck_outbox_messages_kind"),
@@ -58,16 +59,16 @@ def upgrade() -> None:
         "outbox_messages",
         ["id"],
         schema=schema,
-        postgresql_where=sa.text("published_at IS NULL"),
-        sqlite_where=sa.text("published_at IS NULL"),
+        postgresql_where=sa.text("published_at IS NULL AND expired_at IS NULL"),
+        sqlite_where=sa.text("published_at IS NULL AND expired_at IS NULL"),
     )
     op.create_index(
         "ix_outbox_messages_unpublished_key",
         "outbox_messages",
         ["key", "id"],
         schema=schema,
-        postgresql_where=sa.text("published_at IS NULL AND key IS NOT NULL"),
-        sqlite_where=sa.text("published_at IS NULL AND key IS NOT NULL"),
+        postgresql_where=sa.text("published_at IS NULL AND expired_at IS NULL AND key IS NOT NULL"),
+        sqlite_where=sa.text("published_at IS NULL AND expired_at IS NULL AND key IS NOT NULL"),
     )
     op.create_table(
         "inbox_messages",

@@ -6,7 +6,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import pika
@@ -17,16 +17,13 @@ from pika.spec import Basic, BasicProperties
 from ..broker import Delivery, PublishOutcome
 from ..errors import BrokerConnectionError, BrokerError, ConfigurationError, TopologyMismatch
 from ..logsafe import mask_url
-from ..messages import WireMessage
+from ..messages import H_ORIGINAL_EXCHANGE, H_ORIGINAL_ROUTING_KEY, WireMessage
 from ..topology import Topology
 
 log = logging.getLogger(__name__)
 
 #: Errors that mean the connection or channel is gone.
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (pika.exceptions.AMQPError, OSError)
-
-H_DEAD_REASON = "x-dead-reason"
-H_DEAD_QUEUE = "x-dead-queue"
 
 
 def _parameters(url: str) -> pika.URLParameters:
@@ -285,7 +282,7 @@ class RabbitMQConsumer:
     def __init__(self, connection: pika.BlockingConnection, queue: str, *, prefetch: int) -> None:
         self._connection = connection
         self._queue = queue
-        self._dead_channel: BlockingChannel | None = None
+        self._forward_channel: BlockingChannel | None = None
         try:
             self._channel = connection.channel()
             self._channel.basic_qos(prefetch_count=prefetch)
@@ -332,13 +329,18 @@ class RabbitMQConsumer:
         except CONNECTION_ERRORS as exc:
             raise BrokerConnectionError(f"ack failed: {exc!r}") from exc
 
-    def dead_letter(self, delivery: Delivery, exchange: str, routing_key: str, reason: str) -> None:
+    def forward(
+        self,
+        delivery: Delivery,
+        exchange: str,
+        routing_key: str,
+        headers: Mapping[str, Any],
+    ) -> None:
         message = delivery.message
-        headers = dict(message.headers)
-        headers[H_DEAD_REASON] = reason[:1000]
-        headers[H_DEAD_QUEUE] = self._queue
-        headers.setdefault("x-original-routing-key", message.routing_key)
-        headers.setdefault("x-original-exchange", message.exchange)
+        merged = dict(message.headers)
+        merged.setdefault(H_ORIGINAL_EXCHANGE, message.exchange)
+        merged.setdefault(H_ORIGINAL_ROUTING_KEY, message.routing_key)
+        merged.update(headers)
         props = BasicProperties(
             message_id=message.message_id or None,
             type=message.type,
@@ -348,20 +350,25 @@ class RabbitMQConsumer:
             priority=message.priority,
             app_id=message.app_id,
             delivery_mode=pika.DeliveryMode.Persistent,
-            headers=headers,
+            headers=merged,
         )
         try:
-            if self._dead_channel is None:
-                self._dead_channel = self._connection.channel()
-                self._dead_channel.confirm_delivery()
-            self._dead_channel.basic_publish(
+            if self._forward_channel is None:
+                self._forward_channel = self._connection.channel()
+                self._forward_channel.confirm_delivery()
+            self._forward_channel.basic_publish(
                 exchange, routing_key, message.body, props, mandatory=True
             )
             self._channel.basic_ack(delivery_tag=delivery.tag, multiple=False)
         except pika.exceptions.UnroutableError as exc:
-            raise BrokerError(f"dead-letter route {exchange}/{routing_key} has no queue") from exc
+            raise BrokerError(
+                f"cannot forward to {exchange or '(default)'}/{routing_key}: no queue; "
+                "declare the topology"
+            ) from exc
+        except pika.exceptions.NackError as exc:
+            raise BrokerError(f"the broker refused a forwarded message: {exc!r}") from exc
         except CONNECTION_ERRORS as exc:
-            raise BrokerConnectionError(f"dead-lettering failed: {exc!r}") from exc
+            raise BrokerConnectionError(f"forwarding failed: {exc!r}") from exc
 
     def close(self) -> None:
         if self._stream is not None:

@@ -79,6 +79,10 @@ def test_missing_tables_say_to_run_db_upgrade(db_url: str) -> None:
     from outbox_inbox import Service
 
     svc = Service("orders", db_url=db_url)
-    with svc.session() as session, session.begin(), pytest.raises(SchemaMissing, match="db upgrade"):
+    with (
+        svc.session() as session,
+        session.begin(),
+        pytest.raises(SchemaMissing, match="db upgrade"),
+    ):
         svc.outbox.publish(session, "order.placed", {"id": 1}, message_id=uuid.uuid4())
     svc.close()
