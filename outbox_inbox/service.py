@@ -11,12 +11,13 @@ from types import FrameType
 from typing import Any, TypeVar
 
 from sqlalchemy import Engine, create_engine
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from . import migrate as migrations
 from .broker import Broker
 from .config import Settings, validate_service_name
-from .errors import ConfigurationError
+from .errors import ConfigurationError, SchemaMissing, storage_error
 from .handlers import Handler, Handlers, Subscription
 from .listener import Listener
 from .logsafe import mask_url
@@ -159,6 +160,19 @@ class Service:
             max_priority=s.max_priority,
         )
 
+    def check_database(self) -> None:
+        """Raise StorageError if the database cannot be reached, SchemaMissing without tables."""
+        try:
+            with self.engine.connect() as conn:
+                present = migrations.tables_exist(conn, self.settings.schema)
+        except SQLAlchemyError as exc:
+            raise storage_error(exc, f"connecting to {mask_url(self.settings.db_url)}") from exc
+        if not present:
+            raise SchemaMissing(
+                f"the outbox/inbox tables are missing in schema {self.settings.schema!r} of "
+                f"{mask_url(self.settings.db_url)}: run `outbox-inbox db upgrade` or migrate()"
+            )
+
     def declare_topology(self) -> None:
         """Declare the topology on the broker (idempotent)."""
         self.broker.declare(self.topology())
@@ -230,6 +244,7 @@ class Service:
         """
         if self._threads:
             raise ConfigurationError("service already started")
+        self.check_database()
         self.declare_topology()
         self._stop.clear()
         roles: list[tuple[str, Callable[..., None]]] = []
@@ -289,15 +304,18 @@ class Service:
 
     def run_relay(self) -> None:
         """Run only the relay in this thread until SIGTERM or SIGINT."""
+        self.check_database()
         self._run_role(self.relay().run)
 
     def run_receiver(self) -> None:
         """Run only the receiver in this thread until SIGTERM or SIGINT."""
+        self.check_database()
         self.declare_topology()
         self._run_role(self.receiver().run)
 
     def run_worker(self) -> None:
         """Run only a worker in this thread until SIGTERM or SIGINT."""
+        self.check_database()
         self._run_role(self.worker().run)
 
     def _run_role(self, run: Callable[..., None]) -> None:

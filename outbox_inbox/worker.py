@@ -124,6 +124,15 @@ class Worker:
             rows = queries.claim_inbox(conn, self._tables, self.name, s.worker_batch_size, lease)
         if not rows:
             return 0
+        suspects = [r for r in rows if r["attempts"] - r["finished"] > 1]
+        if suspects:
+            # A row claimed before without finishing may be what killed that worker. Handle it
+            # alone, so a poison message cannot drag its batch-mates to "abandoned" with it.
+            with conn.begin():
+                queries.release_claims(
+                    conn, self._tables, [r["id"] for r in rows if r is not suspects[0]], self.name
+                )
+            rows = suspects[:1]
         with conn.begin():
             mine = queries.lock_claimed(conn, self._tables, [r["id"] for r in rows], self.name)
             processed: list[int] = []

@@ -5,9 +5,9 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from helpers import make_service, rows, scalar
 from sqlalchemy import text
 
+from helpers import make_service, rows, scalar
 from outbox_inbox import MessageError, PayloadTooLarge, SchemaMissing
 
 

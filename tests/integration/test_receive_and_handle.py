@@ -10,9 +10,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import pika
-from helpers import make_service, rows, scalar, wait_until
 from sqlalchemy import text
 
+from helpers import make_service, rows, scalar, wait_until
 from outbox_inbox import Message, Reject, RetryPolicy, Service
 
 

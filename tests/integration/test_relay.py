@@ -7,9 +7,9 @@ import uuid
 
 import pika
 import pytest
-from helpers import make_service, scalar, wait_until
 from sqlalchemy import text
 
+from helpers import make_service, scalar, wait_until
 from outbox_inbox.brokers.rabbitmq import RabbitMQBroker
 from outbox_inbox.topology import Binding, Exchange, Queue, Topology
 

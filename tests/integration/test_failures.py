@@ -1,0 +1,351 @@
+"""Failure paths: backoff, expiry, backpressure, delay tiers, startup errors (DESIGN.md §5)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pika
+import pytest
+from sqlalchemy import text
+
+from helpers import make_service, rows, scalar, wait_until
+from outbox_inbox import (
+    BrokerConnectionError,
+    ConfigurationError,
+    Message,
+    Retry,
+    RetryPolicy,
+    SchemaMissing,
+    Service,
+    StorageError,
+)
+
+
+@contextmanager
+def running(*roles: Any) -> Iterator[None]:
+    stop = threading.Event()
+    threads = [threading.Thread(target=role.run, args=(stop,)) for role in roles]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(20)
+        assert not any(t.is_alive() for t in threads)
+
+
+def _publish_raw(mq_url: str, exchange: str, routing_key: str, body: bytes, **props: Any) -> None:
+    connection = pika.BlockingConnection(pika.URLParameters(mq_url))
+    try:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        channel.basic_publish(
+            exchange, routing_key, body, pika.BasicProperties(delivery_mode=2, **props)
+        )
+    finally:
+        connection.close()
+
+
+def _get_all(mq_url: str, queue: str) -> list[tuple[Any, bytes]]:
+    connection = pika.BlockingConnection(pika.URLParameters(mq_url))
+    try:
+        channel = connection.channel()
+        got = []
+        while True:
+            method, props, body = channel.basic_get(queue, auto_ack=True)
+            if method is None:
+                return got
+            got.append((props, body))
+    finally:
+        connection.close()
+
+
+def test_retries_follow_the_backoff_within_tolerance(db_url: str, mq_url: str) -> None:
+    svc = make_service("billing", db_url, mq_url, worker_poll_interval=0.05)
+    times: list[float] = []
+
+    @svc.on_command("job.run", retry=RetryPolicy(initial=0.5, multiplier=2, max_attempts=4))
+    def run(message: Message, session: Any) -> None:
+        times.append(time.monotonic())
+        if len(times) < 4:
+            raise RuntimeError("not yet")
+
+    svc.declare_topology()
+    _publish_raw(mq_url, "commands", "billing.job.run", b"{}", message_id=str(uuid.uuid4()))
+    worker = svc.worker()
+    with running(svc.receiver(), worker):
+        wait_until(lambda: worker.processed == 1, timeout=20)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    for gap, wanted in zip(gaps, [0.5, 1.0, 2.0], strict=True):
+        assert wanted - 0.05 <= gap <= wanted + 0.6, (gaps, wanted)
+    svc.close()
+
+
+def test_retry_with_explicit_delay_and_max_attempts_zero_means_no_retry(
+    db_url: str, mq_url: str
+) -> None:
+    svc = make_service("billing", db_url, mq_url, retry=RetryPolicy(max_attempts=0))
+    calls: list[str] = []
+
+    @svc.on_command("once.only")
+    def once(message: Message, session: Any) -> None:
+        calls.append("once")
+        raise RuntimeError("boom")
+
+    @svc.on_command("later.please", retry=RetryPolicy(max_attempts=3))
+    def later(message: Message, session: Any) -> None:
+        calls.append("later")
+        if calls.count("later") == 1:
+            raise Retry(delay=0.3)
+
+    svc.declare_topology()
+    for key in ("billing.once.only", "billing.later.please"):
+        _publish_raw(mq_url, "commands", key, b"{}", message_id=str(uuid.uuid4()))
+    worker = svc.worker()
+    with running(svc.receiver(), worker):
+        wait_until(lambda: worker.processed == 1 and calls.count("once") == 1)
+        time.sleep(0.5)
+    assert calls.count("once") == 1
+    assert calls.count("later") == 2
+    states = dict(rows(db_url, "SELECT routing_key, status FROM outbox_inbox.inbox_messages"))
+    assert states == {"billing.once.only": "dead", "billing.later.please": "processed"}
+    svc.close()
+
+
+def test_expired_messages_are_never_published_nor_handled(db_url: str, mq_url: str) -> None:
+    svc = make_service("billing", db_url, mq_url)
+    handled: list[Any] = []
+
+    @svc.on_command("job.run")
+    def run(message: Message, session: Any) -> None:
+        handled.append(message.payload)
+
+    svc.declare_topology()
+    # An outbox row whose time to live runs out before a relay sees it.
+    with svc.session() as session, session.begin():
+        svc.outbox.send(session, "billing", "job.run", {"n": "outbox"}, ttl=0.2)
+        svc.outbox.send(session, "billing", "job.run", {"n": "fresh"}, ttl=60)
+    time.sleep(0.4)
+    relay = svc.relay()
+    relay.relay_once()
+    assert relay.expired == 1
+    assert relay.published == 1
+    # A message that expired on its way, sent by another service.
+    past = (datetime.now(UTC) - timedelta(seconds=1)).isoformat()
+    _publish_raw(
+        mq_url,
+        "commands",
+        "billing.job.run",
+        b'{"n": "wire"}',
+        message_id=str(uuid.uuid4()),
+        headers={"x-expires-at": past},
+    )
+    worker = svc.worker()
+    with running(svc.receiver(), worker):
+        wait_until(
+            lambda: (
+                scalar(
+                    db_url,
+                    "SELECT count(*) FROM outbox_inbox.inbox_messages WHERE status <> 'pending'",
+                )
+                == 2
+            )
+        )
+    assert handled == [{"n": "fresh"}]
+    dead = rows(
+        db_url, "SELECT payload, dead_reason FROM outbox_inbox.inbox_messages WHERE status = 'dead'"
+    )
+    assert dead == [({"n": "wire"}, "expired")]
+    assert rows(
+        db_url,
+        "SELECT payload FROM outbox_inbox.outbox_messages"
+        " WHERE expired_at IS NOT NULL AND published_at IS NULL",
+    ) == [({"n": "outbox"},)]
+    svc.close()
+
+
+def test_full_inbox_queue_nacks_and_the_relay_keeps_rows_until_there_is_room(
+    db_url: str, mq_url: str
+) -> None:
+    svc = make_service(
+        "billing", db_url, mq_url, inbox_max_length=5, relay_retry_initial=0.2, relay_retry_max=0.5
+    )
+    svc.declare_topology()
+    with svc.session() as session, session.begin():
+        for n in range(12):
+            svc.outbox.send(session, "billing", "job.run", {"n": n})
+    relay = svc.relay()
+    relay.relay_once()
+    assert relay.published == 5
+    unpublished = scalar(
+        db_url,
+        "SELECT count(*) FROM outbox_inbox.outbox_messages"
+        " WHERE published_at IS NULL AND attempts = 1"
+        " AND last_error = 'publish nacked'",
+    )
+    assert unpublished == 7
+    receiver = svc.receiver()
+    with running(relay, receiver):
+        wait_until(lambda: receiver.stored == 12, timeout=30)
+    payloads = rows(db_url, "SELECT payload FROM outbox_inbox.inbox_messages")
+    assert sorted(p[0]["n"] for p in payloads) == list(range(12))
+    svc.close()
+
+
+def test_failing_head_holds_its_key_while_other_keys_flow_under_two_workers(
+    db_url: str, mq_url: str
+) -> None:
+    svc = make_service("billing", db_url, mq_url, worker_batch_size=5)
+    order: list[tuple[str, int]] = []
+    failures = {"a": 2}
+    lock = threading.Lock()
+
+    @svc.on_command("step.run", retry=RetryPolicy(initial=0.5, multiplier=1, max_attempts=5))
+    def step(message: Message, session: Any) -> None:
+        key, n = message.key or "", message.payload["n"]
+        with lock:
+            if n == 0 and failures.get(key, 0) > 0:
+                failures[key] -= 1
+                raise RuntimeError("head fails")
+            order.append((key, n))
+
+    svc.declare_topology()
+    with svc.session() as session, session.begin():
+        for n in range(5):
+            for key in ("a", "b", "c"):
+                svc.outbox.send(session, "billing", "step.run", {"n": n}, key=key)
+    receiver = svc.receiver()
+    with running(svc.relay(), receiver):
+        wait_until(lambda: receiver.stored == 15)
+    workers = [svc.worker(), svc.worker()]
+    with running(*workers):
+        wait_until(lambda: sum(w.processed for w in workers) == 15, timeout=30)
+    for key in ("a", "b", "c"):
+        assert [n for k, n in order if k == key] == list(range(5))
+    # b and c finished while a's head was still failing.
+    first_a = order.index(("a", 0))
+    assert {("b", 4), ("c", 4)} <= set(order[:first_a])
+    svc.close()
+
+
+def test_postgres_down_during_receive_messages_wait_in_delay_tiers_then_all_stored(
+    db_url: str, mq_url: str, local_postgres_server: Any
+) -> None:
+    svc = make_service(
+        "billing",
+        db_url,
+        mq_url,
+        delay_tiers=(1, 2),
+        receive_retry=RetryPolicy(initial=1, multiplier=2, max_interval=2, max_attempts=100),
+    )
+    svc.declare_topology()
+    receiver = svc.receiver()
+    ids = [str(uuid.uuid4()) for _ in range(50)]
+    with running(receiver):
+        local_postgres_server.stop()
+        try:
+            for message_id in ids:
+                _publish_raw(
+                    mq_url, "commands", "billing.job.run", b'{"n": 1}', message_id=message_id
+                )
+            wait_until(lambda: receiver.delayed >= 50, timeout=30, what="messages delayed")
+        finally:
+            local_postgres_server.start()
+        wait_until(lambda: receiver.stored == 50, timeout=60, what="all stored")
+    stored = rows(db_url, "SELECT message_id::text, headers FROM outbox_inbox.inbox_messages")
+    assert sorted(m for m, _ in stored) == sorted(ids)
+    assert all("x-receive-attempt" not in h for _, h in stored)  # transport headers dropped
+    assert receiver.dead == 0
+    svc.close()
+
+
+def test_a_message_that_can_never_be_stored_is_dead_lettered_after_max_attempts(
+    db_url: str, mq_url: str
+) -> None:
+    svc = make_service(
+        "billing",
+        db_url,
+        mq_url,
+        delay_tiers=(0.2,),
+        receive_retry=RetryPolicy(initial=0.1, max_attempts=3),
+    )
+    svc.declare_topology()
+    # PostgreSQL refuses \u0000 in jsonb: this row can never be stored, the next one can.
+    _publish_raw(mq_url, "commands", "billing.job.run", b'{"bad": "\\u0000"}', message_id="bad-1")
+    _publish_raw(mq_url, "commands", "billing.job.run", b'{"ok": 1}', message_id="good-1")
+    receiver = svc.receiver()
+    with running(receiver):
+        wait_until(lambda: receiver.dead == 1, timeout=30)
+    assert receiver.stored == 1
+    ((props, body),) = _get_all(mq_url, "billing.dead_letter")
+    assert props.message_id == "bad-1"
+    assert props.headers["x-dead-reason"].startswith("store_failed: not stored after 3 attempts")
+    assert props.headers["x-original-routing-key"] == "billing.job.run"
+    assert json.loads(body) == {"bad": "\u0000"}
+    svc.close()
+
+
+def test_quorum_queue_with_delivery_limit_and_priority_queue_can_be_declared(
+    mq_url: str,
+) -> None:
+    quorum = Service(
+        "billing",
+        db_url="postgresql+psycopg://unused/x",
+        mq_url=mq_url,
+        queue_type="quorum",
+        delivery_limit=5,
+    )
+    quorum.declare_topology()
+    quorum.declare_topology()
+    prioritized = Service(
+        "shipping", db_url="postgresql+psycopg://unused/x", mq_url=mq_url, max_priority=10
+    )
+    prioritized.declare_topology()
+    with pytest.raises(ConfigurationError):
+        Service("x", db_url="postgresql+psycopg://unused/x", queue_type="quorum", max_priority=3)
+
+
+def test_unreachable_servers_and_missing_tables_fail_start_with_a_clear_error(
+    db_url: str, mq_url: str
+) -> None:
+    no_tables = Service("billing", db_url=db_url, mq_url=mq_url)
+    with pytest.raises(SchemaMissing, match="db upgrade"):
+        no_tables.start()
+    no_tables.close()
+    no_db = Service("billing", db_url="postgresql+psycopg://u:secret@127.0.0.1:1/x", mq_url=mq_url)
+    with pytest.raises(StorageError) as caught:
+        no_db.start()
+    assert "secret" not in str(caught.value)
+    no_db.close()
+    no_broker = make_service("billing", db_url, "amqp://guest:secret@127.0.0.1:1/%2F")
+    with pytest.raises(BrokerConnectionError) as broker_error:
+        no_broker.start()
+    assert "secret" not in str(broker_error.value)
+    no_broker.close()
+    with pytest.raises(ConfigurationError, match="broker URL"):
+        make_service("billing", db_url, "amqp://guest@127.0.0.1:notaport/").start()
+
+
+def test_services_in_schemas_of_one_database_keep_their_tables_apart(
+    db_url: str, mq_url: str
+) -> None:
+    """A service in its own schema keeps its tables apart from another's in one database."""
+    one = make_service("orders", db_url, mq_url, schema="orders_box")
+    two = make_service("billing", db_url, mq_url, schema="billing_box")
+    with one.session() as session, session.begin():
+        one.outbox.publish(session, "order.placed", {})
+        session.execute(text("SELECT 1"))
+    assert scalar(db_url, "SELECT count(*) FROM orders_box.outbox_messages") == 1
+    assert scalar(db_url, "SELECT count(*) FROM billing_box.outbox_messages") == 0
+    one.close()
+    two.close()
