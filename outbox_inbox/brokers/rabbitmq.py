@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections import deque
@@ -371,9 +370,16 @@ class RabbitMQConsumer:
             raise BrokerConnectionError(f"forwarding failed: {exc!r}") from exc
 
     def close(self) -> None:
-        if self._stream is not None:
-            with contextlib.suppress(*CONNECTION_ERRORS):
+        """Cancel the consumer and close the connection; never raises.
+
+        Unacknowledged deliveries return to the queue. On a connection that already failed,
+        pika's own state may be inconsistent, so every error here is logged and dropped.
+        """
+        if self._stream is not None and self._channel.is_open:
+            try:
                 self._channel.cancel()
+            except Exception as exc:  # the connection is going away either way
+                log.debug("cancelling the consumer failed: %r", exc)
         _close_quietly(self._connection)
 
 
@@ -387,5 +393,5 @@ def _close_quietly(connection: pika.BlockingConnection) -> None:
     try:
         if connection.is_open:
             connection.close()
-    except CONNECTION_ERRORS as exc:
+    except Exception as exc:  # closing must not raise: the caller is already recovering
         log.debug("closing a broken connection: %r", exc)

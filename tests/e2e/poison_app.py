@@ -1,0 +1,63 @@
+"""A service whose handler kills its own process on a poison message (run by test_poison.py).
+
+python poison_app.py worker|receiver DB_URL MQ_URL
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from typing import Any
+
+from sqlalchemy import text
+
+from outbox_inbox import Message, Service
+
+SETTINGS: dict[str, Any] = {
+    "lease": 1.5,
+    "abandon_after": 2,
+    "worker_batch_size": 10,
+    "worker_poll_interval": 0.1,
+    "receive_batch_wait": 0.02,
+    "max_redeliveries": 2,
+    "reconnect_initial": 0.1,
+}
+
+
+def build(db_url: str, mq_url: str) -> Service:
+    service = Service("billing", db_url=db_url, mq_url=mq_url, **SETTINGS)
+
+    @service.on_command("job.run")
+    def run(message: Message, session: Any) -> None:
+        if message.payload.get("poison"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        session.execute(
+            text("INSERT INTO effects (message_id, type) VALUES (:m, 'job')"),
+            {"m": str(message.message_id)},
+        )
+
+    return service
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when the test that started it dies."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the parent died before the prctl
+            os._exit(1)
+
+
+def main() -> None:
+    _die_with_parent()
+    role, db_url, mq_url = sys.argv[1:4]
+    service = build(db_url, mq_url)
+    if role == "worker":
+        service.run_worker()
+    else:
+        service.run_receiver()
+
+
+if __name__ == "__main__":
+    main()
