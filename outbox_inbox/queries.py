@@ -7,7 +7,7 @@ caller decides the transaction. Values always travel as bound parameters.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -15,6 +15,7 @@ from sqlalchemy import (
     Connection,
     and_,
     bindparam,
+    delete,
     exists,
     func,
     literal,
@@ -67,6 +68,11 @@ def claim_outbox(conn: Connection, tables: Tables, limit: int) -> list[RowMappin
     A keyed row qualifies only while no earlier row of its key waits for a retry, and only if
     this transaction gets the relay's advisory lock on the key: another relay holding the key
     may be publishing its earlier rows. Locks last until the transaction ends.
+
+    The lock is tried row by row during the scan, so another relay may release a key half-way
+    through it: then this claim holds a key's later rows without its earlier ones. The caller
+    must check the claimed rows of each key against `earliest_unsent` and leave them alone
+    unless they start there.
     """
     o = tables.outbox
     earlier = o.alias("earlier")
@@ -89,6 +95,23 @@ def claim_outbox(conn: Connection, tables: Tables, limit: int) -> list[RowMappin
         .with_for_update(skip_locked=True, of=o)
     )
     return list(conn.execute(stmt).mappings())
+
+
+def earliest_unsent(conn: Connection, tables: Tables, keys: Sequence[str]) -> dict[str, int]:
+    """The id of the earliest row still to be published, for each of `keys`.
+
+    Run after `claim_outbox`, in its transaction (a new statement, so a new snapshot): a relay
+    that claimed a key's rows publishes them only if they start at this row.
+    """
+    if not keys:
+        return {}
+    o = tables.outbox
+    stmt = (
+        select(o.c.key, func.min(o.c.id))
+        .where(outbox_unsent(o), o.c.key.in_(keys))
+        .group_by(o.c.key)
+    )
+    return {key: int(first) for key, first in conn.execute(stmt).all()}
 
 
 def mark_published(conn: Connection, tables: Tables, ids: Sequence[int]) -> None:
@@ -310,3 +333,224 @@ def set_idle_timeout(conn: Connection, seconds: float) -> None:
             func.set_config("idle_in_transaction_session_timeout", str(int(seconds * 1000)), False)
         )
     )
+
+
+# --- operations (CLI) ---------------------------------------------------------------------
+
+
+def _age_seconds(column: Any) -> Any:
+    """Seconds between `column` and the database clock, as a float SQL expression."""
+    return func.extract("epoch", func.now() - column)
+
+
+def _dead_since(inbox: Any) -> Any:
+    """When a dead row died: mark_dead sets processed_at; older rows fall back to receipt."""
+    return func.coalesce(inbox.c.processed_at, inbox.c.received_at)
+
+
+def dead_inbox_rows(
+    conn: Connection,
+    tables: Tables,
+    *,
+    routing_keys: Sequence[str] = (),
+    older_than: timedelta | None = None,
+    reason: str | None = None,
+    error: str | None = None,
+    message_ids: Sequence[uuid.UUID] = (),
+    ids: Sequence[int] = (),
+) -> Iterator[RowMapping]:
+    """Dead inbox rows matching every given filter, in id order, streamed.
+
+    `routing_keys` are exact routing keys (topic patterns are matched by the caller);
+    `error` is a case-insensitive substring of last_error; `older_than` compares the time the
+    row died (processed_at) with the database clock. Each row carries ``dead_at`` and
+    ``age_seconds``.
+    """
+    i = tables.inbox
+    dead_at = _dead_since(i)
+    columns = (i, dead_at.label("dead_at"), _age_seconds(dead_at).label("age_seconds"))
+    stmt = select(*columns).where(i.c.status == DEAD)
+    if routing_keys:
+        stmt = stmt.where(i.c.routing_key.in_(list(routing_keys)))
+    if older_than is not None:
+        stmt = stmt.where(dead_at <= func.now() - older_than)
+    if reason is not None:
+        stmt = stmt.where(i.c.dead_reason == reason)
+    if error is not None:
+        stmt = stmt.where(i.c.last_error.icontains(error, autoescape=True))
+    if message_ids:
+        stmt = stmt.where(i.c.message_id.in_(list(message_ids)))
+    if ids:
+        stmt = stmt.where(i.c.id.in_(list(ids)))
+    result = conn.execute(stmt.order_by(i.c.id).execution_options(yield_per=500))
+    yield from result.mappings()
+
+
+def replay_dead_inbox(conn: Connection, tables: Tables, ids: Sequence[int]) -> list[int]:
+    """Make dead rows pending again, due now, with fresh counters; return the ids changed.
+
+    Only rows still dead are touched (another operator may have replayed or purged some).
+    last_error stays as the history of the earlier failure until the next attempt ends.
+    """
+    if not ids:
+        return []
+    i = tables.inbox
+    stmt = (
+        update(i)
+        .where(i.c.id.in_(list(ids)), i.c.status == DEAD)
+        .values(
+            status=PENDING,
+            next_attempt_at=func.now(),
+            attempts=0,
+            finished=0,
+            dead_reason=None,
+            processed_at=None,
+            locked_until=None,
+            locked_by=None,
+        )
+        .returning(i.c.id)
+    )
+    return sorted(conn.execute(stmt).scalars())
+
+
+def purge_dead_inbox(conn: Connection, tables: Tables, ids: Sequence[int]) -> list[int]:
+    """Delete the rows of `ids` that are still dead; return the ids deleted."""
+    if not ids:
+        return []
+    i = tables.inbox
+    stmt = delete(i).where(i.c.id.in_(list(ids)), i.c.status == DEAD).returning(i.c.id)
+    return sorted(conn.execute(stmt).scalars())
+
+
+def forget_deliveries(conn: Connection, tables: Tables, message_ids: Sequence[uuid.UUID]) -> int:
+    """Reset the broker-redelivery counters of `message_ids` (a replayed message starts over)."""
+    if not message_ids:
+        return 0
+    d = tables.deliveries
+    result = conn.execute(delete(d).where(d.c.message_id.in_(list(message_ids))))
+    return int(result.rowcount or 0)
+
+
+def outbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
+    """Unsent outbox rows, how many of them failed at least once, and the oldest one's age."""
+    o = tables.outbox
+    unsent = outbox_unsent(o)
+    row = conn.execute(
+        select(
+            func.count().label("unpublished"),
+            func.count().filter(o.c.attempts > 0).label("retrying"),
+            func.max(_age_seconds(o.c.created_at)).label("oldest_age_seconds"),
+        ).where(unsent)
+    ).one()
+    return {
+        "unpublished": int(row.unpublished),
+        "retrying": int(row.retrying),
+        "oldest_age_seconds": _float(row.oldest_age_seconds),
+    }
+
+
+def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
+    """Inbox rows by state, the age of the oldest pending row, and the counts per type.
+
+    ``pending`` rows wait for a worker (due or scheduled for a retry); ``in_progress`` rows are
+    pending rows a worker holds a lease on (database clock).
+    """
+    i = tables.inbox
+    leased = and_(i.c.status == PENDING, i.c.locked_until > func.now())
+    waiting = and_(
+        i.c.status == PENDING, or_(i.c.locked_until.is_(None), i.c.locked_until <= func.now())
+    )
+    totals = conn.execute(
+        select(
+            func.count().filter(waiting).label("pending"),
+            func.count().filter(leased).label("in_progress"),
+            func.count().filter(i.c.status == DEAD).label("dead"),
+            func.count().filter(i.c.status == PROCESSED).label("processed"),
+            func.max(_age_seconds(i.c.received_at))
+            .filter(i.c.status == PENDING)
+            .label("oldest_pending_age_seconds"),
+        )
+    ).one()
+    per_type = conn.execute(
+        select(
+            i.c.routing_key,
+            func.count().filter(waiting).label("pending"),
+            func.count().filter(leased).label("in_progress"),
+            func.count().filter(i.c.status == DEAD).label("dead"),
+        )
+        .where(i.c.status.in_([PENDING, DEAD]))
+        .group_by(i.c.routing_key)
+        .order_by(i.c.routing_key)
+    ).all()
+    return {
+        "pending": int(totals.pending),
+        "in_progress": int(totals.in_progress),
+        "dead": int(totals.dead),
+        "processed": int(totals.processed),
+        "oldest_pending_age_seconds": _float(totals.oldest_pending_age_seconds),
+        "by_type": [
+            {
+                "type": r.routing_key,
+                "pending": int(r.pending),
+                "in_progress": int(r.in_progress),
+                "dead": int(r.dead),
+            }
+            for r in per_type
+        ],
+    }
+
+
+def held_keys(conn: Connection, tables: Tables, limit: int) -> tuple[int, list[RowMapping]]:
+    """Ordering keys whose head message (earliest pending row) has failed and waits for a retry.
+
+    While the head is pending the worker claims none of the later rows of its key (see
+    claim_inbox). Returns the number of such keys and up to `limit` of them, most messages
+    waiting behind first: key, the head's id, message_id, type, attempts, next_attempt_at,
+    last_error, and ``waiting`` (pending rows behind the head).
+    """
+    i = tables.inbox
+    heads = (
+        select(
+            i.c.key,
+            i.c.id,
+            i.c.message_id,
+            i.c.routing_key,
+            i.c.attempts,
+            i.c.finished,
+            i.c.next_attempt_at,
+            i.c.last_error,
+        )
+        .where(i.c.status == PENDING, i.c.key.is_not(None))
+        .order_by(i.c.key, i.c.id)
+        .distinct(i.c.key)
+        .subquery("heads")
+    )
+    counts = (
+        select(i.c.key, func.count().label("pending_rows"))
+        .where(i.c.status == PENDING, i.c.key.is_not(None))
+        .group_by(i.c.key)
+        .subquery("counts")
+    )
+    failing = heads.c.last_error.is_not(None)
+    total = conn.execute(select(func.count()).select_from(heads).where(failing)).scalar_one()
+    stmt = (
+        select(
+            heads.c.key,
+            heads.c.id,
+            heads.c.message_id,
+            heads.c.routing_key.label("type"),
+            heads.c.finished.label("failures"),
+            heads.c.next_attempt_at,
+            heads.c.last_error,
+            (counts.c.pending_rows - 1).label("waiting"),
+        )
+        .join_from(heads, counts, heads.c.key == counts.c.key)
+        .where(failing)
+        .order_by((counts.c.pending_rows - 1).desc(), heads.c.key)
+        .limit(limit)
+    )
+    return int(total), list(conn.execute(stmt).mappings())
+
+
+def _float(value: Any) -> float | None:
+    return float(value) if value is not None else None

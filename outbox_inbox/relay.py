@@ -8,7 +8,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -118,6 +118,9 @@ class Relay:
             rows = queries.claim_outbox(conn, self._tables, s.relay_batch_size)
             if not rows:
                 return 0
+            rows = self._key_prefixes(conn, rows)
+            if not rows:
+                return 0
             expired = [r["id"] for r in rows if _expired(r)]
             if expired:
                 queries.mark_expired(conn, self._tables, expired)
@@ -167,6 +170,27 @@ class Relay:
             self._drop_publisher()
             raise BrokerError("publishing connection broke during the batch")
         return len(rows) + len(expired)
+
+    def _key_prefixes(self, conn: Connection, rows: list[RowMapping]) -> list[RowMapping]:
+        """Drop the claimed rows of any key whose earliest unsent row this claim does not hold.
+
+        See `queries.claim_outbox`: the rows of a key are published only from the first one on;
+        otherwise they stay for a later claim, and this relay's key lock keeps others away
+        until it commits.
+        """
+        first: dict[str, int] = {}
+        for row in rows:
+            key = row["key"]
+            if key is not None and key not in first:
+                first[key] = row["id"]
+        if not first:
+            return rows
+        earliest = queries.earliest_unsent(conn, self._tables, list(first))
+        skipped = {key for key, row_id in first.items() if earliest.get(key) != row_id}
+        if not skipped:
+            return rows
+        log.debug("relay: %d keys left for a later claim (earlier rows unclaimed)", len(skipped))
+        return [row for row in rows if row["key"] is None or row["key"] not in skipped]
 
     def _retry_delay(self, attempts: int) -> timedelta:
         s = self._settings
