@@ -122,6 +122,8 @@ def test_rabbitmq_kill_and_start_again(local_rabbitmq_server: RabbitMQServer, mq
         "", queue, b"confirmed", pika.BasicProperties(delivery_mode=pika.DeliveryMode.Persistent)
     )
     connection.close()
+    # Without this, a SIGKILL right after the declaration can lose the queue (see its doc).
+    server.flush_metadata()
 
     server.kill()
     assert not server.running
