@@ -1,132 +1,278 @@
-"""`outbox-inbox`: schema migrations and running the roles of a service."""
+"""`outbox-inbox`: migrations, broker topology, dead letters, status, tail, and running roles.
+
+Every command prints one ``error: ...`` line on stderr and exits 1 on bad input, an unreachable
+server, missing tables or an unknown app (``-v`` adds the traceback). Passwords are masked in
+everything printed or logged. Exit codes are listed in docs/cli.md.
+"""
 
 from __future__ import annotations
 
-import importlib
-import io
 import logging
 import sys
-from typing import Any, NoReturn
+import traceback
+from dataclasses import fields
+from typing import Any
 
 import click
+import pika.exceptions
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from alembic.util.exc import CommandError
+from sqlalchemy.exc import SQLAlchemyError
 
 from outbox_inbox import migrate as migrations
-from outbox_inbox.config import DB_URL_ENV, MQ_URL_ENV
-from outbox_inbox.errors import OutboxInboxError
+from outbox_inbox.config import Settings
+from outbox_inbox.errors import (
+    ConfigurationError,
+    OutboxInboxError,
+    SchemaMissing,
+    storage_error,
+)
 from outbox_inbox.logsafe import mask_url
 from outbox_inbox.service import Service
+from outbox_inbox.tables import VERSION_TABLE
 
-
-def _fail(message: str) -> NoReturn:
-    click.echo(f"error: {message}", err=True)
-    sys.exit(1)
-
-
-def load_app(spec: str) -> Service:
-    """Import ``module:attribute`` and return the Service it names."""
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        _fail(f"--app must be module:attribute, got {spec!r}")
-    sys.path.insert(0, ".")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        _fail(f"cannot import {module_name!r}: {exc}")
-    app = getattr(module, attribute, None)
-    if callable(app) and not isinstance(app, Service):
-        app = app()
-    if not isinstance(app, Service):
-        _fail(f"{spec} is not an outbox_inbox.Service")
-    return app
-
-
-db_url_option = click.option(
-    "--db-url", envvar=DB_URL_ENV, help=f"SQLAlchemy URL of the database [env {DB_URL_ENV}]."
+from .dead_letters import dead_letters
+from .output import EXIT_ERROR, MaskingFormatter, echo, echo_json, render_table
+from .status import status
+from .tail import tail
+from .target import (
+    Target,
+    app_option,
+    db_url_option,
+    fail,
+    json_option,
+    load_app,
+    mq_url_option,
+    resolve,
+    schema_option,
 )
-mq_url_option = click.option(
-    "--mq-url", envvar=MQ_URL_ENV, help=f"AMQP URL of RabbitMQ [env {MQ_URL_ENV}]."
-)
-schema_option = click.option(
-    "--schema", default=migrations.DEFAULT_SCHEMA, show_default=True, help="PostgreSQL schema."
+from .topology import topology
+
+__all__ = ["load_app", "main"]
+
+#: Errors that end a command with one line instead of a traceback.
+EXPECTED_ERRORS: tuple[type[BaseException], ...] = (
+    OutboxInboxError,
+    SQLAlchemyError,
+    pika.exceptions.AMQPError,
+    CommandError,
+    OSError,
 )
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
-def main(verbose: int) -> None:
-    """Transactional outbox and inbox for services on PostgreSQL and RabbitMQ."""
-    level = logging.WARNING - 10 * min(verbose, 2)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def describe(exc: BaseException) -> str:
+    """One line saying what went wrong (masked by the caller's echo)."""
+    if isinstance(exc, SQLAlchemyError):
+        translated = storage_error(exc, "database")
+        if isinstance(translated, SchemaMissing):
+            return str(translated)
+        return "database error: " + str(translated).removeprefix("database failed: ")
+    text = str(exc).strip() or repr(exc)
+    first = text.splitlines()[0]
+    if isinstance(exc, OutboxInboxError | CommandError):
+        return first
+    return f"{type(exc).__name__}: {first}"
+
+
+class _Commands(click.Group):
+    """The root group: turns the errors an operator can cause into one line and exit 1."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except EXPECTED_ERRORS as exc:
+            if ctx.meta.get("outbox_inbox.verbose"):
+                echo("".join(traceback.format_exception(exc)).rstrip(), err=True)
+            echo(f"error: {describe(exc)}", err=True)
+            sys.exit(EXIT_ERROR)
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug); tracebacks.")
+@click.version_option(package_name="outbox-inbox", prog_name="outbox-inbox")
+@click.pass_context
+def main(ctx: click.Context, verbose: int) -> None:
+    """Operate the transactional outbox and inbox of services on PostgreSQL and RabbitMQ.
+
+    \b
+    Commands take the servers they use from --db-url / --mq-url (or the environment
+    variables OUTBOX_INBOX_DB_URL / OUTBOX_INBOX_MQ_URL), or from your Service with
+    --app module:attribute. Output is a plain table; --json prints JSON for scripts.
+    Passwords are masked in all output and logs. `outbox-inbox COMMAND --help` for more.
+    """
+    ctx.meta["outbox_inbox.verbose"] = verbose
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(MaskingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING - 10 * min(verbose, 2))
+    # pika logs every failed connection attempt at ERROR; the command reports it in one line.
+    logging.getLogger("pika").setLevel(logging.DEBUG if verbose >= 2 else logging.CRITICAL)
+
+
+# --- db -----------------------------------------------------------------------------------
 
 
 @main.group()
 def db() -> None:
-    """Create, upgrade and inspect the outbox/inbox tables (alembic, shipped migrations)."""
+    """Create, upgrade and inspect the outbox/inbox tables.
+
+    Runs the alembic migrations shipped inside the package; their version table is
+    outbox_inbox_version in the library's schema, apart from your own alembic_version.
+    """
 
 
-def _config(db_url: str | None, schema: str, out: Any = None) -> Any:
-    if not db_url:
-        _fail(f"no database: pass --db-url or set {DB_URL_ENV}")
+def _db_target(app: str | None, db_url: str | None, schema: str | None) -> Target:
+    target = resolve(app=app, db_url=db_url, schema=schema)
+    if not target.has_database:
+        fail("no database: pass --db-url, set OUTBOX_INBOX_DB_URL, or --app")
+    return target
+
+
+def _migrate(action: str, app: str | None, db_url: str | None, schema: str | None, rev: str) -> str:
+    target = _db_target(app, db_url, schema)
+    run = migrations.upgrade if action == "upgrade" else migrations.downgrade
     try:
-        return migrations.alembic_config(db_url, schema=schema, stdout=out)
-    except OutboxInboxError as exc:
-        _fail(str(exc))
+        if target.db_url:
+            run(migrations.alembic_config(target.db_url, schema=target.schema), rev)
+            return f"{action}d {mask_url(target.db_url)} schema {target.schema} to {rev}"
+        # An app built with engine= only: migrate on a connection of that engine.
+        with target.engine().connect() as conn:
+            run(migrations.alembic_config(schema=target.schema, connection=conn), rev)
+            conn.commit()
+        return f"{action}d {target.name}'s database schema {target.schema} to {rev}"
+    finally:
+        target.close()
 
 
 @db.command()
+@app_option
 @db_url_option
 @schema_option
 @click.argument("revision", default="heads")
-def upgrade(db_url: str | None, schema: str, revision: str) -> None:
+def upgrade(app: str | None, db_url: str | None, schema: str | None, revision: str) -> None:
     """Apply the migrations up to REVISION (default: the newest)."""
-    try:
-        migrations.upgrade(_config(db_url, schema), revision)
-    except OutboxInboxError as exc:
-        _fail(str(exc))
-    click.echo(f"upgraded {mask_url(db_url)} schema {schema} to {revision}")
+    echo(_migrate("upgrade", app, db_url, schema, revision))
 
 
 @db.command()
+@app_option
 @db_url_option
 @schema_option
 @click.argument("revision")
-def downgrade(db_url: str | None, schema: str, revision: str) -> None:
-    """Revert the migrations down to REVISION (`base` drops the tables)."""
-    try:
-        migrations.downgrade(_config(db_url, schema), revision)
-    except OutboxInboxError as exc:
-        _fail(str(exc))
-    click.echo(f"downgraded {mask_url(db_url)} schema {schema} to {revision}")
+def downgrade(app: str | None, db_url: str | None, schema: str | None, revision: str) -> None:
+    """Revert the migrations down to REVISION (`base` drops the tables and their data)."""
+    echo(_migrate("downgrade", app, db_url, schema, revision))
 
 
 @db.command()
+@app_option
 @db_url_option
 @schema_option
-def current(db_url: str | None, schema: str) -> None:
-    """Show the revision the database is at."""
-    out = io.StringIO()
+@json_option
+def current(app: str | None, db_url: str | None, schema: str | None, as_json: bool) -> None:
+    """Show the revision the database is at (changes nothing)."""
+    target = _db_target(app, db_url, schema)
+    heads = set(ScriptDirectory.from_config(migrations.alembic_config()).get_heads())
     try:
-        migrations._run("current", _config(db_url, schema, out))
-    except OutboxInboxError as exc:
-        _fail(str(exc))
-    click.echo(out.getvalue().strip() or "(no revision: run `outbox-inbox db upgrade`)")
+        with target.engine().connect() as conn:
+            context = MigrationContext.configure(
+                conn,
+                opts={"version_table": VERSION_TABLE, "version_table_schema": target.schema},
+            )
+            revisions = sorted(context.get_current_heads())
+    finally:
+        target.close()
+    if as_json:
+        echo_json(
+            {
+                "schema": target.schema,
+                "revisions": revisions,
+                "up_to_date": bool(revisions) and set(revisions) == heads,
+            }
+        )
+        return
+    if not revisions:
+        echo(f"schema {target.schema}: no revision (run `outbox-inbox db upgrade`)")
+    for revision in revisions:
+        echo(f"{revision}{' (head)' if revision in heads else ''}")
 
 
 @db.command()
-@schema_option
-def history(schema: str) -> None:
-    """List the shipped revisions."""
-    out = io.StringIO()
-    migrations._run("history", migrations.alembic_config(schema=schema, stdout=out))
-    click.echo(out.getvalue().strip())
+@json_option
+def history(as_json: bool) -> None:
+    """List the migrations shipped in the package, newest first."""
+    script = ScriptDirectory.from_config(migrations.alembic_config())
+    revisions = list(script.walk_revisions())
+    if as_json:
+        echo_json(
+            [
+                {
+                    "revision": r.revision,
+                    "down_revision": r.down_revision,
+                    "head": r.is_head,
+                    "message": r.doc,
+                }
+                for r in revisions
+            ]
+        )
+        return
+    rows = [
+        (r.revision, r.down_revision or "(base)", "yes" if r.is_head else "", r.doc)
+        for r in revisions
+    ]
+    echo(render_table(["REVISION", "DOWN FROM", "HEAD", "MESSAGE"], rows))
 
 
-@main.command()
+# --- run ----------------------------------------------------------------------------------
+
+
+def with_urls(app: Service, db_url: str | None, mq_url: str | None) -> Service:
+    """`app`, or a copy of it on other servers: same name, settings, handlers and listener.
+
+    Handlers that use the original Service object's engine or session directly keep its
+    database; those that write through the session they are given follow --db-url.
+    """
+    settings = app.settings
+    if (not db_url or db_url == settings.db_url) and (not mq_url or mq_url == settings.mq_url):
+        return app
+    values = {f.name: getattr(settings, f.name) for f in fields(Settings)}
+    values["db_url"] = db_url or settings.db_url
+    values["mq_url"] = mq_url or settings.mq_url
+    try:
+        broker = None if values["mq_url"] else app.broker
+    except ConfigurationError:
+        broker = None
+    copy = Service(
+        app.name,
+        engine=None if values["db_url"] else app.engine,
+        broker=broker,
+        listener=app.listener,
+        **values,
+    )
+    copy.handlers = app.handlers
+    return copy
+
+
+@main.command(short_help="Run the relay, receiver, worker or all of them until SIGTERM.")
 @click.argument("role", type=click.Choice(["relay", "receiver", "worker", "all"]))
-@click.option("--app", "app_spec", required=True, help="module:attribute of your Service.")
-def run(role: str, app_spec: str) -> None:
-    """Run ROLE of the service until SIGTERM or SIGINT (graceful stop)."""
-    service = load_app(app_spec)
+@click.option("--app", "app_spec", required=True, metavar="MODULE:ATTR", help="Your Service.")
+@db_url_option
+@mq_url_option
+def run(role: str, app_spec: str, db_url: str | None, mq_url: str | None) -> None:
+    """Run one role of the service, or all, until SIGTERM or SIGINT (graceful stop).
+
+    \b
+    relay     publishes the outbox to RabbitMQ
+    receiver  stores messages from <service>.inbox in the inbox table (declares the topology)
+    worker    runs your handlers on the inbox rows
+    all       all three, in threads of one process
+
+    On SIGTERM or SIGINT the work in hand is finished, then the command exits 0.
+    """
+    resolve(db_url=db_url, mq_url=mq_url)  # checks the URLs before anything starts
+    service = with_urls(load_app(app_spec), db_url, mq_url)
     try:
         if role == "all":
             service.run()
@@ -136,7 +282,15 @@ def run(role: str, app_spec: str) -> None:
             service.run_receiver()
         else:
             service.run_worker()
-    except OutboxInboxError as exc:
-        _fail(str(exc))
     finally:
         service.close()
+
+
+main.add_command(topology)
+main.add_command(dead_letters)
+main.add_command(status)
+main.add_command(tail)
+
+
+if __name__ == "__main__":
+    main(prog_name="outbox-inbox")

@@ -1,0 +1,81 @@
+"""The audit trail of replays and purges: one JSON line per action, in a file and in the log."""
+
+from __future__ import annotations
+
+import getpass
+import json
+import logging
+import os
+import socket
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .output import mask
+
+AUDIT_LOG_ENV = "OUTBOX_INBOX_AUDIT_LOG"
+DEFAULT_AUDIT_LOG = "outbox-inbox-audit.log"
+#: An audit line names at most this many message ids; `count` always has the full number.
+MAX_IDS = 1000
+
+log = logging.getLogger("outbox_inbox.audit")
+
+audit_log_option = click.option(
+    "--audit-log",
+    metavar="PATH",
+    envvar=AUDIT_LOG_ENV,
+    default=DEFAULT_AUDIT_LOG,
+    show_default=True,
+    help=f"File the audit line is appended to [env {AUDIT_LOG_ENV}].",
+)
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry for this uid (containers)
+        return f"uid:{os.getuid()}"
+
+
+def write_audit(
+    path: str,
+    *,
+    command: str,
+    service: str | None,
+    source: str,
+    filters: dict[str, Any],
+    counts: dict[str, int],
+    message_ids: list[str],
+    dry_run: bool,
+    error: str | None = None,
+) -> dict[str, Any]:
+    """Append one line (who, on which host, what, how many) to `path` and log it at WARNING.
+
+    The file is opened in append mode and written with one write call, so lines of concurrent
+    operators do not interleave.
+    """
+    entry: dict[str, Any] = {
+        "time": datetime.now(UTC).isoformat(),
+        "user": _user(),
+        "host": socket.gethostname(),
+        "command": command,
+        "service": service,
+        "source": source,
+        "filters": filters,
+        "count": sum(counts.values()),
+        "counts": counts,
+        "dry_run": dry_run,
+        "message_ids": message_ids[:MAX_IDS],
+    }
+    if len(message_ids) > MAX_IDS:
+        entry["message_ids_truncated"] = True
+    if error is not None:
+        entry["error"] = error
+    line = mask(json.dumps(entry, ensure_ascii=False, default=str))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as file:
+        file.write(line + "\n")
+    log.warning("audit: %s", line)
+    return entry

@@ -1,0 +1,595 @@
+"""`outbox-inbox dead-letters list | show | replay | purge`.
+
+Sources: ``table`` (dead inbox rows), ``queue`` (``<service>.dead_letter``) and ``unroutable``
+(commands no service had a queue for). See outbox_inbox.dead_letters for what each action does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import click
+
+from outbox_inbox.brokers.rabbitmq_admin import RabbitMQAdmin
+from outbox_inbox.dead_letters import (
+    QUEUE,
+    SOURCES,
+    TABLE,
+    UNROUTABLE,
+    DeadLetter,
+    Filters,
+    Outcome,
+    Pacer,
+    QueueSelection,
+    TableSelection,
+    error_summary,
+    parse_message_id,
+    reset_redeliveries,
+)
+from outbox_inbox.errors import OutboxInboxError
+
+from .audit import audit_log_option, write_audit
+from .output import (
+    EXIT_UNHEALTHY,
+    echo,
+    echo_json,
+    format_age,
+    one_line,
+    progress,
+    render_table,
+)
+from .target import Target, fail, json_option, parse_duration, resolve, target_options
+
+Selection = TableSelection | QueueSelection
+
+#: How many rows of a selection replay and purge print before acting.
+SHOWN = 50
+
+
+@click.group("dead-letters")
+def dead_letters() -> None:
+    """List, show, replay and purge dead letters.
+
+    \b
+    Sources (--source):
+      table       inbox rows with status dead (the worker gave up on them)
+      queue       the broker queue <service>.dead_letter (the receiver could not store them)
+      unroutable  the broker queue unroutable (commands for a service with no queue)
+      all         the three, in that order
+
+    Reading a broker queue takes up to --limit messages without acknowledging them and then
+    releases them: they stay in the queue, in their place, flagged redelivered.
+    """
+
+
+def filter_options(function: Callable[..., Any]) -> Callable[..., Any]:
+    options = [
+        click.option(
+            "--type",
+            "types",
+            multiple=True,
+            metavar="PATTERN",
+            help="Message type: a routing key or topic pattern (orders.#). Repeatable.",
+        ),
+        click.option(
+            "--older-than",
+            metavar="DURATION",
+            callback=parse_duration,
+            help="Dead for at least this long (30m, 2h, 7d).",
+        ),
+        click.option(
+            "--reason",
+            metavar="REASON",
+            help="Dead reason: max_attempts, rejected, no_handler, expired, abandoned (table); "
+            "invalid, store_failed, redelivered, or the broker's rejected / expired / "
+            "delivery_limit (queue).",
+        ),
+        click.option("--error", metavar="TEXT", help="Text in the error (case-insensitive)."),
+        click.option(
+            "--id", "ids", multiple=True, metavar="MESSAGE_ID", help="A message id. Repeatable."
+        ),
+    ]
+    for option in reversed(options):
+        function = option(function)
+    return function
+
+
+def _filters(
+    types: tuple[str, ...],
+    older_than: timedelta | None,
+    reason: str | None,
+    error: str | None,
+    ids: tuple[str, ...],
+) -> Filters:
+    for pattern in types:
+        if not pattern or any(not word for word in pattern.split(".")):
+            raise click.BadParameter(
+                f"{pattern!r} is not a routing key or pattern", param_hint="--type"
+            )
+    return Filters(
+        types=tuple(types),
+        older_than=older_than,
+        reason=reason,
+        error=error,
+        message_ids=tuple(parse_message_id(i) for i in ids),
+    )
+
+
+def _sources(target: Target, source: str, *, strict: bool) -> list[str]:
+    """The sources to read. `strict`: every source asked for must be reachable (actions)."""
+    wanted = list(SOURCES) if source == "all" else [source]
+    chosen = []
+    for name in wanted:
+        if name == TABLE and not target.has_database:
+            why = "no database (--db-url)"
+        elif name in (QUEUE, UNROUTABLE) and not target.has_broker:
+            why = "no broker (--mq-url)"
+        elif name == QUEUE and target.name is None:
+            why = "no service (--app or --service)"
+        else:
+            chosen.append(name)
+            continue
+        if strict or source != "all":
+            fail(f"--source {name} needs {why}")
+        echo(f"note: skipping {name}: {why}", err=True)
+    return chosen
+
+
+def _where(selection: Selection) -> str:
+    return "table" if isinstance(selection, TableSelection) else selection.queue
+
+
+@contextlib.contextmanager
+def _selections(
+    target: Target, sources: list[str], filters: Filters, limit: int | None
+) -> Iterator[list[Selection]]:
+    """Open one selection per source; close them all (releasing queue messages) at the end."""
+    with contextlib.ExitStack() as stack:
+        stack.callback(target.close)
+        admin: RabbitMQAdmin | None = None
+        selections: list[Selection] = []
+        for source in sources:
+            if source == TABLE:
+                selection: Selection = TableSelection(
+                    target.engine(), target.tables, filters, limit
+                )
+            else:
+                if admin is None:
+                    admin = stack.enter_context(RabbitMQAdmin(target.broker()))
+                selection = QueueSelection(admin, source, filters, service=target.name, limit=limit)
+            stack.callback(selection.close)
+            selections.append(selection)
+        yield selections
+
+
+def _letters_table(letters: list[DeadLetter]) -> str:
+    rows = [
+        (
+            d.source,
+            d.ref,
+            d.message_id,
+            d.type,
+            d.reason or "",
+            format_age(d.age_seconds),
+            "" if d.attempts is None else d.attempts,
+            one_line(error_summary(d.error), 60),
+        )
+        for d in letters
+    ]
+    headers = ["SOURCE", "REF", "MESSAGE ID", "TYPE", "REASON", "AGE", "ATTEMPTS", "ERROR"]
+    return render_table(headers, rows)
+
+
+def _counts(selections: list[Selection]) -> str:
+    return ", ".join(f"{_where(s)} {len(s.letters)}" for s in selections) or "no sources"
+
+
+def _more_note(selections: list[Selection], limit: int | None) -> None:
+    for s in selections:
+        if s.more:
+            echo(
+                f"note: {_where(s)} has more than --limit {limit}; raise --limit to see them",
+                err=True,
+            )
+
+
+@dead_letters.command("list", short_help="List dead letters matching the filters.")
+@target_options
+@click.option(
+    "--source",
+    type=click.Choice([*SOURCES, "all"]),
+    default="all",
+    show_default=True,
+    help="Where to look.",
+)
+@filter_options
+@click.option(
+    "--limit",
+    default=100,
+    show_default=True,
+    type=click.IntRange(min=1),
+    metavar="N",
+    help="At most N per source (broker queues: messages read).",
+)
+@json_option
+def list_command(
+    app: str | None,
+    service: str | None,
+    schema: str | None,
+    db_url: str | None,
+    mq_url: str | None,
+    source: str,
+    types: tuple[str, ...],
+    older_than: timedelta | None,
+    reason: str | None,
+    error: str | None,
+    ids: tuple[str, ...],
+    limit: int,
+    as_json: bool,
+) -> None:
+    """List dead letters matching the filters, oldest first within each source."""
+    filters = _filters(types, older_than, reason, error, ids)
+    target = resolve(app=app, service=service, schema=schema, db_url=db_url, mq_url=mq_url)
+    sources = _sources(target, source, strict=False)
+    with _selections(target, sources, filters, limit) as selections:
+        letters = [d for s in selections for d in s.letters]
+        if as_json:
+            echo_json(
+                {
+                    "filters": filters.as_dict(),
+                    "sources": {
+                        _where(s): {"count": len(s.letters), "more": s.more} for s in selections
+                    },
+                    "dead_letters": [d.as_dict() for d in letters],
+                }
+            )
+            return
+        if letters:
+            echo(_letters_table(letters))
+        echo(f"{len(letters)} dead letter(s): {_counts(selections)}")
+        _more_note(selections, limit)
+
+
+@dead_letters.command(short_help="Show one dead letter in full.")
+@click.argument("message_id")
+@target_options
+@click.option(
+    "--source",
+    type=click.Choice([*SOURCES, "all"]),
+    default="all",
+    show_default=True,
+    help="Where to look.",
+)
+@click.option(
+    "--limit",
+    default=1000,
+    show_default=True,
+    type=click.IntRange(min=1),
+    metavar="N",
+    help="Broker queues: at most N messages are read looking for it.",
+)
+@json_option
+def show(
+    message_id: str,
+    app: str | None,
+    service: str | None,
+    schema: str | None,
+    db_url: str | None,
+    mq_url: str | None,
+    source: str,
+    limit: int,
+    as_json: bool,
+) -> None:
+    """Show everything about the dead letter MESSAGE_ID: payload, headers, full error."""
+    filters = Filters(message_ids=(parse_message_id(message_id),))
+    target = resolve(app=app, service=service, schema=schema, db_url=db_url, mq_url=mq_url)
+    sources = _sources(target, source, strict=False)
+    with _selections(target, sources, filters, limit) as selections:
+        letters = [d for s in selections for d in s.letters]
+        searched = ", ".join(_where(s) for s in selections)
+    if not letters:
+        fail(f"no dead letter with message id {message_id} in {searched or 'no source'}")
+    if as_json:
+        echo_json([d.as_dict() for d in letters])
+        return
+    for index, letter in enumerate(letters):
+        if index:
+            echo()
+        _print_letter(letter)
+
+
+def _print_letter(letter: DeadLetter) -> None:
+    where = f"row {letter.ref}" if letter.source == TABLE else f"position {letter.ref} as read"
+    fields = [
+        ("source", f"{letter.source} ({where})"),
+        ("message id", letter.message_id),
+        ("type", letter.type),
+        ("kind", letter.kind),
+        ("key", letter.key),
+        ("correlation id", letter.correlation_id),
+        ("reason", letter.reason),
+        ("dead at", letter.dead_at.isoformat() if letter.dead_at else None),
+        ("age", format_age(letter.age_seconds)),
+        ("attempts", letter.attempts),
+    ]
+    width = max(len(name) for name, _ in fields)
+    for name, value in fields:
+        echo(f"{name.ljust(width)}  {'' if value is None else value}")
+    echo("headers:")
+    echo(_indent(json.dumps(letter.as_dict()["headers"], indent=2, ensure_ascii=False)))
+    echo("payload:")
+    echo(_indent(json.dumps(letter.payload, indent=2, ensure_ascii=False, default=str)))
+    if letter.error:
+        echo("error:")
+        echo(_indent(letter.error.rstrip()))
+
+
+def _indent(text: str) -> str:
+    return "\n".join("  " + line for line in text.splitlines())
+
+
+def _action_options(function: Callable[..., Any]) -> Callable[..., Any]:
+    options: list[Callable[[Any], Any]] = [
+        target_options,
+        click.option(
+            "--source",
+            type=click.Choice([*SOURCES, "all"]),
+            required=True,
+            help="Where to act: table, queue, unroutable, or all three.",
+        ),
+        filter_options,
+        click.option(
+            "--all",
+            "everything",
+            is_flag=True,
+            help="Act on every dead letter of the source(s) (needed when no filter is given).",
+        ),
+        click.option(
+            "--limit",
+            type=click.IntRange(min=1),
+            metavar="N",
+            help="At most N per source, oldest first [default: all].",
+        ),
+        click.option(
+            "--rate",
+            type=click.FloatRange(min=0, min_open=True),
+            metavar="N",
+            help="At most N messages per second [default: no limit].",
+        ),
+        click.option("--dry-run", is_flag=True, help="Show what would be done; change nothing."),
+        audit_log_option,
+        json_option,
+    ]
+    for option in reversed(options):
+        function = option(function)
+    return function
+
+
+def _act(
+    action: str,
+    *,
+    app: str | None,
+    service: str | None,
+    schema: str | None,
+    db_url: str | None,
+    mq_url: str | None,
+    source: str,
+    filters: Filters,
+    everything: bool,
+    limit: int | None,
+    rate: float | None,
+    dry_run: bool,
+    audit_log: str,
+    as_json: bool,
+    yes: bool = True,
+) -> None:
+    """Select, show, (confirm,) act, audit: the shared body of replay and purge."""
+    if filters.empty and not everything:
+        raise click.UsageError(
+            f"choose what to {action}: --id, a filter (--type, --older-than, --reason, "
+            "--error), or --all"
+        )
+    target = resolve(app=app, service=service, schema=schema, db_url=db_url, mq_url=mq_url)
+    sources = _sources(target, source, strict=True)
+    verb = {"replay": "replayed", "purge": "purged"}[action]
+    with _selections(target, sources, filters, limit) as selections:
+        letters = [d for s in selections for d in s.letters]
+        total = len(letters)
+        if not as_json:
+            if letters:
+                echo(_letters_table(letters[:SHOWN]))
+                if total > SHOWN:
+                    echo(f"... and {total - SHOWN} more")
+            echo(f"selected {total} dead letter(s): {_counts(selections)}")
+            _more_note(selections, limit)
+        audit: dict[str, Any] = {
+            "command": f"dead-letters {action}",
+            "service": target.name,
+            "source": source,
+            "filters": filters.as_dict(),
+        }
+        if dry_run or total == 0:
+            entry = write_audit(
+                audit_log,
+                **audit,
+                counts={s.source: len(s.letters) for s in selections},
+                message_ids=[d.message_id for d in letters],
+                dry_run=dry_run,
+            )
+            if as_json:
+                echo_json(
+                    {
+                        "dry_run": dry_run,
+                        "selected": [d.as_dict() for d in letters],
+                        "results": [],
+                        "audit": entry,
+                    }
+                )
+            else:
+                echo(f"dry run: nothing {verb}" if dry_run else f"nothing to {action}")
+            return
+        if not yes:
+            click.confirm(
+                f"{action.capitalize()} {total} dead letter(s) ({_counts(selections)})? "
+                "This cannot be undone.",
+                abort=True,
+                err=True,
+            )
+        outcomes: list[Outcome] = []
+        error: str | None = None
+        try:
+            with progress(total, f"{action} {total}") as advance:
+                pacer = Pacer(rate)
+                for selection in selections:
+                    outcomes.append(_run_one(action, selection, target, pacer, advance))
+        except BaseException as exc:  # recorded in the audit line, then raised on
+            error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            raise
+        finally:
+            # The audit line is written even when the action stopped half-way.
+            entry = write_audit(
+                audit_log,
+                **audit,
+                counts={o.source: len(o.done) for o in outcomes},
+                message_ids=[m for o in outcomes for m in o.done],
+                dry_run=False,
+                error=error,
+            )
+    kept = [k for o in outcomes for k in o.kept]
+    if as_json:
+        echo_json({"dry_run": False, "results": [o.as_dict() for o in outcomes], "audit": entry})
+    else:
+        for selection, outcome in zip(selections, outcomes, strict=False):
+            echo(f"{_where(selection)}: {verb} {len(outcome.done)} of {outcome.selected}")
+            for message_id, why in outcome.kept:
+                echo(f"  kept {message_id}: {why}")
+    if kept:
+        sys.exit(EXIT_UNHEALTHY)
+
+
+def _run_one(
+    action: str,
+    selection: Selection,
+    target: Target,
+    pacer: Pacer,
+    advance: Callable[[int], None],
+) -> Outcome:
+    if action == "purge":
+        return selection.purge(pacer, advance)
+    if isinstance(selection, TableSelection):
+        return selection.replay(pacer, advance)
+
+    def reset(message_ids: list[str]) -> None:
+        # A message dead-lettered for too many redeliveries would be dead-lettered again at
+        # its first redelivery: its counter starts over with the replay.
+        if selection.source == QUEUE and target.has_database:
+            try:
+                reset_redeliveries(target.engine(), target.tables, message_ids)
+            except OutboxInboxError as exc:
+                echo(f"warning: redelivery counters not reset: {exc}", err=True)
+
+    return selection.replay(pacer, advance, before=reset)
+
+
+@dead_letters.command(short_help="Send dead letters back to be handled, in order.")
+@_action_options
+def replay(
+    app: str | None,
+    service: str | None,
+    schema: str | None,
+    db_url: str | None,
+    mq_url: str | None,
+    source: str,
+    types: tuple[str, ...],
+    older_than: timedelta | None,
+    reason: str | None,
+    error: str | None,
+    ids: tuple[str, ...],
+    everything: bool,
+    limit: int | None,
+    rate: float | None,
+    dry_run: bool,
+    audit_log: str,
+    as_json: bool,
+) -> None:
+    """Send dead letters back to be handled again, in their original order.
+
+    \b
+    table       rows become pending, due now, with fresh attempt counters (id order)
+    queue       each message is republished (confirmed) to <service>.inbox without its
+                failure headers, then removed from <service>.dead_letter (queue order)
+    unroutable  each command is republished to the exchange and routing key it was sent
+                with; one that still has no queue lands back in `unroutable` and is
+                reported as kept
+
+    Choose one (--id), by filter, or --all. Writes one audit line (--audit-log).
+    Exit 4 when some selected dead letters were kept where they were.
+    """
+    _act(
+        "replay",
+        app=app,
+        service=service,
+        schema=schema,
+        db_url=db_url,
+        mq_url=mq_url,
+        source=source,
+        filters=_filters(types, older_than, reason, error, ids),
+        everything=everything,
+        limit=limit,
+        rate=rate,
+        dry_run=dry_run,
+        audit_log=audit_log,
+        as_json=as_json,
+    )
+
+
+@dead_letters.command(short_help="Delete dead letters for good (asks first).")
+@_action_options
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+def purge(
+    app: str | None,
+    service: str | None,
+    schema: str | None,
+    db_url: str | None,
+    mq_url: str | None,
+    source: str,
+    types: tuple[str, ...],
+    older_than: timedelta | None,
+    reason: str | None,
+    error: str | None,
+    ids: tuple[str, ...],
+    everything: bool,
+    limit: int | None,
+    rate: float | None,
+    dry_run: bool,
+    audit_log: str,
+    as_json: bool,
+    yes: bool,
+) -> None:
+    """Delete dead letters for good: exactly the ones selected and shown.
+
+    Table rows are deleted (only those still dead); queue messages are acknowledged. Asks
+    for confirmation unless --yes. Writes one audit line (--audit-log).
+    """
+    _act(
+        "purge",
+        app=app,
+        service=service,
+        schema=schema,
+        db_url=db_url,
+        mq_url=mq_url,
+        source=source,
+        filters=_filters(types, older_than, reason, error, ids),
+        everything=everything,
+        limit=limit,
+        rate=rate,
+        dry_run=dry_run,
+        audit_log=audit_log,
+        as_json=as_json,
+        yes=yes or dry_run,
+    )

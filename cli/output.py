@@ -1,0 +1,106 @@
+"""What the command prints: masked text, aligned tables, JSON, ages and progress bars.
+
+Everything printed or logged goes through `mask`: URL passwords become ``***``, and so does any
+password of a URL the command was given, wherever it appears.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import click
+
+from outbox_inbox.logsafe import mask_url
+
+_secrets: set[str] = set()
+
+#: Exit codes (docs/cli.md).
+EXIT_OK = 0
+EXIT_ERROR = 1  # bad input, unreachable server, missing tables: one line on stderr
+EXIT_USAGE = 2  # click's usage errors
+EXIT_UNVERIFIED = 3  # topology verify: bindings could not be checked (no management API)
+EXIT_UNHEALTHY = 4  # verify found drift; status over a threshold; replay left messages behind
+
+#: Above this many items, replay and purge show a progress bar on stderr.
+PROGRESS_THRESHOLD = 50
+
+
+def remember_secret(url: str | None) -> None:
+    """Mask the password of `url` in everything printed from now on."""
+    if not url:
+        return
+    with contextlib.suppress(ValueError):
+        password = urlsplit(url).password
+        if password and len(password) >= 3:  # a 1-2 character "secret" would mangle the output
+            _secrets.update({password, unquote(password)})
+
+
+def mask(text: str) -> str:
+    text = mask_url(text)
+    for secret in sorted(_secrets, key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
+
+
+def echo(text: str = "", *, err: bool = False) -> None:
+    click.echo(mask(text), err=err)
+
+
+def echo_json(value: Any) -> None:
+    click.echo(mask(json.dumps(value, indent=2, default=str, ensure_ascii=False)))
+
+
+def one_line(text: str | None, width: int = 60) -> str:
+    """`text` on one line, cut to `width` characters."""
+    if not text:
+        return ""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
+def render_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain-text table: columns padded to their widest cell, two spaces apart."""
+    cells = [[str(h) for h in headers]] + [["" if v is None else str(v) for v in r] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = []
+    for row in cells:
+        line = "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True))
+        lines.append(line.rstrip())
+    return "\n".join(lines)
+
+
+def format_age(seconds: float | None) -> str:
+    """A short duration: ``45s``, ``12m03s``, ``5h07m``, ``3d04h``; ``-`` for none."""
+    if seconds is None:
+        return "-"
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+@contextlib.contextmanager
+def progress(total: int, label: str) -> Iterator[Callable[[int], None]]:
+    """A progress bar on stderr for more than PROGRESS_THRESHOLD items; yields `advance(n)`."""
+    if total <= PROGRESS_THRESHOLD:
+        yield lambda _n: None
+        return
+    with click.progressbar(length=total, label=label, file=sys.stderr) as bar:
+        yield bar.update
+
+
+class MaskingFormatter(logging.Formatter):
+    """A log formatter that masks passwords, like everything else the command prints."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return mask(super().format(record))

@@ -1,0 +1,156 @@
+"""`outbox-inbox status`: backlog, inbox states, held-back keys; a health check with thresholds."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from datetime import timedelta
+from typing import Any
+
+import click
+
+from outbox_inbox.brokers.rabbitmq_admin import RabbitMQAdmin
+from outbox_inbox.status import collect_status, problems
+
+from .output import EXIT_UNHEALTHY, echo, echo_json, format_age, one_line, render_table
+from .target import json_option, parse_duration, resolve, target_options
+
+
+@click.command(short_help="Backlog, inbox states and held-back keys; a health check.")
+@target_options
+@click.option(
+    "--max-lag",
+    metavar="DURATION",
+    callback=parse_duration,
+    help="Unhealthy when the oldest unpublished outbox row or pending inbox row is older "
+    "(e.g. 30s, 5m).",
+)
+@click.option(
+    "--max-dead",
+    type=click.IntRange(min=0),
+    metavar="N",
+    help="Unhealthy when there are more dead letters (dead rows + <service>.dead_letter).",
+)
+@click.option("--no-broker", is_flag=True, help="Do not ask RabbitMQ for the queue depths.")
+@click.option(
+    "--keys",
+    "keys_limit",
+    default=20,
+    show_default=True,
+    type=click.IntRange(min=0),
+    metavar="N",
+    help="Held-back keys to list.",
+)
+@json_option
+def status(
+    app: str | None,
+    service: str | None,
+    schema: str | None,
+    db_url: str | None,
+    mq_url: str | None,
+    max_lag: timedelta | None,
+    max_dead: int | None,
+    no_broker: bool,
+    keys_limit: int,
+    as_json: bool,
+) -> None:
+    """Outbox backlog, inbox pending / in progress / dead, and keys held back.
+
+    \b
+    outbox     unpublished rows, how many failed at least once, age of the oldest
+    inbox      pending (waiting for a worker, due or scheduled for a retry), in progress
+               (leased by a worker), dead, processed; age of the oldest pending row;
+               the same counts per message type
+    held keys  ordering keys whose head message failed and waits for its retry, holding
+               back the messages behind it
+    queues     ready messages and consumers of <service>.inbox, <service>.dead_letter
+               and unroutable (when a broker URL is known; --no-broker skips them)
+
+    \b
+    As a health check: exit 4 when --max-lag or --max-dead is exceeded, or the broker
+    cannot be asked; exit 1 when the database cannot be read; else 0.
+    """
+    target = resolve(app=app, service=service, schema=schema, db_url=db_url, mq_url=mq_url)
+    try:
+        with contextlib.ExitStack() as stack:
+            admin = None
+            if not no_broker and target.has_broker:
+                admin = stack.enter_context(RabbitMQAdmin(target.broker()))
+            report = collect_status(
+                target.engine(),
+                target.tables,
+                service=target.name,
+                admin=admin,
+                held_keys_limit=keys_limit,
+            )
+    finally:
+        target.close()
+    lag = max_lag.total_seconds() if max_lag is not None else None
+    found = problems(report, max_lag=lag, max_dead=max_dead)
+    report["healthy"] = not found
+    report["problems"] = found
+    if as_json:
+        echo_json(report)
+    else:
+        _print(report)
+    if found:
+        for problem in found:
+            echo(f"unhealthy: {problem}", err=True)
+        sys.exit(EXIT_UNHEALTHY)
+
+
+def _print(report: dict[str, Any]) -> None:
+    outbox, inbox = report["outbox"], report["inbox"]
+    who = f"service {report['service']}, " if report["service"] else ""
+    echo(f"{who}schema {report['schema']}, database time {report['database_time']}")
+    echo()
+    echo(
+        f"outbox  unpublished {outbox['unpublished']} (retrying {outbox['retrying']}), "
+        f"oldest {format_age(outbox['oldest_age_seconds'])}"
+    )
+    echo(
+        f"inbox   pending {inbox['pending']}, in progress {inbox['in_progress']}, "
+        f"dead {inbox['dead']}, processed {inbox['processed']}, "
+        f"oldest pending {format_age(inbox['oldest_pending_age_seconds'])}"
+    )
+    if inbox["by_type"]:
+        echo()
+        types = [(t["type"], t["pending"], t["in_progress"], t["dead"]) for t in inbox["by_type"]]
+        echo(render_table(["TYPE", "PENDING", "IN PROGRESS", "DEAD"], types))
+    held = report["held_keys"]
+    echo()
+    echo(f"held-back keys: {held['count']}")
+    if held["keys"]:
+        keys = [
+            (
+                k["key"],
+                k["message_id"],
+                k["type"],
+                k["failures"],
+                k["waiting"],
+                k["next_attempt_at"],
+                one_line(k["last_error"], 50),
+            )
+            for k in held["keys"]
+        ]
+        echo(
+            render_table(
+                ["KEY", "HEAD MESSAGE", "TYPE", "FAILURES", "WAITING", "NEXT ATTEMPT", "ERROR"],
+                keys,
+            )
+        )
+        if held["count"] > len(held["keys"]):
+            echo(f"... and {held['count'] - len(held['keys'])} more (--keys N)")
+    broker = report["broker"]
+    if broker is not None:
+        echo()
+        rows: list[tuple[Any, ...]] = []
+        for name, queue in broker["queues"].items():
+            if queue is None:
+                rows.append((name, "missing", ""))
+            else:
+                rows.append((name, queue["messages"], queue["consumers"]))
+        if rows:
+            echo(render_table(["QUEUE", "MESSAGES", "CONSUMERS"], rows))
+        if broker["error"]:
+            echo(f"broker: {broker['error']}")

@@ -1,0 +1,250 @@
+"""Which service, database and broker a command works on, and the options that choose them."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, NoReturn, TypeVar
+
+import click
+from sqlalchemy import Engine, create_engine
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+
+from outbox_inbox.brokers.rabbitmq import RabbitMQBroker
+from outbox_inbox.config import DB_URL_ENV, MQ_URL_ENV, validate_identifier, validate_service_name
+from outbox_inbox.errors import ConfigurationError
+from outbox_inbox.logsafe import mask_url
+from outbox_inbox.migrate import DEFAULT_SCHEMA
+from outbox_inbox.service import Service
+from outbox_inbox.tables import Tables, build_tables
+from outbox_inbox.topology import Topology
+
+from .output import EXIT_ERROR, echo, remember_secret
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def fail(message: str) -> NoReturn:
+    """Print ``error: <message>`` (masked) on stderr and exit 1."""
+    echo(f"error: {message}", err=True)
+    sys.exit(EXIT_ERROR)
+
+
+def load_app(spec: str) -> Service:
+    """Import ``module:attribute`` and return the Service it names (or a callable's result)."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        fail(f"--app must be module:attribute, got {spec!r}")
+    if "." not in sys.path:
+        sys.path.insert(0, ".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        fail(f"--app {spec}: cannot import {module_name!r}: {exc}")
+    except Exception as exc:  # the service's own module failed: say so in one line
+        fail(f"--app {spec}: importing {module_name!r} raised {type(exc).__name__}: {exc}")
+    app = getattr(module, attribute, None)
+    if app is None:
+        fail(f"--app {spec}: module {module_name!r} has no attribute {attribute!r}")
+    if callable(app) and not isinstance(app, Service):
+        try:
+            app = app()
+        except Exception as exc:  # a factory of the service's own: report, do not trace
+            fail(f"--app {spec}: calling {attribute}() raised {type(exc).__name__}: {exc}")
+    if not isinstance(app, Service):
+        fail(f"--app {spec} is a {type(app).__name__}, not an outbox_inbox.Service")
+    return app
+
+
+def checked_db_url(url: str) -> str:
+    """`url` if SQLAlchemy can use it; ConfigurationError otherwise (never echoing a password)."""
+    remember_secret(url)
+    try:
+        make_url(url)
+        create_engine(url).dispose()  # loads the dialect and driver, connects to nothing
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"database URL {mask_url(url)}: its driver is not installed ({exc}); "
+            "use a URL like postgresql+psycopg://user@host:5432/dbname"
+        ) from exc
+    except (ArgumentError, ValueError, TypeError) as exc:
+        raise ConfigurationError(
+            f"malformed database URL {mask_url(url)}: {exc}; "
+            "expected a URL like postgresql+psycopg://user@host:5432/dbname"
+        ) from exc
+    return url
+
+
+def checked_mq_url(url: str) -> str:
+    """`url` if it is an AMQP URL; ConfigurationError otherwise."""
+    remember_secret(url)
+    if not re.match(r"^amqps?://", url):
+        raise ConfigurationError(
+            f"malformed broker URL {mask_url(url)}: expected a URL like amqp://user@host:5672/vhost"
+        )
+    RabbitMQBroker(url)  # pika parses it here and raises ConfigurationError
+    return url
+
+
+@dataclass
+class Target:
+    """The service a command works on: its name, schema, database and broker.
+
+    From ``--app`` (the Service's own URLs and settings unless --db-url / --mq-url are given)
+    or from ``--service`` with the URLs.
+    """
+
+    name: str | None
+    schema: str
+    db_url: str | None
+    mq_url: str | None
+    service: Service | None = None
+    _engine: Engine | None = field(default=None, repr=False)
+
+    @property
+    def tables(self) -> Tables:
+        return build_tables(self.schema)
+
+    @property
+    def has_database(self) -> bool:
+        return bool(self.db_url) or self.service is not None
+
+    @property
+    def has_broker(self) -> bool:
+        return bool(self.mq_url) or self._app_broker() is not None
+
+    def _app_broker(self) -> RabbitMQBroker | None:
+        """The app's own broker object, when it was given one instead of an mq_url."""
+        if self.service is None:
+            return None
+        try:
+            broker = self.service.broker
+        except ConfigurationError:  # neither mq_url nor broker: the in-memory development mode
+            return None
+        return broker if isinstance(broker, RabbitMQBroker) else None
+
+    def require_name(self) -> str:
+        if self.name is None:
+            fail("this needs a service: pass --app module:attribute or --service NAME")
+        return self.name
+
+    def engine(self) -> Engine:
+        if self._engine is None:
+            if self.db_url:
+                self._engine = create_engine(self.db_url, pool_pre_ping=True)
+            elif self.service is not None:
+                return self.service.engine
+            else:
+                fail(f"no database: pass --db-url, set {DB_URL_ENV}, or --app")
+        return self._engine
+
+    def broker(self) -> RabbitMQBroker:
+        if self.mq_url:
+            return RabbitMQBroker(self.mq_url)
+        broker = self._app_broker()
+        if broker is not None:
+            return broker
+        fail(f"no broker: pass --mq-url, set {MQ_URL_ENV}, or --app")
+
+    def topology(self) -> Topology:
+        if self.service is None:
+            fail("the topology needs the service's handlers and settings: pass --app")
+        return self.service.topology()
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.dispose()
+        if self.service is not None:
+            self.service.close()
+
+
+def resolve(
+    *,
+    app: str | None = None,
+    service: str | None = None,
+    schema: str | None = None,
+    db_url: str | None = None,
+    mq_url: str | None = None,
+) -> Target:
+    """Build the Target of a command from its options (the URLs are checked first)."""
+    if db_url:
+        checked_db_url(db_url)
+    if mq_url:
+        checked_mq_url(mq_url)
+    if app and service:
+        fail("pass either --app or --service, not both")
+    if schema is not None:
+        validate_identifier(schema)
+    if app:
+        loaded = load_app(app)
+        settings = loaded.settings
+        remember_secret(settings.db_url)
+        remember_secret(settings.mq_url)
+        return Target(
+            name=loaded.name,
+            schema=schema or settings.schema,
+            db_url=db_url or settings.db_url,
+            mq_url=mq_url or settings.mq_url,
+            service=loaded,
+        )
+    if service:
+        validate_service_name(service)
+    return Target(name=service, schema=schema or DEFAULT_SCHEMA, db_url=db_url, mq_url=mq_url)
+
+
+# --- options ------------------------------------------------------------------------------
+
+app_option = click.option(
+    "--app",
+    "app",
+    metavar="MODULE:ATTR",
+    help="Your Service object (or a function returning it), e.g. billing.app:service.",
+)
+service_option = click.option(
+    "--service", metavar="NAME", help="Service name, instead of --app (with --db-url/--mq-url)."
+)
+schema_option = click.option(
+    "--schema",
+    metavar="NAME",
+    help=f"PostgreSQL schema of the tables [default: the app's, else {DEFAULT_SCHEMA}].",
+)
+db_url_option = click.option(
+    "--db-url",
+    metavar="URL",
+    envvar=DB_URL_ENV,
+    help=f"SQLAlchemy URL of the database [env {DB_URL_ENV}; default: the app's].",
+)
+mq_url_option = click.option(
+    "--mq-url",
+    metavar="URL",
+    envvar=MQ_URL_ENV,
+    help=f"AMQP URL of RabbitMQ [env {MQ_URL_ENV}; default: the app's].",
+)
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+
+
+def target_options(function: F) -> F:
+    """--app / --service / --schema / --db-url / --mq-url."""
+    for option in (mq_url_option, db_url_option, schema_option, service_option, app_option):
+        function = option(function)
+    return function
+
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(
+    ctx: click.Context, param: click.Parameter, value: str | None
+) -> timedelta | None:
+    """Option callback: ``90``, ``90s``, ``10m``, ``2h``, ``7d``, ``1.5h`` as a timedelta."""
+    if value is None:
+        return None
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", value)
+    if not match:
+        raise click.BadParameter(f"{value!r} is not a duration like 30s, 10m, 2h or 7d")
+    return timedelta(seconds=float(match[1]) * _DURATION_UNITS[match[2] or "s"])

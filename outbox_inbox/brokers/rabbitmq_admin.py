@@ -1,0 +1,304 @@
+"""Operator work on RabbitMQ over AMQP: checking objects, reading and moving messages, tailing.
+
+What the `outbox-inbox` command needs beyond the `Broker` interface. A `RabbitMQAdmin` owns one
+connection and is used from one thread. pika errors are translated here, like in `rabbitmq`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pika
+import pika.exceptions
+from pika.adapters.blocking_connection import BlockingChannel
+from pika.spec import BasicProperties
+
+from ..errors import BrokerConnectionError, BrokerError
+from ..messages import WireMessage
+from ..topology import Exchange, Queue
+from .rabbitmq import CONNECTION_ERRORS, RabbitMQBroker, _close_quietly, _wire
+
+log = logging.getLogger(__name__)
+
+#: What a check found: the object exists as declared, does not exist, or exists otherwise.
+PRESENT, MISSING, DIFFERS = "present", "missing", "differs"
+
+
+@dataclass(frozen=True)
+class Found:
+    """The outcome of checking one exchange or queue."""
+
+    state: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class QueuedMessage:
+    """A message taken from a queue with basic.get and not acknowledged (yet)."""
+
+    tag: int
+    message: WireMessage
+    redelivered: bool
+    properties: Any  # the delivery's pika BasicProperties, kept whole for a faithful republish
+
+
+def _broker_error(what: str, exc: BaseException) -> BrokerError:
+    if isinstance(exc, pika.exceptions.ChannelClosedByBroker):
+        if exc.reply_code == 404:
+            return BrokerError(f"{what}: {exc.reply_text}; run `outbox-inbox topology apply`")
+        return BrokerError(f"{what}: {exc.reply_text}")
+    return BrokerConnectionError(f"{what}: {exc!r}")
+
+
+class RabbitMQAdmin:
+    """One connection to RabbitMQ for checks and operator actions. Close it (or use `with`)."""
+
+    def __init__(self, broker: RabbitMQBroker) -> None:
+        self._broker = broker
+        self._connection: pika.BlockingConnection | None = None
+
+    def __enter__(self) -> RabbitMQAdmin:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def description(self) -> str:
+        return self._broker.description
+
+    def _channel(self) -> BlockingChannel:
+        """A new channel: the broker closes a channel on every refused operation."""
+        if self._connection is None or not self._connection.is_open:
+            self._connection = self._broker.connect()
+        try:
+            return self._connection.channel()
+        except CONNECTION_ERRORS as exc:
+            raise BrokerConnectionError(f"cannot open a channel: {exc!r}") from exc
+
+    def close(self) -> None:
+        """Close the connection; unacknowledged messages go back to their queues."""
+        if self._connection is not None:
+            _close_quietly(self._connection)
+            self._connection = None
+
+    # --- checks ---------------------------------------------------------------------------
+
+    def _check(
+        self,
+        what: str,
+        passive: Callable[[BlockingChannel], Any],
+        declare: Callable[[BlockingChannel], Any],
+    ) -> Found:
+        """Passive declare tells existence; a declare with the expected arguments succeeds
+        exactly when the broker holds the object with those arguments (else 406)."""
+        channel = self._channel()
+        try:
+            passive(channel)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if exc.reply_code == 404:
+                return Found(MISSING)
+            raise _broker_error(f"checking {what}", exc) from exc
+        except CONNECTION_ERRORS as exc:
+            raise _broker_error(f"checking {what}", exc) from exc
+        try:
+            declare(channel)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if exc.reply_code == 406:  # PRECONDITION_FAILED: exists with other arguments
+                return Found(DIFFERS, str(exc.reply_text))
+            raise _broker_error(f"checking {what}", exc) from exc
+        except CONNECTION_ERRORS as exc:
+            raise _broker_error(f"checking {what}", exc) from exc
+        _close_channel(channel)
+        return Found(PRESENT)
+
+    def check_exchange(self, exchange: Exchange) -> Found:
+        """Whether `exchange` exists with the declared type, durability and arguments."""
+        return self._check(
+            f"exchange {exchange.name!r}",
+            lambda ch: ch.exchange_declare(exchange.name, passive=True),
+            lambda ch: ch.exchange_declare(
+                exchange.name,
+                exchange.type,
+                durable=exchange.durable,
+                arguments=dict(exchange.arguments) or None,
+            ),
+        )
+
+    def check_queue(self, queue: Queue) -> Found:
+        """Whether `queue` exists with the declared durability and arguments."""
+        return self._check(
+            f"queue {queue.name!r}",
+            lambda ch: ch.queue_declare(queue.name, passive=True),
+            lambda ch: ch.queue_declare(
+                queue.name, durable=queue.durable, arguments=dict(queue.arguments) or None
+            ),
+        )
+
+    def queue_info(self, name: str) -> tuple[int, int] | None:
+        """(ready messages, consumers) of queue `name`, or None if it does not exist."""
+        channel = self._channel()
+        try:
+            result = channel.queue_declare(name, passive=True)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if exc.reply_code == 404:
+                return None
+            raise _broker_error(f"inspecting queue {name!r}", exc) from exc
+        except CONNECTION_ERRORS as exc:
+            raise _broker_error(f"inspecting queue {name!r}", exc) from exc
+        _close_channel(channel)
+        return int(result.method.message_count), int(result.method.consumer_count)
+
+    # --- reading and moving messages ------------------------------------------------------
+
+    def reader(self, queue: str) -> QueueReader:
+        """A reader of `queue` on a channel of its own. Raises BrokerError if it is missing."""
+        return QueueReader(self._channel(), self._channel(), queue)
+
+    # --- tail -----------------------------------------------------------------------------
+
+    def tail(
+        self,
+        exchange: str,
+        patterns: list[str],
+        *,
+        on_ready: Callable[[str], None],
+        on_message: Callable[[WireMessage], bool],
+        should_stop: Callable[[], bool],
+    ) -> None:
+        """Copy messages routed by `exchange` with any of `patterns` to `on_message`.
+
+        The copies go through a server-named, exclusive, auto-delete queue: the broker deletes
+        it when this connection closes, however the process ends. `on_ready(queue)` is called
+        once it is bound. Ends when `should_stop()` is true (checked at least every 0.2 s) or
+        `on_message` returns False.
+        """
+        channel = self._channel()
+        try:
+            declared = channel.queue_declare("", exclusive=True, auto_delete=True)
+            name = str(declared.method.queue)
+            for pattern in patterns:
+                channel.queue_bind(name, exchange, pattern)
+        except (pika.exceptions.ChannelClosedByBroker, *CONNECTION_ERRORS) as exc:
+            raise _broker_error(f"binding a tail queue to exchange {exchange!r}", exc) from exc
+        on_ready(name)
+        try:
+            for method, props, body in channel.consume(name, auto_ack=True, inactivity_timeout=0.2):
+                if should_stop():
+                    break
+                if method is None:
+                    continue
+                if not on_message(_wire(method, props, body)):
+                    break
+        except (pika.exceptions.ChannelClosedByBroker, *CONNECTION_ERRORS) as exc:
+            raise _broker_error(f"consuming the tail queue {name}", exc) from exc
+
+
+class QueueReader:
+    """Takes messages from one queue without acknowledging them, then acks or republishes.
+
+    A message taken and never acknowledged goes back to the queue, at its place, when the
+    reader's channel closes (it is then flagged redelivered). Republishing uses a second
+    channel in confirm mode, so a message is acked only after the broker confirmed its copy.
+    """
+
+    def __init__(self, channel: BlockingChannel, publish_channel: BlockingChannel, queue: str):
+        self._channel = channel
+        self._publish = publish_channel
+        self._queue = queue
+        self._confirming = False
+
+    @property
+    def queue(self) -> str:
+        return self._queue
+
+    def depth(self) -> int:
+        """Messages ready in the queue now (not counting those this reader holds)."""
+        try:
+            result = self._publish.queue_declare(self._queue, passive=True)
+        except (pika.exceptions.ChannelClosedByBroker, *CONNECTION_ERRORS) as exc:
+            raise _broker_error(f"reading queue {self._queue!r}", exc) from exc
+        return int(result.method.message_count)
+
+    def get(self) -> QueuedMessage | None:
+        """The next ready message, unacknowledged; None when the queue has no more."""
+        try:
+            method, props, body = self._channel.basic_get(self._queue, auto_ack=False)
+        except (pika.exceptions.ChannelClosedByBroker, *CONNECTION_ERRORS) as exc:
+            raise _broker_error(f"reading queue {self._queue!r}", exc) from exc
+        if method is None:
+            return None
+        return QueuedMessage(
+            tag=method.delivery_tag,
+            message=_wire(method, props, body),
+            redelivered=bool(method.redelivered),
+            properties=props,
+        )
+
+    def ack(self, message: QueuedMessage) -> None:
+        """Remove `message` from the queue for good."""
+        try:
+            self._channel.basic_ack(delivery_tag=message.tag, multiple=False)
+        except CONNECTION_ERRORS as exc:
+            raise _broker_error(f"acknowledging a message of {self._queue!r}", exc) from exc
+
+    def republish(
+        self,
+        message: QueuedMessage,
+        exchange: str,
+        routing_key: str,
+        headers: Mapping[str, Any],
+    ) -> bool:
+        """Publish a copy of `message` (its properties, these `headers`), mandatory, confirmed.
+
+        Returns False when the broker returned the copy as unroutable. Raises BrokerError
+        when the broker refused it. The original is not acknowledged here.
+        """
+        original: BasicProperties = message.properties
+        properties = BasicProperties(
+            content_type=original.content_type,
+            content_encoding=original.content_encoding,
+            headers=dict(headers),
+            delivery_mode=pika.DeliveryMode.Persistent,
+            priority=original.priority,
+            correlation_id=original.correlation_id,
+            reply_to=original.reply_to,
+            expiration=original.expiration,
+            message_id=original.message_id,
+            timestamp=original.timestamp,
+            type=original.type,
+            # user_id is left out: the broker refuses it unless it names this connection's user.
+            app_id=original.app_id,
+        )
+        try:
+            if not self._confirming:
+                self._publish.confirm_delivery()
+                self._confirming = True
+            self._publish.basic_publish(
+                exchange, routing_key, message.message.body, properties, mandatory=True
+            )
+        except pika.exceptions.UnroutableError:
+            return False
+        except pika.exceptions.NackError as exc:
+            raise BrokerError(f"the broker refused the copy sent to {exchange!r}") from exc
+        except (pika.exceptions.ChannelClosedByBroker, *CONNECTION_ERRORS) as exc:
+            raise _broker_error(
+                f"republishing to exchange {exchange or '(default)'!r} / {routing_key!r}", exc
+            ) from exc
+        return True
+
+    def close(self) -> None:
+        """Close the channels: every message taken and not acknowledged returns to the queue."""
+        _close_channel(self._channel)
+        _close_channel(self._publish)
+
+
+def _close_channel(channel: BlockingChannel) -> None:
+    try:
+        if channel.is_open:
+            channel.close()
+    except Exception as exc:  # closing must not raise: the connection may already be gone
+        log.debug("closing a channel: %r", exc)

@@ -1,0 +1,572 @@
+"""Dead letters: dead inbox rows and the messages in the broker's dead-letter queues.
+
+Three sources, for `outbox-inbox dead-letters`:
+
+* ``table``: inbox rows with status ``dead`` (the worker gave up: max_attempts, rejected,
+  no_handler, expired, abandoned). Replay makes them pending again, due now, with fresh
+  counters; purge deletes them.
+* ``queue``: ``<service>.dead_letter``, what the receiver could never store (or the broker
+  dead-lettered from the inbox queue). Replay republishes each message, confirmed, through the
+  default exchange to ``<service>.inbox`` without the transport headers of its failure (keeping
+  ``x-original-*`` so the receiver restores the routing key), then acks it; purge acks it.
+* ``unroutable``: commands sent to a service that had no queue. Replay republishes each to the
+  exchange and routing key it was sent with; purge acks it.
+
+A selection is made first (and can be shown), then acted on: rows by id, still dead; queue
+messages are held unacknowledged by the selection until it is closed, so exactly what was
+selected is replayed or purged. Messages read and not acted on go back to their queue, flagged
+redelivered, when the selection is closed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
+
+from . import queries
+from .brokers.rabbitmq_admin import QueuedMessage, QueueReader, RabbitMQAdmin
+from .errors import storage_error
+from .messages import (
+    COMMANDS_EXCHANGE,
+    H_CREATED,
+    H_DEAD_QUEUE,
+    H_DEAD_REASON,
+    H_LAST_ERROR,
+    H_ORIGINAL_EXCHANGE,
+    H_ORIGINAL_ROUTING_KEY,
+    H_RECEIVE_ATTEMPT,
+    H_RETRY_DELAY,
+    TRANSPORT_HEADERS,
+    WireMessage,
+    inbox_id,
+)
+from .tables import Tables
+from .topology import (
+    DEAD_LETTER_EXCHANGE,
+    UNROUTABLE_EXCHANGE,
+    UNROUTABLE_QUEUE,
+    dead_letter_queue,
+    inbox_queue,
+    topic_matches,
+)
+
+TABLE, QUEUE, UNROUTABLE = "table", "queue", "unroutable"
+SOURCES = (TABLE, QUEUE, UNROUTABLE)
+
+#: Headers a replayed message loses: they describe its failure, not the message. The
+#: ``x-original-*`` headers stay, so the receiver restores the original routing key.
+FAILURE_HEADERS = frozenset(
+    {H_DEAD_REASON, H_DEAD_QUEUE, H_RECEIVE_ATTEMPT, H_RETRY_DELAY, H_LAST_ERROR}
+) | (TRANSPORT_HEADERS - {H_ORIGINAL_EXCHANGE, H_ORIGINAL_ROUTING_KEY})
+
+Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class Filters:
+    """What to select. Every given filter must match; none given selects everything."""
+
+    types: tuple[str, ...] = ()  # topic patterns (`orders.#`) or exact routing keys
+    older_than: timedelta | None = None  # dead for at least this long
+    reason: str | None = None  # the reason word: max_attempts, rejected, invalid, ...
+    error: str | None = None  # case-insensitive substring of the error text
+    message_ids: tuple[str, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not (self.types or self.older_than or self.reason or self.error or self.message_ids)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The filters given, as JSON values (for output and the audit log)."""
+        out: dict[str, Any] = {}
+        if self.types:
+            out["type"] = list(self.types)
+        if self.older_than is not None:
+            out["older_than_seconds"] = self.older_than.total_seconds()
+        if self.reason is not None:
+            out["reason"] = self.reason
+        if self.error is not None:
+            out["error"] = self.error
+        if self.message_ids:
+            out["id"] = list(self.message_ids)
+        return out
+
+    def matches_type(self, routing_key: str) -> bool:
+        return not self.types or any(topic_matches(p, routing_key) for p in self.types)
+
+    def matches(self, letter: DeadLetter) -> bool:
+        if not self.matches_type(letter.type):
+            return False
+        if self.message_ids and letter.message_id not in self.message_ids:
+            return False
+        if self.reason is not None and letter.reason != self.reason:
+            return False
+        if self.error is not None and self.error.lower() not in (letter.error or "").lower():
+            return False
+        if self.older_than is not None:
+            age = letter.age_seconds
+            if age is None or age < self.older_than.total_seconds():
+                return False
+        return True
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """One dead letter, from whichever source, as the operator sees it."""
+
+    source: str
+    ref: str  # where it is: the row id, or the position in the queue as read
+    message_id: str
+    type: str
+    reason: str | None
+    error: str | None
+    dead_at: datetime | None
+    age_seconds: float | None
+    kind: str | None = None
+    key: str | None = None
+    attempts: int | None = None
+    correlation_id: str | None = None
+    payload: Any = None
+    headers: Mapping[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "ref": self.ref,
+            "message_id": self.message_id,
+            "type": self.type,
+            "kind": self.kind,
+            "reason": self.reason,
+            "error": self.error,
+            "dead_at": self.dead_at.isoformat() if self.dead_at else None,
+            "age_seconds": round(self.age_seconds, 3) if self.age_seconds is not None else None,
+            "key": self.key,
+            "attempts": self.attempts,
+            "correlation_id": self.correlation_id,
+            "payload": self.payload,
+            "headers": _jsonable(dict(self.headers)),
+        }
+
+
+@dataclass
+class Outcome:
+    """What an action did to one source's selection."""
+
+    source: str
+    selected: int
+    done: list[str] = field(default_factory=list)  # message ids replayed or purged
+    kept: list[tuple[str, str]] = field(default_factory=list)  # (message id, why)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "selected": self.selected,
+            "done": len(self.done),
+            "message_ids": self.done,
+            "kept": [{"message_id": m, "why": why} for m, why in self.kept],
+        }
+
+
+class Pacer:
+    """Keeps an action at most `rate` items per second (no limit when rate is None)."""
+
+    def __init__(self, rate: float | None) -> None:
+        self._rate = rate
+        self._start = time.monotonic()
+        self._sent = 0
+
+    def batch_size(self, largest: int = 100) -> int:
+        """Items per step: small enough to spread the work evenly over each second."""
+        if not self._rate:
+            return largest
+        return max(1, min(largest, int(self._rate / 10)))
+
+    def before(self, count: int) -> None:
+        """Wait until `count` more items may go."""
+        if self._rate:
+            due = self._start + self._sent / self._rate
+            delay = due - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+        self._sent += count
+
+
+# --- the table ----------------------------------------------------------------------------
+
+
+class TableSelection:
+    """Dead inbox rows matching `filters`, at most `limit`, in id order (arrival order)."""
+
+    source = TABLE
+
+    def __init__(
+        self, engine: Engine, tables: Tables, filters: Filters, limit: int | None = None
+    ) -> None:
+        self._engine = engine
+        self._tables = tables
+        self.letters: list[DeadLetter] = []
+        self._ids: list[int] = []
+        self.more = False  # True when `limit` cut the selection short
+        exact = () if any(_is_pattern(t) for t in filters.types) else filters.types
+        try:
+            with engine.connect() as conn:
+                rows = queries.dead_inbox_rows(
+                    conn,
+                    tables,
+                    routing_keys=exact,
+                    older_than=filters.older_than,
+                    reason=filters.reason,
+                    error=filters.error,
+                    message_ids=[inbox_id(m) for m in filters.message_ids],
+                )
+                for row in rows:
+                    if not filters.matches_type(row["routing_key"]):
+                        continue
+                    if limit is not None and len(self.letters) >= limit:
+                        self.more = True
+                        break
+                    self._ids.append(int(row["id"]))
+                    self.letters.append(_row_letter(row))
+        except SQLAlchemyError as exc:
+            where = engine.url.render_as_string(hide_password=True)
+            raise storage_error(exc, f"reading the dead inbox rows from {where}") from exc
+
+    def _each_batch(
+        self,
+        action: Callable[[Any, Tables, list[int]], list[int]],
+        pacer: Pacer,
+        progress: Progress,
+    ) -> list[int]:
+        done: list[int] = []
+        size = pacer.batch_size()
+        for start in range(0, len(self._ids), size):
+            batch = self._ids[start : start + size]
+            pacer.before(len(batch))
+            try:
+                with self._engine.begin() as conn:
+                    done += action(conn, self._tables, batch)
+            except SQLAlchemyError as exc:
+                raise storage_error(exc, "changing dead inbox rows") from exc
+            progress(len(batch))
+        return done
+
+    def _outcome(self, done: Iterable[int], why_not: str) -> Outcome:
+        done_ids = set(done)
+        outcome = Outcome(TABLE, len(self._ids))
+        for row_id, letter in zip(self._ids, self.letters, strict=True):
+            if row_id in done_ids:
+                outcome.done.append(letter.message_id)
+            else:
+                outcome.kept.append((letter.message_id, why_not))
+        return outcome
+
+    def replay(self, pacer: Pacer, progress: Progress) -> Outcome:
+        """Make the selected rows pending again (those still dead), batch by batch in id order."""
+        done = self._each_batch(queries.replay_dead_inbox, pacer, progress)
+        return self._outcome(done, "no longer dead")
+
+    def purge(self, pacer: Pacer, progress: Progress) -> Outcome:
+        """Delete the selected rows that are still dead."""
+        done = self._each_batch(queries.purge_dead_inbox, pacer, progress)
+        return self._outcome(done, "no longer dead")
+
+    def close(self) -> None:
+        """Nothing to release: the rows were read in a finished transaction."""
+
+
+def _row_letter(row: Mapping[Any, Any]) -> DeadLetter:
+    return DeadLetter(
+        source=TABLE,
+        ref=str(row["id"]),
+        message_id=str(row["message_id"]),
+        type=row["routing_key"],
+        reason=row["dead_reason"],
+        error=row["last_error"],
+        dead_at=row["dead_at"],
+        age_seconds=float(row["age_seconds"]) if row["age_seconds"] is not None else None,
+        kind=row["kind"],
+        key=row["key"],
+        attempts=row["attempts"],
+        correlation_id=row["correlation_id"],
+        payload=row["payload"],
+        headers=dict(row["headers"] or {}),
+    )
+
+
+def _is_pattern(routing_key: str) -> bool:
+    return any(word in ("*", "#") for word in routing_key.split("."))
+
+
+# --- the queues ---------------------------------------------------------------------------
+
+
+class QueueSelection:
+    """Messages of a dead-letter queue matching `filters`, held unacknowledged until `close()`.
+
+    Reads at most `limit` messages (default: as many as the queue holds when the selection
+    starts, so a message that comes back during a replay is not read twice). Every message
+    read is held, matching or not, so the next read gets the next message; those not acted on
+    return to the queue, in their place, on `close()`.
+    """
+
+    def __init__(
+        self,
+        admin: RabbitMQAdmin,
+        source: str,
+        filters: Filters,
+        *,
+        service: str | None,
+        limit: int | None = None,
+    ) -> None:
+        if source == QUEUE:
+            if service is None:
+                raise ValueError("the queue source needs a service")
+            self.queue = dead_letter_queue(service)
+        else:
+            self.queue = UNROUTABLE_QUEUE
+        self.source = source
+        self._service = service
+        self._reader: QueueReader = admin.reader(self.queue)
+        self.letters: list[DeadLetter] = []
+        self._held: list[QueuedMessage] = []
+        self.more = False
+        try:
+            depth = self._reader.depth()
+            budget = depth if limit is None else min(limit, depth)
+            self.more = limit is not None and depth > limit
+            now = datetime.now(UTC)
+            for position in range(1, budget + 1):
+                taken = self._reader.get()
+                if taken is None:
+                    break
+                letter = _queued_letter(taken.message, source, position, now)
+                if filters.matches(letter):
+                    self._held.append(taken)
+                    self.letters.append(letter)
+        except BaseException:
+            self._reader.close()
+            raise
+
+    def replay(
+        self, pacer: Pacer, progress: Progress, *, before: Callable[[list[str]], None] | None = None
+    ) -> Outcome:
+        """Republish each selected message, in queue order, and ack it once confirmed.
+
+        `before(message_ids)` runs first (the CLI resets the redelivery counters there).
+        """
+        outcome = Outcome(self.source, len(self._held))
+        if before is not None and self._held:
+            before([letter.message_id for letter in self.letters])
+        published: dict[str, str] = {}
+        for taken, letter in zip(self._held, self.letters, strict=True):
+            pacer.before(1)
+            exchange, routing_key, headers = self._target(taken.message)
+            if self._reader.republish(taken, exchange, routing_key, headers):
+                self._reader.ack(taken)
+                published[letter.message_id] = routing_key
+                outcome.done.append(letter.message_id)
+            else:
+                outcome.kept.append((letter.message_id, f"unroutable: no queue {routing_key!r}"))
+            progress(1)
+        if self.source == UNROUTABLE and published:
+            self._find_returned(outcome, published)
+        return outcome
+
+    def _target(self, message: WireMessage) -> tuple[str, str, dict[str, Any]]:
+        if self.source == QUEUE:
+            assert self._service is not None
+            return "", inbox_queue(self._service), replay_headers(message)
+        headers = {k: v for k, v in message.headers.items() if k not in FAILURE_HEADERS}
+        exchange = _text(message.headers.get(H_ORIGINAL_EXCHANGE)) or message.exchange
+        if exchange in ("", UNROUTABLE_EXCHANGE):
+            exchange = COMMANDS_EXCHANGE
+        routing_key = _text(message.headers.get(H_ORIGINAL_ROUTING_KEY)) or message.routing_key
+        return exchange, routing_key, headers
+
+    def _find_returned(self, outcome: Outcome, published: dict[str, str]) -> None:
+        """Find replayed commands that came straight back to `unroutable`.
+
+        `commands` has `unroutable` as its alternate exchange, so a command that still has no
+        queue is not returned to the publisher: the broker routes it to `unroutable` again,
+        at the end of the queue, before it confirms. Those copies are left there.
+        """
+        for _ in range(self._reader.depth()):
+            taken = self._reader.get()
+            if taken is None:
+                break
+            self._held.append(taken)  # held, so it goes back on close
+            message_id = taken.message.message_id
+            if message_id in published and message_id in outcome.done:
+                outcome.done.remove(message_id)
+                key = published[message_id]
+                outcome.kept.append((message_id, f"still unroutable: no queue for {key!r}"))
+
+    def purge(self, pacer: Pacer, progress: Progress) -> Outcome:
+        """Acknowledge (remove) each selected message."""
+        outcome = Outcome(self.source, len(self._held))
+        for taken, letter in zip(self._held, self.letters, strict=True):
+            pacer.before(1)
+            self._reader.ack(taken)
+            outcome.done.append(letter.message_id)
+            progress(1)
+        return outcome
+
+    def close(self) -> None:
+        """Release every message read and not acknowledged back to the queue."""
+        self._reader.close()
+
+
+def replay_headers(message: WireMessage) -> dict[str, Any]:
+    """Headers of the copy of a dead-lettered message sent back to the inbox queue.
+
+    The failure's transport headers go; the original exchange and routing key stay, taken from
+    the broker's ``x-death`` record when the broker itself dead-lettered the message.
+    """
+    headers = {k: v for k, v in message.headers.items() if k not in FAILURE_HEADERS}
+    death = _first_death(message.headers)
+    if H_ORIGINAL_EXCHANGE not in headers:
+        exchange = _text(death.get("exchange")) if death else None
+        if exchange is None and message.exchange not in ("", DEAD_LETTER_EXCHANGE):
+            exchange = message.exchange
+        if exchange is not None:
+            headers[H_ORIGINAL_EXCHANGE] = exchange
+    if H_ORIGINAL_ROUTING_KEY not in headers:
+        keys = death.get("routing-keys") if death else None
+        if isinstance(keys, list | tuple) and keys:
+            headers[H_ORIGINAL_ROUTING_KEY] = _text(keys[0])
+    return headers
+
+
+def _first_death(headers: Mapping[str, Any]) -> dict[str, Any]:
+    deaths = headers.get("x-death")
+    if isinstance(deaths, list | tuple) and deaths and isinstance(deaths[0], dict):
+        return dict(deaths[0])
+    return {}
+
+
+def _queued_letter(message: WireMessage, source: str, position: int, now: datetime) -> DeadLetter:
+    headers = message.headers
+    death = _first_death(headers)
+    reason_text = _text(headers.get(H_DEAD_REASON))
+    if reason_text is None and death:
+        reason_text = _text(death.get("reason"))
+    reason, _, detail = (reason_text or "").partition(":")
+    errors = [part for part in (detail.strip(), _text(headers.get(H_LAST_ERROR))) if part]
+    routing_key = (
+        message.type
+        or _text(headers.get(H_ORIGINAL_ROUTING_KEY))
+        or _first_key(death)
+        or message.routing_key
+    )
+    dead_at = death.get("time") if isinstance(death.get("time"), datetime) else None
+    created = _created(message)
+    since = dead_at or created
+    if since is not None and since.tzinfo is None:
+        since = since.replace(tzinfo=UTC)
+    return DeadLetter(
+        source=source,
+        ref=f"#{position}",
+        message_id=message.message_id or "",
+        type=routing_key,
+        reason=reason or (None if source == QUEUE else "unroutable"),
+        error="\n".join(errors) or None,
+        dead_at=dead_at,
+        age_seconds=(now - since).total_seconds() if since is not None else None,
+        kind=_text(headers.get("x-kind")),
+        key=_text(headers.get("x-key")),
+        attempts=_int(headers.get(H_RECEIVE_ATTEMPT)),
+        correlation_id=message.correlation_id,
+        payload=_payload(message.body),
+        headers=dict(headers),
+    )
+
+
+def _first_key(death: Mapping[str, Any]) -> str | None:
+    keys = death.get("routing-keys")
+    return _text(keys[0]) if isinstance(keys, list | tuple) and keys else None
+
+
+def _created(message: WireMessage) -> datetime | None:
+    value = message.headers.get(H_CREATED)
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "replace")
+    if isinstance(value, str):
+        try:
+            parsed = datetime.fromisoformat(value)
+        except ValueError:
+            parsed = None
+        if parsed is not None:
+            return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+    if message.timestamp:
+        return datetime.fromtimestamp(message.timestamp, UTC)
+    return None
+
+
+def _payload(body: bytes) -> Any:
+    try:
+        return json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return body.decode("utf-8", "replace")
+
+
+def _text(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value)
+
+
+def _int(value: Any) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value)
+
+
+def error_summary(text: str | None, width: int = 200) -> str | None:
+    """One line of an error text: a traceback's last line (the exception), else the first."""
+    if not text:
+        return text
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    line = lines[-1] if "Traceback (most recent call last)" in text else lines[0]
+    return line[:width]
+
+
+def reset_redeliveries(engine: Engine, tables: Tables, message_ids: list[str]) -> None:
+    """Forget the broker-redelivery counts of `message_ids`, so replayed copies start at 0."""
+    try:
+        with engine.begin() as conn:
+            queries.forget_deliveries(conn, tables, [inbox_id(m) for m in message_ids])
+    except SQLAlchemyError as exc:
+        raise storage_error(exc, "resetting redelivery counters") from exc
+
+
+def parse_message_id(value: str) -> str:
+    """A message id as given: a UUID is normalized, anything else kept (foreign senders)."""
+    try:
+        return str(uuid.UUID(value))
+    except ValueError:
+        return value

@@ -1,0 +1,126 @@
+"""The health of one service's messaging, from its tables and queues (`outbox-inbox status`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
+
+from . import migrate, queries
+from .brokers.rabbitmq_admin import RabbitMQAdmin
+from .dead_letters import error_summary
+from .errors import BrokerError, SchemaMissing, storage_error
+from .tables import Tables
+from .topology import UNROUTABLE_QUEUE, dead_letter_queue, inbox_queue
+
+
+def collect_status(
+    engine: Engine,
+    tables: Tables,
+    *,
+    service: str | None,
+    admin: RabbitMQAdmin | None,
+    held_keys_limit: int = 20,
+) -> dict[str, Any]:
+    """Outbox backlog, inbox states, held-back ordering keys and, with `admin`, queue depths.
+
+    All ages are measured on the database clock. Reads in one repeatable-read transaction, so
+    the numbers agree with each other. Raises SchemaMissing without the tables, StorageError
+    when the database fails; a broker that cannot be reached is reported in ``broker.error``.
+    """
+    try:
+        with engine.connect() as conn:
+            if not migrate.tables_exist(conn, tables.schema):
+                raise SchemaMissing(
+                    f"the outbox/inbox tables are missing in schema {tables.schema!r}: "
+                    "run `outbox-inbox db upgrade`"
+                )
+            conn.commit()  # the inspection began a transaction; the snapshot starts below
+            with conn.execution_options(isolation_level="REPEATABLE READ").begin():
+                now = queries.database_now(conn)
+                outbox = queries.outbox_status(conn, tables)
+                inbox = queries.inbox_status(conn, tables)
+                total, keys = queries.held_keys(conn, tables, held_keys_limit)
+    except SQLAlchemyError as exc:
+        where = engine.url.render_as_string(hide_password=True)
+        raise storage_error(exc, f"reading the status from {where}") from exc
+    status: dict[str, Any] = {
+        "service": service,
+        "schema": tables.schema,
+        "database_time": now.isoformat(),
+        "outbox": outbox,
+        "inbox": inbox,
+        "held_keys": {
+            "count": total,
+            "keys": [
+                {
+                    "key": k["key"],
+                    "message_id": str(k["message_id"]),
+                    "type": k["type"],
+                    "failures": int(k["failures"]),
+                    "next_attempt_at": k["next_attempt_at"].isoformat(),
+                    "waiting": int(k["waiting"]),
+                    "last_error": error_summary(k["last_error"]),
+                }
+                for k in keys
+            ],
+        },
+        "broker": None,
+    }
+    if admin is not None:
+        status["broker"] = _broker_status(admin, service)
+    return status
+
+
+def _broker_status(admin: RabbitMQAdmin, service: str | None) -> dict[str, Any]:
+    names = [inbox_queue(service), dead_letter_queue(service)] if service else []
+    names.append(UNROUTABLE_QUEUE)
+    queues: dict[str, Any] = {}
+    try:
+        for name in names:
+            info = admin.queue_info(name)
+            queues[name] = None if info is None else {"messages": info[0], "consumers": info[1]}
+    except BrokerError as exc:
+        return {"error": str(exc), "queues": queues}
+    return {"error": None, "queues": queues}
+
+
+def dead_count(status: dict[str, Any]) -> int:
+    """Dead inbox rows plus messages in the service's dead-letter queue (when known)."""
+    count = int(status["inbox"]["dead"])
+    broker = status.get("broker") or {}
+    service = status.get("service")
+    if service:
+        queue = (broker.get("queues") or {}).get(dead_letter_queue(service))
+        if queue:
+            count += int(queue["messages"])
+    return count
+
+
+def problems(
+    status: dict[str, Any], *, max_lag: float | None = None, max_dead: int | None = None
+) -> list[str]:
+    """What makes `status` unhealthy under the thresholds given; empty when healthy.
+
+    Lag is the age of the oldest unpublished outbox row and of the oldest pending inbox row
+    (a message waiting for its retry counts: it is not handled yet). A broker that could not
+    be asked is a problem too.
+    """
+    out = []
+    if max_lag is not None:
+        for part, field in (
+            ("outbox", "oldest_age_seconds"),
+            ("inbox", "oldest_pending_age_seconds"),
+        ):
+            age = status[part][field]
+            if age is not None and age > max_lag:
+                out.append(f"{part} lag {age:.1f}s exceeds --max-lag {max_lag:g}s")
+    if max_dead is not None:
+        dead = dead_count(status)
+        if dead > max_dead:
+            out.append(f"{dead} dead letters exceed --max-dead {max_dead}")
+    broker = status.get("broker")
+    if broker and broker.get("error"):
+        out.append(f"broker: {broker['error']}")
+    return out

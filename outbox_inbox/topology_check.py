@@ -1,0 +1,198 @@
+"""Compare the topology a service needs with what the broker holds (`outbox-inbox topology`).
+
+Exchanges and queues are checked through the management API when it answers (it shows their
+arguments), else over AMQP (a passive declare tells existence; a declare with the expected
+arguments succeeds exactly when the broker holds the object with those arguments). Bindings
+cannot be listed over AMQP 0-9-1: without the management API they stay ``unverified``, unless
+their exchange or queue is missing, which settles it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .brokers.rabbitmq import RabbitMQBroker
+from .brokers.rabbitmq_admin import DIFFERS, MISSING, PRESENT, Found, RabbitMQAdmin
+from .errors import TopologyMismatch
+from .management import ManagementAPI, ManagementUnavailable
+from .topology import UNROUTABLE_QUEUE, Binding, Exchange, Queue, Topology
+
+#: Further states of a checked object (besides present, missing, differs).
+UNVERIFIED = "unverified"  # a binding, when the management API does not answer
+EXTRA = "extra"  # a binding on one of the service's queues that the service does not declare
+
+
+@dataclass(frozen=True)
+class Item:
+    """One exchange, queue or binding and what the broker holds of it."""
+
+    kind: str  # exchange | queue | binding
+    name: str
+    state: str
+    detail: str = ""
+
+    def as_dict(self) -> dict[str, str]:
+        return {"kind": self.kind, "name": self.name, "state": self.state, "detail": self.detail}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every object the service needs, in declaration order, then the extra bindings."""
+
+    items: tuple[Item, ...]
+    #: Why the management API was not used (None when it was).
+    management_problem: str | None
+
+    def having(self, *states: str) -> list[Item]:
+        return [item for item in self.items if item.state in states]
+
+    @property
+    def complete(self) -> bool:
+        """True when nothing is missing or declared otherwise (unverified bindings aside)."""
+        return not self.having(MISSING, DIFFERS)
+
+    def as_dict(self) -> dict[str, Any]:
+        counts: dict[str, int] = {}
+        for item in self.items:
+            counts[item.state] = counts.get(item.state, 0) + 1
+        return {
+            "items": [item.as_dict() for item in self.items],
+            "counts": counts,
+            "management_api": self.management_problem or "used",
+        }
+
+
+def binding_name(binding: Binding) -> str:
+    return f"{binding.exchange} -> {binding.queue} ({binding.routing_key or 'no key'})"
+
+
+def check_topology(topology: Topology, admin: RabbitMQAdmin, api: ManagementAPI | None) -> Plan:
+    """Check every object of `topology` against the broker; read-only.
+
+    Raises BrokerError when the broker cannot be reached over AMQP.
+    """
+    problem: str | None = None
+    if api is None:
+        problem = "no management URL"
+    else:
+        try:
+            api.check()
+        except ManagementUnavailable as exc:
+            problem, api = str(exc), None
+    items: list[Item] = []
+    states: dict[tuple[str, str], str] = {}
+    for exchange in topology.exchanges:
+        found = _exchange_by_api(exchange, api) if api else admin.check_exchange(exchange)
+        states["exchange", exchange.name] = found.state
+        items.append(Item("exchange", exchange.name, found.state, found.detail))
+    for queue in topology.queues:
+        found = _queue_by_api(queue, api) if api else admin.check_queue(queue)
+        states["queue", queue.name] = found.state
+        items.append(Item("queue", queue.name, found.state, found.detail))
+    actual: dict[str, set[tuple[str, str]]] = {}
+    if api is not None:
+        for queue_name in dict.fromkeys(b.queue for b in topology.bindings):
+            actual[queue_name] = {
+                (str(b["source"]), str(b.get("routing_key", "")))
+                for b in api.queue_bindings(queue_name)
+                if b.get("destination_type", "queue") == "queue"
+            }
+    for binding in topology.bindings:
+        ends_missing = (
+            states.get(("exchange", binding.exchange)) == MISSING
+            or states.get(("queue", binding.queue)) == MISSING
+        )
+        if ends_missing:
+            state, detail = MISSING, "its exchange or queue is missing"
+        elif api is None:
+            state, detail = UNVERIFIED, "management API unreachable"
+        elif (binding.exchange, binding.routing_key) in actual[binding.queue]:
+            state, detail = PRESENT, ""
+        else:
+            state, detail = MISSING, ""
+        items.append(Item("binding", binding_name(binding), state, detail))
+    # A binding the service no longer declares still routes messages to it (which then die
+    # with no_handler). `apply` does not remove it: unbinding is left to the operator.
+    expected = {(b.queue, b.exchange, b.routing_key) for b in topology.bindings}
+    for queue_name, present in actual.items():
+        if queue_name == UNROUTABLE_QUEUE:  # shared by every service
+            continue
+        for source, key in sorted(present):
+            if (queue_name, source, key) not in expected:
+                extra = Binding(source, queue_name, key)
+                items.append(
+                    Item("binding", binding_name(extra), EXTRA, "not declared by the service")
+                )
+    return Plan(tuple(items), problem)
+
+
+def apply_topology(
+    topology: Topology, broker: RabbitMQBroker, admin: RabbitMQAdmin, api: ManagementAPI | None
+) -> tuple[Plan, Plan]:
+    """Declare what is missing; return the plans before and after.
+
+    Refuses, declaring nothing, when an exchange or queue exists with other arguments
+    (TopologyMismatch): RabbitMQ cannot change them in place; the object must be drained and
+    deleted first.
+    """
+    before = check_topology(topology, admin, api)
+    differs = [i for i in before.having(DIFFERS) if i.kind != "binding"]
+    if differs:
+        names = ", ".join(f"{i.kind} {i.name}" for i in differs)
+        raise TopologyMismatch(
+            f"{names} exist(s) with other arguments; nothing was declared. RabbitMQ cannot "
+            "change them in place: drain and delete them, then apply again"
+        )
+    broker.declare(topology)
+    return before, check_topology(topology, admin, api)
+
+
+def _normalized(arguments: Mapping[str, Any] | None, expected: Mapping[str, Any]) -> dict[str, Any]:
+    actual = dict(arguments or {})
+    # Newer brokers show the default queue type explicitly; it is what "none given" means.
+    if actual.get("x-queue-type") == "classic" and "x-queue-type" not in expected:
+        del actual["x-queue-type"]
+    return actual
+
+
+def _argument_differences(expected: Mapping[str, Any], actual: Mapping[str, Any]) -> list[str]:
+    out = []
+    for name in sorted(set(expected) | set(actual)):
+        want, have = expected.get(name), actual.get(name)
+        if want != have or type(want) is not type(have):
+            out.append(f"{name}: expected {_show(want)}, broker has {_show(have)}")
+    return out
+
+
+def _show(value: Any) -> str:
+    return "none" if value is None else repr(value)
+
+
+def _exchange_by_api(exchange: Exchange, api: ManagementAPI) -> Found:
+    found = api.exchange(exchange.name)
+    if found is None:
+        return Found(MISSING)
+    problems = []
+    if found.get("type") != exchange.type:
+        problems.append(f"type: expected {exchange.type}, broker has {found.get('type')}")
+    if bool(found.get("durable")) != exchange.durable:
+        problems.append(f"durable: expected {exchange.durable}, broker has {found.get('durable')}")
+    problems += _argument_differences(
+        exchange.arguments, _normalized(found.get("arguments"), exchange.arguments)
+    )
+    return Found(DIFFERS, "; ".join(problems)) if problems else Found(PRESENT)
+
+
+def _queue_by_api(queue: Queue, api: ManagementAPI) -> Found:
+    found = api.queue(queue.name)
+    if found is None:
+        return Found(MISSING)
+    problems = []
+    if bool(found.get("durable")) != queue.durable:
+        problems.append(f"durable: expected {queue.durable}, broker has {found.get('durable')}")
+    problems += _argument_differences(
+        queue.arguments, _normalized(found.get("arguments"), queue.arguments)
+    )
+    return Found(DIFFERS, "; ".join(problems)) if problems else Found(PRESENT)

@@ -1,0 +1,210 @@
+"""Help, migrations and failures of the `outbox-inbox` command, run as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from cli_support import Cli, base_env, command
+
+from helpers import scalar
+
+SECRET = "s3cretpw"
+
+#: Every command and group, as a user would type it before --help.
+COMMANDS = [
+    (),
+    ("db",),
+    ("db", "upgrade"),
+    ("db", "downgrade"),
+    ("db", "current"),
+    ("db", "history"),
+    ("topology",),
+    ("topology", "plan"),
+    ("topology", "apply"),
+    ("topology", "verify"),
+    ("dead-letters",),
+    ("dead-letters", "list"),
+    ("dead-letters", "show"),
+    ("dead-letters", "replay"),
+    ("dead-letters", "purge"),
+    ("status",),
+    ("tail",),
+    ("run",),
+]
+
+
+def _run_all(argvs: list[list[str]], cwd: Path) -> list[tuple[int, str, str]]:
+    """Run several commands at once (they are independent) and collect their results."""
+    processes = [
+        subprocess.Popen(
+            command(*argv),
+            cwd=cwd,
+            env=base_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for argv in argvs
+    ]
+    results = []
+    for process in processes:
+        out, err = process.communicate(timeout=60)
+        results.append((process.returncode, out, err))
+    return results
+
+
+#: Prints the help of each command given as JSON argv lists, in one process: 18 interpreter
+#: starts would cost the suite ~10 s on a small machine. The console script itself is run below.
+_HELP_DRIVER = """
+import contextlib, io, json, sys
+from outbox_inbox.cli.main import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main.main(argv + ["--help"], prog_name="outbox-inbox", standalone_mode=False)
+    results.append([code or 0, out.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def test_help_of_every_command_explains_it_and_exits_0(tmp_path: Path) -> None:
+    script = Path(sys.executable).with_name("outbox-inbox")
+    console = subprocess.run(
+        [str(script), "--help"], env=base_env(), capture_output=True, text=True, timeout=60
+    )
+    assert console.returncode == 0, console.stderr
+    assert console.stdout.startswith("Usage: outbox-inbox [OPTIONS] COMMAND")
+    driver = subprocess.run(
+        [sys.executable, "-c", _HELP_DRIVER, json.dumps([list(c) for c in COMMANDS])],
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert driver.returncode == 0, driver.stderr
+    results = json.loads(driver.stdout)
+    for argv, (code, out) in zip(COMMANDS, results, strict=True):
+        name = " ".join(argv) or "(root)"
+        assert code == 0, f"{name} --help exited {code}"
+        assert out.startswith("Usage: outbox-inbox"), f"{name}: {out[:200]}"
+        # A summary sentence, not just the option list.
+        description = out.split("\n\n")[1].strip()
+        assert len(description) > 20, f"{name} --help has no description: {out}"
+        for line in out.splitlines():
+            assert len(line) <= 100, f"{name} --help has a line of {len(line)} characters"
+    assert results[0][1] == console.stdout
+    for group in ("db", "topology", "dead-letters", "status", "tail", "run"):
+        assert f"  {group} " in console.stdout
+    assert "--db-url" in results[COMMANDS.index(("status",))][1]
+    assert "--mq-url" in results[COMMANDS.index(("dead-letters", "replay"))][1]
+    assert "--management-url" in results[COMMANDS.index(("topology", "verify"))][1]
+
+
+def test_bad_input_gives_one_error_line_exit_1_no_traceback_no_password(
+    tmp_path: Path, db_url: str
+) -> None:
+    missing_tables_url = db_url.replace("postgres@", f"postgres:{SECRET}@", 1)
+    assert SECRET in missing_tables_url  # the local server trusts loopback: it connects anyway
+    cases = {
+        "malformed db url": [
+            "status",
+            "--service",
+            "billing",
+            "--db-url",
+            f"postgresql+psycopg://app:{SECRET}@db:notaport/x",
+        ],
+        "unreachable db": [
+            "status",
+            "--service",
+            "billing",
+            "--db-url",
+            f"postgresql+psycopg://app:{SECRET}@127.0.0.1:1/x",
+        ],
+        "missing tables": ["status", "--service", "billing", "--db-url", missing_tables_url],
+        "missing tables, dead letters": [
+            "dead-letters",
+            "list",
+            "--source",
+            "table",
+            "--service",
+            "billing",
+            "--db-url",
+            missing_tables_url,
+        ],
+        "unknown app": ["topology", "plan", "--app", "no_such_module:service"],
+        "app not a service": ["topology", "plan", "--app", "os:sep"],
+        "malformed mq url": ["tail", "orders.#", "--mq-url", f"http://app:{SECRET}@mq/"],
+        "unreachable broker": ["tail", "orders.#", "--mq-url", f"amqp://app:{SECRET}@127.0.0.1:1/"],
+        "unreachable db on upgrade": [
+            "db",
+            "upgrade",
+            "--db-url",
+            f"postgresql+psycopg://app:{SECRET}@127.0.0.1:1/x",
+        ],
+    }
+    results = _run_all(list(cases.values()), tmp_path)
+    for (case, argv), (code, out, err) in zip(cases.items(), results, strict=True):
+        shown = f"{case}: {argv} -> {code}\nstdout: {out}\nstderr: {err}"
+        assert code == 1, shown
+        assert out == "", shown
+        lines = err.strip().splitlines()
+        assert len(lines) == 1, shown
+        assert lines[0].startswith("error: "), shown
+        assert "Traceback" not in err, shown
+        assert SECRET not in err, shown
+    by_case = dict(zip(cases, (err for _, _, err in results), strict=True))
+    assert "malformed database URL" in by_case["malformed db url"]
+    assert "db upgrade" in by_case["missing tables"]
+    assert "db upgrade" in by_case["missing tables, dead letters"]
+    assert "no_such_module" in by_case["unknown app"]
+    assert "not an outbox_inbox.Service" in by_case["app not a service"]
+    assert "malformed broker URL" in by_case["malformed mq url"]
+    assert "cannot connect to RabbitMQ" in by_case["unreachable broker"]
+    assert "***" in by_case["unreachable broker"]
+
+
+def test_verbose_shows_the_traceback_still_masked(tmp_path: Path) -> None:
+    ((code, _, err),) = _run_all(
+        [["-v", "tail", "x.#", "--mq-url", f"amqp://app:{SECRET}@127.0.0.1:1/"]], tmp_path
+    )
+    assert code == 1
+    assert "Traceback" in err
+    assert err.strip().splitlines()[-1].startswith("error: ")
+    assert SECRET not in err
+
+
+def test_db_upgrade_current_history_downgrade(cli: Cli, db_url: str) -> None:
+    fresh = cli("db", "current", "--db-url", db_url)
+    assert fresh.returncode == 0, fresh
+    assert "no revision" in fresh.stdout
+    # `current` only reads: it creates neither the schema nor the version table.
+    assert scalar(db_url, "SELECT count(*) FROM pg_namespace WHERE nspname = 'ops'") == 0
+
+    up = cli("db", "upgrade", "--db-url", db_url, "--schema", "ops")
+    assert up.returncode == 0, up
+    assert "upgraded" in up.stdout
+    assert scalar(db_url, "SELECT to_regclass('ops.inbox_messages') IS NOT NULL") is True
+
+    current = cli("db", "current", "--db-url", db_url, "--schema", "ops", "--json")
+    assert current.returncode == 0, current
+    assert '"up_to_date": true' in current.stdout
+    assert "0001 (head)" in cli("db", "current", "--db-url", db_url, "--schema", "ops").stdout
+
+    history = cli("db", "history")
+    assert history.returncode == 0, history
+    assert "0001" in history.stdout
+
+    down = cli("db", "downgrade", "base", "--db-url", db_url, "--schema", "ops")
+    assert down.returncode == 0, down
+    assert scalar(db_url, "SELECT to_regclass('ops.inbox_messages') IS NULL") is True
+
+
+def test_db_upgrade_takes_the_database_from_the_app(cli: Cli, db_url: str) -> None:
+    result = cli("db", "upgrade", "--app", "cli_app:billing")
+    assert result.returncode == 0, result
+    assert scalar(db_url, "SELECT to_regclass('outbox_inbox.outbox_messages') IS NOT NULL")

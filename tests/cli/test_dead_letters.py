@@ -1,0 +1,345 @@
+"""`outbox-inbox dead-letters`: replayed dead letters are handled, purge removes what was listed."""
+
+from __future__ import annotations
+
+import json
+import signal
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pika
+from cli_support import Cli
+from sqlalchemy import text
+
+from helpers import rows, scalar, wait_until
+from outbox_inbox import Service
+from outbox_inbox.brokers.rabbitmq import RabbitMQBroker
+from outbox_inbox.messages import H_DEAD_QUEUE, H_DEAD_REASON, H_RECEIVE_ATTEMPT
+
+INVOICE = "billing.invoice.create"
+LEDGER = "billing.ledger.append"
+
+
+def _set_failing(service: Service, *types: str) -> None:
+    with service.engine.begin() as conn:
+        conn.execute(text("DELETE FROM failing"))
+        for t in types:
+            conn.execute(text("INSERT INTO failing (type) VALUES (:t)"), {"t": t})
+
+
+def _send(service: Service, command: str, payloads: list[dict[str, Any]]) -> None:
+    with service.session() as session, session.begin():
+        for payload in payloads:
+            service.outbox.send(session, "billing", command, payload)
+
+
+def _dead(db_url: str, type_: str | None = None) -> list[str]:
+    sql = "SELECT message_id::text FROM outbox_inbox.inbox_messages WHERE status = 'dead'"
+    if type_:
+        sql += " AND routing_key = :t"
+    return [r[0] for r in rows(db_url, sql + " ORDER BY id", t=type_)]
+
+
+def _audit(tmp_path: Path) -> list[dict[str, Any]]:
+    path = tmp_path / "audit.log"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _publish(
+    mq_url: str, exchange: str, routing_key: str, body: dict[str, Any], **props: Any
+) -> None:
+    """Publish as a plain AMQP client would (no `type` property unless given)."""
+    connection = pika.BlockingConnection(pika.URLParameters(mq_url))
+    try:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        channel.basic_publish(
+            exchange,
+            routing_key,
+            json.dumps(body).encode(),
+            pika.BasicProperties(content_type="application/json", delivery_mode=2, **props),
+        )
+    finally:
+        connection.close()
+
+
+def _depth(mq_url: str, queue: str) -> int:
+    connection = pika.BlockingConnection(pika.URLParameters(mq_url))
+    try:
+        return int(connection.channel().queue_declare(queue, passive=True).method.message_count)
+    finally:
+        connection.close()
+
+
+def _dead_letter_two_messages(service: Service, mq_url: str) -> None:
+    """Put two messages without a `type` property into billing.dead_letter, the two ways
+    they get there: forwarded by the receiver's own code (store_failed), and dead-lettered by
+    RabbitMQ itself (a rejected delivery of billing.inbox, with an x-death record)."""
+    _publish(mq_url, "commands", INVOICE, {"n": 1}, message_id="foreign-1")
+    consumer = RabbitMQBroker(mq_url).consumer("billing.inbox", prefetch=10)
+    try:
+        (delivery,) = wait_until(lambda: consumer.fetch(1, 0.2), what="the command in the inbox")
+        consumer.forward(
+            delivery,
+            "dead_letter",
+            "billing",
+            {
+                H_DEAD_REASON: "store_failed: not stored after 12 attempts: database down",
+                H_DEAD_QUEUE: "billing.inbox",
+                H_RECEIVE_ATTEMPT: 12,
+            },
+        )
+    finally:
+        consumer.close()
+    _publish(mq_url, "events", "orders.order.placed", {"n": 2}, message_id=str(uuid.uuid4()))
+    connection = pika.BlockingConnection(pika.URLParameters(mq_url))
+    try:
+        channel = connection.channel()
+        method = wait_until(
+            lambda: channel.basic_get("billing.inbox")[0], what="the event in the inbox"
+        )
+        channel.basic_reject(method.delivery_tag, requeue=False)
+    finally:
+        connection.close()
+    wait_until(lambda: _depth(mq_url, "billing.dead_letter") == 2, what="two dead letters")
+
+
+def test_replayed_table_dead_letters_are_handled_in_order_at_the_rate_by_run_all_until_sigterm(
+    cli: Cli,
+    spawn: Callable[..., Any],
+    make_service: Callable[..., Service],
+    db_url: str,
+    tmp_path: Path,
+) -> None:
+    service = make_service()
+    _set_failing(service, INVOICE)
+    runner = spawn("run", "all", "--app", "cli_app:billing")
+    _send(service, "invoice.create", [{"n": n} for n in range(5)])
+    _send(service, "ledger.append", [{"n": 99}])
+    wait_until(lambda: len(_dead(db_url)) == 5, what="five dead rows")
+    dead = _dead(db_url)
+
+    listed = cli("dead-letters", "list", "--app", "cli_app:billing", "--source", "table")
+    assert listed.returncode == 0, listed
+    assert listed.stdout.count("rejected") == 5
+    assert "5 dead letter(s): table 5" in listed.stdout
+
+    _set_failing(service)  # the bug is fixed
+    dry = cli(
+        "dead-letters",
+        "replay",
+        "--app",
+        "cli_app:billing",
+        "--source",
+        "table",
+        "--type",
+        "billing.invoice.*",
+        "--dry-run",
+    )
+    assert dry.returncode == 0, dry
+    assert _dead(db_url) == dead
+
+    replayed = cli(
+        "dead-letters",
+        "replay",
+        "--app",
+        "cli_app:billing",
+        "--source",
+        "table",
+        "--type",
+        "billing.invoice.*",
+        "--rate",
+        "10",
+    )
+    assert replayed.returncode == 0, replayed
+    assert "table: replayed 5 of 5" in replayed.stdout
+
+    handled = wait_until(
+        lambda: (
+            [
+                r[0]
+                for r in rows(
+                    db_url, "SELECT message_id FROM effects WHERE type = :t ORDER BY seq", t=INVOICE
+                )
+            ]
+            if scalar(db_url, "SELECT count(*) FROM effects WHERE type = :t", t=INVOICE) == 5
+            else None
+        ),
+        what="the five replayed commands handled",
+    )
+    assert handled == dead  # handled in their original order
+    assert _dead(db_url) == []
+    spread = scalar(
+        db_url,
+        "SELECT extract(epoch FROM max(next_attempt_at) - min(next_attempt_at))"
+        " FROM outbox_inbox.inbox_messages WHERE routing_key = :t",
+        t=INVOICE,
+    )
+    assert spread >= 0.35  # 5 rows at 10 per second: at least 4 gaps of 0.1 s
+
+    dry_line, line = _audit(tmp_path)
+    assert dry_line["dry_run"] is True and dry_line["count"] == 5
+    assert line["command"] == "dead-letters replay"
+    assert line["source"] == "table"
+    assert line["count"] == 5 and line["dry_run"] is False
+    assert line["filters"] == {"type": ["billing.invoice.*"]}
+    assert line["user"] and line["host"]
+    assert sorted(line["message_ids"]) == sorted(dead)
+    assert "outbox_inbox.audit" in replayed.stderr  # also logged at WARNING
+
+    # `run all` stops gracefully: exit 0, nothing left leased.
+    runner.send_signal(signal.SIGTERM)
+    assert runner.wait(timeout=30) == 0
+    assert "Traceback" not in runner.stderr.read()
+    assert (
+        scalar(
+            db_url, "SELECT count(*) FROM outbox_inbox.inbox_messages WHERE locked_by IS NOT NULL"
+        )
+        == 0
+    )
+
+
+def test_replayed_broker_dead_letters_are_handled_by_the_service(
+    cli: Cli, make_service: Callable[..., Service], db_url: str, mq_url: str, tmp_path: Path
+) -> None:
+    service = make_service()
+    service.declare_topology()
+    _dead_letter_two_messages(service, mq_url)
+
+    listed = cli("dead-letters", "list", "--app", "cli_app:billing", "--source", "queue", "--json")
+    assert listed.returncode == 0, listed
+    letters = json.loads(listed.stdout)["dead_letters"]
+    assert [(d["type"], d["reason"]) for d in letters] == [
+        (INVOICE, "store_failed"),
+        ("orders.order.placed", "rejected"),
+    ]
+    assert _depth(mq_url, "billing.dead_letter") == 2  # listing put them back
+
+    shown = cli("dead-letters", "show", "foreign-1", "--app", "cli_app:billing")
+    assert shown.returncode == 0, shown
+    assert "database down" in shown.stdout and '"n": 1' in shown.stdout
+
+    service.start()
+    replayed = cli(
+        "dead-letters", "replay", "--app", "cli_app:billing", "--source", "queue", "--all"
+    )
+    assert replayed.returncode == 0, replayed
+    assert "billing.dead_letter: replayed 2 of 2" in replayed.stdout
+    wait_until(lambda: scalar(db_url, "SELECT count(*) FROM effects") == 2, what="both handled")
+    types = {r[0] for r in rows(db_url, "SELECT type FROM effects")}
+    assert types == {INVOICE, "orders.order.placed"}  # routing keys restored
+    assert _depth(mq_url, "billing.dead_letter") == 0
+    assert _audit(tmp_path)[-1]["counts"] == {"queue": 2}
+
+
+def test_replayed_unroutable_command_reaches_the_service_once_it_has_a_queue(
+    cli: Cli, make_service: Callable[..., Service], db_url: str, mq_url: str
+) -> None:
+    make_service().declare_topology()  # billing's topology gives `commands` its alternate
+    message_id = str(uuid.uuid4())
+    _publish(
+        mq_url,
+        "commands",
+        "shipping.parcel.ship",
+        {"parcel": 7},
+        message_id=message_id,
+        type="shipping.parcel.ship",
+    )
+    wait_until(lambda: _depth(mq_url, "unroutable") == 1, what="the command kept in unroutable")
+    replay = ["dead-letters", "replay", "--source", "unroutable", "--all", "--mq-url", mq_url]
+
+    still = cli(*replay)
+    assert still.returncode == 4, still
+    assert f"kept {message_id}: still unroutable" in still.stdout
+    assert _depth(mq_url, "unroutable") == 1
+
+    shipping = make_service("shipping", schema="shipping")
+    shipping.start()
+    done = cli(*replay)
+    assert done.returncode == 0, done
+    assert "unroutable: replayed 1 of 1" in done.stdout
+    wait_until(
+        lambda: scalar(db_url, "SELECT count(*) FROM effects WHERE message_id = :m", m=message_id),
+        what="the shipping service handling the command",
+    )
+    assert _depth(mq_url, "unroutable") == 0
+
+
+def test_purge_removes_exactly_what_was_listed(
+    cli: Cli, make_service: Callable[..., Service], db_url: str, mq_url: str, tmp_path: Path
+) -> None:
+    service = make_service()
+    _set_failing(service, INVOICE, LEDGER)
+    service.start()
+    _send(service, "invoice.create", [{"n": n} for n in range(60)])
+    _send(service, "ledger.append", [{"n": n} for n in range(3)])
+    wait_until(lambda: len(_dead(db_url)) == 63, what="63 dead rows")
+    service.stop()
+    ledger_rows = _dead(db_url, LEDGER)
+    _dead_letter_two_messages(service, mq_url)
+
+    selection = ["--app", "cli_app:billing", "--source", "table", "--type", INVOICE]
+    listed = cli("dead-letters", "list", *selection, "--json")
+    assert listed.returncode == 0, listed
+    listed_ids = [d["message_id"] for d in json.loads(listed.stdout)["dead_letters"]]
+    assert listed_ids == _dead(db_url, INVOICE) and len(listed_ids) == 60
+
+    declined = cli("dead-letters", "purge", *selection, input="n\n")
+    assert declined.returncode == 1, declined
+    assert "Purge 60 dead letter(s)" in declined.stderr
+    dry = cli("dead-letters", "purge", *selection, "--dry-run")
+    assert dry.returncode == 0, dry
+    assert len(_dead(db_url)) == 63
+
+    purged = cli("dead-letters", "purge", *selection, input="y\n")
+    assert purged.returncode == 0, purged
+    assert "table: purged 60 of 60" in purged.stdout
+    assert "purge 60" in purged.stderr  # the progress bar's label
+    assert _dead(db_url) == ledger_rows  # exactly the listed rows are gone
+    assert (
+        scalar(
+            db_url,
+            "SELECT count(*) FROM outbox_inbox.inbox_messages WHERE message_id::text = ANY(:ids)",
+            ids=listed_ids,
+        )
+        == 0
+    )
+
+    queue_listed = cli(
+        "dead-letters",
+        "list",
+        "--app",
+        "cli_app:billing",
+        "--source",
+        "queue",
+        "--reason",
+        "rejected",
+        "--json",
+    )
+    (letter,) = json.loads(queue_listed.stdout)["dead_letters"]
+    queue_purged = cli(
+        "dead-letters",
+        "purge",
+        "--app",
+        "cli_app:billing",
+        "--source",
+        "queue",
+        "--reason",
+        "rejected",
+        "--yes",
+        "--json",
+    )
+    assert queue_purged.returncode == 0, queue_purged
+    (result,) = json.loads(queue_purged.stdout)["results"]
+    assert result["message_ids"] == [letter["message_id"]]
+    left = cli("dead-letters", "list", "--app", "cli_app:billing", "--source", "queue", "--json")
+    assert [d["reason"] for d in json.loads(left.stdout)["dead_letters"]] == ["store_failed"]
+
+    audit = _audit(tmp_path)
+    assert [(a["command"], a["source"], a["count"], a["dry_run"]) for a in audit] == [
+        ("dead-letters purge", "table", 60, True),
+        ("dead-letters purge", "table", 60, False),
+        ("dead-letters purge", "queue", 1, False),
+    ]
