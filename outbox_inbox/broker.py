@@ -98,6 +98,14 @@ class Broker(Protocol):
 
     def consumer(self, queue: str, *, prefetch: int) -> Consumer: ...
 
+    def queue_depth(self, queue: str) -> int | None:
+        """Messages ready in `queue` (not the unacknowledged ones), or None if it is missing."""
+        ...
+
+    def close(self) -> None:
+        """Release what the broker object holds (connections are per publisher/consumer)."""
+        ...
+
     @property
     def description(self) -> str:
         """Where the broker is, with any password masked."""

@@ -166,13 +166,14 @@ def insert_inbox(conn: Connection, tables: Tables, rows: Sequence[Mapping[str, A
     """
     if not rows:
         return 0
+    # One cached statement with the rows as parameters: SQLAlchemy batches them into
+    # multi-row INSERTs itself ("insertmanyvalues"), so nothing is compiled per batch.
     stmt = (
         pg_insert(tables.inbox)
-        .values(list(rows))
         .on_conflict_do_nothing(index_elements=["message_id"])
         .returning(tables.inbox.c.id)
     )
-    return len(conn.execute(stmt).all())
+    return len(conn.execute(stmt, list(rows)).all())
 
 
 def claim_inbox(

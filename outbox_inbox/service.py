@@ -95,14 +95,22 @@ class Service:
 
     @property
     def broker(self) -> Broker:
-        """The message broker (RabbitMQ at mq_url)."""
+        """The message broker: RabbitMQ at mq_url, else the process's in-memory broker."""
         with self._lock:
             if self._broker is None:
                 if not self.settings.mq_url:
-                    raise ConfigurationError(f"service {self.name!r} needs mq_url or broker")
-                from .brokers.rabbitmq import RabbitMQBroker
+                    from .brokers.memory import MemoryBroker
 
-                self._broker = RabbitMQBroker(self.settings.mq_url)
+                    log.warning(
+                        "service %s has no mq_url: using the in-memory broker of this process,"
+                        " for development and demos only (nothing in it is durable)",
+                        self.name,
+                    )
+                    self._broker = MemoryBroker.shared()
+                else:
+                    from .brokers.rabbitmq import RabbitMQBroker
+
+                    self._broker = RabbitMQBroker(self.settings.mq_url)
             return self._broker
 
     def session(self) -> Session:

@@ -247,6 +247,10 @@ class _QueueState:
 # --------------------------------------------------------------------------------------------
 
 
+_SHARED_LOCK = threading.Lock()
+_shared: MemoryBroker | None = None
+
+
 class MemoryBroker:
     """A RabbitMQ-like broker held in this process's memory. Nothing in it is durable.
 
@@ -270,6 +274,20 @@ class MemoryBroker:
 
     def __repr__(self) -> str:
         return f"<MemoryBroker {self.description}>"
+
+    @classmethod
+    def shared(cls) -> MemoryBroker:
+        """The broker of this process that services without an mq_url share.
+
+        Like a broker on the network, it is one place every service of the process reaches,
+        so two services built with ``mq_url=None`` talk to each other. Pass ``broker=`` to a
+        Service to keep it apart instead. A closed shared broker is replaced by a new one.
+        """
+        with _SHARED_LOCK:
+            global _shared
+            if _shared is None or _shared.closed:
+                _shared = cls(name="shared")
+            return _shared
 
     def __enter__(self) -> MemoryBroker:
         return self

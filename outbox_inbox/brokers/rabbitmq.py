@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pika
@@ -114,6 +114,9 @@ class RabbitMQBroker:
         finally:
             _close_quietly(connection)
 
+    def close(self) -> None:
+        """Nothing to release: every publisher and consumer owns its connection."""
+
     def publisher(self) -> RabbitMQPublisher:
         return RabbitMQPublisher(self.connect())
 
@@ -187,6 +190,8 @@ class RabbitMQPublisher:
     def publish_batch(
         self, messages: Sequence[WireMessage], *, window: int, timeout: float
     ) -> list[PublishOutcome]:
+        if window < 1:
+            raise ConfigurationError("publish window must be at least 1")
         outcomes: list[PublishOutcome | None] = [None] * len(messages)
         if self._broken:
             return [PublishOutcome.FAILED] * len(messages)
@@ -276,36 +281,54 @@ class RabbitMQPublisher:
 
 
 class RabbitMQConsumer:
-    """Consumes one queue with a prefetch window; acknowledges from the owning thread."""
+    """Consumes one queue with a prefetch window; acknowledges from the owning thread.
+
+    Deliveries are pushed by the broker (``basic.consume``) into a buffer that `fetch` drains;
+    at most `prefetch` are unacknowledged at a time.
+    """
 
     def __init__(self, connection: pika.BlockingConnection, queue: str, *, prefetch: int) -> None:
         self._connection = connection
         self._queue = queue
         self._forward_channel: BlockingChannel | None = None
+        self._buffer: deque[Delivery] = deque()
+        self._consumer_tag: str | None = None
         try:
             self._channel = connection.channel()
             self._channel.basic_qos(prefetch_count=prefetch)
-            self._stream: Iterator[Any] | None = None
         except CONNECTION_ERRORS as exc:
             _close_quietly(connection)
             raise BrokerConnectionError(f"cannot consume {queue!r}: {exc!r}") from exc
 
+    def _on_message(
+        self, _channel: Any, method: Basic.Deliver, props: BasicProperties, body: bytes
+    ) -> None:
+        self._buffer.append(
+            Delivery(_wire(method, props, body), int(method.delivery_tag), bool(method.redelivered))
+        )
+
+    def _pump(self, until: float, enough: int) -> None:
+        """Process broker traffic until `enough` deliveries are buffered or `until` passes."""
+        while len(self._buffer) < enough:
+            remaining = until - time.monotonic()
+            if remaining <= 0:
+                return
+            self._connection.process_data_events(time_limit=min(remaining, 0.05))
+
     def fetch(self, max_count: int, wait: float) -> list[Delivery]:
-        batch: list[Delivery] = []
-        first_at = 0.0
         try:
-            if self._stream is None:
-                self._stream = self._channel.consume(self._queue, inactivity_timeout=wait)
-            for method, props, body in self._stream:
-                if method is None:
-                    break
-                if not batch:
-                    first_at = time.monotonic()
-                batch.append(
-                    Delivery(_wire(method, props, body), method.delivery_tag, method.redelivered)
-                )
-                if len(batch) >= max_count or time.monotonic() - first_at >= wait:
-                    break
+            if not self._channel.is_open:
+                raise BrokerConnectionError(f"the channel consuming {self._queue!r} is closed")
+            if self._consumer_tag is None:
+                self._consumer_tag = self._channel.basic_consume(self._queue, self._on_message)
+            # Up to `wait` for a first delivery, then up to `wait` more to fill the batch.
+            self._pump(time.monotonic() + wait, 1)
+            if self._buffer:
+                self._pump(time.monotonic() + wait, max_count)
+            if not self._channel.is_open:
+                # Closed by the broker meanwhile: buffered deliveries can no longer be acked.
+                self._buffer.clear()
+                raise BrokerConnectionError(f"the channel consuming {self._queue!r} was closed")
         except pika.exceptions.ChannelClosedByBroker as exc:
             if exc.reply_code == 404:
                 raise BrokerError(
@@ -314,6 +337,9 @@ class RabbitMQConsumer:
             raise BrokerConnectionError(f"consuming {self._queue!r} failed: {exc!r}") from exc
         except CONNECTION_ERRORS as exc:
             raise BrokerConnectionError(f"consuming {self._queue!r} failed: {exc!r}") from exc
+        batch: list[Delivery] = []
+        while self._buffer and len(batch) < max_count:
+            batch.append(self._buffer.popleft())
         return batch
 
     def ack_through(self, tag: int) -> None:
@@ -367,25 +393,22 @@ class RabbitMQConsumer:
         except pika.exceptions.NackError as exc:
             raise BrokerError(f"the broker refused a forwarded message: {exc!r}") from exc
         except CONNECTION_ERRORS as exc:
+            # A channel error (e.g. a missing exchange) closes the forwarding channel: open a
+            # new one next time.
+            self._forward_channel = None
             raise BrokerConnectionError(f"forwarding failed: {exc!r}") from exc
 
     def close(self) -> None:
-        """Cancel the consumer and close the connection; never raises.
-
-        Unacknowledged deliveries return to the queue. On a connection that already failed,
-        pika's own state may be inconsistent, so every error here is logged and dropped.
-        """
-        if self._stream is not None and self._channel.is_open:
-            try:
-                self._channel.cancel()
-            except Exception as exc:  # the connection is going away either way
-                log.debug("cancelling the consumer failed: %r", exc)
+        """Close the connection; never raises. Unacknowledged deliveries return to the queue."""
+        self._buffer.clear()
         _close_quietly(self._connection)
 
 
 def _mismatch(what: str, exc: pika.exceptions.ChannelClosedByBroker) -> BrokerError:
     if exc.reply_code == 406:  # PRECONDITION_FAILED: it exists with other arguments
-        return TopologyMismatch(f"{what} exists with other arguments: {exc.reply_text}")
+        return TopologyMismatch(
+            f"{what} conflicts with what the broker has or accepts: {exc.reply_text}"
+        )
     return BrokerError(f"declaring {what} failed: {exc.reply_text}")
 
 

@@ -62,7 +62,7 @@ def test_duplicate_delivery_is_stored_once_and_acked(db_url: str, mq_url: str) -
     assert receiver.stored == 1
     assert receiver.duplicates == 2
     assert scalar(db_url, "SELECT count(*) FROM outbox_inbox.inbox_messages") == 1
-    assert svc.broker.queue_depth("billing.inbox") == 0  # type: ignore[attr-defined]
+    assert svc.broker.queue_depth("billing.inbox") == 0
     svc.close()
 
 
@@ -76,7 +76,7 @@ def test_invalid_message_goes_to_dead_letter_with_its_reason(db_url: str, mq_url
     with running(receiver):
         wait_until(lambda: receiver.stored == 1, what="the valid message")
         wait_until(
-            lambda: svc.broker.queue_depth("billing.dead_letter") == 2,  # type: ignore[attr-defined]
+            lambda: svc.broker.queue_depth("billing.dead_letter") == 2,
             what="2 dead letters",
         )
     connection = pika.BlockingConnection(pika.URLParameters(mq_url))
@@ -91,7 +91,7 @@ def test_invalid_message_goes_to_dead_letter_with_its_reason(db_url: str, mq_url
         connection.close()
     assert any("not JSON" in r for r in reasons)
     assert any("no message_id" in r for r in reasons)
-    assert svc.broker.queue_depth("billing.inbox") == 0  # type: ignore[attr-defined]
+    assert svc.broker.queue_depth("billing.inbox") == 0
     svc.close()
 
 
