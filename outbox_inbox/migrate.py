@@ -71,7 +71,7 @@ def downgrade(config: Config, revision: str) -> None:
     _run("downgrade", config, revision)
 
 
-def tables_exist(connection: Connection, schema: str) -> bool:
+def tables_exist(connection: Connection, schema: str | None) -> bool:
     """True when the outbox and inbox tables exist in `schema`."""
     names = set(inspect(connection).get_table_names(schema=schema))
     return {"outbox_messages", "inbox_messages", "inbox_deliveries"} <= names

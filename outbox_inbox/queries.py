@@ -18,15 +18,16 @@ from sqlalchemy import (
     delete,
     exists,
     func,
-    literal,
     or_,
     select,
     update,
 )
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.orm import Session
 
+from .clock import db_now, db_now_plus
 from .tables import DEAD, PENDING, PROCESSED, Tables, outbox_unsent
 
 #: Advisory-lock namespaces (the first key of the two-key form). Writers of one ordering key
@@ -35,6 +36,11 @@ WRITER_LOCK = 0x0B0C
 RELAY_LOCK = 0x0B0D
 
 Executor = Session | Connection
+
+
+def _insert(conn: Connection, table: Any) -> Any:
+    """The dialect's INSERT, which knows ON CONFLICT (PostgreSQL and SQLite both do)."""
+    return sqlite_insert(table) if conn.dialect.name == "sqlite" else pg_insert(table)
 
 
 def _is_postgres(executor: Executor) -> bool:
@@ -80,14 +86,20 @@ def claim_outbox(conn: Connection, tables: Tables, limit: int) -> list[RowMappin
         earlier.c.key == o.c.key,
         outbox_unsent(earlier),
         earlier.c.id < o.c.id,
-        earlier.c.available_at > func.now(),
+        earlier.c.available_at > db_now(),
     )
-    key_free = and_(~held_back, func.pg_try_advisory_xact_lock(RELAY_LOCK, func.hashtext(o.c.key)))
+    key_free: Any = ~held_back
+    if _is_postgres(conn):
+        # SQLite has no such locks and needs none: its transactions take the database's write
+        # lock at BEGIN (see outbox_inbox.sqlite), so one claim runs at a time.
+        key_free = and_(
+            key_free, func.pg_try_advisory_xact_lock(RELAY_LOCK, func.hashtext(o.c.key))
+        )
     stmt = (
-        select(o, func.now().label("claimed_at"))
+        select(o, db_now().label("claimed_at"))
         .where(
             outbox_unsent(o),
-            o.c.available_at <= func.now(),
+            o.c.available_at <= db_now(),
             or_(o.c.key.is_(None), key_free),
         )
         .order_by(o.c.id)
@@ -118,14 +130,14 @@ def mark_published(conn: Connection, tables: Tables, ids: Sequence[int]) -> None
     """Set published_at on confirmed rows."""
     if ids:
         o = tables.outbox
-        conn.execute(update(o).where(o.c.id.in_(ids)).values(published_at=func.now()))
+        conn.execute(update(o).where(o.c.id.in_(ids)).values(published_at=db_now()))
 
 
 def mark_expired(conn: Connection, tables: Tables, ids: Sequence[int]) -> None:
     """Set expired_at on rows whose time to live ran out before they were published."""
     if ids:
         o = tables.outbox
-        conn.execute(update(o).where(o.c.id.in_(ids)).values(expired_at=func.now()))
+        conn.execute(update(o).where(o.c.id.in_(ids)).values(expired_at=db_now()))
 
 
 def mark_publish_failed(
@@ -140,20 +152,9 @@ def mark_publish_failed(
             .values(
                 attempts=o.c.attempts + 1,
                 last_error=error[:2000],
-                available_at=func.now() + delay,
+                available_at=db_now_plus(delay),
             )
         )
-
-
-def outbox_backlog(conn: Connection, tables: Tables) -> tuple[int, float | None]:
-    """Unpublished rows and the age in seconds of the oldest one."""
-    o = tables.outbox
-    row = conn.execute(select(func.count(), func.min(o.c.created_at)).where(outbox_unsent(o))).one()
-    count, oldest = row
-    age = None
-    if oldest is not None:
-        age = conn.execute(select(func.extract("epoch", func.now() - literal(oldest)))).scalar_one()
-    return int(count), float(age) if age is not None else None
 
 
 # --- inbox --------------------------------------------------------------------------------
@@ -169,7 +170,7 @@ def insert_inbox(conn: Connection, tables: Tables, rows: Sequence[Mapping[str, A
     # One cached statement with the rows as parameters: SQLAlchemy batches them into
     # multi-row INSERTs itself ("insertmanyvalues"), so nothing is compiled per batch.
     stmt = (
-        pg_insert(tables.inbox)
+        _insert(conn, tables.inbox)
         .on_conflict_do_nothing(index_elements=["message_id"])
         .returning(tables.inbox.c.id)
     )
@@ -191,8 +192,8 @@ def claim_inbox(
         select(i.c.id)
         .where(
             i.c.status == PENDING,
-            i.c.next_attempt_at <= func.now(),
-            or_(i.c.locked_until.is_(None), i.c.locked_until <= func.now()),
+            i.c.next_attempt_at <= db_now(),
+            or_(i.c.locked_until.is_(None), i.c.locked_until <= db_now()),
             or_(
                 i.c.key.is_(None),
                 ~exists().where(
@@ -210,8 +211,8 @@ def claim_inbox(
     stmt = (
         update(i)
         .where(i.c.id.in_(due))
-        .values(locked_until=func.now() + lease, locked_by=worker, attempts=i.c.attempts + 1)
-        .returning(*i.c, func.now().label("claimed_at"))
+        .values(locked_until=db_now_plus(lease), locked_by=worker, attempts=i.c.attempts + 1)
+        .returning(*i.c, db_now().label("claimed_at"))
     )
     rows = list(conn.execute(stmt).mappings())
     rows.sort(key=lambda r: (-r["priority"], r["id"]))
@@ -241,7 +242,7 @@ def mark_processed(conn: Connection, tables: Tables, ids: Sequence[int]) -> None
             .where(i.c.id.in_(ids))
             .values(
                 status=PROCESSED,
-                processed_at=func.now(),
+                processed_at=db_now(),
                 finished=i.c.finished + 1,
                 locked_until=None,
                 locked_by=None,
@@ -258,7 +259,7 @@ def mark_retry(conn: Connection, tables: Tables, row_id: int, error: str, delay:
         .where(i.c.id == row_id)
         .values(
             finished=i.c.finished + 1,
-            next_attempt_at=func.now() + delay,
+            next_attempt_at=db_now_plus(delay),
             locked_until=None,
             locked_by=None,
             last_error=error,
@@ -274,7 +275,7 @@ def mark_dead(
     values: dict[str, Any] = {
         "status": DEAD,
         "dead_reason": reason[:255],
-        "processed_at": func.now(),
+        "processed_at": db_now(),
         "locked_until": None,
         "locked_by": None,
     }
@@ -296,13 +297,6 @@ def release_claims(conn: Connection, tables: Tables, ids: Sequence[int], worker:
         )
 
 
-def inbox_counts(conn: Connection, tables: Tables) -> dict[str, int]:
-    """Rows per status."""
-    i = tables.inbox
-    rows = conn.execute(select(i.c.status, func.count()).group_by(i.c.status)).all()
-    return {status: int(n) for status, n in rows}
-
-
 def count_deliveries(
     conn: Connection, tables: Tables, message_ids: Sequence[uuid.UUID]
 ) -> dict[uuid.UUID, int]:
@@ -310,25 +304,28 @@ def count_deliveries(
     if not message_ids:
         return {}
     d = tables.deliveries
-    insert = pg_insert(d).values([{"message_id": m, "deliveries": 1} for m in message_ids])
+    insert = _insert(conn, d).values([{"message_id": m, "deliveries": 1} for m in message_ids])
     stmt = insert.on_conflict_do_update(
         index_elements=[d.c.message_id],
-        set_={"deliveries": d.c.deliveries + 1, "last_seen_at": func.now()},
+        set_={"deliveries": d.c.deliveries + 1, "last_seen_at": db_now()},
     ).returning(d.c.message_id, d.c.deliveries)
     return {m: int(n) for m, n in conn.execute(stmt).all()}
 
 
 def database_now(conn: Connection) -> Any:
     """The database clock: leases and delays are judged by it, never by the host's."""
-    return conn.execute(select(func.now())).scalar_one()
+    return conn.execute(select(db_now())).scalar_one()
 
 
 def set_idle_timeout(conn: Connection, seconds: float) -> None:
     """End this session if it idles inside a transaction for longer than `seconds`.
 
     A worker whose handler hangs keeps its row locks; the server ends its session after the
-    lease, so the rows go back to the queue and the hung work can never commit.
+    lease, so the rows go back to the queue and the hung work can never commit. (SQLite, the
+    single-process development store, has no such setting.)
     """
+    if conn.dialect.name != "postgresql":
+        return
     conn.execute(
         select(
             func.set_config("idle_in_transaction_session_timeout", str(int(seconds * 1000)), False)

@@ -26,6 +26,7 @@ from .outbox import Outbox
 from .receiver import Receiver
 from .relay import Relay
 from .retry import RetryPolicy
+from .sqlite import create_sqlite_engine, is_sqlite
 from .tables import Tables, build_tables
 from .topology import Topology, command_routing_key, service_topology
 from .waker import Waker, notify_channel, psycopg_conninfo
@@ -63,7 +64,10 @@ class Service:
             raise ConfigurationError(f"unknown setting: {exc}") from exc
         if engine is None and not db_url:
             raise ConfigurationError(f"service {name!r} needs db_url or engine")
-        self.tables: Tables = build_tables(self.settings.schema)
+        url = db_url or (engine.url if engine is not None else "")
+        self.sqlite = bool(url) and is_sqlite(url)
+        # SQLite has no schemas: its tables live in the database file itself.
+        self.tables: Tables = build_tables(None if self.sqlite else self.settings.schema)
         self.handlers = Handlers()
         self.outbox = Outbox(
             self.name, self.tables, max_payload_bytes=self.settings.max_payload_bytes
@@ -87,10 +91,13 @@ class Service:
         with self._lock:
             if self._engine is None:
                 assert self.settings.db_url is not None
-                extra = 3 + self.settings.worker_threads
-                self._engine = create_engine(
-                    self.settings.db_url, pool_pre_ping=True, pool_size=extra, max_overflow=10
-                )
+                if self.sqlite:
+                    self._engine = create_sqlite_engine(self.settings.db_url)
+                else:
+                    extra = 3 + self.settings.worker_threads
+                    self._engine = create_engine(
+                        self.settings.db_url, pool_pre_ping=True, pool_size=extra, max_overflow=10
+                    )
             return self._engine
 
     @property
@@ -172,7 +179,9 @@ class Service:
         """Raise StorageError if the database cannot be reached, SchemaMissing without tables."""
         try:
             with self.engine.connect() as conn:
-                present = migrations.tables_exist(conn, self.settings.schema)
+                present = migrations.tables_exist(
+                    conn, None if self.sqlite else self.settings.schema
+                )
         except SQLAlchemyError as exc:
             raise storage_error(exc, f"connecting to {mask_url(self.settings.db_url)}") from exc
         if not present:

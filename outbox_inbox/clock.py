@@ -1,0 +1,61 @@
+"""The database clock as SQL: leases, delays and expiry are judged by it, never by a host clock.
+
+`db_now()` and `db_now_plus(delta)` compile to PostgreSQL's ``now()`` (the transaction's start
+time) and, on SQLite, to ``strftime`` of the current UTC time written the way SQLAlchemy stores
+datetimes there (``YYYY-MM-DD HH:MM:SS.ffffff``), so the values compare correctly as text.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import DateTime, Float, bindparam
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.functions import FunctionElement
+
+# SQLite's %f gives milliseconds; three zeros make the six digits SQLAlchemy writes.
+_SQLITE_FORMAT = "%Y-%m-%d %H:%M:%f000"
+
+
+class db_now(FunctionElement[Any]):  # noqa: N801 - reads as a SQL function
+    """The current time of the database."""
+
+    type = DateTime(timezone=True)
+    inherit_cache = True
+    name = "db_now"
+
+
+class db_now_plus(FunctionElement[Any]):  # noqa: N801 - reads as a SQL function
+    """The current time of the database plus a `timedelta`."""
+
+    type = DateTime(timezone=True)
+    inherit_cache = True
+    name = "db_now_plus"
+
+    def __init__(self, delta: timedelta) -> None:
+        # Seconds as a float parameter: each dialect turns it into its own interval syntax,
+        # and the value stays a parameter of the statement (compiled SQL is cached).
+        super().__init__(bindparam("seconds", delta.total_seconds(), type_=Float, unique=True))
+
+
+@compiles(db_now)
+def _now_default(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
+    return "now()"
+
+
+@compiles(db_now, "sqlite")
+def _now_sqlite(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"strftime('{_SQLITE_FORMAT}', 'now')"
+
+
+@compiles(db_now_plus)
+def _now_plus_default(element: db_now_plus, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"(now() + make_interval(secs => {compiler.process(element.clauses, **kw)}))"
+
+
+@compiles(db_now_plus, "sqlite")
+def _now_plus_sqlite(element: db_now_plus, compiler: SQLCompiler, **kw: Any) -> str:
+    seconds = compiler.process(element.clauses, **kw)
+    return f"strftime('{_SQLITE_FORMAT}', 'now', printf('%+f seconds', {seconds}))"
