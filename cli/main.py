@@ -33,6 +33,7 @@ from outbox_inbox.service import Service
 from outbox_inbox.tables import VERSION_TABLE
 
 from .dead_letters import dead_letters
+from .demo import demo
 from .output import EXIT_ERROR, MaskingFormatter, echo, echo_json, render_table
 from .status import status
 from .tail import tail
@@ -290,6 +291,7 @@ main.add_command(topology)
 main.add_command(dead_letters)
 main.add_command(status)
 main.add_command(tail)
+main.add_command(demo)
 
 
 if __name__ == "__main__":

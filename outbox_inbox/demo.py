@@ -1,0 +1,260 @@
+"""`outbox-inbox demo`: two services, orders and billing, shown as a timed trace.
+
+Without URLs each service gets a SQLite file of its own in a temporary directory and both share
+the process's in-memory broker: nothing to install. With a database URL both services keep their
+tables in schemas of their own (``demo_orders``, ``demo_billing``) of that database; with a
+broker URL they talk over RabbitMQ. The trace shows a command and an event leaving with the
+transaction that wrote them, a handler failing once and retried, and a message rejected into the
+dead letters.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Column, Integer, MetaData, String, Table, insert, select, update
+
+from .broker import PublishOutcome
+from .errors import Reject
+from .listener import Listener
+from .messages import Message, OutgoingMessage
+from .retry import RetryPolicy
+from .service import Service
+
+Trace = Callable[[str, str], None]
+
+
+class _Tracer(Listener):
+    """Prints what the roles of one service do."""
+
+    def __init__(self, service: str, trace: Trace) -> None:
+        self._service = service
+        self._trace = trace
+
+    def relay_committed(self, messages: Sequence[OutgoingMessage]) -> None:
+        for message in messages:
+            self._trace(self._service, f"relay published {message.kind} {message.routing_key}")
+
+    def relay_confirmed(
+        self, messages: Sequence[OutgoingMessage], outcomes: Sequence[PublishOutcome]
+    ) -> None:
+        """Confirms are traced once committed (relay_committed)."""
+
+    def failed(self, message: Message, error: BaseException, *, dead: bool) -> None:
+        if dead:
+            self._trace(self._service, f"{message.type} is DEAD: {error} (a dead letter)")
+        else:
+            self._trace(self._service, f"{message.type} failed: {error!r}; RETRY scheduled")
+
+
+class Demo:
+    """The two demo services, their business tables and the expected outcome."""
+
+    def __init__(self, *, db_url: str | None, mq_url: str | None, trace: Trace) -> None:
+        self.trace = trace
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if db_url is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="outbox-inbox-demo-")
+            orders_url = f"sqlite:///{Path(self._tmp.name) / 'orders.db'}"
+            billing_url = f"sqlite:///{Path(self._tmp.name) / 'billing.db'}"
+        else:
+            orders_url = billing_url = db_url
+        fast: dict[str, Any] = {
+            "relay_poll_interval": 0.1,
+            "worker_poll_interval": 0.1,
+            "receive_batch_wait": 0.02,
+        }
+        self.orders = Service(
+            "orders",
+            db_url=orders_url,
+            mq_url=mq_url,
+            schema="demo_orders",
+            listener=_Tracer("orders", trace),
+            **fast,
+        )
+        self.billing = Service(
+            "billing",
+            db_url=billing_url,
+            mq_url=mq_url,
+            schema="demo_billing",
+            listener=_Tracer("billing", trace),
+            retry=RetryPolicy(initial=0.5, multiplier=2, max_attempts=3),
+            **fast,
+        )
+        self.invoiced = threading.Event()
+        self.rejected = threading.Event()
+        self._failed_once = False
+        self.orders_table, self.invoices_table = self._business_tables()
+        self._register()
+
+    def _business_tables(self) -> tuple[Table, Table]:
+        orders_schema = None if self.orders.sqlite else "demo_orders"
+        billing_schema = None if self.billing.sqlite else "demo_billing"
+        orders = Table(
+            "orders",
+            MetaData(schema=orders_schema),
+            Column("id", Integer, primary_key=True),
+            Column("total", Integer, nullable=False),
+            Column("state", String(20), nullable=False),
+        )
+        invoices = Table(
+            "invoices",
+            MetaData(schema=billing_schema),
+            Column("id", Integer, primary_key=True),
+            Column("order_id", Integer, nullable=False),
+        )
+        return orders, invoices
+
+    def _register(self) -> None:
+        orders, billing, trace = self.orders, self.billing, self.trace
+
+        @billing.on_command("invoice.create")
+        def create_invoice(message: Message, session: Any) -> None:
+            order = message.payload["order"]
+            if message.payload["total"] <= 0:
+                trace("billing", f"invoice.create for order {order}: total is not positive")
+                raise Reject(f"order {order} has total {message.payload['total']}")
+            if not self._failed_once:
+                self._failed_once = True
+                trace(
+                    "billing",
+                    f"invoice.create for order {order}, attempt {message.attempt}:"
+                    " the payment provider times out",
+                )
+                raise TimeoutError("payment provider timed out")
+            invoice = session.execute(
+                insert(self.invoices_table)
+                .values(order_id=order)
+                .returning(self.invoices_table.c.id)
+            ).scalar_one()
+            billing.outbox.publish(session, "invoice.created", {"order": order, "invoice": invoice})
+            trace(
+                "billing",
+                f"invoice.create for order {order}, attempt {message.attempt}:"
+                f" invoice {invoice} written, event invoice.created in the same commit",
+            )
+
+        @billing.on_event("orders.order.placed")
+        def order_placed(message: Message, session: Any) -> None:
+            trace(
+                "billing",
+                f"event orders.order.placed: order {message.payload['order']}"
+                f" noted (correlation {str(message.correlation_id)[:8]})",
+            )
+
+        @orders.on_event("billing.invoice.created")
+        def invoice_created(message: Message, session: Any) -> None:
+            order = message.payload["order"]
+            session.execute(
+                update(self.orders_table)
+                .where(self.orders_table.c.id == order)
+                .values(state="invoiced")
+            )
+            trace(
+                "orders",
+                f"event billing.invoice.created: order {order} is invoiced"
+                f" (caused by {str(message.causation_id)[:8]})",
+            )
+            self.invoiced.set()
+
+    def setup(self) -> None:
+        """Create the tables (migrations plus the demo's business tables)."""
+        for service, table in (
+            (self.orders, self.orders_table),
+            (self.billing, self.invoices_table),
+        ):
+            service.migrate()
+            table.metadata.create_all(service.engine)
+
+    def place_order(self, total: int, *, rollback: bool = False) -> int:
+        """Write an order, its event and its command in one transaction."""
+        with self.orders.session() as session, session.begin():
+            order: int = session.execute(
+                insert(self.orders_table)
+                .values(total=total, state="placed")
+                .returning(self.orders_table.c.id)
+            ).scalar_one()
+            self.orders.outbox.publish(session, "order.placed", {"order": order}, key=f"o{order}")
+            self.orders.outbox.send(
+                session,
+                "billing",
+                "invoice.create",
+                {"order": order, "total": total},
+                key=f"o{order}",
+            )
+            if rollback:
+                session.rollback()
+                self.trace("orders", f"order {order} written, then ROLLED BACK: nothing is sent")
+                return order
+        self.trace(
+            "orders",
+            f"order {order} (total {total}) written with event order.placed"
+            " and command billing.invoice.create: one commit",
+        )
+        return order
+
+    def summary(self) -> dict[str, Any]:
+        with self.orders.engine.connect() as conn:
+            query = select(self.orders_table.c.id, self.orders_table.c.state)
+            states: dict[int, str] = {row.id: row.state for row in conn.execute(query)}
+        with self.billing.engine.connect() as conn:
+            inbox = self.billing.tables.inbox
+            rows = conn.execute(
+                select(inbox.c.routing_key, inbox.c.status, inbox.c.dead_reason)
+            ).all()
+        return {"orders": states, "billing_inbox": [tuple(r) for r in rows]}
+
+    def close(self) -> None:
+        self.orders.close()
+        self.billing.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+
+def run_demo(
+    *, db_url: str | None, mq_url: str | None, echo: Callable[[str], None], timeout: float = 30.0
+) -> bool:
+    """Run the demo, printing the trace through `echo`; True when every step happened."""
+    start = time.monotonic()
+    lock = threading.Lock()
+
+    def trace(who: str, what: str) -> None:
+        with lock:
+            echo(f"{time.monotonic() - start:6.2f}s  {who:<8} {what}")
+
+    demo = Demo(db_url=db_url, mq_url=mq_url, trace=trace)
+    try:
+        demo.setup()
+        demo.orders.start()
+        demo.billing.start()
+        trace(
+            "demo",
+            f"orders and billing running on {demo.orders.engine.dialect.name}"
+            f" and {demo.orders.broker.description}",
+        )
+        demo.place_order(42)
+        demo.place_order(-5)
+        demo.place_order(13, rollback=True)
+        done = demo.invoiced.wait(timeout)
+        deadline = time.monotonic() + timeout
+        dead = False
+        while time.monotonic() < deadline and not dead:
+            dead = any(status == "dead" for _, status, _ in demo.summary()["billing_inbox"])
+            time.sleep(0.1)
+        demo.orders.stop()
+        demo.billing.stop()
+        summary = demo.summary()
+        trace("demo", f"orders: {summary['orders']}")
+        for routing_key, status, reason in summary["billing_inbox"]:
+            trace(
+                "demo",
+                f"billing inbox: {routing_key:<26} {status}" + (f" ({reason})" if reason else ""),
+            )
+        return done and dead
+    finally:
+        demo.close()
