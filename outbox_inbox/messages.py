@@ -251,6 +251,7 @@ def from_wire(wire: WireMessage) -> dict[str, Any]:
     routing_key = wire.type or _text(raw_headers.get(H_ORIGINAL_ROUTING_KEY)) or wire.routing_key
     for name in TRANSPORT_HEADERS:
         raw_headers.pop(name, None)
+    raw_headers.pop(H_ATTEMPT, None)  # the relay's publish attempts: no business of a handler
     kind = _text(raw_headers.pop(H_KIND, None)) or (
         COMMAND if exchange == COMMANDS_EXCHANGE else EVENT
     )

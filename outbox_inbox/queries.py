@@ -552,3 +552,56 @@ def held_keys(conn: Connection, tables: Tables, limit: int) -> tuple[int, list[R
 
 def _float(value: Any) -> float | None:
     return float(value) if value is not None else None
+
+
+# --- test helpers (outbox_inbox.testing) ------------------------------------------------------
+
+
+def make_retries_due(conn: Connection, tables: Tables) -> int:
+    """Make pending inbox rows that wait for a retry due now; return how many changed.
+
+    The new time is the row's own receipt time: in the past by the database's clock on every
+    dialect, and the call is idempotent (its condition is false afterwards).
+    """
+    i = tables.inbox
+    stmt = (
+        update(i)
+        .where(i.c.status == PENDING, i.c.next_attempt_at > i.c.received_at)
+        .values(next_attempt_at=i.c.received_at)
+    )
+    return int(conn.execute(stmt).rowcount or 0)
+
+
+def make_delayed_outbox_due(conn: Connection, tables: Tables) -> int:
+    """Make outbox rows written with ``delay=`` and not tried yet due now.
+
+    Rows the broker refused keep their backoff, so a refusing broker cannot make a caller spin.
+    """
+    o = tables.outbox
+    stmt = (
+        update(o)
+        .where(outbox_unsent(o), o.c.attempts == 0, o.c.available_at > o.c.created_at)
+        .values(available_at=o.c.created_at)
+    )
+    return int(conn.execute(stmt).rowcount or 0)
+
+
+def outbox_rows(conn: Connection, tables: Tables) -> list[RowMapping]:
+    """Every outbox row in the order written."""
+    o = tables.outbox
+    return list(conn.execute(select(o).order_by(o.c.id)).mappings())
+
+
+def inbox_rows(conn: Connection, tables: Tables, status: str | None = None) -> list[RowMapping]:
+    """Inbox rows in the order received, optionally only those of one `status`."""
+    i = tables.inbox
+    stmt = select(i).order_by(i.c.id)
+    if status is not None:
+        stmt = stmt.where(i.c.status == status)
+    return list(conn.execute(stmt).mappings())
+
+
+def inbox_row(conn: Connection, tables: Tables, message_id: uuid.UUID) -> RowMapping | None:
+    """The inbox row of one message, or None."""
+    i = tables.inbox
+    return conn.execute(select(i).where(i.c.message_id == message_id)).mappings().first()

@@ -1,0 +1,537 @@
+"""Test helpers: run a service's handlers in a test, on the in-memory broker, with no server.
+
+A `ServiceHarness` wraps a `Service` built with ``broker=MemoryBroker()`` and drives its three
+roles one step at a time in the calling thread, through the same code paths the real roles run:
+
+* `ServiceHarness.deliver` publishes a message to the broker as another service would (the
+  wire format of docs/wire-format.md) and runs the receiver until it is stored in the inbox;
+* `ServiceHarness.run_until_idle` runs relay, receiver and worker steps until nothing is due,
+  with retry backoff fast-forwarded, so a failing handler reaches its end in milliseconds;
+* `published`, `inbox_rows`, `dead` and `processed` read the outcome from the service's tables.
+
+Harnesses built on one `MemoryBroker` talk to each other like services on one RabbitMQ server:
+`run_all_until_idle(orders, billing)` runs a whole conversation in one test.
+
+With pytest, the package registers these fixtures (entry point ``pytest11``; disable with
+``-p no:outbox_inbox``, or import them in a conftest.py from this module):
+
+* ``outbox_inbox_harness`` — a factory: ``outbox_inbox_harness(build)`` calls
+  ``build(db_url=..., broker=...)`` with a fresh database and the test's broker and returns a
+  migrated harness; ``outbox_inbox_harness(service)`` wraps a service you built;
+* ``outbox_inbox_db_url_factory`` — fresh database URLs: a SQLite file in ``tmp_path`` each.
+  Override this fixture in your conftest.py to test on PostgreSQL;
+* ``outbox_inbox_broker`` — the test's `MemoryBroker`, closed after the test.
+
+Everything here is for tests: a harness is not thread-safe (use it from one thread), and the
+service it drives must not be started (`Service.start` would run competing roles).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.engine import RowMapping
+
+from . import queries
+from .broker import PublishOutcome
+from .brokers.memory import MemoryBroker, MemoryConsumer
+from .errors import ConfigurationError, OutboxInboxError
+from .messages import (
+    COMMAND,
+    COMMANDS_EXCHANGE,
+    EVENT,
+    EVENTS_EXCHANGE,
+    OutgoingMessage,
+    check_headers,
+    inbox_id,
+    to_wire,
+)
+from .service import Service
+from .tables import DEAD, PROCESSED
+from .topology import delay_queue, inbox_queue, topic_matches
+
+__all__ = [
+    "HarnessTimeout",
+    "InboxRow",
+    "NotDelivered",
+    "PublishedMessage",
+    "ServiceHarness",
+    "run_all_until_idle",
+]
+
+#: How long `run_until_idle` waits by default before it gives up (seconds).
+DEFAULT_TIMEOUT = 10.0
+
+
+class NotDelivered(OutboxInboxError, AssertionError):
+    """A message given to `ServiceHarness.deliver` did not reach the service's inbox."""
+
+
+class HarnessTimeout(OutboxInboxError, AssertionError):
+    """The services did not become idle in time (a handler keeps producing work?)."""
+
+
+@dataclass(frozen=True)
+class PublishedMessage:
+    """A message the service wrote to its outbox: an event it published or a command it sent.
+
+    `type` is the routing key (``billing.invoice.created``, ``billing.invoice.create``);
+    `sent` is True once the relay has published it to the broker.
+    """
+
+    message_id: uuid.UUID
+    kind: str
+    type: str
+    payload: Any
+    key: str | None = None
+    headers: Mapping[str, Any] = field(default_factory=dict)
+    correlation_id: str | None = None
+    causation_id: str | None = None
+    priority: int | None = None
+    version: int = 1
+    sent: bool = False
+
+
+@dataclass(frozen=True)
+class InboxRow:
+    """A message in the service's inbox and what became of it.
+
+    `status` is ``pending``, ``processed`` or ``dead``; `attempts` counts the times a worker
+    took it, `last_error` holds the last handler failure (a traceback) and `dead_reason` why it
+    is dead (``max_attempts``, ``rejected``, ``no_handler``, ``expired``, ``abandoned``).
+    """
+
+    message_id: uuid.UUID
+    kind: str
+    type: str
+    payload: Any
+    status: str
+    attempts: int
+    last_error: str | None = None
+    dead_reason: str | None = None
+    key: str | None = None
+    headers: Mapping[str, Any] = field(default_factory=dict)
+    source: str | None = None
+    correlation_id: str | None = None
+    causation_id: str | None = None
+
+
+class ServiceHarness:
+    """Drives one `Service` on a `MemoryBroker` step by step, in the calling thread.
+
+    ``ServiceHarness(service)`` declares the service's topology on its broker and, unless
+    ``migrate=False``, applies the migrations to its database (a no-op when they are applied).
+    The service's business tables are the caller's to create. Handlers may be registered
+    before or after the harness is built (the topology is declared again at each `deliver`
+    and `run_until_idle`).
+
+    Raises ConfigurationError unless the service was built with ``broker=`` a `MemoryBroker`
+    of its own: a harness never touches a real RabbitMQ, and refuses the process's shared
+    in-memory broker (``mq_url=None``), which would carry messages from one test to the next.
+
+    Not thread-safe; the service must not be started. `close()` (or leaving the ``with``
+    block) stops consuming; the service and the broker stay open, they belong to the caller.
+    """
+
+    def __init__(self, service: Service, *, migrate: bool = True) -> None:
+        broker = service.broker
+        if not isinstance(broker, MemoryBroker) or broker is MemoryBroker.shared():
+            where = "the shared in-memory broker" if isinstance(broker, MemoryBroker) else None
+            raise ConfigurationError(
+                f"ServiceHarness needs a service on an in-memory broker of its own, not "
+                f"{where or broker.description}: build it with broker=MemoryBroker() (or the "
+                "outbox_inbox_broker fixture)"
+            )
+        self.service = service
+        self.broker: MemoryBroker = broker
+        if migrate:
+            service.migrate()
+        service.declare_topology()
+        self._relay = service.relay()
+        self._receiver = service.receiver()
+        self._worker = service.worker(name=f"harness-{service.name}-{uuid.uuid4().hex[:6]}")
+        self._consumer: MemoryConsumer | None = None
+        self._delay_queues = [delay_queue(service.name, t) for t in service.settings.delay_tiers]
+
+    def __repr__(self) -> str:
+        return f"<ServiceHarness {self.service.name} on {self.broker.description}>"
+
+    def __enter__(self) -> ServiceHarness:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop consuming the inbox queue (unacknowledged deliveries go back). Idempotent."""
+        if self._consumer is not None:
+            self._consumer.close()
+            self._consumer = None
+
+    # --- input ----------------------------------------------------------------------------
+
+    def deliver(
+        self,
+        type: str,
+        payload: Any,
+        *,
+        kind: str = COMMAND,
+        key: str | None = None,
+        headers: Mapping[str, Any] | None = None,
+        message_id: uuid.UUID | str | None = None,
+        correlation_id: str | None = None,
+        causation_id: str | None = None,
+        source: str | None = "tests",
+        priority: int | None = None,
+    ) -> uuid.UUID:
+        """Send one message to this service through the broker and store it in its inbox.
+
+        `type` is the full routing key: ``billing.invoice.create`` for a command to
+        ``billing``, ``orders.order.placed`` for an event. The message is encoded as the relay
+        encodes outbox rows, published to the ``commands`` or ``events`` exchange (by `kind`)
+        and taken from ``<service>.inbox`` by the service's receiver, which stores it (a
+        `message_id` already stored is dropped as a duplicate, as in production). Handlers do
+        not run: call `run_until_idle`. `correlation_id` defaults to the message id, as for a
+        message written outside a handler.
+
+        Returns the id the inbox keys the message on (`message_id` itself when it is a UUID).
+        Raises NotDelivered when the broker would not route the message to this service (a
+        command for another service, an event no handler subscribes to) or the receiver did
+        not store it; MessageError for a payload or headers that cannot be sent.
+        """
+        name = self.service.name
+        self.service.declare_topology()  # picks up handlers registered since (idempotent)
+        if kind == COMMAND:
+            if not type.startswith(f"{name}."):
+                raise NotDelivered(
+                    f"command {type!r} is addressed to another service: {name} receives the "
+                    f"commands {name}.*"
+                )
+            exchange = COMMANDS_EXCHANGE
+        elif kind == EVENT:
+            patterns = self.service.handlers.event_patterns()
+            if not any(topic_matches(p, type) for p in patterns):
+                raise NotDelivered(
+                    f"{name} subscribes to no event {type!r} (its patterns: {sorted(patterns)}):"
+                    " the broker would drop it"
+                )
+            exchange = EVENTS_EXCHANGE
+        else:
+            raise ConfigurationError(f"kind must be {COMMAND!r} or {EVENT!r}, not {kind!r}")
+        wire_id = str(message_id) if message_id is not None else str(uuid.uuid4())
+        stored_id = inbox_id(wire_id)
+        wire = to_wire(
+            OutgoingMessage(
+                id=0,
+                message_id=stored_id,
+                kind=kind,
+                exchange=exchange,
+                routing_key=type,
+                payload=payload,
+                headers=check_headers(headers),
+                source=source or "",
+                correlation_id=correlation_id or wire_id,
+                causation_id=causation_id,
+                key=key,
+                priority=priority,
+                created_at=datetime.now(UTC),
+            )
+        )
+        # A sender's own, non-UUID id travels as it is; a message without a source has no
+        # app_id, as from a plain AMQP client.
+        wire = replace(wire, message_id=wire_id, app_id=source or None)
+        publisher = self.broker.publisher()
+        try:
+            [outcome] = publisher.publish_batch([wire], window=1, timeout=5.0)
+        finally:
+            publisher.close()
+        if outcome is not PublishOutcome.CONFIRMED:
+            raise NotDelivered(f"the broker did not take {kind} {type!r}: {outcome.value}")
+        self.receive()
+        if self._find_inbox(stored_id) is None:
+            raise NotDelivered(
+                f"{kind} {type!r} ({wire_id}) was not stored: the receiver dead-lettered or "
+                "delayed it (see the log)"
+            )
+        return stored_id
+
+    def handle(self, type: str, payload: Any, **options: Any) -> InboxRow:
+        """`deliver` one message, `run_until_idle`, and return its inbox row.
+
+        Takes the keyword arguments of `deliver` and, as ``timeout``, of `run_until_idle`.
+        """
+        timeout = float(options.pop("timeout", DEFAULT_TIMEOUT))
+        message_id = self.deliver(type, payload, **options)
+        self.run_until_idle(timeout=timeout)
+        row = self._find_inbox(message_id)
+        assert row is not None  # deliver() saw it stored; nothing here deletes inbox rows
+        return row
+
+    # --- steps ----------------------------------------------------------------------------
+
+    def relay(self) -> int:
+        """Publish every due outbox row to the broker (`Relay.relay_once` until none is left).
+
+        Returns the rows claimed. Commands to services without a queue go to the broker's
+        ``unroutable`` queue, as on RabbitMQ; events nobody subscribes to are dropped.
+        """
+        total = 0
+        while count := self._relay.relay_once():
+            total += count
+        return total
+
+    def receive(self) -> int:
+        """Store what waits in ``<service>.inbox`` (the receiver's store path); return how many
+        deliveries were taken, duplicates included."""
+        if self._consumer is None:
+            self._consumer = self.broker.consumer(
+                inbox_queue(self.service.name), prefetch=self.service.settings.prefetch
+            )
+        total = 0
+        while batch := self._consumer.fetch(self.service.settings.receive_batch_size, 0):
+            self._receiver.store(self._consumer, batch)
+            total += len(batch)
+        return total
+
+    def work(self) -> int:
+        """Run the handlers of every due inbox row (`Worker.work_once` until none is due).
+
+        Returns the rows claimed: each is one handling attempt, whatever its outcome.
+        """
+        total = 0
+        with self.service.engine.connect() as conn:
+            while count := self._worker.work_once(conn):
+                total += count
+        return total
+
+    def step(self) -> int:
+        """One round of relay, receive and work; returns how much each found to do, summed."""
+        return self.relay() + self.receive() + self.work()
+
+    def skip_delays(self) -> int:
+        """Make waiting work due now, as if the time had passed; return the rows changed.
+
+        Pending inbox rows waiting for a retry become due at once; so do outbox rows written
+        with ``delay=`` that the relay has not tried yet (rows the broker refused keep their
+        backoff, so a refusing broker cannot make `run_until_idle` spin).
+        """
+        with self.service.engine.begin() as conn:
+            moved = queries.make_retries_due(conn, self.service.tables)
+            moved += queries.make_delayed_outbox_due(conn, self.service.tables)
+        return int(moved or 0)
+
+    def waiting_in_broker(self) -> int:
+        """Messages in this service's delay tier queues: the receiver's own retries, which
+        return to the inbox queue when their tier's time is up."""
+        return sum(self.broker.queue_depth(q) or 0 for q in self._delay_queues)
+
+    def run_until_idle(self, *, timeout: float = DEFAULT_TIMEOUT, skip_delays: bool = True) -> int:
+        """Run steps until nothing is due; return the handling attempts made.
+
+        Idle means: no outbox row to relay, nothing in the inbox queue or its delay tiers, no
+        inbox row due. With `skip_delays` (the default) retry backoff is fast-forwarded (see
+        `skip_delays`), so a failing message is retried until it is processed or dead; without
+        it, rows waiting for a retry are left waiting. Raises HarnessTimeout after `timeout`
+        seconds of continuous work (handlers that keep sending each other messages).
+        """
+        return run_all_until_idle(self, timeout=timeout, skip_delays=skip_delays)
+
+    # --- outcome --------------------------------------------------------------------------
+
+    def published(
+        self,
+        type: str | None = None,
+        *,
+        kind: str | None = None,
+    ) -> list[PublishedMessage]:
+        """Messages the service wrote to its outbox, in the order written, sent or not.
+
+        `type` filters by routing key (``orders.order.placed``; topic patterns such as
+        ``orders.#`` work too); `kind` by ``command`` / ``event``.
+        """
+        with self.service.engine.connect() as conn:
+            rows = queries.outbox_rows(conn, self.service.tables)
+        found = [
+            PublishedMessage(
+                message_id=r["message_id"],
+                kind=r["kind"],
+                type=r["routing_key"],
+                payload=r["payload"],
+                key=r["key"],
+                headers=dict(r["headers"] or {}),
+                correlation_id=r["correlation_id"],
+                causation_id=r["causation_id"],
+                priority=r["priority"],
+                version=r["version"],
+                sent=r["published_at"] is not None,
+            )
+            for r in rows
+        ]
+        return [
+            m
+            for m in found
+            if (type is None or topic_matches(type, m.type)) and (kind is None or m.kind == kind)
+        ]
+
+    def inbox_rows(self, status: str | None = None) -> list[InboxRow]:
+        """Messages in the service's inbox in the order received, optionally of one `status`."""
+        with self.service.engine.connect() as conn:
+            rows = queries.inbox_rows(conn, self.service.tables, status)
+        return [_inbox_row(r) for r in rows]
+
+    def processed(self) -> list[InboxRow]:
+        """Inbox messages whose handlers succeeded."""
+        return self.inbox_rows(PROCESSED)
+
+    def dead(self) -> list[InboxRow]:
+        """Inbox messages that will not be handled again (rejected, out of retries, ...)."""
+        return self.inbox_rows(DEAD)
+
+    def inbox_row(self, message_id: uuid.UUID | str) -> InboxRow:
+        """The inbox row of one message; raises KeyError if it was never stored."""
+        row = self._find_inbox(inbox_id(str(message_id)))
+        if row is None:
+            raise KeyError(f"no message {message_id} in the inbox of {self.service.name}")
+        return row
+
+    def _find_inbox(self, message_id: uuid.UUID) -> InboxRow | None:
+        with self.service.engine.connect() as conn:
+            found = queries.inbox_row(conn, self.service.tables, message_id)
+        return _inbox_row(found) if found is not None else None
+
+    def describe(self) -> str:
+        """A one-line summary of the service's inbox and outbox, for failure messages."""
+        counts: dict[str, int] = {}
+        for row in self.inbox_rows():
+            counts[row.status] = counts.get(row.status, 0) + 1
+        unsent = sum(1 for m in self.published() if not m.sent)
+        return f"{self.service.name}: inbox {counts or '{}'}, unsent outbox rows {unsent}"
+
+
+def run_all_until_idle(
+    *harnesses: ServiceHarness, timeout: float = DEFAULT_TIMEOUT, skip_delays: bool = True
+) -> int:
+    """Run steps of every harness, in turn, until none has anything due (see
+    `ServiceHarness.run_until_idle`); return the handling attempts made.
+
+    Give it the harnesses of services that share one `MemoryBroker` to run a conversation
+    between them to its end. Raises HarnessTimeout after `timeout` seconds.
+    """
+    if not harnesses:
+        raise ConfigurationError("run_all_until_idle needs at least one harness")
+    for harness in harnesses:  # bind the events of handlers registered since (idempotent)
+        harness.service.declare_topology()
+    deadline = time.monotonic() + timeout
+    attempts = 0
+    while True:
+        busy = False
+        for harness in harnesses:
+            sent = harness.relay()
+            received = harness.receive()
+            worked = harness.work()
+            attempts += worked
+            busy = busy or bool(sent or received or worked)
+        if not busy:
+            if any(h.waiting_in_broker() for h in harnesses):
+                time.sleep(0.05)  # the receiver's own retries come back on the broker's timer
+            elif not skip_delays or not any([h.skip_delays() for h in harnesses]):
+                return attempts
+        if time.monotonic() >= deadline:
+            state = "; ".join(h.describe() for h in harnesses)
+            raise HarnessTimeout(f"not idle after {timeout:g} s: {state}")
+
+
+def _inbox_row(r: RowMapping) -> InboxRow:
+    return InboxRow(
+        message_id=r["message_id"],
+        kind=r["kind"],
+        type=r["routing_key"],
+        payload=r["payload"],
+        status=r["status"],
+        attempts=r["attempts"],
+        last_error=r["last_error"],
+        dead_reason=r["dead_reason"],
+        key=r["key"],
+        headers=dict(r["headers"] or {}),
+        source=r["source"],
+        correlation_id=r["correlation_id"],
+        causation_id=r["causation_id"],
+    )
+
+
+# --- pytest fixtures (registered by the ``pytest11`` entry point ``outbox_inbox``) --------------
+
+#: What ``outbox_inbox_harness`` accepts: a service, or a function building one from
+#: ``db_url=`` and ``broker=`` keyword arguments.
+ServiceOrBuilder = Service | Callable[..., Service]
+
+if TYPE_CHECKING or importlib.util.find_spec("pytest") is not None:
+    import pytest
+
+    @pytest.fixture
+    def outbox_inbox_broker() -> Iterator[MemoryBroker]:
+        """A `MemoryBroker` of this test only; closed after it."""
+        broker = MemoryBroker(name="test")
+        try:
+            yield broker
+        finally:
+            broker.close()
+
+    @pytest.fixture
+    def outbox_inbox_db_url_factory(tmp_path: Path) -> Callable[[], str]:
+        """A function returning the URL of a new, empty database at each call.
+
+        By default a SQLite file in the test's ``tmp_path``. Override this fixture in your
+        conftest.py to test on PostgreSQL (one fresh database per call).
+        """
+        numbers = itertools.count(1)
+
+        def make() -> str:
+            return f"sqlite:///{tmp_path / f'outbox-inbox-{next(numbers)}.db'}"
+
+        return make
+
+    @pytest.fixture
+    def outbox_inbox_harness(
+        outbox_inbox_db_url_factory: Callable[[], str], outbox_inbox_broker: MemoryBroker
+    ) -> Iterator[Callable[..., ServiceHarness]]:
+        """A factory of migrated `ServiceHarness` objects, all on this test's broker.
+
+        ``outbox_inbox_harness(build)`` calls ``build(db_url=<a new database>,
+        broker=<the test's MemoryBroker>)`` and wraps the `Service` it returns; the service is
+        closed after the test. ``outbox_inbox_harness(service)`` wraps a service you built (on
+        any `MemoryBroker`) and leaves closing it to you. Keyword arguments go to
+        `ServiceHarness`. Harnesses are closed after the test.
+        """
+        harnesses: list[ServiceHarness] = []
+        built: list[Service] = []
+
+        def make(service: ServiceOrBuilder, **options: Any) -> ServiceHarness:
+            if not isinstance(service, Service):
+                service = service(db_url=outbox_inbox_db_url_factory(), broker=outbox_inbox_broker)
+                built.append(service)
+            harness = ServiceHarness(service, **options)
+            harnesses.append(harness)
+            return harness
+
+        try:
+            yield make
+        finally:
+            for harness in reversed(harnesses):
+                harness.close()
+            for service in reversed(built):
+                service.close()
