@@ -47,6 +47,7 @@ from .messages import (
     TRANSPORT_HEADERS,
     WireMessage,
     inbox_id,
+    jsonable,
 )
 from .tables import Tables
 from .topology import (
@@ -152,7 +153,7 @@ class DeadLetter:
             "attempts": self.attempts,
             "correlation_id": self.correlation_id,
             "payload": self.payload,
-            "headers": _jsonable(dict(self.headers)),
+            "headers": jsonable(dict(self.headers)),
         }
 
 
@@ -530,20 +531,6 @@ def _int(value: Any) -> int | None:
         return int(value) if value is not None else None
     except (TypeError, ValueError):
         return None
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    if isinstance(value, datetime):
-        return value.isoformat()
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    if value is None or isinstance(value, str | int | float | bool):
-        return value
-    return str(value)
 
 
 def error_summary(text: str | None, width: int = 200) -> str | None:

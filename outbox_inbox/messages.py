@@ -267,7 +267,7 @@ def from_wire(wire: WireMessage) -> dict[str, Any]:
     if not 0 <= priority <= 255:
         raise InvalidMessage(f"priority {priority} is outside 0..255")
     key = _text(raw_headers.pop(H_KEY, None))
-    headers = {name: _jsonable(value) for name, value in raw_headers.items()}
+    headers = {name: jsonable(value) for name, value in raw_headers.items()}
     return {
         "message_id": message_uuid,
         "source": wire.app_id,
@@ -285,16 +285,16 @@ def from_wire(wire: WireMessage) -> dict[str, Any]:
     }
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
     """AMQP header values (bytes, decimals, timestamps, nested tables) as JSON values."""
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
     if isinstance(value, datetime):
         return value.isoformat()
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if value is None or isinstance(value, str | int | float | bool):
         return value
     return str(value)

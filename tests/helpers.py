@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
+import pika
 from sqlalchemy import create_engine, text
 
 from outbox_inbox import Service
@@ -70,3 +73,32 @@ def rows(db_url: str, sql: str, **params: Any) -> list[Any]:
             return list(conn.execute(text(sql), params).all())
     finally:
         engine.dispose()
+
+
+@contextmanager
+def running(*roles: Any) -> Iterator[None]:
+    """Run each role's `run(stop)` in a thread for the block; stop and join them after it."""
+    stop = threading.Event()
+    threads = [threading.Thread(target=role.run, args=(stop,)) for role in roles]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(20)
+        assert not any(t.is_alive() for t in threads)
+
+
+def publish_raw(mq_url: str, exchange: str, routing_key: str, body: bytes, **props: Any) -> None:
+    """Publish one persistent message with plain pika (confirmed), as any AMQP client would."""
+    connection = pika.BlockingConnection(pika.URLParameters(mq_url))
+    try:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        channel.basic_publish(
+            exchange, routing_key, body, pika.BasicProperties(delivery_mode=2, **props)
+        )
+    finally:
+        connection.close()

@@ -7,8 +7,6 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -16,7 +14,7 @@ import pika
 import pytest
 from sqlalchemy import text
 
-from helpers import make_service, rows, scalar, wait_until
+from helpers import make_service, publish_raw, rows, running, scalar, wait_until
 from outbox_inbox import (
     BrokerConnectionError,
     ConfigurationError,
@@ -27,33 +25,6 @@ from outbox_inbox import (
     Service,
     StorageError,
 )
-
-
-@contextmanager
-def running(*roles: Any) -> Iterator[None]:
-    stop = threading.Event()
-    threads = [threading.Thread(target=role.run, args=(stop,)) for role in roles]
-    for t in threads:
-        t.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(20)
-        assert not any(t.is_alive() for t in threads)
-
-
-def _publish_raw(mq_url: str, exchange: str, routing_key: str, body: bytes, **props: Any) -> None:
-    connection = pika.BlockingConnection(pika.URLParameters(mq_url))
-    try:
-        channel = connection.channel()
-        channel.confirm_delivery()
-        channel.basic_publish(
-            exchange, routing_key, body, pika.BasicProperties(delivery_mode=2, **props)
-        )
-    finally:
-        connection.close()
 
 
 def _get_all(mq_url: str, queue: str) -> list[tuple[Any, bytes]]:
@@ -81,7 +52,7 @@ def test_retries_follow_the_backoff_within_tolerance(db_url: str, mq_url: str) -
             raise RuntimeError("not yet")
 
     svc.declare_topology()
-    _publish_raw(mq_url, "commands", "billing.job.run", b"{}", message_id=str(uuid.uuid4()))
+    publish_raw(mq_url, "commands", "billing.job.run", b"{}", message_id=str(uuid.uuid4()))
     worker = svc.worker()
     with running(svc.receiver(), worker):
         wait_until(lambda: worker.processed == 1, timeout=20)
@@ -110,7 +81,7 @@ def test_retry_with_explicit_delay_and_max_attempts_zero_means_no_retry(
 
     svc.declare_topology()
     for key in ("billing.once.only", "billing.later.please"):
-        _publish_raw(mq_url, "commands", key, b"{}", message_id=str(uuid.uuid4()))
+        publish_raw(mq_url, "commands", key, b"{}", message_id=str(uuid.uuid4()))
     worker = svc.worker()
     with running(svc.receiver(), worker):
         wait_until(lambda: worker.processed == 1 and calls.count("once") == 1)
@@ -142,7 +113,7 @@ def test_expired_messages_are_never_published_nor_handled(db_url: str, mq_url: s
     assert relay.published == 1
     # A message that expired on its way, sent by another service.
     past = (datetime.now(UTC) - timedelta(seconds=1)).isoformat()
-    _publish_raw(
+    publish_raw(
         mq_url,
         "commands",
         "billing.job.run",
@@ -255,7 +226,7 @@ def test_postgres_down_during_receive_messages_wait_in_delay_tiers_then_all_stor
         local_postgres_server.stop()
         try:
             for message_id in ids:
-                _publish_raw(
+                publish_raw(
                     mq_url, "commands", "billing.job.run", b'{"n": 1}', message_id=message_id
                 )
             wait_until(lambda: receiver.delayed >= 50, timeout=30, what="messages delayed")
@@ -281,8 +252,8 @@ def test_a_message_that_can_never_be_stored_is_dead_lettered_after_max_attempts(
     )
     svc.declare_topology()
     # PostgreSQL refuses \u0000 in jsonb: this row can never be stored, the next one can.
-    _publish_raw(mq_url, "commands", "billing.job.run", b'{"bad": "\\u0000"}', message_id="bad-1")
-    _publish_raw(mq_url, "commands", "billing.job.run", b'{"ok": 1}', message_id="good-1")
+    publish_raw(mq_url, "commands", "billing.job.run", b'{"bad": "\\u0000"}', message_id="bad-1")
+    publish_raw(mq_url, "commands", "billing.job.run", b'{"ok": 1}', message_id="good-1")
     receiver = svc.receiver()
     with running(receiver):
         wait_until(lambda: receiver.dead == 1, timeout=30)

@@ -5,42 +5,13 @@ from __future__ import annotations
 import json
 import threading
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pika
 from sqlalchemy import text
 
-from helpers import make_service, rows, scalar, wait_until
+from helpers import make_service, publish_raw, rows, running, scalar, wait_until
 from outbox_inbox import Message, Reject, RetryPolicy, Service
-
-
-@contextmanager
-def running(*roles: Any) -> Iterator[None]:
-    stop = threading.Event()
-    threads = [threading.Thread(target=role.run, args=(stop,)) for role in roles]
-    for t in threads:
-        t.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(15)
-        assert not any(t.is_alive() for t in threads)
-
-
-def _publish_raw(mq_url: str, routing_key: str, body: bytes, **props: Any) -> None:
-    connection = pika.BlockingConnection(pika.URLParameters(mq_url))
-    try:
-        channel = connection.channel()
-        channel.confirm_delivery()
-        channel.basic_publish(
-            "commands", routing_key, body, pika.BasicProperties(delivery_mode=2, **props)
-        )
-    finally:
-        connection.close()
 
 
 def _effect(session: Any, message: Message, info: str = "") -> None:
@@ -55,7 +26,9 @@ def test_duplicate_delivery_is_stored_once_and_acked(db_url: str, mq_url: str) -
     svc.declare_topology()
     message_id = str(uuid.uuid4())
     for _ in range(3):
-        _publish_raw(mq_url, "billing.invoice.create", b'{"n": 1}', message_id=message_id)
+        publish_raw(
+            mq_url, "commands", "billing.invoice.create", b'{"n": 1}', message_id=message_id
+        )
     receiver = svc.receiver()
     with running(receiver):
         wait_until(lambda: receiver.stored + receiver.duplicates >= 3, what="3 deliveries")
@@ -69,9 +42,9 @@ def test_duplicate_delivery_is_stored_once_and_acked(db_url: str, mq_url: str) -
 def test_invalid_message_goes_to_dead_letter_with_its_reason(db_url: str, mq_url: str) -> None:
     svc = make_service("billing", db_url, mq_url)
     svc.declare_topology()
-    _publish_raw(mq_url, "billing.invoice.create", b"<xml/>", message_id="m-1")
-    _publish_raw(mq_url, "billing.invoice.create", b"{}")  # no message_id
-    _publish_raw(mq_url, "billing.invoice.create", b'{"ok": true}', message_id="m-2")
+    publish_raw(mq_url, "commands", "billing.invoice.create", b"<xml/>", message_id="m-1")
+    publish_raw(mq_url, "commands", "billing.invoice.create", b"{}")  # no message_id
+    publish_raw(mq_url, "commands", "billing.invoice.create", b'{"ok": true}', message_id="m-2")
     receiver = svc.receiver()
     with running(receiver):
         wait_until(lambda: receiver.stored == 1, what="the valid message")
