@@ -102,3 +102,18 @@ def publish_raw(mq_url: str, exchange: str, routing_key: str, body: bytes, **pro
         )
     finally:
         connection.close()
+
+
+def drain(mq_url: str, queue: str) -> list[tuple[pika.spec.BasicProperties, bytes]]:
+    """Take every message now in `queue` (acknowledged), in order: (properties, body)."""
+    connection = pika.BlockingConnection(pika.URLParameters(mq_url))
+    try:
+        channel = connection.channel()
+        got = []
+        while True:
+            method, props, body = channel.basic_get(queue, auto_ack=True)
+            if method is None:
+                return got
+            got.append((props, body))
+    finally:
+        connection.close()

@@ -10,11 +10,10 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import pika
 import pytest
 from sqlalchemy import text
 
-from helpers import make_service, publish_raw, rows, running, scalar, wait_until
+from helpers import drain, make_service, publish_raw, rows, running, scalar, wait_until
 from outbox_inbox import (
     BrokerConnectionError,
     ConfigurationError,
@@ -25,20 +24,6 @@ from outbox_inbox import (
     Service,
     StorageError,
 )
-
-
-def _get_all(mq_url: str, queue: str) -> list[tuple[Any, bytes]]:
-    connection = pika.BlockingConnection(pika.URLParameters(mq_url))
-    try:
-        channel = connection.channel()
-        got = []
-        while True:
-            method, props, body = channel.basic_get(queue, auto_ack=True)
-            if method is None:
-                return got
-            got.append((props, body))
-    finally:
-        connection.close()
 
 
 def test_retries_follow_the_backoff_within_tolerance(db_url: str, mq_url: str) -> None:
@@ -258,7 +243,7 @@ def test_a_message_that_can_never_be_stored_is_dead_lettered_after_max_attempts(
     with running(receiver):
         wait_until(lambda: receiver.dead == 1, timeout=30)
     assert receiver.stored == 1
-    ((props, body),) = _get_all(mq_url, "billing.dead_letter")
+    ((props, body),) = drain(mq_url, "billing.dead_letter")
     assert props.message_id == "bad-1"
     assert props.headers["x-dead-reason"].startswith("store_failed: not stored after 3 attempts")
     assert props.headers["x-original-routing-key"] == "billing.job.run"

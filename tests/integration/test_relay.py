@@ -5,11 +5,10 @@ from __future__ import annotations
 import threading
 import uuid
 
-import pika
 import pytest
 from sqlalchemy import text
 
-from helpers import make_service, scalar, wait_until
+from helpers import drain, make_service, scalar, wait_until
 from outbox_inbox.brokers.rabbitmq import RabbitMQBroker
 from outbox_inbox.topology import Binding, Exchange, Queue, Topology
 
@@ -22,20 +21,6 @@ def _declare_probe(mq_url: str, queue: str, exchange: str, pattern: str) -> None
             bindings=(Binding(exchange, queue, pattern),),
         )
     )
-
-
-def _drain(mq_url: str, queue: str) -> list[tuple[pika.spec.BasicProperties, bytes]]:
-    connection = pika.BlockingConnection(pika.URLParameters(mq_url))
-    try:
-        channel = connection.channel()
-        got = []
-        while True:
-            method, props, body = channel.basic_get(queue, auto_ack=True)
-            if method is None:
-                return got
-            got.append((props, body))
-    finally:
-        connection.close()
 
 
 def test_relay_publishes_persistent_messages_and_marks_them_after_confirm(
@@ -54,7 +39,7 @@ def test_relay_publishes_persistent_messages_and_marks_them_after_confirm(
         )
         == 0
     )
-    got = _drain(mq_url, "probe")
+    got = drain(mq_url, "probe")
     assert [uuid.UUID(p.message_id) for p, _ in got] == ids
     props = got[0][0]
     assert props.delivery_mode == 2
@@ -96,7 +81,7 @@ def test_command_to_a_service_without_queue_is_kept_in_unroutable(db_url: str, m
         )
         == 0
     )
-    kept = _drain(mq_url, "unroutable")
+    kept = drain(mq_url, "unroutable")
     assert [uuid.UUID(p.message_id) for p, _ in kept] == [command_id]
     svc.close()
 
@@ -123,7 +108,7 @@ def test_rows_of_one_key_are_published_in_order_and_a_failed_head_holds_its_key(
     svc.relay().relay_once()
     import json
 
-    got = [(p.headers["x-key"], json.loads(b)["n"]) for p, b in _drain(mq_url, "probe")]
+    got = [(p.headers["x-key"], json.loads(b)["n"]) for p, b in drain(mq_url, "probe")]
     assert got == [("order-2", n) for n in range(5)]
     held = scalar(
         db_url,
@@ -181,7 +166,7 @@ def test_two_relays_publish_every_row_once(db_url: str, mq_url: str) -> None:
             t.join(10)
     import json
 
-    got = [(p.headers["x-key"], json.loads(b)["n"]) for p, b in _drain(mq_url, "probe")]
+    got = [(p.headers["x-key"], json.loads(b)["n"]) for p, b in drain(mq_url, "probe")]
     assert sorted(n for _, n in got) == list(range(1000))
     for key in {k for k, _ in got}:
         seq = [n for k, n in got if k == key]
