@@ -47,7 +47,8 @@ def _properties(message: WireMessage) -> BasicProperties:
     )
 
 
-def _wire(method: Basic.Deliver, props: BasicProperties, body: bytes) -> WireMessage:
+def wire_message(method: Basic.Deliver, props: BasicProperties, body: bytes) -> WireMessage:
+    """A delivery from pika as the library's WireMessage."""
     return WireMessage(
         exchange=method.exchange,
         routing_key=method.routing_key,
@@ -112,7 +113,7 @@ class RabbitMQBroker:
         except CONNECTION_ERRORS as exc:
             raise BrokerError(f"declaring topology on {self.description} failed: {exc!r}") from exc
         finally:
-            _close_quietly(connection)
+            close_quietly(connection)
 
     def close(self) -> None:
         """Nothing to release: every publisher and consumer owns its connection."""
@@ -138,7 +139,7 @@ class RabbitMQBroker:
         except CONNECTION_ERRORS as exc:
             raise BrokerError(f"cannot inspect queue {queue!r}: {exc!r}") from exc
         finally:
-            _close_quietly(connection)
+            close_quietly(connection)
 
 
 class RabbitMQPublisher:
@@ -170,7 +171,7 @@ class RabbitMQPublisher:
                     raise BrokerConnectionError("RabbitMQ did not enable publisher confirms")
                 self._connection.process_data_events(time_limit=0.05)
         except CONNECTION_ERRORS as exc:
-            _close_quietly(connection)
+            close_quietly(connection)
             raise BrokerConnectionError(f"cannot open a publishing channel: {exc!r}") from exc
 
     @property
@@ -277,7 +278,7 @@ class RabbitMQPublisher:
         return [o or PublishOutcome.SKIPPED for o in outcomes]
 
     def close(self) -> None:
-        _close_quietly(self._connection)
+        close_quietly(self._connection)
 
 
 class RabbitMQConsumer:
@@ -297,14 +298,18 @@ class RabbitMQConsumer:
             self._channel = connection.channel()
             self._channel.basic_qos(prefetch_count=prefetch)
         except CONNECTION_ERRORS as exc:
-            _close_quietly(connection)
+            close_quietly(connection)
             raise BrokerConnectionError(f"cannot consume {queue!r}: {exc!r}") from exc
 
     def _on_message(
         self, _channel: Any, method: Basic.Deliver, props: BasicProperties, body: bytes
     ) -> None:
         self._buffer.append(
-            Delivery(_wire(method, props, body), int(method.delivery_tag), bool(method.redelivered))
+            Delivery(
+                wire_message(method, props, body),
+                int(method.delivery_tag),
+                bool(method.redelivered),
+            )
         )
 
     def _pump(self, until: float, enough: int) -> None:
@@ -401,7 +406,7 @@ class RabbitMQConsumer:
     def close(self) -> None:
         """Close the connection; never raises. Unacknowledged deliveries return to the queue."""
         self._buffer.clear()
-        _close_quietly(self._connection)
+        close_quietly(self._connection)
 
 
 def _mismatch(what: str, exc: pika.exceptions.ChannelClosedByBroker) -> BrokerError:
@@ -412,7 +417,8 @@ def _mismatch(what: str, exc: pika.exceptions.ChannelClosedByBroker) -> BrokerEr
     return BrokerError(f"declaring {what} failed: {exc.reply_text}")
 
 
-def _close_quietly(connection: pika.BlockingConnection) -> None:
+def close_quietly(connection: pika.BlockingConnection) -> None:
+    """Close `connection` if it is open; log, never raise, what closing a broken one raises."""
     try:
         if connection.is_open:
             connection.close()

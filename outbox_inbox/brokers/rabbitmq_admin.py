@@ -19,7 +19,7 @@ from pika.spec import BasicProperties
 from ..errors import BrokerConnectionError, BrokerError
 from ..messages import WireMessage
 from ..topology import Exchange, Queue
-from .rabbitmq import CONNECTION_ERRORS, RabbitMQBroker, _close_quietly, _wire
+from .rabbitmq import CONNECTION_ERRORS, RabbitMQBroker, close_quietly, wire_message
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class RabbitMQAdmin:
     def close(self) -> None:
         """Close the connection; unacknowledged messages go back to their queues."""
         if self._connection is not None:
-            _close_quietly(self._connection)
+            close_quietly(self._connection)
             self._connection = None
 
     # --- checks ---------------------------------------------------------------------------
@@ -191,7 +191,7 @@ class RabbitMQAdmin:
                     break
                 if method is None:
                     continue
-                if not on_message(_wire(method, props, body)):
+                if not on_message(wire_message(method, props, body)):
                     break
         except (pika.exceptions.ChannelClosedByBroker, *CONNECTION_ERRORS) as exc:
             raise _broker_error(f"consuming the tail queue {name}", exc) from exc
@@ -233,7 +233,7 @@ class QueueReader:
             return None
         return QueuedMessage(
             tag=method.delivery_tag,
-            message=_wire(method, props, body),
+            message=wire_message(method, props, body),
             redelivered=bool(method.redelivered),
             properties=props,
         )
