@@ -248,6 +248,12 @@ class RabbitMQPublisher:
                     break
                 # Flush what was written, then wait briefly for confirms.
                 self._connection.process_data_events(time_limit=0 if sent else 0.002)
+                if self._impl.is_closing or self._impl.is_closed:
+                    # The broker closed the channel (e.g. 404: the exchange does not exist):
+                    # no confirm will come, so do not wait for the timeout.
+                    log.warning("publishing channel closed by the broker")
+                    self._broken = True
+                    break
                 while self._confirms:
                     tag, multiple, acked = self._confirms.popleft()
                     tags = [t for t in in_flight if t <= tag] if multiple else [tag]
@@ -269,9 +275,10 @@ class RabbitMQPublisher:
 
         if in_flight:
             # Late confirms would be matched against the wrong batch: start a fresh channel.
+            lost = PublishOutcome.FAILED if self._broken else PublishOutcome.TIMEOUT
             self._broken = True
             for index in in_flight.values():
-                outcomes[index] = PublishOutcome.TIMEOUT
+                outcomes[index] = lost
         for key_queue in waiting.values():
             for index in key_queue:
                 outcomes[index] = outcomes[index] or PublishOutcome.SKIPPED
