@@ -15,6 +15,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from .config import validate_identifier
 from .errors import StorageError
 from .logsafe import mask_url
+from .tables import build_tables
 
 DEFAULT_SCHEMA = "outbox_inbox"
 
@@ -72,6 +73,7 @@ def downgrade(config: Config, revision: str) -> None:
 
 
 def tables_exist(connection: Connection, schema: str | None) -> bool:
-    """True when the outbox and inbox tables exist in `schema`."""
+    """True when the tables of the latest revision exist in `schema`."""
     names = set(inspect(connection).get_table_names(schema=schema))
-    return {"outbox_messages", "inbox_messages", "inbox_deliveries"} <= names
+    wanted = {table.name for table in build_tables(schema or None).metadata.tables.values()}
+    return wanted <= names

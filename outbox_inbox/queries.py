@@ -160,21 +160,39 @@ def mark_publish_failed(
 # --- inbox --------------------------------------------------------------------------------
 
 
-def insert_inbox(conn: Connection, tables: Tables, rows: Sequence[Mapping[str, Any]]) -> int:
+def insert_inbox(
+    conn: Connection, tables: Tables, rows: Sequence[Mapping[str, Any]]
+) -> set[uuid.UUID]:
     """Store received messages once each: a message_id already stored is skipped.
 
-    Returns how many rows were new.
+    Returns the message ids of the rows that were new.
     """
     if not rows:
-        return 0
+        return set()
     # One cached statement with the rows as parameters: SQLAlchemy batches them into
     # multi-row INSERTs itself ("insertmanyvalues"), so nothing is compiled per batch.
     stmt = (
         _insert(conn, tables.inbox)
         .on_conflict_do_nothing(index_elements=["message_id"])
-        .returning(tables.inbox.c.id)
+        .returning(tables.inbox.c.message_id)
     )
-    return len(conn.execute(stmt, list(rows)).all())
+    return {message_id for (message_id,) in conn.execute(stmt, list(rows)).all()}
+
+
+def count_duplicates(conn: Connection, tables: Tables, counts: Mapping[uuid.UUID, int]) -> None:
+    """Add deliveries dropped as already stored to each message id's duplicate counter."""
+    if not counts:
+        return
+    d = tables.deliveries
+    insert = _insert(conn, d).values(
+        [{"message_id": m, "duplicates": n} for m, n in sorted(counts.items())]
+    )
+    conn.execute(
+        insert.on_conflict_do_update(
+            index_elements=[d.c.message_id],
+            set_={"duplicates": d.c.duplicates + insert.excluded.duplicates},
+        )
+    )
 
 
 def claim_inbox(
@@ -330,6 +348,24 @@ def set_idle_timeout(conn: Connection, seconds: float) -> None:
         select(
             func.set_config("idle_in_transaction_session_timeout", str(int(seconds * 1000)), False)
         )
+    )
+
+
+def record_subscriptions(
+    conn: Connection, tables: Tables, service: str, bindings: Sequence[tuple[str, str]]
+) -> None:
+    """Remember the (exchange, pattern) bindings of `service`'s inbox queue.
+
+    A binding declared before keeps its first `subscribed_at`: re-declaring changes nothing.
+    """
+    if not bindings:
+        return
+    s = tables.subscriptions
+    insert = _insert(conn, s).values(
+        [{"service": service, "exchange": e, "pattern": p} for e, p in sorted(set(bindings))]
+    )
+    conn.execute(
+        insert.on_conflict_do_nothing(index_elements=[s.c.service, s.c.exchange, s.c.pattern])
     )
 
 

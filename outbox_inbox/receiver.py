@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from sqlalchemy import Engine
@@ -103,6 +104,7 @@ class Receiver:
     def store(self, consumer: Consumer, batch: list[Delivery]) -> None:
         """Store one batch; acknowledge, delay or dead-letter every delivery in it."""
         pending: dict[uuid.UUID, tuple[Delivery, dict[str, Any]]] = {}
+        repeats: Counter[uuid.UUID] = Counter()  # copies of a message within this batch
         for delivery in batch:
             try:
                 row = from_wire(delivery.message)
@@ -110,6 +112,7 @@ class Receiver:
                 self._dead(consumer, delivery, INVALID, str(exc))
                 continue
             if row["message_id"] in pending:  # the same message twice in one batch
+                repeats[row["message_id"]] += 1
                 self._ack_duplicate(consumer, delivery)
                 continue
             pending[row["message_id"]] = (delivery, row)
@@ -117,7 +120,7 @@ class Receiver:
             return
         try:
             self._count_redeliveries(consumer, pending)
-            stored = self._insert(list(pending.values()))
+            stored = self._insert(list(pending.values()), repeats)
         except SQLAlchemyError as exc:
             if _database_unavailable(exc):
                 log.warning("receiver: database unavailable, delaying %d messages", len(pending))
@@ -128,21 +131,33 @@ class Receiver:
             stored = []
             for delivery, row in pending.values():
                 try:
-                    stored.extend(self._insert([(delivery, row)]))
+                    stored.extend(self._insert([(delivery, row)], repeats))
                 except SQLAlchemyError as one:
                     self._delay(consumer, delivery, _short(one))
         if stored:
             consumer.ack_through(max(d.tag for d in stored))
 
-    def _insert(self, items: list[tuple[Delivery, dict[str, Any]]]) -> list[Delivery]:
-        """Insert rows in one transaction; return their deliveries, ready to be acked."""
+    def _insert(
+        self, items: list[tuple[Delivery, dict[str, Any]]], repeats: Mapping[uuid.UUID, int]
+    ) -> list[Delivery]:
+        """Insert rows in one transaction; return their deliveries, ready to be acked.
+
+        In the same transaction, every delivery dropped as a duplicate (the message was stored
+        before, or came twice in this batch) is counted in ``inbox_deliveries.duplicates``.
+        """
         if not items:
             return []
         with self._engine.begin() as conn:
             new = queries.insert_inbox(conn, self._tables, [row for _, row in items])
-        self.stored += new
-        self.duplicates += len(items) - new
-        call(self._listener, "received", new, len(items) - new)
+            dropped = {
+                mid: repeats.get(mid, 0) + (0 if mid in new else 1)
+                for mid in (row["message_id"] for _, row in items)
+            }
+            queries.count_duplicates(conn, self._tables, {m: n for m, n in dropped.items() if n})
+        duplicates = len(items) - len(new)
+        self.stored += len(new)
+        self.duplicates += duplicates
+        call(self._listener, "received", len(new), duplicates)
         return [delivery for delivery, _ in items]
 
     def _count_redeliveries(

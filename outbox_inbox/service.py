@@ -15,20 +15,21 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from . import migrate as migrations
+from . import queries
 from .broker import Broker
 from .config import Settings, validate_service_name
 from .errors import ConfigurationError, SchemaMissing, storage_error
 from .handlers import Handler, Handlers, Subscription
 from .listener import Listener
 from .logsafe import mask_url
-from .messages import COMMAND, EVENT
+from .messages import COMMAND, COMMANDS_EXCHANGE, EVENT, EVENTS_EXCHANGE
 from .outbox import Outbox
 from .receiver import Receiver
 from .relay import Relay
 from .retry import RetryPolicy
 from .sqlite import create_sqlite_engine, is_sqlite
 from .tables import Tables, build_tables
-from .topology import Topology, command_routing_key, service_topology
+from .topology import Topology, command_routing_key, inbox_queue, service_topology
 from .waker import Waker, notify_channel, psycopg_conninfo
 from .worker import Worker
 
@@ -194,6 +195,26 @@ class Service:
         """Declare the topology on the broker (idempotent)."""
         self.broker.declare(self.topology())
 
+    def record_subscriptions(self) -> None:
+        """Record the inbox queue's bindings in the ``subscriptions`` table (idempotent).
+
+        Runs in a transaction of the library's own; a binding keeps the database time of its
+        first recording. The audit expects an event at this service only when it was
+        published after the service subscribed to it. `start()` and `run_receiver()` call
+        this after declaring the topology. Raises StorageError.
+        """
+        queue = inbox_queue(self.name)
+        bindings = [
+            (b.exchange, b.routing_key)
+            for b in self.topology().bindings
+            if b.queue == queue and b.exchange in (COMMANDS_EXCHANGE, EVENTS_EXCHANGE)
+        ]
+        try:
+            with self.engine.begin() as conn:
+                queries.record_subscriptions(conn, self.tables, self.name, bindings)
+        except SQLAlchemyError as exc:
+            raise storage_error(exc, "recording the service's subscriptions") from exc
+
     def migrate(self, revision: str = "heads") -> None:
         """Apply the shipped migrations to the service's database (``outbox-inbox db upgrade``)."""
         with self.engine.connect() as conn:
@@ -263,6 +284,7 @@ class Service:
             raise ConfigurationError("service already started")
         self.check_database()
         self.declare_topology()
+        self.record_subscriptions()
         self._stop.clear()
         roles: list[tuple[str, Callable[..., None]]] = []
         if relay:
@@ -328,6 +350,7 @@ class Service:
         """Run only the receiver in this thread until SIGTERM or SIGINT."""
         self.check_database()
         self.declare_topology()
+        self.record_subscriptions()
         self._run_role(self.receiver().run)
 
     def run_worker(self) -> None:

@@ -59,6 +59,8 @@ class Tables:
     outbox: Table
     inbox: Table
     deliveries: Table
+    subscriptions: Table
+    archive_files: Table
 
 
 def outbox_unsent(outbox: Table | Any) -> ColumnElement[bool]:
@@ -170,5 +172,33 @@ def build_tables(schema: str | None = "outbox_inbox") -> Tables:
         Column("deliveries", Integer, nullable=False, server_default=text("0")),
         Column("first_seen_at", _Time, nullable=False, server_default=func.now()),
         Column("last_seen_at", _Time, nullable=False, server_default=func.now()),
+        # Deliveries dropped because the message was already stored: the duplicates the
+        # inbox absorbed. The audit reports them.
+        Column("duplicates", Integer, nullable=False, server_default=text("0")),
     )
-    return Tables(schema or "", metadata, outbox, inbox, deliveries)
+
+    # What the service's inbox queue is bound to, and since when (the database clock at its
+    # first declaration). The audit expects an event at a service only if it was published
+    # after the service subscribed to it.
+    subscriptions = Table(
+        "subscriptions",
+        metadata,
+        Column("service", String(255), primary_key=True),
+        Column("exchange", String(255), primary_key=True),
+        Column("pattern", String(255), primary_key=True),
+        Column("subscribed_at", _Time, nullable=False, server_default=func.now()),
+    )
+
+    # Parquet files being written by `outbox-inbox archive`. A row is committed before its file
+    # is written and deleted in the transaction that deletes the file's rows from the hot
+    # table, so a row left behind names a file whose batch did not finish (archive.py).
+    archive_files = Table(
+        "archive_files",
+        metadata,
+        Column("id", Uuid(as_uuid=True), primary_key=True),
+        Column("source_table", String(16), nullable=False),
+        Column("path", Text, nullable=False),
+        Column("created_at", _Time, nullable=False, server_default=func.now()),
+        CheckConstraint("source_table IN ('outbox', 'inbox')", name="source_table"),
+    )
+    return Tables(schema or "", metadata, outbox, inbox, deliveries, subscriptions, archive_files)

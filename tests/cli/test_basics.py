@@ -33,6 +33,8 @@ COMMANDS = [
     ("status",),
     ("tail",),
     ("run",),
+    ("archive",),
+    ("audit",),
 ]
 
 
@@ -193,11 +195,17 @@ def test_db_upgrade_current_history_downgrade(cli: Cli, db_url: str) -> None:
     current = cli("db", "current", "--db-url", db_url, "--schema", "ops", "--json")
     assert current.returncode == 0, current
     assert '"up_to_date": true' in current.stdout
-    assert "0001 (head)" in cli("db", "current", "--db-url", db_url, "--schema", "ops").stdout
+    assert "0002 (head)" in cli("db", "current", "--db-url", db_url, "--schema", "ops").stdout
 
     history = cli("db", "history")
     assert history.returncode == 0, history
-    assert "0001" in history.stdout
+    assert "0001" in history.stdout and "0002" in history.stdout
+
+    # One step back: the history tables go, the outbox and inbox stay.
+    back = cli("db", "downgrade", "0001", "--db-url", db_url, "--schema", "ops")
+    assert back.returncode == 0, back
+    assert scalar(db_url, "SELECT to_regclass('ops.subscriptions') IS NULL") is True
+    assert scalar(db_url, "SELECT to_regclass('ops.inbox_messages') IS NOT NULL") is True
 
     down = cli("db", "downgrade", "base", "--db-url", db_url, "--schema", "ops")
     assert down.returncode == 0, down

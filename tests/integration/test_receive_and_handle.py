@@ -36,6 +36,41 @@ def test_duplicate_delivery_is_stored_once_and_acked(db_url: str, mq_url: str) -
     assert receiver.duplicates == 2
     assert scalar(db_url, "SELECT count(*) FROM outbox_inbox.inbox_messages") == 1
     assert svc.broker.queue_depth("billing.inbox") == 0
+    # The dropped copies are counted for the audit (in one batch or later, the same).
+    assert scalar(db_url, "SELECT duplicates FROM outbox_inbox.inbox_deliveries") == 2
+
+    publish_raw(mq_url, "commands", "billing.invoice.create", b'{"n": 1}', message_id=message_id)
+    with running(receiver):
+        wait_until(lambda: receiver.duplicates == 3, what="the late copy")
+    assert scalar(db_url, "SELECT duplicates FROM outbox_inbox.inbox_deliveries") == 3
+    assert scalar(db_url, "SELECT count(*) FROM outbox_inbox.inbox_messages") == 1
+    svc.close()
+
+
+def test_subscriptions_are_recorded_once_with_the_time_of_their_first_recording(
+    db_url: str, mq_url: str
+) -> None:
+    svc = make_service("billing", db_url, mq_url)
+    svc.on_event("orders.order.*")(lambda message, session: None)
+    svc.record_subscriptions()
+    first = rows(
+        db_url,
+        "SELECT exchange, pattern, subscribed_at FROM outbox_inbox.subscriptions"
+        " WHERE service = 'billing' ORDER BY exchange, pattern",
+    )
+    assert [(r.exchange, r.pattern) for r in first] == [
+        ("commands", "billing.#"),
+        ("events", "orders.order.*"),
+    ]
+    svc.record_subscriptions()
+    assert (
+        rows(
+            db_url,
+            "SELECT exchange, pattern, subscribed_at FROM outbox_inbox.subscriptions"
+            " WHERE service = 'billing' ORDER BY exchange, pattern",
+        )
+        == first
+    )
     svc.close()
 
 
