@@ -1,4 +1,4 @@
-"""`outbox-inbox`: migrations, broker topology, dead letters, status, tail, and running roles.
+"""`outbox-inbox`: migrations, topology, dead letters, status, tail, running roles, history.
 
 Every command prints one ``error: ...`` line on stderr and exits 1 on bad input, an unreachable
 server, missing tables or an unknown app (``-v`` adds the traceback). Passwords are masked in
@@ -34,6 +34,7 @@ from outbox_inbox.tables import VERSION_TABLE
 
 from .dead_letters import dead_letters
 from .demo import demo
+from .history import archive, audit
 from .output import EXIT_ERROR, MaskingFormatter, echo, echo_json, render_table
 from .status import status
 from .tail import tail
@@ -292,6 +293,8 @@ main.add_command(dead_letters)
 main.add_command(status)
 main.add_command(tail)
 main.add_command(demo)
+main.add_command(archive)
+main.add_command(audit)
 
 
 if __name__ == "__main__":

@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
     Connection,
+    String,
+    Table,
     and_,
     bindparam,
     delete,
     exists,
     func,
+    insert,
+    literal,
     or_,
     select,
     update,
@@ -26,6 +30,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.elements import ColumnElement
 
 from .clock import db_now, db_now_plus
 from .tables import DEAD, PENDING, PROCESSED, Tables, outbox_unsent
@@ -588,6 +593,136 @@ def held_keys(conn: Connection, tables: Tables, limit: int) -> tuple[int, list[R
 
 def _float(value: Any) -> float | None:
     return float(value) if value is not None else None
+
+
+# --- archive (message history) -----------------------------------------------------------
+
+
+def _archivable(tables: Tables, source: str, cutoff: datetime) -> ColumnElement[bool]:
+    """Rows finished before `cutoff`: published or expired outbox rows, processed or dead inbox
+    rows. Pending and unpublished rows never qualify."""
+    if source == "outbox":
+        o = tables.outbox
+        return or_(
+            and_(o.c.published_at.is_not(None), o.c.published_at < cutoff),
+            and_(o.c.expired_at.is_not(None), o.c.expired_at < cutoff),
+        )
+    i = tables.inbox
+    return and_(i.c.status.in_([PROCESSED, DEAD]), _dead_since(i) < cutoff)
+
+
+def _archive_table(tables: Tables, source: str) -> Table:
+    return tables.outbox if source == "outbox" else tables.inbox
+
+
+def count_archivable(conn: Connection, tables: Tables, source: str, cutoff: datetime) -> int:
+    """How many rows of `source` ('outbox' or 'inbox') finished before `cutoff`."""
+    t = _archive_table(tables, source)
+    stmt = select(func.count()).select_from(t).where(_archivable(tables, source, cutoff))
+    return int(conn.execute(stmt).scalar_one())
+
+
+def history_rows(
+    conn: Connection,
+    tables: Tables,
+    source: str,
+    *,
+    cutoff: datetime | None = None,
+    limit: int | None = None,
+) -> list[RowMapping]:
+    """Rows of `source` ('outbox' or 'inbox'), lowest id first: with a `cutoff`, only those
+    finished before it (what the archive moves), else every row (what the audit reads live).
+
+    Inbox rows carry their ``deliveries`` and ``duplicates`` counters from inbox_deliveries.
+    """
+    t = _archive_table(tables, source)
+    if source == "outbox":
+        stmt = select(t)
+    else:
+        d = tables.deliveries
+        stmt = select(
+            t,
+            func.coalesce(d.c.deliveries, 0).label("deliveries"),
+            func.coalesce(d.c.duplicates, 0).label("duplicates"),
+        ).select_from(t.outerjoin(d, d.c.message_id == t.c.message_id))
+    if cutoff is not None:
+        stmt = stmt.where(_archivable(tables, source, cutoff))
+    return list(conn.execute(stmt.order_by(t.c.id).limit(limit)).mappings())
+
+
+def delete_archived(
+    conn: Connection, tables: Tables, source: str, cutoff: datetime, ids: Sequence[int]
+) -> int:
+    """Delete the archived rows `ids` of `source` that still qualify; return how many.
+
+    A row changed since it was written (a dead row replayed) no longer qualifies and stays.
+    The inbox rows' delivery counters go with them.
+    """
+    if not ids:
+        return 0
+    t = _archive_table(tables, source)
+    deleted = conn.execute(
+        delete(t)
+        .where(t.c.id.in_(list(ids)), _archivable(tables, source, cutoff))
+        .returning(t.c.message_id)
+    ).all()
+    if source == "inbox" and deleted:
+        forget_deliveries(conn, tables, [m for (m,) in deleted])
+    return len(deleted)
+
+
+def prune_deliveries(conn: Connection, tables: Tables, cutoff: datetime) -> int:
+    """Delete delivery counters last seen before `cutoff` whose message has no inbox row.
+
+    They belong to messages the receiver dead-lettered or already archived.
+    """
+    d, i = tables.deliveries, tables.inbox
+    stmt = delete(d).where(
+        d.c.last_seen_at < cutoff, ~exists().where(i.c.message_id == d.c.message_id)
+    )
+    return int(conn.execute(stmt).rowcount or 0)
+
+
+def journal_archive_files(
+    conn: Connection, tables: Tables, files: Sequence[tuple[uuid.UUID, str, str]]
+) -> None:
+    """Record (id, source, path) of Parquet files about to be written."""
+    if files:
+        a = tables.archive_files
+        conn.execute(
+            insert(a), [{"id": f, "source_table": src, "path": path} for f, src, path in files]
+        )
+
+
+def unfinished_archive_files(conn: Connection, tables: Tables) -> list[RowMapping]:
+    """Journaled files whose batch did not finish: (id, source_table, path), oldest first."""
+    a = tables.archive_files
+    return list(conn.execute(select(a).order_by(a.c.created_at, a.c.id)).mappings())
+
+
+def forget_archive_files(conn: Connection, tables: Tables, ids: Sequence[uuid.UUID]) -> None:
+    """Drop journal rows: their batch finished or wrote nothing."""
+    if ids:
+        a = tables.archive_files
+        conn.execute(delete(a).where(a.c.id.in_(list(ids))))
+
+
+def subscriptions_of(conn: Connection, tables: Tables) -> list[RowMapping]:
+    """Every recorded subscription: service, exchange, pattern, subscribed_at."""
+    s = tables.subscriptions
+    return list(conn.execute(select(s).order_by(s.c.service, s.c.exchange, s.c.pattern)).mappings())
+
+
+def try_archive_lock(conn: Connection, schema: str) -> bool:
+    """Take the session lock that lets one archive run per schema; False when it is held.
+
+    SQLite has no such lock: one process writes it at a time anyway, and the archive of a
+    development database is run by hand.
+    """
+    if conn.dialect.name != "postgresql":
+        return True
+    key = func.hashtext(literal(f"outbox_inbox.archive.{schema}", String()))
+    return bool(conn.execute(select(func.pg_try_advisory_lock(key))).scalar_one())
 
 
 # --- test helpers (outbox_inbox.testing) ------------------------------------------------------

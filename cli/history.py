@@ -1,0 +1,331 @@
+"""`outbox-inbox archive` and `outbox-inbox audit`: the message-history pipeline."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import click
+from sqlalchemy import Engine
+
+from outbox_inbox import queries
+from outbox_inbox.archive import SOURCES, Archiver, ArchiveResult
+from outbox_inbox.config import DB_URL_ENV
+from outbox_inbox.logsafe import mask_url
+from outbox_inbox.tables import Tables, build_tables
+
+from .output import EXIT_UNHEALTHY, echo, echo_json, progress, render_table
+from .target import Target, checked_db_url, fail, json_option, parse_duration, resolve
+from .target import target_options as _target_options
+
+DEFAULT_RETENTION = "7d"
+
+
+@contextmanager
+def _stop_on_signals() -> Iterator[threading.Event]:
+    """An event set by SIGTERM or SIGINT: the job stops after the batch in hand."""
+    stop = threading.Event()
+
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        echo(f"signal {signum}: stopping after the batch in hand", err=True)
+        stop.set()
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield stop
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+# --- archive ------------------------------------------------------------------------------
+
+
+def _tables(target: Target, engine: Engine) -> Tables:
+    return build_tables(None if engine.dialect.name == "sqlite" else target.schema)
+
+
+def _service_name(target: Target, engine: Engine, tables: Tables) -> str:
+    """--app's or --service's name, else the one service the subscriptions table names."""
+    if target.name is not None:
+        return target.name
+    with engine.connect() as conn:
+        services = sorted({row["service"] for row in queries.subscriptions_of(conn, tables)})
+    if len(services) != 1:
+        fail(
+            "cannot tell which service's rows these are "
+            f"({len(services)} services in its subscriptions): pass --service NAME or --app"
+        )
+    return str(services[0])
+
+
+@click.command(short_help="Move finished messages older than the retention into Parquet.")
+@_target_options
+@click.option(
+    "--to",
+    "root",
+    required=True,
+    metavar="DIRECTORY",
+    help="Archive root (a local or mounted directory); created when missing.",
+)
+@click.option(
+    "--older-than",
+    default=DEFAULT_RETENTION,
+    show_default=True,
+    metavar="DURATION",
+    callback=parse_duration,
+    help="Retention: rows finished longer ago than this are archived (e.g. 36h, 7d).",
+)
+@click.option(
+    "--batch-size",
+    default=10_000,
+    show_default=True,
+    type=click.IntRange(min=1),
+    metavar="N",
+    help="Rows per batch (per file and transaction).",
+)
+@click.option("--dry-run", is_flag=True, help="Only count what would be archived.")
+@json_option
+def archive(
+    app: str | None,
+    service: str | None,
+    schema: str | None,
+    db_url: str | None,
+    mq_url: str | None,
+    root: str,
+    older_than: timedelta,
+    batch_size: int,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
+    """Move published outbox rows and processed or dead inbox rows into Parquet files.
+
+    \b
+    Rows finished longer ago than --older-than (by the database clock) are written to
+      DIRECTORY/outbox/service=NAME/date=YYYY-MM-DD/part-*.parquet
+      DIRECTORY/inbox/service=NAME/date=YYYY-MM-DD/part-*.parquet
+    batch by batch; each file is synced before its rows are deleted. Unpublished outbox rows
+    and pending inbox rows are never moved. After a crash, run it again: the interrupted
+    batch is finished first, and no row is lost or written twice. SIGTERM stops after the
+    batch in hand. One run per schema at a time.
+
+    The retention is also the inbox's duplicate-detection window: a copy of a message that
+    arrives after the message was archived is stored and handled again. Keep it longer than
+    any redelivery can take (docs/history.md).
+    """
+    target = resolve(app=app, service=service, schema=schema, db_url=db_url, mq_url=mq_url)
+    try:
+        engine = target.engine()
+        tables = _tables(target, engine)
+        name = _service_name(target, engine, tables)
+        bar: list[Callable[[int], None]] = []  # the progress bar's advance(n), once it shows
+        archiver = Archiver(
+            engine,
+            tables,
+            name,
+            root,
+            older_than=older_than,
+            batch_size=batch_size,
+            progress=lambda _source, n: bar[0](n) if bar else None,
+        )
+        counts = archiver.count()
+        if dry_run:
+            _print_counts(name, archiver.root, counts, as_json)
+            return
+        with _stop_on_signals() as stop, progress(sum(counts.values()), name) as advance:
+            bar.append(advance)
+            result = archiver.run(stop)
+    finally:
+        target.close()
+    _print_result(name, archiver.root, result, as_json)
+
+
+def _print_counts(name: str, root: Path, counts: dict[str, int], as_json: bool) -> None:
+    if as_json:
+        echo_json({"service": name, "root": str(root), "dry_run": True, "rows": counts})
+        return
+    echo(f"{name}: would archive into {root}")
+    echo(render_table(["table", "rows"], [[s, counts[s]] for s in SOURCES]))
+
+
+def _print_result(name: str, root: Path, result: ArchiveResult, as_json: bool) -> None:
+    report: dict[str, Any] = {
+        "service": name,
+        "root": str(root),
+        "cutoff": result.cutoff.isoformat() if result.cutoff else None,
+        "rows": result.rows,
+        "files": result.files,
+        "recovered_files": result.recovered_files,
+        "abandoned_files": result.abandoned_files,
+        "kept_rows": result.kept_rows,
+        "pruned_deliveries": result.pruned_deliveries,
+        "interrupted": result.interrupted,
+    }
+    if as_json:
+        echo_json(report)
+        return
+    echo(f"{name}: archived rows finished before {report['cutoff']} into {root}")
+    echo(render_table(["table", "rows"], [[s, result.rows[s]] for s in SOURCES]))
+    echo(f"files written: {result.files}")
+    if result.recovered_files or result.abandoned_files:
+        echo(
+            f"an interrupted run was finished: {result.recovered_files} file(s) completed, "
+            f"{result.abandoned_files} never written"
+        )
+    if result.kept_rows:
+        echo(f"{result.kept_rows} row(s) changed after they were written and stay in the table")
+    if result.interrupted:
+        echo("stopped by a signal: run again to archive the rest")
+
+
+# --- audit --------------------------------------------------------------------------------
+
+
+@click.command(short_help="Reconcile sent and received messages on Spark; write a report.")
+@click.argument("archives", nargs=-1, metavar="ARCHIVE...")
+@click.option(
+    "--db-url",
+    "db_urls",
+    multiple=True,
+    metavar="URL",
+    help="Also read this service database's live tables (repeatable). "
+    f"{DB_URL_ENV} is not used here: name each database.",
+)
+@click.option(
+    "--schema",
+    metavar="NAME",
+    help="PostgreSQL schema of the live tables [default: outbox_inbox].",
+)
+@click.option(
+    "--master",
+    metavar="URL",
+    help="Spark master: local[*], local[4], spark://host:7077, yarn ... "
+    "[default: spark-submit's, else local[*]].",
+)
+@click.option(
+    "--out",
+    "out_dir",
+    default="audit-report",
+    show_default=True,
+    metavar="DIRECTORY",
+    help="Where summary.json and report.html are written.",
+)
+@click.option(
+    "--grace",
+    default="5m",
+    show_default=True,
+    metavar="DURATION",
+    callback=parse_duration,
+    help="A delivery missing for less than this since its publication is in flight, not lost.",
+)
+@click.option(
+    "--driver-memory",
+    default="2g",
+    show_default=True,
+    metavar="SIZE",
+    help="Memory of a local Spark driver (ignored on a cluster).",
+)
+@click.option(
+    "--conf",
+    "confs",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Extra Spark configuration (repeatable), e.g. spark.executor.memory=4g.",
+)
+@json_option
+def audit(
+    archives: tuple[str, ...],
+    db_urls: tuple[str, ...],
+    schema: str | None,
+    master: str | None,
+    out_dir: str,
+    grace: timedelta,
+    driver_memory: str,
+    confs: tuple[str, ...],
+    as_json: bool,
+) -> None:
+    """Reconcile what every service sent with what every service received, on Spark.
+
+    \b
+    ARCHIVE is an archive root written by `outbox-inbox archive` (a directory, or any path
+    Spark reads: hdfs://, s3a://); give every service's. Each command must have reached
+    its one consumer once; each event every service subscribed to it once, from the time it
+    subscribed. Reports lost messages, duplicates the inboxes absorbed, messages handled
+    more than once, latency percentiles (created -> published -> received -> processed) per
+    type, retries, dead letters by type and cause, and throughput over time.
+
+    \b
+    Writes OUT/summary.json and OUT/report.html (self-contained, charts inline).
+    Exit 0 when nothing was lost or handled twice, 4 otherwise.
+    """
+    from outbox_inbox.analytics.audit import read_live, run_audit, spark_session
+    from outbox_inbox.analytics.report import render_html
+
+    if not archives and not db_urls:
+        fail("nothing to audit: give at least one ARCHIVE directory or --db-url")
+    for url in db_urls:
+        checked_db_url(url)
+    for path in archives:
+        if "://" not in path and not Path(path).is_dir():
+            fail(f"archive {path!r} is not a directory")
+    config = {}
+    for item in confs:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            fail(f"--conf {item!r} is not KEY=VALUE")
+        config[key.strip()] = value.strip()
+
+    live = [read_live(url, schema) for url in db_urls]
+    spark = spark_session(master, driver_memory=driver_memory, config=config)
+    try:
+        summary = run_audit(
+            spark,
+            [p if "://" in p else str(Path(p).absolute()) for p in archives],
+            live=live,
+            grace=grace,
+            inputs={"live_databases": [mask_url(u) for u in db_urls]},
+        )
+    finally:
+        spark.stop()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "report.html").write_text(render_html(summary), encoding="utf-8")
+    if as_json:
+        echo_json(summary)
+    else:
+        _print_summary(summary, out)
+    if not summary["ok"]:
+        raise SystemExit(EXIT_UNHEALTHY)
+
+
+def _print_summary(summary: dict[str, Any], out: Path) -> None:
+    t = summary["totals"]
+    verdict = (
+        "OK: nothing lost, nothing handled twice"
+        if summary["ok"]
+        else f"FAILED: {t['lost']} lost, {t['handled_more_than_once']} handled more than once"
+    )
+    echo(verdict)
+    rows = [
+        ["sent", t["sent"]],
+        ["expected deliveries", t["expected_deliveries"]],
+        ["delivered", t["delivered"]],
+        ["lost", t["lost"]],
+        ["in flight", t["in_flight"]],
+        ["duplicates absorbed", t["duplicates_absorbed"]],
+        ["handled more than once", t["handled_more_than_once"]],
+        ["received from outside", t["unexpected"]],
+        ["dead", t["dead"]],
+        ["retries", t["retries"]],
+    ]
+    echo(render_table(["", "count"], rows))
+    echo(f"report: {out / 'report.html'}")
+    echo(f"summary: {out / 'summary.json'}")

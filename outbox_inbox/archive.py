@@ -1,0 +1,405 @@
+"""Move finished messages from the hot tables into Parquet files: the message history.
+
+Layout under the archive root (Hive-style directories, read by Spark as partition columns)::
+
+    outbox/service=<service>/date=<YYYY-MM-DD>/part-<uuid>.parquet   published or expired rows,
+                                                                      dated by created_at (UTC)
+    inbox/service=<service>/date=<YYYY-MM-DD>/part-<uuid>.parquet    processed or dead rows,
+                                                                      dated by received_at (UTC)
+    subscriptions/service=<service>/subscriptions.parquet            the service's bindings
+
+A batch is crash-safe without a distributed transaction:
+
+1. read up to `batch_size` rows finished before the cutoff (database clock minus retention);
+2. journal the files about to be written in ``archive_files`` and commit;
+3. write each file under a hidden temporary name, fsync it, rename it into place, fsync the
+   directory;
+4. in one transaction, delete the rows that still qualify and the journal rows.
+
+A crash before 4 leaves journal rows. The next run finishes them first: a file that exists is
+complete (the rename is atomic), so the rows it holds are deleted; a file that does not exist
+was never written, so its journal row is dropped and the rows are archived again later. No row
+is lost, and no row reaches two files. One run at a time per schema (a session advisory lock).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
+
+from . import queries
+from .errors import ConfigurationError, OutboxInboxError, storage_error
+from .tables import Tables
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+log = logging.getLogger(__name__)
+
+OUTBOX, INBOX, SUBSCRIPTIONS = "outbox", "inbox", "subscriptions"
+SOURCES = (OUTBOX, INBOX)
+
+#: Columns of the archived outbox rows, in file order, with their Arrow type names.
+OUTBOX_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("id", "int64"),
+    ("message_id", "string"),
+    ("kind", "string"),
+    ("exchange", "string"),
+    ("routing_key", "string"),
+    ("payload", "string"),  # JSON text
+    ("headers", "string"),  # JSON text
+    ("version", "int32"),
+    ("correlation_id", "string"),
+    ("causation_id", "string"),
+    ("key", "string"),
+    ("priority", "int32"),
+    ("created_at", "timestamp"),
+    ("available_at", "timestamp"),
+    ("expires_at", "timestamp"),
+    ("published_at", "timestamp"),
+    ("expired_at", "timestamp"),
+    ("attempts", "int32"),  # failed publish attempts
+    ("last_error", "string"),
+    ("archived_at", "timestamp"),
+)
+
+#: Columns of the archived inbox rows, in file order, with their Arrow type names.
+INBOX_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("id", "int64"),
+    ("message_id", "string"),
+    ("source", "string"),
+    ("kind", "string"),
+    ("routing_key", "string"),
+    ("payload", "string"),
+    ("headers", "string"),
+    ("version", "int32"),
+    ("correlation_id", "string"),
+    ("causation_id", "string"),
+    ("key", "string"),
+    ("priority", "int32"),
+    ("created_at", "timestamp"),
+    ("expires_at", "timestamp"),
+    ("received_at", "timestamp"),
+    ("status", "string"),
+    ("attempts", "int32"),  # claims by workers
+    ("finished", "int32"),
+    ("processed_at", "timestamp"),
+    ("last_error", "string"),
+    ("dead_reason", "string"),
+    ("deliveries", "int32"),  # broker redeliveries counted by the receiver
+    ("duplicates", "int32"),  # deliveries dropped as already stored
+    ("archived_at", "timestamp"),
+)
+
+SUBSCRIPTION_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("exchange", "string"),
+    ("pattern", "string"),
+    ("subscribed_at", "timestamp"),
+)
+
+#: The date partition of each source's rows.
+DATE_COLUMN = {OUTBOX: "created_at", INBOX: "received_at"}
+COLUMNS = {OUTBOX: OUTBOX_COLUMNS, INBOX: INBOX_COLUMNS, SUBSCRIPTIONS: SUBSCRIPTION_COLUMNS}
+
+
+class ArchiveError(OutboxInboxError):
+    """The archive could not be written."""
+
+
+class ArchiveBusy(ArchiveError):
+    """Another archive run holds this schema's archive lock."""
+
+
+def require_pyarrow() -> Any:
+    """Import pyarrow, or raise ConfigurationError naming the extra that installs it."""
+    try:
+        import pyarrow
+        import pyarrow.parquet
+    except ImportError as exc:
+        raise ConfigurationError(
+            "the archive needs pyarrow: pip install 'outbox-inbox[archive]'"
+        ) from exc
+    return pyarrow
+
+
+def arrow_schema(source: str) -> pa.Schema:
+    """The Arrow schema of `source` ('outbox', 'inbox' or 'subscriptions') files."""
+    pa = require_pyarrow()
+    types = {
+        "int64": pa.int64(),
+        "int32": pa.int32(),
+        "string": pa.string(),
+        "timestamp": pa.timestamp("us", tz="UTC"),
+    }
+    return pa.schema([pa.field(name, types[kind]) for name, kind in COLUMNS[source]])
+
+
+@dataclass
+class ArchiveResult:
+    """What one run did."""
+
+    rows: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SOURCES, 0))
+    files: int = 0
+    recovered_files: int = 0  # unfinished files of a crashed run, completed
+    abandoned_files: int = 0  # journaled files that were never written
+    kept_rows: int = 0  # written but changed since (a replayed dead row): left in the table
+    pruned_deliveries: int = 0
+    cutoff: datetime | None = None
+    interrupted: bool = False
+
+
+class Archiver:
+    """Archive one service's finished rows older than `older_than` into `root`.
+
+    The archiver uses connections of its own and commits its own transactions: it is an
+    operations job, not part of a business transaction. `root` is a local or mounted
+    directory. `progress` is called with the source and the number of rows after each batch.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        tables: Tables,
+        service: str,
+        root: str | os.PathLike[str],
+        *,
+        older_than: timedelta,
+        batch_size: int = 10_000,
+        progress: Callable[[str, int], None] | None = None,
+    ) -> None:
+        if older_than < timedelta(0):
+            raise ConfigurationError("older_than must not be negative")
+        if batch_size < 1:
+            raise ConfigurationError("batch_size must be at least 1")
+        require_pyarrow()
+        self._engine = engine
+        self._tables = tables
+        self.service = service
+        self.root = Path(root).absolute()
+        self.older_than = older_than
+        self.batch_size = batch_size
+        self._progress = progress
+
+    def count(self) -> dict[str, int]:
+        """How many rows of each source the next run would archive (a point-in-time count)."""
+        with self._engine.connect() as conn:
+            cutoff = self._cutoff(conn)
+            return {s: queries.count_archivable(conn, self._tables, s, cutoff) for s in SOURCES}
+
+    def run(self, stop: threading.Event | None = None) -> ArchiveResult:
+        """Finish a crashed run's files, archive every qualifying row, prune stale counters.
+
+        Returns after the last batch, or after the batch in hand once `stop` is set. Raises
+        ArchiveBusy when another run holds the lock, StorageError when the database fails and
+        ArchiveError when a file cannot be written; what was done until then stays done.
+        """
+        stop = stop or threading.Event()
+        result = ArchiveResult()
+        try:
+            with self._engine.connect() as lock_conn:
+                if not queries.try_archive_lock(lock_conn, self._tables.schema):
+                    raise ArchiveBusy(
+                        f"another archive run holds the lock of schema {self._tables.schema!r}"
+                    )
+                lock_conn.commit()  # the lock is the session's; end the implicit transaction
+                self._recover(result)
+                with self._engine.connect() as conn:
+                    result.cutoff = self._cutoff(conn)
+                self._write_subscriptions()
+                for source in SOURCES:
+                    while not stop.is_set():
+                        if self._batch(source, result.cutoff, result) < self.batch_size:
+                            break
+                result.interrupted = stop.is_set()
+                if not result.interrupted:
+                    with self._engine.begin() as conn:
+                        result.pruned_deliveries = queries.prune_deliveries(
+                            conn, self._tables, result.cutoff
+                        )
+        except SQLAlchemyError as exc:
+            raise storage_error(exc, "archiving") from exc
+        return result
+
+    # --- steps ----------------------------------------------------------------------------
+
+    def _cutoff(self, conn: Any) -> datetime:
+        now = _utc(queries.database_now(conn))
+        assert now is not None
+        return now - self.older_than
+
+    def _batch(self, source: str, cutoff: datetime, result: ArchiveResult) -> int:
+        """Archive one batch of `source`; return how many rows were read."""
+        with self._engine.begin() as conn:
+            rows = queries.history_rows(
+                conn, self._tables, source, cutoff=cutoff, limit=self.batch_size
+            )
+            archived_at = _utc(queries.database_now(conn))
+        if not rows:
+            return 0
+        by_date: dict[date, list[Any]] = {}
+        for row in rows:
+            day = (_utc(row[DATE_COLUMN[source]]) or archived_at).date()  # type: ignore[union-attr]
+            by_date.setdefault(day, []).append(row)
+        files = [(uuid.uuid4(), day, day_rows) for day, day_rows in sorted(by_date.items())]
+        paths = {file_id: self._path(source, day, file_id) for file_id, day, _ in files}
+        with self._engine.begin() as conn:
+            queries.journal_archive_files(
+                conn, self._tables, [(f, source, str(paths[f])) for f, _, _ in files]
+            )
+        for file_id, _, day_rows in files:
+            write_parquet(paths[file_id], source, to_records(source, day_rows, archived_at))
+        ids = [int(row["id"]) for row in rows]
+        with self._engine.begin() as conn:
+            deleted = queries.delete_archived(conn, self._tables, source, cutoff, ids)
+            queries.forget_archive_files(conn, self._tables, [f for f, _, _ in files])
+        result.rows[source] += deleted
+        result.kept_rows += len(ids) - deleted
+        result.files += len(files)
+        log.info(
+            "archive: %d %s rows of %s into %d file(s)",
+            deleted,
+            source,
+            self.service,
+            len(files),
+            extra={"service": self.service, "source": source, "rows": deleted},
+        )
+        if self._progress is not None:
+            self._progress(source, len(rows))
+        return len(rows)
+
+    def _recover(self, result: ArchiveResult) -> None:
+        """Finish the journaled files of a run that did not end."""
+        with self._engine.connect() as conn:
+            unfinished = queries.unfinished_archive_files(conn, self._tables)
+        for entry in unfinished:
+            path = Path(entry["path"])
+            source = entry["source_table"]
+            if path.exists():
+                ids = read_ids(path)
+                # The cutoff of that run is unknown; "finished at all" still guards replays.
+                with self._engine.begin() as conn:
+                    deleted = queries.delete_archived(
+                        conn, self._tables, source, datetime.max.replace(tzinfo=UTC), ids
+                    )
+                    queries.forget_archive_files(conn, self._tables, [entry["id"]])
+                result.recovered_files += 1
+                result.rows[source] += deleted
+                result.kept_rows += len(ids) - deleted
+                log.warning(
+                    "archive: completed %s left by an interrupted run (%d rows deleted)",
+                    path,
+                    deleted,
+                )
+            else:
+                _temporary(path).unlink(missing_ok=True)
+                with self._engine.begin() as conn:
+                    queries.forget_archive_files(conn, self._tables, [entry["id"]])
+                result.abandoned_files += 1
+                log.warning("archive: %s of an interrupted run was never written", path)
+
+    def _write_subscriptions(self) -> None:
+        with self._engine.connect() as conn:
+            rows = [
+                r
+                for r in queries.subscriptions_of(conn, self._tables)
+                if r["service"] == self.service
+            ]
+        path = self.root / SUBSCRIPTIONS / f"service={self.service}" / "subscriptions.parquet"
+        write_parquet(path, SUBSCRIPTIONS, [_subscription(r) for r in rows])
+
+    def _path(self, source: str, day: date, file_id: uuid.UUID) -> Path:
+        partition = self.root / source / f"service={self.service}" / f"date={day.isoformat()}"
+        return partition / f"part-{file_id}.parquet"
+
+
+# --- files --------------------------------------------------------------------------------
+
+
+def write_parquet(path: Path, source: str, records: Sequence[Mapping[str, Any]]) -> None:
+    """Write `records` to `path` durably: temporary name, fsync, atomic rename, fsync the
+    directory. An existing file at `path` is replaced. Raises ArchiveError."""
+    pa = require_pyarrow()
+    import pyarrow.parquet as pq
+
+    schema = arrow_schema(source)
+    table = pa.Table.from_pylist(list(records), schema=schema)
+    tmp = _temporary(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table, tmp, compression="zstd")
+        _fsync(tmp)
+        os.replace(tmp, path)
+        _fsync(path.parent)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise ArchiveError(f"could not write {path}: {exc}") from exc
+
+
+def read_ids(path: Path) -> list[int]:
+    """The row ids held by an archive file."""
+    require_pyarrow()
+    import pyarrow.parquet as pq
+
+    return [int(v) for v in pq.read_table(path, columns=["id"]).column("id").to_pylist()]
+
+
+def _temporary(path: Path) -> Path:
+    # A leading dot hides the file from Spark and Hive readers while it is incomplete.
+    return path.with_name(f".{path.name}.tmp")
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def to_records(
+    source: str, rows: Iterable[Any], archived_at: datetime | None
+) -> list[dict[str, Any]]:
+    out = []
+    for row in rows:
+        record: dict[str, Any] = {}
+        for name, kind in COLUMNS[source]:
+            value = archived_at if name == "archived_at" else row.get(name)
+            if name in ("payload", "headers"):
+                value = json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=str)
+            elif name == "message_id":
+                value = str(value)
+            elif kind == "timestamp":
+                value = _utc(value)
+            record[name] = value
+        out.append(record)
+    return out
+
+
+def _subscription(row: Any) -> dict[str, Any]:
+    return {
+        "exchange": row["exchange"],
+        "pattern": row["pattern"],
+        "subscribed_at": _utc(row["subscribed_at"]),
+    }
+
+
+def _utc(value: Any) -> datetime | None:
+    """A timezone-aware UTC datetime; SQLite returns naive ones, which are UTC."""
+    if value is None:
+        return None
+    if not isinstance(value, datetime):
+        raise TypeError(f"expected a datetime, got {value!r}")
+    if value.tzinfo is None:
+        return value.replace(tzinfo=UTC)
+    return value.astimezone(UTC)
