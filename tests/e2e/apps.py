@@ -36,7 +36,7 @@ from typing import Any
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.orm import Session
 
-from outbox_inbox import Message, Service
+from outbox_inbox import Message, Reject, Service
 from outbox_inbox.broker import PublishOutcome
 from outbox_inbox.listener import Listener
 from outbox_inbox.messages import OutgoingMessage
@@ -184,7 +184,8 @@ def build_service(
     """The service `name` with the handlers of COMMANDS / EVENTS, each recording its effect.
 
     A handled message whose payload has ``"publish": "<entity.event>"`` also publishes that
-    event from the handler (to check causation and correlation ids).
+    event from the handler (to check causation and correlation ids); one with
+    ``"reject": "<reason>"`` is rejected (dead at once, no effect).
     """
     service = Service(
         name,
@@ -200,6 +201,8 @@ def build_service(
         if handle_delay:
             time.sleep(handle_delay)
         payload = message.payload if isinstance(message.payload, dict) else {}
+        if payload.get("reject"):  # bad input: dead at once, nothing written
+            raise Reject(payload["reject"])
         session.execute(
             text(
                 "INSERT INTO effects"

@@ -1,0 +1,625 @@
+"""The audit summary (JSON, schema version 1) as one self-contained HTML page.
+
+The page is meant to be read at a glance and passed around as a single file: one inline
+``<style>``, charts drawn here as inline ``<svg>``, no scripts, fonts, images or network. Every
+string taken from the summary is user data (message types, error texts) and is escaped.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from ..logsafe import mask_url
+
+SCHEMA_VERSION = 1
+
+LATENCY_COLOR = "#7c3aed"
+PUBLISHED_COLOR = "#2563eb"
+PROCESSED_COLOR = "#16a34a"
+DEAD_LETTER_COLOR = "#dc2626"
+OK_COLOR = "#15803d"
+BAD_COLOR = "#b91c1c"
+PAGE_BACKGROUND = "#f3f4f6"
+
+STAGES = ("publish", "transit", "processing", "end_to_end")
+PERCENTILES = ("p50", "p90", "p99", "max")
+
+# Every chart shares one coordinate system; the SVG scales to its card through its viewBox.
+CHART_WIDTH = 640
+PLOT_LEFT = 64
+PLOT_RIGHT = CHART_WIDTH - 20
+PLOT_TOP = 44
+DEAD_LETTER_LABEL_WIDTH = 330
+DEAD_LETTER_ROW_HEIGHT = 28
+DEAD_LETTER_ERROR_CHARS = 40
+# What fits left of the bars at 11px; a long reason must not run off the left edge.
+DEAD_LETTER_LABEL_CHARS = 54
+MAX_X_LABELS = 8
+TABLE_ERROR_CHARS = 300
+NO_DATA = "\N{EN DASH}"  # a null or unknown value in a table
+
+_STYLE = f"""
+* {{ box-sizing: border-box; }}
+body {{ margin: 0; padding: 24px 32px; background: {PAGE_BACKGROUND}; color: #111827;
+  font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; }}
+header, section {{ background: #ffffff; border: 1px solid #e5e7eb; border-radius: 8px;
+  padding: 16px 20px; margin-bottom: 16px; }}
+h1 {{ margin: 0 0 8px; font-size: 32px; }}
+h1.ok {{ color: {OK_COLOR}; }}
+h1.bad {{ color: {BAD_COLOR}; }}
+h2 {{ margin: 0 0 12px; font-size: 18px; }}
+dl.inputs {{ display: grid; grid-template-columns: max-content 1fr; gap: 2px 16px; margin: 0; }}
+dl.inputs dt {{ color: #6b7280; }}
+dl.inputs dd {{ margin: 0; font-family: ui-monospace, monospace; word-break: break-all; }}
+.headline {{ display: grid; grid-template-columns: repeat(5, minmax(0, 1fr));
+  gap: 12px; margin-bottom: 16px; }}
+.tile {{ background: #ffffff; border: 1px solid #e5e7eb; border-radius: 8px; padding: 10px 14px; }}
+.tile .value {{ font-size: 24px; font-weight: 600; font-variant-numeric: tabular-nums; }}
+.tile .label {{ color: #6b7280; font-size: 12px; }}
+.tile.bad {{ border-color: {BAD_COLOR}; }}
+.tile.bad .value {{ color: {BAD_COLOR}; }}
+.charts {{ display: grid; grid-template-columns: repeat(auto-fit, minmax(600px, 1fr));
+  gap: 16px; margin-bottom: 16px; }}
+.charts section {{ margin: 0; }}
+svg.chart {{ width: 100%; height: auto; display: block; }}
+svg.chart text {{ font-family: system-ui, sans-serif; font-size: 11px; fill: #374151; }}
+svg.chart text.title {{ font-size: 15px; font-weight: 600; fill: #111827; }}
+svg.chart text.axis-label {{ font-size: 12px; fill: #4b5563; }}
+svg.chart text.no-data {{ font-size: 16px; fill: #9ca3af; }}
+svg.chart line.grid {{ stroke: #e5e7eb; stroke-width: 1; }}
+svg.chart line.axis {{ stroke: #6b7280; stroke-width: 1; }}
+table {{ border-collapse: collapse; width: 100%; font-variant-numeric: tabular-nums; }}
+th, td {{ padding: 4px 8px; border-bottom: 1px solid #e5e7eb; text-align: left;
+  vertical-align: top; }}
+th {{ background: #f9fafb; font-weight: 600; }}
+th.stage {{ text-align: center; border-left: 1px solid #e5e7eb; }}
+td.num, th.num {{ text-align: right; }}
+td.code {{ font-family: ui-monospace, monospace; font-size: 12px; word-break: break-all; }}
+p.none {{ color: #6b7280; margin: 0; }}
+p.note {{ color: #6b7280; margin: 8px 0 0; }}
+"""
+
+
+def render_html(summary: Mapping[str, Any]) -> str:
+    """Return the audit summary as a complete, self-contained HTML document.
+
+    `summary` follows the audit summary format, schema version 1; missing sections and keys
+    render as zero or empty, so a summary with all totals 0 and all lists empty is valid. The
+    verdict is derived from ``totals.lost`` and ``totals.handled_more_than_once``. Every
+    string from the summary is HTML-escaped. Pure function, safe to call from any thread.
+    Raises ValueError when ``schema_version`` is not 1 or a count is not a number.
+    """
+    version = summary.get("schema_version", SCHEMA_VERSION)
+    if version != SCHEMA_VERSION:
+        raise ValueError(f"audit summary schema_version {version!r} is not {SCHEMA_VERSION}")
+    totals: Mapping[str, Any] = summary.get("totals") or {}
+    throughput: Mapping[str, Any] = summary.get("throughput") or {}
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        "<title>Message audit report</title>",
+        f"<style>{_STYLE}</style>",
+        "</head><body>",
+        _header(summary, totals),
+        _headline(totals),
+        '<div class="charts">',
+        _chart_section(_latency_chart(summary.get("latency_histogram") or [])),
+        _chart_section(
+            _throughput_chart(throughput.get("series") or [], throughput.get("bucket_seconds"))
+        ),
+        _chart_section(_dead_letter_chart(summary.get("dead_letter_causes") or [])),
+        "</div>",
+        _latency_table(summary.get("latency") or []),
+        _services_table(summary.get("services") or []),
+        _retries_table(summary.get("retries") or []),
+        _dead_letters_table(summary.get("dead_letters") or []),
+        _lost_table(summary.get("lost") or [], _count(totals.get("lost"))),
+        _handled_more_than_once_table(
+            summary.get("handled_more_than_once") or [],
+            _count(totals.get("handled_more_than_once")),
+        ),
+        "</body></html>",
+    ]
+    return "\n".join(parts) + "\n"
+
+
+# --- header and headline numbers -------------------------------------------------------------
+
+
+def _header(summary: Mapping[str, Any], totals: Mapping[str, Any]) -> str:
+    lost = _count(totals.get("lost"))
+    handled_twice = _count(totals.get("handled_more_than_once"))
+    if lost == 0 and handled_twice == 0:
+        verdict = '<h1 class="verdict ok">OK: nothing lost</h1>'
+    else:
+        verdict = (
+            f'<h1 class="verdict bad">{_fmt_count(lost)} lost, '
+            f"{_fmt_count(handled_twice)} handled more than once</h1>"
+        )
+    inputs: Mapping[str, Any] = summary.get("inputs") or {}
+    window: Mapping[str, Any] = summary.get("window") or {}
+    archives = [_esc(path) for path in inputs.get("archives") or []]
+    # The job masks these already; masking again costs nothing and keeps a password that slipped
+    # through out of a file that gets mailed around.
+    databases = [_esc(mask_url(str(url))) for url in inputs.get("live_databases") or []]
+    rows = [
+        ("Archives", "<br>".join(archives) or "none"),
+        ("Live databases", "<br>".join(databases) or "none"),
+        ("Spark master", _esc_or_dash(inputs.get("master"))),
+        ("Horizon", _fmt_time(inputs.get("horizon"))),
+        ("Grace period", _fmt_duration(inputs.get("grace_seconds"))),
+        (
+            "Window",
+            f"{_fmt_time(window.get('first_created_at'))} → "
+            f"{_fmt_time(window.get('last_processed_at'))}",
+        ),
+        ("Generated", _fmt_time(summary.get("generated_at"))),
+    ]
+    items = "".join(f"<dt>{label}</dt><dd>{value}</dd>" for label, value in rows)
+    return f'<header>{verdict}<dl class="inputs">{items}</dl></header>'
+
+
+def _headline(totals: Mapping[str, Any]) -> str:
+    # (key, label, whether a non-zero value is a failure of the delivery guarantee)
+    numbers = [
+        ("sent", "sent", False),
+        ("expected_deliveries", "expected deliveries", False),
+        ("delivered", "delivered", False),
+        ("lost", "lost", True),
+        ("in_flight", "in flight", False),
+        ("duplicates_absorbed", "duplicates absorbed", False),
+        ("handled_more_than_once", "handled more than once", True),
+        ("unexpected", "unexpected", False),
+        ("dead", "dead", False),
+        ("retries", "retries", False),
+    ]
+    tiles = []
+    for key, label, failure in numbers:
+        value = _count(totals.get(key))
+        css = "tile bad" if failure and value > 0 else "tile"
+        tiles.append(
+            f'<div class="{css}" id="total-{key.replace("_", "-")}">'
+            f'<div class="value">{_fmt_count(value)}</div><div class="label">{label}</div></div>'
+        )
+    return f'<div class="headline">{"".join(tiles)}</div>'
+
+
+# --- charts ----------------------------------------------------------------------------------
+
+
+def _chart_section(svg: str) -> str:
+    return f"<section>{svg}</section>"
+
+
+def _svg_open(chart_id: str, height: int, title: str) -> str:
+    return (
+        f'<svg class="chart" id="{chart_id}" viewBox="0 0 {CHART_WIDTH} {height}" '
+        f'role="img" aria-label="{title}" xmlns="http://www.w3.org/2000/svg">'
+        f"<title>{title}</title>"
+        f'<text class="title" x="{PLOT_LEFT}" y="22">{title}</text>'
+    )
+
+
+def _no_data(height: int) -> str:
+    return (
+        f'<text class="no-data" x="{CHART_WIDTH / 2}" y="{height / 2}" '
+        f'text-anchor="middle">no data</text>'
+    )
+
+
+def _y_axis(ticks: Sequence[int], top: int, bottom: int, label: str) -> list[str]:
+    """Horizontal grid lines with count labels, the axis line and the rotated axis label."""
+    scale_max = ticks[-1]
+    marks = []
+    for tick in ticks:
+        y = bottom - (bottom - top) * tick / scale_max
+        marks.append(
+            f'<line class="grid" x1="{PLOT_LEFT}" x2="{PLOT_RIGHT}" y1="{y:.1f}" y2="{y:.1f}"/>'
+            f'<text x="{PLOT_LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">'
+            f"{_fmt_count(tick)}</text>"
+        )
+    marks.append(f'<line class="axis" x1="{PLOT_LEFT}" x2="{PLOT_LEFT}" y1="{top}" y2="{bottom}"/>')
+    marks.append(
+        f'<line class="axis" x1="{PLOT_LEFT}" x2="{PLOT_RIGHT}" y1="{bottom}" y2="{bottom}"/>'
+    )
+    middle = (top + bottom) / 2
+    marks.append(
+        f'<text class="axis-label" x="16" y="{middle:.1f}" text-anchor="middle" '
+        f'transform="rotate(-90 16 {middle:.1f})">{label}</text>'
+    )
+    return marks
+
+
+def _x_axis_label(label: str, y: int) -> str:
+    middle = (PLOT_LEFT + PLOT_RIGHT) / 2
+    return f'<text class="axis-label" x="{middle:.1f}" y="{y}" text-anchor="middle">{label}</text>'
+
+
+def _latency_chart(histogram: Sequence[Mapping[str, Any]]) -> str:
+    height = 320
+    bottom = height - 56
+    parts = [_svg_open("chart-latency", height, "End-to-end latency")]
+    counts = [_count(bucket.get("count")) for bucket in histogram]
+    if not histogram or sum(counts) == 0:
+        return "".join([*parts, _no_data(height), "</svg>"])
+
+    ticks = _count_ticks(max(counts))
+    parts.extend(_y_axis(ticks, PLOT_TOP, bottom, "messages"))
+    # The buckets are logarithmic, so equal-width slots in bucket order already give a log axis.
+    slot = (PLOT_RIGHT - PLOT_LEFT) / len(histogram)
+    labelled = _latency_labelled_buckets([bucket.get("le_seconds") for bucket in histogram])
+    previous_bound = "0"
+    for index, (bucket, count) in enumerate(zip(histogram, counts, strict=True)):
+        upper = bucket.get("le_seconds")
+        bound = "+∞" if upper is None else _fmt_duration(upper)
+        left = PLOT_LEFT + index * slot
+        if count > 0:
+            bar_height = (bottom - PLOT_TOP) * count / ticks[-1]
+            parts.append(
+                f'<rect class="bar" x="{left + 1:.1f}" y="{bottom - bar_height:.1f}" '
+                f'width="{max(slot - 2, 1):.1f}" height="{bar_height:.1f}" '
+                f'fill="{LATENCY_COLOR}"><title>{previous_bound} to {bound}: '
+                f"{_fmt_count(count)} messages</title></rect>"
+            )
+        # A bucket's bound is its upper edge, so the label sits at the right edge of its slot.
+        if index in labelled:
+            parts.append(
+                f'<text x="{left + slot:.1f}" y="{bottom + 16}" text-anchor="middle">{bound}</text>'
+            )
+        previous_bound = bound
+    parts.append(_x_axis_label("end-to-end latency (bucket upper bound, log scale)", height - 12))
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _latency_labelled_buckets(bounds: Sequence[Any]) -> set[int]:
+    """The buckets whose upper bound gets an x axis label: powers of ten when there are enough
+    of them (1ms, 10ms, 1s), else every n-th counted back from the last, which is always labelled.
+    """
+    last = len(bounds) - 1
+    decades = {
+        index
+        for index, bound in enumerate(bounds)
+        if _is_number(bound)
+        and bound > 0
+        and abs(math.log10(bound) - round(math.log10(bound))) < 0.01
+    }
+    if 2 <= len(decades) <= MAX_X_LABELS:
+        return decades | {last}
+    stride = math.ceil(len(bounds) / MAX_X_LABELS)
+    return {index for index in range(len(bounds)) if (last - index) % stride == 0}
+
+
+def _throughput_chart(series: Sequence[Mapping[str, Any]], bucket_seconds: Any) -> str:
+    height = 320
+    bottom = height - 56
+    parts = [_svg_open("chart-throughput", height, "Throughput: published and processed")]
+    if not series:
+        return "".join([*parts, _no_data(height), "</svg>"])
+
+    published = [_count(point.get("published")) for point in series]
+    processed = [_count(point.get("processed")) for point in series]
+    ticks = _count_ticks(max(*published, *processed))
+    parts.extend(_y_axis(ticks, PLOT_TOP, bottom, "messages per bucket"))
+
+    # One point sits in the middle; more points span the plot from edge to edge.
+    step = (PLOT_RIGHT - PLOT_LEFT) / max(len(series) - 1, 1)
+    xs = [
+        PLOT_LEFT + step * index if len(series) > 1 else (PLOT_LEFT + PLOT_RIGHT) / 2
+        for index in range(len(series))
+    ]
+
+    def y_of(value: int) -> float:
+        return bottom - (bottom - PLOT_TOP) * value / ticks[-1]
+
+    for name, values, color in (
+        ("published", published, PUBLISHED_COLOR),
+        ("processed", processed, PROCESSED_COLOR),
+    ):
+        points = " ".join(f"{x:.1f},{y_of(v):.1f}" for x, v in zip(xs, values, strict=True))
+        parts.append(
+            f'<polyline class="series series-{name}" points="{points}" fill="none" '
+            f'stroke="{color}" stroke-width="2.5" stroke-linejoin="round"/>'
+        )
+        if len(series) == 1:  # a polyline of one point draws nothing
+            parts.append(
+                f'<circle cx="{xs[0]:.1f}" cy="{y_of(values[0]):.1f}" r="4" fill="{color}"/>'
+            )
+
+    times = [_parse_time(point.get("start")) for point in series]
+    known = [time for time in times if time is not None]
+    spans_days = bool(known) and known[0].date() != known[-1].date()
+    stride = math.ceil(len(series) / MAX_X_LABELS)
+    for index in range(0, len(series), stride):
+        time = times[index]
+        if time is None:
+            label = _esc_or_dash(series[index].get("start"))
+        else:
+            label = time.strftime("%m-%d %H:%M" if spans_days else "%H:%M")
+        parts.append(
+            f'<text x="{xs[index]:.1f}" y="{bottom + 16}" text-anchor="middle">{label}</text>'
+        )
+
+    legend_x = PLOT_RIGHT - 190
+    for offset, (name, color) in enumerate(
+        (("published", PUBLISHED_COLOR), ("processed", PROCESSED_COLOR))
+    ):
+        x = legend_x + offset * 100
+        parts.append(
+            f'<g class="legend"><rect x="{x}" y="12" width="14" height="14" fill="{color}"/>'
+            f'<text x="{x + 20}" y="23">{name}</text></g>'
+        )
+    parts.append(
+        _x_axis_label(f"time (UTC), buckets of {_fmt_duration(bucket_seconds)}", height - 12)
+    )
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _dead_letter_chart(causes: Sequence[Mapping[str, Any]]) -> str:
+    causes = list(causes)[:10]  # the spec promises the top 10; more would not fit anyway
+    if not causes:
+        height = 200
+        return "".join(
+            [
+                _svg_open("chart-dead-letters", height, "Dead letters by cause"),
+                _no_data(height),
+                "</svg>",
+            ]
+        )
+
+    top = PLOT_TOP + 6
+    bottom = top + DEAD_LETTER_ROW_HEIGHT * len(causes)
+    height = bottom + 44
+    parts = [_svg_open("chart-dead-letters", height, "Dead letters by cause")]
+    counts = [_count(cause.get("count")) for cause in causes]
+    ticks = _count_ticks(max(counts))
+    bars_left = DEAD_LETTER_LABEL_WIDTH
+    width = PLOT_RIGHT - 40 - bars_left  # room for the count after the longest bar
+    for tick in ticks:
+        x = bars_left + width * tick / ticks[-1]
+        parts.append(
+            f'<line class="grid" x1="{x:.1f}" x2="{x:.1f}" y1="{top}" y2="{bottom}"/>'
+            f'<text x="{x:.1f}" y="{bottom + 16}" text-anchor="middle">{_fmt_count(tick)}</text>'
+        )
+    parts.append(f'<line class="axis" x1="{bars_left}" x2="{bars_left}" y1="{top}" y2="{bottom}"/>')
+    for index, (cause, count) in enumerate(zip(causes, counts, strict=True)):
+        y = top + index * DEAD_LETTER_ROW_HEIGHT
+        reason = str(cause.get("reason") or "")
+        error = str(cause.get("error") or "")
+        label = f"{reason}: {_truncate(error, DEAD_LETTER_ERROR_CHARS)}" if error else reason
+        label = _truncate(label, DEAD_LETTER_LABEL_CHARS)
+        bar_width = width * count / ticks[-1]
+        parts.append(
+            f'<text x="{bars_left - 8}" y="{y + DEAD_LETTER_ROW_HEIGHT / 2 + 4:.1f}" '
+            f'text-anchor="end"><title>{_esc(reason)}: {_esc(error)}</title>'
+            f"{_esc(label)}</text>"
+        )
+        if count > 0:
+            parts.append(
+                f'<rect class="bar" x="{bars_left}" y="{y + 4}" width="{bar_width:.1f}" '
+                f'height="{DEAD_LETTER_ROW_HEIGHT - 8}" fill="{DEAD_LETTER_COLOR}"/>'
+            )
+        parts.append(
+            f'<text x="{bars_left + bar_width + 4:.1f}" '
+            f'y="{y + DEAD_LETTER_ROW_HEIGHT / 2 + 4:.1f}">{_fmt_count(count)}</text>'
+        )
+    parts.append(_x_axis_label("dead letters", height - 12))
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _count_ticks(max_value: int, target: int = 5) -> list[int]:
+    """0 up to a round number at or above `max_value`, in steps of 1, 2 or 5 times 10^k."""
+    if max_value <= 0:
+        return [0, 1]
+    raw = max_value / target
+    magnitude = 10 ** max(math.floor(math.log10(raw)), 0)  # counts need no fractional steps
+    step = next(factor * magnitude for factor in (1, 2, 5, 10) if factor * magnitude >= raw)
+    return list(range(0, math.ceil(max_value / step) * step + 1, step))
+
+
+# --- tables ----------------------------------------------------------------------------------
+
+
+def _table_section(title: str, head: str, rows: Sequence[str], note: str = "") -> str:
+    if not rows:
+        return f'<section><h2>{title}</h2><p class="none">none</p></section>'
+    note_html = f'<p class="note">{note}</p>' if note else ""
+    return (
+        f"<section><h2>{title}</h2><table><thead>{head}</thead>"
+        f"<tbody>{''.join(rows)}</tbody></table>{note_html}</section>"
+    )
+
+
+def _head(*columns: str, numeric_from: int) -> str:
+    cells = [
+        f'<th class="num">{name}</th>' if index >= numeric_from else f"<th>{name}</th>"
+        for index, name in enumerate(columns)
+    ]
+    return f"<tr>{''.join(cells)}</tr>"
+
+
+def _text_cell(value: Any, css: str = "") -> str:
+    class_attr = f' class="{css}"' if css else ""
+    return f"<td{class_attr}>{_esc_or_dash(value)}</td>"
+
+
+def _count_cell(value: Any) -> str:
+    return f'<td class="num">{_fmt_count(_count(value))}</td>'
+
+
+def _latency_table(latency: Sequence[Mapping[str, Any]]) -> str:
+    stage_heads = "".join(
+        f'<th colspan="{len(PERCENTILES)}" class="stage">{stage.replace("_", " ")}</th>'
+        for stage in STAGES
+    )
+    percentile_heads = "".join(
+        f'<th class="num">{name}</th>' for _ in STAGES for name in PERCENTILES
+    )
+    head = (
+        f'<tr><th rowspan="2">type</th><th rowspan="2" class="num">messages</th>{stage_heads}</tr>'
+        f"<tr>{percentile_heads}</tr>"
+    )
+    rows = []
+    for entry in latency:
+        stages: Mapping[str, Any] = entry.get("stages") or {}
+        cells = [_text_cell(entry.get("type")), _count_cell(entry.get("count"))]
+        for stage in STAGES:
+            values: Mapping[str, Any] = stages.get(stage) or {}
+            cells.extend(
+                f'<td class="num">{_fmt_duration(values.get(name))}</td>' for name in PERCENTILES
+            )
+        rows.append(f"<tr>{''.join(cells)}</tr>")
+    return _table_section("Latency per type", head, rows)
+
+
+def _services_table(services: Sequence[Mapping[str, Any]]) -> str:
+    columns = ("sent", "received", "processed", "dead", "lost", "duplicates_absorbed")
+    head = _head("service", *(name.replace("_", " ") for name in columns), numeric_from=1)
+    rows = [
+        "<tr>"
+        + _text_cell(service.get("service"))
+        + "".join(_count_cell(service.get(name)) for name in columns)
+        + "</tr>"
+        for service in services
+    ]
+    return _table_section("Services", head, rows)
+
+
+def _retries_table(retries: Sequence[Mapping[str, Any]]) -> str:
+    columns = ("messages", "retried_messages", "retries", "max_attempts")
+    head = _head("type", *(name.replace("_", " ") for name in columns), numeric_from=1)
+    rows = [
+        "<tr>"
+        + _text_cell(entry.get("type"))
+        + "".join(_count_cell(entry.get(name)) for name in columns)
+        + "</tr>"
+        for entry in retries
+    ]
+    return _table_section("Retries per type", head, rows)
+
+
+def _dead_letters_table(dead_letters: Sequence[Mapping[str, Any]]) -> str:
+    head = "<tr><th>type</th><th>reason</th><th class='num'>count</th><th>example error</th></tr>"
+    rows = [
+        "<tr>"
+        + _text_cell(entry.get("type"))
+        + _text_cell(entry.get("reason"))
+        + _count_cell(entry.get("count"))
+        + _text_cell(_truncate(str(entry.get("example_error") or ""), TABLE_ERROR_CHARS), "code")
+        + "</tr>"
+        for entry in dead_letters
+    ]
+    return _table_section("Dead letters by type and reason", head, rows)
+
+
+def _examples_note(shown: int, total: int) -> str:
+    if total > shown:
+        return f"Showing {_fmt_count(shown)} of {_fmt_count(total)}."
+    return ""
+
+
+def _lost_table(lost: Sequence[Mapping[str, Any]], total: int) -> str:
+    head = _head("message id", "type", "producer", "consumer", "published at", numeric_from=5)
+    rows = [
+        "<tr>"
+        + _text_cell(entry.get("message_id"), "code")
+        + _text_cell(entry.get("type"))
+        + _text_cell(entry.get("producer"))
+        + _text_cell(entry.get("consumer"))
+        + f"<td>{_fmt_time(entry.get('published_at'))}</td>"
+        + "</tr>"
+        for entry in lost
+    ]
+    return _table_section("Lost messages", head, rows, _examples_note(len(rows), total))
+
+
+def _handled_more_than_once_table(entries: Sequence[Mapping[str, Any]], total: int) -> str:
+    head = _head("message id", "type", "consumer", "copies", numeric_from=3)
+    rows = [
+        "<tr>"
+        + _text_cell(entry.get("message_id"), "code")
+        + _text_cell(entry.get("type"))
+        + _text_cell(entry.get("consumer"))
+        + _count_cell(entry.get("copies"))
+        + "</tr>"
+        for entry in entries
+    ]
+    return _table_section("Handled more than once", head, rows, _examples_note(len(rows), total))
+
+
+# --- formatting ------------------------------------------------------------------------------
+
+
+def _esc(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _esc_or_dash(value: Any) -> str:
+    return NO_DATA if value is None or value == "" else _esc(value)
+
+
+def _truncate(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _count(value: Any) -> int:
+    """A count from the summary; a missing count is 0, anything but a number is an error."""
+    if value is None:
+        return 0
+    if not _is_number(value) or not math.isfinite(value):
+        raise ValueError(f"expected a count in the audit summary, got {value!r}")
+    return round(float(value))
+
+
+def _fmt_count(value: int) -> str:
+    return f"{value:,}"
+
+
+def _fmt_duration(seconds: Any) -> str:
+    """Seconds as a short human duration with three significant digits: 1.78ms, 31.6s, 2m."""
+    if not _is_number(seconds) or not math.isfinite(seconds):
+        return NO_DATA
+    # Round first, so that 0.0009999 s becomes 1ms rather than 1e+03µs.
+    value = float(f"{float(seconds):.3g}")
+    if value == 0:
+        return "0s"
+    for unit, size in (("h", 3600.0), ("m", 60.0), ("s", 1.0), ("ms", 1e-3)):
+        if abs(value) >= size:
+            return _fmt_significant(value / size) + unit
+    return _fmt_significant(value / 1e-6) + "µs"
+
+
+def _fmt_significant(value: float) -> str:
+    rounded = float(f"{value:.3g}")
+    if abs(rounded) >= 1000:  # only hours get here; .3g would switch to exponent notation
+        return f"{rounded:,.0f}"
+    return f"{rounded:.3g}"
+
+
+def _parse_time(value: Any) -> datetime | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        return datetime.fromisoformat(value)
+    except ValueError:
+        return None
+
+
+def _fmt_time(value: Any) -> str:
+    """An ISO 8601 time from the summary as "2026-11-21 10:00:00 UTC"; unparsable text escaped."""
+    time = _parse_time(value)
+    if time is None:
+        return _esc_or_dash(value)
+    zone = time.strftime("%Z") if time.tzinfo is not None else ""
+    return time.strftime("%Y-%m-%d %H:%M:%S") + (f" {zone}" if zone else "")

@@ -1,0 +1,446 @@
+"""A generator of synthetic message history with known numbers, for tests and benchmarks.
+
+It writes archive roots laid out exactly as `outbox-inbox archive` writes them, one per service
+(``<directory>/<service>``), for three services that talk to each other:
+
+=========================  =========  ==========================================================
+type                       kind       expected at
+=========================  =========  ==========================================================
+orders.order.placed        event      billing (``orders.order.*``) and shipping (``orders.#``)
+billing.invoice.create     command    billing
+billing.invoice.created    event      shipping (``billing.invoice.*``), subscribed a tenth of
+                                      the way into the window: earlier ones go nowhere
+shipping.parcel.ship       command    shipping
+shipping.parcel.shipped    event      nobody
+=========================  =========  ==========================================================
+
+and injects exact numbers of lost deliveries, deliveries still in flight, messages handled
+twice, expired messages, receipts from outside the mesh, absorbed duplicates, retried and dead
+messages. `generate` returns what an audit must report, computed from the generated rows
+themselves. Vectorised with numpy and Arrow: ten million messages take a few minutes.
+
+Run as ``python -m outbox_inbox.analytics.synthetic DIRECTORY --messages N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from ..archive import INBOX, OUTBOX, SUBSCRIPTIONS, arrow_schema, require_pyarrow
+from .audit import TOTALS
+
+SERVICES = ("orders", "billing", "shipping")
+# (routing key, kind, producer, share of the messages)
+TYPES = (
+    ("orders.order.placed", "event", "orders", 0.35),
+    ("billing.invoice.create", "command", "orders", 0.20),
+    ("billing.invoice.created", "event", "billing", 0.20),
+    ("shipping.parcel.ship", "command", "billing", 0.15),
+    ("shipping.parcel.shipped", "event", "shipping", 0.10),
+)
+PLACED, CREATE, CREATED, SHIP, SHIPPED = range(len(TYPES))
+SUBSCRIPTIONS_OF = {
+    "orders": [],
+    "billing": [("commands", "billing.#"), ("events", "orders.order.*")],
+    "shipping": [
+        ("commands", "shipping.#"),
+        ("events", "orders.#"),
+        ("events", "billing.invoice.*"),
+    ],
+}
+LATE_PATTERN = ("shipping", "billing.invoice.*")  # subscribed at LATE_SHARE of the window
+LATE_SHARE = 0.1
+DEAD_REASONS = ("max_attempts", "rejected", "abandoned", "expired")
+DEAD_ERRORS = {
+    "max_attempts": (
+        'Traceback (most recent call last):\n  File "app.py", line 9\nValueError: card declined'
+    ),
+    "rejected": "Reject: order total is negative",
+    "abandoned": "claimed 3 times without finishing",
+    "expired": "expired before it was handled",
+}
+
+
+@dataclass
+class Faults:
+    """How many of each fault to inject (each a count of messages or deliveries)."""
+
+    lost: int = 0  # deliveries that never reached the consumer
+    in_flight: int = 0  # deliveries published inside the grace period, not received yet
+    handled_twice: int = 0  # deliveries stored in two inbox rows
+    expired: int = 0  # outbox rows that expired unpublished
+    unexpected: int = 0  # inbox rows with no sent message (a producer outside the mesh)
+    duplicates: int = 0  # deliveries absorbed by the inbox as duplicates
+    retried: int = 0  # processed deliveries that took 2 to 4 attempts
+    dead: int = 0  # deliveries that ended dead, reasons in turn
+
+
+@dataclass
+class Expected:
+    """What the audit of the generated history must report."""
+
+    totals: dict[str, int] = field(default_factory=dict)
+    dead_by_type_reason: dict[tuple[str, str], int] = field(default_factory=dict)
+    retries_by_type: dict[str, int] = field(default_factory=dict)
+    end_to_end_p50: float | None = None
+    roots: list[str] = field(default_factory=list)
+    now: datetime | None = None
+    grace: timedelta = timedelta(minutes=5)
+
+
+def generate(
+    directory: str | Path,
+    messages: int,
+    faults: Faults | None = None,
+    *,
+    seed: int = 7,
+    start: datetime = datetime(2026, 11, 1, tzinfo=UTC),
+    span: timedelta = timedelta(days=3),
+    chunk: int = 1_000_000,
+) -> Expected:
+    """Write `messages` messages of history under `directory`; return what the audit must
+    report when run with ``now=Expected.now`` and ``grace=Expected.grace``."""
+    import numpy as np
+
+    pa = require_pyarrow()
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    faults = faults or Faults()
+    rng = np.random.default_rng(seed)
+    root = Path(directory)
+    us = 1_000_000
+    start_us = int(start.timestamp() * us)
+    span_us = int(span.total_seconds() * us)
+    end = start + span
+    grace = timedelta(minutes=5)
+    now = end + timedelta(minutes=1)
+    horizon_us = int((now - grace).timestamp() * us)
+    late_us = start_us + int(span_us * LATE_SHARE)
+
+    # Fault messages are commands to billing (one delivery each, always expected) taken from
+    # the first chunk's indices; each fault has its own messages.
+    fault_sizes = [
+        ("lost", faults.lost),
+        ("in_flight", faults.in_flight),
+        ("handled_twice", faults.handled_twice),
+        ("expired", faults.expired),
+    ]
+    needed = sum(n for _, n in fault_sizes)
+    if needed > min(messages, chunk) // 2:
+        raise ValueError("too many message faults for the number of messages")
+    picked = rng.choice(min(messages, chunk), size=needed, replace=False)
+    fault_index: dict[str, Any] = {}
+    offset = 0
+    for name, n in fault_sizes:
+        fault_index[name] = np.sort(picked[offset : offset + n])
+        offset += n
+
+    _write_subscriptions(root, start, late_us, pa, pq)
+    totals: Counter[str] = Counter()
+    dead_by: Counter[tuple[str, str]] = Counter()
+    retries_by: Counter[str] = Counter()
+    samples: list[Any] = []
+    inbox_ids = dict.fromkeys(SERVICES, 0)
+    shares = np.array([t[3] for t in TYPES])
+    row_faults = {"duplicates": faults.duplicates, "retried": faults.retried, "dead": faults.dead}
+
+    for first in range(0, messages, chunk):
+        n = min(chunk, messages - first)
+        index = np.arange(first, first + n, dtype=np.int64)
+        kind_of = rng.choice(len(TYPES), size=n, p=shares / shares.sum())
+        created = start_us + rng.integers(0, span_us, size=n)
+        published = created + rng.exponential(50_000, size=n).astype(np.int64) + 1
+        expired = np.zeros(n, dtype=bool)
+        if first == 0:
+            for name in ("lost", "in_flight", "handled_twice", "expired"):
+                kind_of[fault_index[name]] = CREATE
+            expired[fault_index["expired"]] = True
+            # In flight: published a minute before the audit, inside its grace period.
+            late = fault_index["in_flight"]
+            published[late] = horizon_us + 60 * us
+            created[late] = published[late] - 1000
+        message_id = _ids(pc, pa, "0", index)
+
+        # --- outbox rows, by producer ---
+        for producer in SERVICES:
+            mask = np.isin(kind_of, [i for i, t in enumerate(TYPES) if t[2] == producer])
+            if not mask.any():
+                continue
+            rows = {
+                "id": index[mask] + 1,
+                "message_id": pc.filter(message_id, pa.array(mask)),
+                "kind": np.array([TYPES[k][1] for k in range(len(TYPES))])[kind_of[mask]],
+                "exchange": np.where(
+                    np.array([TYPES[k][1] for k in range(len(TYPES))])[kind_of[mask]] == "event",
+                    "events",
+                    "commands",
+                ),
+                "routing_key": np.array([t[0] for t in TYPES])[kind_of[mask]],
+                "created_at": created[mask],
+                "available_at": created[mask],
+                "published_at": np.where(expired[mask], -1, published[mask]),
+                "expired_at": np.where(expired[mask], published[mask], -1),
+                "attempts": np.where(rng.random(mask.sum()) < 0.01, 1, 0).astype(np.int32),
+            }
+            totals["publish_retries"] += int(rows["attempts"][~expired[mask]].sum())
+            _write(root / producer, OUTBOX, producer, rows, created[mask], pa, pq, first)
+            totals["sent"] += int(mask.sum())
+        totals["commands"] += int(np.isin(kind_of, [CREATE, SHIP]).sum())
+        totals["events"] += int(np.isin(kind_of, [PLACED, CREATED, SHIPPED]).sum())
+        totals["expired"] += int(expired.sum())
+        totals["published"] += int((~expired).sum())
+
+        # --- deliveries: (message position, consumer) ---
+        pos_parts, consumer_parts = [], []
+        for target, types in (
+            ("billing", [PLACED, CREATE]),
+            ("shipping", [PLACED, SHIP]),
+        ):
+            sel = np.flatnonzero(np.isin(kind_of, types) & ~expired)
+            pos_parts.append(sel)
+            consumer_parts.append(np.full(sel.size, target))
+        sel = np.flatnonzero((kind_of == CREATED) & ~expired & (published >= late_us))
+        pos_parts.append(sel)
+        consumer_parts.append(np.full(sel.size, "shipping"))
+        pos = np.concatenate(pos_parts)
+        consumer = np.concatenate(consumer_parts)
+        totals["expected_deliveries"] += pos.size
+
+        keep = np.ones(pos.size, dtype=bool)
+        twice = np.zeros(pos.size, dtype=bool)
+        if first == 0:
+            keep &= ~np.isin(pos, fault_index["lost"]) & ~np.isin(pos, fault_index["in_flight"])
+            twice = np.isin(pos, fault_index["handled_twice"])
+            totals["lost"] += int(np.isin(pos, fault_index["lost"]).sum())
+            totals["in_flight"] += int(np.isin(pos, fault_index["in_flight"]).sum())
+        pos, consumer, twice = pos[keep], consumer[keep], twice[keep]
+        totals["delivered"] += pos.size
+        totals["handled_more_than_once"] += int(twice.sum())
+
+        m = pos.size
+        received = published[pos] + rng.exponential(20_000, size=m).astype(np.int64) + 1
+        attempts = np.ones(m, dtype=np.int32)
+        status = np.full(m, "processed", dtype=object)
+        dead_reason = np.full(m, None, dtype=object)
+        last_error = np.full(m, None, dtype=object)
+        duplicates = np.zeros(m, dtype=np.int32)
+        share = n / messages
+        candidates = rng.permutation(np.flatnonzero(~twice))
+        cursor = 0
+        for name, total in row_faults.items():
+            k = min(
+                _portion(total, share, first + n >= messages, totals, name),
+                candidates.size - cursor,
+            )
+            chosen = candidates[cursor : cursor + k]
+            cursor += k
+            totals[f"_injected_{name}"] += k
+            if name == "duplicates":
+                duplicates[chosen] = 1
+            elif name == "retried":
+                attempts[chosen] = rng.integers(2, 5, size=k)
+            else:
+                reasons = np.array(DEAD_REASONS)[np.arange(k) % len(DEAD_REASONS)]
+                status[chosen] = "dead"
+                dead_reason[chosen] = reasons
+                last_error[chosen] = [DEAD_ERRORS[r] for r in reasons]
+                attempts[chosen] = np.where(reasons == "max_attempts", 5, 1)
+        processing = rng.exponential(100_000, size=m).astype(np.int64) + 1
+        processed = received + processing + (attempts.astype(np.int64) - 1) * 2 * us
+        e2e = (processed - created[pos]) / us
+        ok = status == "processed"
+        if len(samples) < 5:
+            samples.append(e2e[ok])
+
+        routing = np.array([t[0] for t in TYPES])[kind_of[pos]]
+        totals["duplicates_absorbed"] += int(duplicates.sum())
+        totals["processed"] += int(ok.sum())
+        totals["dead"] += int((~ok).sum())
+        totals["retried_messages"] += int((attempts > 1).sum())
+        totals["retries"] += int((attempts - 1).sum())
+        for (t, r), c in Counter(zip(routing[~ok], dead_reason[~ok], strict=True)).items():
+            dead_by[(str(t), str(r))] += c
+        retried = attempts > 1
+        for t in np.unique(routing[retried]):
+            retries_by[str(t)] += int((attempts[retried & (routing == t)] - 1).sum())
+
+        for service in ("billing", "shipping"):
+            mine = np.asarray(consumer == service)
+            # A message handled twice gets a second inbox row, a day later (after the first
+            # left the inbox), with the same message id.
+            again = mine & twice
+            take = np.concatenate([np.flatnonzero(mine), np.flatnonzero(again)])
+            shift = np.concatenate(
+                [np.zeros(mine.sum(), np.int64), np.full(again.sum(), 86400 * us)]
+            )
+            count = take.size
+            ids = inbox_ids[service] + np.arange(1, count + 1, dtype=np.int64)
+            inbox_ids[service] += count
+            p = pos[take]
+            rows = {
+                "id": ids,
+                "message_id": pc.take(message_id, pa.array(p)),
+                "source": np.array([t[2] for t in TYPES])[kind_of[p]],
+                "kind": np.array([t[1] for t in TYPES])[kind_of[p]],
+                "routing_key": routing[take],
+                "created_at": created[p],
+                "received_at": received[take] + shift,
+                "status": status[take],
+                "attempts": attempts[take],
+                "finished": attempts[take],
+                "processed_at": processed[take] + shift,
+                "last_error": last_error[take],
+                "dead_reason": dead_reason[take],
+                "deliveries": np.zeros(count, np.int32),
+                "duplicates": np.where(shift > 0, 0, duplicates[take]).astype(np.int32),
+            }
+            _write(root / service, INBOX, service, rows, received[take] + shift, pa, pq, first)
+
+    # Receipts of messages nobody in the mesh sent: a producer outside it.
+    if faults.unexpected:
+        k = faults.unexpected
+        stamps = start_us + rng.integers(0, span_us, size=k)
+        rows = {
+            "id": inbox_ids["billing"] + np.arange(1, k + 1, dtype=np.int64),
+            "message_id": _ids(pc, pa, "f", np.arange(k, dtype=np.int64)),
+            "source": np.full(k, "legacy"),
+            "kind": np.full(k, "event"),
+            "routing_key": np.full(k, "legacy.customer.updated"),
+            "created_at": stamps,
+            "received_at": stamps + 1000,
+            "status": np.full(k, "processed", dtype=object),
+            "attempts": np.ones(k, np.int32),
+            "finished": np.ones(k, np.int32),
+            "processed_at": stamps + 2000,
+            "last_error": np.full(k, None, dtype=object),
+            "dead_reason": np.full(k, None, dtype=object),
+            "deliveries": np.zeros(k, np.int32),
+            "duplicates": np.zeros(k, np.int32),
+        }
+        _write(root / "billing", INBOX, "billing", rows, stamps + 1000, pa, pq, messages)
+        totals["unexpected"] += k
+        totals["processed"] += k
+
+    for name in ("duplicates", "retried", "dead"):
+        if totals.pop(f"_injected_{name}", 0) != getattr(faults, name):
+            raise ValueError(f"not enough deliveries to inject {getattr(faults, name)} {name}")
+    # Every count the audit reports, zero where nothing of the kind was generated.
+    for name in TOTALS:
+        totals.setdefault(name, 0)
+    e2e_all = np.concatenate(samples) if samples else np.array([])
+    return Expected(
+        totals=dict(totals),
+        dead_by_type_reason=dict(dead_by),
+        retries_by_type=dict(retries_by),
+        end_to_end_p50=float(np.percentile(e2e_all, 50)) if e2e_all.size else None,
+        roots=[str(root / s) for s in SERVICES],
+        now=now,
+        grace=grace,
+    )
+
+
+def _portion(total: int, share: float, last: bool, totals: Counter[str], name: str) -> int:
+    """This chunk's part of `total` row faults; the last chunk takes what is left."""
+    done = totals[f"_injected_{name}"]
+    return total - done if last else min(total - done, round(total * share))
+
+
+def _ids(pc: Any, pa: Any, prefix: str, index: Any) -> Any:
+    """UUID-shaped message ids from integers, built by Arrow without a Python loop."""
+    digits = pc.utf8_lpad(pc.cast(pa.array(index), pa.string()), 12, "0")
+    return pc.binary_join_element_wise(f"{prefix * 8}-0000-4000-8000-", digits, "")
+
+
+def _write(
+    root: Path,
+    source: str,
+    service: str,
+    columns: dict[str, Any],
+    dated_by: Any,
+    pa: Any,
+    pq: Any,
+    part: int,
+) -> None:
+    """Write `columns` as `source` files of `service` under `root`, one file per date."""
+    import numpy as np
+
+    schema = arrow_schema(source)
+    size = len(dated_by)
+    arrays = []
+    for f in schema:
+        value = columns.get(f.name)
+        if f.name == "archived_at":
+            value = np.full(size, int(datetime(2026, 12, 1, tzinfo=UTC).timestamp() * 1e6))
+        if value is None:
+            arrays.append(pa.nulls(size, f.type))
+        elif pa.types.is_timestamp(f.type):
+            raw = np.asarray(value, dtype=np.int64)
+            arrays.append(pa.array(raw, pa.int64(), mask=raw < 0).cast(f.type))
+        elif isinstance(value, pa.Array | pa.ChunkedArray):
+            arrays.append(value)
+        else:
+            arrays.append(pa.array(value, f.type, from_pandas=True))
+    table = pa.Table.from_arrays(arrays, schema=schema)
+    days = (np.asarray(dated_by) // (86400 * 1_000_000)).astype(np.int64)
+    for day in np.unique(days):
+        date = (datetime(1970, 1, 1, tzinfo=UTC) + timedelta(days=int(day))).date()
+        directory = root / source / f"service={service}" / f"date={date.isoformat()}"
+        directory.mkdir(parents=True, exist_ok=True)
+        pq.write_table(
+            table.filter(pa.array(days == day)),
+            directory / f"part-{part:012d}.parquet",
+            compression="zstd",
+        )
+
+
+def _write_subscriptions(root: Path, start: datetime, late_us: int, pa: Any, pq: Any) -> None:
+    for service, patterns in SUBSCRIPTIONS_OF.items():
+        records = [
+            {
+                "exchange": exchange,
+                "pattern": pattern,
+                "subscribed_at": datetime.fromtimestamp(late_us / 1e6, UTC)
+                if (service, pattern) == LATE_PATTERN
+                else start - timedelta(days=1),
+            }
+            for exchange, pattern in patterns
+        ]
+        directory = root / service / SUBSCRIPTIONS / f"service={service}"
+        directory.mkdir(parents=True, exist_ok=True)
+        table = pa.Table.from_pylist(records, schema=arrow_schema(SUBSCRIPTIONS))
+        pq.write_table(table, directory / "subscriptions.parquet")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line: write a synthetic history and print what its audit must report."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("directory")
+    parser.add_argument("--messages", type=int, default=100_000)
+    parser.add_argument("--seed", type=int, default=7)
+    for name in Faults.__dataclass_fields__:
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=0)
+    args = parser.parse_args(argv)
+    faults = Faults(**{name: getattr(args, name) for name in Faults.__dataclass_fields__})
+    expected = generate(args.directory, args.messages, faults, seed=args.seed)
+    print(
+        json.dumps(
+            {
+                "roots": expected.roots,
+                "now": expected.now.isoformat() if expected.now else None,
+                "grace_seconds": expected.grace.total_seconds(),
+                "totals": expected.totals,
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
