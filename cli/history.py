@@ -265,7 +265,7 @@ def audit(
     Writes OUT/summary.json and OUT/report.html (self-contained, charts inline).
     Exit 0 when nothing was lost or handled twice, 4 otherwise.
     """
-    from outbox_inbox.analytics.audit import read_live, run_audit, spark_session
+    from outbox_inbox.analytics.audit import AuditError, read_live, run_audit, spark_session
     from outbox_inbox.analytics.report import render_html
 
     if not archives and not db_urls:
@@ -292,6 +292,9 @@ def audit(
             grace=grace,
             inputs={"live_databases": [mask_url(u) for u in db_urls]},
         )
+    except Exception as exc:  # Spark's failures come as py4j and pyspark errors of many kinds
+        lines = (str(exc).strip() or type(exc).__name__).splitlines()
+        raise AuditError(f"the Spark job failed: {type(exc).__name__}: {lines[0][:500]}") from exc
     finally:
         spark.stop()
     out = Path(out_dir)

@@ -32,7 +32,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from ..archive import COLUMNS, INBOX, OUTBOX, SUBSCRIPTIONS, to_records
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, OutboxInboxError
 from ..messages import EVENTS_EXCHANGE
 from ..topology import topic_matches
 
@@ -49,6 +49,10 @@ MAX_BUCKETS = 240
 # End-to-end latency histogram: four buckets per decade, from 1 ms to about 3 hours.
 HISTOGRAM_PER_DECADE = 4
 HISTOGRAM_LOW, HISTOGRAM_HIGH = -3 * HISTOGRAM_PER_DECADE, 4 * HISTOGRAM_PER_DECADE
+
+
+class AuditError(OutboxInboxError):
+    """The audit could not run."""
 
 
 def require_pyspark() -> Any:
@@ -110,9 +114,20 @@ def spark_session(
     )
     for key, value in (config or {}).items():
         builder = builder.config(key, value)
-    spark = builder.getOrCreate()
+    try:
+        spark = builder.getOrCreate()
+    except Exception as exc:  # pyspark raises plain or py4j errors: no narrower class to catch
+        raise AuditError(
+            f"could not start Spark (master {master or 'from spark-submit'}; the audit needs "
+            f"Java 17+ on PATH or JAVA_HOME): {_first_line(exc)}"
+        ) from exc
     spark.sparkContext.setLogLevel("ERROR")
     return spark
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:500]
 
 
 # --- reading ------------------------------------------------------------------------------
@@ -728,6 +743,7 @@ def _float(value: Any) -> float | None:
 
 
 __all__ = [
+    "AuditError",
     "LiveRows",
     "read_archives",
     "read_live",

@@ -36,7 +36,7 @@ PLOT_TOP = 44
 DEAD_LETTER_LABEL_WIDTH = 330
 DEAD_LETTER_ROW_HEIGHT = 28
 DEAD_LETTER_ERROR_CHARS = 40
-# What fits left of the bars at 11px; a long reason must not run off the left edge.
+# About what fits left of the bars at 11px; the label column also clips, for wide glyphs.
 DEAD_LETTER_LABEL_CHARS = 54
 MAX_X_LABELS = 8
 TABLE_ERROR_CHARS = 300
@@ -57,6 +57,9 @@ dl.inputs dt {{ color: #6b7280; }}
 dl.inputs dd {{ margin: 0; font-family: ui-monospace, monospace; word-break: break-all; }}
 .headline {{ display: grid; grid-template-columns: repeat(5, minmax(0, 1fr));
   gap: 12px; margin-bottom: 16px; }}
+@media (max-width: 900px) {{
+  .headline {{ grid-template-columns: repeat(auto-fit, minmax(150px, 1fr)); }}
+}}
 .tile {{ background: #ffffff; border: 1px solid #e5e7eb; border-radius: 8px; padding: 10px 14px; }}
 .tile .value {{ font-size: 24px; font-weight: 600; font-variant-numeric: tabular-nums; }}
 .tile .label {{ color: #6b7280; font-size: 12px; }}
@@ -65,6 +68,7 @@ dl.inputs dd {{ margin: 0; font-family: ui-monospace, monospace; word-break: bre
 .charts {{ display: grid; grid-template-columns: repeat(auto-fit, minmax(600px, 1fr));
   gap: 16px; margin-bottom: 16px; }}
 .charts section {{ margin: 0; }}
+section {{ overflow-x: auto; }}  /* the latency table is wider than a phone */
 svg.chart {{ width: 100%; height: auto; display: block; }}
 svg.chart text {{ font-family: system-ui, sans-serif; font-size: 11px; fill: #374151; }}
 svg.chart text.title {{ font-size: 15px; font-weight: 600; fill: #111827; }}
@@ -388,6 +392,13 @@ def _dead_letter_chart(causes: Sequence[Mapping[str, Any]]) -> str:
             f'<text x="{x:.1f}" y="{bottom + 16}" text-anchor="middle">{_fmt_count(tick)}</text>'
         )
     parts.append(f'<line class="axis" x1="{bars_left}" x2="{bars_left}" y1="{top}" y2="{bottom}"/>')
+    # Labels start at the left edge and are clipped short of the bars: text metrics are the
+    # browser's, so a label that turns out too wide is cut at its end instead of running off
+    # the chart or over the bars.
+    parts.append(
+        f'<clipPath id="dead-letter-labels"><rect x="0" y="0" width="{bars_left - 8}" '
+        f'height="{height}"/></clipPath>'
+    )
     for index, (cause, count) in enumerate(zip(causes, counts, strict=True)):
         y = top + index * DEAD_LETTER_ROW_HEIGHT
         reason = str(cause.get("reason") or "")
@@ -396,8 +407,8 @@ def _dead_letter_chart(causes: Sequence[Mapping[str, Any]]) -> str:
         label = _truncate(label, DEAD_LETTER_LABEL_CHARS)
         bar_width = width * count / ticks[-1]
         parts.append(
-            f'<text x="{bars_left - 8}" y="{y + DEAD_LETTER_ROW_HEIGHT / 2 + 4:.1f}" '
-            f'text-anchor="end"><title>{_esc(reason)}: {_esc(error)}</title>'
+            f'<text x="8" y="{y + DEAD_LETTER_ROW_HEIGHT / 2 + 4:.1f}" '
+            f'clip-path="url(#dead-letter-labels)"><title>{_esc(reason)}: {_esc(error)}</title>'
             f"{_esc(label)}</text>"
         )
         if count > 0:

@@ -160,3 +160,21 @@ def test_audit_command_rejects_bad_input_in_one_line(args: tuple[str, ...], mess
     assert result.returncode == 1
     assert message in result.stderr
     assert "Traceback" not in result.stderr and "secret" not in result.stderr
+
+
+def test_audit_command_without_java_says_so_in_one_line(tmp_path: Path) -> None:
+    result = cli("audit", str(tmp_path), env={"JAVA_HOME": str(tmp_path / "no-java")})
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: could not start Spark") and "Java 17+" in last
+    assert "Traceback" not in result.stderr
+
+
+def test_audit_of_an_empty_archive_is_ok_with_empty_charts(tmp_path: Path) -> None:
+    (tmp_path / "archive").mkdir()
+    result = cli("audit", str(tmp_path / "archive"), "--out", str(tmp_path / "report"), "--json")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["ok"] is True
+    assert set(summary["totals"].values()) == {0}
+    assert "no data" in (tmp_path / "report" / "report.html").read_text()
