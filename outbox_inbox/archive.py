@@ -213,23 +213,33 @@ class Archiver:
                         f"another archive run holds the lock of schema {self._tables.schema!r}"
                     )
                 lock_conn.commit()  # the lock is the session's; end the implicit transaction
-                self._recover(result)
-                with self._engine.connect() as conn:
-                    result.cutoff = self._cutoff(conn)
-                self._write_subscriptions()
-                for source in SOURCES:
-                    while not stop.is_set():
-                        if self._batch(source, result.cutoff, result) < self.batch_size:
-                            break
-                result.interrupted = stop.is_set()
-                if not result.interrupted:
-                    with self._engine.begin() as conn:
-                        result.pruned_deliveries = queries.prune_deliveries(
-                            conn, self._tables, result.cutoff
-                        )
+                try:
+                    self._archive(stop, result)
+                finally:
+                    try:
+                        queries.release_archive_lock(lock_conn, self._tables.schema)
+                    except SQLAlchemyError:
+                        # Closing the session releases its locks: do not pool this one.
+                        log.warning("archive: could not release its lock; closing the session")
+                        lock_conn.invalidate()
         except SQLAlchemyError as exc:
             raise storage_error(exc, "archiving") from exc
         return result
+
+    def _archive(self, stop: threading.Event, result: ArchiveResult) -> None:
+        """The run under the lock: recovery, subscriptions, batches, pruning."""
+        self._recover(result)
+        with self._engine.connect() as conn:
+            cutoff = result.cutoff = self._cutoff(conn)
+        self._write_subscriptions()
+        for source in SOURCES:
+            while not stop.is_set():
+                if self._batch(source, cutoff, result) < self.batch_size:
+                    break
+        result.interrupted = stop.is_set()
+        if not result.interrupted:
+            with self._engine.begin() as conn:
+                result.pruned_deliveries = queries.prune_deliveries(conn, self._tables, cutoff)
 
     # --- steps ----------------------------------------------------------------------------
 

@@ -721,8 +721,19 @@ def try_archive_lock(conn: Connection, schema: str) -> bool:
     """
     if conn.dialect.name != "postgresql":
         return True
-    key = func.hashtext(literal(f"outbox_inbox.archive.{schema}", String()))
-    return bool(conn.execute(select(func.pg_try_advisory_lock(key))).scalar_one())
+    return bool(conn.execute(select(func.pg_try_advisory_lock(_archive_key(schema)))).scalar_one())
+
+
+def release_archive_lock(conn: Connection, schema: str) -> None:
+    """Release the lock of `try_archive_lock`. A pooled connection outlives its checkout, and
+    its session keeps a session lock until it is released or the connection closes."""
+    if conn.dialect.name == "postgresql":
+        conn.execute(select(func.pg_advisory_unlock(_archive_key(schema))))
+        conn.commit()
+
+
+def _archive_key(schema: str) -> Any:
+    return func.hashtext(literal(f"outbox_inbox.archive.{schema}", String()))
 
 
 # --- test helpers (outbox_inbox.testing) ------------------------------------------------------

@@ -276,8 +276,20 @@ def test_a_second_run_is_refused_while_one_holds_the_schema_lock(
         assert result.returncode == 1
         assert "another archive run holds the lock" in result.stderr
         assert "Traceback" not in result.stderr
+        queries.release_archive_lock(holder, "outbox_inbox")
     assert _count(engine, tables.outbox) == 2
     assert not list(tmp_path.rglob("*.parquet"))
+
+    # Once released, runs follow each other, in this process (pooled connections keep their
+    # sessions) and in others.
+    for _ in range(3):
+        Archiver(engine, tables, "orders", tmp_path, older_than=timedelta(0)).run()
+    with engine.connect() as other, engine.connect() as another:
+        assert queries.try_archive_lock(other, "outbox_inbox")
+        queries.release_archive_lock(other, "outbox_inbox")
+        assert queries.try_archive_lock(another, "outbox_inbox")
+        queries.release_archive_lock(another, "outbox_inbox")
+    assert _count(engine, tables.outbox) == 0
 
 
 def test_archive_without_a_service_name_uses_the_one_its_subscriptions_name(
