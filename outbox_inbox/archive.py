@@ -326,7 +326,7 @@ class Archiver:
                 if r["service"] == self.service
             ]
         path = self.root / SUBSCRIPTIONS / f"service={self.service}" / "subscriptions.parquet"
-        write_parquet(path, SUBSCRIPTIONS, [_subscription(r) for r in rows])
+        write_parquet(path, SUBSCRIPTIONS, [subscription_record(r) for r in rows])
 
     def _path(self, source: str, day: date, file_id: uuid.UUID) -> Path:
         partition = self.root / source / f"service={self.service}" / f"date={day.isoformat()}"
@@ -396,7 +396,8 @@ def to_records(
     return out
 
 
-def _subscription(row: Any) -> dict[str, Any]:
+def subscription_record(row: Any) -> dict[str, Any]:
+    """A subscriptions row as archived: exchange, pattern, subscribed_at in UTC."""
     return {
         "exchange": row["exchange"],
         "pattern": row["pattern"],

@@ -149,11 +149,14 @@ class Receiver:
             return []
         with self._engine.begin() as conn:
             new = queries.insert_inbox(conn, self._tables, [row for _, row in items])
-            dropped = {
-                mid: repeats.get(mid, 0) + (0 if mid in new else 1)
-                for mid in (row["message_id"] for _, row in items)
-            }
-            queries.count_duplicates(conn, self._tables, {m: n for m, n in dropped.items() if n})
+            if repeats or len(new) < len(items):  # the common batch has no duplicate
+                dropped = {
+                    mid: repeats.get(mid, 0) + (0 if mid in new else 1)
+                    for mid in (row["message_id"] for _, row in items)
+                }
+                queries.count_duplicates(
+                    conn, self._tables, {m: n for m, n in dropped.items() if n}
+                )
         duplicates = len(items) - len(new)
         self.stored += len(new)
         self.duplicates += duplicates

@@ -139,3 +139,11 @@ def cli(
         },
         check=False,
     )
+
+
+def archive_cli(
+    db_url: str, root: Path, *extra: str, service: str | None = "orders"
+) -> subprocess.CompletedProcess[str]:
+    """Run ``outbox-inbox archive --db-url URL [--service NAME] --to ROOT EXTRA...``."""
+    named = ("--service", service) if service else ()
+    return cli("archive", "--db-url", db_url, *named, "--to", str(root), *extra)

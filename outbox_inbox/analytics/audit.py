@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from ..archive import COLUMNS, INBOX, OUTBOX, SUBSCRIPTIONS, to_records
+from ..archive import COLUMNS, INBOX, OUTBOX, SUBSCRIPTIONS, subscription_record, to_records
 from ..errors import ConfigurationError, OutboxInboxError
 from ..messages import EVENTS_EXCHANGE
 from ..topology import topic_matches
@@ -210,10 +210,7 @@ def read_live(db_url: str, schema: str | None = None) -> LiveRows:
                 # Stamped as archived now: newer than any archived copy of the same row.
                 outbox=to_records(OUTBOX, queries.history_rows(conn, tables, OUTBOX), read_at),
                 inbox=to_records(INBOX, queries.history_rows(conn, tables, INBOX), read_at),
-                subscriptions=[
-                    {k: row[k] for k in ("exchange", "pattern", "subscribed_at")}
-                    for row in subscriptions
-                ],
+                subscriptions=[subscription_record(row) for row in subscriptions],
             )
     finally:
         engine.dispose()

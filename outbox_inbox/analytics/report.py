@@ -119,8 +119,18 @@ def render_html(summary: Mapping[str, Any]) -> str:
         _chart_section(_dead_letter_chart(summary.get("dead_letter_causes") or [])),
         "</div>",
         _latency_table(summary.get("latency") or []),
-        _services_table(summary.get("services") or []),
-        _retries_table(summary.get("retries") or []),
+        _count_table(
+            "Services",
+            "service",
+            ("sent", "received", "processed", "dead", "lost", "duplicates_absorbed"),
+            summary.get("services") or [],
+        ),
+        _count_table(
+            "Retries per type",
+            "type",
+            ("messages", "retried_messages", "retries", "max_attempts"),
+            summary.get("retries") or [],
+        ),
         _dead_letters_table(summary.get("dead_letters") or []),
         _lost_table(summary.get("lost") or [], _count(totals.get("lost"))),
         _handled_more_than_once_table(
@@ -490,30 +500,19 @@ def _latency_table(latency: Sequence[Mapping[str, Any]]) -> str:
     return _table_section("Latency per type", head, rows)
 
 
-def _services_table(services: Sequence[Mapping[str, Any]]) -> str:
-    columns = ("sent", "received", "processed", "dead", "lost", "duplicates_absorbed")
-    head = _head("service", *(name.replace("_", " ") for name in columns), numeric_from=1)
+def _count_table(
+    title: str, key: str, columns: Sequence[str], entries: Sequence[Mapping[str, Any]]
+) -> str:
+    """A table of one text column `key` followed by count `columns`, one row per entry."""
+    head = _head(key, *(name.replace("_", " ") for name in columns), numeric_from=1)
     rows = [
         "<tr>"
-        + _text_cell(service.get("service"))
-        + "".join(_count_cell(service.get(name)) for name in columns)
-        + "</tr>"
-        for service in services
-    ]
-    return _table_section("Services", head, rows)
-
-
-def _retries_table(retries: Sequence[Mapping[str, Any]]) -> str:
-    columns = ("messages", "retried_messages", "retries", "max_attempts")
-    head = _head("type", *(name.replace("_", " ") for name in columns), numeric_from=1)
-    rows = [
-        "<tr>"
-        + _text_cell(entry.get("type"))
+        + _text_cell(entry.get(key))
         + "".join(_count_cell(entry.get(name)) for name in columns)
         + "</tr>"
-        for entry in retries
+        for entry in entries
     ]
-    return _table_section("Retries per type", head, rows)
+    return _table_section(title, head, rows)
 
 
 def _dead_letters_table(dead_letters: Sequence[Mapping[str, Any]]) -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from history import cli
+from history import archive_cli, cli
 from outbox_inbox import Service
 from outbox_inbox.analytics.report import DEAD_LETTER_COLOR, LATENCY_COLOR, PROCESSED_COLOR
 from report_check import assert_report_renders
@@ -91,18 +91,7 @@ def test_two_services_archived_and_audited_lose_nothing_and_report_the_injected_
     assert orders_db.count("effects") == COMMANDS
 
     archive = tmp_path / "archive"
-    out = cli(
-        "archive",
-        "--db-url",
-        orders_url,
-        "--service",
-        "orders",
-        "--to",
-        str(archive / "orders"),
-        "--older-than",
-        "0s",
-        "--json",
-    )
+    out = archive_cli(orders_url, archive / "orders", "--older-than", "0s", "--json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["rows"] == {
         "outbox": EVENTS + COMMANDS + REJECTED,
@@ -124,17 +113,8 @@ def test_two_services_archived_and_audited_lose_nothing_and_report_the_injected_
     assert first.returncode == 0, first.stderr
     _assert_complete(json.loads(first.stdout))
 
-    out = cli(
-        "archive",
-        "--db-url",
-        billing_url,
-        "--service",
-        "billing",
-        "--to",
-        str(archive / "billing"),
-        "--older-than",
-        "0s",
-        "--json",
+    out = archive_cli(
+        billing_url, archive / "billing", "--older-than", "0s", "--json", service="billing"
     )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["rows"] == {

@@ -27,9 +27,9 @@ from sqlalchemy.engine import Engine
 from history import (
     OUTBOX_INBOX,
     REPO_ROOT,
+    archive_cli,
     archived,
     archived_ids,
-    cli,
     make_dead_pending,
     seed_inbox,
     seed_outbox,
@@ -68,20 +68,7 @@ def test_archive_moves_only_finished_rows_older_than_the_retention_into_partitio
     pending = seed_inbox(engine, tables, 7, age=OLD, status="pending")
     recent_in = seed_inbox(engine, tables, 8, age=RECENT)
 
-    result = cli(
-        "archive",
-        "--db-url",
-        db_url,
-        "--service",
-        "orders",
-        "--to",
-        str(tmp_path),
-        "--older-than",
-        "7d",
-        "--batch-size",
-        "16",
-        "--json",
-    )
+    result = archive_cli(db_url, tmp_path, "--older-than", "7d", "--batch-size", "16", "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["rows"] == {"outbox": 33, "inbox": 26}
@@ -108,9 +95,7 @@ def test_archive_moves_only_finished_rows_older_than_the_retention_into_partitio
     assert _count(engine, tables.deliveries) == 0  # the counters left with their rows
     assert _count(engine, tables.archive_files) == 0
 
-    again = cli(
-        "archive", "--db-url", db_url, "--service", "orders", "--to", str(tmp_path), "--json"
-    )
+    again = archive_cli(db_url, tmp_path, "--json")
     assert json.loads(again.stdout)["rows"] == {"outbox": 0, "inbox": 0}
     assert archived_ids(tmp_path, "outbox").most_common(1)[0][1] == 1
 
@@ -121,17 +106,7 @@ def test_dry_run_counts_and_moves_nothing(
     engine, tables = store
     seed_outbox(engine, tables, 3, age=OLD)
     seed_inbox(engine, tables, 2, age=OLD)
-    result = cli(
-        "archive",
-        "--db-url",
-        db_url,
-        "--service",
-        "orders",
-        "--to",
-        str(tmp_path),
-        "--dry-run",
-        "--json",
-    )
+    result = archive_cli(db_url, tmp_path, "--dry-run", "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["rows"] == {"outbox": 3, "inbox": 2}
     assert not list(tmp_path.rglob("*.parquet"))
@@ -229,9 +204,7 @@ def test_archive_killed_at_random_moments_loses_no_row_and_writes_none_twice(
         process.wait(timeout=60)
     assert interrupted >= 3, f"only {interrupted} of 5 runs were interrupted"
 
-    final = cli(
-        "archive", "--db-url", db_url, "--service", "orders", "--to", str(tmp_path), "--json"
-    )
+    final = archive_cli(db_url, tmp_path, "--json")
     assert final.returncode == 0, final.stderr
     assert archived_ids(tmp_path, "outbox") == {str(m): 1 for m in out_ids}
     assert archived_ids(tmp_path, "inbox") == {str(m): 1 for m in in_ids}
@@ -272,7 +245,7 @@ def test_a_second_run_is_refused_while_one_holds_the_schema_lock(
         assert queries.try_archive_lock(holder, "outbox_inbox")
         with pytest.raises(ArchiveBusy):
             Archiver(engine, tables, "orders", tmp_path, older_than=timedelta(0)).run()
-        result = cli("archive", "--db-url", db_url, "--service", "orders", "--to", str(tmp_path))
+        result = archive_cli(db_url, tmp_path)
         assert result.returncode == 1
         assert "another archive run holds the lock" in result.stderr
         assert "Traceback" not in result.stderr
@@ -297,12 +270,12 @@ def test_archive_without_a_service_name_uses_the_one_its_subscriptions_name(
 ) -> None:
     engine, tables = store
     seed_outbox(engine, tables, 2, age=OLD)
-    nameless = cli("archive", "--db-url", db_url, "--to", str(tmp_path))
+    nameless = archive_cli(db_url, tmp_path, service=None)
     assert nameless.returncode == 1
     assert "pass --service NAME or --app" in nameless.stderr
     with engine.begin() as conn:
         queries.record_subscriptions(conn, tables, "orders", [("commands", "orders.#")])
-    result = cli("archive", "--db-url", db_url, "--to", str(tmp_path), "--json")
+    result = archive_cli(db_url, tmp_path, "--json", service=None)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["service"] == "orders"
     subscriptions = pq.read_table(
