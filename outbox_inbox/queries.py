@@ -17,6 +17,8 @@ from sqlalchemy import (
     Table,
     and_,
     bindparam,
+    cast,
+    column,
     delete,
     exists,
     func,
@@ -24,8 +26,10 @@ from sqlalchemy import (
     literal,
     or_,
     select,
+    table,
     update,
 )
+from sqlalchemy.dialects.postgresql import OID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import RowMapping
@@ -36,9 +40,24 @@ from .clock import db_now, db_now_plus
 from .tables import DEAD, PENDING, PROCESSED, Tables, outbox_unsent
 
 #: Advisory-lock namespaces (the first key of the two-key form). Writers of one ordering key
-#: serialize on WRITER_LOCK; a relay holds RELAY_LOCK on each key it is publishing.
+#: serialize on WRITER_LOCK; a relay holds RELAY_LOCK on each key it is publishing; a worker
+#: connection holds WORKER_LOCK on its claimant name for as long as it lives (its liveness).
 WRITER_LOCK = 0x0B0C
 RELAY_LOCK = 0x0B0D
+WORKER_LOCK = 0x0B0E
+
+# The server's lock table, read by claims to tell a live claimant from a dead one.
+_pg_locks = table(
+    "pg_locks",
+    column("locktype"),
+    column("database"),
+    column("classid"),
+    column("objid"),
+    column("objsubid"),
+    column("granted"),
+    schema="pg_catalog",
+)
+_pg_database = table("pg_database", column("oid"), column("datname"), schema="pg_catalog")
 
 Executor = Session | Connection
 
@@ -206,17 +225,23 @@ def claim_inbox(
     """Lease up to `limit` due pending rows to `worker`; count the claim in `attempts`.
 
     Highest priority first, then arrival order. A keyed row qualifies only when no earlier
-    pending row has its key: a key is handled one message at a time, in order. The claim
+    pending row has its key: a key is handled one message at a time, in order. A leased row
+    qualifies once its lease ran out on the database clock, or, on PostgreSQL, as soon as its
+    claimant no longer holds its liveness lock (`hold_claimant_lock`): its worker died or lost
+    its connection. Rows a live worker is handling are row-locked and skipped. The claim
     commits with the caller's transaction, so the count survives a crash of the handler.
     """
     i = tables.inbox
     earlier = i.alias("earlier")
+    free = [i.c.locked_until.is_(None), i.c.locked_until <= db_now()]
+    if conn.dialect.name == "postgresql":
+        free.append(_claimant_gone(i.c.locked_by))
     due = (
         select(i.c.id)
         .where(
             i.c.status == PENDING,
             i.c.next_attempt_at <= db_now(),
-            or_(i.c.locked_until.is_(None), i.c.locked_until <= db_now()),
+            or_(*free),
             or_(
                 i.c.key.is_(None),
                 ~exists().where(
@@ -240,6 +265,45 @@ def claim_inbox(
     rows = list(conn.execute(stmt).mappings())
     rows.sort(key=lambda r: (-r["priority"], r["id"]))
     return rows
+
+
+def _claimant_key(claimant: Any) -> Any:
+    return func.hashtext(claimant)
+
+
+def _claimant_gone(locked_by: Any) -> ColumnElement[bool]:
+    """True for a row whose claimant holds no liveness lock in this database.
+
+    The set of live claimants is one hashed subquery per statement, read only when a leased
+    row is met. Two claimant names with the same hash can only make a dead claimant look alive,
+    which the lease still bounds: the error is on the safe side.
+    """
+    live = select(_pg_locks.c.objid).where(
+        _pg_locks.c.locktype == "advisory",
+        _pg_locks.c.database
+        == select(_pg_database.c.oid)
+        .where(_pg_database.c.datname == func.current_database())
+        .scalar_subquery(),
+        _pg_locks.c.classid == cast(literal(WORKER_LOCK), OID),
+        _pg_locks.c.objsubid == 2,
+        _pg_locks.c.granted,
+    )
+    return cast(_claimant_key(locked_by), OID).not_in(live)
+
+
+def hold_claimant_lock(conn: Connection, claimant: str) -> bool:
+    """Take the session-level liveness lock of `claimant` on `conn`; False if it is taken.
+
+    The lock lives as long as the database session: a worker that dies, or whose connection
+    is cut, loses it at once, and claims treat its leased rows as free. On SQLite (one
+    process, no such locks) this does nothing and returns True.
+    """
+    if conn.dialect.name != "postgresql":
+        return True
+    taken = conn.execute(
+        select(func.pg_try_advisory_lock(WORKER_LOCK, _claimant_key(bindparam("c", claimant))))
+    ).scalar_one()
+    return bool(taken)
 
 
 def lock_claimed(conn: Connection, tables: Tables, ids: Sequence[int], worker: str) -> set[int]:

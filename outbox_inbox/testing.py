@@ -313,7 +313,7 @@ class ServiceHarness:
         Returns the rows claimed: each is one handling attempt, whatever its outcome.
         """
         total = 0
-        with self.service.engine.connect() as conn:
+        with self._worker.connect() as conn:
             while count := self._worker.work_once(conn):
                 total += count
         return total

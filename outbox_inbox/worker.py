@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
 import threading
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import RowMapping
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from . import queries
@@ -23,7 +25,7 @@ from .context import handling
 from .errors import Reject, Retry
 from .handlers import Handlers, Subscription
 from .listener import Listener, call
-from .messages import message_from_row
+from .messages import Message, message_from_row
 from .retry import RetryPolicy
 from .tables import Tables
 from .waker import Waker
@@ -45,15 +47,54 @@ def worker_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
+class ConnectionLost(SQLAlchemyError):
+    """The worker's database connection broke while it was handling a batch.
+
+    Not a handler failure: nothing is counted against the messages and no listener hook runs;
+    the worker reconnects, and the claims of its old connection are free at once.
+    """
+
+
+class _HandlerFailed(Exception):
+    """A handler of the optimistic batch raised `error` on the row with id `row_id`."""
+
+    def __init__(self, row_id: int, error: Exception) -> None:
+        super().__init__(row_id, error)
+        self.row_id = row_id
+        self.error = error
+
+
+@dataclass
+class _Batch:
+    """What one claim decided: rows to run, and rows that end dead without running."""
+
+    run: list[RowMapping] = field(default_factory=list)
+    dead: list[tuple[RowMapping, str, str | None, bool]] = field(default_factory=list)
+
+    @property
+    def ids(self) -> list[int]:
+        return [r["id"] for r in self.run] + [d[0]["id"] for d in self.dead]
+
+
 class Worker:
     """Claims due inbox rows and handles them. Run several, in threads or processes.
 
     A batch is claimed in a short transaction that leases the rows (``locked_until`` on the
-    database clock) and counts the claim. A second transaction row-locks them and runs each
-    handler in a savepoint, with a Session the handler writes its effects through; the row is
-    marked processed in the same transaction, so the effect and the mark commit together or
-    not at all. A failing handler's savepoint is rolled back and the row is retried or dead.
-    A crash leaves the rows leased; when the lease ends another worker claims them again.
+    database clock) to this worker's claimant name and counts the claim. A second transaction
+    row-locks them, runs their handlers with one Session the handlers write their effects
+    through, and marks them processed: the effects and the marks commit together or not at all.
+    When a handler fails, that transaction is rolled back and the batch is run again with a
+    savepoint per message, so only the failing message is retried or dead; the handlers of the
+    others run a second time, in a new transaction (handler contract: effects belong in the
+    session).
+
+    Liveness: the worker's connection holds a session advisory lock on its claimant name. A
+    worker that dies, or whose connection is cut, loses the lock with its session, and other
+    workers claim its rows at once instead of after the lease. The lease stays the bound for a
+    worker that is alive but hung: the server ends its session after ``lease`` idle in a
+    transaction. A row claimed before without finishing (a suspect: it may have killed its
+    worker) is run alone, one suspect per claim, so a poison message cannot take its batch-mates
+    to ``abandoned`` with it.
     """
 
     def __init__(
@@ -73,12 +114,40 @@ class Worker:
         self._handlers = handlers
         self._settings = settings
         self.name = name or worker_name()
+        self._connections = itertools.count(1)
+        #: What this worker writes into ``locked_by``: its name and its connection's number.
+        self.claimant = f"{self.name}/0"
         self._waker_factory = waker_factory
         self._stop = threading.Event()
         self.processed = 0
 
+    def connect(self) -> Connection:
+        """Open a connection for `work_once`, with this worker's liveness and hang limit.
+
+        Each connection gets a new `claimant` name and holds its liveness lock, so the claims
+        of an earlier connection of this worker, if it broke, are free to every worker at once.
+        The connection carries session settings and is never returned to the engine's pool:
+        closing it closes the database session. Raises SQLAlchemyError if the database cannot
+        be reached.
+        """
+        conn = self._engine.connect()
+        try:
+            if conn.dialect.name == "postgresql":
+                conn.detach()  # session state (lock, timeout) must not reach another user
+            queries.set_idle_timeout(conn, self._settings.lease)
+            while True:
+                claimant = f"{self.name}/{next(self._connections)}"
+                if queries.hold_claimant_lock(conn, claimant):
+                    break
+            conn.commit()
+        except BaseException:
+            conn.close()
+            raise
+        self.claimant = claimant
+        return conn
+
     def run(self, stop: threading.Event, *, on_started: Callable[[], None] | None = None) -> None:
-        """Handle messages until `stop` is set; the message in hand is finished first."""
+        """Handle messages until `stop` is set; the batch in hand is finished first."""
         self._stop = stop
         s = self._settings
         waker = self._waker_factory(stop) if self._waker_factory else None
@@ -90,9 +159,7 @@ class Worker:
             while not stop.is_set():
                 try:
                     if conn is None:
-                        conn = self._engine.connect()
-                        queries.set_idle_timeout(conn, s.lease)
-                        conn.commit()
+                        conn = self.connect()
                     count = self.work_once(conn)
                     backoff.reset()
                 except SQLAlchemyError as exc:
@@ -117,68 +184,155 @@ class Worker:
                 waker.close()
 
     def work_once(self, conn: Connection) -> int:
-        """Claim and handle one batch on `conn`; return how many rows were claimed."""
+        """Claim and handle one batch on `conn`; return how many rows were claimed.
+
+        `conn` should come from `connect()` (on another connection claims still work, but
+        without liveness other workers take them only after the lease). A return value below
+        ``worker_batch_size`` means nothing more was due. Raises `ConnectionLost` or another
+        SQLAlchemyError when the database fails; handler errors never escape.
+        """
         s = self._settings
-        lease = timedelta(seconds=s.lease)
         with conn.begin():
-            rows = queries.claim_inbox(conn, self._tables, self.name, s.worker_batch_size, lease)
+            rows = queries.claim_inbox(
+                conn, self._tables, self.claimant, s.worker_batch_size, timedelta(seconds=s.lease)
+            )
         if not rows:
             return 0
         suspects = [r for r in rows if r["attempts"] - r["finished"] > 1]
         if suspects:
-            # A row claimed before without finishing may be what killed that worker. Handle it
-            # alone, so a poison message cannot drag its batch-mates to "abandoned" with it.
+            # A row claimed before without finishing may be what killed its worker, or it was
+            # only that worker's batch-mate. Run the first suspect alone, after the others,
+            # and give the other suspects back uncounted: each costs one more claim, and only
+            # a row that dies while running alone keeps counting towards "abandoned".
+            alone = suspects[0]
             with conn.begin():
                 queries.release_claims(
-                    conn, self._tables, [r["id"] for r in rows if r is not suspects[0]], self.name
+                    conn, self._tables, [r["id"] for r in suspects[1:]], self.claimant
                 )
-            rows = suspects[:1]
+            others = [r for r in rows if r["attempts"] - r["finished"] <= 1]
+            if others:
+                self._work(conn, others)
+            self._work(conn, [alone])
+        else:
+            self._work(conn, rows)
+        return len(rows)
+
+    def _work(self, conn: Connection, rows: list[RowMapping]) -> None:
+        """Handle claimed rows: all in one transaction, or one savepoint each on a failure."""
+        batch = self._plan(rows)
+        try:
+            handled = self._run_batch(conn, batch)
+        except ConnectionLost:
+            raise
+        except Exception as exc:
+            cause = exc.error if isinstance(exc, _HandlerFailed) else exc
+            if _connection_broken(conn, cause):
+                raise ConnectionLost(f"connection lost while handling: {_short(cause)}") from cause
+            # A handler failed, or the batch's flush or commit did: redo the batch message by
+            # message. The failing handler is not run again for this attempt: its error is
+            # recorded as it was raised.
+            log.debug("worker %s: batch failed (%r), one savepoint per message", self.name, cause)
+            handled = self._run_one_by_one(
+                conn, batch, exc if isinstance(exc, _HandlerFailed) else None
+            )
+        self.processed += len(handled)
+        for message in handled:
+            call(self._listener, "handled", message)
+
+    def _plan(self, rows: list[RowMapping]) -> _Batch:
+        """Decide, from the claimed rows alone, which run and which end dead without running."""
+        batch = _Batch()
+        for row in rows:
+            unfinished = row["attempts"] - row["finished"]
+            if unfinished > self._settings.abandon_after:
+                log.error(
+                    "worker: message %s was claimed %d times without finishing; dead (abandoned)",
+                    row["message_id"],
+                    unfinished - 1,
+                )
+                batch.dead.append((row, ABANDONED, row["last_error"], False))
+            elif row["expires_at"] is not None and row["expires_at"] <= row["claimed_at"]:
+                batch.dead.append((row, EXPIRED, None, True))
+            elif not self._handlers.find(row["kind"], row["routing_key"]):
+                log.error("worker: no handler for %s %s; dead", row["kind"], row["routing_key"])
+                batch.dead.append((row, NO_HANDLER, f"no handler for {row['routing_key']}", True))
+            else:
+                batch.run.append(row)
+        return batch
+
+    def _run_batch(self, conn: Connection, batch: _Batch) -> list[Message]:
+        """Run every handler of the batch in one transaction; raise if any of them fails."""
+        handled: list[Message] = []
         with conn.begin():
-            mine = queries.lock_claimed(conn, self._tables, [r["id"] for r in rows], self.name)
+            mine = queries.lock_claimed(conn, self._tables, batch.ids, self.claimant)
+            self._mark_dead_rows(conn, batch, mine)
+            # join_transaction_mode="rollback_only": a handler's session.commit() only flushes;
+            # this transaction is the worker's to commit.
+            session = Session(bind=conn, join_transaction_mode="rollback_only")
             processed: list[int] = []
             unrun: list[int] = []
-            for row in rows:
+            try:
+                for row in batch.run:
+                    if row["id"] not in mine:
+                        continue  # lease lost to another worker in the meantime
+                    if self._stop.is_set():
+                        unrun.append(row["id"])
+                        continue
+                    message = message_from_row(row)
+                    try:
+                        with handling(message):
+                            for subscription in self._handlers.find(message.kind, message.type):
+                                subscription.handler(message, session)
+                    except Exception as exc:
+                        raise _HandlerFailed(row["id"], exc) from exc
+                    handled.append(message)
+                    processed.append(row["id"])
+                session.flush()
+            finally:
+                session.close()
+            queries.mark_processed(conn, self._tables, processed)
+            queries.release_claims(conn, self._tables, unrun, self.claimant)
+        return handled
+
+    def _run_one_by_one(
+        self, conn: Connection, batch: _Batch, failed: _HandlerFailed | None
+    ) -> list[Message]:
+        """Run the batch again with a savepoint per message; record each failure.
+
+        The row that `failed` names is not run again: its error is recorded as it was.
+        """
+        handled: list[Message] = []
+        with conn.begin():
+            mine = queries.lock_claimed(conn, self._tables, batch.ids, self.claimant)
+            self._mark_dead_rows(conn, batch, mine)
+            processed: list[int] = []
+            unrun: list[int] = []
+            for row in batch.run:
                 if row["id"] not in mine:
-                    continue  # lease lost to another worker in the meantime
+                    continue
                 if self._stop.is_set():
                     unrun.append(row["id"])
                     continue
-                if self._handle(conn, row):
+                if failed is not None and row["id"] == failed.row_id:
+                    self._record_failure(conn, row, failed.error)
+                    continue
+                message = self._handle_alone(conn, row)
+                if message is not None:
+                    handled.append(message)
                     processed.append(row["id"])
             queries.mark_processed(conn, self._tables, processed)
-            queries.release_claims(conn, self._tables, unrun, self.name)
-        self.processed += len(processed)
-        return len(rows)
+            queries.release_claims(conn, self._tables, unrun, self.claimant)
+        return handled
 
-    def _handle(self, conn: Connection, row: RowMapping) -> bool:
-        """Run the handlers of one row in a savepoint; True if it is to be marked processed."""
+    def _mark_dead_rows(self, conn: Connection, batch: _Batch, mine: set[int]) -> None:
+        for row, reason, error, finished in batch.dead:
+            if row["id"] in mine:
+                queries.mark_dead(conn, self._tables, row["id"], reason, error, finished=finished)
+
+    def _handle_alone(self, conn: Connection, row: RowMapping) -> Message | None:
+        """Run the handlers of one row in a savepoint; the message if it is to be processed."""
         message = message_from_row(row)
-        row_id = row["id"]
-        if row["attempts"] - row["finished"] > self._settings.abandon_after:
-            log.error(
-                "worker: message %s was claimed %d times without finishing; dead (abandoned)",
-                message.message_id,
-                row["attempts"] - row["finished"] - 1,
-            )
-            queries.mark_dead(
-                conn, self._tables, row_id, ABANDONED, row["last_error"], finished=False
-            )
-            return False
-        if message.expires_at is not None and message.expires_at <= row["claimed_at"]:
-            queries.mark_dead(conn, self._tables, row_id, EXPIRED, None, finished=True)
-            return False
         subscriptions = self._handlers.find(message.kind, message.type)
-        if not subscriptions:
-            log.error("worker: no handler for %s %s; dead", message.kind, message.type)
-            queries.mark_dead(
-                conn,
-                self._tables,
-                row_id,
-                NO_HANDLER,
-                f"no handler for {message.type}",
-                finished=True,
-            )
-            return False
         session = Session(bind=conn, join_transaction_mode="create_savepoint")
         try:
             with handling(message):
@@ -186,21 +340,27 @@ class Worker:
                     subscription.handler(message, session)
             session.flush()
             session.commit()  # releases the savepoint; the outer transaction commits later
-            call(self._listener, "handled", message)
-            return True
-        except Reject as exc:
-            session.rollback()
-            log.warning("worker: %s rejected: %s", message.message_id, exc.reason)
-            queries.mark_dead(conn, self._tables, row_id, REJECTED, exc.reason, finished=True)
-            call(self._listener, "failed", message, exc, dead=True)
-            return False
+            return message
         except Exception as exc:
+            if _connection_broken(conn, exc):
+                raise ConnectionLost(f"connection lost while handling: {_short(exc)}") from exc
             session.rollback()
-            dead = self._failed(conn, row, subscriptions, exc)
-            call(self._listener, "failed", message, exc, dead=dead)
-            return False
+            self._record_failure(conn, row, exc)
+            return None
         finally:
             session.close()
+
+    def _record_failure(self, conn: Connection, row: RowMapping, exc: Exception) -> None:
+        """A handler of `row` raised `exc`: dead at once (Reject), or retried per its policy."""
+        message = message_from_row(row)
+        if isinstance(exc, Reject):
+            log.warning("worker: %s rejected: %s", message.message_id, exc.reason)
+            queries.mark_dead(conn, self._tables, row["id"], REJECTED, exc.reason, finished=True)
+            call(self._listener, "failed", message, exc, dead=True)
+            return
+        subscriptions = self._handlers.find(message.kind, message.type)
+        dead = self._failed(conn, row, subscriptions, exc)
+        call(self._listener, "failed", message, exc, dead=dead)
 
     def _failed(
         self, conn: Connection, row: RowMapping, subscriptions: list[Subscription], exc: Exception
@@ -230,12 +390,19 @@ class Worker:
         return False
 
 
-def _policy(subscriptions: list[Subscription], default: RetryPolicy) -> RetryPolicy:
+def _connection_broken(conn: Connection, exc: BaseException) -> bool:
+    """True when `exc` means the database connection is gone, not that a handler failed."""
+    if conn.invalidated or conn.closed:
+        return True
+    return isinstance(exc, DBAPIError) and exc.connection_invalidated
+
+
+def _policy(subscriptions: Sequence[Subscription], default: RetryPolicy) -> RetryPolicy:
     for subscription in subscriptions:
         if subscription.retry is not None:
             return subscription.retry
     return default
 
 
-def _short(exc: Exception) -> str:
+def _short(exc: BaseException) -> str:
     return str(exc).splitlines()[0] if str(exc) else repr(exc)
