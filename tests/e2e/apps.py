@@ -13,6 +13,9 @@ need at exact points:
 * ``--handle-delay S``: every handler call sleeps S seconds first (work in flight at a signal);
 * ``--record-relayed``: the relay writes which process published each message (``relayed``).
 
+As a process, a handler given a message whose payload has ``"poison": true`` SIGKILLs its own
+process before it writes anything: a poison message, which kills every worker that runs it.
+
 Every handler records its effect as one row of ``effects`` in the service's database, written
 through the session it is given, so the effect commits exactly when the message is marked
 processed. ``effects.message_id`` is unique, as an idempotent business table would be.
@@ -180,12 +183,14 @@ def build_service(
     listener: Listener | None = None,
     hang_marker: Path | None = None,
     handle_delay: float = 0.0,
+    die_on_poison: bool = False,
 ) -> Service:
     """The service `name` with the handlers of COMMANDS / EVENTS, each recording its effect.
 
     A handled message whose payload has ``"publish": "<entity.event>"`` also publishes that
     event from the handler (to check causation and correlation ids); one with
-    ``"reject": "<reason>"`` is rejected (dead at once, no effect).
+    ``"reject": "<reason>"`` is rejected (dead at once, no effect). With `die_on_poison` (as
+    every role process has it), one with ``"poison": true`` SIGKILLs this process.
     """
     service = Service(
         name,
@@ -201,6 +206,9 @@ def build_service(
         if handle_delay:
             time.sleep(handle_delay)
         payload = message.payload if isinstance(message.payload, dict) else {}
+        if die_on_poison and payload.get("poison"):
+            log.info("handler got poison message %s: killing this process", message.message_id)
+            os.kill(os.getpid(), signal.SIGKILL)
         if payload.get("reject"):  # bad input: dead at once, nothing written
             raise Reject(payload["reject"])
         session.execute(
@@ -305,6 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         listener=listener,
         hang_marker=args.hang_marker,
         handle_delay=args.handle_delay,
+        die_on_poison=True,
     )
     log.info("%s %s of %s", STARTING, args.role, args.service)
     if args.role == "relay":

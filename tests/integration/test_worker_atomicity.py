@@ -1,0 +1,373 @@
+"""The worker in this process, on the real servers: what commits together, who may claim what.
+
+A handler's effect and the processed mark of its message commit in one transaction or not at
+all; two workers never hold one row; a live worker's claims are its own for the whole lease,
+while those of a worker whose connection died are free at once; and a connection that dies
+inside a handler is a fault of the connection, not of the message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import pika
+import pytest
+from sqlalchemy import Connection, create_engine, text
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.pool import NullPool
+
+from helpers import make_service, rows, running, scalar, wait_until
+from outbox_inbox import Message, Service, queries
+from outbox_inbox.listener import Listener
+from outbox_inbox.worker import Worker
+
+INBOX = "outbox_inbox.inbox_messages"
+Handler = Callable[[Message, Any], None]
+
+REFUSE_PROCESSED = """
+CREATE FUNCTION refuse_processed() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.status = 'processed' THEN
+        RAISE EXCEPTION 'test trigger: marking % processed is refused', NEW.message_id;
+    END IF;
+    RETURN NEW;
+END $$
+"""
+# Fires when the transaction commits: the mark fails after every statement succeeded.
+AT_COMMIT = (
+    f"CREATE CONSTRAINT TRIGGER refuse_processed AFTER UPDATE ON {INBOX}"
+    " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse_processed()"
+)
+# Fires in the UPDATE that marks the rows: the mark statement itself fails.
+AT_ONCE = (
+    f"CREATE TRIGGER refuse_processed BEFORE UPDATE ON {INBOX}"
+    " FOR EACH ROW EXECUTE FUNCTION refuse_processed()"
+)
+
+
+def _effect(session: Any, message: Message) -> None:
+    session.execute(
+        text("INSERT INTO effects (message_id, type) VALUES (:m, :t)"),
+        {"m": str(message.message_id), "t": message.type},
+    )
+
+
+def _billing(db_url: str, mq_url: str, handler: Handler, **settings: Any) -> Service:
+    """billing, migrated, with `handler` on command job.run and its topology declared."""
+    service = make_service("billing", db_url, mq_url, **settings)
+    service.on_command("job.run")(handler)
+    service.declare_topology()
+    return service
+
+
+def _store(service: Service, mq_url: str, count: int) -> list[str]:
+    """Publish `count` job.run commands to billing and have its receiver store them."""
+    message_ids = [str(uuid.uuid4()) for _ in range(count)]
+    connection = pika.BlockingConnection(pika.URLParameters(mq_url))
+    try:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        for n, message_id in enumerate(message_ids):
+            channel.basic_publish(
+                "commands",
+                "billing.job.run",
+                json.dumps({"n": n}).encode(),
+                pika.BasicProperties(message_id=message_id, delivery_mode=2),
+            )
+    finally:
+        connection.close()
+    receiver = service.receiver()
+    with running(receiver):
+        wait_until(lambda: receiver.stored == count, timeout=20, what=f"{count} stored")
+    return message_ids
+
+
+@contextlib.contextmanager
+def _connected(worker: Worker) -> Iterator[Connection]:
+    """`worker.connect()` for the block; the connection is closed for good afterwards."""
+    conn = worker.connect()
+    try:
+        yield conn
+    finally:
+        _cut(conn)
+
+
+def _cut(conn: Connection) -> None:
+    """Close `conn`'s database connection itself (not back to the pool): its session ends."""
+    with contextlib.suppress(SQLAlchemyError):
+        conn.invalidate()
+    conn.close()
+
+
+def _pending(db_url: str) -> int:
+    return int(scalar(db_url, f"SELECT count(*) FROM {INBOX} WHERE status = 'pending'"))
+
+
+def _work_until_done(worker: Worker, conn: Connection, db_url: str, timeout: float) -> None:
+    """Call `work_once` until no row is pending; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while _pending(db_url):
+        assert time.monotonic() < deadline, f"rows still pending after {timeout}s"
+        if not worker.work_once(conn):
+            time.sleep(0.05)
+
+
+def _states(db_url: str) -> list[tuple[Any, ...]]:
+    return [
+        tuple(r)
+        for r in rows(
+            db_url,
+            f"SELECT status, attempts, finished, count(*) FROM {INBOX} GROUP BY 1, 2, 3"
+            " ORDER BY 1, 2, 3",
+        )
+    ]
+
+
+def _effects(db_url: str) -> list[str]:
+    return sorted(m for (m,) in rows(db_url, "SELECT message_id FROM effects"))
+
+
+def _backend_gone(db_url: str, pid: int) -> bool:
+    return not scalar(db_url, "SELECT count(*) FROM pg_stat_activity WHERE pid = :p", p=pid)
+
+
+# --- the effect and the mark commit together ---------------------------------------------------
+
+
+def _check_refused_mark_rolls_back_the_effect(db_url: str, mq_url: str, trigger: str) -> None:
+    calls: list[str] = []
+
+    def handle(message: Message, session: Any) -> None:
+        calls.append(str(message.message_id))
+        _effect(session, message)
+
+    billing = _billing(db_url, mq_url, handle)
+    message_ids = _store(billing, mq_url, 3)
+    with billing.engine.begin() as conn:
+        conn.execute(text(REFUSE_PROCESSED))
+        conn.execute(text(trigger))
+
+    worker = billing.worker()
+    with _connected(worker) as conn, contextlib.suppress(SQLAlchemyError):
+        worker.work_once(conn)  # may raise the database's refusal, or deal with it itself
+    # Every handler ran, and its effect went with the refused mark.
+    assert sorted(set(calls)) == sorted(message_ids)
+    assert _effects(db_url) == []
+    assert rows(db_url, f"SELECT DISTINCT status FROM {INBOX}") == [("pending",)]
+
+    with billing.engine.begin() as conn:
+        conn.execute(text(f"DROP TRIGGER refuse_processed ON {INBOX}"))
+        queries.make_retries_due(conn, billing.tables)  # in case it was counted as a failure
+    calls.clear()
+    worker = billing.worker()
+    with _connected(worker) as conn:
+        _work_until_done(worker, conn, db_url, timeout=15)
+    assert _effects(db_url) == sorted(message_ids)
+    assert rows(db_url, f"SELECT DISTINCT status FROM {INBOX}") == [("processed",)]
+    billing.close()
+
+
+def test_a_mark_that_fails_at_commit_after_the_handler_ran_rolls_back_the_effect(
+    db_url: str, mq_url: str
+) -> None:
+    _check_refused_mark_rolls_back_the_effect(db_url, mq_url, AT_COMMIT)
+
+
+def test_a_mark_that_fails_in_its_statement_after_the_handler_ran_rolls_back_the_effect(
+    db_url: str, mq_url: str
+) -> None:
+    _check_refused_mark_rolls_back_the_effect(db_url, mq_url, AT_ONCE)
+
+
+# --- who may claim what -------------------------------------------------------------------------
+
+
+def test_two_workers_claiming_on_two_open_connections_get_disjoint_rows(
+    db_url: str, mq_url: str
+) -> None:
+    handled: list[tuple[str, str]] = []  # (thread, message id)
+    both_in_a_batch = threading.Barrier(2, timeout=10)
+    local = threading.local()
+
+    def handle(message: Message, session: Any) -> None:
+        if not getattr(local, "met", False):  # each thread's first call waits for the other's
+            local.met = True
+            both_in_a_batch.wait()
+        handled.append((threading.current_thread().name, str(message.message_id)))
+        _effect(session, message)
+
+    billing = _billing(db_url, mq_url, handle, worker_batch_size=10)
+    message_ids = _store(billing, mq_url, 20)
+    all_ids = sorted(r for (r,) in rows(db_url, f"SELECT id FROM {INBOX}"))
+    lease = timedelta(seconds=billing.settings.lease)
+    a, b = billing.worker(), billing.worker()
+
+    # Both claims inside transactions that stay open until both have claimed.
+    with _connected(a) as conn_a, _connected(b) as conn_b:
+        claim_a = conn_a.begin()
+        claimed_a = queries.claim_inbox(conn_a, billing.tables, a.claimant, 10, lease)
+        claim_b = conn_b.begin()
+        claimed_b = queries.claim_inbox(conn_b, billing.tables, b.claimant, 10, lease)
+        ids_a, ids_b = {r["id"] for r in claimed_a}, {r["id"] for r in claimed_b}
+        claim_b.rollback()
+        claim_a.rollback()
+    assert len(ids_a) == len(ids_b) == 10
+    assert not ids_a & ids_b
+    assert sorted(ids_a | ids_b) == all_ids
+
+    # Now both workers at once, each inside its batch while the other claims.
+    claimed: dict[str, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def work(worker: Worker) -> None:
+        try:
+            with _connected(worker) as conn:
+                claimed[threading.current_thread().name] = [worker.work_once(conn)]
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(w,), name=f"w{n}") for n, w in enumerate((a, b))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors, errors
+    assert claimed == {"w0": [10], "w1": [10]}
+    assert not both_in_a_batch.broken
+    per_message = Counter(m for _, m in handled)
+    assert sorted(per_message) == sorted(message_ids)
+    assert set(per_message.values()) == {1}
+    assert {t for t, _ in handled} == {"w0", "w1"}
+    assert _effects(db_url) == sorted(message_ids)
+    assert _states(db_url) == [("processed", 1, 1, 20)]
+    billing.close()
+
+
+def _claim_and_hold(billing: Service, worker: Worker, conn: Connection) -> list[int]:
+    """Claim every due row for `worker` on its connection and commit, without handling them."""
+    lease = timedelta(seconds=billing.settings.lease)
+    with conn.begin():
+        claimed = queries.claim_inbox(conn, billing.tables, worker.claimant, 50, lease)
+    return [r["id"] for r in claimed]
+
+
+def test_rows_claimed_by_a_live_worker_are_not_taken_by_another(db_url: str, mq_url: str) -> None:
+    calls: list[str] = []
+
+    def handle(message: Message, session: Any) -> None:
+        calls.append(str(message.message_id))
+        _effect(session, message)
+
+    billing = _billing(db_url, mq_url, handle)
+    assert billing.settings.lease == 60
+    _store(billing, mq_url, 5)
+    a, b = billing.worker(), billing.worker()
+    with _connected(a) as conn_a, _connected(b) as conn_b:
+        assert len(_claim_and_hold(billing, a, conn_a)) == 5
+        assert a.claimant != b.claimant
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            assert b.work_once(conn_b) == 0
+            time.sleep(0.2)
+        assert rows(db_url, f"SELECT DISTINCT locked_by FROM {INBOX}") == [(a.claimant,)]
+    assert calls == []
+    assert _effects(db_url) == []
+    billing.close()
+
+
+@pytest.mark.parametrize("how", ["closed", "terminated"])
+def test_claims_of_a_worker_whose_connection_died_are_taken_at_once(
+    db_url: str, mq_url: str, how: str
+) -> None:
+    calls: list[str] = []
+
+    def handle(message: Message, session: Any) -> None:
+        calls.append(str(message.message_id))
+        _effect(session, message)
+
+    billing = _billing(db_url, mq_url, handle)
+    assert billing.settings.lease == 60
+    message_ids = _store(billing, mq_url, 5)
+    a, b = billing.worker(), billing.worker()
+    killer = create_engine(db_url, poolclass=NullPool)
+    conn_a = a.connect()
+    try:
+        pid_a = conn_a.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        conn_a.rollback()
+        assert len(_claim_and_hold(billing, a, conn_a)) == 5
+        if how == "closed":
+            _cut(conn_a)
+        else:
+            with killer.connect() as conn:
+                assert conn.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid_a}).scalar()
+        cut_at = time.monotonic()
+        with _connected(b) as conn_b:
+            _work_until_done(b, conn_b, db_url, timeout=5)
+        took = time.monotonic() - cut_at
+    finally:
+        _cut(conn_a)
+        killer.dispose()
+    assert took < 5  # the lease is 60 s
+    assert sorted(calls) == sorted(message_ids)
+    assert _effects(db_url) == sorted(message_ids)
+    assert _states(db_url) == [("processed", 2, 1, 5)]
+    billing.close()
+
+
+# --- a connection cut inside a handler ----------------------------------------------------------
+
+
+class Outcomes(Listener):
+    def __init__(self) -> None:
+        self.handled_messages: list[str] = []
+        self.failures: list[tuple[str, BaseException, bool]] = []
+
+    def handled(self, message: Message) -> None:
+        self.handled_messages.append(str(message.message_id))
+
+    def failed(self, message: Message, error: BaseException, *, dead: bool) -> None:
+        self.failures.append((str(message.message_id), error, dead))
+
+
+def test_a_connection_cut_inside_a_handler_is_not_a_handler_failure(
+    db_url: str, mq_url: str
+) -> None:
+    outcomes = Outcomes()
+    killer = create_engine(db_url, poolclass=NullPool)
+    cut: list[int] = []  # the pid of the backend the first handler call terminated
+
+    def handle(message: Message, session: Any) -> None:
+        if not cut:
+            pid = session.execute(text("SELECT pg_backend_pid()")).scalar_one()
+            cut.append(pid)
+            with killer.connect() as conn:
+                conn.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+            wait_until(lambda: _backend_gone(db_url, pid), timeout=10, what="the backend to end")
+        _effect(session, message)  # on the first call: the connection is gone
+
+    billing = _billing(db_url, mq_url, handle, listener=outcomes)
+    assert billing.settings.lease == 60
+    message_ids = _store(billing, mq_url, 3)
+    worker = billing.worker()
+    try:
+        with running(worker):
+            wait_until(lambda: _pending(db_url) == 0, timeout=15, what="every row finished")
+    finally:
+        killer.dispose()
+    assert len(cut) == 1
+    assert outcomes.failures == []
+    assert sorted(set(outcomes.handled_messages)) == sorted(message_ids)
+    assert _effects(db_url) == sorted(message_ids)
+    # The cut was not counted as a finished attempt and left no error: no mark_retry ran.
+    assert _states(db_url) == [("processed", 2, 1, 3)]
+    assert rows(db_url, f"SELECT count(*) FROM {INBOX} WHERE last_error IS NOT NULL") == [(0,)]
+    billing.close()
