@@ -13,6 +13,7 @@ from typing import Any
 from sqlalchemy import DateTime, Float, bindparam
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.elements import BindParameter
 from sqlalchemy.sql.functions import FunctionElement
 
 # SQLite's %f gives milliseconds; three zeros make the six digits SQLAlchemy writes.
@@ -34,10 +35,14 @@ class db_now_plus(FunctionElement[Any]):  # noqa: N801 - reads as a SQL function
     inherit_cache = True
     name = "db_now_plus"
 
-    def __init__(self, delta: timedelta) -> None:
+    def __init__(self, delta: timedelta | BindParameter[Any]) -> None:
         # Seconds as a float parameter: each dialect turns it into its own interval syntax,
-        # and the value stays a parameter of the statement (compiled SQL is cached).
-        super().__init__(bindparam("seconds", delta.total_seconds(), type_=Float, unique=True))
+        # and the value stays a parameter of the statement (compiled SQL is cached). A
+        # statement built once passes its own named parameter, given at each execution.
+        if isinstance(delta, BindParameter):
+            super().__init__(delta)
+        else:
+            super().__init__(bindparam("seconds", delta.total_seconds(), type_=Float, unique=True))
 
 
 @compiles(db_now)

@@ -35,6 +35,9 @@ class Handlers:
 
     def __init__(self) -> None:
         self._subscriptions: list[Subscription] = []
+        # find()'s answers by (kind, routing key): the worker asks for every message, and the
+        # set of routing keys a service sees is small. Cleared whenever a handler is added.
+        self._found: dict[tuple[str, str], list[Subscription]] = {}
 
     def add(self, subscription: Subscription) -> None:
         if not callable(subscription.handler):
@@ -46,6 +49,7 @@ class Handlers:
             ):
                 raise ConfigurationError(f"command {subscription.pattern!r} already has a handler")
         self._subscriptions.append(subscription)
+        self._found = {}
 
     @property
     def subscriptions(self) -> tuple[Subscription, ...]:
@@ -55,13 +59,22 @@ class Handlers:
         return [s.pattern for s in self._subscriptions if s.kind == EVENT]
 
     def find(self, kind: str, routing_key: str) -> list[Subscription]:
-        """Every subscription of `kind` matching `routing_key`, in registration order."""
-        if kind == COMMAND:
-            return [
-                s for s in self._subscriptions if s.kind == COMMAND and s.pattern == routing_key
-            ]
-        return [
-            s
-            for s in self._subscriptions
-            if s.kind == EVENT and topic_matches(s.pattern, routing_key)
-        ]
+        """Every subscription of `kind` matching `routing_key`, in registration order.
+
+        The returned list is shared between callers: do not change it.
+        """
+        found = self._found.get((kind, routing_key))
+        if found is None:
+            if kind == COMMAND:
+                found = [
+                    s for s in self._subscriptions if s.kind == COMMAND and s.pattern == routing_key
+                ]
+            else:
+                found = [
+                    s
+                    for s in self._subscriptions
+                    if s.kind == EVENT and topic_matches(s.pattern, routing_key)
+                ]
+            if len(self._found) < 10_000:  # routing keys come from senders: keep it bounded
+                self._found[(kind, routing_key)] = found
+        return found

@@ -9,13 +9,19 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
+from functools import cache
 from typing import Any
 
 from sqlalchemy import (
+    ARRAY,
+    BigInteger,
     Connection,
+    Float,
+    Integer,
     String,
     Table,
     and_,
+    any_,
     bindparam,
     cast,
     column,
@@ -219,6 +225,28 @@ def count_duplicates(conn: Connection, tables: Tables, counts: Mapping[uuid.UUID
     )
 
 
+#: The columns a claim returns: what the worker needs to build the message and decide its
+#: fate. (``last_error`` can be large and is kept by ``mark_dead`` unless replaced.)
+_CLAIMED = (
+    "id",
+    "message_id",
+    "source",
+    "kind",
+    "routing_key",
+    "payload",
+    "headers",
+    "version",
+    "correlation_id",
+    "causation_id",
+    "key",
+    "priority",
+    "created_at",
+    "expires_at",
+    "attempts",
+    "finished",
+)
+
+
 def claim_inbox(
     conn: Connection, tables: Tables, worker: str, limit: int, lease: timedelta
 ) -> list[RowMapping]:
@@ -230,11 +258,22 @@ def claim_inbox(
     claimant no longer holds its liveness lock (`hold_claimant_lock`): its worker died or lost
     its connection. Rows a live worker is handling are row-locked and skipped. The claim
     commits with the caller's transaction, so the count survives a crash of the handler.
+    Each row carries the `_CLAIMED` columns and ``claimed_at``, the database's time.
     """
+    stmt = _claim_statement(tables, conn.dialect.name == "postgresql")
+    params = {"claimant": worker, "limit": limit, "lease": lease.total_seconds()}
+    rows = list(conn.execute(stmt, params).mappings())
+    rows.sort(key=lambda r: (-r["priority"], r["id"]))
+    return rows
+
+
+@cache
+def _claim_statement(tables: Tables, liveness: bool) -> Any:
+    """The claim of `claim_inbox`, built once per schema (the worker runs it for every batch)."""
     i = tables.inbox
     earlier = i.alias("earlier")
     free = [i.c.locked_until.is_(None), i.c.locked_until <= db_now()]
-    if conn.dialect.name == "postgresql":
+    if liveness:
         free.append(_claimant_gone(i.c.locked_by))
     due = (
         select(i.c.id)
@@ -252,19 +291,20 @@ def claim_inbox(
             ),
         )
         .order_by(i.c.priority.desc(), i.c.id)
-        .limit(limit)
+        .limit(bindparam("limit", type_=Integer))
         .with_for_update(skip_locked=True)
         .scalar_subquery()
     )
-    stmt = (
+    return (
         update(i)
         .where(i.c.id.in_(due))
-        .values(locked_until=db_now_plus(lease), locked_by=worker, attempts=i.c.attempts + 1)
-        .returning(*i.c, db_now().label("claimed_at"))
+        .values(
+            locked_until=db_now_plus(bindparam("lease", type_=Float)),
+            locked_by=bindparam("claimant", type_=String),
+            attempts=i.c.attempts + 1,
+        )
+        .returning(*(i.c[name] for name in _CLAIMED), db_now().label("claimed_at"))
     )
-    rows = list(conn.execute(stmt).mappings())
-    rows.sort(key=lambda r: (-r["priority"], r["id"]))
-    return rows
 
 
 def _claimant_key(claimant: Any) -> Any:
@@ -306,36 +346,62 @@ def hold_claimant_lock(conn: Connection, claimant: str) -> bool:
     return bool(taken)
 
 
+def _among(column: ColumnElement[Any], postgres: bool) -> ColumnElement[bool]:
+    """``column`` is one of the ``ids`` parameter's values (a list given at execution).
+
+    On PostgreSQL one array parameter keeps the statement's text the same whatever the number
+    of ids, so the server prepares it once; elsewhere an expanding IN list.
+    """
+    if postgres:
+        return column == any_(bindparam("ids", type_=ARRAY(BigInteger)))
+    return column.in_(bindparam("ids", expanding=True))
+
+
 def lock_claimed(conn: Connection, tables: Tables, ids: Sequence[int], worker: str) -> set[int]:
     """Row-lock the claimed rows that are still leased to `worker` and pending.
 
     The row lock keeps any other worker away while the handlers run, even if the lease runs out.
     """
+    stmt = _lock_claimed_statement(tables, conn.dialect.name == "postgresql")
+    return set(conn.execute(stmt, {"ids": list(ids), "claimant": worker}).scalars())
+
+
+@cache
+def _lock_claimed_statement(tables: Tables, postgres: bool) -> Any:
     i = tables.inbox
-    stmt = (
+    return (
         select(i.c.id)
-        .where(i.c.id.in_(ids), i.c.locked_by == worker, i.c.status == PENDING)
+        .where(
+            _among(i.c.id, postgres),
+            i.c.locked_by == bindparam("claimant", type_=String),
+            i.c.status == PENDING,
+        )
         .with_for_update()
     )
-    return set(conn.execute(stmt).scalars())
 
 
 def mark_processed(conn: Connection, tables: Tables, ids: Sequence[int]) -> None:
     """Mark rows processed and release their lease."""
     if ids:
-        i = tables.inbox
-        conn.execute(
-            update(i)
-            .where(i.c.id.in_(ids))
-            .values(
-                status=PROCESSED,
-                processed_at=db_now(),
-                finished=i.c.finished + 1,
-                locked_until=None,
-                locked_by=None,
-                last_error=None,
-            )
+        stmt = _mark_processed_statement(tables, conn.dialect.name == "postgresql")
+        conn.execute(stmt, {"ids": list(ids)})
+
+
+@cache
+def _mark_processed_statement(tables: Tables, postgres: bool) -> Any:
+    i = tables.inbox
+    return (
+        update(i)
+        .where(_among(i.c.id, postgres))
+        .values(
+            status=PROCESSED,
+            processed_at=db_now(),
+            finished=i.c.finished + 1,
+            locked_until=None,
+            locked_by=None,
+            last_error=None,
         )
+    )
 
 
 def mark_retry(conn: Connection, tables: Tables, row_id: int, error: str, delay: timedelta) -> None:
@@ -379,8 +445,13 @@ def release_claims(conn: Connection, tables: Tables, ids: Sequence[int], worker:
         i = tables.inbox
         conn.execute(
             update(i)
-            .where(i.c.id.in_(ids), i.c.locked_by == worker, i.c.status == PENDING)
-            .values(locked_until=None, locked_by=None, attempts=i.c.attempts - 1)
+            .where(
+                _among(i.c.id, conn.dialect.name == "postgresql"),
+                i.c.locked_by == worker,
+                i.c.status == PENDING,
+            )
+            .values(locked_until=None, locked_by=None, attempts=i.c.attempts - 1),
+            {"ids": list(ids)},
         )
 
 

@@ -250,7 +250,7 @@ class Worker:
                     row["message_id"],
                     unfinished - 1,
                 )
-                batch.dead.append((row, ABANDONED, row["last_error"], False))
+                batch.dead.append((row, ABANDONED, None, False))  # keeps its last error
             elif row["expires_at"] is not None and row["expires_at"] <= row["claimed_at"]:
                 batch.dead.append((row, EXPIRED, None, True))
             elif not self._handlers.find(row["kind"], row["routing_key"]):
