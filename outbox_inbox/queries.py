@@ -475,19 +475,31 @@ def database_now(conn: Connection) -> Any:
     return conn.execute(select(db_now())).scalar_one()
 
 
-def set_idle_timeout(conn: Connection, seconds: float) -> None:
-    """End this session if it idles inside a transaction for longer than `seconds`.
+#: Server-side TCP keepalive of a worker's session (idle, interval, count): the server ends
+#: the session of a worker whose host vanished after about 25 s, and its liveness lock with it.
+#: (Over a Unix socket PostgreSQL ignores them.)
+WORKER_KEEPALIVE = (10, 5, 3)
 
-    A worker whose handler hangs keeps its row locks; the server ends its session after the
-    lease, so the rows go back to the queue and the hung work can never commit. (SQLite, the
-    single-process development store, has no such setting.)
+
+def configure_worker_session(conn: Connection, lease: float) -> None:
+    """Set the session limits of a worker connection (PostgreSQL; SQLite has none).
+
+    ``idle_in_transaction_session_timeout`` = `lease`: a worker whose handler hangs keeps its row
+    locks; the server ends its session after the lease, so the rows go back to the queue and
+    the hung work can never commit. The TCP keepalive settings bound how long the session of a
+    worker whose host vanished lives on (`WORKER_KEEPALIVE`).
     """
     if conn.dialect.name != "postgresql":
         return
+    idle, interval, count = WORKER_KEEPALIVE
+    settings = {
+        "idle_in_transaction_session_timeout": str(int(lease * 1000)),
+        "tcp_keepalives_idle": str(idle),
+        "tcp_keepalives_interval": str(interval),
+        "tcp_keepalives_count": str(count),
+    }
     conn.execute(
-        select(
-            func.set_config("idle_in_transaction_session_timeout", str(int(seconds * 1000)), False)
-        )
+        select(*(func.set_config(name, value, False) for name, value in settings.items()))
     )
 
 

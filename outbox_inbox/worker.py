@@ -134,7 +134,7 @@ class Worker:
         try:
             if conn.dialect.name == "postgresql":
                 conn.detach()  # session state (lock, timeout) must not reach another user
-            queries.set_idle_timeout(conn, self._settings.lease)
+            queries.configure_worker_session(conn, self._settings.lease)
             while True:
                 claimant = f"{self.name}/{next(self._connections)}"
                 if queries.hold_claimant_lock(conn, claimant):
