@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import Connection
@@ -150,7 +150,6 @@ class Outbox:
             raise MessageError("priority must be an int in 0..255")
         if not isinstance(version, int) or version < 1:
             raise MessageError("version must be an int >= 1")
-        now = datetime.now(UTC)
         row: dict[str, Any] = {
             "message_id": message_id or uuid.uuid4(),
             "kind": kind,
@@ -161,10 +160,10 @@ class Outbox:
             "version": version,
             "key": key,
             "priority": priority,
-            "expires_at": now + _seconds(ttl, "ttl") if ttl is not None else None,
+            # Seconds, not times: the database adds them to its own clock (insert_outbox).
+            "ttl": _seconds(ttl, "ttl") if ttl is not None else None,
+            "delay": _seconds(delay, "delay") if delay is not None else None,
         }
-        if delay is not None:
-            row["available_at"] = now + _seconds(delay, "delay")
         parent = current_message()
         row["correlation_id"] = correlation_id or (
             parent.correlation_id or str(parent.message_id) if parent else str(row["message_id"])
@@ -177,8 +176,10 @@ class Outbox:
         return row["message_id"]  # type: ignore[no-any-return]
 
 
-def _seconds(value: float | timedelta, what: str) -> timedelta:
-    delta = value if isinstance(value, timedelta) else timedelta(seconds=value)
-    if delta.total_seconds() <= 0:
-        raise MessageError(f"{what} must be positive")
-    return delta
+def _seconds(value: float | timedelta, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | timedelta):
+        raise MessageError(f"{what} must be seconds (a number) or a timedelta")
+    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if not seconds > 0 or seconds == float("inf"):
+        raise MessageError(f"{what} must be a positive, finite number of seconds")
+    return seconds

@@ -23,6 +23,7 @@ from sqlalchemy import (
     and_,
     any_,
     bindparam,
+    case,
     cast,
     column,
     delete,
@@ -30,6 +31,7 @@ from sqlalchemy import (
     func,
     insert,
     literal,
+    null,
     or_,
     select,
     table,
@@ -84,6 +86,10 @@ def _is_postgres(executor: Executor) -> bool:
 def insert_outbox(executor: Executor, tables: Tables, rows: Sequence[Mapping[str, Any]]) -> None:
     """Insert outbox rows in the caller's transaction.
 
+    Each row gives ``ttl`` and ``delay`` in seconds (or None) instead of times: the database
+    computes ``expires_at`` and ``available_at`` from its own clock, so a writer whose host
+    clock is wrong cannot expire or delay a message by mistake.
+
     On PostgreSQL the writer first takes a transaction-scoped advisory lock on each ordering
     key, so two transactions writing the same key take their ids one after the other: id order
     is commit order for a key, which is the order the relay publishes it in.
@@ -95,7 +101,17 @@ def insert_outbox(executor: Executor, tables: Tables, rows: Sequence[Mapping[str
                 select(func.pg_advisory_xact_lock(WRITER_LOCK, func.hashtext(bindparam("k")))),
                 {"k": key},
             )
-    executor.execute(tables.outbox.insert(), list(rows))
+    executor.execute(_insert_outbox_statement(tables), list(rows))
+
+
+@cache
+def _insert_outbox_statement(tables: Tables) -> Any:
+    ttl, delay = bindparam("ttl", type_=Float), bindparam("delay", type_=Float)
+    # The casts give PostgreSQL the parameters' type where they stand alone (IS NULL).
+    return tables.outbox.insert().values(
+        expires_at=case((cast(ttl, Float).is_(None), null()), else_=db_now_plus(ttl)),
+        available_at=case((cast(delay, Float).is_(None), db_now()), else_=db_now_plus(delay)),
+    )
 
 
 def claim_outbox(conn: Connection, tables: Tables, limit: int) -> list[RowMapping]:
@@ -498,9 +514,7 @@ def configure_worker_session(conn: Connection, lease: float) -> None:
         "tcp_keepalives_interval": str(interval),
         "tcp_keepalives_count": str(count),
     }
-    conn.execute(
-        select(*(func.set_config(name, value, False) for name, value in settings.items()))
-    )
+    conn.execute(select(*(func.set_config(name, value, False) for name, value in settings.items())))
 
 
 def record_subscriptions(

@@ -188,7 +188,8 @@ class Worker:
 
         `conn` should come from `connect()` (on another connection claims still work, but
         without liveness other workers take them only after the lease). A return value below
-        ``worker_batch_size`` means nothing more was due. Raises `ConnectionLost` or another
+        ``worker_batch_size`` means nothing more was due; after giving suspects back it returns
+        at least ``worker_batch_size``, since they are. Raises `ConnectionLost` or another
         SQLAlchemyError when the database fails; handler errors never escape.
         """
         s = self._settings
@@ -213,6 +214,9 @@ class Worker:
             if others:
                 self._work(conn, others)
             self._work(conn, [alone])
+            if len(suspects) > 1:
+                # The suspects given back are due now: claim again at once, not after a poll.
+                return max(len(rows), s.worker_batch_size)
         else:
             self._work(conn, rows)
         return len(rows)
