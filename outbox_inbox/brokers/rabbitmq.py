@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import logging
+import struct
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pika
+import pika.data
 import pika.exceptions
+import pika.frame
 from pika.adapters.blocking_connection import BlockingChannel
 from pika.spec import Basic, BasicProperties
 
@@ -142,6 +145,233 @@ class RabbitMQBroker:
             close_quietly(connection)
 
 
+# --- publishing frames ---------------------------------------------------------------------
+
+_FRAME = struct.Struct(">BHI")  # type, channel, payload size
+_CONTENT_HEADER = struct.Struct(">HHQ")  # class id, weight, body size
+_FLAGS = struct.Struct(">H")
+_TIMESTAMP = struct.Struct(">Q")
+_LONG_STRING = struct.Struct(">cI")
+_INT32 = struct.Struct(">ci")
+_TABLE_SIZE = struct.Struct(">I")
+_FRAME_END = b"\xce"
+_PERSISTENT = struct.pack("B", pika.DeliveryMode.Persistent.value)
+
+
+def _short_string(value: str | bytes) -> bytes:
+    data = value if isinstance(value, bytes) else value.encode()
+    if len(data) > 255:
+        raise pika.exceptions.ShortStringTooLong(data)
+    return bytes((len(data),)) + data
+
+
+def _field(name: str, value: str | int) -> bytes:
+    """One entry of an AMQP field table with a str or a 32-bit int value, as pika encodes it."""
+    if isinstance(value, str):
+        data = value.encode()
+        return _short_string(name) + _LONG_STRING.pack(b"S", len(data)) + data
+    return _short_string(name) + _INT32.pack(b"I", value)
+
+
+#: Entries each cache of `_PublishFrames` keeps before it starts over.
+_CACHE_SIZE = 4096
+
+
+class _PublishFrames:
+    """The AMQP frames of a persistent, mandatory ``basic.publish`` on one channel.
+
+    Byte for byte what pika's ``Channel.basic_publish`` writes for `_properties(message)`
+    (the method frame, the content header and the body frames), built without pika's frame
+    objects, so that a publisher can hand many messages to the socket in one write. The
+    parts that repeat from message to message (the method frame of an exchange and routing
+    key, short strings such as the content type, header entries such as ``x-kind``) are
+    encoded once and kept.
+    """
+
+    def __init__(self, channel_number: int, body_max: int) -> None:
+        self._channel_number = channel_number
+        self._body_max = body_max
+        self._methods: dict[tuple[str, str], bytes] = {}
+        self._shorts: dict[str | bytes, bytes] = {}
+        self._fields: dict[tuple[str, str | int], bytes] = {}
+
+    def _method(self, exchange: str, routing_key: str) -> bytes:
+        method = self._methods.get((exchange, routing_key))
+        if method is None:
+            if len(self._methods) >= _CACHE_SIZE:
+                self._methods.clear()
+            publish = Basic.Publish(exchange=exchange, routing_key=routing_key, mandatory=True)
+            method = pika.frame.Method(self._channel_number, publish).marshal()
+            self._methods[(exchange, routing_key)] = method
+        return method
+
+    def _short(self, value: str | bytes) -> bytes:
+        """A short string that is likely to repeat (content type, type, app id)."""
+        encoded = self._shorts.get(value)
+        if encoded is None:
+            if len(self._shorts) >= _CACHE_SIZE:
+                self._shorts.clear()
+            encoded = self._shorts[value] = _short_string(value)
+        return encoded
+
+    def _table(self, table: Mapping[str, Any]) -> bytes:
+        """An AMQP field table, as `pika.data.encode_table` writes it."""
+        pieces: list[bytes] = []
+        fields = self._fields
+        for name, value in table.items():
+            kind = type(value)  # exactly str or int: not bool, nor pika's `long` marker
+            if kind is str or (kind is int and -0x80000000 <= value <= 0x7FFFFFFF):
+                encoded = fields.get((name, value))
+                if encoded is None:
+                    if len(fields) >= _CACHE_SIZE:
+                        fields.clear()
+                    encoded = fields[(name, value)] = _field(name, value)
+                pieces.append(encoded)
+            else:  # bool, larger ints, None, lists, tables, ...: pika's own encoding
+                pieces.append(_short_string(name))
+                pika.data.encode_value(pieces, value)
+        data = b"".join(pieces)
+        return _TABLE_SIZE.pack(len(data)) + data
+
+    def _properties(self, message: WireMessage) -> bytes:
+        """The property flags and list of `_properties(message)`, as pika encodes them."""
+        flags = BasicProperties.FLAG_HEADERS | BasicProperties.FLAG_DELIVERY_MODE
+        pieces: list[bytes] = []
+        if message.content_type is not None:
+            flags |= BasicProperties.FLAG_CONTENT_TYPE
+            pieces.append(self._short(message.content_type))
+        pieces.append(self._table(message.headers))
+        pieces.append(_PERSISTENT)
+        if message.priority is not None:
+            flags |= BasicProperties.FLAG_PRIORITY
+            pieces.append(struct.pack("B", message.priority))
+        if message.correlation_id is not None:
+            flags |= BasicProperties.FLAG_CORRELATION_ID
+            pieces.append(_short_string(message.correlation_id))
+        if message.message_id is not None:
+            flags |= BasicProperties.FLAG_MESSAGE_ID
+            pieces.append(_short_string(message.message_id))
+        if message.timestamp is not None:
+            flags |= BasicProperties.FLAG_TIMESTAMP
+            pieces.append(_TIMESTAMP.pack(message.timestamp))
+        if message.type is not None:
+            flags |= BasicProperties.FLAG_TYPE
+            pieces.append(self._short(message.type))
+        if message.app_id is not None:
+            flags |= BasicProperties.FLAG_APP_ID
+            pieces.append(self._short(message.app_id))
+        return _FLAGS.pack(flags) + b"".join(pieces)
+
+    def add(self, out: list[bytes], message: WireMessage) -> int:
+        """Append the frames of `message` to `out`; return how many frames that is."""
+        channel = self._channel_number
+        body = message.body
+        size = len(body)
+        header = _CONTENT_HEADER.pack(BasicProperties.INDEX, 0, size) + self._properties(message)
+        out.append(self._method(message.exchange, message.routing_key))
+        out.append(_FRAME.pack(2, channel, len(header)))
+        out.append(header)
+        out.append(_FRAME_END)
+        if size <= self._body_max:
+            if not size:
+                return 2
+            out.append(_FRAME.pack(3, channel, size))
+            out.append(body)
+            out.append(_FRAME_END)
+            return 3
+        frames = 2
+        for start in range(0, size, self._body_max):
+            chunk = body[start : start + self._body_max]
+            out.append(_FRAME.pack(3, channel, len(chunk)))
+            out.append(chunk)
+            out.append(_FRAME_END)
+            frames += 1
+        return frames
+
+
+class PublishingBatch:
+    """Messages handed to `RabbitMQPublisher.start_batch`, on their way to an outcome each.
+
+    The publisher sends them as its window allows and settles them as confirms arrive; the
+    batch is `done` once every message has an outcome. Two messages of one ordering key are
+    never in flight together, and once one fails the later ones of its key are SKIPPED.
+    """
+
+    __slots__ = (
+        "_failed_keys",
+        "_keys_in_flight",
+        "_todo",
+        "_unsettled",
+        "_waiting",
+        "deadline",
+        "messages",
+        "outcomes",
+    )
+
+    def __init__(self, messages: Sequence[WireMessage], deadline: float) -> None:
+        self.messages = messages
+        self.outcomes: list[PublishOutcome | None] = [None] * len(messages)
+        self.deadline = deadline
+        self._todo: deque[int] = deque(range(len(messages)))
+        self._keys_in_flight: set[str] = set()
+        self._waiting: dict[str, deque[int]] = {}
+        self._failed_keys: set[str] = set()
+        self._unsettled = len(messages)
+
+    @property
+    def done(self) -> bool:
+        return self._unsettled == 0
+
+    def results(self) -> list[PublishOutcome]:
+        """One outcome per message (SKIPPED for any never settled); call once `done`."""
+        return [o or PublishOutcome.SKIPPED for o in self.outcomes]
+
+    def _next(self) -> int | None:
+        """The index of the next message that may be sent now, or None."""
+        todo = self._todo
+        while todo:
+            index = todo.popleft()
+            key = self.messages[index].key
+            if key is None:
+                return index
+            if key in self._failed_keys:
+                self._set(index, PublishOutcome.SKIPPED)
+                for later in self._waiting.pop(key, ()):
+                    self._set(later, PublishOutcome.SKIPPED)
+                continue
+            if key in self._keys_in_flight:
+                self._waiting.setdefault(key, deque()).append(index)
+                continue
+            self._keys_in_flight.add(key)
+            return index
+        return None
+
+    def _set(self, index: int, outcome: PublishOutcome) -> None:
+        if self.outcomes[index] is None:
+            self._unsettled -= 1
+        self.outcomes[index] = outcome
+
+    def _settle(self, index: int, outcome: PublishOutcome) -> None:
+        self._set(index, outcome)
+        key = self.messages[index].key
+        if key is None:
+            return
+        self._keys_in_flight.discard(key)
+        if outcome is not PublishOutcome.CONFIRMED and outcome is not PublishOutcome.RETURNED:
+            self._failed_keys.add(key)
+        queued = self._waiting.get(key)
+        if queued:
+            self._todo.appendleft(queued.popleft())
+
+    def _abandon(self, outcome: PublishOutcome) -> None:
+        """Settle every message still without an outcome as `outcome` (the channel is gone)."""
+        for index, current in enumerate(self.outcomes):
+            if current is None:
+                self._set(index, outcome)
+        self._todo.clear()
+        self._waiting.clear()
+
+
 class RabbitMQPublisher:
     """Publishes with a window of unconfirmed messages on one channel in confirm mode.
 
@@ -149,6 +379,11 @@ class RabbitMQPublisher:
     publisher near a round trip per message. This class switches confirm mode on at the
     channel implementation underneath (`BlockingChannel._impl`, the asynchronous pika Channel)
     and pumps the connection itself, so up to `window` publishes are in flight at once.
+
+    Besides the blocking `publish_batch`, a caller may keep several batches going at once:
+    `start_batch` hands one over and returns at once, `pump` moves every started batch on, and
+    a batch is `done` when each of its messages has an outcome. The window is shared: the
+    messages of a later batch go out as the confirms of an earlier one free room.
     """
 
     def __init__(self, connection: pika.BlockingConnection) -> None:
@@ -156,9 +391,15 @@ class RabbitMQPublisher:
         self._broken = False
         self._channel = connection.channel()
         self._impl = self._channel._impl
+        self._frames = _PublishFrames(
+            self._impl.channel_number, self._impl.connection._body_max_length
+        )
         self._confirms: deque[tuple[int, bool, bool]] = deque()  # (tag, multiple, ack)
         self._returned: set[str] = set()
         self._next_tag = 1
+        self._window = 1
+        self._batches: deque[PublishingBatch] = deque()  # started and not yet done, in order
+        self._in_flight: dict[int, tuple[PublishingBatch, int]] = {}  # tag -> (batch, index)
         selected: list[bool] = []
         try:
             self._impl.confirm_delivery(
@@ -191,98 +432,143 @@ class RabbitMQPublisher:
     def publish_batch(
         self, messages: Sequence[WireMessage], *, window: int, timeout: float
     ) -> list[PublishOutcome]:
+        batch = self.start_batch(messages, window=window, timeout=timeout)
+        while not batch.done:
+            self.pump(0.002)
+        return batch.results()
+
+    def start_batch(
+        self, messages: Sequence[WireMessage], *, window: int, timeout: float
+    ) -> PublishingBatch:
+        """Start publishing `messages` (see `Publisher.publish_batch`) and return at once.
+
+        Up to `window` messages of all started batches are unconfirmed at a time; the batch
+        times out `timeout` seconds from now. Call `pump` until the batch is `done`.
+        """
         if window < 1:
             raise ConfigurationError("publish window must be at least 1")
-        outcomes: list[PublishOutcome | None] = [None] * len(messages)
+        batch = PublishingBatch(messages, time.monotonic() + timeout)
         if self._broken:
-            return [PublishOutcome.FAILED] * len(messages)
-        todo: deque[int] = deque(range(len(messages)))
-        in_flight: dict[int, int] = {}  # delivery tag -> message index
-        keys_in_flight: set[str] = set()
-        waiting: dict[str, deque[int]] = {}
-        failed_keys: set[str] = set()
-        deadline = time.monotonic() + timeout
+            batch._abandon(PublishOutcome.FAILED)
+            return batch
+        if not batch.done:
+            self._window = window
+            self._batches.append(batch)
+            self.pump(0)
+        return batch
 
-        def settle(index: int, outcome: PublishOutcome) -> None:
-            outcomes[index] = outcome
-            key = messages[index].key
-            if key is None:
-                return
-            keys_in_flight.discard(key)
-            if outcome not in (PublishOutcome.CONFIRMED, PublishOutcome.RETURNED):
-                failed_keys.add(key)
-            queued = waiting.get(key)
-            if queued:
-                todo.appendleft(queued.popleft())
+    def pump(self, wait: float) -> None:
+        """Send what the window allows, process broker traffic and settle confirmed messages.
 
+        Waits up to `wait` seconds for confirms when nothing could be sent. A batch that
+        reached its deadline with messages unconfirmed breaks the publisher: late confirms
+        would be matched against the wrong messages, so a fresh channel must be opened.
+        """
+        if not self._batches:
+            return
         try:
-            while todo or in_flight:
-                sent = False
-                while todo and len(in_flight) < window:
-                    index = todo.popleft()
-                    message = messages[index]
-                    key = message.key
-                    if key is not None:
-                        if key in failed_keys:
-                            outcomes[index] = PublishOutcome.SKIPPED
-                            for later in waiting.pop(key, ()):
-                                outcomes[later] = PublishOutcome.SKIPPED
-                            continue
-                        if key in keys_in_flight:
-                            waiting.setdefault(key, deque()).append(index)
-                            continue
-                        keys_in_flight.add(key)
-                    self._impl.basic_publish(
-                        message.exchange,
-                        message.routing_key,
-                        message.body,
-                        properties=_properties(message),
-                        mandatory=True,
-                    )
-                    in_flight[self._next_tag] = index
-                    self._next_tag += 1
-                    sent = True
-                if not in_flight:
-                    continue
-                if time.monotonic() > deadline:
-                    break
+            sent = self._fill()
+            if self._in_flight:
+                now = time.monotonic()
+                if any(batch.deadline < now for batch in self._batches):
+                    self._break(PublishOutcome.TIMEOUT)
+                    return
                 # Flush what was written, then wait briefly for confirms.
-                self._connection.process_data_events(time_limit=0 if sent else 0.002)
+                self._connection.process_data_events(time_limit=0 if sent else wait)
                 if self._impl.is_closing or self._impl.is_closed:
                     # The broker closed the channel (e.g. 404: the exchange does not exist):
                     # no confirm will come, so do not wait for the timeout.
                     log.warning("publishing channel closed by the broker")
-                    self._broken = True
-                    break
-                while self._confirms:
-                    tag, multiple, acked = self._confirms.popleft()
-                    tags = [t for t in in_flight if t <= tag] if multiple else [tag]
-                    for t in tags:
-                        index = in_flight.pop(t, -1)
-                        if index < 0:
-                            continue
-                        if not acked:
-                            settle(index, PublishOutcome.NACKED)
-                        elif messages[index].message_id in self._returned:
-                            self._returned.discard(messages[index].message_id)
-                            settle(index, PublishOutcome.RETURNED)
-                        else:
-                            settle(index, PublishOutcome.CONFIRMED)
+                    self._break(PublishOutcome.FAILED)
+                    return
+                self._settle_confirms()
         except CONNECTION_ERRORS as exc:
             log.warning("publishing connection lost: %r", exc)
             self._broken = True
-            return [o or PublishOutcome.FAILED for o in outcomes]
+            for batch in self._batches:
+                batch._abandon(PublishOutcome.FAILED)
+            self._batches.clear()
+            self._in_flight.clear()
+            return
+        while self._batches and self._batches[0].done:
+            self._batches.popleft()
 
-        if in_flight:
-            # Late confirms would be matched against the wrong batch: start a fresh channel.
-            lost = PublishOutcome.FAILED if self._broken else PublishOutcome.TIMEOUT
-            self._broken = True
-            for index in in_flight.values():
-                outcomes[index] = lost
-        for key_queue in waiting.values():
-            for index in key_queue:
-                outcomes[index] = outcomes[index] or PublishOutcome.SKIPPED
-        return [o or PublishOutcome.SKIPPED for o in outcomes]
+    def _fill(self) -> bool:
+        """Publish messages of the started batches, in order, while the window has room.
+
+        The frames of all the messages go to the connection in one write: pika would write
+        three frames per message, each with its own system call.
+        """
+        room = self._window - len(self._in_flight)
+        if room <= 0:
+            return False
+        if not self._impl.is_open:
+            raise pika.exceptions.ChannelWrongStateError("the publishing channel is not open")
+        out: list[bytes] = []
+        frames = 0
+        add = self._frames.add
+        in_flight = self._in_flight
+        tag = self._next_tag
+        for batch in self._batches:
+            messages = batch.messages
+            while room > 0:
+                index = batch._next()
+                if index is None:
+                    break
+                frames += add(out, messages[index])
+                in_flight[tag] = (batch, index)
+                tag += 1
+                room -= 1
+            if room <= 0:
+                break
+        self._next_tag = tag
+        if not out:
+            return False
+        data = b"".join(out)
+        connection = self._impl.connection
+        connection._adapter_emit_data(data)
+        connection.bytes_sent += len(data)
+        connection.frames_sent += frames
+        return True
+
+    def _settle_confirms(self) -> None:
+        in_flight = self._in_flight
+        returned = self._returned
+        while self._confirms:
+            tag, multiple, acked = self._confirms.popleft()
+            if multiple:
+                # Tags are handed out in increasing order and the dict keeps that order.
+                tags = []
+                for t in in_flight:
+                    if t > tag:
+                        break
+                    tags.append(t)
+            else:
+                tags = [tag]
+            for t in tags:
+                entry = in_flight.pop(t, None)
+                if entry is None:
+                    continue
+                batch, index = entry
+                if not acked:
+                    batch._settle(index, PublishOutcome.NACKED)
+                    continue
+                message_id = batch.messages[index].message_id
+                if returned and message_id in returned:
+                    returned.discard(message_id)
+                    batch._settle(index, PublishOutcome.RETURNED)
+                else:
+                    batch._settle(index, PublishOutcome.CONFIRMED)
+
+    def _break(self, lost: PublishOutcome) -> None:
+        """Give up on this channel: unconfirmed messages are `lost`, unsent ones SKIPPED."""
+        self._broken = True
+        for batch, index in self._in_flight.values():
+            batch._set(index, lost)
+        self._in_flight.clear()
+        for batch in self._batches:
+            batch._abandon(PublishOutcome.SKIPPED)
+        self._batches.clear()
 
     def close(self) -> None:
         close_quietly(self._connection)
