@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, RootTransaction
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -18,7 +19,7 @@ from .broker import Broker, Publisher, PublishOutcome
 from .config import Settings
 from .errors import BrokerError
 from .listener import Listener, call
-from .messages import COMMAND, OutgoingMessage, to_wire
+from .messages import COMMAND, OutgoingMessage, WireMessage, to_wire
 from .tables import Tables
 from .waker import Waker
 
@@ -90,7 +91,7 @@ class Relay:
         try:
             while not stop.is_set():
                 try:
-                    count = self.relay_once()
+                    count = self._relay_stream(stop)
                     backoff.reset()
                 except BrokerError as exc:
                     log.warning("relay: broker unavailable, retrying: %s", exc)
@@ -115,61 +116,188 @@ class Relay:
         """Relay one batch; return how many rows were claimed."""
         s = self._settings
         with self._engine.connect() as conn, conn.begin():
-            rows = queries.claim_outbox(conn, self._tables, s.relay_batch_size)
+            rows, count = self._claim(conn)
             if not rows:
-                return 0
-            rows = self._key_prefixes(conn, rows)
-            if not rows:
-                return 0
-            expired = [r["id"] for r in rows if _expired(r)]
-            if expired:
-                queries.mark_expired(conn, self._tables, expired)
-                log.warning("relay: %d messages expired before they were published", len(expired))
-                self.expired += len(expired)
-                rows = [r for r in rows if not _expired(r)]
-                if not rows:
-                    return len(expired)
+                return count
             publisher = self._ensure_publisher()
             messages = [outgoing(row, self._service) for row in rows]
             outcomes = publisher.publish_batch(
                 [to_wire(m) for m in messages], window=s.publish_window, timeout=s.confirm_timeout
             )
-            call(self._listener, "relay_confirmed", messages, outcomes)
-            published: list[int] = []
-            failed: dict[str, list[tuple[int, int]]] = {}
-            for message, row, outcome in zip(messages, rows, outcomes, strict=True):
-                if outcome is PublishOutcome.CONFIRMED or (
-                    outcome is PublishOutcome.RETURNED and message.kind != COMMAND
+            published = self._mark(conn, messages, rows, outcomes)
+        self._committed(messages, published)
+        if publisher.broken:
+            self._drop_publisher()
+            raise BrokerError("publishing connection broke during the batch")
+        return count
+
+    def _relay_stream(self, stop: threading.Event) -> int:
+        """Relay batches back to back, each in its own transaction, until the backlog is gone.
+
+        While the broker confirms one batch, the next one is claimed on a second connection and
+        its messages go out as the confirms free room in the window; a batch is marked and
+        committed once all its confirms are in, in claim order. The open transactions hold
+        their rows and keys exactly as two relays would, so nothing changes for ordering:
+        the second claim skips the rows and keys the first one holds. Without a publisher
+        that can keep batches going, or on SQLite (one writing transaction at a time), this
+        is `relay_once`. Returns the row count of the last claim; stops claiming once `stop`
+        is set, and always finishes the batches in hand first.
+        """
+        s = self._settings
+        if self._engine.dialect.name != "postgresql":
+            return self.relay_once()
+        publisher = self._ensure_publisher()
+        if not isinstance(publisher, _Pipelined):
+            return self.relay_once()
+        in_hand: deque[_Batch] = deque()
+        count = 0  # rows of the last claim
+        more = True  # a further claim may find rows
+        full = True  # the last claim found a whole batch
+        error: Exception | None = None
+        try:
+            while True:
+                if (
+                    more
+                    and error is None
+                    and len(in_hand) < _PIPELINE_DEPTH
+                    and (full or not in_hand)
+                    and not stop.is_set()
+                    and not publisher.broken
                 ):
-                    published.append(message.id)
-                else:
-                    reason = (
-                        "unroutable: no queue is bound for this command"
-                        if outcome is PublishOutcome.RETURNED
-                        else f"publish {outcome.value}"
-                    )
-                    failed.setdefault(reason, []).append((message.id, row["attempts"]))
-            queries.mark_published(conn, self._tables, published)
-            for reason, items in failed.items():
-                for attempts, ids in _group_by_attempts(items).items():
-                    queries.mark_publish_failed(
-                        conn, self._tables, ids, reason, self._retry_delay(attempts)
-                    )
-            if failed:
-                log.warning(
-                    "relay: %d of %d messages not confirmed, kept for retry",
-                    sum(len(v) for v in failed.values()),
-                    len(rows),
-                    extra={"reasons": sorted(failed)},
+                    alone = not in_hand
+                    try:
+                        batch, count = self._open_batch(publisher)
+                    except (BrokerError, SQLAlchemyError) as exc:
+                        error = exc  # finish the batches in hand, then report it
+                        continue
+                    full = count >= s.relay_batch_size
+                    # A short claim next to a batch in hand may only have missed what that
+                    # batch holds: claim again once it is done. A short claim alone means the
+                    # backlog is gone.
+                    more = full or not alone
+                    if batch is not None:
+                        in_hand.append(batch)
+                    continue
+                if not in_hand:
+                    break
+                head = in_hand[0]
+                if not head.publishing.done:
+                    publisher.pump(_PUMP_WAIT)
+                    continue
+                in_hand.popleft()
+                self._finish(head)
+        except BaseException:
+            for batch in in_hand:
+                batch.abort()
+            if in_hand:
+                # Their messages may still be unconfirmed: do not leave them on this channel.
+                self._drop_publisher()
+            raise
+        if error is not None:
+            raise error
+        if publisher.broken:
+            self._drop_publisher()
+            raise BrokerError("publishing connection broke during the batch")
+        return count
+
+    def _open_batch(self, publisher: _Pipelined) -> tuple[_Batch | None, int]:
+        """Claim a batch in a new transaction and start publishing it.
+
+        Returns the batch (None when no row is to be published, the transaction then being
+        committed) and the claimed row count, as `relay_once` counts it.
+        """
+        s = self._settings
+        conn = self._engine.connect()
+        try:
+            transaction = conn.begin()
+            rows, count = self._claim(conn)
+            if not rows:
+                transaction.commit()
+                conn.close()
+                return None, count
+            messages = [outgoing(row, self._service) for row in rows]
+            publishing = publisher.start_batch(
+                [to_wire(m) for m in messages], window=s.publish_window, timeout=s.confirm_timeout
+            )
+        except BaseException:
+            conn.close()  # rolls the claim back
+            raise
+        return _Batch(conn, transaction, rows, messages, publishing), count
+
+    def _finish(self, batch: _Batch) -> None:
+        """Mark a batch whose every message has an outcome, and commit it."""
+        try:
+            published = self._mark(
+                batch.conn, batch.messages, batch.rows, batch.publishing.results()
+            )
+            batch.transaction.commit()
+        finally:
+            batch.conn.close()
+        self._committed(batch.messages, published)
+
+    def _claim(self, conn: Connection) -> tuple[list[RowMapping], int]:
+        """The rows to publish now, and how many rows the claim took (expired ones included).
+
+        Rows whose time to live ran out are marked expired instead.
+        """
+        s = self._settings
+        rows = queries.claim_outbox(conn, self._tables, s.relay_batch_size)
+        if not rows:
+            return [], 0
+        rows = self._key_prefixes(conn, rows)
+        if not rows:
+            return [], 0
+        expired = [r["id"] for r in rows if _expired(r)]
+        if expired:
+            queries.mark_expired(conn, self._tables, expired)
+            log.warning("relay: %d messages expired before they were published", len(expired))
+            self.expired += len(expired)
+            rows = [r for r in rows if not _expired(r)]
+        return rows, len(rows) + len(expired)
+
+    def _mark(
+        self,
+        conn: Connection,
+        messages: list[OutgoingMessage],
+        rows: list[RowMapping],
+        outcomes: Sequence[PublishOutcome],
+    ) -> list[int]:
+        """Mark the published rows, count a failed attempt on the others; return the former."""
+        call(self._listener, "relay_confirmed", messages, outcomes)
+        published: list[int] = []
+        failed: dict[str, list[tuple[int, int]]] = {}
+        for message, row, outcome in zip(messages, rows, outcomes, strict=True):
+            if outcome is PublishOutcome.CONFIRMED or (
+                outcome is PublishOutcome.RETURNED and message.kind != COMMAND
+            ):
+                published.append(message.id)
+            else:
+                reason = (
+                    "unroutable: no queue is bound for this command"
+                    if outcome is PublishOutcome.RETURNED
+                    else f"publish {outcome.value}"
                 )
+                failed.setdefault(reason, []).append((message.id, row["attempts"]))
+        queries.mark_published(conn, self._tables, published)
+        for reason, items in failed.items():
+            for attempts, ids in _group_by_attempts(items).items():
+                queries.mark_publish_failed(
+                    conn, self._tables, ids, reason, self._retry_delay(attempts)
+                )
+        if failed:
+            log.warning(
+                "relay: %d of %d messages not confirmed, kept for retry",
+                sum(len(v) for v in failed.values()),
+                len(rows),
+                extra={"reasons": sorted(failed)},
+            )
+        return published
+
+    def _committed(self, messages: list[OutgoingMessage], published: list[int]) -> None:
         self.published += len(published)
         if self._listener is not None:
             done = set(published)
             call(self._listener, "relay_committed", [m for m in messages if m.id in done])
-        if publisher.broken:
-            self._drop_publisher()
-            raise BrokerError("publishing connection broke during the batch")
-        return len(rows) + len(expired)
 
     def _key_prefixes(self, conn: Connection, rows: list[RowMapping]) -> list[RowMapping]:
         """Drop the claimed rows of any key whose earliest unsent row this claim does not hold.
@@ -206,6 +334,62 @@ class Relay:
         if self._publisher is not None:
             self._publisher.close()
             self._publisher = None
+
+
+#: Batches a relay keeps open at once: one being confirmed while the next goes out.
+_PIPELINE_DEPTH = 2
+#: How long one pump of the publisher waits for confirms when it has nothing to send.
+_PUMP_WAIT = 0.002
+
+
+class _Publishing(Protocol):
+    """A batch a `_Pipelined` publisher is working on."""
+
+    @property
+    def done(self) -> bool: ...
+
+    def results(self) -> list[PublishOutcome]: ...
+
+
+@runtime_checkable
+class _Pipelined(Protocol):
+    """A publisher that can keep several batches going (`RabbitMQPublisher` can)."""
+
+    @property
+    def broken(self) -> bool: ...
+
+    def start_batch(
+        self, messages: Sequence[WireMessage], *, window: int, timeout: float
+    ) -> _Publishing: ...
+
+    def pump(self, wait: float) -> None: ...
+
+
+class _Batch:
+    """Claimed rows being published, with the transaction that holds them."""
+
+    __slots__ = ("conn", "messages", "publishing", "rows", "transaction")
+
+    def __init__(
+        self,
+        conn: Connection,
+        transaction: RootTransaction,
+        rows: list[RowMapping],
+        messages: list[OutgoingMessage],
+        publishing: _Publishing,
+    ) -> None:
+        self.conn = conn
+        self.transaction = transaction
+        self.rows = rows
+        self.messages = messages
+        self.publishing = publishing
+
+    def abort(self) -> None:
+        """Roll the claim back: the rows stay unpublished for a later claim."""
+        try:
+            self.conn.close()
+        except Exception as exc:  # the caller is already failing: keep its error
+            log.debug("relay: closing a batch's connection failed: %s", _short(exc))
 
 
 def _expired(row: RowMapping) -> bool:
