@@ -262,7 +262,13 @@ def with_urls(app: Service, db_url: str | None, mq_url: str | None) -> Service:
 @click.option("--app", "app_spec", required=True, metavar="MODULE:ATTR", help="Your Service.")
 @db_url_option
 @mq_url_option
-def run(role: str, app_spec: str, db_url: str | None, mq_url: str | None) -> None:
+@click.option(
+    "--fail-fast",
+    is_flag=True,
+    help="Exit at once when PostgreSQL or RabbitMQ cannot be reached at start, instead of"
+    " waiting for them.",
+)
+def run(role: str, app_spec: str, db_url: str | None, mq_url: str | None, fail_fast: bool) -> None:
     """Run one role of the service, or all, until SIGTERM or SIGINT (graceful stop).
 
     \b
@@ -271,19 +277,22 @@ def run(role: str, app_spec: str, db_url: str | None, mq_url: str | None) -> Non
     worker    runs your handlers on the inbox rows
     all       all three, in threads of one process
 
-    On SIGTERM or SIGINT the work in hand is finished, then the command exits 0.
+    A server that cannot be reached at start is waited for (one warning, then retries), unless
+    --fail-fast is given. A configuration error (bad URL or credentials, missing schema) exits
+    at once. On SIGTERM or SIGINT the work in hand is finished, then the command exits 0.
     """
     resolve(db_url=db_url, mq_url=mq_url)  # checks the URLs before anything starts
     service = with_urls(load_app(app_spec), db_url, mq_url)
+    wait = {"fail_fast": True} if fail_fast else {}
     try:
         if role == "all":
-            service.run()
+            service.run(**wait)
         elif role == "relay":
-            service.run_relay()
+            service.run_relay(**wait)
         elif role == "receiver":
-            service.run_receiver()
+            service.run_receiver(**wait)
         else:
-            service.run_worker()
+            service.run_worker(**wait)
     finally:
         service.close()
 

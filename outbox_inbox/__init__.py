@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from .errors import (
+    BrokerAccessRefused,
     BrokerConnectionError,
     BrokerError,
     ConfigurationError,
+    DatabaseUnavailable,
     InvalidMessage,
     MessageError,
     OutboxInboxError,
@@ -23,9 +25,11 @@ from .service import Service
 __version__ = "0.1.0"
 
 __all__ = [
+    "BrokerAccessRefused",
     "BrokerConnectionError",
     "BrokerError",
     "ConfigurationError",
+    "DatabaseUnavailable",
     "InvalidMessage",
     "Message",
     "MessageError",

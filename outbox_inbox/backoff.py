@@ -1,22 +1,77 @@
-"""Bounded exponential backoff for reconnect loops."""
+"""Capped, jittered backoff for reconnect loops, and the log lines of an outage."""
 
 from __future__ import annotations
 
+import logging
+import random
 import threading
+import time
 
 
 class Backoff:
-    """Delays initial, 2 * initial, … up to maximum; `reset()` after a success."""
+    """Delays initial, 2 * initial, … up to maximum, each shortened by up to half at random.
 
-    def __init__(self, initial: float, maximum: float) -> None:
+    The cap is small by default (``reconnect_max``, a few seconds) so a role is back within a
+    few seconds of its server, and the jitter keeps many roles from retrying in step. Call
+    `failed()` on each failed try and `succeeded()` once it works: an outage is logged as one
+    warning when it starts and one info line, with its duration, when it ends; the tries in
+    between are logged at debug level only.
+    """
+
+    def __init__(
+        self,
+        initial: float,
+        maximum: float,
+        *,
+        what: str = "",
+        logger: logging.Logger | None = None,
+    ) -> None:
         self._initial = initial
         self._maximum = maximum
         self._next = initial
+        self._what = what
+        self._log = logger or logging.getLogger(__name__)
+        self._since: float | None = None
+        self.outages = 0
+
+    @property
+    def in_outage(self) -> bool:
+        """True between a `failed()` and the next `succeeded()`."""
+        return self._since is not None
 
     def sleep(self, stop: threading.Event) -> None:
         """Wait the next delay, or less if `stop` is set."""
-        stop.wait(self._next)
+        stop.wait(self._next * random.uniform(0.5, 1.0))
         self._next = min(self._next * 2, self._maximum)
 
     def reset(self) -> None:
         self._next = self._initial
+
+    def failed(self, reason: object, stop: threading.Event) -> None:
+        """Record a failed try (`reason`: the error, or why) and wait before the next one."""
+        if self._since is None:
+            self._since = time.monotonic()
+            self.outages += 1
+            self._log.warning(
+                "%s: %s; retrying every %.1f s at most until it answers",
+                self._what,
+                _first_line(reason),
+                self._maximum,
+            )
+        else:
+            self._log.debug("%s: still failing: %s", self._what, _first_line(reason))
+        self.sleep(stop)
+
+    def succeeded(self) -> None:
+        """Record a success: the end of an outage, if one was going on."""
+        if self._since is not None:
+            self._log.info(
+                "%s: working again after %.1f s", self._what, time.monotonic() - self._since
+            )
+            self._since = None
+        self.reset()
+
+
+def _first_line(reason: object) -> str:
+    text = str(reason)
+    return text.splitlines()[0] if text else repr(reason)

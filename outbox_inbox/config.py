@@ -85,8 +85,9 @@ class Settings:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
 
     # connections
-    reconnect_initial: float = 0.5
-    reconnect_max: float = 30.0
+    reconnect_initial: float = 0.25
+    reconnect_max: float = 2.0
+    fail_fast: bool = False
 
     def __post_init__(self) -> None:
         validate_identifier(self.schema)

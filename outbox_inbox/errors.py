@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import psycopg
+
 
 class OutboxInboxError(Exception):
     """Base of every error raised by outbox_inbox."""
@@ -30,6 +32,10 @@ class StorageError(OutboxInboxError):
     """The database refused or failed an operation."""
 
 
+class DatabaseUnavailable(StorageError):
+    """The database cannot be reached now (refused, timed out, shutting down): it may come back."""
+
+
 class SchemaMissing(StorageError):
     """The outbox/inbox tables do not exist: run `outbox-inbox db upgrade`."""
 
@@ -40,6 +46,10 @@ class BrokerError(OutboxInboxError):
 
 class BrokerConnectionError(BrokerError):
     """The message broker cannot be reached."""
+
+
+class BrokerAccessRefused(BrokerConnectionError):
+    """The broker refused the credentials or the virtual host: a configuration error."""
 
 
 class TopologyMismatch(BrokerError):
@@ -78,4 +88,31 @@ def storage_error(exc: BaseException, action: str) -> StorageError:
             "(or Service.migrate())"
         )
     first = str(original or exc).splitlines()[0] if str(original or exc) else repr(exc)
+    if database_unreachable(exc):
+        return DatabaseUnavailable(f"{action} failed: {first}")
     return StorageError(f"{action} failed: {first}")
+
+
+#: SQLSTATEs of a server that is going away or not ready: 57P01 admin_shutdown, 57P02
+#: crash_shutdown, 57P03 cannot_connect_now (starting up), 53300 too_many_connections.
+_TRANSIENT_STATES = {"57P01", "57P02", "57P03", "53300"}
+#: What PostgreSQL says when the connection settings themselves are wrong.
+_REFUSALS = ("password authentication failed", "does not exist", "no pg_hba.conf entry")
+
+
+def database_unreachable(exc: BaseException) -> bool:
+    """True when `exc` (a SQLAlchemy or psycopg error) means the database cannot be reached now.
+
+    A refused, reset or timed-out connection, or a server shutting down or starting up: worth
+    waiting for. Wrong credentials, a missing database or role, and every SQL error are not.
+    """
+    if getattr(exc, "connection_invalidated", False):
+        return True
+    original = getattr(exc, "orig", None) or exc
+    if not isinstance(original, psycopg.OperationalError):
+        return False
+    state = getattr(original, "sqlstate", None)
+    if state:
+        return bool(state.startswith("08") or state in _TRANSIENT_STATES)
+    message = str(original).lower()
+    return not any(refusal in message for refusal in _REFUSALS)

@@ -74,7 +74,9 @@ class Receiver:
     def run(self, stop: threading.Event, *, on_started: Callable[[], None] | None = None) -> None:
         """Receive until `stop` is set; the batch in hand is stored and acked first."""
         s = self._settings
-        backoff = Backoff(s.reconnect_initial, s.reconnect_max)
+        backoff = Backoff(
+            s.reconnect_initial, s.reconnect_max, what=f"receiver of {self._service}", logger=log
+        )
         consumer: Consumer | None = None
         started = False
         try:
@@ -90,13 +92,12 @@ class Receiver:
                     batch = consumer.fetch(s.receive_batch_size, s.receive_batch_wait)
                     if batch:
                         self.store(consumer, batch)
-                    backoff.reset()
+                    backoff.succeeded()
                 except (BrokerError, SQLAlchemyError) as exc:
-                    log.warning("receiver: %s; reconnecting", _short(exc))
                     if consumer is not None:
                         consumer.close()  # unacked deliveries go back to the queue
                         consumer = None
-                    backoff.sleep(stop)
+                    backoff.failed(exc, stop)
         finally:
             if consumer is not None:
                 consumer.close()

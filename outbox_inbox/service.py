@@ -16,9 +16,17 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from . import migrate as migrations
 from . import queries
+from .backoff import Backoff
 from .broker import Broker
 from .config import Settings, validate_service_name
-from .errors import ConfigurationError, SchemaMissing, storage_error
+from .errors import (
+    BrokerAccessRefused,
+    BrokerConnectionError,
+    ConfigurationError,
+    DatabaseUnavailable,
+    SchemaMissing,
+    storage_error,
+)
 from .handlers import Handler, Handlers, Subscription
 from .listener import Listener
 from .logsafe import mask_url
@@ -273,19 +281,27 @@ class Service:
         )
 
     def start(
-        self, *, relay: bool = True, receiver: bool = True, workers: int | None = None
+        self,
+        *,
+        relay: bool = True,
+        receiver: bool = True,
+        workers: int | None = None,
+        fail_fast: bool | None = None,
     ) -> None:
         """Declare the topology, then run the roles in background threads.
 
-        Returns once every role has started. Raises if the topology cannot be declared (the
-        broker is unreachable or holds conflicting objects). Call `stop()` to end them.
+        Returns once every role has started. While PostgreSQL or RabbitMQ cannot be reached it
+        waits for them (one warning, then retries every ``reconnect_max`` seconds at most), or
+        returns without starting anything if `stop()` is called meanwhile. With `fail_fast`
+        (default: the ``fail_fast`` setting) it raises DatabaseUnavailable or
+        BrokerConnectionError at once instead. Configuration errors always raise at once:
+        SchemaMissing, TopologyMismatch, BrokerAccessRefused, a refused database login.
         """
         if self._threads:
             raise ConfigurationError("service already started")
-        self.check_database()
-        self.declare_topology()
-        self.record_subscriptions()
         self._stop.clear()
+        if not self._wait_until_ready(topology=True, fail_fast=fail_fast):
+            return
         roles: list[tuple[str, Callable[..., None]]] = []
         if relay:
             roles.append(("relay", self.relay().run))
@@ -334,34 +350,69 @@ class Service:
         if alive:
             log.warning("service %s: threads still running after stop: %s", self.name, alive)
 
-    def run(self) -> None:
-        """`start()`, then block until SIGTERM or SIGINT, then `stop()`."""
+    def run(self, *, fail_fast: bool | None = None) -> None:
+        """`start()`, then block until SIGTERM or SIGINT, then `stop()`.
+
+        Waits for unreachable servers as `start()` does; a signal ends the wait too.
+        """
         with _stop_on_signals(self._stop):
-            self.start()
+            self.start(fail_fast=fail_fast)
             self._stop.wait()
         self.stop()
 
-    def run_relay(self) -> None:
-        """Run only the relay in this thread until SIGTERM or SIGINT."""
-        self.check_database()
-        self._run_role(self.relay().run)
+    def run_relay(self, *, fail_fast: bool | None = None) -> None:
+        """Run only the relay in this thread until SIGTERM or SIGINT (waits as `start()`)."""
+        self._run_role(self.relay().run, topology=False, fail_fast=fail_fast)
 
-    def run_receiver(self) -> None:
-        """Run only the receiver in this thread until SIGTERM or SIGINT."""
-        self.check_database()
-        self.declare_topology()
-        self.record_subscriptions()
-        self._run_role(self.receiver().run)
+    def run_receiver(self, *, fail_fast: bool | None = None) -> None:
+        """Run only the receiver in this thread until SIGTERM or SIGINT (waits as `start()`).
 
-    def run_worker(self) -> None:
-        """Run only a worker in this thread until SIGTERM or SIGINT."""
-        self.check_database()
-        self._run_role(self.worker().run)
+        Declares the topology and records the subscriptions first.
+        """
+        self._run_role(self.receiver().run, topology=True, fail_fast=fail_fast)
 
-    def _run_role(self, run: Callable[..., None]) -> None:
+    def run_worker(self, *, fail_fast: bool | None = None) -> None:
+        """Run only a worker in this thread until SIGTERM or SIGINT (waits as `start()`)."""
+        self._run_role(self.worker().run, topology=False, fail_fast=fail_fast)
+
+    def _run_role(
+        self, run: Callable[..., None], *, topology: bool, fail_fast: bool | None
+    ) -> None:
         self._stop.clear()
         with _stop_on_signals(self._stop):
-            self._supervise("role", run, threading.Barrier(1))
+            if self._wait_until_ready(topology=topology, fail_fast=fail_fast):
+                self._supervise("role", run, threading.Barrier(1))
+
+    def _wait_until_ready(self, *, topology: bool, fail_fast: bool | None) -> bool:
+        """Check the database (and declare the topology) until it works; False if stopped.
+
+        Only unreachable servers are waited for; anything else raises at once.
+        """
+        s = self.settings
+        fail_fast = s.fail_fast if fail_fast is None else fail_fast
+        backoff = Backoff(
+            s.reconnect_initial,
+            s.reconnect_max,
+            what=f"service {self.name}: waiting for its servers",
+            logger=log,
+        )
+        while True:
+            try:
+                self.check_database()
+                if topology:
+                    self.declare_topology()
+                    self.record_subscriptions()
+            except (DatabaseUnavailable, BrokerConnectionError) as exc:
+                if fail_fast or isinstance(exc, BrokerAccessRefused):
+                    raise
+                if self._stop.is_set():
+                    return False
+                backoff.failed(exc, self._stop)
+                if self._stop.is_set():
+                    return False
+                continue
+            backoff.succeeded()
+            return True
 
     def close(self) -> None:
         """Stop the roles and release the database connections."""

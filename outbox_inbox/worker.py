@@ -151,7 +151,9 @@ class Worker:
         self._stop = stop
         s = self._settings
         waker = self._waker_factory(stop) if self._waker_factory else None
-        backoff = Backoff(s.reconnect_initial, s.reconnect_max)
+        backoff = Backoff(
+            s.reconnect_initial, s.reconnect_max, what=f"worker {self.name}: database", logger=log
+        )
         conn: Connection | None = None
         if on_started:
             on_started()
@@ -161,16 +163,13 @@ class Worker:
                     if conn is None:
                         conn = self.connect()
                     count = self.work_once(conn)
-                    backoff.reset()
+                    backoff.succeeded()
                 except SQLAlchemyError as exc:
-                    log.warning(
-                        "worker %s: database error, reconnecting: %s", self.name, _short(exc)
-                    )
                     if conn is not None:
                         conn.invalidate()
                         conn.close()
                         conn = None
-                    backoff.sleep(stop)
+                    backoff.failed(exc, stop)
                     continue
                 if count < s.worker_batch_size:
                     if waker is not None:

@@ -17,12 +17,12 @@ from helpers import drain, make_service, publish_raw, rows, running, scalar, wai
 from outbox_inbox import (
     BrokerConnectionError,
     ConfigurationError,
+    DatabaseUnavailable,
     Message,
     Retry,
     RetryPolicy,
     SchemaMissing,
     Service,
-    StorageError,
 )
 
 
@@ -271,25 +271,73 @@ def test_quorum_queue_with_delivery_limit_and_priority_queue_can_be_declared(
         Service("x", db_url="postgresql+psycopg://unused/x", queue_type="quorum", max_priority=3)
 
 
-def test_unreachable_servers_and_missing_tables_fail_start_with_a_clear_error(
+def test_unreachable_servers_with_fail_fast_and_missing_tables_fail_start_with_a_clear_error(
     db_url: str, mq_url: str
 ) -> None:
     no_tables = Service("billing", db_url=db_url, mq_url=mq_url)
     with pytest.raises(SchemaMissing, match="db upgrade"):
-        no_tables.start()
+        no_tables.start()  # a configuration error: no waiting, even without fail_fast
     no_tables.close()
     no_db = Service("billing", db_url="postgresql+psycopg://u:secret@127.0.0.1:1/x", mq_url=mq_url)
-    with pytest.raises(StorageError) as caught:
-        no_db.start()
+    with pytest.raises(DatabaseUnavailable) as caught:
+        no_db.start(fail_fast=True)
     assert "secret" not in str(caught.value)
     no_db.close()
-    no_broker = make_service("billing", db_url, "amqp://guest:secret@127.0.0.1:1/%2F")
+    no_broker = make_service(
+        "billing", db_url, "amqp://guest:secret@127.0.0.1:1/%2F", fail_fast=True
+    )
     with pytest.raises(BrokerConnectionError) as broker_error:
         no_broker.start()
     assert "secret" not in str(broker_error.value)
     no_broker.close()
     with pytest.raises(ConfigurationError, match="broker URL"):
         make_service("billing", db_url, "amqp://guest@127.0.0.1:notaport/").start()
+
+
+def test_a_service_started_while_postgres_is_down_waits_and_runs_once_it_is_back(
+    db_url: str, mq_url: str, local_postgres_server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    billing = make_service("billing", db_url, mq_url)
+    handled: list[int] = []
+
+    @billing.on_command("invoice.create")
+    def create(message: Message, session: Any) -> None:
+        handled.append(message.payload["n"])
+
+    local_postgres_server.stop()
+    started = threading.Event()
+    thread = threading.Thread(target=lambda: (billing.start(), started.set()), daemon=True)
+    try:
+        with caplog.at_level("INFO", logger="outbox_inbox.service"):
+            thread.start()
+            time.sleep(3)
+            assert not started.is_set(), "start() returned while PostgreSQL was down"
+            assert thread.is_alive()
+            waiting = [r for r in caplog.records if "waiting for its servers" in r.getMessage()]
+            assert len(waiting) == 1, "one warning per outage, not one per try"
+            local_postgres_server.start()
+            assert started.wait(30), "start() did not return after PostgreSQL came back"
+        assert any("working again after" in r.getMessage() for r in caplog.records)
+        with billing.session() as session, session.begin():
+            billing.outbox.send(session, "billing", "invoice.create", {"n": 1})
+        wait_until(lambda: handled == [1], what="the command handled")
+    finally:
+        if not local_postgres_server.running:
+            local_postgres_server.start()
+        billing.stop()
+        billing.close()
+
+
+def test_stop_ends_a_start_that_waits_for_an_unreachable_broker(db_url: str) -> None:
+    service = make_service("billing", db_url, "amqp://guest:guest@127.0.0.1:1/%2F")
+    thread = threading.Thread(target=service.start, daemon=True)
+    thread.start()
+    time.sleep(1)
+    assert thread.is_alive(), "start() gave up instead of waiting for the broker"
+    service.stop()
+    thread.join(10)
+    assert not thread.is_alive()
+    service.close()
 
 
 def test_services_in_schemas_of_one_database_keep_their_tables_apart(
