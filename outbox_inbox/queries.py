@@ -125,7 +125,17 @@ def claim_outbox(conn: Connection, tables: Tables, limit: int) -> list[RowMappin
     through it: then this claim holds a key's later rows without its earlier ones. The caller
     must check the claimed rows of each key against `earliest_unsent` and leave them alone
     unless they start there.
+
+    The rows carry the columns a relay publishes from (not ``available_at``, ``published_at``,
+    ``expired_at`` nor ``last_error``) and ``claimed_at``, the database's time of the claim.
     """
+    stmt = _claim_outbox_statement(tables, _is_postgres(conn))
+    return list(conn.execute(stmt, {"limit": limit}).mappings().all())
+
+
+@cache
+def _claim_outbox_statement(tables: Tables, postgres: bool) -> Any:
+    """The claim of `claim_outbox`, built once per schema (the relay runs it for every batch)."""
     o = tables.outbox
     earlier = o.alias("earlier")
     held_back = exists().where(
@@ -135,24 +145,26 @@ def claim_outbox(conn: Connection, tables: Tables, limit: int) -> list[RowMappin
         earlier.c.available_at > db_now(),
     )
     key_free: Any = ~held_back
-    if _is_postgres(conn):
+    if postgres:
         # SQLite has no such locks and needs none: its transactions take the database's write
         # lock at BEGIN (see outbox_inbox.sqlite), so one claim runs at a time.
         key_free = and_(
             key_free, func.pg_try_advisory_xact_lock(RELAY_LOCK, func.hashtext(o.c.key))
         )
-    stmt = (
-        select(o, db_now().label("claimed_at"))
+    relayed = [
+        c for c in o.c if c.name not in ("available_at", "published_at", "expired_at", "last_error")
+    ]
+    return (
+        select(*relayed, db_now().label("claimed_at"))
         .where(
             outbox_unsent(o),
             o.c.available_at <= db_now(),
             or_(o.c.key.is_(None), key_free),
         )
         .order_by(o.c.id)
-        .limit(limit)
+        .limit(bindparam("limit", type_=Integer))
         .with_for_update(skip_locked=True, of=o)
     )
-    return list(conn.execute(stmt).mappings())
 
 
 def earliest_unsent(conn: Connection, tables: Tables, keys: Sequence[str]) -> dict[str, int]:
@@ -163,27 +175,39 @@ def earliest_unsent(conn: Connection, tables: Tables, keys: Sequence[str]) -> di
     """
     if not keys:
         return {}
+    stmt = _earliest_unsent_statement(tables, _is_postgres(conn))
+    return {key: int(first) for key, first in conn.execute(stmt, {"keys": list(keys)}).all()}
+
+
+@cache
+def _earliest_unsent_statement(tables: Tables, postgres: bool) -> Any:
     o = tables.outbox
-    stmt = (
-        select(o.c.key, func.min(o.c.id))
-        .where(outbox_unsent(o), o.c.key.in_(keys))
-        .group_by(o.c.key)
+    among = (
+        o.c.key == any_(bindparam("keys", type_=ARRAY(String)))
+        if postgres
+        else o.c.key.in_(bindparam("keys", expanding=True))
     )
-    return {key: int(first) for key, first in conn.execute(stmt).all()}
+    return select(o.c.key, func.min(o.c.id)).where(outbox_unsent(o), among).group_by(o.c.key)
 
 
 def mark_published(conn: Connection, tables: Tables, ids: Sequence[int]) -> None:
     """Set published_at on confirmed rows."""
     if ids:
-        o = tables.outbox
-        conn.execute(update(o).where(o.c.id.in_(ids)).values(published_at=db_now()))
+        stmt = _mark_outbox_statement(tables, _is_postgres(conn), "published_at")
+        conn.execute(stmt, {"ids": list(ids)})
 
 
 def mark_expired(conn: Connection, tables: Tables, ids: Sequence[int]) -> None:
     """Set expired_at on rows whose time to live ran out before they were published."""
     if ids:
-        o = tables.outbox
-        conn.execute(update(o).where(o.c.id.in_(ids)).values(expired_at=db_now()))
+        stmt = _mark_outbox_statement(tables, _is_postgres(conn), "expired_at")
+        conn.execute(stmt, {"ids": list(ids)})
+
+
+@cache
+def _mark_outbox_statement(tables: Tables, postgres: bool, column_name: str) -> Any:
+    o = tables.outbox
+    return update(o).where(_among(o.c.id, postgres)).values({column_name: db_now()})
 
 
 def mark_publish_failed(
@@ -191,16 +215,23 @@ def mark_publish_failed(
 ) -> None:
     """Count a failed attempt on rows that stay unpublished, and hold them back for `delay`."""
     if ids:
-        o = tables.outbox
-        conn.execute(
-            update(o)
-            .where(o.c.id.in_(ids))
-            .values(
-                attempts=o.c.attempts + 1,
-                last_error=error[:2000],
-                available_at=db_now_plus(delay),
-            )
+        stmt = _mark_publish_failed_statement(tables, _is_postgres(conn))
+        params = {"ids": list(ids), "error": error[:2000], "delay": delay.total_seconds()}
+        conn.execute(stmt, params)
+
+
+@cache
+def _mark_publish_failed_statement(tables: Tables, postgres: bool) -> Any:
+    o = tables.outbox
+    return (
+        update(o)
+        .where(_among(o.c.id, postgres))
+        .values(
+            attempts=o.c.attempts + 1,
+            last_error=bindparam("error", type_=String),
+            available_at=db_now_plus(bindparam("delay", type_=Float)),
         )
+    )
 
 
 # --- inbox --------------------------------------------------------------------------------
