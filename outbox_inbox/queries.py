@@ -35,9 +35,10 @@ from sqlalchemy import (
     or_,
     select,
     table,
+    type_coerce,
     update,
 )
-from sqlalchemy.dialects.postgresql import OID
+from sqlalchemy.dialects.postgresql import JSONB, OID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import RowMapping
@@ -151,9 +152,17 @@ def _claim_outbox_statement(tables: Tables, postgres: bool) -> Any:
         key_free = and_(
             key_free, func.pg_try_advisory_xact_lock(RELAY_LOCK, func.hashtext(o.c.key))
         )
-    relayed = [
+    relayed: list[Any] = [
         c for c in o.c if c.name not in ("available_at", "published_at", "expired_at", "last_error")
     ]
+    if postgres:
+        # Most rows have no headers of their own: NULL for those spares decoding a `{}`.
+        empty = cast(literal("{}"), JSONB)
+        headers = case((o.c.headers == empty, null()), else_=o.c.headers)
+        relayed = [
+            type_coerce(headers, o.c.headers.type).label("headers") if c.name == "headers" else c
+            for c in relayed
+        ]
     return (
         select(*relayed, db_now().label("claimed_at"))
         .where(
