@@ -134,10 +134,14 @@ class WireMessage:
     key: str | None = None  # ordering key, for the publisher's in-flight rule
 
 
+#: `json.dumps` with these options, without building an encoder for each call.
+_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 def encode_payload(payload: Any, *, limit: int | None = None) -> bytes:
     """Serialize `payload` to JSON bytes; raise MessageError, or PayloadTooLarge over `limit`."""
     try:
-        body = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        body = _JSON.encode(payload)
     except (TypeError, ValueError) as exc:
         raise MessageError(f"payload is not JSON-serializable: {exc}") from exc
     data = body.encode("utf-8")
