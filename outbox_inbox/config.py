@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field, fields
 
 from .errors import ConfigurationError
+from .logsafe import mask_url
 from .retry import RetryPolicy
 
 #: An unquoted PostgreSQL identifier of at most 63 bytes: what a schema name may be.
@@ -118,6 +119,15 @@ class Settings:
                 raise ConfigurationError("max_priority needs a classic queue")
             if not 1 <= self.max_priority <= 255:
                 raise ConfigurationError("max_priority must be in 1..255")
+
+    def __repr__(self) -> str:
+        # URLs carry passwords: shown masked, so a logged or printed Settings leaks none.
+        shown = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            text = repr(mask_url(value)) if f.name.endswith("_url") and value else repr(value)
+            shown.append(f"{f.name}={text}")
+        return f"Settings({', '.join(shown)})"
 
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:

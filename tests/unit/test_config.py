@@ -37,6 +37,8 @@ def test_constructing_a_service_connects_to_nothing() -> None:
         "billing", db_url="postgresql+psycopg://u:pw@127.0.0.1:1/x", mq_url="amqp://127.0.0.1:1/"
     )
     assert "pw" not in repr(service)
+    assert "pw" not in repr(service.settings)
+    assert "u:***@127.0.0.1:1/x" in repr(service.settings)
 
 
 def test_invalid_message_names_are_refused_before_any_database_work() -> None:
@@ -52,6 +54,21 @@ def test_invalid_message_names_are_refused_before_any_database_work() -> None:
         ("amqp://guest:guest@127.0.0.1:5672/%2F", "amqp://guest:***@127.0.0.1:5672/%2F"),
         ("amqp://127.0.0.1/", "amqp://127.0.0.1/"),
         (None, ""),
+        # Malformed: a missing colon after the scheme, a raw "/" or "@" in the password.
+        ("postgresql+psycopg//u:PW1@db/x", "postgresql+psycopg//u:***@db/x"),
+        ("amqp//u:PW2@rabbit/", "amqp//u:***@rabbit/"),
+        ("postgresql+psycopg://u:P/W3@db/x", "postgresql+psycopg://u:***@db/x"),
+        ("postgresql://u:P@W4@db/x", "postgresql://u:***@db/x"),
+        ("http:u:PW5@mgmt:15672", "http:u:***@mgmt:15672"),
+        (
+            "error: malformed database URL postgresql+psycopg//u:PW6@db:x/y; see --help",
+            "error: malformed database URL postgresql+psycopg//u:***@db:x/y; see --help",
+        ),
+        (
+            "two: amqp://a:PW7@h1/ and amqp://b:PW8@h2/",
+            "two: amqp://a:***@h1/ and amqp://b:***@h2/",
+        ),
+        ("user@host without a password", "user@host without a password"),
     ],
 )
 def test_mask_url_hides_passwords(url: str | None, masked: str) -> None:
