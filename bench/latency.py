@@ -1,0 +1,182 @@
+"""Commit -> handled latency at a steady offered load (L).
+
+Writer threads in the bench's process commit one outbox row of service A per transaction, on
+a fixed schedule (message i is due at start + i / rate; a late writer catches up at once, so the
+offered load does not bend to the system's pace), and note `time.time()` right after each
+commit, keyed by message id. Services A and B each run `svc.start()` in a child process of
+their own, so the writers share the bench's interpreter with nothing else. B's handler inserts
+its row with `clock_timestamp()`, the database server's clock on the same host.
+Latency = handled - committed.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+import time
+import uuid
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from bench.context import Context
+from bench.services import serve_a, serve_b
+from bench.timing import BenchError, Timer
+from bench.wire import EVENT_NAME, payload
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile of sorted `values` (q in 0..100)."""
+    if not values:
+        return float("nan")
+    rank = max(1, min(len(values), math.ceil(q / 100 * len(values))))
+    return values[rank - 1]
+
+
+#: The stages of a message's way, between the times the bench can see.
+STAGES = {
+    "commit -> relay claims it": ("committed", "published"),
+    "relay claim -> receiver stores it": ("published", "received"),
+    "receiver's insert -> handler runs": ("received", "handled"),
+}
+
+
+def epochs(ctx: Context, table: sql.Identifier, column: str) -> dict[uuid.UUID, float]:
+    """message_id -> `column` of `table` as seconds since the epoch."""
+    with psycopg.connect(ctx.conninfo) as conn:
+        rows = conn.execute(
+            sql.SQL("SELECT message_id, extract(epoch FROM {})::float8 FROM {}").format(
+                sql.Identifier(column), table
+            )
+        ).fetchall()
+    return {mid: float(at) for mid, at in rows if at is not None}
+
+
+def measure(ctx: Context) -> None:
+    if ctx.profile:
+        ctx.skipped("L", "under --profile (its roles run where cProfile cannot follow them)")
+        return
+    rate: float = ctx.args.latency_rate
+    seconds: float = ctx.args.latency_seconds
+    writers: int = ctx.args.latency_writers
+    total = max(1, round(rate * seconds))
+    ctx.sql(
+        sql.SQL("TRUNCATE {}, {}, {}, {}").format(
+            ctx.a_table("outbox_messages"),
+            ctx.b_table("inbox_messages"),
+            ctx.b_table("inbox_deliveries"),
+            ctx.b_table("bench_effects"),
+        )
+    )
+    ctx.vacuum(
+        ctx.a_table("outbox_messages"),
+        ctx.b_table("inbox_messages"),
+        ctx.b_table("bench_effects"),
+    )
+    child, ready = ctx.start_child("service-b", serve_b, ctx.tag, ctx.db_url, ctx.mq_url)
+    a_child = ctx.start_child("service-a", serve_a, ctx.tag, ctx.db_url, ctx.mq_url)
+    pids = ctx.wait_ready([(child, ready), a_child], "services A and B")
+    committed: dict[uuid.UUID, float] = {}
+    late: list[float] = []  # how far behind schedule each writer fell, at most
+    errors: list[str] = []
+    engine = ctx.a.engine
+
+    def write(k: int, start: float) -> None:
+        worst = 0.0
+        try:
+            for i in range(k, total, writers):
+                delay = start + i / rate - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                else:
+                    worst = max(worst, -delay)
+                with engine.begin() as conn:
+                    mid = ctx.a.outbox.publish(conn, EVENT_NAME, payload(i))
+                committed[mid] = time.time()
+        except Exception as exc:
+            errors.append(repr(exc))
+        late.append(worst)
+
+    count = sql.SQL("SELECT count(*) FROM {}").format(ctx.b_table("bench_effects"))
+    print(
+        f"  L    {rate:,.0f} msg/s offered for {seconds:.0f} s by {writers} writer threads;"
+        f" services A and B run in processes {a_child[0].pid} and {child.pid}",
+        flush=True,
+    )
+    try:
+        with engine.connect():
+            pass
+        with Timer(extra_pids=pids) as timer:
+            start = time.perf_counter() + 0.1
+            threads = [
+                threading.Thread(target=write, args=(k, start), name=f"bench-writer-{k}")
+                for k in range(writers)
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            written = time.perf_counter() - start
+            if errors:
+                raise BenchError(f"latency writer: {errors[0]}")
+            deadline = time.monotonic() + 60
+            while (ctx.scalar(count) or 0) < total:
+                if not child.is_alive() or not a_child[0].is_alive():
+                    raise BenchError("the process of service A or B died")
+                if time.monotonic() > deadline:
+                    raise BenchError("latency: messages not handled 60 s after the last commit")
+                time.sleep(0.05)
+    finally:
+        ctx.stop_children()
+    times = {
+        "published": epochs(ctx, ctx.a_table("outbox_messages"), "published_at"),
+        "received": epochs(ctx, ctx.b_table("inbox_messages"), "received_at"),
+        "handled": epochs(ctx, ctx.b_table("bench_effects"), "handled_at"),
+    }
+    handled = times["handled"]
+    ms = sorted((at - committed[mid]) * 1000 for mid, at in handled.items() if mid in committed)
+    if len(ms) != total:
+        raise BenchError(f"latency: {len(ms)} of {total} messages matched a commit time")
+    # Where the time goes: the relay's claim (published_at is its transaction's start), the
+    # receiver's insert (received_at, likewise), the handler (handled_at).
+    starts = {"committed": committed, **times}
+    stages = {}
+    for name, (since, until) in STAGES.items():
+        spans = sorted(
+            (starts[until][mid] - starts[since][mid]) * 1000
+            for mid in committed
+            if mid in starts[since] and mid in starts[until]
+        )
+        stages[name] = {"p50_ms": percentile(spans, 50), "p99_ms": percentile(spans, 99)}
+    result: dict[str, Any] = {
+        "offered_rate": rate,
+        "achieved_rate": total / written if written > 0 else None,
+        "seconds": seconds,
+        "writers": writers,
+        "messages": total,
+        "writer_max_late_ms": max(late) * 1000 if late else None,
+        "p50_ms": percentile(ms, 50),
+        "p90_ms": percentile(ms, 90),
+        "p99_ms": percentile(ms, 99),
+        "max_ms": ms[-1],
+        "mean_ms": statistics.fmean(ms),
+        "stages": stages,
+        "client_cores": timer.client_cores,
+        "server_cores": timer.server_cores,
+        "other_cores": timer.other_cores,
+    }
+    ctx.results["latency"] = result
+    print(
+        f"  L    commit -> handled: p50 {result['p50_ms']:.1f} ms, p90 {result['p90_ms']:.1f} ms,"
+        f" p99 {result['p99_ms']:.1f} ms, max {result['max_ms']:.1f} ms"
+        f" ({total} messages at {result['achieved_rate']:,.0f} msg/s;"
+        f" writers at most {result['writer_max_late_ms']:.1f} ms late)",
+        flush=True,
+    )
+    for name, stage in stages.items():
+        print(
+            f"       {name:<36} p50 {stage['p50_ms']:8.1f} ms, p99 {stage['p99_ms']:8.1f} ms",
+            flush=True,
+        )

@@ -1,0 +1,208 @@
+"""The printed table, the ratios next to the team's targets, and the JSON file."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from bench.context import Context
+from bench.timing import fmt
+
+
+@dataclass(frozen=True)
+class Target:
+    """rate(numerator) / rate(denominator), and the least ratio the team wants (None: none)."""
+
+    what: str
+    numerator: str
+    denominator: str
+    least: float | None
+
+
+TARGETS = (
+    Target("worker (g) / naive loop (n)", "g", "n", 4.0),
+    Target("worker (g) / pgqueuer (pq)", "g", "pq", 1.5),
+    Target("worker (g) / pgqueuer, job inserts a row (pq')", "g", "pq'", None),
+    Target("2 worker processes (gp2) / 1 process (gp)", "gp2", "gp", 1.6),
+    Target("relay (e) / raw confirmed publish (a)", "e", "a", 0.6),
+    Target("pipeline (h) / raw confirmed publish (a)", "h", "a", 0.25),
+    Target("dramatiq enqueue (dq) / raw confirmed publish (a)", "dq", "a", None),
+)
+LATENCY_P99_MS = 100.0
+RSS_MAX_MB = 150.0
+
+
+def finish_figures(ctx: Context) -> None:
+    for figure in ctx.figures.values():
+        limits = [ctx.figures[k].rate for k in figure.limit_of if k in ctx.figures]
+        known = [r for r in limits if r]
+        if known and len(known) == len(figure.limit_of):
+            figure.limit = min(known)
+
+
+def target_rows(ctx: Context) -> list[dict[str, Any]]:
+    """Each target with its measured ratio (None when a figure is missing) and whether it is met."""
+    rows = []
+    for target in TARGETS:
+        num, den = ctx.figures.get(target.numerator), ctx.figures.get(target.denominator)
+        ratio = num.rate / den.rate if num and den and num.rate and den.rate else None
+        met = None if ratio is None or target.least is None else ratio >= target.least
+        rows.append({"what": target.what, "ratio": ratio, "target": target.least, "met": met})
+    latency = ctx.results.get("latency")
+    if latency:
+        p99 = latency["p99_ms"]
+        rows.append(
+            {
+                "what": f"latency p99 at {latency['offered_rate']:,.0f} msg/s (ms)",
+                "value": p99,
+                "target": f"<= {LATENCY_P99_MS:.0f} ms",
+                "met": p99 <= LATENCY_P99_MS,
+            }
+        )
+    for memory in ctx.results.get("memory", []):
+        rows.append(
+            {
+                "what": f"RSS of the {memory['role']} process, max (MB); flat",
+                "value": memory["max_mb"],
+                "target": f"< {RSS_MAX_MB:.0f} MB, flat",
+                "met": memory["max_mb"] < RSS_MAX_MB and memory["flat"],
+            }
+        )
+    return rows
+
+
+def _yes(met: bool | None) -> str:
+    return "" if met is None else ("yes" if met else "NO")
+
+
+def print_table(ctx: Context) -> None:
+    finish_figures(ctx)
+    header = (
+        f"{'fig':<4} {'what':<58} {'rate':>8} {'unit':<6} {'raw limit':>17} {'ratio':>5} "
+        f"{'us/msg':>6} {'py/srv/oth':>11}"
+    )
+    print(f"\n{'=' * len(header)}\n{ctx.n} messages per figure; one run, same servers\n")
+    if ctx.figures:
+        print(header)
+    group = ""
+    for f in ctx.figures.values():
+        if f.group != group:
+            group = f.group
+            print(f"-- {group}")
+        limit = ""
+        if f.limit_of and f.limit:
+            names = ",".join(f.limit_of)
+            limit = f"{f'min({names})' if len(f.limit_of) > 1 else f'({names})'} {fmt(f.limit)}"
+        ratio = f"{f.ratio:.2f}" if f.ratio is not None else ""
+        cpu_us = f"{f.cpu_us:.0f}" if f.cpu_us is not None else ""
+        cores = "/".join(
+            f"{v:.1f}" if v is not None else "?"
+            for v in (f.client_cores, f.server_cores, f.other_cores)
+        )
+        print(
+            f"{f.key:<4} {f.title:<58} {fmt(f.rate):>8} {f.unit:<6} {limit:>17} {ratio:>5} "
+            f"{cpu_us:>6} {cores:>11}"
+        )
+    print(
+        "\nus/msg = CPU microseconds of the bench's own processes per message."
+        "\npy/srv/oth = CPU cores busy during the figure: the bench's processes / the servers"
+        f" it started / everything else on the machine ({os.cpu_count()} CPUs). A large 'oth'"
+        " means a busy machine: the rates are then low and noisy."
+    )
+    stages = [ctx.figures[k].rate for k in ("e", "f", "g") if k in ctx.figures]
+    h = ctx.figures.get("h")
+    if h and h.rate and len(stages) == 3 and all(stages):
+        slowest = min(r for r in stages if r)
+        print(
+            f"(h) / min(e, f, g) = {h.rate / slowest:.2f}: the slowest stage alone "
+            f"would allow {fmt(slowest)} msg/s."
+        )
+    g, d2 = ctx.figures.get("g"), ctx.figures.get("d''")
+    if g and d2 and g.rate and d2.rate:
+        print(
+            f"(g) / (d'') = {g.rate / d2.rate:.2f}: the worker against the same SQL by hand "
+            "(claim, one INSERT in a SAVEPOINT per message, mark)."
+        )
+    low = [f.key for f in ctx.figures.values() if f.ratio is not None and f.ratio < 0.3]
+    if low:
+        print(f"below 0.3 of the raw limit: {', '.join(low)} (see bench/README.md, profiling)")
+    _print_latency(ctx)
+    _print_memory(ctx)
+    _print_targets(ctx)
+
+
+def _print_latency(ctx: Context) -> None:
+    latency = ctx.results.get("latency")
+    if not latency:
+        return
+    print(
+        f"\n-- latency (L): commit -> handled, {latency['messages']:,} messages offered at"
+        f" {latency['offered_rate']:,.0f} msg/s (achieved {latency['achieved_rate']:,.0f}),"
+        f" {latency['writers']} writer threads"
+    )
+    print(f"{'p50':>8} {'p90':>8} {'p99':>8} {'max':>8} {'mean':>8}   py/srv/oth")
+    cores = "/".join(
+        f"{latency[k]:.1f}" if latency[k] is not None else "?"
+        for k in ("client_cores", "server_cores", "other_cores")
+    )
+    print(
+        "".join(f"{latency[k]:>6.1f}ms " for k in ("p50_ms", "p90_ms", "p99_ms", "max_ms"))
+        + f"{latency['mean_ms']:>6.1f}ms   {cores}"
+    )
+    for name, stage in latency.get("stages", {}).items():
+        print(f"  {name:<36} p50 {stage['p50_ms']:8.1f} ms   p99 {stage['p99_ms']:8.1f} ms")
+
+
+def _print_memory(ctx: Context) -> None:
+    memory = ctx.results.get("memory")
+    if not memory:
+        return
+    print(f"\n-- memory (M): RSS of one role process over a backlog of {memory[0]['backlog']:,}")
+    print(
+        f"{'role':<7} {'rows done':>10} {'seconds':>7} {'rows/s':>7} {'idle MB':>7} "
+        f"{'max MB':>7} {'final MB':>8} {'drift MB':>8} {'flat':>4}"
+    )
+    for m in memory:
+        print(
+            f"{m['role']:<7} {m['done']:>10,} {m['seconds']:>7.0f} {fmt(m['rate']):>7} "
+            f"{m['idle_mb']:>7.0f} {m['max_mb']:>7.0f} {m['final_mb']:>8.0f} "
+            f"{m['drift_mb']:>+8.1f} {'yes' if m['flat'] else 'no':>4}"
+        )
+    print(
+        "drift = median RSS of the last quarter of the samples minus that of the first quarter"
+        " (flat: under 10 MB)"
+    )
+
+
+def _print_targets(ctx: Context) -> None:
+    rows = target_rows(ctx)
+    print("\n-- the team's targets (printed, not asserted)")
+    print(f"{'':<56} {'measured':>9} {'target':>14} met")
+    for row in rows:
+        if "value" in row:
+            measured = f"{row['value']:.1f}"
+            target = row["target"]
+        else:
+            measured = f"{row['ratio']:.2f}" if row["ratio"] is not None else "-"
+            target = f">= {row['target']:g}" if row["target"] is not None else ""
+        print(f"{row['what']:<56} {measured:>9} {target:>14} {_yes(row['met'])}")
+
+
+def write_json(ctx: Context, path: str) -> None:
+    finish_figures(ctx)
+    data = {
+        "messages": ctx.n,
+        "finished_at": datetime.now(UTC).isoformat(),
+        "environment": ctx.environment,
+        "figures": [f.as_dict() for f in ctx.figures.values()],
+        **ctx.results,
+        "targets": target_rows(ctx),
+    }
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {path}")

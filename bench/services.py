@@ -1,0 +1,176 @@
+"""The bench's services, and what its spawned child processes run.
+
+Service A only writes events ``<A>.order.placed`` to its outbox; service B subscribes to them and
+its handler inserts one row per message; service M (the memory figure) subscribes to its own
+events, so one service has both a backlog to relay and one to handle. The functions a child
+process runs take (…, ready, stop) multiprocessing events: they set `ready` once connected, and
+end when `stop` is set.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    DateTime,
+    Identity,
+    Integer,
+    MetaData,
+    Table,
+    Uuid,
+    insert,
+    text,
+)
+
+from bench.wire import EVENT_NAME
+from outbox_inbox import Service
+from outbox_inbox.messages import Message
+
+
+def service_names(tag: str) -> tuple[str, str]:
+    return f"bench-{tag}-a", f"bench-{tag}-b"
+
+
+def memory_service_name(tag: str) -> str:
+    return f"bench-{tag}-m"
+
+
+def effects_table(schema: str) -> Table:
+    """The handler's table: one row per handled message, stamped with the database clock."""
+    return Table(
+        "bench_effects",
+        MetaData(schema=schema),
+        Column("id", BigInteger, Identity(), primary_key=True),
+        Column("message_id", Uuid(as_uuid=True), nullable=False),
+        Column("order_id", Integer, nullable=False),
+        Column(
+            "handled_at",
+            DateTime(timezone=True),
+            nullable=False,
+            server_default=text("clock_timestamp()"),
+        ),
+    )
+
+
+def _subscribe(svc: Service, pattern: str, effects: Table) -> None:
+    @svc.on_event(pattern)
+    def on_order_placed(message: Message, session: Any) -> None:
+        session.execute(
+            insert(effects),
+            {"message_id": message.message_id, "order_id": message.payload["order_id"]},
+        )
+
+
+def build_service_a(tag: str, db_url: str, mq_url: str) -> Service:
+    """Service A: only writes to its outbox (events ``<A>.order.placed``)."""
+    return Service(service_names(tag)[0], db_url=db_url, mq_url=mq_url, schema=f"bench_{tag}_a")
+
+
+def build_service_b(tag: str, db_url: str, mq_url: str) -> tuple[Service, Table]:
+    """Service B: subscribes to A's events; its handler inserts one row per message."""
+    a_name, b_name = service_names(tag)
+    svc = Service(b_name, db_url=db_url, mq_url=mq_url, schema=f"bench_{tag}_b")
+    effects = effects_table(svc.settings.schema)
+    _subscribe(svc, f"{a_name}.{EVENT_NAME}", effects)
+    return svc, effects
+
+
+def build_service_m(tag: str, db_url: str, mq_url: str) -> tuple[Service, Table]:
+    """Service M: handles its own events ``<M>.order.placed`` (backlogs seeded in SQL)."""
+    name = memory_service_name(tag)
+    svc = Service(name, db_url=db_url, mq_url=mq_url, schema=f"bench_{tag}_m")
+    effects = effects_table(svc.settings.schema)
+    _subscribe(svc, f"{name}.{EVENT_NAME}", effects)
+    return svc, effects
+
+
+def _child_logging(label: str) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when a child ends
+    logging.basicConfig(
+        level=logging.WARNING, format=f"%(levelname)s [{label}] %(name)s: %(message)s"
+    )
+
+
+def serve_a(tag: str, db_url: str, mq_url: str, ready: Any, stop: Any) -> None:
+    """Child process: service A with svc.start() (relay, receiver, worker), until `stop`."""
+    _child_logging("A")
+    svc = build_service_a(tag, db_url, mq_url)
+    try:
+        svc.start()
+        ready.set()
+        stop.wait()
+    finally:
+        svc.close()
+
+
+def serve_b(tag: str, db_url: str, mq_url: str, ready: Any, stop: Any) -> None:
+    """Child process: service B with svc.start() (relay, receiver, worker), until `stop`."""
+    _child_logging("B")
+    svc, _ = build_service_b(tag, db_url, mq_url)
+    try:
+        svc.start()
+        ready.set()
+        stop.wait()
+    finally:
+        svc.close()
+
+
+#: The roles `run_role` can run: (service builder, role).
+ROLES = {
+    "worker": ("b", "worker"),
+    "memory-relay": ("m", "relay"),
+    "memory-worker": ("m", "worker"),
+}
+
+
+def run_role(
+    role: str,
+    tag: str,
+    db_url: str,
+    mq_url: str,
+    go: Any,
+    progress: Any,
+    ready: Any,
+    stop: Any,
+) -> None:
+    """Child process: one role (`ROLES`) of service B or M in a thread, from `go` until `stop`.
+
+    It connects to the database before `ready`, so the clock started at `go` does not pay for
+    the interpreter's start, and copies the role's count (messages published or processed,
+    after their commit) into the shared `progress` value every 20 ms.
+    """
+    _child_logging(role)
+    which, kind = ROLES[role]
+    if which == "b":
+        svc, _ = build_service_b(tag, db_url, mq_url)
+    else:
+        svc, _ = build_service_m(tag, db_url, mq_url)
+    try:
+        with svc.engine.connect():
+            pass
+        runner = svc.relay() if kind == "relay" else svc.worker()
+
+        def count() -> int:
+            return int(getattr(runner, "published" if kind == "relay" else "processed"))
+
+        ready.set()
+        while not go.wait(0.1):
+            if stop.is_set():
+                return
+        inner = threading.Event()
+        thread = threading.Thread(target=runner.run, args=(inner,), name=role, daemon=True)
+        thread.start()
+        while not stop.wait(0.02):
+            progress.value = count()
+            if not thread.is_alive():
+                return  # the role failed; the parent sees the process end
+        inner.set()
+        thread.join(30)
+        progress.value = count()
+    finally:
+        svc.close()
