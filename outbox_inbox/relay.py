@@ -134,14 +134,16 @@ class Relay:
     def _relay_stream(self, stop: threading.Event) -> int:
         """Relay batches back to back, each in its own transaction, until the backlog is gone.
 
-        While the broker confirms one batch, the next one is claimed on a second connection and
-        its messages go out as the confirms free room in the window; a batch is marked and
-        committed once all its confirms are in, in claim order. The open transactions hold
-        their rows and keys exactly as two relays would, so nothing changes for ordering:
-        the second claim skips the rows and keys the first one holds. Without a publisher
-        that can keep batches going, or on SQLite (one writing transaction at a time), this
-        is `relay_once`. Returns the row count of the last claim; stops claiming once `stop`
-        is set, and always finishes the batches in hand first.
+        While the broker confirms one batch, the next ones are claimed on other connections
+        (up to `_PIPELINE_DEPTH` batches open at once) and their messages go out as the
+        confirms free room in the window, so the broker is not left idle while the relay
+        claims, encodes, marks and commits. A batch is marked and committed once all its
+        confirms are in, in claim order. The open transactions hold their rows and keys
+        exactly as several relays would, so nothing changes for ordering: a later claim skips
+        the rows and keys an earlier one holds. Without a publisher that can keep batches
+        going, or on SQLite (one writing transaction at a time), this is `relay_once`.
+        Returns the row count of the last claim; stops claiming once `stop` is set, and always
+        finishes the batches in hand first.
         """
         s = self._settings
         if self._engine.dialect.name != "postgresql":
@@ -185,7 +187,7 @@ class Relay:
                     publisher.pump(_PUMP_WAIT)
                     continue
                 in_hand.popleft()
-                self._finish(head)
+                self._finish(head, publisher)
         except BaseException:
             for batch in in_hand:
                 batch.abort()
@@ -215,21 +217,32 @@ class Relay:
                 transaction.commit()
                 conn.close()
                 return None, count
-            messages = [outgoing(row, self._service) for row in rows]
+            # The broker keeps confirming while this relay works: settle its confirms and
+            # refill the window from the batches already started, now and then.
+            publisher.pump(0)
+            messages: list[OutgoingMessage] = []
+            wires: list[WireMessage] = []
+            for n, row in enumerate(rows, 1):
+                message = outgoing(row, self._service)
+                messages.append(message)
+                wires.append(to_wire(message))
+                if not n % _PUMP_EVERY:
+                    publisher.pump(0)
             publishing = publisher.start_batch(
-                [to_wire(m) for m in messages], window=s.publish_window, timeout=s.confirm_timeout
+                wires, window=s.publish_window, timeout=s.confirm_timeout
             )
         except BaseException:
             conn.close()  # rolls the claim back
             raise
         return _Batch(conn, transaction, rows, messages, publishing), count
 
-    def _finish(self, batch: _Batch) -> None:
+    def _finish(self, batch: _Batch, publisher: _Pipelined) -> None:
         """Mark a batch whose every message has an outcome, and commit it."""
         try:
             published = self._mark(
                 batch.conn, batch.messages, batch.rows, batch.publishing.results()
             )
+            publisher.pump(0)
             batch.transaction.commit()
         finally:
             batch.conn.close()
@@ -336,10 +349,13 @@ class Relay:
             self._publisher = None
 
 
-#: Batches a relay keeps open at once: one being confirmed while the next goes out.
-_PIPELINE_DEPTH = 2
+#: Batches a relay keeps open at once: one being confirmed, the next going out as the window
+#: frees, and a third being claimed and encoded meanwhile.
+_PIPELINE_DEPTH = 3
 #: How long one pump of the publisher waits for confirms when it has nothing to send.
 _PUMP_WAIT = 0.002
+#: Messages encoded between two pumps of the publisher while a batch is being prepared.
+_PUMP_EVERY = 64
 
 
 class _Publishing(Protocol):
