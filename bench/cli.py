@@ -15,6 +15,7 @@ import logging
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Iterator, Sequence
 from types import FrameType
 
@@ -191,6 +192,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             status = 130
         except BenchError as exc:
             print(f"\nbenchmark failed: {exc}", file=sys.stderr)
+            status = 1
+        except Exception:
+            # A bug, here or in the library: say where, and still print what was measured.
+            traceback.print_exc()
+            print("\nbenchmark failed", file=sys.stderr)
             status = 1
         finally:
             previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # let cleanup finish
