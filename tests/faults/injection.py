@@ -1,0 +1,202 @@
+"""The faults themselves, each undone in a ``finally`` however the test ends.
+
+* :func:`stop_postgres_immediately`: ``pg_ctl stop -m immediate`` (the postmaster SIGQUITs its
+  backends and exits without a checkpoint: the next start runs crash recovery);
+* :func:`terminate_backends`: ``pg_terminate_backend`` on every other session of some databases;
+* :func:`memory_alarm`: RabbitMQ's memory high watermark set near zero, so the node raises its
+  memory alarm and blocks every publishing connection, then set back to 0.4;
+* :func:`blackhole`: iptables rules dropping every packet to and from a port on loopback, so
+  established connections hang without being closed and new ones get no answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from e2e.harness import wait_until
+
+from servers import PostgresHandle, PostgresServer, RabbitMQServer
+
+#: What RabbitMQ's memory high watermark is set back to (the node's default).
+DEFAULT_WATERMARK = "0.4"
+#: A watermark far below what any node uses: the memory alarm goes off at once.
+ALARM_WATERMARK = "0.0000001"
+
+
+# --------------------------------------------------------------------------------------------
+# PostgreSQL
+# --------------------------------------------------------------------------------------------
+
+
+def stop_postgres_immediately(server: PostgresServer) -> None:
+    """``pg_ctl stop -m immediate`` on the local server, then let `server` reap its process.
+
+    `server.start()` brings it back (crash recovery, same data directory and port)."""
+    command = [
+        str(server.bin_dir / "pg_ctl"),
+        "stop",
+        "-m",
+        "immediate",
+        "-w",
+        "-t",
+        "30",
+        "-D",
+        str(server.data_dir),
+    ]
+    if os.geteuid() == 0:  # the cluster belongs to the postgres user (see tests/servers.py)
+        command = ["runuser", "-u", server.user, "--", *command]
+    result = subprocess.run(
+        command,
+        cwd=server.socket_dir,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise AssertionError(f"pg_ctl stop -m immediate failed: {result.stdout}{result.stderr}")
+    wait_until(lambda: not server.running, timeout=10, what="the postmaster to exit")
+    server.stop()  # nothing left to stop: reaps the exited process and forgets it
+
+
+def terminate_backends(server: PostgresHandle, databases: Sequence[str]) -> list[Any]:
+    """``pg_terminate_backend`` every session connected to one of `databases`.
+
+    Runs on a connection to the server's maintenance database, which is therefore never among
+    them; returns one row (pid, database, state, terminated) per session it hit."""
+    connect: Any = server.connect  # both PostgresServer and ExternalPostgres have it
+    with connect() as conn:
+        return list(
+            conn.execute(
+                "SELECT pid, datname, state, pg_terminate_backend(pid)"
+                " FROM pg_stat_activity"
+                " WHERE datname = ANY(%s) AND pid <> pg_backend_pid()",
+                [list(databases)],
+            )
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# RabbitMQ
+# --------------------------------------------------------------------------------------------
+
+
+def _memory_alarm_on(server: RabbitMQServer) -> bool:
+    return "memory" in server.eval("rabbit_alarm:get_alarms().")
+
+
+@contextlib.contextmanager
+def memory_alarm(server: RabbitMQServer) -> Iterator[None]:
+    """Hold the node's memory alarm for the duration of the block.
+
+    ``rabbitmqctl set_vm_memory_high_watermark 0.0000001`` (through the node's own environment:
+    ``RABBITMQ_NODENAME``, its cookie and epmd port; see ``RabbitMQServer.rabbitmqctl``); the
+    block starts once the alarm is in force, and ends once it is cleared again."""
+    try:
+        server.rabbitmqctl("set_vm_memory_high_watermark", ALARM_WATERMARK)
+        wait_until(lambda: _memory_alarm_on(server), timeout=10, what="the memory alarm")
+        yield
+    finally:
+        if server.running:
+            server.rabbitmqctl("set_vm_memory_high_watermark", DEFAULT_WATERMARK)
+            wait_until(lambda: not _memory_alarm_on(server), timeout=10, what="the alarm to clear")
+
+
+# --------------------------------------------------------------------------------------------
+# iptables
+# --------------------------------------------------------------------------------------------
+
+_IPTABLES_TIMEOUT = 30
+
+
+def _iptables(iptables: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [iptables, "-w", "5", *args],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=_IPTABLES_TIMEOUT,
+        check=False,
+    )
+
+
+def _rules(port: int) -> list[list[str]]:
+    """Drop what reaches the port and what leaves it, on loopback only."""
+    return [
+        ["INPUT", "-p", "tcp", "--dport", str(port), "-i", "lo", "-j", "DROP"],
+        ["OUTPUT", "-p", "tcp", "--sport", str(port), "-o", "lo", "-j", "DROP"],
+    ]
+
+
+def iptables_problem() -> tuple[str | None, str]:
+    """(path of a working iptables, "") or (None, why not).
+
+    Installs Debian's ``iptables`` with apt-get when it is missing and we are root, then checks
+    that a rule can be inserted and deleted (a container without CAP_NET_ADMIN cannot)."""
+    iptables = shutil.which("iptables")
+    if iptables is None:
+        if os.geteuid() != 0 or shutil.which("apt-get") is None:
+            return None, "iptables is not installed (apt-get install iptables, as root)"
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "iptables"]
+        for attempt in ([install], [["apt-get", "update", "-q"], install]):
+            for args in attempt:
+                with contextlib.suppress(OSError, subprocess.SubprocessError):
+                    subprocess.run(
+                        args,
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        capture_output=True,
+                        timeout=300,
+                        check=False,
+                    )
+            iptables = shutil.which("iptables")
+            if iptables is not None:
+                break
+        if iptables is None:
+            return None, "iptables is not installed and apt-get install iptables failed"
+    probe = _rules(9)[0]  # the discard port: nothing of ours listens there
+    try:
+        inserted = _iptables(iptables, "-I", *probe)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"iptables does not run: {exc!r}"
+    if inserted.returncode != 0:
+        return None, f"iptables cannot add a rule here: {inserted.stderr.strip()}"
+    deleted = _iptables(iptables, "-D", *probe)
+    if deleted.returncode != 0:
+        return None, f"iptables cannot delete a rule here: {deleted.stderr.strip()}"
+    return iptables, ""
+
+
+@contextlib.contextmanager
+def blackhole(iptables: str, port: int) -> Iterator[None]:
+    """Drop every TCP packet to and from `port` on loopback while the block runs.
+
+    The rules are deleted in a ``finally``, and checked gone (``iptables -C``)."""
+    inserted: list[list[str]] = []
+    try:
+        for rule in _rules(port):
+            result = _iptables(iptables, "-I", *rule)
+            if result.returncode != 0:
+                raise AssertionError(f"iptables -I {' '.join(rule)}: {result.stderr.strip()}")
+            inserted.append(rule)
+        yield
+    finally:
+        leftovers = []
+        for rule in inserted:
+            for _ in range(5):
+                _iptables(iptables, "-D", *rule)
+                if _iptables(iptables, "-C", *rule).returncode != 0:
+                    break
+                time.sleep(0.1)
+            else:
+                leftovers.append(" ".join(rule))
+        if leftovers:
+            raise AssertionError(f"iptables rules could not be removed: {leftovers}")
