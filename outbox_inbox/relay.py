@@ -57,7 +57,9 @@ class Relay:
     them with confirms, mark the confirmed ones published, count a failed attempt on the rest,
     commit. A crash anywhere before the commit leaves the rows unpublished, so they are sent
     again and the receiving inbox drops the copy. A returned event (no queue subscribes to
-    it) counts as published; a returned command does not.
+    it) counts as published; a returned command does not. `run` keeps up to three batches
+    open at once, each in its own transaction, so that the broker confirms one while the
+    relay claims and encodes the next (see `_relay_stream`).
     """
 
     def __init__(
