@@ -70,6 +70,8 @@ class Settings:
     )
     delay_tiers: tuple[float, ...] = (1, 5, 10, 30, 60, 300, 1800)
     max_redeliveries: int = 5
+    #: The largest message body the receiver stores; a larger one is dead-lettered.
+    max_message_bytes: int = 1024 * 1024
 
     # inbox queue options (part of the queue's arguments: changing one needs a new queue)
     queue_type: str = "classic"
@@ -100,6 +102,10 @@ class Settings:
                 raise ConfigurationError(f"{f.name} must be > 0, got {value!r}")
         if self.publish_window > self.relay_batch_size:
             object.__setattr__(self, "publish_window", self.relay_batch_size)
+        if isinstance(self.max_message_bytes, bool) or not isinstance(self.max_message_bytes, int):
+            raise ConfigurationError(
+                f"max_message_bytes must be a whole number of bytes, got {self.max_message_bytes!r}"
+            )
         if self.receive_batch_size > self.prefetch:
             raise ConfigurationError("receive_batch_size must not exceed prefetch")
         if not isinstance(self.retry, RetryPolicy) or not isinstance(

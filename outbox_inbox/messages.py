@@ -10,15 +10,20 @@ A message travels as a JSON body plus AMQP properties and headers:
   and the sender's own headers.
 
 Only ``message_id`` and a JSON body are required, so a plain AMQP client in any language can send.
+`from_wire` checks every rule a received message must meet: the routing key (not ``type``)
+names the handler, a ``timestamp`` may be in seconds or milliseconds (or µs, ns), and nothing
+it accepts is refused by PostgreSQL.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from .errors import InvalidMessage, MessageError
@@ -36,6 +41,9 @@ H_CREATED = "x-created-at"
 H_EXPIRES = "x-expires-at"
 H_ATTEMPT = "x-attempt"
 H_ORIGINAL_ID = "x-original-message-id"
+#: Kept in a stored row's headers: a received message's ``type`` property, when it is not its
+#: routing key (the routing key chooses the handler; ``type`` is informational).
+H_AMQP_TYPE = "x-amqp-type"
 #: Transport headers: set by the receiver when it forwards a message to a delay tier or to the
 #: dead letters, and not kept in the inbox row.
 H_ORIGINAL_EXCHANGE = "x-original-exchange"
@@ -65,7 +73,17 @@ TRANSPORT_HEADERS = frozenset(
 )
 RESERVED_HEADERS = (
     frozenset(
-        {H_KIND, H_VERSION, H_CAUSATION, H_KEY, H_CREATED, H_EXPIRES, H_ATTEMPT, H_ORIGINAL_ID}
+        {
+            H_KIND,
+            H_VERSION,
+            H_CAUSATION,
+            H_KEY,
+            H_CREATED,
+            H_EXPIRES,
+            H_ATTEMPT,
+            H_ORIGINAL_ID,
+            H_AMQP_TYPE,
+        }
     )
     | TRANSPORT_HEADERS
 )
@@ -92,6 +110,17 @@ class Message:
     attempt: int = 1
     created_at: datetime | None = None
     expires_at: datetime | None = None
+
+    @property
+    def original_id(self) -> str:
+        """The id as its sender wrote it: `message_id`, unless the sender's id was not a UUID
+        (then the inbox keys the message on a UUID derived from it, and this is the original).
+
+        What a handler sends carries it as its causation id, so the sender can match a reply
+        to its command.
+        """
+        original = self.headers.get(H_ORIGINAL_ID)
+        return original if isinstance(original, str) and original else str(self.message_id)
 
 
 @dataclass(frozen=True)
@@ -132,6 +161,9 @@ class WireMessage:
     app_id: str | None = None
     headers: Mapping[str, Any] = field(default_factory=dict)
     key: str | None = None  # ordering key, for the publisher's in-flight rule
+    #: Other AMQP properties of a received message (``content_encoding``, ``reply_to``,
+    #: ``cluster_id``): checked or only kept, so that a forwarded copy has them. Not stored.
+    properties: Mapping[str, Any] = field(default_factory=dict)
 
 
 #: `json.dumps` with these options, without building an encoder for each call.
@@ -201,18 +233,76 @@ def to_wire(message: OutgoingMessage, body: bytes | None = None) -> WireMessage:
     )
 
 
+# --- decoding what a sender put on the wire (the rules: docs/wire-format.md) ----------------
+
+#: The longest text the inbox's text columns take: routing key, source, correlation and
+#: causation ids, ordering key.
+TEXT_MAX = 255
+#: The most bytes of headers, as JSON, the receiver keeps with one message.
+MAX_HEADER_BYTES = 64 * 1024
+#: The deepest nesting of arrays and objects the receiver accepts in a body.
+MAX_JSON_DEPTH = 256
+#: A JSON escape that may decode to a character PostgreSQL's jsonb refuses: U+0000 or half of
+#: a surrogate pair (a correct pair decodes to one character, and is then accepted).
+_SUSPECT_ESCAPE = re.compile(r"\\u(?:0000|[dD][89a-fA-F])")
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+#: Units of an epoch number, told apart by size: below 10^11 it is seconds (up to the year
+#: 5138), below 10^14 milliseconds, below 10^17 microseconds, below 10^20 nanoseconds.
+_EPOCH_UNITS = ((10**11, 1_000_000), (10**14, 1_000), (10**17, 1), (10**20, None))
+#: Content encodings that leave the body as it is.
+_PLAIN_ENCODINGS = frozenset({"", "identity", "utf-8", "utf8"})
+
+
+def is_json_media_type(content_type: str) -> bool:
+    """True for ``application/json`` and ``application/<anything>+json``, with any parameters
+    (``application/json; charset=utf-8``, ``application/cloudevents+json``)."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    kind, _, subtype = media.partition("/")
+    return kind == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+def epoch_time(value: int) -> datetime | None:
+    """The time of an epoch number in seconds, milliseconds, microseconds or nanoseconds.
+
+    None for zero, a negative number, or one past the year 9999.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        return None
+    for below, micros in _EPOCH_UNITS:
+        if value < below:
+            offset = value * micros if micros else value // 1000
+            try:
+                return _EPOCH + timedelta(microseconds=offset)
+            except OverflowError:
+                return None
+    return None
+
+
 def _parse_time(value: Any, name: str) -> datetime | None:
+    """An ISO 8601 text, an AMQP timestamp or an epoch number, as an aware UTC time."""
     if value is None:
         return None
     if isinstance(value, datetime):
-        return value if value.tzinfo else value.replace(tzinfo=UTC)
-    if isinstance(value, bytes):
-        value = value.decode("utf-8", "replace")
+        parsed = value
+    else:
+        text = _header_text(value, name).strip()
+        # An epoch number (a header timestamp past Python's range comes as one, too).
+        if text.isascii() and text.isdigit():
+            stamp = epoch_time(int(text))
+            if stamp is None:
+                raise InvalidMessage(f"header {name} is not a time: {text!r}")
+            return stamp
+        try:
+            parsed = datetime.fromisoformat(text)
+        except ValueError as exc:
+            raise InvalidMessage(f"header {name} is not an ISO 8601 time: {value!r}") from exc
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=UTC)
     try:
-        parsed = datetime.fromisoformat(str(value))
-    except ValueError as exc:
-        raise InvalidMessage(f"header {name} is not an ISO 8601 time: {value!r}") from exc
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+        return parsed.astimezone(UTC)
+    except OverflowError as exc:
+        raise InvalidMessage(f"header {name} is out of range: {value!r}") from exc
 
 
 def _text(value: Any) -> str | None:
@@ -223,13 +313,54 @@ def _text(value: Any) -> str | None:
     return str(value)
 
 
-def _int(value: Any, name: str, default: int) -> int:
+def _informational(value: Any) -> str | None:
+    """A text kept only for information (``app_id``, ``type``): never refused. What is not
+    UTF-8, and U+0000, is replaced by U+FFFD."""
+    text = _text(value)
+    return text.replace("\x00", "\ufffd") if text else text
+
+
+def _header_text(value: Any, name: str) -> str:
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidMessage(f"header {name} is not UTF-8 text") from exc
+    return str(value)
+
+
+def _property(value: Any, name: str) -> str | None:
+    """A text property that must be UTF-8 (pika hands over the bytes of one that is not)."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidMessage(f"{name} is not UTF-8 text") from exc
+    raise InvalidMessage(f"{name} is not text: {value!r}")
+
+
+def _column(value: str | None, name: str) -> str | None:
+    """`value` if a text column can hold it: at most TEXT_MAX characters, no U+0000."""
     if value is None:
-        return default
-    try:
-        return int(value)
-    except (TypeError, ValueError) as exc:
-        raise InvalidMessage(f"header {name} is not an integer: {value!r}") from exc
+        return None
+    if len(value) > TEXT_MAX:
+        raise InvalidMessage(f"{name} is longer than {TEXT_MAX} characters")
+    if "\x00" in value:
+        raise InvalidMessage(f"{name} holds the character U+0000")
+    return value
+
+
+def _version(value: Any) -> int:
+    if value is None:
+        return 1
+    if isinstance(value, bytes | str):
+        text = _header_text(value, H_VERSION).strip()
+        value = int(text) if text.isascii() and text.isdigit() else None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**31:
+        raise InvalidMessage(f"header {H_VERSION} is not an integer in 1..2^31-1")
+    return value
 
 
 def inbox_id(message_id: str) -> uuid.UUID:
@@ -240,65 +371,163 @@ def inbox_id(message_id: str) -> uuid.UUID:
         return uuid.uuid5(FOREIGN_ID_NAMESPACE, message_id)
 
 
-def from_wire(wire: WireMessage) -> dict[str, Any]:
-    """Decode a delivery into inbox column values; raise InvalidMessage with the reason."""
-    if not wire.message_id:
-        raise InvalidMessage("message has no message_id property")
-    if wire.content_type and not wire.content_type.startswith(CONTENT_TYPE):
-        raise InvalidMessage(f"content type {wire.content_type!r} is not {CONTENT_TYPE}")
+def decode_body(body: bytes) -> Any:
+    """The JSON value of a body, if PostgreSQL's jsonb can store it; else InvalidMessage."""
     try:
-        payload = json.loads(wire.body.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+        text = bytes(body).decode("utf-8-sig")  # a byte order mark is tolerated
+    except UnicodeDecodeError as exc:
+        raise InvalidMessage(f"body is not JSON: not UTF-8 text ({exc})") from exc
+    try:
+        payload = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+    except RecursionError as exc:
+        raise InvalidMessage(f"body is nested deeper than {MAX_JSON_DEPTH} levels") from exc
+    except ValueError as exc:
         raise InvalidMessage(f"body is not JSON: {exc}") from exc
-    raw_headers = dict(wire.headers or {})
-    exchange = _text(raw_headers.get(H_ORIGINAL_EXCHANGE)) or wire.exchange
-    routing_key = wire.type or _text(raw_headers.get(H_ORIGINAL_ROUTING_KEY)) or wire.routing_key
-    for name in TRANSPORT_HEADERS:
-        raw_headers.pop(name, None)
-    raw_headers.pop(H_ATTEMPT, None)  # the relay's publish attempts: no business of a handler
-    kind = _text(raw_headers.pop(H_KIND, None)) or (
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and _too_deep(payload):
+        raise InvalidMessage(f"body is nested deeper than {MAX_JSON_DEPTH} levels")
+    if _SUSPECT_ESCAPE.search(text):
+        _check_strings(payload, "body")
+    return payload
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
+def _too_deep(value: Any) -> bool:
+    if not isinstance(value, dict | list):
+        return False
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            return True
+        for child in node.values() if isinstance(node, dict) else node:
+            if isinstance(child, dict | list):
+                stack.append((child, depth + 1))
+    return False
+
+
+def _check_strings(value: Any, where: str) -> None:
+    """Raise InvalidMessage if a string of `value` holds U+0000 or an unpaired surrogate."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            found = _UNSTORABLE.search(node)
+            if found:
+                char = f"U+{ord(found.group()):04X}"
+                what = "U+0000" if char == "U+0000" else f"an unpaired surrogate ({char})"
+                raise InvalidMessage(f"{where} holds {what}, which PostgreSQL cannot store")
+        elif isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
+def from_wire(wire: WireMessage, *, max_bytes: int | None = None) -> dict[str, Any]:
+    """Decode a delivery into inbox column values; raise InvalidMessage with the reason.
+
+    Every rule of docs/wire-format.md is checked here, so that what passes can be stored:
+    PostgreSQL refuses nothing that `from_wire` returns. `max_bytes` limits the body.
+    """
+    message_id = _column(_property(wire.message_id, "message_id"), "message_id")
+    if not message_id:
+        raise InvalidMessage("message has no message_id property")
+    if max_bytes is not None and len(wire.body) > max_bytes:
+        raise InvalidMessage(
+            f"body is {len(wire.body)} bytes, over the limit of {max_bytes} (max_message_bytes)"
+        )
+    content_type = _property(wire.content_type, "content_type")
+    if content_type and not is_json_media_type(content_type):
+        raise InvalidMessage(f"content type {content_type!r} is not JSON")
+    encoding = _property(wire.properties.get("content_encoding"), "content_encoding")
+    if encoding and encoding.strip().lower() not in _PLAIN_ENCODINGS:
+        raise InvalidMessage(f"content encoding {encoding!r} is not supported: send plain JSON")
+    payload = decode_body(wire.body)
+
+    if not isinstance(wire.headers, Mapping):
+        raise InvalidMessage("headers are not a table")
+    raw = {_text(name) or "": value for name, value in wire.headers.items()}
+    exchange = _property(wire.exchange, "exchange") or ""
+    routing_key = _property(wire.routing_key, "routing key") or ""
+    if exchange not in (COMMANDS_EXCHANGE, EVENTS_EXCHANGE):
+        # Back from a delay tier (`retry`) or replayed into the queue: where it was first sent.
+        exchange = _text(raw.get(H_ORIGINAL_EXCHANGE)) or exchange
+        routing_key = _text(raw.get(H_ORIGINAL_ROUTING_KEY)) or routing_key
+    for name in (*TRANSPORT_HEADERS, H_ATTEMPT, H_ORIGINAL_ID, H_AMQP_TYPE):
+        raw.pop(name, None)  # H_ATTEMPT: the relay's publish attempts, no business of a handler
+    kind = _header_text(raw.pop(H_KIND, None) or "", H_KIND).strip().lower() or (
         COMMAND if exchange == COMMANDS_EXCHANGE else EVENT
     )
     if kind not in (COMMAND, EVENT):
         raise InvalidMessage(f"header {H_KIND} must be command or event, got {kind!r}")
-    message_uuid = inbox_id(wire.message_id)
-    if str(message_uuid) != wire.message_id:
-        raw_headers[H_ORIGINAL_ID] = wire.message_id
-    created_at = _parse_time(raw_headers.pop(H_CREATED, None), H_CREATED)
-    if created_at is None and wire.timestamp:
-        created_at = datetime.fromtimestamp(wire.timestamp, UTC)
-    priority = wire.priority or 0
-    if not 0 <= priority <= 255:
-        raise InvalidMessage(f"priority {priority} is outside 0..255")
-    key = _text(raw_headers.pop(H_KEY, None))
-    headers = {name: jsonable(value) for name, value in raw_headers.items()}
+    message_uuid = inbox_id(message_id)
+    if str(message_uuid) != message_id:
+        raw[H_ORIGINAL_ID] = message_id
+    type_ = _informational(wire.type)
+    if type_ and type_ != routing_key:  # informational: the routing key chooses the handler
+        raw[H_AMQP_TYPE] = type_
+    created_at = _parse_time(raw.pop(H_CREATED, None), H_CREATED)
+    if created_at is None and wire.timestamp is not None:
+        created_at = epoch_time(wire.timestamp)  # seconds, or ms/µs/ns as clients send
+    expires_at = _parse_time(raw.pop(H_EXPIRES, None), H_EXPIRES)
+    priority = 0 if wire.priority is None else wire.priority
+    if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= 255:
+        raise InvalidMessage(f"priority {priority!r} is not an integer in 0..255")
+    version = _version(raw.pop(H_VERSION, None))
+    key_value = raw.pop(H_KEY, None)
+    key = _header_text(key_value, H_KEY) if key_value is not None else None
+    causation_value = raw.pop(H_CAUSATION, None)
+    causation = _header_text(causation_value, H_CAUSATION) if causation_value else None
+    correlation = _property(wire.correlation_id, "correlation_id")
+    headers = {name: jsonable(value) for name, value in raw.items()}
+    _check_strings(headers, "headers")
+    size = len(json.dumps(headers, ensure_ascii=False).encode("utf-8"))
+    if size > MAX_HEADER_BYTES:
+        raise InvalidMessage(f"headers are {size} bytes as JSON, over {MAX_HEADER_BYTES}")
     return {
         "message_id": message_uuid,
-        "source": wire.app_id,
+        "source": _informational(wire.app_id),
         "kind": kind,
-        "routing_key": routing_key,
+        "routing_key": _column(routing_key, "routing key"),
         "payload": payload,
         "headers": headers,
-        "version": _int(headers.pop(H_VERSION, None), H_VERSION, 1),
-        "correlation_id": _text(wire.correlation_id),
-        "causation_id": _text(headers.pop(H_CAUSATION, None)),
-        "key": key,
+        "version": version,
+        # A message sent without one starts a conversation: its own id, as its sender wrote it.
+        "correlation_id": _column(correlation or message_id, "correlation_id"),
+        "causation_id": _column(causation, H_CAUSATION),
+        "key": _column(key or None, H_KEY),
         "priority": priority,
         "created_at": created_at,
-        "expires_at": _parse_time(headers.pop(H_EXPIRES, None), H_EXPIRES),
+        "expires_at": expires_at,
     }
 
 
 def jsonable(value: Any) -> Any:
-    """AMQP header values (bytes, decimals, timestamps, nested tables) as JSON values."""
+    """AMQP header values (bytes, decimals, timestamps, nested tables) as JSON values.
+
+    Bytes become text, each byte that is not UTF-8 (and U+0000, which PostgreSQL cannot
+    store) replaced by U+FFFD.
+    """
     if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
+        return value.decode("utf-8", "replace").replace("\x00", "\ufffd")
     if isinstance(value, datetime):
         return value.isoformat()
     if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
+        return {_text(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
     if value is None or isinstance(value, str | int | float | bool):
         return value
     return str(value)

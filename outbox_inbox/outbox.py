@@ -165,10 +165,14 @@ class Outbox:
             "delay": _seconds(delay, "delay") if delay is not None else None,
         }
         parent = current_message()
-        row["correlation_id"] = correlation_id or (
-            parent.correlation_id or str(parent.message_id) if parent else str(row["message_id"])
-        )
-        row["causation_id"] = str(parent.message_id) if parent else None
+        if parent is not None:
+            # The id its sender wrote (not the UUID the inbox derives from a foreign id), so
+            # that a sender can match what a handler sends to the message it handled.
+            row["correlation_id"] = correlation_id or parent.correlation_id or parent.original_id
+            row["causation_id"] = parent.original_id
+        else:  # a message written outside a handler starts a conversation
+            row["correlation_id"] = correlation_id or str(row["message_id"])
+            row["causation_id"] = None
         try:
             queries.insert_outbox(session, self._tables, [row])
         except SQLAlchemyError as exc:

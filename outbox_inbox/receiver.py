@@ -9,8 +9,14 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from sqlalchemy import Engine
-from sqlalchemy.exc import DBAPIError, OperationalError, SQLAlchemyError
+from sqlalchemy import Engine, select
+from sqlalchemy.exc import (
+    DataError,
+    DBAPIError,
+    IntegrityError,
+    OperationalError,
+    SQLAlchemyError,
+)
 
 from . import queries
 from .backoff import Backoff
@@ -24,7 +30,9 @@ from .messages import (
     H_LAST_ERROR,
     H_RECEIVE_ATTEMPT,
     H_RETRY_DELAY,
+    WireMessage,
     from_wire,
+    inbox_id,
 )
 from .tables import Tables
 from .topology import DEAD_LETTER_EXCHANGE, delay_queue, inbox_queue
@@ -42,12 +50,23 @@ class Receiver:
     acknowledged only after that commit, with one multiple-ack. A crash before the ack brings
     the batch back from the broker; the stored copies are then skipped as duplicates and acked.
 
-    When storing fails (the database is down, or one row is refused) the message goes to the
-    delay tier queue the `receive_retry` backoff chooses and comes back through the ``retry``
-    exchange; after `receive_retry.max_attempts` it goes to ``<service>.dead_letter``. A
-    message without a valid envelope is dead-lettered at once (retrying cannot help). A
-    redelivered message is counted in ``inbox_deliveries``; past `max_redeliveries` (it keeps
-    crashing receivers) it is dead-lettered. The receiver does no business work.
+    No delivery can stop the others (docs/wire-format.md lists the rules):
+
+    * each delivery is decoded and checked on its own; one that breaks a rule (or is over
+      `max_message_bytes`) goes to ``<service>.dead_letter`` at once, retrying cannot help;
+    * a row the database refuses for its values (SQLSTATE classes 22 and 23: what decoding
+      does not foresee, such as a trigger's check) is dead-lettered too, and the rest of its
+      batch is stored row by row;
+    * when storing fails otherwise (the database is down) the message goes to the delay tier
+      the `receive_retry` backoff chooses and comes back through the ``retry`` exchange; after
+      `receive_retry.max_attempts` it goes to ``<service>.dead_letter``;
+    * a redelivered message (the broker's flag: a receiver may have died holding it) is a
+      suspect: it is counted in ``inbox_deliveries``, committed, before anything else is done
+      with it, and then decoded and stored alone; past `max_redeliveries` it is dead-lettered.
+      So a message that kills or hangs the process is counted and ends, and the messages
+      delivered with it are never blamed for it.
+
+    The receiver does no business work.
     """
 
     def __init__(
@@ -93,7 +112,11 @@ class Receiver:
                     if batch:
                         self.store(consumer, batch)
                     backoff.succeeded()
-                except (BrokerError, SQLAlchemyError) as exc:
+                except Exception as exc:
+                    if not isinstance(exc, BrokerError | SQLAlchemyError):
+                        # A fault of the receiver itself must not end it: the unacked deliveries
+                        # come back flagged redelivered, and are then counted one by one.
+                        log.exception("receiver of %s: unexpected error", self._service)
                     if consumer is not None:
                         consumer.close()  # unacked deliveries go back to the queue
                         consumer = None
@@ -103,40 +126,119 @@ class Receiver:
                 consumer.close()
 
     def store(self, consumer: Consumer, batch: list[Delivery]) -> None:
-        """Store one batch; acknowledge, delay or dead-letter every delivery in it."""
+        """Store one batch; acknowledge, delay or dead-letter every delivery in it.
+
+        Deliveries are taken in order: runs of first deliveries are stored together and
+        acknowledged with one multiple-ack, each redelivered one alone and acknowledged at
+        once (see the class documentation), so that a stored message is not delivered, and
+        counted, again when a suspect after it kills the process.
+        """
+        run: list[Delivery] = []
+        for delivery in batch:
+            if delivery.redelivered:
+                self._ack(consumer, self._store_together(consumer, run))
+                run = []
+                self._ack(consumer, self._store_suspect(consumer, delivery))
+            else:
+                run.append(delivery)
+        self._ack(consumer, self._store_together(consumer, run))
+
+    @staticmethod
+    def _ack(consumer: Consumer, stored: list[Delivery]) -> None:
+        # Every delivery before the last stored one is stored, forwarded or acked by now.
+        if stored:
+            consumer.ack_through(max(d.tag for d in stored))
+
+    def _store_suspect(self, consumer: Consumer, delivery: Delivery) -> list[Delivery]:
+        """Count a redelivered message, committed, then dead-letter or store it alone."""
+        counted = _counted_id(delivery.message)
+        if counted is not None:
+            try:
+                with self._engine.begin() as conn:
+                    counts = queries.count_deliveries(conn, self._tables, [counted])
+                count, limit = counts.get(counted, 0), self._settings.max_redeliveries
+                stored = count > limit and self._is_stored(counted)
+            except SQLAlchemyError as exc:
+                # Not counted, not stored: the database cannot be used now.
+                if self._decode(consumer, delivery) is not None:
+                    self._delay(consumer, delivery, _short(exc))
+                return []
+            if stored:  # its earlier copy was stored and its ack lost: a duplicate
+                self._ack_duplicate(consumer, delivery)
+                return []
+            if count > limit:
+                self._dead(
+                    consumer,
+                    delivery,
+                    REDELIVERED,
+                    f"redelivered {count} times without being stored (limit {limit})",
+                )
+                return []
+        return self._store_together(consumer, [delivery])
+
+    def _is_stored(self, message_id: uuid.UUID) -> bool:
+        inbox = self._tables.inbox
+        with self._engine.connect() as conn:
+            query = select(inbox.c.id).where(inbox.c.message_id == message_id)
+            return conn.execute(query).first() is not None
+
+    def _store_together(self, consumer: Consumer, batch: list[Delivery]) -> list[Delivery]:
+        """Decode and insert `batch` in one transaction; return the deliveries to ack.
+
+        What cannot be decoded is dead-lettered; when the insert fails, every message is
+        delayed (database unavailable) or the rows are inserted one by one, so that only the
+        failing ones are dead-lettered (refused) or delayed.
+        """
         pending: dict[uuid.UUID, tuple[Delivery, dict[str, Any]]] = {}
         repeats: Counter[uuid.UUID] = Counter()  # copies of a message within this batch
         for delivery in batch:
-            try:
-                row = from_wire(delivery.message)
-            except InvalidMessage as exc:
-                self._dead(consumer, delivery, INVALID, str(exc))
+            row = self._decode(consumer, delivery)
+            if row is None:
                 continue
             if row["message_id"] in pending:  # the same message twice in one batch
                 repeats[row["message_id"]] += 1
                 self._ack_duplicate(consumer, delivery)
                 continue
             pending[row["message_id"]] = (delivery, row)
-        if not pending:
-            return
+        items = list(pending.values())
+        if not items:
+            return []
         try:
-            self._count_redeliveries(consumer, pending)
-            stored = self._insert(list(pending.values()), repeats)
-        except SQLAlchemyError as exc:
-            if _database_unavailable(exc):
-                log.warning("receiver: database unavailable, delaying %d messages", len(pending))
-                for delivery, _ in pending.values():
+            return self._insert(items, repeats)
+        except Exception as exc:
+            if isinstance(exc, SQLAlchemyError) and _database_unavailable(exc):
+                log.warning("receiver: database unavailable, delaying %d messages", len(items))
+                for delivery, _ in items:
                     self._delay(consumer, delivery, _short(exc))
-                return
-            # One row is refused: store them one by one and delay only the refused ones.
-            stored = []
-            for delivery, row in pending.values():
-                try:
-                    stored.extend(self._insert([(delivery, row)], repeats))
-                except SQLAlchemyError as one:
-                    self._delay(consumer, delivery, _short(one))
-        if stored:
-            consumer.ack_through(max(d.tag for d in stored))
+                return []
+            if len(items) == 1:
+                self._set_aside(consumer, items[0][0], exc)
+                return []
+        stored: list[Delivery] = []
+        for item in items:  # some row was refused: find it, store the others
+            try:
+                stored += self._insert([item], repeats)
+            except Exception as exc:
+                self._set_aside(consumer, item[0], exc)
+        return stored
+
+    def _decode(self, consumer: Consumer, delivery: Delivery) -> dict[str, Any] | None:
+        """The inbox row of `delivery`; None when it breaks a rule (then it is dead-lettered)."""
+        try:
+            return from_wire(delivery.message, max_bytes=self._settings.max_message_bytes)
+        except InvalidMessage as exc:
+            self._dead(consumer, delivery, INVALID, str(exc))
+        except Exception as exc:  # decoding is a function of the delivery: it would fail again
+            self._dead(consumer, delivery, INVALID, f"cannot be decoded: {exc!r}")
+        return None
+
+    def _set_aside(self, consumer: Consumer, delivery: Delivery, error: Exception) -> None:
+        """A row could not be inserted: dead-letter it if the database refused its values,
+        else delay it."""
+        if isinstance(error, DataError | IntegrityError):
+            self._dead(consumer, delivery, INVALID, f"the database refused it: {_short(error)}")
+        else:
+            self._delay(consumer, delivery, _short(error))
 
     def _insert(
         self, items: list[tuple[Delivery, dict[str, Any]]], repeats: Mapping[uuid.UUID, int]
@@ -163,31 +265,6 @@ class Receiver:
         self.duplicates += duplicates
         call(self._listener, "received", len(new), duplicates)
         return [delivery for delivery, _ in items]
-
-    def _count_redeliveries(
-        self, consumer: Consumer, pending: dict[uuid.UUID, tuple[Delivery, dict[str, Any]]]
-    ) -> None:
-        """Count redelivered messages; dead-letter those redelivered too often.
-
-        Only deliveries the broker flags as redelivered are counted, so the common path costs
-        nothing. The count commits on its own, before the insert: a message that kills the
-        receiver is still counted.
-        """
-        redelivered = [mid for mid, (d, _) in pending.items() if d.redelivered]
-        if not redelivered:
-            return
-        with self._engine.begin() as conn:
-            counts = queries.count_deliveries(conn, self._tables, redelivered)
-        limit = self._settings.max_redeliveries
-        for message_id, count in counts.items():
-            if count > limit:
-                delivery, _ = pending.pop(message_id)
-                self._dead(
-                    consumer,
-                    delivery,
-                    REDELIVERED,
-                    f"redelivered {count} times without being stored (limit {limit})",
-                )
 
     def _ack_duplicate(self, consumer: Consumer, delivery: Delivery) -> None:
         consumer.ack(delivery.tag)
@@ -231,6 +308,23 @@ class Receiver:
             {H_DEAD_REASON: f"{reason}: {detail}"[:1000], H_DEAD_QUEUE: inbox_queue(self._service)},
         )
         self.dead += 1
+
+
+def _counted_id(message: WireMessage) -> uuid.UUID | None:
+    """The inbox id a delivery is counted under; None without a usable message_id (such a
+    message is dead-lettered when decoded, which cannot hang or kill the process)."""
+    message_id: Any = message.message_id
+    if isinstance(message_id, bytes):
+        try:
+            message_id = message_id.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    if not isinstance(message_id, str) or not message_id:
+        return None
+    try:
+        return inbox_id(message_id)
+    except Exception:  # e.g. a lone surrogate from an in-process broker
+        return None
 
 
 def _database_unavailable(exc: SQLAlchemyError) -> bool:

@@ -19,8 +19,9 @@ from pika.spec import Basic, BasicProperties
 from ..broker import Delivery, PublishOutcome
 from ..errors import BrokerConnectionError, BrokerError, ConfigurationError, TopologyMismatch
 from ..logsafe import mask_url
-from ..messages import H_ORIGINAL_EXCHANGE, H_ORIGINAL_ROUTING_KEY, WireMessage
+from ..messages import WireMessage
 from ..topology import Topology
+from .amqp_fields import decode_leniently, forward_properties, kept_properties
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ def wire_message(method: Basic.Deliver, props: BasicProperties, body: bytes) -> 
         priority=props.priority,
         app_id=props.app_id,
         headers=dict(props.headers or {}),
+        properties=kept_properties(props),
     )
 
 
@@ -587,6 +589,7 @@ class RabbitMQConsumer:
         self._forward_channel: BlockingChannel | None = None
         self._buffer: deque[Delivery] = deque()
         self._consumer_tag: str | None = None
+        decode_leniently(connection)  # no property a sender sets can break this connection
         try:
             self._channel = connection.channel()
             self._channel.basic_qos(prefetch_count=prefetch)
@@ -660,21 +663,9 @@ class RabbitMQConsumer:
         headers: Mapping[str, Any],
     ) -> None:
         message = delivery.message
-        merged = dict(message.headers)
-        merged.setdefault(H_ORIGINAL_EXCHANGE, message.exchange)
-        merged.setdefault(H_ORIGINAL_ROUTING_KEY, message.routing_key)
-        merged.update(headers)
-        props = BasicProperties(
-            message_id=message.message_id or None,
-            type=message.type,
-            correlation_id=message.correlation_id,
-            content_type=message.content_type,
-            timestamp=message.timestamp,
-            priority=message.priority,
-            app_id=message.app_id,
-            delivery_mode=pika.DeliveryMode.Persistent,
-            headers=merged,
-        )
+        # The properties frame must fit in one frame: 12 bytes of it are not properties.
+        limit = self._connection._impl._body_max_length - 12
+        props = forward_properties(message, headers, max_size=limit)
         try:
             if self._forward_channel is None:
                 self._forward_channel = self._connection.channel()

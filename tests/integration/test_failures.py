@@ -236,8 +236,23 @@ def test_a_message_that_can_never_be_stored_is_dead_lettered_after_max_attempts(
         receive_retry=RetryPolicy(initial=0.1, max_attempts=3),
     )
     svc.declare_topology()
-    # PostgreSQL refuses \u0000 in jsonb: this row can never be stored, the next one can.
-    publish_raw(mq_url, "commands", "billing.job.run", b'{"bad": "\\u0000"}', message_id="bad-1")
+    # A trigger fails on this row: an error that is not about its values (those are
+    # dead-lettered at once), so the receiver cannot tell it will never pass and retries.
+    with svc.engine.begin() as conn:
+        conn.execute(
+            text(
+                "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+                " IF NEW.payload ? 'bad' THEN RAISE EXCEPTION 'not today'; END IF;"
+                " RETURN NEW; END $$"
+            )
+        )
+        conn.execute(
+            text(
+                "CREATE TRIGGER refuse BEFORE INSERT ON outbox_inbox.inbox_messages"
+                " FOR EACH ROW EXECUTE FUNCTION refuse()"
+            )
+        )
+    publish_raw(mq_url, "commands", "billing.job.run", b'{"bad": 1}', message_id="bad-1")
     publish_raw(mq_url, "commands", "billing.job.run", b'{"ok": 1}', message_id="good-1")
     receiver = svc.receiver()
     with running(receiver):
@@ -247,7 +262,7 @@ def test_a_message_that_can_never_be_stored_is_dead_lettered_after_max_attempts(
     assert props.message_id == "bad-1"
     assert props.headers["x-dead-reason"].startswith("store_failed: not stored after 3 attempts")
     assert props.headers["x-original-routing-key"] == "billing.job.run"
-    assert json.loads(body) == {"bad": "\u0000"}
+    assert json.loads(body) == {"bad": 1}
     svc.close()
 
 
