@@ -371,8 +371,10 @@ def encode_properties(props: BasicProperties) -> list[bytes]:
     return [_U16.pack(flags), *pieces]
 
 
-class _ForwardProperties(BasicProperties):  # type: ignore[misc]
-    """Properties that pika writes with `encode_properties` (see `forward_properties`)."""
+class LenientProperties(BasicProperties):  # type: ignore[misc]
+    """`BasicProperties` that pika writes with `encode_properties`: every header value
+    encodes, those `decode_properties` gave (floats, `RawField`s) included. For republishing
+    what a connection with `decode_leniently` received."""
 
     def encode(self) -> list[bytes]:
         return encode_properties(self)
@@ -394,7 +396,7 @@ def forward_properties(
     headers.setdefault(H_ORIGINAL_EXCHANGE, message.exchange)
     headers.setdefault(H_ORIGINAL_ROUTING_KEY, message.routing_key)
     headers.update(added)
-    props = _ForwardProperties(
+    props = LenientProperties(
         message_id=message.message_id or None,
         type=message.type,
         correlation_id=message.correlation_id,
