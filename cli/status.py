@@ -154,3 +154,5 @@ def _print(report: dict[str, Any]) -> None:
             echo(render_table(["QUEUE", "MESSAGES", "CONSUMERS"], rows))
         if broker["error"]:
             echo(f"broker: {broker['error']}")
+        if broker.get("blocked"):
+            echo(f"broker: blocks publishers ({broker['blocked']}): relays wait until it ends")

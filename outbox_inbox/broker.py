@@ -54,6 +54,14 @@ class Publisher(Protocol):
         """True once the connection failed: close this publisher and open another."""
         ...
 
+    def idle(self) -> None:
+        """Service the connection while there is nothing to publish (heartbeats, closes).
+
+        Call it at least every few seconds while idle; it never raises and never blocks for
+        long. A connection found dead makes `broken` true.
+        """
+        ...
+
     def close(self) -> None: ...
 
 

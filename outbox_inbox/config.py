@@ -61,7 +61,7 @@ class Settings:
     # receiver
     prefetch: int = 500
     receive_batch_size: int = 250
-    receive_batch_wait: float = 0.05
+    receive_batch_wait: float = 0.02
     single_active_consumer: bool = True
     receive_retry: RetryPolicy = field(
         default_factory=lambda: RetryPolicy(
@@ -91,6 +91,8 @@ class Settings:
     reconnect_initial: float = 0.25
     reconnect_max: float = 2.0
     fail_fast: bool = False
+    heartbeat: float = 5.0
+    blocked_connection_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         validate_identifier(self.schema)

@@ -87,24 +87,27 @@ class Relay:
     def run(self, stop: threading.Event, *, on_started: Callable[[], None] | None = None) -> None:
         """Relay batches until `stop` is set; the batch in hand is finished first."""
         waker = self._waker_factory(stop) if self._waker_factory else None
-        backoff = Backoff(self._settings.reconnect_initial, self._settings.reconnect_max)
+        s = self._settings
+        backoff = Backoff(
+            s.reconnect_initial, s.reconnect_max, what=f"relay of {self._service}", logger=log
+        )
         if on_started:
             on_started()
         try:
             while not stop.is_set():
                 try:
                     count = self._relay_stream(stop)
-                    backoff.reset()
+                    backoff.succeeded()
                 except BrokerError as exc:
-                    log.warning("relay: broker unavailable, retrying: %s", exc)
                     self._drop_publisher()
-                    backoff.sleep(stop)
+                    backoff.failed(f"broker unavailable: {exc}", stop)
                     continue
                 except SQLAlchemyError as exc:
-                    log.warning("relay: database unavailable, retrying: %s", _short(exc))
-                    backoff.sleep(stop)
+                    backoff.failed(f"database unavailable: {_short(exc)}", stop)
                     continue
                 if count < self._settings.relay_batch_size:
+                    if self._publisher is not None:
+                        self._publisher.idle()  # heartbeats: an idle link must stay known alive
                     if waker is not None:
                         waker.wait(self._settings.relay_poll_interval)
                     else:
@@ -126,8 +129,9 @@ class Relay:
             outcomes = publisher.publish_batch(
                 [to_wire(m) for m in messages], window=s.publish_window, timeout=s.confirm_timeout
             )
-            published = self._mark(conn, messages, rows, outcomes)
-        self._committed(messages, published)
+            marking = _Marking.of(rows)
+            published = self._mark(conn, marking, outcomes, messages)
+        self._committed(published, messages)
         if publisher.broken:
             self._drop_publisher()
             raise BrokerError("publishing connection broke during the batch")
@@ -222,33 +226,40 @@ class Relay:
             # The broker keeps confirming while this relay works: settle its confirms and
             # refill the window from the batches already started, now and then.
             publisher.pump(0)
+            # Only the wire messages and what marking needs stay until the batch is committed
+            # (the rows, payloads and messages too if a listener is to see them): objects
+            # that outlive a few collections make the garbage collector's full passes
+            # frequent and long.
+            keep = self._listener is not None
             messages: list[OutgoingMessage] = []
             wires: list[WireMessage] = []
             for n, row in enumerate(rows, 1):
                 message = outgoing(row, self._service)
-                messages.append(message)
                 wires.append(to_wire(message))
+                if keep:
+                    messages.append(message)
                 if not n % _PUMP_EVERY:
                     publisher.pump(0)
+            marking = _Marking.of(rows)
             publishing = publisher.start_batch(
                 wires, window=s.publish_window, timeout=s.confirm_timeout
             )
         except BaseException:
             conn.close()  # rolls the claim back
             raise
-        return _Batch(conn, transaction, rows, messages, publishing), count
+        return _Batch(conn, transaction, marking, messages, publishing), count
 
     def _finish(self, batch: _Batch, publisher: _Pipelined) -> None:
         """Mark a batch whose every message has an outcome, and commit it."""
         try:
             published = self._mark(
-                batch.conn, batch.messages, batch.rows, batch.publishing.results()
+                batch.conn, batch.marking, batch.publishing.results(), batch.messages
             )
             publisher.pump(0)
             batch.transaction.commit()
         finally:
             batch.conn.close()
-        self._committed(batch.messages, published)
+        self._committed(published, batch.messages)
 
     def _claim(self, conn: Connection) -> tuple[list[RowMapping], int]:
         """The rows to publish now, and how many rows the claim took (expired ones included).
@@ -273,26 +284,31 @@ class Relay:
     def _mark(
         self,
         conn: Connection,
-        messages: list[OutgoingMessage],
-        rows: list[RowMapping],
+        marking: _Marking,
         outcomes: Sequence[PublishOutcome],
+        messages: list[OutgoingMessage],
     ) -> list[int]:
-        """Mark the published rows, count a failed attempt on the others; return the former."""
+        """Mark the published rows, count a failed attempt on the others; return the former.
+
+        `messages` are the batch's messages for the listener (empty without one).
+        """
         call(self._listener, "relay_confirmed", messages, outcomes)
         published: list[int] = []
         failed: dict[str, list[tuple[int, int]]] = {}
-        for message, row, outcome in zip(messages, rows, outcomes, strict=True):
+        for row_id, kind, attempts, outcome in zip(
+            marking.ids, marking.kinds, marking.attempts, outcomes, strict=True
+        ):
             if outcome is PublishOutcome.CONFIRMED or (
-                outcome is PublishOutcome.RETURNED and message.kind != COMMAND
+                outcome is PublishOutcome.RETURNED and kind != COMMAND
             ):
-                published.append(message.id)
+                published.append(row_id)
             else:
                 reason = (
                     "unroutable: no queue is bound for this command"
                     if outcome is PublishOutcome.RETURNED
                     else f"publish {outcome.value}"
                 )
-                failed.setdefault(reason, []).append((message.id, row["attempts"]))
+                failed.setdefault(reason, []).append((row_id, attempts))
         queries.mark_published(conn, self._tables, published)
         for reason, items in failed.items():
             for attempts, ids in _group_by_attempts(items).items():
@@ -303,12 +319,12 @@ class Relay:
             log.warning(
                 "relay: %d of %d messages not confirmed, kept for retry",
                 sum(len(v) for v in failed.values()),
-                len(rows),
+                len(outcomes),
                 extra={"reasons": sorted(failed)},
             )
         return published
 
-    def _committed(self, messages: list[OutgoingMessage], published: list[int]) -> None:
+    def _committed(self, published: list[int], messages: list[OutgoingMessage]) -> None:
         self.published += len(published)
         if self._listener is not None:
             done = set(published)
@@ -383,23 +399,42 @@ class _Pipelined(Protocol):
     def pump(self, wait: float) -> None: ...
 
 
+class _Marking:
+    """What marking a batch needs of its rows, in their order: id, kind, attempts so far."""
+
+    __slots__ = ("attempts", "ids", "kinds")
+
+    def __init__(self, ids: list[int], kinds: list[str], attempts: list[int]) -> None:
+        self.ids = ids
+        self.kinds = kinds
+        self.attempts = attempts
+
+    @classmethod
+    def of(cls, rows: Sequence[RowMapping]) -> _Marking:
+        return cls(
+            [row["id"] for row in rows],
+            [row["kind"] for row in rows],
+            [row["attempts"] for row in rows],
+        )
+
+
 class _Batch:
     """Claimed rows being published, with the transaction that holds them."""
 
-    __slots__ = ("conn", "messages", "publishing", "rows", "transaction")
+    __slots__ = ("conn", "marking", "messages", "publishing", "transaction")
 
     def __init__(
         self,
         conn: Connection,
         transaction: RootTransaction,
-        rows: list[RowMapping],
+        marking: _Marking,
         messages: list[OutgoingMessage],
         publishing: _Publishing,
     ) -> None:
         self.conn = conn
         self.transaction = transaction
-        self.rows = rows
-        self.messages = messages
+        self.marking = marking
+        self.messages = messages  # for the listener; empty without one
         self.publishing = publishing
 
     def abort(self) -> None:

@@ -126,7 +126,11 @@ class Service:
                 else:
                     from .brokers.rabbitmq import RabbitMQBroker
 
-                    self._broker = RabbitMQBroker(self.settings.mq_url)
+                    self._broker = RabbitMQBroker(
+                        self.settings.mq_url,
+                        heartbeat=self.settings.heartbeat,
+                        blocked_connection_timeout=self.settings.blocked_connection_timeout,
+                    )
             return self._broker
 
     def session(self) -> Session:

@@ -81,9 +81,10 @@ def _broker_status(admin: RabbitMQAdmin, service: str | None) -> dict[str, Any]:
         for name in names:
             info = admin.queue_info(name)
             queues[name] = None if info is None else {"messages": info[0], "consumers": info[1]}
+        blocked = admin.flow_control()
     except BrokerError as exc:
-        return {"error": str(exc), "queues": queues}
-    return {"error": None, "queues": queues}
+        return {"error": str(exc), "queues": queues, "blocked": None}
+    return {"error": None, "queues": queues, "blocked": blocked}
 
 
 def dead_count(status: dict[str, Any]) -> int:
@@ -123,4 +124,6 @@ def problems(
     broker = status.get("broker")
     if broker and broker.get("error"):
         out.append(f"broker: {broker['error']}")
+    if broker and broker.get("blocked"):
+        out.append(f"broker blocks publishers: {broker['blocked']}")
     return out

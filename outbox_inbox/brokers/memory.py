@@ -696,6 +696,9 @@ class MemoryPublisher:
     def broken(self) -> bool:
         return self._broken or self._broker.closed
 
+    def idle(self) -> None:
+        """Nothing to service: there is no connection."""
+
     def publish_batch(
         self, messages: Sequence[WireMessage], *, window: int, timeout: float
     ) -> list[PublishOutcome]:

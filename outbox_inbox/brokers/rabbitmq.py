@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import struct
+import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -17,7 +18,13 @@ from pika.adapters.blocking_connection import BlockingChannel
 from pika.spec import Basic, BasicProperties
 
 from ..broker import Delivery, PublishOutcome
-from ..errors import BrokerConnectionError, BrokerError, ConfigurationError, TopologyMismatch
+from ..errors import (
+    BrokerAccessRefused,
+    BrokerConnectionError,
+    BrokerError,
+    ConfigurationError,
+    TopologyMismatch,
+)
 from ..logsafe import mask_url
 from ..messages import WireMessage
 from ..topology import Topology
@@ -25,8 +32,36 @@ from .amqp_fields import decode_leniently, forward_properties, kept_properties
 
 log = logging.getLogger(__name__)
 
+
+class _ConnectFailuresAtDebug(logging.Filter):
+    """Log pika's own lines about a failed connection attempt at DEBUG.
+
+    pika logs several ERROR lines and a traceback for every attempt that fails; the roles
+    retry with backoff and report an outage themselves (one warning when it starts, one line
+    when it ends), so pika's lines only repeat it. Nothing else of pika's is changed.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.DEBUG:
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+for _name in (
+    "pika.adapters.utils.connection_workflow",
+    "pika.adapters.utils.io_services_utils",
+    "pika.adapters.blocking_connection",
+):
+    logging.getLogger(_name).addFilter(_ConnectFailuresAtDebug())
+
 #: Errors that mean the connection or channel is gone.
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (pika.exceptions.AMQPError, OSError)
+#: Errors of a login the broker refused (credentials, virtual host).
+_REFUSALS: tuple[type[BaseException], ...] = (
+    pika.exceptions.ProbableAuthenticationError,
+    pika.exceptions.ProbableAccessDeniedError,
+    pika.exceptions.AuthenticationError,
+)
 
 
 def _parameters(url: str) -> pika.URLParameters:
@@ -69,28 +104,71 @@ def wire_message(method: Basic.Deliver, props: BasicProperties, body: bytes) -> 
     )
 
 
-class RabbitMQBroker:
-    """RabbitMQ at `url` (``amqp://user:password@host:port/vhost``)."""
+#: TCP keepalive of every connection (idle, interval, count, in seconds), and how long
+#: unacknowledged sent data may wait (ms): a dead link is noticed even while a role only
+#: sends.
+_TCP_OPTIONS = {
+    "TCP_KEEPIDLE": 10,
+    "TCP_KEEPINTVL": 5,
+    "TCP_KEEPCNT": 3,
+    "TCP_USER_TIMEOUT": 30_000,
+}
 
-    def __init__(self, url: str, *, connect_timeout: float = 10.0) -> None:
+
+class RabbitMQBroker:
+    """RabbitMQ at `url` (``amqp://user:password@host:port/vhost``).
+
+    Every connection it opens negotiates AMQP heartbeats of `heartbeat` seconds (unless the URL
+    sets ``heartbeat=``); pika checks every `heartbeat` + 5 s that something arrived, so a dead
+    or blackholed link is noticed within 2 * (`heartbeat` + 5) s, 20 s with the default;
+    uses TCP keepalive; gives up connecting after `connect_timeout`; and treats a connection
+    the broker keeps blocked (a memory or disk alarm) for `blocked_connection_timeout` as
+    broken. Blocking and unblocking are logged (with the broker's reason) and counted in
+    `flow_control`.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        connect_timeout: float = 10.0,
+        heartbeat: float = 5.0,
+        blocked_connection_timeout: float = 30.0,
+    ) -> None:
         self._url = url
         self._params = _parameters(url)
         self._params.socket_timeout = connect_timeout
-        self._params.blocked_connection_timeout = 60
+        self._params.stack_timeout = connect_timeout
+        self._params.blocked_connection_timeout = blocked_connection_timeout
         self._params.connection_attempts = 1
+        if "heartbeat=" not in url:
+            self._params.heartbeat = max(1, round(heartbeat))
+        self._params.tcp_options = dict(_TCP_OPTIONS)
+        self.flow_control = FlowControl(self.description)
 
     @property
     def description(self) -> str:
         return mask_url(self._url)
 
     def connect(self) -> pika.BlockingConnection:
-        """A new connection; raise BrokerConnectionError if the broker cannot be reached."""
+        """A new connection; raise BrokerConnectionError if the broker cannot be reached.
+
+        BrokerAccessRefused (a BrokerConnectionError) when it refuses the credentials or the
+        virtual host: waiting will not help.
+        """
         try:
-            return pika.BlockingConnection(self._params)
+            connection = pika.BlockingConnection(self._params)
+        except _REFUSALS as exc:
+            raise BrokerAccessRefused(
+                f"RabbitMQ at {self.description} refused the login: {exc!r}"
+            ) from exc
         except CONNECTION_ERRORS as exc:
             raise BrokerConnectionError(
                 f"cannot connect to RabbitMQ at {self.description}: {exc!r}"
             ) from exc
+        connection.add_on_connection_blocked_callback(self.flow_control.on_blocked)
+        connection.add_on_connection_unblocked_callback(self.flow_control.on_unblocked)
+        return connection
 
     def declare(self, topology: Topology) -> None:
         connection = self.connect()
@@ -421,6 +499,16 @@ class RabbitMQPublisher:
     def broken(self) -> bool:
         return self._broken
 
+    def idle(self) -> None:
+        """Let pika send and check heartbeats; a dead connection makes `broken` true."""
+        if self._broken:
+            return
+        try:
+            self._connection.process_data_events(time_limit=0)
+        except CONNECTION_ERRORS as exc:
+            log.debug("publishing connection failed while idle: %r", exc)
+            self._broken = True
+
     def _on_confirm(self, frame: Any) -> None:
         method = frame.method
         self._confirms.append(
@@ -701,10 +789,68 @@ def _mismatch(what: str, exc: pika.exceptions.ChannelClosedByBroker) -> BrokerEr
     return BrokerError(f"declaring {what} failed: {exc.reply_text}")
 
 
-def close_quietly(connection: pika.BlockingConnection) -> None:
-    """Close `connection` if it is open; log, never raise, what closing a broken one raises."""
-    try:
-        if connection.is_open:
+#: How long a close may wait for the broker's answer before the connection is abandoned.
+CLOSE_TIMEOUT = 2.0
+
+
+def close_quietly(connection: pika.BlockingConnection, timeout: float = CLOSE_TIMEOUT) -> None:
+    """Close `connection` if it is open, waiting `timeout` seconds at most; never raise.
+
+    A polite close waits for the broker's close-ok, which a blocked connection (memory alarm)
+    or a dead link (blackhole) never sends: pika would wait for its blocked or heartbeat
+    timeout. So the close runs in a thread of its own, which owns the connection from then on,
+    and the caller moves on after `timeout`; that thread ends when pika gives up.
+    """
+    if not connection.is_open:
+        return
+
+    def close() -> None:
+        try:
             connection.close()
-    except Exception as exc:  # closing must not raise: the caller is already recovering
-        log.debug("closing a broken connection: %r", exc)
+        except Exception as exc:  # closing must not raise: the caller is already recovering
+            log.debug("closing a broken connection: %r", exc)
+
+    closer = threading.Thread(target=close, name="outbox-inbox-amqp-close", daemon=True)
+    closer.start()
+    closer.join(timeout)
+    if closer.is_alive():
+        log.debug("RabbitMQ did not answer the close within %.1f s; connection abandoned", timeout)
+
+
+class FlowControl:
+    """The broker's flow control (``connection.blocked``) on the connections of one broker.
+
+    Logged once per blocking with the broker's reason and once when it ends, with how long it
+    lasted; counted. pika calls these from the thread that owns the connection; the counters
+    are only read elsewhere.
+    """
+
+    def __init__(self, description: str) -> None:
+        self._description = description
+        self._lock = threading.Lock()
+        self._since: dict[int, float] = {}
+        self.blocked = 0  # how many times a connection was blocked
+        self.reason: str | None = None  # the reason of the last blocking
+
+    @property
+    def blocked_now(self) -> int:
+        """Connections blocked at this moment."""
+        return len(self._since)
+
+    def on_blocked(self, connection: Any, frame: Any) -> None:
+        reason = getattr(getattr(frame, "method", None), "reason", None) or "no reason given"
+        with self._lock:
+            self.blocked += 1
+            self.reason = str(reason)
+            self._since[id(connection)] = time.monotonic()
+        log.warning(
+            "RabbitMQ at %s blocked a connection: %s; its publishes wait until it is unblocked",
+            self._description,
+            reason,
+        )
+
+    def on_unblocked(self, connection: Any, _frame: Any) -> None:
+        with self._lock:
+            since = self._since.pop(id(connection), None)
+        lasted = f" after {time.monotonic() - since:.1f} s" if since is not None else ""
+        log.info("RabbitMQ at %s unblocked a connection%s", self._description, lasted)

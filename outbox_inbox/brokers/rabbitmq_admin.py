@@ -7,6 +7,7 @@ connection and is used from one thread. pika errors are translated here, like in
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -86,6 +87,31 @@ class RabbitMQAdmin:
             self._connection = None
 
     # --- checks ---------------------------------------------------------------------------
+
+    def flow_control(self, timeout: float = 1.0) -> str | None:
+        """The broker's reason if it blocks publishers now (a memory or disk alarm), else None.
+
+        RabbitMQ tells a connection it is blocked only once it publishes, so this publishes
+        one empty, unroutable message to the default exchange (dropped by the broker) on a
+        connection of its own and waits up to `timeout` seconds for ``connection.blocked``.
+        Raises BrokerConnectionError if the broker cannot be reached.
+        """
+        connection = self._broker.connect()
+        blocked: list[str] = []
+        connection.add_on_connection_blocked_callback(
+            lambda _conn, frame: blocked.append(str(getattr(frame.method, "reason", "")))
+        )
+        try:
+            channel = connection.channel()
+            channel.basic_publish("", "outbox-inbox.flow-control-probe", b"")
+            deadline = time.monotonic() + timeout
+            while not blocked and time.monotonic() < deadline:
+                connection.process_data_events(time_limit=0.05)
+        except CONNECTION_ERRORS as exc:
+            raise _broker_error("probing flow control", exc) from exc
+        finally:
+            close_quietly(connection)
+        return (blocked[0] or "blocked") if blocked else None
 
     def _check(
         self,

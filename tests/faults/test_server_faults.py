@@ -31,6 +31,8 @@ from typing import Any
 
 import pytest
 
+from outbox_inbox.brokers.rabbitmq import RabbitMQBroker
+from outbox_inbox.brokers.rabbitmq_admin import RabbitMQAdmin
 from servers import PostgresHandle, PostgresServer, RabbitMQServer
 
 from .flow import Recovery, TwoServices
@@ -149,8 +151,14 @@ def test_rabbitmq_memory_alarm_for_5s_recovers_within_15s(
     flow.start()
     with memory_alarm(local_rabbitmq_server):
         flow.fault_begins()
-        time.sleep(ALARM)
+        started = time.monotonic()
+        # The flow control is visible: `outbox-inbox status` asks the broker the same way.
+        with RabbitMQAdmin(RabbitMQBroker(flow.mq_url)) as admin:
+            assert "memory" in (admin.flow_control(timeout=3.0) or "")
+        time.sleep(max(0.0, ALARM - (time.monotonic() - started)))
     flow.fault_over()
+    with RabbitMQAdmin(RabbitMQBroker(flow.mq_url)) as admin:
+        assert admin.flow_control(timeout=1.0) is None
     result = _finish(flow, "rabbitmq-memory-alarm")
     result.extra["alarm_s"] = ALARM
     _conclude(result, record_recovery, broker_fault=True)
