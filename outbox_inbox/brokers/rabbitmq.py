@@ -342,6 +342,12 @@ class _PublishFrames:
             pieces.append(self._short(message.app_id))
         return _FLAGS.pack(flags) + b"".join(pieces)
 
+    def encode(self, message: WireMessage) -> bytes:
+        """The frames of `message`, as one bytes object."""
+        out: list[bytes] = []
+        self.add(out, message)
+        return b"".join(out)
+
     def add(self, out: list[bytes], message: WireMessage) -> int:
         """Append the frames of `message` to `out`; return how many frames that is."""
         channel = self._channel_number
@@ -375,28 +381,41 @@ class PublishingBatch:
     The publisher sends them as its window allows and settles them as confirms arrive; the
     batch is `done` once every message has an outcome. Two messages of one ordering key are
     never in flight together, and once one fails the later ones of its key are SKIPPED.
+
+    A batch keeps its messages already encoded (frames as bytes), with their ids and keys,
+    not the `WireMessage` objects: a relay keeps several batches in flight, and thousands of
+    small objects that outlive a few garbage collections make the full ones frequent.
     """
 
     __slots__ = (
         "_failed_keys",
+        "_frames",
+        "_keys",
         "_keys_in_flight",
+        "_message_ids",
         "_todo",
+        "_unconfirmed",
         "_unsettled",
         "_waiting",
         "deadline",
-        "messages",
         "outcomes",
     )
 
-    def __init__(self, messages: Sequence[WireMessage], deadline: float) -> None:
-        self.messages = messages
-        self.outcomes: list[PublishOutcome | None] = [None] * len(messages)
+    def __init__(
+        self, messages: Sequence[WireMessage], deadline: float, frames: _PublishFrames | None
+    ) -> None:
+        count = len(messages)
+        self.outcomes: list[PublishOutcome | None] = [None] * count
         self.deadline = deadline
-        self._todo: deque[int] = deque(range(len(messages)))
+        self._message_ids = [m.message_id for m in messages]
+        self._keys = [m.key for m in messages]
+        self._frames = [frames.encode(m) for m in messages] if frames is not None else []
+        self._todo: deque[int] = deque(range(count))
+        self._unconfirmed: dict[int, int] = {}  # delivery tag -> index, in tag order
         self._keys_in_flight: set[str] = set()
         self._waiting: dict[str, deque[int]] = {}
         self._failed_keys: set[str] = set()
-        self._unsettled = len(messages)
+        self._unsettled = count
 
     @property
     def done(self) -> bool:
@@ -411,7 +430,7 @@ class PublishingBatch:
         todo = self._todo
         while todo:
             index = todo.popleft()
-            key = self.messages[index].key
+            key = self._keys[index]
             if key is None:
                 return index
             if key in self._failed_keys:
@@ -433,7 +452,7 @@ class PublishingBatch:
 
     def _settle(self, index: int, outcome: PublishOutcome) -> None:
         self._set(index, outcome)
-        key = self.messages[index].key
+        key = self._keys[index]
         if key is None:
             return
         self._keys_in_flight.discard(key)
@@ -450,6 +469,7 @@ class PublishingBatch:
                 self._set(index, outcome)
         self._todo.clear()
         self._waiting.clear()
+        self._unconfirmed.clear()
 
 
 class RabbitMQPublisher:
@@ -479,7 +499,6 @@ class RabbitMQPublisher:
         self._next_tag = 1
         self._window = 1
         self._batches: deque[PublishingBatch] = deque()  # started and not yet done, in order
-        self._in_flight: dict[int, tuple[PublishingBatch, int]] = {}  # tag -> (batch, index)
         selected: list[bool] = []
         try:
             self._impl.confirm_delivery(
@@ -537,8 +556,16 @@ class RabbitMQPublisher:
         """
         if window < 1:
             raise ConfigurationError("publish window must be at least 1")
-        batch = PublishingBatch(messages, time.monotonic() + timeout)
         if self._broken:
+            batch = PublishingBatch(messages, time.monotonic() + timeout, None)
+            batch._abandon(PublishOutcome.FAILED)
+            return batch
+        try:
+            batch = PublishingBatch(messages, time.monotonic() + timeout, self._frames)
+        except CONNECTION_ERRORS as exc:  # e.g. a property too long: pika raises the same
+            log.warning("cannot encode a batch for publishing: %r", exc)
+            self._broken = True
+            batch = PublishingBatch(messages, time.monotonic() + timeout, None)
             batch._abandon(PublishOutcome.FAILED)
             return batch
         if not batch.done:
@@ -558,7 +585,7 @@ class RabbitMQPublisher:
             return
         try:
             sent = self._fill()
-            if self._in_flight:
+            if self._unconfirmed():
                 now = time.monotonic()
                 if any(batch.deadline < now for batch in self._batches):
                     self._break(PublishOutcome.TIMEOUT)
@@ -578,10 +605,12 @@ class RabbitMQPublisher:
             for batch in self._batches:
                 batch._abandon(PublishOutcome.FAILED)
             self._batches.clear()
-            self._in_flight.clear()
             return
         while self._batches and self._batches[0].done:
             self._batches.popleft()
+
+    def _unconfirmed(self) -> int:
+        return sum(len(batch._unconfirmed) for batch in self._batches)
 
     def _fill(self) -> bool:
         """Publish messages of the started batches, in order, while the window has room.
@@ -589,24 +618,22 @@ class RabbitMQPublisher:
         The frames of all the messages go to the connection in one write: pika would write
         three frames per message, each with its own system call.
         """
-        room = self._window - len(self._in_flight)
+        room = self._window - self._unconfirmed()
         if room <= 0:
             return False
         if not self._impl.is_open:
             raise pika.exceptions.ChannelWrongStateError("the publishing channel is not open")
         out: list[bytes] = []
-        frames = 0
-        add = self._frames.add
-        in_flight = self._in_flight
         tag = self._next_tag
         for batch in self._batches:
-            messages = batch.messages
+            frames = batch._frames
+            unconfirmed = batch._unconfirmed
             while room > 0:
                 index = batch._next()
                 if index is None:
                     break
-                frames += add(out, messages[index])
-                in_flight[tag] = (batch, index)
+                out.append(frames[index])
+                unconfirmed[tag] = index
                 tag += 1
                 room -= 1
             if room <= 0:
@@ -617,46 +644,44 @@ class RabbitMQPublisher:
         data = b"".join(out)
         connection = self._impl.connection
         connection._adapter_emit_data(data)
-        connection.bytes_sent += len(data)
-        connection.frames_sent += frames
+        connection.bytes_sent += len(data)  # as pika counts what it writes itself
         return True
 
     def _settle_confirms(self) -> None:
-        in_flight = self._in_flight
         returned = self._returned
         while self._confirms:
             tag, multiple, acked = self._confirms.popleft()
-            if multiple:
-                # Tags are handed out in increasing order and the dict keeps that order.
-                tags = []
-                for t in in_flight:
-                    if t > tag:
-                        break
-                    tags.append(t)
-            else:
-                tags = [tag]
-            for t in tags:
-                entry = in_flight.pop(t, None)
-                if entry is None:
-                    continue
-                batch, index = entry
-                if not acked:
-                    batch._settle(index, PublishOutcome.NACKED)
-                    continue
-                message_id = batch.messages[index].message_id
-                if returned and message_id in returned:
-                    returned.discard(message_id)
-                    batch._settle(index, PublishOutcome.RETURNED)
+            for batch in self._batches:
+                unconfirmed = batch._unconfirmed
+                if multiple:
+                    # Tags are handed out in increasing order and the dict keeps that order.
+                    tags = []
+                    for t in unconfirmed:
+                        if t > tag:
+                            break
+                        tags.append(t)
+                elif tag in unconfirmed:
+                    tags = [tag]
                 else:
-                    batch._settle(index, PublishOutcome.CONFIRMED)
+                    continue
+                for t in tags:
+                    index = unconfirmed.pop(t)
+                    if not acked:
+                        batch._settle(index, PublishOutcome.NACKED)
+                        continue
+                    message_id = batch._message_ids[index]
+                    if returned and message_id in returned:
+                        returned.discard(message_id)
+                        batch._settle(index, PublishOutcome.RETURNED)
+                    else:
+                        batch._settle(index, PublishOutcome.CONFIRMED)
 
     def _break(self, lost: PublishOutcome) -> None:
         """Give up on this channel: unconfirmed messages are `lost`, unsent ones SKIPPED."""
         self._broken = True
-        for batch, index in self._in_flight.values():
-            batch._set(index, lost)
-        self._in_flight.clear()
         for batch in self._batches:
+            for index in batch._unconfirmed.values():
+                batch._set(index, lost)
             batch._abandon(PublishOutcome.SKIPPED)
         self._batches.clear()
 
