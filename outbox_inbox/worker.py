@@ -201,23 +201,19 @@ class Worker:
         suspects = [r for r in rows if r["attempts"] - r["finished"] > 1]
         if suspects:
             # A row claimed before without finishing may be what killed its worker, or it was
-            # only that worker's batch-mate. Run the first suspect alone, after the others,
-            # and give the other suspects back uncounted: each costs one more claim, and only
-            # a row that dies while running alone keeps counting towards "abandoned".
+            # only that worker's batch-mate. Run the first suspect alone and give every other
+            # row of this claim back uncounted: a row's count then grows only while it runs
+            # alone (or in a batch that dies), so only a row that kills its worker alone keeps
+            # counting towards "abandoned". Each suspect costs one claim of its own, and the
+            # rows given back are due now: claim again at once, not after a poll.
             alone = suspects[0]
             with conn.begin():
                 queries.release_claims(
-                    conn, self._tables, [r["id"] for r in suspects[1:]], self.claimant
+                    conn, self._tables, [r["id"] for r in rows if r is not alone], self.claimant
                 )
-            others = [r for r in rows if r["attempts"] - r["finished"] <= 1]
-            if others:
-                self._work(conn, others)
             self._work(conn, [alone])
-            if len(suspects) > 1:
-                # The suspects given back are due now: claim again at once, not after a poll.
-                return max(len(rows), s.worker_batch_size)
-        else:
-            self._work(conn, rows)
+            return max(len(rows), s.worker_batch_size) if len(rows) > 1 else 1
+        self._work(conn, rows)
         return len(rows)
 
     def _work(self, conn: Connection, rows: list[RowMapping]) -> None:
