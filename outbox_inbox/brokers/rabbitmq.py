@@ -166,6 +166,9 @@ class RabbitMQBroker:
             raise BrokerConnectionError(
                 f"cannot connect to RabbitMQ at {self.description}: {exc!r}"
             ) from exc
+        # No property a sender sets can break a connection that reads messages: consumers,
+        # the operator tools reading dead letters, and publishers reading returns.
+        decode_leniently(connection)
         connection.add_on_connection_blocked_callback(self.flow_control.on_blocked)
         connection.add_on_connection_unblocked_callback(self.flow_control.on_unblocked)
         return connection
@@ -702,7 +705,6 @@ class RabbitMQConsumer:
         self._forward_channel: BlockingChannel | None = None
         self._buffer: deque[Delivery] = deque()
         self._consumer_tag: str | None = None
-        decode_leniently(connection)  # no property a sender sets can break this connection
         try:
             self._channel = connection.channel()
             self._channel.basic_qos(prefetch_count=prefetch)

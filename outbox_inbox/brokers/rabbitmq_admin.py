@@ -20,6 +20,7 @@ from pika.spec import BasicProperties
 from ..errors import BrokerConnectionError, BrokerError
 from ..messages import WireMessage
 from ..topology import Exchange, Queue
+from .amqp_fields import LenientProperties
 from .rabbitmq import CONNECTION_ERRORS, RabbitMQBroker, close_quietly, wire_message
 
 log = logging.getLogger(__name__)
@@ -284,7 +285,8 @@ class QueueReader:
         when the broker refused it. The original is not acknowledged here.
         """
         original: BasicProperties = message.properties
-        properties = BasicProperties(
+        # Lenient: what a lenient connection read (floats, raw fields) encodes back unchanged.
+        properties = LenientProperties(
             content_type=original.content_type,
             content_encoding=original.content_encoding,
             headers=dict(headers),

@@ -343,3 +343,46 @@ def test_purge_removes_exactly_what_was_listed(
         ("dead-letters purge", "table", 60, False),
         ("dead-letters purge", "queue", 1, False),
     ]
+
+
+def test_a_dead_letter_with_a_header_pika_cannot_decode_is_listed_and_replayed(
+    cli: Cli, make_service: Callable[..., Service], db_url: str, mq_url: str
+) -> None:
+    """A header timestamp past the year 9999 broke the operator's connection (pika's own
+    decoding); the tools read and republish it as the receiver does, unchanged."""
+    import amqp_raw
+
+    service = make_service()
+    service.declare_topology()
+    headers = amqp_raw.table_body(
+        [
+            ("far", amqp_raw.timestamp(2**64 - 1)),
+            (H_DEAD_REASON, amqp_raw.long_string("invalid: a test")),
+            (H_DEAD_QUEUE, amqp_raw.long_string("billing.inbox")),
+            ("x-original-exchange", amqp_raw.long_string("commands")),
+            ("x-original-routing-key", amqp_raw.long_string(INVOICE)),
+        ]
+    )
+    publisher = amqp_raw.RawPublisher(mq_url)
+    try:
+        assert publisher.publish(
+            "dead_letter",
+            "billing",
+            json.dumps({"n": 7}).encode(),
+            {"message_id": "far-1", "content_type": "application/json", "headers": headers},
+        )
+    finally:
+        publisher.close()
+    wait_until(lambda: _depth(mq_url, "billing.dead_letter") == 1, what="the dead letter")
+
+    listed = cli("dead-letters", "list", "--app", "cli_app:billing", "--source", "queue", "--json")
+    assert listed.returncode == 0, listed
+    assert [d["message_id"] for d in json.loads(listed.stdout)["dead_letters"]] == ["far-1"]
+
+    service.start()
+    replayed = cli(
+        "dead-letters", "replay", "--app", "cli_app:billing", "--source", "queue", "--all"
+    )
+    assert replayed.returncode == 0, replayed
+    wait_until(lambda: scalar(db_url, "SELECT count(*) FROM effects") == 1, what="handled")
+    assert _depth(mq_url, "billing.dead_letter") == 0
