@@ -16,6 +16,7 @@ import pika
 from sqlalchemy import text
 
 from helpers import make_service, rows, scalar, wait_until
+from outbox_inbox import Service
 
 APP = Path(__file__).with_name("poison_app.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,16 +123,15 @@ def _sleeping(db_url: str) -> int:
     )
 
 
-def test_message_that_hangs_the_receiver_is_dead_lettered_after_max_redeliveries(
-    db_url: str, mq_url: str
-) -> None:
+def hanging_billing(db_url: str, mq_url: str) -> Service:
+    """billing with poison_app's settings, whose inbox INSERT hangs on a payload with "hang",
+    as a driver bug or a runaway trigger would."""
     sys.path.insert(0, str(APP.parent))
     from poison_app import SETTINGS
 
     svc = make_service("billing", db_url, mq_url, **SETTINGS)
     svc.declare_topology()
     with svc.engine.begin() as conn:
-        # Storing this message hangs the receiver, as a driver bug or a runaway trigger would.
         conn.execute(
             text(
                 "CREATE FUNCTION hang() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
@@ -144,6 +144,13 @@ def test_message_that_hangs_the_receiver_is_dead_lettered_after_max_redeliveries
                 " FOR EACH ROW EXECUTE FUNCTION hang()"
             )
         )
+    return svc
+
+
+def test_message_that_hangs_the_receiver_is_dead_lettered_after_max_redeliveries(
+    db_url: str, mq_url: str
+) -> None:
+    hanging_billing(db_url, mq_url)
     (hang_id,) = _publish(mq_url, [{"hang": True}])
     kills = 0
     receiver = None

@@ -9,37 +9,18 @@ the next, and only it reaches `max_redeliveries`.
 from __future__ import annotations
 
 import signal
-import sys
 
 import pika
-from sqlalchemy import text
 
-from helpers import make_service, rows, scalar, wait_until
+from helpers import rows, scalar, wait_until
 
-from .test_poison import APP, _publish, _sleeping, _start, _stop
+from .test_poison import _publish, _sleeping, _start, _stop, hanging_billing
 
 
 def test_only_the_message_that_hangs_the_receiver_is_dead_lettered(
     db_url: str, mq_url: str
 ) -> None:
-    sys.path.insert(0, str(APP.parent))
-    from poison_app import SETTINGS
-
-    svc = make_service("billing", db_url, mq_url, **SETTINGS)
-    svc.declare_topology()
-    with svc.engine.begin() as conn:
-        conn.execute(
-            text(
-                "CREATE FUNCTION hang() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
-                " IF NEW.payload ? 'hang' THEN PERFORM pg_sleep(3600); END IF; RETURN NEW; END $$"
-            )
-        )
-        conn.execute(
-            text(
-                "CREATE TRIGGER hang BEFORE INSERT ON outbox_inbox.inbox_messages"
-                " FOR EACH ROW EXECUTE FUNCTION hang()"
-            )
-        )
+    svc = hanging_billing(db_url, mq_url)
     ids = _publish(
         mq_url, [{"n": n} for n in range(5)] + [{"hang": True}] + [{"n": n} for n in range(5, 10)]
     )
