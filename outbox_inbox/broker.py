@@ -7,6 +7,7 @@ thread. `Broker` objects themselves only hold settings and may be shared.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -24,6 +25,42 @@ class PublishOutcome(enum.Enum):
     TIMEOUT = "timeout"  # no confirm in time: unknown, so it will be sent again
     SKIPPED = "skipped"  # not sent: an earlier message with its ordering key failed
     FAILED = "failed"  # not confirmed because the connection failed
+    # The broker closed the channel while this message was unconfirmed, for a reason of its
+    # own (`Publisher.refusal`): this message or another one in flight with it was refused.
+    # Published alone, a REFUSED message is the one refused.
+    REFUSED = "refused"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """The broker's reason for closing a publishing channel: its reply code and text.
+
+    `max_body` is the broker's largest accepted message body when the refusal names it
+    (RabbitMQ's ``max_message_size``), else None.
+    """
+
+    code: int
+    text: str
+    max_body: int | None = None
+
+    @property
+    def message_specific(self) -> bool:
+        """True when the message itself was refused (406 PRECONDITION_FAILED: its size or a
+        property), not its destination (404: no such exchange; 403: no permission to it)."""
+        return self.code == 406
+
+    def __str__(self) -> str:
+        return f"refused by the broker: {self.code} {self.text}"
+
+    @classmethod
+    def of(cls, code: int, text: str) -> Refusal:
+        """The refusal a broker's reply code and text describe (RabbitMQ's wording)."""
+        found = _MAX_SIZE.search(text)
+        return cls(code, text, int(found.group(1)) if found else None)
+
+
+#: How RabbitMQ names its limit when it refuses a message for its size.
+_MAX_SIZE = re.compile(r"larger than configured max size (\d+)")
 
 
 @dataclass(frozen=True)
@@ -45,8 +82,15 @@ class Publisher(Protocol):
         ordering key are never in flight together, and once one fails, the later ones with that
         key are SKIPPED, so a key's messages reach the queue in the order given. Per-message
         problems are outcomes; if the connection fails, the unconfirmed messages are FAILED and
-        `broken` becomes true.
+        `broken` becomes true. If the broker closes the channel over a message (too large, a
+        missing exchange), the unconfirmed messages are REFUSED, the unsent ones SKIPPED,
+        `refusal` says why and `broken` becomes true.
         """
+        ...
+
+    @property
+    def refusal(self) -> Refusal | None:
+        """Why the broker last closed this publisher's channel; None if it never did."""
         ...
 
     @property
@@ -108,6 +152,14 @@ class Broker(Protocol):
 
     def queue_depth(self, queue: str) -> int | None:
         """Messages ready in `queue` (not the unacknowledged ones), or None if it is missing."""
+        ...
+
+    def body_limit(self, size: int) -> int | None:
+        """The broker's largest accepted message body, if it refuses a body of `size` bytes.
+
+        None when a body of `size` bytes is accepted. Raises BrokerError when the broker cannot
+        be asked.
+        """
         ...
 
     def close(self) -> None:

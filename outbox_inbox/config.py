@@ -57,6 +57,8 @@ class Settings:
     relay_poll_interval: float = 1.0
     relay_retry_initial: float = 1.0
     relay_retry_max: float = 60.0
+    #: Attempts after which a row the broker refuses by itself (too large, 406) is dead.
+    relay_max_attempts: int = 5
 
     # receiver
     prefetch: int = 500

@@ -152,19 +152,8 @@ def _claim_outbox_statement(tables: Tables, postgres: bool) -> Any:
         key_free = and_(
             key_free, func.pg_try_advisory_xact_lock(RELAY_LOCK, func.hashtext(o.c.key))
         )
-    relayed: list[Any] = [
-        c for c in o.c if c.name not in ("available_at", "published_at", "expired_at", "last_error")
-    ]
-    if postgres:
-        # Most rows have no headers of their own: NULL for those spares decoding a `{}`.
-        empty = cast(literal("{}"), JSONB)
-        headers = case((o.c.headers == empty, null()), else_=o.c.headers)
-        relayed = [
-            type_coerce(headers, o.c.headers.type).label("headers") if c.name == "headers" else c
-            for c in relayed
-        ]
     return (
-        select(*relayed, db_now().label("claimed_at"))
+        select(*_relayed_columns(tables, postgres), db_now().label("claimed_at"))
         .where(
             outbox_unsent(o),
             o.c.available_at <= db_now(),
@@ -174,6 +163,41 @@ def _claim_outbox_statement(tables: Tables, postgres: bool) -> Any:
         .limit(bindparam("limit", type_=Integer))
         .with_for_update(skip_locked=True, of=o)
     )
+
+
+def _relayed_columns(tables: Tables, postgres: bool) -> list[Any]:
+    """The outbox columns a relay publishes from."""
+    o = tables.outbox
+    left_out = (
+        "available_at",
+        "published_at",
+        "expired_at",
+        "last_error",
+        "dead_at",
+        "dead_reason",
+    )
+    relayed: list[Any] = [c for c in o.c if c.name not in left_out]
+    if postgres:
+        # Most rows have no headers of their own: NULL for those spares decoding a `{}`.
+        empty = cast(literal("{}"), JSONB)
+        headers = case((o.c.headers == empty, null()), else_=o.c.headers)
+        relayed = [
+            type_coerce(headers, o.c.headers.type).label("headers") if c.name == "headers" else c
+            for c in relayed
+        ]
+    return relayed
+
+
+def claimed_outbox_rows(
+    conn: Connection, tables: Tables, ids: Sequence[int]
+) -> dict[int, RowMapping]:
+    """The rows of `ids` as `claim_outbox` returns them, by id: rows this transaction claimed."""
+    if not ids:
+        return {}
+    postgres = _is_postgres(conn)
+    o = tables.outbox
+    stmt = select(*_relayed_columns(tables, postgres)).where(_among(o.c.id, postgres))
+    return {row["id"]: row for row in conn.execute(stmt, {"ids": list(ids)}).mappings()}
 
 
 def earliest_unsent(conn: Connection, tables: Tables, keys: Sequence[str]) -> dict[str, int]:
@@ -241,6 +265,86 @@ def _mark_publish_failed_statement(tables: Tables, postgres: bool) -> Any:
             available_at=db_now_plus(bindparam("delay", type_=Float)),
         )
     )
+
+
+def mark_outbox_dead(
+    conn: Connection, tables: Tables, ids: Sequence[int], reason: str, error: str
+) -> None:
+    """Count a last failed attempt on rows and take them out of the relay's way as dead."""
+    if ids:
+        stmt = _mark_outbox_dead_statement(tables, _is_postgres(conn))
+        conn.execute(stmt, {"ids": list(ids), "reason": reason[:255], "error": error[:2000]})
+
+
+@cache
+def _mark_outbox_dead_statement(tables: Tables, postgres: bool) -> Any:
+    o = tables.outbox
+    return (
+        update(o)
+        .where(_among(o.c.id, postgres))
+        .values(
+            attempts=o.c.attempts + 1,
+            last_error=bindparam("error", type_=String),
+            dead_reason=bindparam("reason", type_=String),
+            dead_at=db_now(),
+        )
+    )
+
+
+def dead_outbox_rows(
+    conn: Connection,
+    tables: Tables,
+    *,
+    routing_keys: Sequence[str] = (),
+    older_than: timedelta | None = None,
+    reason: str | None = None,
+    error: str | None = None,
+    message_ids: Sequence[uuid.UUID] = (),
+) -> Iterator[RowMapping]:
+    """Dead outbox rows matching every given filter, in id order, streamed.
+
+    The filters mean what they mean for `dead_inbox_rows`; each row carries ``age_seconds``.
+    """
+    o = tables.outbox
+    stmt = select(o, _age_seconds(o.c.dead_at).label("age_seconds")).where(o.c.dead_at.is_not(None))
+    if routing_keys:
+        stmt = stmt.where(o.c.routing_key.in_(list(routing_keys)))
+    if older_than is not None:
+        stmt = stmt.where(o.c.dead_at <= func.now() - older_than)
+    if reason is not None:
+        stmt = stmt.where(o.c.dead_reason == reason)
+    if error is not None:
+        stmt = stmt.where(o.c.last_error.icontains(error, autoescape=True))
+    if message_ids:
+        stmt = stmt.where(o.c.message_id.in_(list(message_ids)))
+    result = conn.execute(stmt.order_by(o.c.id).execution_options(yield_per=500))
+    yield from result.mappings()
+
+
+def replay_dead_outbox(conn: Connection, tables: Tables, ids: Sequence[int]) -> list[int]:
+    """Make dead outbox rows unsent again, due now, with their attempts reset; return the ids.
+
+    Only rows still dead are touched. last_error stays until the next attempt ends.
+    """
+    if not ids:
+        return []
+    o = tables.outbox
+    stmt = (
+        update(o)
+        .where(o.c.id.in_(list(ids)), o.c.dead_at.is_not(None))
+        .values(dead_at=None, dead_reason=None, attempts=0, available_at=func.now())
+        .returning(o.c.id)
+    )
+    return sorted(conn.execute(stmt).scalars())
+
+
+def purge_dead_outbox(conn: Connection, tables: Tables, ids: Sequence[int]) -> list[int]:
+    """Delete the outbox rows of `ids` that are still dead; return the ids deleted."""
+    if not ids:
+        return []
+    o = tables.outbox
+    stmt = delete(o).where(o.c.id.in_(list(ids)), o.c.dead_at.is_not(None)).returning(o.c.id)
+    return sorted(conn.execute(stmt).scalars())
 
 
 # --- inbox --------------------------------------------------------------------------------
@@ -672,7 +776,8 @@ def forget_deliveries(conn: Connection, tables: Tables, message_ids: Sequence[uu
 
 
 def outbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
-    """Unsent outbox rows, how many of them failed at least once, and the oldest one's age."""
+    """Unsent outbox rows, how many of them failed at least once, the oldest one's age, and
+    the dead rows (refused by the broker on every attempt)."""
     o = tables.outbox
     unsent = outbox_unsent(o)
     row = conn.execute(
@@ -682,10 +787,12 @@ def outbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
             func.max(_age_seconds(o.c.created_at)).label("oldest_age_seconds"),
         ).where(unsent)
     ).one()
+    dead = conn.execute(select(func.count()).where(o.c.dead_at.is_not(None))).scalar_one()
     return {
         "unpublished": int(row.unpublished),
         "retrying": int(row.retrying),
         "oldest_age_seconds": _float(row.oldest_age_seconds),
+        "dead": int(dead),
     }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
@@ -15,7 +15,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from . import queries
 from .backoff import Backoff
-from .broker import Broker, Publisher, PublishOutcome
+from .broker import Broker, Publisher, PublishOutcome, Refusal
 from .config import Settings
 from .errors import BrokerError
 from .listener import Listener, call
@@ -26,6 +26,10 @@ from .waker import Waker
 log = logging.getLogger(__name__)
 
 _PUBLISHED = (PublishOutcome.CONFIRMED, PublishOutcome.RETURNED)
+#: What a batch's messages are when the broker closed the channel over one of them.
+_IN_DOUBT = (PublishOutcome.REFUSED, PublishOutcome.SKIPPED)
+#: The dead_reason of an outbox row the broker refused on its every attempt.
+REFUSED_REASON = "refused"
 
 
 def outgoing(row: RowMapping, source: str) -> OutgoingMessage:
@@ -57,7 +61,13 @@ class Relay:
     them with confirms, mark the confirmed ones published, count a failed attempt on the rest,
     commit. A crash anywhere before the commit leaves the rows unpublished, so they are sent
     again and the receiving inbox drops the copy. A returned event (no queue subscribes to
-    it) counts as published; a returned command does not. `run` keeps up to three batches
+    it) counts as published; a returned command does not.
+
+    A message the broker refuses by closing the channel (RabbitMQ: larger than its
+    ``max_message_size``) cannot stop the others: the messages in doubt are published again
+    one by one in the batch's transaction, the refused one is found, its cause kept in
+    ``last_error``, and it is retried on its own schedule until it is dead after
+    ``relay_max_attempts`` (see `_isolate`). `run` keeps up to three batches
     open at once, each in its own transaction, so that the broker confirms one while the
     relay claims and encodes the next (see `_relay_stream`).
     """
@@ -83,6 +93,11 @@ class Relay:
         self._publisher: Publisher | None = None
         self.published = 0  # messages marked published by this relay (for tests and status)
         self.expired = 0  # messages marked expired instead
+        self.dead = 0  # messages marked dead: refused by the broker on every attempt
+        # The broker's largest accepted body, once known (probed at start, or named by a
+        # refusal): a larger message is refused here without being sent.
+        self._max_body: int | None = None
+        self._limit_probed = False
 
     def run(self, stop: threading.Event, *, on_started: Callable[[], None] | None = None) -> None:
         """Relay batches until `stop` is set; the batch in hand is finished first."""
@@ -126,15 +141,15 @@ class Relay:
                 return count
             publisher = self._ensure_publisher()
             messages = [outgoing(row, self._service) for row in rows]
+            wires = [to_wire(m) for m in messages]
+            rows, wires, messages = self._without_oversized(conn, rows, wires, messages)
             outcomes = publisher.publish_batch(
-                [to_wire(m) for m in messages], window=s.publish_window, timeout=s.confirm_timeout
+                wires, window=s.publish_window, timeout=s.confirm_timeout
             )
             marking = _Marking.of(rows)
-            published = self._mark(conn, marking, outcomes, messages)
+            published = self._settle(conn, marking, outcomes, messages, publisher)
         self._committed(published, messages)
-        if publisher.broken:
-            self._drop_publisher()
-            raise BrokerError("publishing connection broke during the batch")
+        self._check_publisher(publisher)
         return count
 
     def _relay_stream(self, stop: threading.Event) -> int:
@@ -203,9 +218,7 @@ class Relay:
             raise
         if error is not None:
             raise error
-        if publisher.broken:
-            self._drop_publisher()
-            raise BrokerError("publishing connection broke during the batch")
+        self._check_publisher(publisher)
         return count
 
     def _open_batch(self, publisher: _Pipelined) -> tuple[_Batch | None, int]:
@@ -240,6 +253,11 @@ class Relay:
                     messages.append(message)
                 if not n % _PUMP_EVERY:
                     publisher.pump(0)
+            rows, wires, messages = self._without_oversized(conn, rows, wires, messages)
+            if not rows:
+                transaction.commit()
+                conn.close()
+                return None, count
             marking = _Marking.of(rows)
             publishing = publisher.start_batch(
                 wires, window=s.publish_window, timeout=s.confirm_timeout
@@ -252,8 +270,8 @@ class Relay:
     def _finish(self, batch: _Batch, publisher: _Pipelined) -> None:
         """Mark a batch whose every message has an outcome, and commit it."""
         try:
-            published = self._mark(
-                batch.conn, batch.marking, batch.publishing.results(), batch.messages
+            published = self._settle(
+                batch.conn, batch.marking, batch.publishing.results(), batch.messages, publisher
             )
             publisher.pump(0)
             batch.transaction.commit()
@@ -281,27 +299,206 @@ class Relay:
             rows = [r for r in rows if not _expired(r)]
         return rows, len(rows) + len(expired)
 
-    def _mark(
+    def _settle(
         self,
         conn: Connection,
         marking: _Marking,
         outcomes: Sequence[PublishOutcome],
         messages: list[OutgoingMessage],
+        publisher: Publisher | _Pipelined,
+    ) -> list[int]:
+        """Mark a batch whose every message has an outcome; return the published row ids.
+
+        If the broker closed the channel over one of them, the messages in doubt are first
+        published alone to find it (`_isolate`).
+        """
+        refusals: dict[int, Refusal] = {}
+        if PublishOutcome.REFUSED in outcomes:
+            refusal = publisher.refusal or Refusal(0, "the broker closed the channel")
+            outcomes, refusals = self._isolate(conn, marking, outcomes, refusal)
+        call(self._listener, "relay_confirmed", messages, outcomes)
+        return self._mark(conn, marking, outcomes, refusals)
+
+    def _isolate(
+        self,
+        conn: Connection,
+        marking: _Marking,
+        outcomes: Sequence[PublishOutcome],
+        refusal: Refusal,
+    ) -> tuple[list[PublishOutcome], dict[int, Refusal]]:
+        """Publish the messages in doubt of a refused batch one by one; return their outcomes.
+
+        The broker closed the channel over one message of the batch without saying which:
+        the unconfirmed ones (REFUSED) and the unsent ones (SKIPPED) are published again, alone,
+        in id order, each on a channel of its own until one is refused; that one is refused by
+        itself. The rows are still locked by the batch's transaction, so nobody else
+        publishes them meanwhile. A key whose message failed keeps its later messages unsent
+        (SKIPPED), as in any batch. When the broker refuses one alone for its destination (a
+        missing exchange, no permission), the rest for that exchange would be refused the same
+        way and are not tried; when the connection fails, the rest stay unsent for the next
+        batch.
+        """
+        self._learn_limit(refusal.max_body)
+        result = list(outcomes)
+        refusals: dict[int, Refusal] = {}
+        doubt = [i for i, o in enumerate(outcomes) if o in _IN_DOUBT]
+        log.warning(
+            "relay: %s; publishing the %d messages in doubt one by one", refusal, len(doubt)
+        )
+        rows = queries.claimed_outbox_rows(conn, self._tables, [marking.ids[i] for i in doubt])
+        failed_keys: set[str] = set()
+        closed: dict[str, Refusal] = {}  # exchanges refused as a destination
+        lost = False  # the connection failed: the rest stay unsent
+        for index in doubt:
+            row = rows[marking.ids[index]]
+            key = row["key"]
+            if lost or (key is not None and key in failed_keys):
+                result[index] = PublishOutcome.SKIPPED
+                continue
+            if row["exchange"] in closed:
+                result[index], refusals[index] = PublishOutcome.REFUSED, closed[row["exchange"]]
+                continue
+            wire = to_wire(outgoing(row, self._service))
+            outcome, why = self._publish_alone(wire)
+            result[index] = outcome
+            if why is not None:
+                refusals[index] = why
+                if not why.message_specific:
+                    closed[row["exchange"]] = why
+            elif outcome not in _PUBLISHED:
+                lost = outcome is PublishOutcome.FAILED
+            if outcome not in _PUBLISHED and key is not None:
+                failed_keys.add(key)
+        return result, refusals
+
+    def _publish_alone(self, wire: WireMessage) -> tuple[PublishOutcome, Refusal | None]:
+        """Publish one message with nothing else in flight; a refusal is then its own."""
+        too_large = self._too_large(wire)
+        if too_large is not None:
+            return PublishOutcome.REFUSED, too_large
+        s = self._settings
+        try:
+            publisher = self._ensure_publisher()
+        except BrokerError as exc:
+            log.warning("relay: cannot publish the messages in doubt: %s", exc)
+            return PublishOutcome.FAILED, None
+        [outcome] = publisher.publish_batch([wire], window=1, timeout=s.confirm_timeout)
+        if outcome is PublishOutcome.REFUSED:
+            why = publisher.refusal or Refusal(0, "the broker closed the channel")
+            self._learn_limit(why.max_body)
+            return outcome, why
+        return outcome, None
+
+    def _without_oversized(
+        self,
+        conn: Connection,
+        rows: list[RowMapping],
+        wires: list[WireMessage],
+        messages: list[OutgoingMessage],
+    ) -> tuple[list[RowMapping], list[WireMessage], list[OutgoingMessage]]:
+        """Take the messages larger than the broker accepts out of a batch, marked refused.
+
+        Only once the broker's limit is known (`_learn_limit`). The later messages of a key
+        whose message was refused leave the batch too, unmarked: they wait for that one.
+        `messages` may be empty (no listener); else it is filtered alike.
+        """
+        if self._max_body is None or not any(len(w.body) > self._max_body for w in wires):
+            return rows, wires, messages
+        kept = []
+        refused: dict[int, Refusal] = {}
+        failed_keys: set[str] = set()
+        for index, (row, wire) in enumerate(zip(rows, wires, strict=True)):
+            key = row["key"]
+            if key is not None and key in failed_keys:
+                continue
+            why = self._too_large(wire)
+            if why is None:
+                kept.append(index)
+                continue
+            refused[index] = why
+            if key is not None:
+                failed_keys.add(key)
+        marking = _Marking.of([rows[i] for i in refused])
+        outcomes = [PublishOutcome.REFUSED] * len(refused)
+        self._mark(conn, marking, outcomes, dict(enumerate(refused.values())))
+        return (
+            [rows[i] for i in kept],
+            [wires[i] for i in kept],
+            [messages[i] for i in kept] if messages else messages,
+        )
+
+    def _too_large(self, wire: WireMessage) -> Refusal | None:
+        limit = self._max_body
+        size = len(wire.body)
+        if limit is None or size <= limit:
+            return None
+        return Refusal(
+            406,
+            f"PRECONDITION_FAILED - message size {size} is larger than the broker's max size "
+            f"{limit} (not sent: the broker refused such a message before)",
+            limit,
+        )
+
+    def _learn_limit(self, max_body: int | None) -> None:
+        """Remember the broker's largest accepted body; say so if it is below max_payload_bytes."""
+        if max_body is None or max_body == self._max_body:
+            return
+        self._max_body = max_body
+        allowed = self._settings.max_payload_bytes
+        if max_body < allowed:
+            log.error(
+                "relay of %s: the broker accepts message bodies of at most %d bytes "
+                "(RabbitMQ's max_message_size), less than max_payload_bytes=%d: a larger "
+                "message is refused and ends dead in the outbox after relay_max_attempts; "
+                "lower max_payload_bytes or raise the broker's limit",
+                self._service,
+                max_body,
+                allowed,
+            )
+
+    def _probe_limit(self) -> None:
+        """Ask the broker once whether it accepts bodies of max_payload_bytes (advisory)."""
+        if self._limit_probed:
+            return
+        try:
+            limit = self._broker.body_limit(self._settings.max_payload_bytes)
+        except BrokerError as exc:
+            log.debug("relay: the broker's message size limit is unknown: %s", exc)
+            return
+        self._limit_probed = True
+        self._learn_limit(limit)
+
+    def _mark(
+        self,
+        conn: Connection,
+        marking: _Marking,
+        outcomes: Sequence[PublishOutcome],
+        refusals: Mapping[int, Refusal],
     ) -> list[int]:
         """Mark the published rows, count a failed attempt on the others; return the former.
 
-        `messages` are the batch's messages for the listener (empty without one).
+        `refusals` are the broker's reasons for the REFUSED ones, by index. A row the broker
+        refused by itself is dead at its `relay_max_attempts`-th attempt; nothing else kills a
+        row. SKIPPED rows were not tried: they are left as they are.
         """
-        call(self._listener, "relay_confirmed", messages, outcomes)
         published: list[int] = []
         failed: dict[str, list[tuple[int, int]]] = {}
-        for row_id, kind, attempts, outcome in zip(
-            marking.ids, marking.kinds, marking.attempts, outcomes, strict=True
+        dead: dict[str, list[int]] = {}
+        for index, (row_id, kind, attempts, outcome) in enumerate(
+            zip(marking.ids, marking.kinds, marking.attempts, outcomes, strict=True)
         ):
             if outcome is PublishOutcome.CONFIRMED or (
                 outcome is PublishOutcome.RETURNED and kind != COMMAND
             ):
                 published.append(row_id)
+            elif outcome is PublishOutcome.SKIPPED:
+                continue
+            elif outcome is PublishOutcome.REFUSED:
+                why = refusals.get(index) or Refusal(0, "the broker closed the channel")
+                if why.message_specific and attempts + 1 >= self._settings.relay_max_attempts:
+                    dead.setdefault(str(why), []).append(row_id)
+                else:
+                    failed.setdefault(str(why), []).append((row_id, attempts))
             else:
                 reason = (
                     "unroutable: no queue is bound for this command"
@@ -315,6 +512,15 @@ class Relay:
                 queries.mark_publish_failed(
                     conn, self._tables, ids, reason, self._retry_delay(attempts)
                 )
+        for error, ids in dead.items():
+            queries.mark_outbox_dead(conn, self._tables, ids, REFUSED_REASON, error)
+            self.dead += len(ids)
+            log.error(
+                "relay: %d messages dead after %d attempts: %s",
+                len(ids),
+                self._settings.relay_max_attempts,
+                error,
+            )
         if failed:
             log.warning(
                 "relay: %d of %d messages not confirmed, kept for retry",
@@ -323,6 +529,20 @@ class Relay:
                 extra={"reasons": sorted(failed)},
             )
         return published
+
+    def _check_publisher(self, used: Publisher | _Pipelined) -> None:
+        """Drop a broken publisher after batches; raise BrokerError if its connection failed.
+
+        A publisher broken by a refusal was dealt with (the refused message was isolated): the
+        next batch simply opens another one.
+        """
+        lost = used.broken and used.refusal is None
+        current = self._publisher
+        if current is not None and current.broken:
+            lost = lost or current.refusal is None
+            self._drop_publisher()
+        if lost:
+            raise BrokerError("publishing connection broke during the batch")
 
     def _committed(self, published: list[int], messages: list[OutgoingMessage]) -> None:
         self.published += len(published)
@@ -358,6 +578,7 @@ class Relay:
     def _ensure_publisher(self) -> Publisher:
         if self._publisher is None or self._publisher.broken:
             self._drop_publisher()
+            self._probe_limit()
             self._publisher = self._broker.publisher()
         return self._publisher
 
@@ -391,6 +612,9 @@ class _Pipelined(Protocol):
 
     @property
     def broken(self) -> bool: ...
+
+    @property
+    def refusal(self) -> Refusal | None: ...
 
     def start_batch(
         self, messages: Sequence[WireMessage], *, window: int, timeout: float

@@ -64,8 +64,10 @@ class Tables:
 
 
 def outbox_unsent(outbox: Table | Any) -> ColumnElement[bool]:
-    """The predicate of outbox rows still to be published: neither published nor expired."""
-    return and_(outbox.c.published_at.is_(None), outbox.c.expired_at.is_(None))
+    """The predicate of outbox rows still to be published: not published, expired or dead."""
+    return and_(
+        outbox.c.published_at.is_(None), outbox.c.expired_at.is_(None), outbox.c.dead_at.is_(None)
+    )
 
 
 @cache
@@ -103,6 +105,10 @@ def build_tables(schema: str | None = "outbox_inbox") -> Tables:
         Column("expired_at", _Time, nullable=True),
         Column("attempts", Integer, nullable=False, server_default=text("0")),
         Column("last_error", Text, nullable=True),
+        # Set instead of published_at when the broker refused the row on its every attempt
+        # (relay_max_attempts), with why in dead_reason and the broker's words in last_error.
+        Column("dead_at", _Time, nullable=True),
+        Column("dead_reason", String(255), nullable=True),
         CheckConstraint("kind IN ('command', 'event')", name="kind"),
     )
     unsent = outbox_unsent(outbox)
@@ -118,6 +124,12 @@ def build_tables(schema: str | None = "outbox_inbox") -> Tables:
         outbox.c.id,
         postgresql_where=unsent & outbox.c.key.is_not(None),
         sqlite_where=unsent & outbox.c.key.is_not(None),
+    )
+    Index(
+        "ix_outbox_messages_dead",
+        outbox.c.id,
+        postgresql_where=outbox.c.dead_at.is_not(None),
+        sqlite_where=outbox.c.dead_at.is_not(None),
     )
 
     inbox = Table(

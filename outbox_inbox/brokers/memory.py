@@ -52,7 +52,7 @@ from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any
 
-from ..broker import Delivery, PublishOutcome
+from ..broker import Delivery, PublishOutcome, Refusal
 from ..errors import (
     BrokerConnectionError,
     BrokerError,
@@ -115,11 +115,19 @@ H_DELIVERY_COUNT = "x-delivery-count"
 EXPIRED, MAXLEN, DELIVERY_LIMIT = "expired", "maxlen", "delivery_limit"
 
 
-class _NoExchange(Exception):
+class _Refused(Exception):
+    """The broker refuses a publish as RabbitMQ does, by closing the channel."""
+
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(str(refusal))
+        self.refusal = refusal
+
+
+class _NoExchange(_Refused):
     """A publish named an exchange that does not exist (RabbitMQ closes the channel: 404)."""
 
     def __init__(self, name: str) -> None:
-        super().__init__(f"no exchange {name!r}")
+        super().__init__(Refusal(404, f"NOT_FOUND - no exchange '{name}' in vhost '/'"))
         self.name = name
 
 
@@ -260,8 +268,10 @@ class MemoryBroker:
     away. Usable as a context manager that closes it.
     """
 
-    def __init__(self, *, name: str | None = None) -> None:
+    def __init__(self, *, name: str | None = None, max_message_bytes: int | None = None) -> None:
         self._name = name or uuid.uuid4().hex[:12]
+        # Like RabbitMQ's max_message_size: a larger body closes the publishing channel.
+        self._max_body = max_message_bytes
         self._lock = threading.RLock()
         self._exchanges: dict[str, _ExchangeState] = {}
         self._queues: dict[str, _QueueState] = {}
@@ -356,6 +366,14 @@ class MemoryBroker:
             self._dirty[queue] = None  # expire what is due first
             self._settle()
             return state.ready()
+
+    def body_limit(self, size: int) -> int | None:
+        """`max_message_bytes` if it is below `size`, else None."""
+        with self._lock:
+            self._check_open()
+        if self._max_body is not None and size > self._max_body:
+            return self._max_body
+        return None
 
     def close(self) -> None:
         """Stop the timer thread, drop every message, fail waiting fetches. Idempotent."""
@@ -464,10 +482,20 @@ class MemoryBroker:
     def _publish(self, message: WireMessage) -> PublishOutcome:
         """Route and enqueue one message as a mandatory publish with confirms.
 
-        Raises _NoExchange. A message routed to several queues is NACKED if any of them refused
-        it, though the others keep their copy, as RabbitMQ does.
+        Raises _Refused (_NoExchange for a missing exchange). A message routed to several
+        queues is NACKED if any of them refused it, though the others keep their copy, as
+        RabbitMQ does.
         """
         self._check_open()
+        size = len(message.body)
+        if self._max_body is not None and size > self._max_body:
+            raise _Refused(
+                Refusal.of(
+                    406,
+                    f"PRECONDITION_FAILED - message size {size} is larger than configured "
+                    f"max size {self._max_body}",
+                )
+            )
         if message.priority is not None and not 0 <= message.priority <= 255:
             raise MessageError(f"priority {message.priority} is outside 0..255")
         targets = self._route(message.exchange, message.routing_key)
@@ -684,17 +712,24 @@ class MemoryPublisher:
 
     Follows the `Publisher` contract: one outcome per message, RETURNED when no queue is bound,
     NACKED when a queue with ``reject-publish`` is full, SKIPPED for the later messages of an
-    ordering key after one failed. A publish to a missing exchange makes it `broken` (RabbitMQ
-    closes the channel) and the rest of the batch FAILED; so does a closed broker.
+    ordering key after one failed. A publish to a missing exchange, or of a body larger than
+    the broker's `max_message_bytes`, is REFUSED, makes it `broken` with the `refusal`
+    (RabbitMQ closes the channel) and SKIPS the rest of the batch; a closed broker makes it
+    `broken` and the rest of the batch FAILED.
     """
 
     def __init__(self, broker: MemoryBroker) -> None:
         self._broker = broker
         self._broken = False
+        self._refusal: Refusal | None = None
 
     @property
     def broken(self) -> bool:
         return self._broken or self._broker.closed
+
+    @property
+    def refusal(self) -> Refusal | None:
+        return self._refusal
 
     def idle(self) -> None:
         """Nothing to service: there is no connection."""
@@ -721,7 +756,14 @@ class MemoryPublisher:
             try:
                 with self._broker._lock:
                     outcome = self._broker._publish(message)
-            except (_NoExchange, BrokerConnectionError) as exc:
+            except _Refused as exc:
+                log.warning("in-memory publishing channel closed: %s", exc.refusal)
+                self._broken = True
+                self._refusal = exc.refusal
+                outcomes.append(PublishOutcome.REFUSED)
+                outcomes.extend([PublishOutcome.SKIPPED] * (len(messages) - index - 1))
+                break
+            except BrokerConnectionError as exc:
                 log.warning("in-memory publisher broken: %s", exc)
                 self._broken = True
                 outcomes.extend([PublishOutcome.FAILED] * (len(messages) - index))
@@ -861,7 +903,7 @@ class MemoryConsumer:
             )
             try:
                 outcome = broker._publish(outgoing)
-            except _NoExchange as exc:
+            except _Refused as exc:
                 raise BrokerConnectionError(f"forwarding failed: {exc}") from exc
             if outcome is PublishOutcome.RETURNED:
                 raise BrokerError(

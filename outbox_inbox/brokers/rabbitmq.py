@@ -17,7 +17,7 @@ import pika.frame
 from pika.adapters.blocking_connection import BlockingChannel
 from pika.spec import Basic, BasicProperties
 
-from ..broker import Delivery, PublishOutcome
+from ..broker import Delivery, PublishOutcome, Refusal
 from ..errors import (
     BrokerAccessRefused,
     BrokerConnectionError,
@@ -226,6 +226,34 @@ class RabbitMQBroker:
             raise BrokerError(f"cannot inspect queue {queue!r}: {exc!r}") from exc
         finally:
             close_quietly(connection)
+
+    def body_limit(self, size: int) -> int | None:
+        """RabbitMQ's ``max_message_size`` if it refuses a body of `size` bytes, else None.
+
+        AMQP does not announce the limit, so this publishes a body of `size` zero bytes,
+        confirmed and not mandatory, to a routing key of the default exchange that no queue
+        has (the broker drops it), and reads the limit from the refusal if one comes.
+        """
+        connection = self.connect()
+        try:
+            channel = connection.channel()
+            channel.confirm_delivery()
+            try:
+                channel.basic_publish("", SIZE_PROBE_ROUTING_KEY, bytes(size))
+            except pika.exceptions.ChannelClosedByBroker as exc:
+                refusal = Refusal.of(exc.reply_code, exc.reply_text)
+                if refusal.max_body is not None:
+                    return refusal.max_body
+                raise BrokerError(f"probing the message size limit: {refusal}") from exc
+            return None
+        except CONNECTION_ERRORS as exc:
+            raise BrokerError(f"cannot probe the message size limit: {exc!r}") from exc
+        finally:
+            close_quietly(connection)
+
+
+#: Where `RabbitMQBroker.body_limit` sends its probe: a queue name no service can have.
+SIZE_PROBE_ROUTING_KEY = "outbox-inbox.size-probe"
 
 
 # --- publishing frames ---------------------------------------------------------------------
@@ -492,6 +520,7 @@ class RabbitMQPublisher:
     def __init__(self, connection: pika.BlockingConnection) -> None:
         self._connection = connection
         self._broken = False
+        self._refusal: Refusal | None = None
         self._channel = connection.channel()
         self._impl = self._channel._impl
         self._frames = _PublishFrames(
@@ -520,6 +549,10 @@ class RabbitMQPublisher:
     @property
     def broken(self) -> bool:
         return self._broken
+
+    @property
+    def refusal(self) -> Refusal | None:
+        return self._refusal
 
     def idle(self) -> None:
         """Let pika send and check heartbeats; a dead connection makes `broken` true."""
@@ -596,10 +629,16 @@ class RabbitMQPublisher:
                 # Flush what was written, then wait briefly for confirms.
                 self._connection.process_data_events(time_limit=0 if sent else wait)
                 if self._impl.is_closing or self._impl.is_closed:
-                    # The broker closed the channel (e.g. 404: the exchange does not exist):
-                    # no confirm will come, so do not wait for the timeout.
-                    log.warning("publishing channel closed by the broker")
-                    self._break(PublishOutcome.FAILED)
+                    # The broker closed the channel over a message (406: too large; 404: no
+                    # such exchange): no confirm will come, so do not wait for the timeout.
+                    reason = self._impl._closing_reason
+                    if isinstance(reason, pika.exceptions.ChannelClosedByBroker):
+                        self._refusal = Refusal.of(reason.reply_code, reason.reply_text)
+                        log.warning("publishing channel closed: %s", self._refusal)
+                        self._break(PublishOutcome.REFUSED)
+                    else:
+                        log.warning("publishing channel closed: %r", reason)
+                        self._break(PublishOutcome.FAILED)
                     return
                 self._settle_confirms()
         except CONNECTION_ERRORS as exc:

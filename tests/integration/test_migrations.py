@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import create_engine, inspect
+from sqlalchemy import create_engine, inspect, text
 
 from outbox_inbox import ConfigurationError
 from outbox_inbox.migrate import alembic_config, downgrade, upgrade
@@ -82,3 +83,52 @@ def test_the_service_version_table_is_left_alone(db_url: str) -> None:
 def test_invalid_schema_is_refused_before_touching_the_database() -> None:
     with pytest.raises(ConfigurationError):
         alembic_config("postgresql+psycopg://127.0.0.1:1/none", schema="x; drop schema public")
+
+
+@pytest.mark.parametrize("dialect", ["postgresql", "sqlite"])
+def test_downgrading_below_0003_keeps_a_dead_outbox_row_from_being_published_again(
+    db_url: str, tmp_path: Any, dialect: str
+) -> None:
+    """Without dead_at a dead row would look unsent: it is kept out of the relay's way."""
+    url = db_url if dialect == "postgresql" else f"sqlite:///{tmp_path / 'db.sqlite'}"
+    schema = "outbox_inbox" if dialect == "postgresql" else ""
+    table = f"{schema}.outbox_messages" if schema else "outbox_messages"
+    config = alembic_config(url, schema="outbox_inbox")
+    upgrade(config)
+    engine = create_engine(url)
+    try:
+        with engine.begin() as conn:
+            for message_id, dead in (
+                ("7d1f2c1e-0000-4000-8000-000000000001", True),
+                ("7d1f2c1e-0000-4000-8000-000000000002", False),
+            ):
+                conn.execute(
+                    text(
+                        f"INSERT INTO {table} (message_id, kind, exchange, routing_key, payload,"
+                        " headers, dead_at, dead_reason)"
+                        " VALUES (:m, 'event', 'events', 'a.b', '{}', '{}', :dead_at, :reason)"
+                    ),
+                    {
+                        "m": message_id if dialect == "postgresql" else message_id.replace("-", ""),
+                        "dead_at": datetime.now(UTC) if dead else None,
+                        "reason": "refused" if dead else None,
+                    },
+                )
+        downgrade(config, "0002")
+        with engine.connect() as conn:
+            got = (
+                conn.execute(text(f"SELECT expired_at IS NOT NULL FROM {table} ORDER BY id"))
+                .scalars()
+                .all()
+            )
+            columns = {
+                c["name"]
+                for c in inspect(conn).get_columns("outbox_messages", schema=schema or None)
+            }
+        assert got == [True, False]
+        assert "dead_at" not in columns
+        upgrade(config)
+        if dialect == "postgresql":
+            assert _diff(url, "outbox_inbox") == []
+    finally:
+        engine.dispose()

@@ -56,4 +56,4 @@ def test_wheel_installed_in_a_fresh_venv_runs_db_upgrade(tmp_path: Path, db_url:
         cwd=tmp_path,
         env=env,
     )
-    assert "0002 (head)" in current
+    assert "0003 (head)" in current
