@@ -50,8 +50,12 @@ def write_audit(
     message_ids: list[str],
     dry_run: bool,
     error: str | None = None,
+    client: str | None = None,
 ) -> dict[str, Any]:
     """Append one line (who, on which host, what, how many) to `path` and log it at WARNING.
+
+    `client` names who asked when it is not the user running the process (the dashboard:
+    the authenticated user and the remote address).
 
     The file is opened in append mode and written with one write call, so lines of concurrent
     operators do not interleave.
@@ -73,6 +77,8 @@ def write_audit(
         entry["message_ids_truncated"] = True
     if error is not None:
         entry["error"] = error
+    if client is not None:
+        entry["client"] = client
     line = mask(json.dumps(entry, ensure_ascii=False, default=str))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8") as file:
