@@ -1,7 +1,8 @@
 """Opening an audit report in headless Chromium: the rendered DOM and a decoded screenshot.
 
-Shared by the report's unit tests and the end-to-end pipeline test. Standard library only
-(the PNG decoder included), plus the Chromium binary, which these tests skip without.
+Shared by the report's unit tests, the end-to-end pipeline test and the dashboard's browser
+tests. Standard library only (the PNG decoder included), plus the Chromium binary, which these
+tests fail without (scripts/test installs it).
 """
 
 from __future__ import annotations
@@ -95,11 +96,17 @@ def parse(page: str) -> ReportParser:
 
 
 def chromium_binary() -> str:
+    """The Chromium binary on PATH. Fails the test without one: scripts/test installs Debian's
+    `chromium` (tests/servers.py ensure_chromium_installed), so a missing browser is a broken
+    setup, never a reason to skip the browser checks."""
     for name in CHROMIUM_NAMES:
         path = shutil.which(name)
         if path:
             return path
-    pytest.skip(f"no Chromium binary found on PATH (looked for {', '.join(CHROMIUM_NAMES)})")
+    pytest.fail(
+        f"no Chromium binary found on PATH (looked for {', '.join(CHROMIUM_NAMES)}): run "
+        "scripts/test, which installs Debian's chromium, or `apt-get install chromium` as root"
+    )
 
 
 def run_chromium(binary: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -232,7 +239,7 @@ def render_in_chromium(
     report: Path, work: Path
 ) -> tuple[ReportParser, dict[str, list[float]], Image]:
     """Open `report` in headless Chromium: its rendered DOM, where the layout put each chart
-    (left, top, width, height), and a screenshot of the page as shipped. Skips without
+    (left, top, width, height), and a screenshot of the page as shipped. Fails without
     Chromium."""
     binary = chromium_binary()
     work.mkdir(parents=True, exist_ok=True)

@@ -61,6 +61,7 @@ __all__ = [
     "RabbitMQHandle",
     "RabbitMQServer",
     "ServerError",
+    "ensure_chromium_installed",
     "ensure_postgres_installed",
     "ensure_rabbitmq_installed",
     "free_port",
@@ -1277,6 +1278,22 @@ def ensure_postgres_installed(bin_dir: Path | str = PG_BIN_DIR) -> bool:
     return True
 
 
+#: Names the Chromium binary has on PATH (Debian's package: chromium).
+CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
+
+
+def ensure_chromium_installed() -> bool:
+    """Install Debian's chromium (and a font for its text) if no Chromium is on PATH (needs
+    root). Returns True when it installed it; raises ServerError when it cannot, so that the
+    browser tests never find it missing."""
+    if any(shutil.which(name) for name in CHROMIUM_NAMES):
+        return False
+    _apt_install("chromium", "fonts-liberation")
+    if not shutil.which("chromium"):
+        raise ServerError("chromium installed, but no chromium binary is on PATH")
+    return True
+
+
 if __name__ == "__main__":  # pragma: no cover - used by scripts/test, and by hand
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     command = sys.argv[1] if len(sys.argv) > 1 else "run"
@@ -1284,6 +1301,8 @@ if __name__ == "__main__":  # pragma: no cover - used by scripts/test, and by ha
         ensure_rabbitmq_installed()
     elif command == "install-postgres":
         ensure_postgres_installed()
+    elif command == "install-chromium":
+        ensure_chromium_installed()
     elif command == "run":  # start both, print their URLs, clean up on Ctrl-C or SIGTERM
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -1292,4 +1311,6 @@ if __name__ == "__main__":  # pragma: no cover - used by scripts/test, and by ha
             with contextlib.suppress(KeyboardInterrupt):
                 signal.pause()
     else:
-        sys.exit(f"usage: {sys.argv[0]} [run | install-rabbitmq | install-postgres]")
+        sys.exit(
+            f"usage: {sys.argv[0]} [run | install-rabbitmq | install-postgres | install-chromium]"
+        )
