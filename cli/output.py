@@ -16,7 +16,7 @@ from urllib.parse import unquote, urlsplit
 
 import click
 
-from outbox_inbox.logsafe import mask_url
+from outbox_inbox.logsafe import mask_url, url_passwords
 
 _secrets: set[str] = set()
 
@@ -37,8 +37,12 @@ def remember_secret(url: str | None) -> None:
         return
     with contextlib.suppress(ValueError):
         password = urlsplit(url).password
-        if password and len(password) >= 3:  # a 1-2 character "secret" would mangle the output
+        if password:
             _secrets.update({password, unquote(password)})
+    # A malformed URL too: whatever mask_url would hide in it.
+    _secrets.update(url_passwords(url))
+    # A 1-2 character "secret" would mangle the output.
+    _secrets.difference_update({s for s in _secrets if len(s) < 3})
 
 
 def mask(text: str) -> str:

@@ -18,7 +18,7 @@ from sqlalchemy.exc import ArgumentError
 from outbox_inbox.brokers.rabbitmq import RabbitMQBroker
 from outbox_inbox.config import DB_URL_ENV, MQ_URL_ENV, validate_identifier, validate_service_name
 from outbox_inbox.errors import ConfigurationError
-from outbox_inbox.logsafe import mask_url
+from outbox_inbox.logsafe import mask_text, mask_url
 from outbox_inbox.migrate import DEFAULT_SCHEMA
 from outbox_inbox.service import Service
 from outbox_inbox.tables import Tables, build_tables
@@ -67,16 +67,18 @@ def checked_db_url(url: str) -> str:
     try:
         make_url(url)
         create_engine(url).dispose()  # loads the dialect and driver, connects to nothing
+    # The parser's own error quotes the URL or its parts: reported masked, and not chained
+    # (a -v traceback would print it whole).
     except ImportError as exc:
         raise ConfigurationError(
-            f"database URL {mask_url(url)}: its driver is not installed ({exc}); "
-            "use a URL like postgresql+psycopg://user@host:5432/dbname"
-        ) from exc
+            f"database URL {mask_url(url)}: its driver is not installed "
+            f"({mask_text(exc, url)}); use a URL like postgresql+psycopg://user@host:5432/dbname"
+        ) from None
     except (ArgumentError, ValueError, TypeError) as exc:
         raise ConfigurationError(
-            f"malformed database URL {mask_url(url)}: {exc}; "
+            f"malformed database URL {mask_url(url)}: {mask_text(exc, url)}; "
             "expected a URL like postgresql+psycopg://user@host:5432/dbname"
-        ) from exc
+        ) from None
     return url
 
 

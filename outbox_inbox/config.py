@@ -6,8 +6,11 @@ import os
 import re
 from dataclasses import dataclass, field, fields
 
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+
 from .errors import ConfigurationError
-from .logsafe import mask_url
+from .logsafe import mask_text, mask_url
 from .retry import RetryPolicy
 
 #: An unquoted PostgreSQL identifier of at most 63 bytes: what a schema name may be.
@@ -27,6 +30,31 @@ def validate_identifier(value: str, what: str = "schema") -> str:
             "(starting with a letter or _, at most 63 characters)"
         )
     return value
+
+
+def validate_db_url(url: str) -> str:
+    """Return `url` if SQLAlchemy can parse it, else raise ConfigurationError (masked).
+
+    The parser's error quotes the URL: it is reported masked and not chained.
+    """
+    try:
+        make_url(url)
+    except (ArgumentError, ValueError, TypeError) as exc:
+        raise ConfigurationError(
+            f"malformed database URL {mask_url(url)}: {mask_text(exc, url)}; "
+            "expected a URL like postgresql+psycopg://user@host:5432/dbname"
+        ) from None
+    return url
+
+
+def validate_mq_url(url: str) -> str:
+    """Return `url` if it is an AMQP URL (``amqp://`` or ``amqps://``), else ConfigurationError."""
+    if not re.match(r"^amqps?://", url, re.IGNORECASE):
+        raise ConfigurationError(
+            f"malformed broker URL {mask_url(url)}: expected a URL like "
+            "amqp://user:password@host:5672/vhost"
+        )
+    return url
 
 
 def validate_service_name(value: str) -> str:
@@ -89,6 +117,11 @@ class Settings:
     worker_poll_interval: float = 0.5
     retry: RetryPolicy = field(default_factory=RetryPolicy)
 
+    #: Declare the topology when the receiver starts. False: declare nothing, only check with
+    #: passive declares that the inbox queue exists (`outbox-inbox topology apply` made it),
+    #: so that the service's RabbitMQ user needs no configure permission (docs/security.md).
+    declare: bool = True
+
     # connections
     reconnect_initial: float = 0.25
     reconnect_max: float = 2.0
@@ -98,6 +131,10 @@ class Settings:
 
     def __post_init__(self) -> None:
         validate_identifier(self.schema)
+        if self.db_url:
+            validate_db_url(self.db_url)
+        if self.mq_url:
+            validate_mq_url(self.mq_url)
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, int | float):

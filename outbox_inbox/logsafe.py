@@ -3,22 +3,89 @@
 from __future__ import annotations
 
 import re
+from urllib.parse import unquote
 
-# A user and password after a scheme, in well-formed URLs and in the ways people mistype them:
-# "scheme://", "scheme//" (a missing colon), "//", "scheme:". The password runs to the last "@"
-# of the word, so a raw "/" or "@" in it is masked too: better too much than a password.
+_SCHEME = r"[a-zA-Z][a-zA-Z0-9+.\-]*"
+#: Characters that may stand right before a URL without a scheme ("u:pw@host").
+_BEFORE = r"""(?<![^\s'"(=<,;|\[{])"""
+
+# A user and password, in well-formed URLs and in the ways people mistype them: "scheme://",
+# "scheme//" (a missing colon), "scheme:/", "//", or no scheme at all at the start of a word
+# ("user:pw@host"; "scheme:user:pw@host" reads so too, and loses its user to the mask). The
+# password runs to the last "@" of the word, so a raw "/", ":" or "@" in it is masked too:
+# better too much than a password.
 _USERINFO = re.compile(
-    r"(?P<scheme>(?:[a-zA-Z][a-zA-Z0-9+.\-]*:?)?//|[a-zA-Z][a-zA-Z0-9+.\-]*:)"
-    r"(?P<user>[^:/@\s]*):(?P<pw>\S*)@(?=[^@\s]*(?:\s|$))"
+    rf"(?P<scheme>{_SCHEME}(?::/+|//+)|//|{_BEFORE}(?=[^:/@\s]*:(?!//)))"
+    r"""(?P<user>[^:/@\s'"\[\]]*):(?P<pw>\S*?)@(?=[^@\s]*(?:\s|$))"""
+)
+
+#: Where a host's port may end.
+_PORT_END = r"""(?:[/?#\s'")\],;]|$)"""
+# A URL with a user and password but no host ("amqp://u:pw", "scheme//u:pw/x"): the host's
+# place holds the user, the port's a password, unless it is a number.
+_HOSTLESS = re.compile(
+    rf"(?P<scheme>{_SCHEME}(?::/+|//+))"
+    r"""(?P<user>[^:/@\s'"\[\]?#]+):"""
+    rf"(?P<pw>(?!\d+{_PORT_END})[^\s@'\"),;\]]+)(?={_PORT_END})"
 )
 
 
 def mask_url(url: str | None) -> str:
     """Return `url` (or any text holding URLs) with every password replaced by `***`.
 
-    Works on malformed URLs too (a missing ":" after the scheme, a raw "/" or "@" in the
-    password). None becomes an empty string.
+    Works on malformed URLs too: a missing or half ":" or "//" after the scheme, no scheme,
+    no host (``amqp://user:password``), a raw "/", ":", "@" or "%" in the password. None
+    becomes an empty string.
     """
     if not url:
         return ""
-    return _USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:***@", str(url))
+    # Word by word (no pattern crosses white space), and only words that can hold a
+    # password: the patterns backtrack over a word's length, and a long word without ":"
+    # (a payload printed by `dead-letters show`) would take time quadratic in its length.
+    return _WORD.sub(_mask_word, str(url))
+
+
+_WORD = re.compile(r"\S+")
+
+
+def _mask_word(match: re.Match[str]) -> str:
+    word = match.group()
+    if ":" not in word:
+        return word
+    text = _USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:***@", word) if "@" in word else word
+    return _HOSTLESS.sub(lambda m: f"{m['scheme']}{m['user']}:***", text)
+
+
+def url_passwords(text: str | None) -> set[str]:
+    """Every password `mask_url` would hide in `text`, as written and percent-decoded.
+
+    For a caller that must also hide a password where it appears alone, e.g. a parser's
+    "invalid port 'secret'" about a URL without a host.
+    """
+    if not text:
+        return set()
+    found: set[str] = set()
+
+    def keep(match: re.Match[str]) -> str:
+        found.add(match["pw"])
+        return " "
+
+    for match in _HOSTLESS.finditer(_USERINFO.sub(keep, str(text))):
+        found.add(match["pw"])
+    found.discard("")
+    found.discard("***")
+    return found | {unquote(p) for p in found}
+
+
+def mask_text(text: object, *urls: str | None) -> str:
+    """`text` with URL passwords masked, and every password of `urls` wherever it appears.
+
+    For an error message that quotes a parser: "invalid port 'secret'" says nothing of a URL.
+    Passwords shorter than 3 characters are only masked inside URLs.
+    """
+    masked = mask_url(str(text))
+    secrets = set().union(*(url_passwords(url) for url in urls)) if urls else set()
+    for secret in sorted(secrets, key=len, reverse=True):
+        if len(secret) >= 3:
+            masked = masked.replace(secret, "***")
+    return masked

@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from .errors import BrokerError, ConfigurationError
-from .logsafe import mask_url
+from .logsafe import mask_text, mask_url
 
 #: Port of the management plugin's HTTP listener unless the URL says otherwise.
 DEFAULT_MANAGEMENT_PORT = 15672
@@ -61,8 +61,10 @@ class ManagementAPI:
             )
         try:
             port = parts.port
-        except ValueError as exc:
-            raise ConfigurationError(f"invalid management URL {mask_url(url)}: {exc}") from exc
+        except ValueError as exc:  # quotes the port, maybe a password: masked, not chained
+            raise ConfigurationError(
+                f"invalid management URL {mask_url(url)}: {mask_text(exc, url)}"
+            ) from None
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
         netloc = f"{host}:{port}" if port else host
         self._base = urlunsplit((parts.scheme, netloc, parts.path.rstrip("/"), "", ""))

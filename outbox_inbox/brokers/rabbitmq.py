@@ -25,7 +25,7 @@ from ..errors import (
     ConfigurationError,
     TopologyMismatch,
 )
-from ..logsafe import mask_url
+from ..logsafe import mask_text, mask_url
 from ..messages import WireMessage
 from ..topology import Topology
 from .amqp_fields import decode_leniently, forward_properties, kept_properties
@@ -68,7 +68,11 @@ def _parameters(url: str) -> pika.URLParameters:
     try:
         params = pika.URLParameters(url)
     except Exception as exc:  # pika raises several types for a bad URL
-        raise ConfigurationError(f"invalid broker URL {mask_url(url)}: {exc}") from exc
+        # pika's message quotes parts of the URL (a password read as a port): masked, and
+        # not chained, so that no traceback prints it.
+        raise ConfigurationError(
+            f"invalid broker URL {mask_url(url)}: {mask_text(exc, url)}"
+        ) from None
     return params
 
 

@@ -59,7 +59,7 @@ def test_invalid_message_names_are_refused_before_any_database_work() -> None:
         ("amqp//u:PW2@rabbit/", "amqp//u:***@rabbit/"),
         ("postgresql+psycopg://u:P/W3@db/x", "postgresql+psycopg://u:***@db/x"),
         ("postgresql://u:P@W4@db/x", "postgresql://u:***@db/x"),
-        ("http:u:PW5@mgmt:15672", "http:u:***@mgmt:15672"),
+        ("http:u:PW5@mgmt:15672", "http:***@mgmt:15672"),
         (
             "error: malformed database URL postgresql+psycopg//u:PW6@db:x/y; see --help",
             "error: malformed database URL postgresql+psycopg//u:***@db:x/y; see --help",
