@@ -17,6 +17,7 @@ from .errors import (
     SchemaMissing,
     StorageError,
     TopologyMismatch,
+    TopologyMissing,
 )
 from .messages import Message
 from .retry import RetryPolicy
@@ -42,5 +43,6 @@ __all__ = [
     "Service",
     "StorageError",
     "TopologyMismatch",
+    "TopologyMissing",
     "__version__",
 ]

@@ -56,6 +56,10 @@ class TopologyMismatch(BrokerError):
     """The broker holds an exchange or queue declared with other arguments."""
 
 
+class TopologyMissing(BrokerError):
+    """The broker lacks a queue the service needs: run `outbox-inbox topology apply`."""
+
+
 class HandlerOutcome(Exception):
     """Base of the exceptions a handler raises to choose what happens to its message."""
 

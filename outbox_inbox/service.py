@@ -25,6 +25,7 @@ from .errors import (
     ConfigurationError,
     DatabaseUnavailable,
     SchemaMissing,
+    TopologyMissing,
     storage_error,
 )
 from .handlers import Handler, Handlers, Subscription
@@ -207,6 +208,22 @@ class Service:
         """Declare the topology on the broker (idempotent)."""
         self.broker.declare(self.topology())
 
+    def check_topology(self) -> None:
+        """Raise TopologyMissing unless the broker holds every queue of this service.
+
+        Declares nothing: passive declares only, which need no configure permission. What
+        `start()` and `run_receiver()` do instead of `declare_topology()` when the ``declare``
+        setting is False. Raises BrokerConnectionError when the broker cannot be reached.
+        """
+        own = [q.name for q in self.topology().queues if q.name.startswith(f"{self.name}.")]
+        missing = [name for name in own if self.broker.queue_depth(name) is None]
+        if missing:
+            raise TopologyMissing(
+                f"service {self.name} does not declare its topology (declare=False) and "
+                f"{self.broker.description} lacks {', '.join(missing)}: run "
+                "`outbox-inbox topology apply` as a user allowed to declare them"
+            )
+
     def record_subscriptions(self) -> None:
         """Record the inbox queue's bindings in the ``subscriptions`` table (idempotent).
 
@@ -299,7 +316,8 @@ class Service:
         returns without starting anything if `stop()` is called meanwhile. With `fail_fast`
         (default: the ``fail_fast`` setting) it raises DatabaseUnavailable or
         BrokerConnectionError at once instead. Configuration errors always raise at once:
-        SchemaMissing, TopologyMismatch, BrokerAccessRefused, a refused database login.
+        SchemaMissing, TopologyMismatch, TopologyMissing (with ``declare=False``),
+        BrokerAccessRefused, a refused database login.
         """
         if self._threads:
             raise ConfigurationError("service already started")
@@ -371,7 +389,8 @@ class Service:
     def run_receiver(self, *, fail_fast: bool | None = None) -> None:
         """Run only the receiver in this thread until SIGTERM or SIGINT (waits as `start()`).
 
-        Declares the topology and records the subscriptions first.
+        Declares the topology (checks it with ``declare=False``) and records the
+        subscriptions first.
         """
         self._run_role(self.receiver().run, topology=True, fail_fast=fail_fast)
 
@@ -404,7 +423,10 @@ class Service:
             try:
                 self.check_database()
                 if topology:
-                    self.declare_topology()
+                    if s.declare:
+                        self.declare_topology()
+                    else:
+                        self.check_topology()
                     self.record_subscriptions()
             except (DatabaseUnavailable, BrokerConnectionError) as exc:
                 if fail_fast or isinstance(exc, BrokerAccessRefused):
