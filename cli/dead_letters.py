@@ -1,7 +1,8 @@
 """`outbox-inbox dead-letters list | show | replay | purge`.
 
-Sources: ``table`` (dead inbox rows), ``queue`` (``<service>.dead_letter``) and ``unroutable``
-(commands no service had a queue for). See outbox_inbox.dead_letters for what each action does.
+Sources: ``table`` (dead inbox rows), ``outbox`` (outbox rows the broker refused), ``queue``
+(``<service>.dead_letter``) and ``unroutable`` (commands no service had a queue for). See
+outbox_inbox.dead_letters for what each action does.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ import click
 
 from outbox_inbox.brokers.rabbitmq_admin import RabbitMQAdmin
 from outbox_inbox.dead_letters import (
+    OUTBOX,
     QUEUE,
     SOURCES,
     TABLE,
     UNROUTABLE,
     DeadLetter,
     Filters,
+    OutboxSelection,
     Outcome,
     Pacer,
     QueueSelection,
@@ -58,9 +61,10 @@ def dead_letters() -> None:
     \b
     Sources (--source):
       table       inbox rows with status dead (the worker gave up on them)
+      outbox      outbox rows the broker refused on every attempt (the relay gave up)
       queue       the broker queue <service>.dead_letter (the receiver could not store them)
       unroutable  the broker queue unroutable (commands for a service with no queue)
-      all         the three, in that order
+      all         the four, in that order
 
     Reading a broker queue takes up to --limit messages without acknowledging them and then
     releases them: they stay in the queue, in their place, flagged redelivered.
@@ -86,8 +90,8 @@ def filter_options(function: Callable[..., Any]) -> Callable[..., Any]:
             "--reason",
             metavar="REASON",
             help="Dead reason: max_attempts, rejected, no_handler, expired, abandoned (table); "
-            "invalid, store_failed, redelivered, or the broker's rejected / expired / "
-            "delivery_limit (queue).",
+            "refused (outbox); invalid, store_failed, redelivered, or the broker's rejected / "
+            "expired / delivery_limit (queue).",
         ),
         click.option("--error", metavar="TEXT", help="Text in the error (case-insensitive)."),
         click.option(
@@ -125,7 +129,7 @@ def _sources(target: Target, source: str, *, strict: bool) -> list[str]:
     wanted = list(SOURCES) if source == "all" else [source]
     chosen = []
     for name in wanted:
-        if name == TABLE and not target.has_database:
+        if name in (TABLE, OUTBOX) and not target.has_database:
             why = "no database (--db-url)"
         elif name in (QUEUE, UNROUTABLE) and not target.has_broker:
             why = "no broker (--mq-url)"
@@ -141,7 +145,7 @@ def _sources(target: Target, source: str, *, strict: bool) -> list[str]:
 
 
 def _where(selection: Selection) -> str:
-    return "table" if isinstance(selection, TableSelection) else selection.queue
+    return selection.source if isinstance(selection, TableSelection) else selection.queue
 
 
 @contextlib.contextmanager
@@ -154,10 +158,9 @@ def _selections(
         admin: RabbitMQAdmin | None = None
         selections: list[Selection] = []
         for source in sources:
-            if source == TABLE:
-                selection: Selection = TableSelection(
-                    target.engine(), target.tables, filters, limit
-                )
+            if source in (TABLE, OUTBOX):
+                rows = TableSelection if source == TABLE else OutboxSelection
+                selection: Selection = rows(target.engine(), target.tables, filters, limit)
             else:
                 if admin is None:
                     admin = stack.enter_context(RabbitMQAdmin(target.broker()))
@@ -304,7 +307,11 @@ def show(
 
 
 def _print_letter(letter: DeadLetter) -> None:
-    where = f"row {letter.ref}" if letter.source == TABLE else f"position {letter.ref} as read"
+    where = (
+        f"row {letter.ref}"
+        if letter.source in (TABLE, OUTBOX)
+        else f"position {letter.ref} as read"
+    )
     fields = [
         ("source", f"{letter.source} ({where})"),
         ("message id", letter.message_id),
@@ -340,7 +347,7 @@ def _action_options(function: Callable[..., Any]) -> Callable[..., Any]:
             "--source",
             type=click.Choice([*SOURCES, "all"]),
             required=True,
-            help="Where to act: table, queue, unroutable, or all three.",
+            help="Where to act: table, outbox, queue, unroutable, or all four.",
         ),
         filter_options,
         click.option(

@@ -57,7 +57,8 @@ def status(
     """Outbox backlog, inbox pending / in progress / dead, and keys held back.
 
     \b
-    outbox     unpublished rows, how many failed at least once, age of the oldest
+    outbox     unpublished rows, how many failed at least once, age of the oldest; dead
+               rows (refused by the broker on every attempt: see dead-letters)
     inbox      pending (waiting for a worker, due or scheduled for a retry), in progress
                (leased by a worker), dead, processed; age of the oldest pending row;
                the same counts per message type
@@ -106,7 +107,7 @@ def _print(report: dict[str, Any]) -> None:
     echo()
     echo(
         f"outbox  unpublished {outbox['unpublished']} (retrying {outbox['retrying']}), "
-        f"oldest {format_age(outbox['oldest_age_seconds'])}"
+        f"oldest {format_age(outbox['oldest_age_seconds'])}, dead {outbox['dead']}"
     )
     echo(
         f"inbox   pending {inbox['pending']}, in progress {inbox['in_progress']}, "

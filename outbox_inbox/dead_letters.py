@@ -1,10 +1,13 @@
 """Dead letters: dead inbox rows and the messages in the broker's dead-letter queues.
 
-Three sources, for `outbox-inbox dead-letters`:
+Four sources, for `outbox-inbox dead-letters`:
 
 * ``table``: inbox rows with status ``dead`` (the worker gave up: max_attempts, rejected,
   no_handler, expired, abandoned). Replay makes them pending again, due now, with fresh
   counters; purge deletes them.
+* ``outbox``: outbox rows the broker refused on every attempt (reason ``refused``: larger
+  than its max_message_size, or another refusal of the message itself). Replay makes them
+  unsent again, due now, with their attempts reset; purge deletes them.
 * ``queue``: ``<service>.dead_letter``, what the receiver could never store (or the broker
   dead-lettered from the inbox queue). Replay republishes each message, confirmed, through the
   default exchange to ``<service>.inbox`` without the transport headers of its failure (keeping
@@ -20,6 +23,7 @@ redelivered, when the selection is closed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -59,8 +63,8 @@ from .topology import (
     topic_matches,
 )
 
-TABLE, QUEUE, UNROUTABLE = "table", "queue", "unroutable"
-SOURCES = (TABLE, QUEUE, UNROUTABLE)
+TABLE, OUTBOX, QUEUE, UNROUTABLE = "table", "outbox", "queue", "unroutable"
+SOURCES = (TABLE, OUTBOX, QUEUE, UNROUTABLE)
 
 #: Headers a replayed message loses: they describe its failure, not the message. The
 #: ``x-original-*`` headers stay, so the receiver restores the original routing key.
@@ -207,6 +211,7 @@ class TableSelection:
     """Dead inbox rows matching `filters`, at most `limit`, in id order (arrival order)."""
 
     source = TABLE
+    what = "dead inbox rows"
 
     def __init__(
         self, engine: Engine, tables: Tables, filters: Filters, limit: int | None = None
@@ -219,14 +224,14 @@ class TableSelection:
         exact = () if any(_is_pattern(t) for t in filters.types) else filters.types
         try:
             with engine.connect() as conn:
-                rows = queries.dead_inbox_rows(
+                rows = self._rows(
                     conn,
                     tables,
                     routing_keys=exact,
                     older_than=filters.older_than,
                     reason=filters.reason,
                     error=filters.error,
-                    message_ids=[inbox_id(m) for m in filters.message_ids],
+                    message_ids=self._message_ids(filters.message_ids),
                 )
                 for row in rows:
                     if not filters.matches_type(row["routing_key"]):
@@ -235,10 +240,27 @@ class TableSelection:
                         self.more = True
                         break
                     self._ids.append(int(row["id"]))
-                    self.letters.append(_row_letter(row))
+                    self.letters.append(_row_letter(row, self.source))
         except SQLAlchemyError as exc:
             where = engine.url.render_as_string(hide_password=True)
-            raise storage_error(exc, f"reading the dead inbox rows from {where}") from exc
+            raise storage_error(exc, f"reading the {self.what} from {where}") from exc
+
+    @staticmethod
+    def _rows(conn: Any, tables: Tables, **filters: Any) -> Iterable[Any]:
+        return queries.dead_inbox_rows(conn, tables, **filters)
+
+    @staticmethod
+    def _message_ids(message_ids: Iterable[str]) -> list[uuid.UUID]:
+        # Inbox rows of a message id that is not a UUID are stored under its uuid5.
+        return [inbox_id(m) for m in message_ids]
+
+    @staticmethod
+    def _replay(conn: Any, tables: Tables, ids: list[int]) -> list[int]:
+        return queries.replay_dead_inbox(conn, tables, ids)
+
+    @staticmethod
+    def _purge(conn: Any, tables: Tables, ids: list[int]) -> list[int]:
+        return queries.purge_dead_inbox(conn, tables, ids)
 
     def _each_batch(
         self,
@@ -255,13 +277,13 @@ class TableSelection:
                 with self._engine.begin() as conn:
                     done += action(conn, self._tables, batch)
             except SQLAlchemyError as exc:
-                raise storage_error(exc, "changing dead inbox rows") from exc
+                raise storage_error(exc, f"changing {self.what}") from exc
             progress(len(batch))
         return done
 
     def _outcome(self, done: Iterable[int], why_not: str) -> Outcome:
         done_ids = set(done)
-        outcome = Outcome(TABLE, len(self._ids))
+        outcome = Outcome(self.source, len(self._ids))
         for row_id, letter in zip(self._ids, self.letters, strict=True):
             if row_id in done_ids:
                 outcome.done.append(letter.message_id)
@@ -270,22 +292,58 @@ class TableSelection:
         return outcome
 
     def replay(self, pacer: Pacer, progress: Progress) -> Outcome:
-        """Make the selected rows pending again (those still dead), batch by batch in id order."""
-        done = self._each_batch(queries.replay_dead_inbox, pacer, progress)
+        """Make the selected rows due again (those still dead), batch by batch in id order."""
+        done = self._each_batch(self._replay, pacer, progress)
         return self._outcome(done, "no longer dead")
 
     def purge(self, pacer: Pacer, progress: Progress) -> Outcome:
         """Delete the selected rows that are still dead."""
-        done = self._each_batch(queries.purge_dead_inbox, pacer, progress)
+        done = self._each_batch(self._purge, pacer, progress)
         return self._outcome(done, "no longer dead")
 
     def close(self) -> None:
         """Nothing to release: the rows were read in a finished transaction."""
 
 
-def _row_letter(row: Mapping[Any, Any]) -> DeadLetter:
+class OutboxSelection(TableSelection):
+    """Dead outbox rows (the broker refused them on every attempt) matching `filters`.
+
+    Replay makes them unsent again, due now, with their attempts reset: the relay publishes
+    them at its next batch (a keyed row goes before the later unsent rows of its key, though
+    rows of its key published while it was dead have gone before it). Purge deletes them.
+    """
+
+    source = OUTBOX
+    what = "dead outbox rows"
+
+    @staticmethod
+    def _rows(conn: Any, tables: Tables, **filters: Any) -> Iterable[Any]:
+        return queries.dead_outbox_rows(conn, tables, **filters)
+
+    @staticmethod
+    def _message_ids(message_ids: Iterable[str]) -> list[uuid.UUID]:
+        # The outbox writes UUIDs only: a message id that is not one matches no row.
+        wanted = list(message_ids)
+        found = []
+        for message_id in wanted:
+            with contextlib.suppress(ValueError):
+                found.append(uuid.UUID(message_id))
+        if wanted and not found:
+            return [uuid.UUID(int=0)]  # ids were given and none can match: select nothing
+        return found
+
+    @staticmethod
+    def _replay(conn: Any, tables: Tables, ids: list[int]) -> list[int]:
+        return queries.replay_dead_outbox(conn, tables, ids)
+
+    @staticmethod
+    def _purge(conn: Any, tables: Tables, ids: list[int]) -> list[int]:
+        return queries.purge_dead_outbox(conn, tables, ids)
+
+
+def _row_letter(row: Mapping[Any, Any], source: str) -> DeadLetter:
     return DeadLetter(
-        source=TABLE,
+        source=source,
         ref=str(row["id"]),
         message_id=str(row["message_id"]),
         type=row["routing_key"],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
@@ -21,6 +22,7 @@ from .errors import BrokerError
 from .listener import Listener, call
 from .messages import COMMAND, OutgoingMessage, WireMessage, to_wire
 from .tables import Tables
+from .tracing import Tracing, record_sends
 from .waker import Waker
 
 log = logging.getLogger(__name__)
@@ -82,9 +84,11 @@ class Relay:
         settings: Settings,
         waker_factory: Callable[[threading.Event], Waker | None] | None = None,
         listener: Listener | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self._service = service
         self._listener = listener
+        self._tracing = tracing or Tracing(service)
         self._engine = engine
         self._tables = tables
         self._broker = broker
@@ -143,11 +147,12 @@ class Relay:
             messages = [outgoing(row, self._service) for row in rows]
             wires = [to_wire(m) for m in messages]
             rows, wires, messages = self._without_oversized(conn, rows, wires, messages)
+            started = time.time_ns()
             outcomes = publisher.publish_batch(
                 wires, window=s.publish_window, timeout=s.confirm_timeout
             )
             marking = _Marking.of(rows)
-            published = self._settle(conn, marking, outcomes, messages, publisher)
+            published = self._settle(conn, marking, outcomes, messages, publisher, started)
         self._committed(published, messages)
         self._check_publisher(publisher)
         return count
@@ -240,10 +245,11 @@ class Relay:
             # refill the window from the batches already started, now and then.
             publisher.pump(0)
             # Only the wire messages and what marking needs stay until the batch is committed
-            # (the rows, payloads and messages too if a listener is to see them): objects
-            # that outlive a few collections make the garbage collector's full passes
-            # frequent and long.
-            keep = self._listener is not None
+            # (the rows, payloads and messages too if a listener or a tracer is to see
+            # them): objects that outlive a few collections make the garbage collector's
+            # full passes frequent and long.
+            traced = self._tracing.tracer() is not None
+            keep = self._listener is not None or traced
             messages: list[OutgoingMessage] = []
             wires: list[WireMessage] = []
             for n, row in enumerate(rows, 1):
@@ -259,19 +265,25 @@ class Relay:
                 conn.close()
                 return None, count
             marking = _Marking.of(rows)
+            started = time.time_ns() if traced else 0
             publishing = publisher.start_batch(
                 wires, window=s.publish_window, timeout=s.confirm_timeout
             )
         except BaseException:
             conn.close()  # rolls the claim back
             raise
-        return _Batch(conn, transaction, marking, messages, publishing), count
+        return _Batch(conn, transaction, marking, messages, publishing, started), count
 
     def _finish(self, batch: _Batch, publisher: _Pipelined) -> None:
         """Mark a batch whose every message has an outcome, and commit it."""
         try:
             published = self._settle(
-                batch.conn, batch.marking, batch.publishing.results(), batch.messages, publisher
+                batch.conn,
+                batch.marking,
+                batch.publishing.results(),
+                batch.messages,
+                publisher,
+                batch.started,
             )
             publisher.pump(0)
             batch.transaction.commit()
@@ -306,16 +318,21 @@ class Relay:
         outcomes: Sequence[PublishOutcome],
         messages: list[OutgoingMessage],
         publisher: Publisher | _Pipelined,
+        started_ns: int,
     ) -> list[int]:
         """Mark a batch whose every message has an outcome; return the published row ids.
 
         If the broker closed the channel over one of them, the messages in doubt are first
-        published alone to find it (`_isolate`).
+        published alone to find it (`_isolate`). With tracing on, each message gets its
+        ``send`` span, from `started_ns` (when the batch went out) to its final outcome.
         """
         refusals: dict[int, Refusal] = {}
         if PublishOutcome.REFUSED in outcomes:
             refusal = publisher.refusal or Refusal(0, "the broker closed the channel")
             outcomes, refusals = self._isolate(conn, marking, outcomes, refusal)
+        tracer = self._tracing.tracer()
+        if tracer is not None and messages:
+            record_sends(tracer, self._service, messages, outcomes, started_ns or time.time_ns())
         call(self._listener, "relay_confirmed", messages, outcomes)
         return self._mark(conn, marking, outcomes, refusals)
 
@@ -457,7 +474,11 @@ class Relay:
             )
 
     def _probe_limit(self) -> None:
-        """Ask the broker once whether it accepts bodies of max_payload_bytes (advisory)."""
+        """Ask the broker whether it accepts bodies of max_payload_bytes (advisory).
+
+        Asked at the first connection and again after a connection failed; a refusal in
+        between teaches the limit too (`_learn_limit`).
+        """
         if self._limit_probed:
             return
         try:
@@ -466,6 +487,9 @@ class Relay:
             log.debug("relay: the broker's message size limit is unknown: %s", exc)
             return
         self._limit_probed = True
+        if limit is None and self._max_body is not None:
+            log.info("relay of %s: the broker accepts max_payload_bytes again", self._service)
+            self._max_body = None
         self._learn_limit(limit)
 
     def _mark(
@@ -515,6 +539,7 @@ class Relay:
         for error, ids in dead.items():
             queries.mark_outbox_dead(conn, self._tables, ids, REFUSED_REASON, error)
             self.dead += len(ids)
+            call(self._listener, "dead", REFUSED_REASON, len(ids))
             log.error(
                 "relay: %d messages dead after %d attempts: %s",
                 len(ids),
@@ -584,6 +609,10 @@ class Relay:
 
     def _drop_publisher(self) -> None:
         if self._publisher is not None:
+            if self._publisher.broken and self._publisher.refusal is None:
+                # The connection failed: the next one may reach a broker with other settings
+                # (restarted with a new max_message_size), so the limit is asked again.
+                self._limit_probed = False
             self._publisher.close()
             self._publisher = None
 
@@ -645,7 +674,7 @@ class _Marking:
 class _Batch:
     """Claimed rows being published, with the transaction that holds them."""
 
-    __slots__ = ("conn", "marking", "messages", "publishing", "transaction")
+    __slots__ = ("conn", "marking", "messages", "publishing", "started", "transaction")
 
     def __init__(
         self,
@@ -654,12 +683,14 @@ class _Batch:
         marking: _Marking,
         messages: list[OutgoingMessage],
         publishing: _Publishing,
+        started: int,
     ) -> None:
         self.conn = conn
         self.transaction = transaction
         self.marking = marking
-        self.messages = messages  # for the listener; empty without one
+        self.messages = messages  # for the listener and the tracer; empty without them
         self.publishing = publishing
+        self.started = started  # time.time_ns() when it went out, if traced; else 0
 
     def abort(self) -> None:
         """Roll the claim back: the rows stay unpublished for a later claim."""

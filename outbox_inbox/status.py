@@ -88,8 +88,8 @@ def _broker_status(admin: RabbitMQAdmin, service: str | None) -> dict[str, Any]:
 
 
 def dead_count(status: dict[str, Any]) -> int:
-    """Dead inbox rows plus messages in the service's dead-letter queue (when known)."""
-    count = int(status["inbox"]["dead"])
+    """Dead inbox and outbox rows plus messages in the service's dead-letter queue (when known)."""
+    count = int(status["inbox"]["dead"]) + int(status["outbox"].get("dead", 0))
     broker = status.get("broker") or {}
     service = status.get("service")
     if service:

@@ -215,6 +215,29 @@ def local_rabbitmq_server(rabbitmq_server: RabbitMQHandle) -> Iterator[RabbitMQS
         _ensure_running(rabbitmq_server)
 
 
+@pytest.fixture
+def rabbitmq_body_limit(local_rabbitmq_server: RabbitMQServer) -> Iterator[Callable[[int], None]]:
+    """Sets the server's max_message_size (bytes) for channels opened from then on.
+
+    The server's own value is restored after the test.
+    """
+    server = local_rabbitmq_server
+    before = server.eval("application:get_env(rabbit, max_message_size).")
+    if not before.startswith("{ok,"):
+        raise AssertionError(f"cannot read max_message_size: {before}")
+    original = int(before.strip("{}").split(",")[1])
+
+    def set_limit(size: int) -> None:
+        done = server.eval(f"application:set_env(rabbit, max_message_size, {int(size)}).")
+        if done != "ok":
+            raise AssertionError(f"cannot set max_message_size: {done}")
+
+    try:
+        yield set_limit
+    finally:
+        set_limit(original)
+
+
 # --------------------------------------------------------------------------------------------
 # Per-test databases and vhosts
 # --------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import pika
 from cli_support import Cli
@@ -386,3 +387,56 @@ def test_a_dead_letter_with_a_header_pika_cannot_decode_is_listed_and_replayed(
     assert replayed.returncode == 0, replayed
     wait_until(lambda: scalar(db_url, "SELECT count(*) FROM effects") == 1, what="handled")
     assert _depth(mq_url, "billing.dead_letter") == 0
+
+
+def test_an_outbox_row_the_broker_refused_is_listed_shown_and_replayed_once_the_limit_allows(
+    cli: Cli,
+    make_service: Callable[..., Service],
+    db_url: str,
+    mq_url: str,
+    local_rabbitmq_server: Any,
+    rabbitmq_body_limit: Callable[[int], None],
+    tmp_path: Path,
+) -> None:
+    rabbitmq_body_limit(64 * 1024)
+    service = make_service(relay_max_attempts=1)
+    service.start()
+    big = {"blob": "x" * (80 * 1024)}
+    with service.session() as session, session.begin():
+        big_id = service.outbox.send(session, "billing", "invoice.create", big)
+        small_id = service.outbox.send(session, "billing", "invoice.create", {"n": 1})
+    effects = "SELECT count(*) FROM effects WHERE message_id = :m"
+    wait_until(lambda: scalar(db_url, effects, m=str(small_id)), what="the small command handled")
+    outbox_dead = "SELECT count(*) FROM outbox_inbox.outbox_messages WHERE dead_at IS NOT NULL"
+    wait_until(lambda: scalar(db_url, outbox_dead) == 1, what="the big command dead")
+
+    listed = cli("dead-letters", "list", "--app", "cli_app:billing", "--source", "outbox", "--json")
+    assert listed.returncode == 0, listed
+    [letter] = json.loads(listed.stdout)["dead_letters"]
+    assert letter["message_id"] == str(big_id)
+    assert letter["source"] == "outbox" and letter["reason"] == "refused"
+    assert "max size 65536" in letter["error"]
+    shown = cli("dead-letters", "show", str(big_id), "--app", "cli_app:billing")
+    assert shown.returncode == 0, shown
+    assert "outbox (row " in shown.stdout and "refused by the broker: 406" in shown.stdout
+    status = cli("status", "--app", "cli_app:billing", "--max-dead", "0")
+    assert status.returncode == 4, status
+    assert "dead 1" in status.stdout
+
+    # The operator raises the limit; the broker's restart drops every connection, and the
+    # relay asks for the limit again when it reconnects.
+    rabbitmq_body_limit(1024 * 1024)
+    vhost = unquote(urlsplit(mq_url).path[1:])
+    local_rabbitmq_server.rabbitmqctl("close_all_connections", "-p", vhost, "limit raised")
+    replayed = cli(
+        "dead-letters", "replay", "--app", "cli_app:billing", "--source", "outbox",
+        "--id", str(big_id),
+    )  # fmt: skip
+    assert replayed.returncode == 0, replayed
+    assert "outbox: replayed 1 of 1" in replayed.stdout
+    wait_until(
+        lambda: scalar(db_url, effects, m=str(big_id)), timeout=30, what="the replayed command"
+    )
+    assert scalar(db_url, outbox_dead) == 0
+    assert [e["command"] for e in _audit(tmp_path)] == ["dead-letters replay"]
+    service.stop()

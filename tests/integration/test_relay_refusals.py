@@ -33,23 +33,6 @@ REFUSAL_SETTINGS: dict[str, Any] = {
 
 
 @pytest.fixture
-def body_limit(local_rabbitmq_server: RabbitMQServer) -> Iterator[Callable[[int], None]]:
-    """Sets the server's max_message_size for channels opened from now on; restored after."""
-    server = local_rabbitmq_server
-    before = server.eval("application:get_env(rabbit, max_message_size).")
-    assert before.startswith("{ok,"), before
-    original = int(before.strip("{}").split(",")[1])
-
-    def set_limit(size: int) -> None:
-        assert server.eval(f"application:set_env(rabbit, max_message_size, {size}).") == "ok"
-
-    try:
-        yield set_limit
-    finally:
-        set_limit(original)
-
-
-@pytest.fixture
 def relaying() -> Iterator[Callable[[Service], None]]:
     """Runs a service's relay in a thread until the test ends."""
     stop = threading.Event()
@@ -126,7 +109,7 @@ def test_a_row_the_broker_refuses_mid_batch_is_found_alone_and_the_rows_around_i
     db_url: str,
     mq_url: str,
     local_rabbitmq_server: RabbitMQServer,
-    body_limit: Any,
+    rabbitmq_body_limit: Any,
     relaying: Any,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -142,7 +125,7 @@ def test_a_row_the_broker_refuses_mid_batch_is_found_alone_and_the_rows_around_i
         first = svc.outbox.publish(session, "order.small", {"n": -1})
     got: list[uuid.UUID] = []
     wait_until(lambda: first in _received(mq_url, got), timeout=20)
-    body_limit(LIMIT)
+    rabbitmq_body_limit(LIMIT)
     # An operator lowered the limit and the node dropped its connections (as a restart does):
     # the relay's next channel has the new limit, which it does not know.
     vhost = unquote(urlsplit(mq_url).path[1:])
@@ -175,9 +158,13 @@ def test_a_row_the_broker_refuses_mid_batch_is_found_alone_and_the_rows_around_i
 
 
 def test_a_broker_limit_below_max_payload_bytes_is_reported_and_larger_rows_are_not_sent(
-    db_url: str, mq_url: str, body_limit: Any, relaying: Any, caplog: pytest.LogCaptureFixture
+    db_url: str,
+    mq_url: str,
+    rabbitmq_body_limit: Any,
+    relaying: Any,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    body_limit(LIMIT)
+    rabbitmq_body_limit(LIMIT)
     svc = make_service("orders", db_url, mq_url, **REFUSAL_SETTINGS)
     svc.declare_topology()
     _probe(mq_url)
