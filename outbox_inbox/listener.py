@@ -1,7 +1,9 @@
 """Hooks into the life of messages, for metrics, tracing and tests.
 
 Every method is a no-op; override the ones you need. A hook runs in the thread of the role that
-calls it; an exception it raises is logged and otherwise ignored.
+calls it, in its hot path: keep it short (count, observe, enqueue). An exception it raises is
+logged and otherwise ignored. `Listeners` (or `combine`) makes several listeners one, e.g. the
+Prometheus metrics of `outbox_inbox.metrics` next to your own.
 """
 
 from __future__ import annotations
@@ -25,13 +27,77 @@ class Listener:
         """These messages are marked published and committed."""
 
     def received(self, stored: int, duplicates: int) -> None:
-        """The receiver committed a batch: `stored` new rows, `duplicates` dropped."""
+        """The receiver committed `stored` new rows, and dropped (acked) `duplicates`
+        deliveries as copies of a message stored before or earlier in the same batch."""
 
     def handled(self, message: Message) -> None:
         """The handlers of `message` returned; it commits with the worker's batch."""
 
     def failed(self, message: Message, error: BaseException, *, dead: bool) -> None:
         """A handler failed; the message is retried later, or is dead if `dead`."""
+
+    def stored(self, messages: Sequence[Message]) -> None:
+        """The receiver committed these new inbox rows (not duplicates; `attempt` is 0)."""
+
+    def handler_ran(self, message: Message, seconds: float, error: BaseException | None) -> None:
+        """The handlers of `message` ran for `seconds` (wall clock) and raised `error`, or
+        returned (None). Called for each run, before the worker's transaction commits."""
+
+    def dead(self, reason: str, count: int) -> None:
+        """`count` messages are dead for `reason`: a worker's dead reason (``rejected``,
+        ``max_attempts``, ``abandoned``, ``expired``, ``no_handler``), a receiver's
+        (``invalid``, ``store_failed``, ``redelivered``: sent to the dead-letter queue) or the
+        relay's (``refused``: the outbox row)."""
+
+
+class Listeners(Listener):
+    """Several listeners as one: each hook calls every listener in order; one that raises is
+    logged and does not keep the hook from the others."""
+
+    def __init__(self, *listeners: Listener) -> None:
+        self.listeners = tuple(listeners)
+
+    def relay_confirmed(
+        self, messages: Sequence[OutgoingMessage], outcomes: Sequence[PublishOutcome]
+    ) -> None:
+        for listener in self.listeners:
+            call(listener, "relay_confirmed", messages, outcomes)
+
+    def relay_committed(self, messages: Sequence[OutgoingMessage]) -> None:
+        for listener in self.listeners:
+            call(listener, "relay_committed", messages)
+
+    def received(self, stored: int, duplicates: int) -> None:
+        for listener in self.listeners:
+            call(listener, "received", stored, duplicates)
+
+    def handled(self, message: Message) -> None:
+        for listener in self.listeners:
+            call(listener, "handled", message)
+
+    def failed(self, message: Message, error: BaseException, *, dead: bool) -> None:
+        for listener in self.listeners:
+            call(listener, "failed", message, error, dead=dead)
+
+    def stored(self, messages: Sequence[Message]) -> None:
+        for listener in self.listeners:
+            call(listener, "stored", messages)
+
+    def handler_ran(self, message: Message, seconds: float, error: BaseException | None) -> None:
+        for listener in self.listeners:
+            call(listener, "handler_ran", message, seconds, error)
+
+    def dead(self, reason: str, count: int) -> None:
+        for listener in self.listeners:
+            call(listener, "dead", reason, count)
+
+
+def combine(*listeners: Listener | None) -> Listener | None:
+    """One listener for those given (None ones left out): None, the only one, or `Listeners`."""
+    present = [listener for listener in listeners if listener is not None]
+    if not present:
+        return None
+    return present[0] if len(present) == 1 else Listeners(*present)
 
 
 def call(listener: Listener | None, hook: str, *args: object, **kwargs: object) -> None:

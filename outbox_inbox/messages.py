@@ -7,7 +7,8 @@ A message travels as a JSON body plus AMQP properties and headers:
   (the sending service), ``delivery_mode`` 2 (persistent);
 * headers: ``x-kind`` (``command``/``event``), ``x-version``, ``x-causation-id``, ``x-key``
   (ordering key), ``x-created-at`` (ISO 8601, microseconds), ``x-expires-at``, ``x-attempt``,
-  and the sender's own headers.
+  ``traceparent`` / ``tracestate`` (W3C Trace Context, where tracing is on: `tracing`), and the
+  sender's own headers.
 
 Only ``message_id`` and a JSON body are required, so a plain AMQP client in any language can send.
 `from_wire` checks every rule a received message must meet: the routing key (not ``type``)
@@ -110,6 +111,8 @@ class Message:
     attempt: int = 1
     created_at: datetime | None = None
     expires_at: datetime | None = None
+    #: When the receiver stored it (database clock); None where not known.
+    received_at: datetime | None = None
 
     @property
     def original_id(self) -> str:
@@ -550,4 +553,5 @@ def message_from_row(row: Mapping[Any, Any]) -> Message:
         attempt=row["attempts"],
         created_at=row["created_at"],
         expires_at=row["expires_at"],
+        received_at=row.get("received_at"),
     )

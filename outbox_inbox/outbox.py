@@ -24,6 +24,7 @@ from .messages import (
     encode_payload,
 )
 from .tables import Tables
+from .tracing import Tracing, creating
 
 _WORD = "abcdefghijklmnopqrstuvwxyz0123456789_-"
 
@@ -48,12 +49,23 @@ class Outbox:
     leaves if and only if the caller's transaction commits. They are thread-safe (no state).
     Raises `MessageError` for an invalid name, payload or header, `PayloadTooLarge` over the
     size limit, and `StorageError` if the database refuses the row.
+
+    With tracing on (`tracing`), each write is a ``create`` span, a child of the current span,
+    whose W3C context the row's headers keep as ``traceparent`` / ``tracestate``.
     """
 
-    def __init__(self, service: str, tables: Tables, *, max_payload_bytes: int) -> None:
+    def __init__(
+        self,
+        service: str,
+        tables: Tables,
+        *,
+        max_payload_bytes: int,
+        tracing: Tracing | None = None,
+    ) -> None:
         self._service = validate_service_name(service)
         self._tables = tables
         self._limit = max_payload_bytes
+        self._tracing = tracing or Tracing(self._service)
 
     def publish(
         self,
@@ -174,7 +186,8 @@ class Outbox:
             row["correlation_id"] = correlation_id or str(row["message_id"])
             row["causation_id"] = None
         try:
-            queries.insert_outbox(session, self._tables, [row])
+            with creating(self._tracing, row):  # nothing at all when tracing is off
+                queries.insert_outbox(session, self._tables, [row])
         except SQLAlchemyError as exc:
             raise storage_error(exc, "writing to the outbox") from exc
         return row["message_id"]  # type: ignore[no-any-return]

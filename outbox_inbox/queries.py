@@ -402,6 +402,7 @@ _CLAIMED = (
     "priority",
     "created_at",
     "expires_at",
+    "received_at",
     "attempts",
     "finished",
 )
