@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -30,12 +31,14 @@ from .messages import (
     H_LAST_ERROR,
     H_RECEIVE_ATTEMPT,
     H_RETRY_DELAY,
+    Message,
     WireMessage,
     from_wire,
     inbox_id,
 )
 from .tables import Tables
 from .topology import DEAD_LETTER_EXCHANGE, delay_queue, inbox_queue
+from .tracing import Tracing, record_receives
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +81,7 @@ class Receiver:
         broker: Broker,
         settings: Settings,
         listener: Listener | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self._service = service
         self._engine = engine
@@ -85,6 +89,7 @@ class Receiver:
         self._broker = broker
         self._settings = settings
         self._listener = listener
+        self._tracing = tracing or Tracing(service)
         self.stored = 0  # new inbox rows written by this receiver
         self.duplicates = 0  # deliveries dropped as already stored
         self.delayed = 0  # deliveries sent to a delay tier
@@ -250,6 +255,8 @@ class Receiver:
         """
         if not items:
             return []
+        tracer = self._tracing.tracer()
+        started = time.time_ns() if tracer is not None else 0
         with self._engine.begin() as conn:
             new = queries.insert_inbox(conn, self._tables, [row for _, row in items])
             if repeats or len(new) < len(items):  # the common batch has no duplicate
@@ -264,11 +271,18 @@ class Receiver:
         self.stored += len(new)
         self.duplicates += duplicates
         call(self._listener, "received", len(new), duplicates)
+        if self._listener is not None and new:
+            stored = [_message(row) for _, row in items if row["message_id"] in new]
+            call(self._listener, "stored", stored)
+        if tracer is not None:
+            rows = [(row, row["message_id"] not in new) for _, row in items]
+            record_receives(tracer, self._service, rows, started)
         return [delivery for delivery, _ in items]
 
     def _ack_duplicate(self, consumer: Consumer, delivery: Delivery) -> None:
         consumer.ack(delivery.tag)
         self.duplicates += 1
+        call(self._listener, "received", 0, 1)
 
     def _delay(self, consumer: Consumer, delivery: Delivery, error: str) -> None:
         """Send a message that could not be stored to its delay tier, or dead past the limit."""
@@ -308,6 +322,27 @@ class Receiver:
             {H_DEAD_REASON: f"{reason}: {detail}"[:1000], H_DEAD_QUEUE: inbox_queue(self._service)},
         )
         self.dead += 1
+        call(self._listener, "dead", reason, 1)
+
+
+def _message(row: Mapping[str, Any]) -> Message:
+    """A stored row's message as the listener sees it (not handled yet: attempt 0)."""
+    return Message(
+        message_id=row["message_id"],
+        type=row["routing_key"],
+        payload=row["payload"],
+        kind=row["kind"],
+        headers=row["headers"],
+        source=row["source"],
+        version=row["version"],
+        correlation_id=row["correlation_id"],
+        causation_id=row["causation_id"],
+        key=row["key"],
+        priority=row["priority"],
+        attempt=0,
+        created_at=row["created_at"],
+        expires_at=row["expires_at"],
+    )
 
 
 def _counted_id(message: WireMessage) -> uuid.UUID | None:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any, TypeVar
 
+from opentelemetry.trace import TracerProvider
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
@@ -39,6 +40,7 @@ from .retry import RetryPolicy
 from .sqlite import create_sqlite_engine, is_sqlite
 from .tables import Tables, build_tables
 from .topology import Topology, command_routing_key, inbox_queue, service_topology
+from .tracing import Tracing
 from .waker import Waker, notify_channel, psycopg_conninfo
 from .worker import Worker
 
@@ -54,6 +56,10 @@ class Service:
     Register handlers with `on_command` / `on_event` before `start()`. A Service is safe to
     share between threads: `outbox`, `session()` and `engine` may be used from any thread.
     Construction validates the settings and connects to nothing.
+
+    `listener` hears what the roles do (`Listener`; `outbox_inbox.metrics.instrument` adds the
+    Prometheus one). Spans go to `tracer_provider`, else to OpenTelemetry's global tracer
+    provider once one is set; with neither, tracing costs nothing (docs/observability.md).
     """
 
     def __init__(
@@ -65,6 +71,7 @@ class Service:
         engine: Engine | None = None,
         broker: Broker | None = None,
         listener: Listener | None = None,
+        tracer_provider: TracerProvider | None = None,
         **settings: Any,
     ) -> None:
         self.name = validate_service_name(name)
@@ -79,8 +86,12 @@ class Service:
         # SQLite has no schemas: its tables live in the database file itself.
         self.tables: Tables = build_tables(None if self.sqlite else self.settings.schema)
         self.handlers = Handlers()
+        self.tracing = Tracing(self.name, tracer_provider)
         self.outbox = Outbox(
-            self.name, self.tables, max_payload_bytes=self.settings.max_payload_bytes
+            self.name,
+            self.tables,
+            max_payload_bytes=self.settings.max_payload_bytes,
+            tracing=self.tracing,
         )
         self._engine = engine
         self._broker = broker
@@ -276,6 +287,7 @@ class Service:
             settings=self.settings,
             waker_factory=self._waker(self.tables.outbox.name),
             listener=self.listener,
+            tracing=self.tracing,
         )
 
     def receiver(self) -> Receiver:
@@ -287,6 +299,7 @@ class Service:
             broker=self.broker,
             settings=self.settings,
             listener=self.listener,
+            tracing=self.tracing,
         )
 
     def worker(self, name: str | None = None) -> Worker:
@@ -299,6 +312,7 @@ class Service:
             name=name,
             waker_factory=self._waker(self.tables.inbox.name),
             listener=self.listener,
+            tracing=self.tracing,
         )
 
     def start(

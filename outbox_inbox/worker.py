@@ -7,12 +7,15 @@ import logging
 import os
 import socket
 import threading
+import time
 import traceback
 import uuid
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+from opentelemetry.trace import Tracer
 from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
@@ -28,6 +31,7 @@ from .listener import Listener, call
 from .messages import Message, message_from_row
 from .retry import RetryPolicy
 from .tables import Tables
+from .tracing import Tracing, processing
 from .waker import Waker
 
 log = logging.getLogger(__name__)
@@ -70,6 +74,8 @@ class _Batch:
 
     run: list[RowMapping] = field(default_factory=list)
     dead: list[tuple[RowMapping, str, str | None, bool]] = field(default_factory=list)
+    #: The reasons of the rows of `dead` marked by the last transaction that tried.
+    marked: list[str] = field(default_factory=list)
 
     @property
     def ids(self) -> list[int]:
@@ -107,8 +113,10 @@ class Worker:
         name: str | None = None,
         waker_factory: Callable[[threading.Event], Waker | None] | None = None,
         listener: Listener | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self._listener = listener
+        self._tracing = tracing or Tracing("")
         self._engine = engine
         self._tables = tables
         self._handlers = handlers
@@ -235,8 +243,11 @@ class Worker:
                 conn, batch, exc if isinstance(exc, _HandlerFailed) else None
             )
         self.processed += len(handled)
-        for message in handled:
-            call(self._listener, "handled", message)
+        if self._listener is not None:
+            for message in handled:
+                call(self._listener, "handled", message)
+            for reason, count in Counter(batch.marked).items():
+                call(self._listener, "dead", reason, count)
 
     def _plan(self, rows: list[RowMapping]) -> _Batch:
         """Decide, from the claimed rows alone, which run and which end dead without running."""
@@ -270,6 +281,7 @@ class Worker:
             session = Session(bind=conn, join_transaction_mode="rollback_only")
             processed: list[int] = []
             unrun: list[int] = []
+            tracer = self._tracing.tracer()
             try:
                 for row in batch.run:
                     if row["id"] not in mine:
@@ -279,9 +291,7 @@ class Worker:
                         continue
                     message = message_from_row(row)
                     try:
-                        with handling(message):
-                            for subscription in self._handlers.find(message.kind, message.type):
-                                subscription.handler(message, session)
+                        self._run_handlers(message, session, tracer)
                     except Exception as exc:
                         raise _HandlerFailed(row["id"], exc) from exc
                     handled.append(message)
@@ -324,19 +334,35 @@ class Worker:
         return handled
 
     def _mark_dead_rows(self, conn: Connection, batch: _Batch, mine: set[int]) -> None:
+        batch.marked = []  # told to the listener once the transaction committed
         for row, reason, error, finished in batch.dead:
             if row["id"] in mine:
                 queries.mark_dead(conn, self._tables, row["id"], reason, error, finished=finished)
+                batch.marked.append(reason)
+
+    def _run_handlers(self, message: Message, session: Session, tracer: Tracer | None) -> None:
+        """Run every handler of `message`, as the current message, in its ``process`` span if
+        `tracer`; tell the listener how long they ran. Raises what a handler raises."""
+        subscriptions = self._handlers.find(message.kind, message.type)
+        listener = self._listener
+        started = time.perf_counter() if listener is not None else 0.0
+        try:
+            with handling(message), processing(tracer, self._tracing.service, message):
+                for subscription in subscriptions:
+                    subscription.handler(message, session)
+        except Exception as exc:
+            if listener is not None:
+                call(listener, "handler_ran", message, time.perf_counter() - started, exc)
+            raise
+        if listener is not None:
+            call(listener, "handler_ran", message, time.perf_counter() - started, None)
 
     def _handle_alone(self, conn: Connection, row: RowMapping) -> Message | None:
         """Run the handlers of one row in a savepoint; the message if it is to be processed."""
         message = message_from_row(row)
-        subscriptions = self._handlers.find(message.kind, message.type)
         session = Session(bind=conn, join_transaction_mode="create_savepoint")
         try:
-            with handling(message):
-                for subscription in subscriptions:
-                    subscription.handler(message, session)
+            self._run_handlers(message, session, self._tracing.tracer())
             session.flush()
             session.commit()  # releases the savepoint; the outer transaction commits later
             return message
@@ -356,10 +382,13 @@ class Worker:
             log.warning("worker: %s rejected: %s", message.message_id, exc.reason)
             queries.mark_dead(conn, self._tables, row["id"], REJECTED, exc.reason, finished=True)
             call(self._listener, "failed", message, exc, dead=True)
+            call(self._listener, "dead", REJECTED, 1)
             return
         subscriptions = self._handlers.find(message.kind, message.type)
         dead = self._failed(conn, row, subscriptions, exc)
         call(self._listener, "failed", message, exc, dead=dead)
+        if dead:
+            call(self._listener, "dead", MAX_ATTEMPTS, 1)
 
     def _failed(
         self, conn: Connection, row: RowMapping, subscriptions: list[Subscription], exc: Exception
