@@ -540,7 +540,6 @@ class Relay:
             queries.mark_outbox_dead(conn, self._tables, ids, REFUSED_REASON, error)
             self.dead += len(ids)
             call(self._listener, "dead", REFUSED_REASON, len(ids))
-            call(self._listener, "dead", REFUSED_REASON, len(ids))
             log.error(
                 "relay: %d messages dead after %d attempts: %s",
                 len(ids),
