@@ -24,7 +24,11 @@ target_metadata = build_tables(schema).metadata
 
 def _run(connection: Connection) -> None:
     if connection.dialect.name == "postgresql":
-        connection.execute(CreateSchema(schema, if_not_exists=True))
+        # CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even when the schema
+        # exists; a migration role given a schema of its own has no such right
+        # (docs/security.md).
+        if not connection.dialect.has_schema(connection, schema):
+            connection.execute(CreateSchema(schema, if_not_exists=True))
         connection.commit()
     context.configure(
         connection=connection,
