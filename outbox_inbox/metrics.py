@@ -1,0 +1,367 @@
+"""Prometheus metrics of a service's messaging (names, types and labels: docs/observability.md).
+
+``metrics = instrument(service)`` before ``service.start()`` / ``run()``: counters and
+histograms are fed by a `Listener` next to the service's own, and the backlog gauges are read
+from the service's tables at each scrape with the queries `outbox-inbox status` runs, so both
+show the same numbers. Expose them with ``metrics.serve(port)`` (what ``outbox-inbox run
+--metrics-port`` does), or mount ``metrics.wsgi_app()`` / ``metrics.asgi_app()`` in your own
+web app; by default they are in prometheus_client's global registry, so a ``/metrics`` your
+app already serves has them too.
+
+Lags (commit→publish, commit→receive, receive→handled) subtract a time the database wrote
+from the host's clock: clock skew between the hosts shows in them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    make_asgi_app,
+    make_wsgi_app,
+    start_http_server,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
+
+from . import queries
+from .broker import PublishOutcome
+from .errors import ConfigurationError
+from .listener import Listener, combine
+from .logsafe import mask_text, mask_url
+from .messages import COMMAND, Message, OutgoingMessage
+from .service import Service
+from .tables import Tables
+
+log = logging.getLogger(__name__)
+
+PREFIX = "outbox_inbox"
+
+#: Buckets of the lag histograms, in seconds: from a few milliseconds to an hour.
+LAG_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600,
+)  # fmt: skip
+#: Buckets of the handler duration histogram, in seconds.
+HANDLER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class _Families:
+    """The metric families of one registry, shared by every service instrumented in it."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(f"{PREFIX}_{name}", doc, ["service", *labels], registry=registry)
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+            return Histogram(
+                f"{PREFIX}_{name}", doc, ["service"], buckets=buckets, registry=registry
+            )
+
+        self.published = counter(
+            "published", "Messages the relay published and marked (committed).", "kind"
+        )
+        self.received = counter("received", "New messages the receiver stored in the inbox.")
+        self.duplicates = counter(
+            "duplicates", "Deliveries the receiver dropped as copies of a stored message."
+        )
+        self.handled = counter("handled", "Messages whose handlers returned.")
+        self.retried = counter("retried", "Handler failures scheduled for a retry.")
+        self.dead = counter("dead", "Messages that ended dead, by reason.", "reason")
+        self.publish_failures = counter(
+            "relay_publish_failures",
+            "Messages the broker did not confirm (kept for a retry), by outcome.",
+            "outcome",
+        )
+        self.publish_lag = histogram(
+            "publish_lag_seconds",
+            "From the outbox row's created_at (its transaction) to its publish being marked.",
+            LAG_BUCKETS,
+        )
+        self.receive_lag = histogram(
+            "receive_lag_seconds",
+            "From the message's created_at (the sender's transaction) to its inbox row's commit.",
+            LAG_BUCKETS,
+        )
+        self.handle_lag = histogram(
+            "handle_lag_seconds",
+            "From the inbox row's received_at to its handlers having returned.",
+            LAG_BUCKETS,
+        )
+        self.handler_duration = histogram(
+            "handler_duration_seconds",
+            "Wall time of one run of a message's handlers, failed runs included.",
+            HANDLER_BUCKETS,
+        )
+        self.state = _StateCollector()
+        registry.register(self.state)
+
+
+_lock = threading.Lock()
+_families: weakref.WeakKeyDictionary[CollectorRegistry, _Families] = weakref.WeakKeyDictionary()
+
+
+def _families_of(registry: CollectorRegistry) -> _Families:
+    with _lock:
+        families = _families.get(registry)
+        if families is None:
+            families = _families[registry] = _Families(registry)
+        return families
+
+
+class Metrics(Listener):
+    """The Prometheus metrics of one service: a `Listener` that counts and observes, and the
+    gauges read from its tables at each scrape. Built by `instrument`.
+
+    The hooks only increment counters and observe histograms (thread-safe, a microsecond or
+    two each).
+    """
+
+    def __init__(self, service: str, registry: CollectorRegistry, families: _Families) -> None:
+        self.service = service
+        self.registry = registry
+        f = families
+        self._published = {kind: f.published.labels(service, kind) for kind in (COMMAND, "event")}
+        self._received = f.received.labels(service)
+        self._duplicates = f.duplicates.labels(service)
+        self._handled = f.handled.labels(service)
+        self._retried = f.retried.labels(service)
+        self._dead = f.dead
+        self._failures = f.publish_failures
+        self._publish_lag = f.publish_lag.labels(service)
+        self._receive_lag = f.receive_lag.labels(service)
+        self._handle_lag = f.handle_lag.labels(service)
+        self._handler_duration = f.handler_duration.labels(service)
+        # Present from the start, at 0: a rate() over a counter that appears late misses its
+        # first increase.
+        f.dead.labels(service, "rejected")
+        f.dead.labels(service, "max_attempts")
+        f.publish_failures.labels(service, PublishOutcome.NACKED.value)
+
+    # --- Listener hooks -------------------------------------------------------------------
+
+    def relay_confirmed(
+        self, messages: Sequence[OutgoingMessage], outcomes: Sequence[PublishOutcome]
+    ) -> None:
+        for message, outcome in zip(messages, outcomes, strict=False):
+            if outcome is PublishOutcome.CONFIRMED or outcome is PublishOutcome.SKIPPED:
+                continue
+            if outcome is PublishOutcome.RETURNED and message.kind != COMMAND:
+                continue  # an event nobody subscribes to is published: that is its meaning
+            self._failures.labels(self.service, outcome.value).inc()
+
+    def relay_committed(self, messages: Sequence[OutgoingMessage]) -> None:
+        now = time.time()
+        for message in messages:
+            counter = self._published.get(message.kind)
+            if counter is not None:
+                counter.inc()
+            if message.created_at is not None:
+                self._publish_lag.observe(max(0.0, now - message.created_at.timestamp()))
+
+    def received(self, stored: int, duplicates: int) -> None:
+        if stored:
+            self._received.inc(stored)
+        if duplicates:
+            self._duplicates.inc(duplicates)
+
+    def stored(self, messages: Sequence[Message]) -> None:
+        now = time.time()
+        for message in messages:
+            if message.created_at is not None:
+                self._receive_lag.observe(max(0.0, now - message.created_at.timestamp()))
+
+    def handled(self, message: Message) -> None:
+        self._handled.inc()
+        if message.received_at is not None:
+            self._handle_lag.observe(max(0.0, time.time() - message.received_at.timestamp()))
+
+    def failed(self, message: Message, error: BaseException, *, dead: bool) -> None:
+        if not dead:
+            self._retried.inc()
+
+    def handler_ran(self, message: Message, seconds: float, error: BaseException | None) -> None:
+        self._handler_duration.observe(seconds)
+
+    def dead(self, reason: str, count: int) -> None:
+        self._dead.labels(self.service, reason).inc(count)
+
+    # --- exposition -----------------------------------------------------------------------
+
+    def wsgi_app(self) -> Callable[..., Any]:
+        """A WSGI application that serves this registry in the Prometheus text format."""
+        return make_wsgi_app(self.registry)
+
+    def asgi_app(self) -> Callable[..., Any]:
+        """An ASGI application that serves this registry in the Prometheus text format."""
+        return make_asgi_app(self.registry)
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> MetricsServer:
+        """Serve this registry over HTTP at ``http://host:port/metrics`` from a daemon thread.
+
+        Port 0 picks a free port (`MetricsServer.port`). Raises OSError if the address cannot
+        be bound. Call `MetricsServer.close()` to stop.
+        """
+        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        return MetricsServer(server, thread)
+
+
+class MetricsServer:
+    """The HTTP server `Metrics.serve` started."""
+
+    def __init__(self, server: WSGIServer, thread: threading.Thread) -> None:
+        self._server = server
+        self._thread = thread
+
+    @property
+    def host(self) -> str:
+        return str(self._server.server_address[0])
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    def close(self) -> None:
+        """Stop serving and release the port."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5)
+
+
+def instrument(service: Service, *, registry: CollectorRegistry | None = None) -> Metrics:
+    """Count `service`'s messages in `registry` and read its backlog gauges at each scrape.
+
+    The service's listener becomes the metrics plus the listener it had (both
+    hear every hook); call this before `start()`, `run()` or `run_<role>()`, which hand the
+    listener to the roles. `registry` defaults to prometheus_client's global one. Several
+    services may share a registry (each sample has a ``service`` label); one service name
+    twice in a registry raises ConfigurationError.
+    """
+    registry = REGISTRY if registry is None else registry
+    families = _families_of(registry)
+    families.state.watch(service.name, service.engine, service.tables)
+    metrics = Metrics(service.name, registry, families)
+    service.listener = combine(service.listener, metrics)
+    return metrics
+
+
+# --- the gauges, read at scrape time ------------------------------------------------------
+
+_GAUGES = (
+    ("outbox_backlog", "Outbox rows not yet published (and not dead or expired).", "outbox"),
+    ("outbox_retrying", "Unpublished outbox rows that failed at least once.", "outbox"),
+    (
+        "outbox_oldest_age_seconds",
+        "Age of the oldest unpublished outbox row (database clock); 0 when none.",
+        "outbox",
+    ),
+    ("outbox_dead", "Outbox rows the broker refused on every attempt.", "outbox"),
+    ("inbox_pending", "Inbox rows waiting for a worker (due, or scheduled for a retry).", "inbox"),
+    ("inbox_in_progress", "Pending inbox rows a worker holds a lease on.", "inbox"),
+    (
+        "inbox_oldest_pending_age_seconds",
+        "Age of the oldest pending inbox row (database clock); 0 when none.",
+        "inbox",
+    ),
+    ("inbox_dead", "Dead inbox rows.", "inbox"),
+)
+#: Gauge name -> the field of queries.outbox_status / inbox_status it shows.
+_FIELDS = {
+    "outbox_backlog": "unpublished",
+    "outbox_retrying": "retrying",
+    "outbox_oldest_age_seconds": "oldest_age_seconds",
+    "outbox_dead": "dead",
+    "inbox_pending": "pending",
+    "inbox_in_progress": "in_progress",
+    "inbox_oldest_pending_age_seconds": "oldest_pending_age_seconds",
+    "inbox_dead": "dead",
+}
+
+
+class _StateCollector(Collector):
+    """Reads the backlog gauges of each watched service at scrape time.
+
+    One snapshot per service (repeatable read on PostgreSQL), with `queries.outbox_status` and
+    `queries.inbox_status`: the numbers `outbox-inbox status` shows. A database that cannot be
+    read gives ``outbox_inbox_state_up 0`` and no gauges for that service, and a warning.
+    """
+
+    def __init__(self) -> None:
+        self._watched: dict[str, tuple[Engine, Tables]] = {}
+        self._lock = threading.Lock()
+
+    def watch(self, service: str, engine: Engine, tables: Tables) -> None:
+        with self._lock:
+            if service in self._watched:
+                raise ConfigurationError(
+                    f"service {service!r} is instrumented twice in the same registry"
+                )
+            self._watched[service] = (engine, tables)
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self._families().values())
+
+    def collect(self) -> Iterable[Metric]:
+        families = self._families()
+        with self._lock:
+            watched = list(self._watched.items())
+        for service, (engine, tables) in watched:
+            state = _read_state(engine, tables)
+            families["state_up"].add_metric([service], 0 if state is None else 1)
+            if state is None:
+                continue
+            for name, _doc, part in _GAUGES:
+                value = state[part][_FIELDS[name]]
+                families[name].add_metric([service], float(value or 0))
+        return list(families.values())
+
+    @staticmethod
+    def _families() -> dict[str, GaugeMetricFamily]:
+        families = {
+            "state_up": GaugeMetricFamily(
+                f"{PREFIX}_state_up",
+                "1 if the last scrape could read the service's tables, else 0.",
+                labels=["service"],
+            )
+        }
+        for name, doc, _part in _GAUGES:
+            families[name] = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["service"])
+        return families
+
+
+def _read_state(engine: Engine, tables: Tables) -> dict[str, Any] | None:
+    try:
+        with engine.connect() as conn:
+            options = (
+                {"isolation_level": "REPEATABLE READ"}
+                if engine.dialect.name == "postgresql"
+                else {}
+            )
+            with conn.execution_options(**options).begin():
+                return {
+                    "outbox": queries.outbox_status(conn, tables),
+                    "inbox": queries.inbox_status(conn, tables),
+                }
+    except SQLAlchemyError as exc:
+        url = engine.url.render_as_string(hide_password=False)
+        first = str(exc).splitlines()[0] if str(exc) else repr(exc)
+        log.warning(
+            "metrics: cannot read the outbox/inbox state from %s: %s",
+            mask_url(url),
+            mask_text(first, url),
+        )
+        return None
+
+
+__all__ = ["Metrics", "MetricsServer", "instrument"]
