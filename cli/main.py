@@ -29,6 +29,7 @@ from outbox_inbox.errors import (
     storage_error,
 )
 from outbox_inbox.logsafe import mask_url
+from outbox_inbox.metrics import MetricsServer, instrument
 from outbox_inbox.service import Service
 from outbox_inbox.tables import VERSION_TABLE
 
@@ -251,6 +252,7 @@ def with_urls(app: Service, db_url: str | None, mq_url: str | None) -> Service:
         engine=None if values["db_url"] else app.engine,
         broker=broker,
         listener=app.listener,
+        tracer_provider=app.tracing.provider,
         **values,
     )
     copy.handlers = app.handlers
@@ -268,7 +270,29 @@ def with_urls(app: Service, db_url: str | None, mq_url: str | None) -> Service:
     help="Exit at once when PostgreSQL or RabbitMQ cannot be reached at start, instead of"
     " waiting for them.",
 )
-def run(role: str, app_spec: str, db_url: str | None, mq_url: str | None, fail_fast: bool) -> None:
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    metavar="PORT",
+    help="Serve Prometheus metrics at http://HOST:PORT/metrics (docs/observability.md).",
+)
+@click.option(
+    "--metrics-host",
+    default="127.0.0.1",
+    show_default=True,
+    metavar="HOST",
+    help="The address the metrics server binds (0.0.0.0 for every interface).",
+)
+def run(
+    role: str,
+    app_spec: str,
+    db_url: str | None,
+    mq_url: str | None,
+    fail_fast: bool,
+    metrics_port: int | None,
+    metrics_host: str,
+) -> None:
     """Run one role of the service, or all, until SIGTERM or SIGINT (graceful stop).
 
     \b
@@ -280,10 +304,23 @@ def run(role: str, app_spec: str, db_url: str | None, mq_url: str | None, fail_f
     A server that cannot be reached at start is waited for (one warning, then retries), unless
     --fail-fast is given. A configuration error (bad URL or credentials, missing schema) exits
     at once. On SIGTERM or SIGINT the work in hand is finished, then the command exits 0.
+
+    With --metrics-port, Prometheus metrics of this process's roles and the service's backlog
+    are served on 127.0.0.1 (--metrics-host to change); a port that cannot be bound exits 1.
     """
     resolve(db_url=db_url, mq_url=mq_url)  # checks the URLs before anything starts
     service = with_urls(load_app(app_spec), db_url, mq_url)
     wait = {"fail_fast": True} if fail_fast else {}
+    server: MetricsServer | None = None
+    if metrics_port is not None:
+        try:
+            server = instrument(service).serve(metrics_port, metrics_host)
+        except OSError as exc:
+            service.close()
+            fail(f"cannot serve metrics on {metrics_host}:{metrics_port}: {exc.strerror or exc}")
+        logging.getLogger(__name__).info(
+            "metrics at http://%s:%d/metrics", metrics_host, server.port
+        )
     try:
         if role == "all":
             service.run(**wait)
@@ -295,6 +332,8 @@ def run(role: str, app_spec: str, db_url: str | None, mq_url: str | None, fail_f
             service.run_worker(**wait)
     finally:
         service.close()
+        if server is not None:
+            server.close()
 
 
 main.add_command(topology)
