@@ -33,6 +33,7 @@ from outbox_inbox.metrics import MetricsServer, instrument
 from outbox_inbox.service import Service
 from outbox_inbox.tables import VERSION_TABLE
 
+from .dashboard import dashboard
 from .dead_letters import dead_letters
 from .demo import demo
 from .history import archive, audit
@@ -343,6 +344,7 @@ main.add_command(tail)
 main.add_command(demo)
 main.add_command(archive)
 main.add_command(audit)
+main.add_command(dashboard)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,349 @@
+"""The dashboard as a WSGI application: a few routes over `WatchedService`.
+
+    GET  /                 every service: lag, backlog, rates, dead letters, health
+    GET  /service?name=    one service's status and its dead letters, with filters
+    GET  /letter?service=&source=&id=      one dead letter: payload, headers, error, trace id
+    GET  /confirm?service=&source=&action=&id=...   what an action would do, and its form
+    POST /act              replay or purge exactly the ids confirmed (CSRF-checked, audited)
+    GET  /dashboard.css
+
+Each request runs in its own thread of the server and opens its own broker connection; the
+database engines are shared (SQLAlchemy pools are thread-safe).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+from typing import Any
+from urllib.parse import parse_qs
+
+from ..dead_letters import Filters, parse_message_id
+from ..errors import OutboxInboxError
+from ..logsafe import mask_url
+from . import views
+from .letters import ACTIONS, AuditWriter, WatchedService, act
+from .markup import Safe, html, join
+from .rates import Rates, RateTracker
+from .security import CSRF_FIELD, Guard
+
+log = logging.getLogger(__name__)
+
+StartResponse = Callable[..., Any]
+
+#: The most a form may send, and the most ids one action takes.
+MAX_BODY = 256 * 1024
+MAX_IDS = 1000
+#: Dead letters listed per source on a service's page (broker queues: messages read).
+LIST_LIMIT = 100
+
+SECURITY_HEADERS = [
+    (
+        "Content-Security-Policy",
+        "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; "
+        "frame-ancestors 'none'; base-uri 'none'",
+    ),
+    ("X-Content-Type-Options", "nosniff"),
+    ("X-Frame-Options", "DENY"),
+    ("Referrer-Policy", "same-origin"),
+    ("Cache-Control", "no-store"),
+]
+
+_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+class BadRequest(Exception):
+    """The request's parameters are wrong: shown to the user with status 400."""
+
+
+class NotFound(Exception):
+    """No such page, service or dead letter: status 404."""
+
+
+def parse_filters(query: dict[str, str]) -> Filters:
+    """The filters of a service page's form (the CLI's `--type`, `--reason`, ...)."""
+    types = tuple(t.strip() for t in query.get("type", "").split(",") if t.strip())
+    for pattern in types:
+        if any(not word for word in pattern.split(".")):
+            raise BadRequest(f"{pattern!r} is not a routing key or pattern")
+    older_than = None
+    if query.get("older_than", "").strip():
+        match = _DURATION.fullmatch(query["older_than"])
+        if not match:
+            raise BadRequest(f"{query['older_than']!r} is not a duration like 30s, 10m, 2h or 7d")
+        older_than = timedelta(seconds=float(match[1]) * _UNITS[match[2] or "s"])
+    return Filters(
+        types=types,
+        older_than=older_than,
+        reason=query.get("reason", "").strip() or None,
+        error=query.get("error", "").strip() or None,
+    )
+
+
+class Dashboard:
+    """The WSGI application. `audit` writes one line per action (outbox_inbox.cli.audit);
+    `refresh` reloads the overview every so many seconds (0: never)."""
+
+    def __init__(
+        self,
+        services: list[WatchedService],
+        *,
+        audit: AuditWriter,
+        guard: Guard | None = None,
+        refresh: int = 10,
+    ) -> None:
+        if not services:
+            raise ValueError("the dashboard needs at least one service")
+        self.services = {s.name: s for s in services}
+        if len(self.services) != len(services):
+            raise ValueError("two services have the same name")
+        self.guard = guard or Guard()
+        self.audit = audit
+        self.refresh = refresh
+        self.rates = RateTracker()
+
+    # --- WSGI -------------------------------------------------------------------------------
+
+    def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        headers = list(SECURITY_HEADERS)
+        if not self.guard.host_allowed(environ):
+            return self._respond(
+                start_response,
+                "421 Misdirected Request",
+                headers,
+                views.message_page(
+                    "Wrong host", "this dashboard answers on a loopback address only"
+                ),
+            )
+        user = self.guard.user(environ)
+        if user is None:
+            headers.append(
+                ("WWW-Authenticate", 'Basic realm="outbox-inbox dashboard", charset="UTF-8"')
+            )
+            return self._respond(
+                start_response,
+                "401 Unauthorized",
+                headers,
+                views.message_page("Log in", "this dashboard needs its token"),
+            )
+        cookie = self.guard.csrf_cookie(environ)
+        if cookie is None:
+            cookie = self.guard.new_cookie_value()
+            headers.append(self.guard.set_cookie_header(cookie))
+        method = str(environ.get("REQUEST_METHOD", "GET"))
+        path = str(environ.get("PATH_INFO", "/"))
+        try:
+            if path == "/dashboard.css" and method in ("GET", "HEAD"):
+                headers.append(("Content-Type", "text/css; charset=utf-8"))
+                start_response("200 OK", headers)
+                return [views.STYLESHEET.encode("utf-8")]
+            query = _single(parse_qs(str(environ.get("QUERY_STRING", ""))))
+            if method in ("GET", "HEAD"):
+                body = self._get(path, query, environ, cookie)
+            elif method == "POST" and path == "/act":
+                body = self._post_act(environ, user)
+            else:
+                raise NotFound(f"no page {method} {path}")
+            return self._respond(start_response, "200 OK", headers, body)
+        except BadRequest as exc:
+            return self._respond(
+                start_response,
+                "400 Bad Request",
+                headers,
+                views.message_page("Bad request", str(exc)),
+            )
+        except NotFound as exc:
+            return self._respond(
+                start_response, "404 Not Found", headers, views.message_page("Not found", str(exc))
+            )
+        except PermissionError as exc:
+            return self._respond(
+                start_response, "403 Forbidden", headers, views.message_page("Refused", str(exc))
+            )
+        except OutboxInboxError as exc:
+            log.warning("dashboard: %s", mask_url(str(exc)))
+            return self._respond(
+                start_response,
+                "503 Service Unavailable",
+                headers,
+                views.message_page("Server unavailable", str(exc)),
+            )
+
+    @staticmethod
+    def _respond(
+        start_response: StartResponse, status: str, headers: list[tuple[str, str]], body: Safe
+    ) -> list[bytes]:
+        data = body.encode("utf-8")
+        headers = [
+            *headers,
+            ("Content-Type", "text/html; charset=utf-8"),
+            ("Content-Length", str(len(data))),
+        ]
+        start_response(status, headers)
+        return [data]
+
+    def _service(self, name: str | None) -> WatchedService:
+        service = self.services.get(name or "")
+        if service is None:
+            raise NotFound(f"no service {name!r} on this dashboard")
+        return service
+
+    @staticmethod
+    def _source(service: WatchedService, source: str | None) -> str:
+        if source not in service.sources():
+            raise BadRequest(
+                f"{service.name} has no dead-letter source {source!r}; "
+                f"it has {', '.join(service.sources())}"
+            )
+        return source
+
+    # --- pages ------------------------------------------------------------------------------
+
+    def _get(self, path: str, query: dict[str, str], environ: dict[str, Any], cookie: str) -> Safe:
+        if path == "/":
+            return self._overview()
+        if path == "/service":
+            return self._service_page(self._service(query.get("name")), query)
+        if path == "/letter":
+            return self._letter(query)
+        if path == "/confirm":
+            return self._confirm(environ, cookie)
+        raise NotFound(f"no page {path}")
+
+    def _status(self, service: WatchedService) -> tuple[dict[str, Any], Rates | None]:
+        status = service.status()
+        return status, self.rates.add(service.name, status)
+
+    def _overview(self) -> Safe:
+        entries: list[tuple[str, dict[str, Any] | None, Rates | None, str | None]] = []
+        for name, service in self.services.items():
+            try:
+                status, rates = self._status(service)
+                entries.append((name, status, rates, None))
+            except OutboxInboxError as exc:
+                entries.append((name, None, None, str(exc)))
+        return views.overview(entries, self.refresh or None)
+
+    def _service_page(self, service: WatchedService, query: dict[str, str]) -> Safe:
+        parts = []
+        try:
+            status, rates = self._status(service)
+            parts.append(views.service_status(service.name, status, rates))
+        except OutboxInboxError as exc:
+            parts.append(html("<h1>{}</h1>{}", service.name, views.error_text(str(exc))))
+        filters = parse_filters(query)
+        wanted = query.get("source") or "all"
+        sources = service.sources() if wanted == "all" else [self._source(service, wanted)]
+        parts.append(html("<h2 id=dead-letters>Dead letters</h2>"))
+        parts.append(
+            views.filter_form(service.name, service.sources(), {**query, "source": wanted})
+        )
+        try:
+            with service.selections(sources, filters, LIST_LIMIT) as selections:
+                letters = [d for s in selections for d in s.letters]
+                cut = [s.source for s in selections if s.more]
+                counts = ", ".join(f"{s.source} {len(s.letters)}" for s in selections)
+        except OutboxInboxError as exc:
+            parts.append(views.error_text(str(exc)))
+        else:
+            parts.append(html("<p id=letter-count>{} dead letter(s): {}</p>", len(letters), counts))
+            if cut:
+                parts.append(
+                    html(
+                        '<p class="note">More than {} in {}: narrow the filters to see the '
+                        "rest.</p>",
+                        LIST_LIMIT,
+                        ", ".join(cut),
+                    )
+                )
+            if letters:
+                parts.append(views.letters_table(service.name, letters))
+                if not filters.empty or wanted != "all":
+                    by_source: dict[str, list[str]] = {}
+                    for d in letters:
+                        if d.message_id:
+                            by_source.setdefault(d.source, []).append(d.message_id)
+                    parts.append(views.bulk_links(service.name, by_source))
+        return views.page(service.name, join(parts))
+
+    def _find(
+        self, service: WatchedService, source: str, message_ids: list[str]
+    ) -> tuple[list[Any], list[str]]:
+        # Broker queues are read up to their depth: the letter may be anywhere in them.
+        with service.selections([source], Filters(message_ids=tuple(message_ids)), None) as (
+            selection,
+        ):
+            letters = list(selection.letters)
+        found = {d.message_id for d in letters}
+        return letters, [m for m in message_ids if m not in found]
+
+    def _letter(self, query: dict[str, str]) -> Safe:
+        service = self._service(query.get("service"))
+        source = self._source(service, query.get("source"))
+        message_id = parse_message_id(query.get("id", ""))
+        if not message_id:
+            raise BadRequest("no message id given")
+        letters, _ = self._find(service, source, [message_id])
+        if not letters:
+            raise NotFound(f"no dead letter {message_id} in {service.name}'s {source}")
+        return views.letter_page(service.name, letters[0])
+
+    def _action_params(
+        self, fields: dict[str, list[str]]
+    ) -> tuple[WatchedService, str, str, list[str]]:
+        first = _single(fields)
+        service = self._service(first.get("service"))
+        source = self._source(service, first.get("source"))
+        action = first.get("action", "")
+        if action not in ACTIONS:
+            raise BadRequest(f"unknown action {action!r}")
+        ids = list(dict.fromkeys(parse_message_id(i) for i in fields.get("id", []) if i))
+        if not ids:
+            raise BadRequest("no message id given: choose the dead letters first")
+        if len(ids) > MAX_IDS:
+            raise BadRequest(f"at most {MAX_IDS} dead letters at once")
+        return service, source, action, ids
+
+    def _confirm(self, environ: dict[str, Any], cookie: str) -> Safe:
+        fields = parse_qs(str(environ.get("QUERY_STRING", "")))
+        service, source, action, ids = self._action_params(fields)
+        letters, missing = self._find(service, source, ids)
+        return views.confirm_page(
+            service.name, source, action, letters, missing, self.guard.csrf_token(cookie)
+        )
+
+    def _post_act(self, environ: dict[str, Any], user: str) -> Safe:
+        fields = _read_form(environ)
+        problem = self.guard.csrf_problem(environ, _single(fields).get(CSRF_FIELD))
+        if problem is not None:
+            raise PermissionError(problem)
+        service, source, action, ids = self._action_params(fields)
+        client = f"{user}@{environ.get('REMOTE_ADDR', '?')}"
+        result = act(service, action, source, ids, audit=self.audit, client=client)
+        return views.result_page(
+            service.name, action, source, result.done, result.kept, result.missing, result.error
+        )
+
+
+def _single(values: dict[str, list[str]]) -> dict[str, str]:
+    return {k: v[0] for k, v in values.items() if v}
+
+
+def _read_form(environ: dict[str, Any]) -> dict[str, list[str]]:
+    content_type = str(environ.get("CONTENT_TYPE", "")).split(";")[0].strip().lower()
+    if content_type != "application/x-www-form-urlencoded":
+        raise BadRequest("expected a form (application/x-www-form-urlencoded)")
+    try:
+        length = int(environ.get("CONTENT_LENGTH") or 0)
+    except ValueError as exc:
+        raise BadRequest("bad Content-Length") from exc
+    if length > MAX_BODY:
+        raise BadRequest(f"the form is larger than {MAX_BODY} bytes")
+    body = environ["wsgi.input"].read(length) if length > 0 else b""
+    try:
+        return parse_qs(body.decode("utf-8"), strict_parsing=False)
+    except UnicodeDecodeError as exc:
+        raise BadRequest("the form is not UTF-8") from exc

@@ -1,0 +1,222 @@
+"""The services the dashboard shows, and the dead-letter work it does on them.
+
+Everything here goes through outbox_inbox.status.collect_status and the selections of
+outbox_inbox.dead_letters, the functions behind `outbox-inbox status` and `dead-letters`:
+the dashboard shows the same numbers and acts the same way. An action selects by message id,
+so exactly the dead letters the operator confirmed are replayed or purged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from sqlalchemy import Engine
+
+from ..brokers.rabbitmq import RabbitMQBroker
+from ..brokers.rabbitmq_admin import RabbitMQAdmin
+from ..dead_letters import (
+    QUEUE,
+    SOURCES,
+    UNROUTABLE,
+    DeadLetter,
+    Filters,
+    Outcome,
+    Pacer,
+    QueueSelection,
+    TableSelection,
+    reset_redeliveries,
+)
+from ..errors import OutboxInboxError
+from ..status import collect_status
+from ..tables import Tables
+
+log = logging.getLogger(__name__)
+
+BROKER_SOURCES = (QUEUE, UNROUTABLE)
+REPLAY, PURGE = "replay", "purge"
+ACTIONS = (REPLAY, PURGE)
+
+
+class Selection(Protocol):
+    """What every dead-letter source's selection offers (outbox_inbox.dead_letters)."""
+
+    source: str
+    letters: list[DeadLetter]
+    more: bool
+
+    def replay(self, pacer: Pacer, progress: Callable[[int], None]) -> Outcome: ...
+
+    def purge(self, pacer: Pacer, progress: Callable[[int], None]) -> Outcome: ...
+
+    def close(self) -> None: ...
+
+
+def _row_selections() -> dict[str, type[TableSelection]]:
+    # Every source kept in a database table is a TableSelection (the inbox's dead rows) or a
+    # subclass of it with its own `source` name (the outbox's dead rows).
+    kinds: dict[str, type[TableSelection]] = {TableSelection.source: TableSelection}
+    for kind in TableSelection.__subclasses__():
+        if isinstance(kind, type) and issubclass(kind, TableSelection):
+            kinds[kind.source] = kind
+    return kinds
+
+
+@dataclass(frozen=True)
+class WatchedService:
+    """One service on the dashboard: its name, tables, database, and broker (None: the
+    broker's queues are not shown and its sources are not offered)."""
+
+    name: str
+    engine: Engine
+    tables: Tables
+    broker: RabbitMQBroker | None = None
+
+    def sources(self) -> list[str]:
+        """The dead-letter sources this service can read, in the CLI's order."""
+        rows = _row_selections()
+        return [
+            s for s in SOURCES if s in rows or (s in BROKER_SOURCES and self.broker is not None)
+        ]
+
+    def status(self, *, held_keys_limit: int = 20) -> dict[str, Any]:
+        """`collect_status` of this service, with its queue depths when it has a broker."""
+        with contextlib.ExitStack() as stack:
+            admin = None
+            if self.broker is not None:
+                admin = stack.enter_context(RabbitMQAdmin(self.broker))
+            return collect_status(
+                self.engine,
+                self.tables,
+                service=self.name,
+                admin=admin,
+                held_keys_limit=held_keys_limit,
+            )
+
+    @contextlib.contextmanager
+    def selections(
+        self, sources: list[str], filters: Filters, limit: int | None
+    ) -> Iterator[list[Selection]]:
+        """One open selection per source; closed (queue messages released) at the end."""
+        rows = _row_selections()
+        with contextlib.ExitStack() as stack:
+            admin: RabbitMQAdmin | None = None
+            opened: list[Selection] = []
+            for source in sources:
+                if source in rows:
+                    selection: Selection = rows[source](self.engine, self.tables, filters, limit)
+                elif source in BROKER_SOURCES and self.broker is not None:
+                    if admin is None:
+                        admin = stack.enter_context(RabbitMQAdmin(self.broker))
+                    selection = QueueSelection(
+                        admin, source, filters, service=self.name, limit=limit
+                    )
+                else:
+                    raise ValueError(f"{self.name} has no dead-letter source {source!r}")
+                stack.callback(selection.close)
+                opened.append(selection)
+            yield opened
+
+
+#: Writes the audit line of an action: keyword arguments of outbox_inbox.cli.audit.write_audit
+#: (command, service, source, filters, counts, message_ids, dry_run, error, and `client`).
+AuditWriter = Callable[..., Any]
+
+
+@dataclass
+class ActionResult:
+    """What an action did: its outcome, or the error that stopped it."""
+
+    action: str
+    source: str
+    requested: list[str]
+    outcome: Outcome | None
+    error: str | None
+
+    @property
+    def done(self) -> list[str]:
+        return self.outcome.done if self.outcome else []
+
+    @property
+    def kept(self) -> list[tuple[str, str]]:
+        return self.outcome.kept if self.outcome else []
+
+    @property
+    def missing(self) -> list[str]:
+        """Message ids asked for that were not dead letters of the source any more."""
+        seen = set(self.done) | {m for m, _ in self.kept}
+        return [m for m in self.requested if m not in seen]
+
+
+def act(
+    service: WatchedService,
+    action: str,
+    source: str,
+    message_ids: list[str],
+    *,
+    audit: AuditWriter,
+    client: str,
+) -> ActionResult:
+    """Replay or purge the dead letters `message_ids` of `source`, and write one audit line.
+
+    The selection is made again here, by id: a letter replayed or purged by someone else in
+    the meantime is not found (reported as missing), never acted on twice. A queue replay
+    resets the broker-redelivery counters of its messages first, as the CLI does. The audit
+    line is written even when the action fails half-way; errors of the servers are returned
+    in the result, not raised.
+    """
+    if action not in ACTIONS:
+        raise ValueError(f"unknown action {action!r}")
+    if not message_ids:
+        raise ValueError("no message id given")
+    filters = Filters(message_ids=tuple(message_ids))
+    outcome: Outcome | None = None
+    error: str | None = None
+    try:
+        with service.selections([source], filters, None) as (selection,):
+            outcome = _run(service, action, selection)
+    except OutboxInboxError as exc:
+        error = str(exc)
+        log.warning("dashboard %s failed", action, extra={"service": service.name, "error": error})
+    except BaseException as exc:  # recorded in the audit line, then raised on
+        error = f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        audit(
+            command=f"dashboard {action}",
+            service=service.name,
+            source=source,
+            filters=filters.as_dict(),
+            counts={source: len(outcome.done) if outcome else 0},
+            message_ids=outcome.done if outcome else [],
+            dry_run=False,
+            error=error,
+            client=client,
+        )
+    return ActionResult(action, source, list(message_ids), outcome, error)
+
+
+def _run(service: WatchedService, action: str, selection: Selection) -> Outcome:
+    pacer = Pacer(None)
+
+    def progress(_count: int) -> None:
+        return None
+
+    if action == PURGE:
+        return selection.purge(pacer, progress)
+    if isinstance(selection, QueueSelection):
+
+        def reset(message_ids: list[str]) -> None:
+            # A message dead-lettered for too many redeliveries would be dead-lettered again at
+            # its first redelivery: its counter starts over with the replay.
+            if selection.source == QUEUE:
+                try:
+                    reset_redeliveries(service.engine, service.tables, message_ids)
+                except OutboxInboxError as exc:
+                    log.warning("redelivery counters not reset: %s", exc)
+
+        return selection.replay(pacer, progress, before=reset)
+    return selection.replay(pacer, progress)

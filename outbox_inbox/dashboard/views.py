@@ -1,0 +1,533 @@
+"""The dashboard's pages: plain HTML and one stylesheet, no script. Every value is escaped
+(`markup.html`); passwords in error texts are masked."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+from urllib.parse import urlencode
+
+from ..dead_letters import DeadLetter, error_summary
+from ..logsafe import mask_url
+from ..status import dead_count, problems
+from .markup import Safe, html, join
+from .rates import Rates
+
+STYLESHEET = """
+body { font: 14px/1.4 "Liberation Sans", "DejaVu Sans", sans-serif; margin: 0; color: #1f2328;
+       background: #f6f8fa; }
+header { background: #24292f; color: #fff; padding: 10px 24px; }
+header a { color: #fff; text-decoration: none; font-weight: bold; }
+main { padding: 16px 24px; }
+h1 { font-size: 20px; margin: 8px 0 16px; }
+h2 { font-size: 16px; margin: 24px 0 8px; }
+table { border-collapse: collapse; background: #fff; margin-bottom: 8px; }
+th, td { border: 1px solid #d0d7de; padding: 4px 8px; text-align: left; vertical-align: top; }
+th { background: #eaeef2; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+pre { background: #fff; border: 1px solid #d0d7de; padding: 8px; white-space: pre-wrap;
+      word-break: break-all; max-width: 1100px; }
+.badge { display: inline-block; padding: 2px 8px; border-radius: 10px; color: #fff; }
+.healthy { background: #1a7f37; }
+.unhealthy { background: #cf222e; }
+.error { color: #cf222e; }
+.note { color: #57606a; }
+.button { display: inline-block; padding: 6px 14px; border: 0; border-radius: 6px; color: #fff;
+          font: inherit; text-decoration: none; cursor: pointer; margin-right: 8px; }
+.replay { background: #0969da; }
+.purge { background: #cf222e; }
+.cancel { background: #6e7781; }
+form.filters label { margin-right: 10px; }
+form.filters input, form.filters select { font: inherit; }
+dl.fields { display: grid; grid-template-columns: max-content auto; gap: 2px 16px;
+            background: #fff; border: 1px solid #d0d7de; padding: 8px; max-width: 1100px; }
+dl.fields dt { font-weight: bold; }
+dl.fields dd { margin: 0; }
+"""
+
+#: The W3C trace context header, when the sender traced the message.
+TRACEPARENT = "traceparent"
+_TRACEPARENT_RE = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
+
+
+def age(seconds: float | None) -> str:
+    """A short duration: ``45s``, ``12m03s``, ``5h07m``, ``3d04h``; ``-`` for none."""
+    if seconds is None:
+        return "-"
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def per_second(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}/s"
+
+
+def trace_id(headers: dict[str, Any]) -> str | None:
+    """The trace id of a W3C ``traceparent`` header, when the message carries a valid one."""
+    value = headers.get(TRACEPARENT)
+    if isinstance(value, bytes):
+        value = value.decode("ascii", "replace")
+    if not isinstance(value, str):
+        return None
+    match = _TRACEPARENT_RE.match(value.strip().lower())
+    return match[1] if match else None
+
+
+def link(path: str, **params: Any) -> str:
+    """A dashboard URL with its query string (values of lists repeat the parameter)."""
+    query = urlencode(
+        [
+            (k, item)
+            for k, v in params.items()
+            if v is not None
+            for item in (v if isinstance(v, list | tuple) else [v])
+        ]
+    )
+    return f"{path}?{query}" if query else path
+
+
+def page(title: str, body: Safe, *, refresh: int | None = None) -> Safe:
+    head = html('<meta http-equiv="refresh" content="{}">', refresh) if refresh else Safe("")
+    return html(
+        "<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8>"
+        "<title>{} · outbox-inbox</title>{}"
+        '<link rel=stylesheet href="/dashboard.css"></head>'
+        '<body><header><a href="/">outbox-inbox dashboard</a></header>'
+        "<main>{}</main></body></html>\n",
+        title,
+        head,
+        body,
+    )
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, numeric: set[int]) -> Safe:
+    head = join(html("<th>{}</th>", h) for h in headers)
+    body = join(
+        html(
+            "<tr>{}</tr>",
+            join(
+                html('<td class="num">{}</td>', cell) if i in numeric else html("<td>{}</td>", cell)
+                for i, cell in enumerate(row)
+            ),
+        )
+        for row in rows
+    )
+    return html("<table><thead><tr>{}</tr></thead><tbody>{}</tbody></table>", head, body)
+
+
+def error_text(message: str) -> Safe:
+    return html('<p class="error">{}</p>', mask_url(message))
+
+
+def health_badge(status: dict[str, Any]) -> Safe:
+    found = problems(status)
+    if found:
+        return html('<span class="badge unhealthy" title="{}">unhealthy</span>', "; ".join(found))
+    return html('<span class="badge healthy">healthy</span>')
+
+
+# --- the overview ----------------------------------------------------------------------------
+
+
+OVERVIEW_HEADERS = (
+    "service",
+    "health",
+    "outbox unpublished",
+    "outbox lag",
+    "inbox pending",
+    "in progress",
+    "inbox lag",
+    "processed",
+    "dead",
+    "handled",
+    "new dead",
+    "backlog change",
+    "inbox queue",
+)
+
+
+def overview(
+    entries: Sequence[tuple[str, dict[str, Any] | None, Rates | None, str | None]],
+    refresh: int | None,
+) -> Safe:
+    """One line per service: lag, backlog, rates, dead letters; or why it could not be read."""
+    rows = []
+    for name, status, rates, error in entries:
+        name_cell = html('<a href="{}">{}</a>', link("/service", name=name), name)
+        if status is None:
+            rows.append(
+                html(
+                    '<tr><td>{}</td><td colspan="12">{}</td></tr>',
+                    name_cell,
+                    error_text(error or ""),
+                )
+            )
+            continue
+        outbox, inbox = status["outbox"], status["inbox"]
+        queue = ((status.get("broker") or {}).get("queues") or {}).get(f"{name}.inbox")
+        cells: list[Any] = [
+            health_badge(status),
+            outbox["unpublished"],
+            age(outbox["oldest_age_seconds"]),
+            inbox["pending"],
+            inbox["in_progress"],
+            age(inbox["oldest_pending_age_seconds"]),
+            inbox["processed"],
+            html(
+                '<a href="{}">{}</a>',
+                link("/service", name=name) + "#dead-letters",
+                dead_count(status),
+            ),
+            per_second(rates.processed if rates else None),
+            per_second(rates.dead if rates else None),
+            per_second(rates.backlog if rates else None),
+            "-" if queue is None else queue["messages"],
+        ]
+        rows.append(
+            html(
+                "<tr><td>{}</td>{}</tr>",
+                name_cell,
+                join(
+                    html("<td>{}</td>", c) if i == 0 else html('<td class="num">{}</td>', c)
+                    for i, c in enumerate(cells)
+                ),
+            )
+        )
+    head = join(html("<th>{}</th>", h) for h in OVERVIEW_HEADERS)
+    body = html(
+        "<h1>Services</h1><table id=services><thead><tr>{}</tr></thead><tbody>{}</tbody></table>"
+        '<p class="note">Lag: age of the oldest unpublished outbox row and of the oldest pending '
+        "inbox row (database clock). Rates: change per second since the oldest snapshot of the "
+        "last five minutes (one is taken each time a page shows the service{}).</p>",
+        head,
+        join(rows),
+        f"; this page reloads every {refresh}s" if refresh else "",
+    )
+    return page("Services", body, refresh=refresh)
+
+
+# --- one service -----------------------------------------------------------------------------
+
+
+def service_status(name: str, status: dict[str, Any], rates: Rates | None) -> Safe:
+    outbox, inbox = status["outbox"], status["inbox"]
+    summary = html(
+        "<h1>{} {}</h1>"
+        '<dl class="fields" id=summary>'
+        "<dt>outbox</dt><dd>unpublished {} (retrying {}), dead {}, oldest {}</dd>"
+        "<dt>inbox</dt><dd>pending {}, in progress {}, dead {}, processed {}, "
+        "oldest pending {}</dd>"
+        "<dt>rates</dt><dd>handled {}, new dead {}, backlog change {}{}</dd>"
+        "<dt>database time</dt><dd>{} (schema {})</dd>"
+        "</dl>",
+        name,
+        health_badge(status),
+        outbox["unpublished"],
+        outbox["retrying"],
+        outbox.get("dead", 0),
+        age(outbox["oldest_age_seconds"]),
+        inbox["pending"],
+        inbox["in_progress"],
+        inbox["dead"],
+        inbox["processed"],
+        age(inbox["oldest_pending_age_seconds"]),
+        per_second(rates.processed if rates else None),
+        per_second(rates.dead if rates else None),
+        per_second(rates.backlog if rates else None),
+        f" over {rates.span:.0f}s" if rates else " (after the next reload)",
+        status["database_time"],
+        status["schema"],
+    )
+    parts = [summary]
+    found = problems(status)
+    if found:
+        parts.append(join(error_text(p) for p in found))
+    if inbox["by_type"]:
+        parts.append(html("<h2>Inbox by type</h2>"))
+        parts.append(
+            table(
+                ["type", "pending", "in progress", "dead"],
+                [(t["type"], t["pending"], t["in_progress"], t["dead"]) for t in inbox["by_type"]],
+                numeric={1, 2, 3},
+            )
+        )
+    held = status["held_keys"]
+    parts.append(html("<h2>Held-back keys: {}</h2>", held["count"]))
+    if held["keys"]:
+        parts.append(
+            table(
+                ["key", "head message", "type", "failures", "waiting", "next attempt", "error"],
+                [
+                    (
+                        k["key"],
+                        k["message_id"],
+                        k["type"],
+                        k["failures"],
+                        k["waiting"],
+                        k["next_attempt_at"],
+                        k["last_error"] or "",
+                    )
+                    for k in held["keys"]
+                ],
+                numeric={3, 4},
+            )
+        )
+    broker = status.get("broker")
+    if broker is not None:
+        parts.append(html("<h2>Queues</h2>"))
+        queue_rows = [
+            (q, "missing", "") if info is None else (q, info["messages"], info["consumers"])
+            for q, info in broker["queues"].items()
+        ]
+        parts.append(table(["queue", "messages", "consumers"], queue_rows, numeric={1, 2}))
+        if broker.get("error"):
+            parts.append(error_text(f"broker: {broker['error']}"))
+    return join(parts)
+
+
+def filter_form(name: str, sources: list[str], values: dict[str, str]) -> Safe:
+    options = join(
+        html("<option{}>{}</option>", Safe(" selected") if values.get("source") == s else "", s)
+        for s in ["all", *sources]
+    )
+
+    def field(label: str, key: str, placeholder: str) -> Safe:
+        return html(
+            '<label>{} <input name="{}" value="{}" placeholder="{}" size=14></label>',
+            label,
+            key,
+            values.get(key, ""),
+            placeholder,
+        )
+
+    return html(
+        '<form class=filters method=get action="/service">'
+        '<input type=hidden name=name value="{}">'
+        "<label>source <select name=source>{}</select></label>{}{}{}{}"
+        '<button class="button replay" type=submit>Filter</button></form>',
+        name,
+        options,
+        field("type", "type", "orders.#"),
+        field("reason", "reason", "rejected"),
+        field("error", "error", "text in the error"),
+        field("older than", "older_than", "30m"),
+    )
+
+
+def letters_table(name: str, letters: list[DeadLetter]) -> Safe:
+    rows = []
+    for d in letters:
+        target = link("/letter", service=name, source=d.source, id=d.message_id)
+        rows.append(
+            html(
+                '<tr><td>{}</td><td><a class=letter href="{}">{}</a></td><td>{}</td><td>{}</td>'
+                '<td class="num">{}</td><td class="num">{}</td><td>{}</td></tr>',
+                d.source,
+                target,
+                d.message_id or "(no message id)",
+                d.type,
+                d.reason or "",
+                age(d.age_seconds),
+                "" if d.attempts is None else d.attempts,
+                error_summary(mask_url(d.error) if d.error else None) or "",
+            )
+        )
+    head = join(
+        html("<th>{}</th>", h)
+        for h in ("source", "message id", "type", "reason", "age", "attempts", "error")
+    )
+    return html(
+        "<table id=letters><thead><tr>{}</tr></thead><tbody>{}</tbody></table>", head, join(rows)
+    )
+
+
+def bulk_links(name: str, by_source: dict[str, list[str]]) -> Safe:
+    """Replay / purge every listed letter of one source (each confirmed on the next page)."""
+    links = []
+    for source, ids in by_source.items():
+        if not ids:
+            continue
+        for action in ("replay", "purge"):
+            links.append(
+                html(
+                    '<a class="button {}" href="{}">{} these {} ({})</a>',
+                    action,
+                    link("/confirm", service=name, source=source, action=action, id=ids),
+                    action.capitalize(),
+                    len(ids),
+                    source,
+                )
+            )
+    return html("<p>{}</p>", join(links)) if links else Safe("")
+
+
+# --- one dead letter -------------------------------------------------------------------------
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, indent=2, ensure_ascii=False, default=str, sort_keys=True)
+
+
+def letter_page(name: str, letter: DeadLetter) -> Safe:
+    as_dict = letter.as_dict()
+    trace = trace_id(dict(letter.headers))
+    fields = [
+        ("service", name),
+        ("source", letter.source),
+        ("ref", letter.ref),
+        ("message id", letter.message_id),
+        ("type", letter.type),
+        ("kind", letter.kind),
+        ("key", letter.key),
+        ("correlation id", letter.correlation_id),
+        ("trace id", trace or "-"),
+        ("reason", letter.reason),
+        ("dead at", letter.dead_at.isoformat() if letter.dead_at else None),
+        ("age", age(letter.age_seconds)),
+        ("attempts", letter.attempts),
+    ]
+    dl = join(html("<dt>{}</dt><dd>{}</dd>", k, "" if v is None else v) for k, v in fields)
+    actions = join(
+        html(
+            '<a class="button {}" id="{}" href="{}">{}…</a>',
+            action,
+            action,
+            link(
+                "/confirm", service=name, source=letter.source, action=action, id=letter.message_id
+            ),
+            action.capitalize(),
+        )
+        for action in ("replay", "purge")
+    )
+    body = html(
+        "<h1>Dead letter {}</h1><dl class=fields id=fields>{}</dl><p>{}</p>"
+        "<h2>Payload</h2><pre id=payload>{}</pre>"
+        "<h2>Headers</h2><pre id=headers>{}</pre>"
+        "<h2>Error</h2><pre id=error>{}</pre>",
+        letter.message_id,
+        dl,
+        actions,
+        _json(as_dict["payload"]),
+        _json(as_dict["headers"]),
+        mask_url(letter.error) if letter.error else "(none)",
+    )
+    return page(f"Dead letter {letter.message_id}", body)
+
+
+def confirm_page(
+    name: str,
+    source: str,
+    action: str,
+    letters: list[DeadLetter],
+    missing: list[str],
+    csrf: str,
+) -> Safe:
+    what = {
+        "replay": "sent back to be handled again",
+        "purge": "deleted for good; this cannot be undone",
+    }[action]
+    hidden = join(html('<input type=hidden name=id value="{}">', d.message_id) for d in letters)
+    parts = [
+        html(
+            "<h1>{} {} dead letter(s) of {} ({})?</h1><p>They will be {}.</p>",
+            action.capitalize(),
+            len(letters),
+            name,
+            source,
+            what,
+        ),
+        letters_table(name, letters),
+    ]
+    if missing:
+        parts.append(
+            html(
+                '<p class="note">Not dead letters of {} any more (replayed, purged or never '
+                "there): {}</p>",
+                source,
+                ", ".join(missing),
+            )
+        )
+    back = link("/service", name=name)
+    if letters:
+        parts.append(
+            html(
+                '<form method=post action="/act" id=confirm>'
+                '<input type=hidden name=csrf value="{}">'
+                '<input type=hidden name=service value="{}">'
+                '<input type=hidden name=source value="{}">'
+                '<input type=hidden name=action value="{}">{}'
+                '<button class="button {}" type=submit id=confirm-button>{} {}</button>'
+                '<a class="button cancel" href="{}">Cancel</a></form>',
+                csrf,
+                name,
+                source,
+                action,
+                hidden,
+                action,
+                action.capitalize(),
+                f"{len(letters)} dead letter(s)",
+                back,
+            )
+        )
+    else:
+        parts.append(html('<p>Nothing to {}. <a href="{}">Back</a></p>', action, back))
+    return page(f"{action.capitalize()} dead letters", join(parts))
+
+
+def result_page(
+    name: str,
+    action: str,
+    source: str,
+    done: list[str],
+    kept: list[tuple[str, str]],
+    missing: list[str],
+    error: str | None,
+) -> Safe:
+    verb = {"replay": "replayed", "purge": "purged"}[action]
+    parts = [
+        html(
+            "<h1 id=result>{} {} of {} dead letter(s) ({})</h1>",
+            verb.capitalize(),
+            len(done),
+            len(done) + len(kept) + len(missing),
+            source,
+        )
+    ]
+    if error:
+        parts.append(error_text(f"stopped by an error: {error}"))
+    if done:
+        parts.append(
+            html(
+                "<h2>{}</h2><ul id=done>{}</ul>",
+                verb.capitalize(),
+                join(html("<li>{}</li>", m) for m in done),
+            )
+        )
+    if kept:
+        parts.append(
+            html(
+                "<h2>Kept</h2><ul id=kept>{}</ul>",
+                join(html("<li>{}: {}</li>", m, why) for m, why in kept),
+            )
+        )
+    if missing:
+        parts.append(
+            html(
+                "<h2>Not found</h2><ul id=missing>{}</ul>",
+                join(html("<li>{}</li>", m) for m in missing),
+            )
+        )
+    parts.append(html('<p><a href="{}">Back to {}</a></p>', link("/service", name=name), name))
+    return page(f"{verb.capitalize()} dead letters", join(parts))
+
+
+def message_page(title: str, message: str) -> Safe:
+    return page(title, html("<h1>{}</h1>{}", title, error_text(message)))
