@@ -37,7 +37,7 @@ from .dashboard import dashboard
 from .dead_letters import dead_letters
 from .demo import demo
 from .history import archive, audit
-from .output import EXIT_ERROR, MaskingFormatter, echo, echo_json, render_table
+from .output import EXIT_ERROR, MaskingFormatter, echo, echo_json, mask, render_table
 from .status import status
 from .tail import tail
 from .target import (
@@ -79,12 +79,36 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first}"
 
 
+def _masked(exc: click.ClickException) -> click.ClickException:
+    """`exc`, or the same error with the passwords of its message masked."""
+    message = mask(exc.message)
+    if message == exc.message:
+        return exc
+    if isinstance(exc, click.UsageError):  # exit code 2, as every usage error
+        return click.UsageError(message, exc.ctx)
+    return click.ClickException(message)
+
+
 class _Commands(click.Group):
     """The root group: turns the errors an operator can cause into one line and exit 1."""
+
+    def make_context(
+        self,
+        info_name: str | None,
+        args: list[str],
+        parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.ClickException as exc:  # a URL given where a command was expected
+            raise _masked(exc) from None
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except click.ClickException as exc:  # usage errors quote what was typed
+            raise _masked(exc) from None
         except EXPECTED_ERRORS as exc:
             if ctx.meta.get("outbox_inbox.verbose"):
                 echo("".join(traceback.format_exception(exc)).rstrip(), err=True)

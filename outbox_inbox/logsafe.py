@@ -57,7 +57,8 @@ def _mask_word(match: re.Match[str]) -> str:
 
 
 def url_passwords(text: str | None) -> set[str]:
-    """Every password `mask_url` would hide in `text`, as written and percent-decoded.
+    """Every password `mask_url` would hide in `text`: as written, percent-decoded, and its
+    pieces between "/", "@" and ":".
 
     For a caller that must also hide a password where it appears alone, e.g. a parser's
     "invalid port 'secret'" about a URL without a host.
@@ -72,9 +73,13 @@ def url_passwords(text: str | None) -> set[str]:
 
     for match in _HOSTLESS.finditer(_USERINFO.sub(keep, str(text))):
         found.add(match["pw"])
+    found |= {unquote(p) for p in found}
+    # A parser that splits a malformed URL at "/", "@" or ":" quotes a piece of the password
+    # (pika: "Port could not be cast to integer value as '<first piece>'").
+    found |= {piece for p in found for piece in re.split(r"[/@:]", p)}
     found.discard("")
     found.discard("***")
-    return found | {unquote(p) for p in found}
+    return found
 
 
 def mask_text(text: object, *urls: str | None) -> str:
