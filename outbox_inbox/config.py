@@ -48,13 +48,41 @@ def validate_db_url(url: str) -> str:
 
 
 def validate_mq_url(url: str) -> str:
-    """Return `url` if it is an AMQP URL (``amqp://`` or ``amqps://``), else ConfigurationError."""
-    if not re.match(r"^amqps?://", url, re.IGNORECASE):
-        raise ConfigurationError(
-            f"malformed broker URL {mask_url(url)}: expected a URL like "
-            "amqp://user:password@host:5672/vhost"
-        )
+    """Return `url` if it is an AMQP URL (``amqp://`` or ``amqps://``), else ConfigurationError.
+
+    Several nodes of a cluster are given as hosts separated by commas
+    (``amqp://user:password@node1:5672,node2:5672/vhost``) or as whole URLs separated by
+    commas; see `broker_urls`.
+    """
+    broker_urls(url)
     return url
+
+
+_AMQP_URL = re.compile(r"^(amqps?://)([^/?#]*)(.*)$", re.IGNORECASE | re.DOTALL)
+
+
+def broker_urls(url: str) -> list[str]:
+    """The one-host AMQP URLs `url` names, in order: a role connects to the first that answers.
+
+    `url` is one URL, a URL whose host part lists several hosts separated by commas (each
+    host gets the URL's user, password, virtual host and options), or several URLs
+    separated by commas. Raises ConfigurationError (password masked) for anything else.
+    """
+    urls: list[str] = []
+    for part in re.split(r",(?=amqps?://)", url.strip(), flags=re.IGNORECASE):
+        found = _AMQP_URL.match(part)
+        if found is None or re.search(r",\s*[a-z][a-z0-9+.-]*:/", part, re.IGNORECASE):
+            raise ConfigurationError(
+                f"malformed broker URL {mask_url(url)}: expected a URL like "
+                "amqp://user:password@host:5672/vhost (several hosts: host1:5672,host2:5672)"
+            )
+        scheme, netloc, rest = found.groups()
+        userinfo, at, hosts = netloc.rpartition("@")
+        for host in hosts.split(","):
+            if not host.strip():
+                raise ConfigurationError(f"malformed broker URL {mask_url(url)}: an empty host")
+            urls.append(f"{scheme}{userinfo}{at}{host.strip()}{rest}")
+    return urls
 
 
 def validate_service_name(value: str) -> str:
@@ -72,6 +100,7 @@ class Settings:
     """Tunables of a `Service`. Every field is a keyword argument of `Service`."""
 
     db_url: str | None = None
+    #: One AMQP URL, or several nodes of a cluster (`broker_urls`); a list of URLs is joined.
     mq_url: str | None = None
     schema: str = "outbox_inbox"
 
@@ -133,6 +162,9 @@ class Settings:
         validate_identifier(self.schema)
         if self.db_url:
             validate_db_url(self.db_url)
+        if isinstance(self.mq_url, list | tuple):
+            # Several nodes given as a list: the comma-separated form `broker_urls` reads.
+            object.__setattr__(self, "mq_url", ",".join(str(u).strip() for u in self.mq_url))
         if self.mq_url:
             validate_mq_url(self.mq_url)
         for f in fields(self):

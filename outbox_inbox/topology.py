@@ -90,7 +90,8 @@ def service_topology(
     which services start does not matter. The `commands` exchange has `unroutable` as its
     alternate exchange: a command to a service that has no queue yet is kept there. Each delay
     tier is a queue of its own with one fixed TTL whose expired messages go back to the inbox
-    through the `retry` exchange.
+    through the `retry` exchange. With `queue_type="quorum"` (for clusters) every queue is a
+    quorum queue, `unroutable` included: the services sharing a broker must agree on it.
     """
     inbox_args: dict[str, Any] = {
         # A message the receiver rejects (or that a quorum queue gives up on) is kept.
@@ -118,22 +119,27 @@ def service_topology(
         Exchange(UNROUTABLE_EXCHANGE, "fanout"),
         Exchange(RETRY_EXCHANGE, "direct"),
     )
+    # In a cluster every queue of the service is a quorum queue, replicated on a majority of
+    # the nodes: the dead letters and the delayed retries survive a node as the inbox does.
+    kept: dict[str, Any] = {"x-queue-type": "quorum"} if queue_type == "quorum" else {}
     queues = [
         Queue(inbox_queue(service), arguments=inbox_args),
-        Queue(dead_letter_queue(service)),
-        Queue(UNROUTABLE_QUEUE),
+        Queue(dead_letter_queue(service), arguments=dict(kept)),
+        Queue(UNROUTABLE_QUEUE, arguments=dict(kept)),
     ]
     for seconds in delay_tiers:
-        queues.append(
-            Queue(
-                delay_queue(service, seconds),
-                arguments={
-                    "x-message-ttl": int(seconds * 1000),
-                    "x-dead-letter-exchange": RETRY_EXCHANGE,
-                    "x-dead-letter-routing-key": service,
-                },
-            )
-        )
+        tier: dict[str, Any] = {
+            "x-message-ttl": int(seconds * 1000),
+            "x-dead-letter-exchange": RETRY_EXCHANGE,
+            "x-dead-letter-routing-key": service,
+        }
+        if queue_type == "quorum":
+            # A delayed message leaves its tier by expiring: at-least-once dead-lettering
+            # keeps it until the inbox has it (it needs reject-publish overflow).
+            tier.update(kept)
+            tier["x-dead-letter-strategy"] = "at-least-once"
+            tier["x-overflow"] = "reject-publish"
+        queues.append(Queue(delay_queue(service, seconds), arguments=tier))
     bindings = [
         Binding(COMMANDS_EXCHANGE, inbox_queue(service), f"{service}.#"),
         Binding(RETRY_EXCHANGE, inbox_queue(service), service),

@@ -18,6 +18,7 @@ from pika.adapters.blocking_connection import BlockingChannel
 from pika.spec import Basic, BasicProperties
 
 from ..broker import Delivery, PublishOutcome, Refusal
+from ..config import broker_urls
 from ..errors import (
     BrokerAccessRefused,
     BrokerConnectionError,
@@ -120,7 +121,8 @@ _TCP_OPTIONS = {
 
 
 class RabbitMQBroker:
-    """RabbitMQ at `url` (``amqp://user:password@host:port/vhost``).
+    """RabbitMQ at `url` (``amqp://user:password@host:port/vhost``), or the nodes of a cluster
+    (``amqp://user:password@node1:5672,node2:5672/vhost``: see `config.broker_urls`).
 
     Every connection it opens negotiates AMQP heartbeats of `heartbeat` seconds (unless the URL
     sets ``heartbeat=``); pika checks every `heartbeat` + 5 s that something arrived, so a dead
@@ -139,20 +141,23 @@ class RabbitMQBroker:
         heartbeat: float = 5.0,
         blocked_connection_timeout: float = 30.0,
     ) -> None:
-        self._url = url
-        self._params = _parameters(url)
-        self._params.socket_timeout = connect_timeout
-        self._params.stack_timeout = connect_timeout
-        self._params.blocked_connection_timeout = blocked_connection_timeout
-        self._params.connection_attempts = 1
-        if "heartbeat=" not in url:
-            self._params.heartbeat = max(1, round(heartbeat))
-        self._params.tcp_options = dict(_TCP_OPTIONS)
+        self._urls = broker_urls(url)
+        self._params: list[pika.URLParameters] = []
+        for one in self._urls:
+            params = _parameters(one)
+            params.socket_timeout = connect_timeout
+            params.stack_timeout = connect_timeout
+            params.blocked_connection_timeout = blocked_connection_timeout
+            params.connection_attempts = 1
+            if "heartbeat=" not in one:
+                params.heartbeat = max(1, round(heartbeat))
+            params.tcp_options = dict(_TCP_OPTIONS)
+            self._params.append(params)
         self.flow_control = FlowControl(self.description)
 
     @property
     def description(self) -> str:
-        return mask_url(self._url)
+        return ",".join(mask_url(u) for u in self._urls)
 
     def connect(self) -> pika.BlockingConnection:
         """A new connection; raise BrokerConnectionError if the broker cannot be reached.
@@ -161,7 +166,11 @@ class RabbitMQBroker:
         virtual host: waiting will not help.
         """
         try:
-            connection = pika.BlockingConnection(self._params)
+            # Several nodes: pika tries them in order, each once, and keeps the first that
+            # answers; every new connection starts again from the first.
+            connection = pika.BlockingConnection(
+                self._params if len(self._params) > 1 else self._params[0]
+            )
         except _REFUSALS as exc:
             raise BrokerAccessRefused(
                 f"RabbitMQ at {self.description} refused the login: {exc!r}"
