@@ -17,6 +17,7 @@ import pika
 from sqlalchemy import Engine, create_engine, text
 
 from outbox_inbox import Service
+from outbox_inbox.config import broker_urls
 
 from . import apps
 
@@ -90,8 +91,9 @@ class Database:
 
 
 def queue_depth(mq_url: str, queue: str) -> int:
-    """Messages ready in `queue` (unacknowledged ones not counted)."""
-    connection = pika.BlockingConnection(pika.URLParameters(mq_url))
+    """Messages ready in `queue` (unacknowledged ones not counted); `mq_url` may name several
+    nodes of a cluster (the first that answers is asked)."""
+    connection = pika.BlockingConnection([pika.URLParameters(u) for u in broker_urls(mq_url)])
     try:
         result = connection.channel().queue_declare(queue, passive=True)
         return int(result.method.message_count)

@@ -177,7 +177,9 @@ class TwoServices:
         make_service: Callable[..., Service],
         prepare_db: Callable[[str, str], Database],
         processes: Processes,
+        settings: dict[str, Any] | None = None,
     ) -> None:
+        self.settings = dict(settings or {})  # for both services, over the library's defaults
         self.orders_url = orders_url
         self.billing_url = billing_url
         self.mq_url = mq_url
@@ -204,12 +206,12 @@ class TwoServices:
         """Start the three role processes and the writer; return once messages flow through."""
         self.orders_db = self._prepare_db("orders", self.orders_url)
         self.billing_db = self._prepare_db("billing", self.billing_url)
-        orders = self._make_service("orders", self.orders_url)
-        billing = self._make_service("billing", self.billing_url)
+        orders = self._make_service("orders", self.orders_url, settings=self.settings)
+        billing = self._make_service("billing", self.billing_url, settings=self.settings)
         # billing's queue and bindings exist before orders' relay publishes anything for it.
         orders.declare_topology()
         billing.declare_topology()
-        settings = DEFAULT_ROLE_SETTINGS
+        settings = {**DEFAULT_ROLE_SETTINGS, **self.settings}
         self.processes.start("relay", service="orders", settings=settings)
         for role in ("receiver", "worker"):
             self.processes.start(
