@@ -1,4 +1,4 @@
-"""`outbox-inbox dead-letters list | show | replay | purge`.
+"""`outbox-inbox dead-letters list | count | show | replay | purge`.
 
 Sources: ``table`` (dead inbox rows), ``outbox`` (outbox rows the broker refused), ``queue``
 (``<service>.dead_letter``) and ``unroutable`` (commands no service had a queue for). See
@@ -16,25 +16,20 @@ from typing import Any
 
 import click
 
-from outbox_inbox.brokers.rabbitmq_admin import RabbitMQAdmin
 from outbox_inbox.dead_letters import (
     OUTBOX,
-    QUEUE,
     SOURCES,
     TABLE,
-    UNROUTABLE,
     DeadLetter,
+    DeadLetters,
     Filters,
-    OutboxSelection,
     Outcome,
     Pacer,
-    QueueSelection,
+    Selection,
     TableSelection,
     error_summary,
     parse_message_id,
-    reset_redeliveries,
 )
-from outbox_inbox.errors import OutboxInboxError
 
 from .audit import audit_log_option, write_audit
 from .output import (
@@ -47,8 +42,6 @@ from .output import (
     render_table,
 )
 from .target import Target, fail, json_option, parse_duration, resolve, target_options
-
-Selection = TableSelection | QueueSelection
 
 #: How many rows of a selection replay and purge print before acting.
 SHOWN = 50
@@ -124,20 +117,25 @@ def _filters(
     )
 
 
+def _dead_letters(target: Target) -> DeadLetters:
+    """The library's view of the target's dead letters (what it can reach)."""
+    return DeadLetters(
+        engine=target.engine() if target.has_database else None,
+        tables=target.tables if target.has_database else None,
+        broker=target.broker() if target.has_broker else None,
+        service=target.name,
+    )
+
+
 def _sources(target: Target, source: str, *, strict: bool) -> list[str]:
     """The sources to read. `strict`: every source asked for must be reachable (actions)."""
-    wanted = list(SOURCES) if source == "all" else [source]
-    chosen = []
-    for name in wanted:
-        if name in (TABLE, OUTBOX) and not target.has_database:
-            why = "no database (--db-url)"
-        elif name in (QUEUE, UNROUTABLE) and not target.has_broker:
-            why = "no broker (--mq-url)"
-        elif name == QUEUE and target.name is None:
-            why = "no service (--app or --service)"
-        else:
-            chosen.append(name)
-            continue
+    chosen, missing = _dead_letters(target).reachable(source)
+    for name, why in missing:
+        why = {
+            "no database": "no database (--db-url)",
+            "no RabbitMQ broker": "no broker (--mq-url)",
+            "no service name": "no service (--app or --service)",
+        }.get(why, why)
         if strict or source != "all":
             fail(f"--source {name} needs {why}")
         echo(f"note: skipping {name}: {why}", err=True)
@@ -155,19 +153,7 @@ def _selections(
     """Open one selection per source; close them all (releasing queue messages) at the end."""
     with contextlib.ExitStack() as stack:
         stack.callback(target.close)
-        admin: RabbitMQAdmin | None = None
-        selections: list[Selection] = []
-        for source in sources:
-            if source in (TABLE, OUTBOX):
-                rows = TableSelection if source == TABLE else OutboxSelection
-                selection: Selection = rows(target.engine(), target.tables, filters, limit)
-            else:
-                if admin is None:
-                    admin = stack.enter_context(RabbitMQAdmin(target.broker()))
-                selection = QueueSelection(admin, source, filters, service=target.name, limit=limit)
-            stack.callback(selection.close)
-            selections.append(selection)
-        yield selections
+        yield stack.enter_context(_dead_letters(target).select(sources, filters, limit))
 
 
 def _letters_table(letters: list[DeadLetter]) -> str:
@@ -256,6 +242,50 @@ def list_command(
             echo(_letters_table(letters))
         echo(f"{len(letters)} dead letter(s): {_counts(selections)}")
         _more_note(selections, limit)
+
+
+@dead_letters.command(short_help="Count dead letters matching the filters.")
+@target_options
+@click.option(
+    "--source",
+    type=click.Choice([*SOURCES, "all"]),
+    default="all",
+    show_default=True,
+    help="Where to look.",
+)
+@filter_options
+@json_option
+def count(
+    app: str | None,
+    service: str | None,
+    schema: str | None,
+    db_url: str | None,
+    mq_url: str | None,
+    source: str,
+    types: tuple[str, ...],
+    older_than: timedelta | None,
+    reason: str | None,
+    error: str | None,
+    ids: tuple[str, ...],
+    as_json: bool,
+) -> None:
+    """Count dead letters per source without loading them (tables: one query each).
+
+    A broker queue is counted by its depth, or, with a filter, by reading it (its messages
+    are given back, flagged redelivered).
+    """
+    filters = _filters(types, older_than, reason, error, ids)
+    target = resolve(app=app, service=service, schema=schema, db_url=db_url, mq_url=mq_url)
+    try:
+        sources = _sources(target, source, strict=False)
+        counts = _dead_letters(target).count(sources, filters)
+    finally:
+        target.close()
+    if as_json:
+        echo_json({"filters": filters.as_dict(), "counts": counts, "total": sum(counts.values())})
+        return
+    echo(render_table(["SOURCE", "DEAD LETTERS"], [[s, n] for s, n in counts.items()]))
+    echo(f"{sum(counts.values())} dead letter(s)")
 
 
 @dead_letters.command(short_help="Show one dead letter in full.")
@@ -486,21 +516,7 @@ def _run_one(
     pacer: Pacer,
     advance: Callable[[int], None],
 ) -> Outcome:
-    if action == "purge":
-        return selection.purge(pacer, advance)
-    if isinstance(selection, TableSelection):
-        return selection.replay(pacer, advance)
-
-    def reset(message_ids: list[str]) -> None:
-        # A message dead-lettered for too many redeliveries would be dead-lettered again at
-        # its first redelivery: its counter starts over with the replay.
-        if selection.source == QUEUE and target.has_database:
-            try:
-                reset_redeliveries(target.engine(), target.tables, message_ids)
-            except OutboxInboxError as exc:
-                echo(f"warning: redelivery counters not reset: {exc}", err=True)
-
-    return selection.replay(pacer, advance, before=reset)
+    return _dead_letters(target).act(action, selection, pacer=pacer, progress=advance)
 
 
 @dead_letters.command(short_help="Send dead letters back to be handled, in order.")

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -37,7 +38,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from . import queries
 from .brokers.rabbitmq_admin import QueuedMessage, QueueReader, RabbitMQAdmin
-from .errors import storage_error
+from .errors import ConfigurationError, StorageError, storage_error
 from .messages import (
     COMMANDS_EXCHANGE,
     H_CREATED,
@@ -62,6 +63,8 @@ from .topology import (
     inbox_queue,
     topic_matches,
 )
+
+log = logging.getLogger(__name__)
 
 TABLE, OUTBOX, QUEUE, UNROUTABLE = "table", "outbox", "queue", "unroutable"
 SOURCES = (TABLE, OUTBOX, QUEUE, UNROUTABLE)
@@ -615,3 +618,169 @@ def parse_message_id(value: str) -> str:
         return str(uuid.UUID(value))
     except ValueError:
         return value
+
+
+# --- one service's dead letters -----------------------------------------------------------
+
+#: A selection of one source, held until closed (queue messages stay unacknowledged).
+Selection = TableSelection | QueueSelection
+#: The actions on a selection.
+REPLAY, PURGE = "replay", "purge"
+
+
+@dataclass
+class DeadLetters:
+    """The dead letters of one service, from every source it can reach: list, count, replay.
+
+    The one implementation of what `outbox-inbox dead-letters` and the dashboard do; build it
+    with `of(service)` or from the parts (`engine` and `tables` for the table and outbox
+    sources, `broker` for the broker queues, `service` for ``<service>.dead_letter``). Reading
+    queues needs RabbitMQ: an in-memory broker has no operator access.
+
+    Typical use::
+
+        letters = DeadLetters.of(service)
+        with letters.select(["table"], Filters(reason="rejected")) as selections:
+            for selection in selections:
+                letters.act("replay", selection)
+    """
+
+    engine: Engine | None = None
+    tables: Tables | None = None
+    broker: Any = None  # a RabbitMQBroker (anything else has no dead-letter queues to read)
+    service: str | None = None
+
+    @classmethod
+    def of(cls, service: Any) -> DeadLetters:
+        """The dead letters of a `Service` (its database, its broker if RabbitMQ, its name)."""
+        from .brokers.rabbitmq import RabbitMQBroker
+
+        broker = service.broker if service.settings.mq_url else None
+        return cls(
+            engine=service.engine,
+            tables=service.tables,
+            broker=broker if isinstance(broker, RabbitMQBroker) else None,
+            service=service.name,
+        )
+
+    def reachable(self, source: str = "all") -> tuple[list[str], list[tuple[str, str]]]:
+        """The sources of `source` (a name of SOURCES, or "all") that can be read, in order,
+        and those that cannot, each with why."""
+        wanted = list(SOURCES) if source == "all" else [source]
+        if any(name not in SOURCES for name in wanted):
+            raise ConfigurationError(f"unknown dead-letter source {source!r}: one of {SOURCES}")
+        chosen: list[str] = []
+        missing: list[tuple[str, str]] = []
+        for name in wanted:
+            if name in (TABLE, OUTBOX) and (self.engine is None or self.tables is None):
+                missing.append((name, "no database"))
+            elif name in (QUEUE, UNROUTABLE) and self.broker is None:
+                missing.append((name, "no RabbitMQ broker"))
+            elif name == QUEUE and self.service is None:
+                missing.append((name, "no service name"))
+            else:
+                chosen.append(name)
+        return chosen, missing
+
+    @contextlib.contextmanager
+    def select(
+        self, sources: Iterable[str], filters: Filters, limit: int | None = None
+    ) -> Iterator[list[Selection]]:
+        """One selection per source, at most `limit` letters each; all closed at the end (the
+        queue messages read and not acted on go back to their queue, in their place)."""
+        with contextlib.ExitStack() as stack:
+            admin: RabbitMQAdmin | None = None
+            selections: list[Selection] = []
+            for source in sources:
+                selection: Selection
+                if source in (TABLE, OUTBOX):
+                    if self.engine is None or self.tables is None:
+                        raise ConfigurationError(f"the {source} source needs a database")
+                    rows = TableSelection if source == TABLE else OutboxSelection
+                    selection = rows(self.engine, self.tables, filters, limit)
+                else:
+                    if self.broker is None:
+                        raise ConfigurationError(f"the {source} source needs a RabbitMQ broker")
+                    if admin is None:
+                        admin = stack.enter_context(RabbitMQAdmin(self.broker))
+                    selection = QueueSelection(
+                        admin, source, filters, service=self.service, limit=limit
+                    )
+                stack.callback(selection.close)
+                selections.append(selection)
+            yield selections
+
+    def count(self, sources: Iterable[str], filters: Filters = Filters()) -> dict[str, int]:
+        """How many dead letters of each source match `filters`.
+
+        Table sources are counted by one query (a topic pattern in `filters.types` is matched
+        row by row instead); a broker queue without filters by its depth, with filters by
+        reading it (and releasing every message again).
+        """
+        counts: dict[str, int] = {}
+        for source in sources:
+            if source in (TABLE, OUTBOX) and not any(_is_pattern(t) for t in filters.types):
+                counts[source] = self._count_rows(source, filters)
+            elif source in (QUEUE, UNROUTABLE) and filters.empty and self.broker is not None:
+                queue = dead_letter_queue(self.service or "") if source == QUEUE else None
+                depth = self.broker.queue_depth(queue or UNROUTABLE_QUEUE)
+                counts[source] = depth or 0
+            else:
+                with self.select([source], filters) as [selection]:
+                    counts[source] = len(selection.letters)
+        return counts
+
+    def _count_rows(self, source: str, filters: Filters) -> int:
+        if self.engine is None or self.tables is None:
+            raise ConfigurationError(f"the {source} source needs a database")
+        selector = TableSelection if source == TABLE else OutboxSelection
+        try:
+            with self.engine.connect() as conn:
+                return queries.count_dead(
+                    conn,
+                    self.tables,
+                    "inbox" if source == TABLE else "outbox",
+                    routing_keys=filters.types,
+                    older_than=filters.older_than,
+                    reason=filters.reason,
+                    error=filters.error,
+                    message_ids=selector._message_ids(filters.message_ids),
+                )
+        except SQLAlchemyError as exc:
+            raise storage_error(exc, f"counting the {selector.what}") from exc
+
+    def act(
+        self,
+        action: str,
+        selection: Selection,
+        *,
+        pacer: Pacer | None = None,
+        progress: Progress = lambda _n: None,
+    ) -> Outcome:
+        """Replay or purge every letter of `selection` (see each source's replay and purge).
+
+        A dead letter of ``<service>.dead_letter`` that died for too many redeliveries would
+        die again at its first redelivery: its redelivery counter is reset (when a database
+        is known) before it is replayed.
+        """
+        pacer = pacer or Pacer(None)
+        if action == PURGE:
+            return selection.purge(pacer, progress)
+        if action != REPLAY:
+            raise ConfigurationError(f"unknown action {action!r}: replay or purge")
+        if isinstance(selection, TableSelection):
+            return selection.replay(pacer, progress)
+        return selection.replay(pacer, progress, before=self._reset_counters(selection))
+
+    def _reset_counters(self, selection: QueueSelection) -> Callable[[list[str]], None] | None:
+        engine, tables = self.engine, self.tables
+        if selection.source != QUEUE or engine is None or tables is None:
+            return None
+
+        def reset(message_ids: list[str]) -> None:
+            try:
+                reset_redeliveries(engine, tables, message_ids)
+            except StorageError as exc:
+                log.warning("redelivery counters not reset before the replay: %s", exc)
+
+        return reset

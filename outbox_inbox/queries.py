@@ -306,19 +306,58 @@ def dead_outbox_rows(
     The filters mean what they mean for `dead_inbox_rows`; each row carries ``age_seconds``.
     """
     o = tables.outbox
-    stmt = select(o, _age_seconds(o.c.dead_at).label("age_seconds")).where(o.c.dead_at.is_not(None))
-    if routing_keys:
-        stmt = stmt.where(o.c.routing_key.in_(list(routing_keys)))
-    if older_than is not None:
-        stmt = stmt.where(o.c.dead_at <= func.now() - older_than)
-    if reason is not None:
-        stmt = stmt.where(o.c.dead_reason == reason)
-    if error is not None:
-        stmt = stmt.where(o.c.last_error.icontains(error, autoescape=True))
-    if message_ids:
-        stmt = stmt.where(o.c.message_id.in_(list(message_ids)))
+    stmt = select(o, _age_seconds(o.c.dead_at).label("age_seconds")).where(
+        *_dead_filters(o, o.c.dead_at, routing_keys, older_than, reason, error, message_ids)
+    )
     result = conn.execute(stmt.order_by(o.c.id).execution_options(yield_per=500))
     yield from result.mappings()
+
+
+def count_dead(
+    conn: Connection,
+    tables: Tables,
+    table: str,
+    *,
+    routing_keys: Sequence[str] = (),
+    older_than: timedelta | None = None,
+    reason: str | None = None,
+    error: str | None = None,
+    message_ids: Sequence[uuid.UUID] = (),
+) -> int:
+    """How many dead rows of `table` ("inbox" or "outbox") match every given filter.
+
+    The filters mean what they mean for `dead_inbox_rows`; one count query, no row is loaded.
+    """
+    t = tables.inbox if table == "inbox" else tables.outbox
+    dead_at = _dead_since(t) if table == "inbox" else t.c.dead_at
+    where = _dead_filters(t, dead_at, routing_keys, older_than, reason, error, message_ids)
+    return int(conn.execute(select(func.count()).select_from(t).where(*where)).scalar_one())
+
+
+def _dead_filters(
+    t: Any,
+    dead_at: Any,
+    routing_keys: Sequence[str],
+    older_than: timedelta | None,
+    reason: str | None,
+    error: str | None,
+    message_ids: Sequence[uuid.UUID],
+) -> list[ColumnElement[bool]]:
+    """The conditions of a dead-row selection: dead, and every filter given."""
+    where: list[ColumnElement[bool]] = [
+        t.c.status == DEAD if "status" in t.c else t.c.dead_at.is_not(None)
+    ]
+    if routing_keys:
+        where.append(t.c.routing_key.in_(list(routing_keys)))
+    if older_than is not None:
+        where.append(dead_at <= func.now() - older_than)
+    if reason is not None:
+        where.append(t.c.dead_reason == reason)
+    if error is not None:
+        where.append(t.c.last_error.icontains(error, autoescape=True))
+    if message_ids:
+        where.append(t.c.message_id.in_(list(message_ids)))
+    return where
 
 
 def replay_dead_outbox(conn: Connection, tables: Tables, ids: Sequence[int]) -> list[int]:
@@ -714,17 +753,9 @@ def dead_inbox_rows(
     i = tables.inbox
     dead_at = _dead_since(i)
     columns = (i, dead_at.label("dead_at"), _age_seconds(dead_at).label("age_seconds"))
-    stmt = select(*columns).where(i.c.status == DEAD)
-    if routing_keys:
-        stmt = stmt.where(i.c.routing_key.in_(list(routing_keys)))
-    if older_than is not None:
-        stmt = stmt.where(dead_at <= func.now() - older_than)
-    if reason is not None:
-        stmt = stmt.where(i.c.dead_reason == reason)
-    if error is not None:
-        stmt = stmt.where(i.c.last_error.icontains(error, autoescape=True))
-    if message_ids:
-        stmt = stmt.where(i.c.message_id.in_(list(message_ids)))
+    stmt = select(*columns).where(
+        *_dead_filters(i, dead_at, routing_keys, older_than, reason, error, message_ids)
+    )
     if ids:
         stmt = stmt.where(i.c.id.in_(list(ids)))
     result = conn.execute(stmt.order_by(i.c.id).execution_options(yield_per=500))

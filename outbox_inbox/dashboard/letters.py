@@ -1,7 +1,8 @@
 """The services the dashboard shows, and the dead-letter work it does on them.
 
-Everything here goes through outbox_inbox.status.collect_status and the selections of
-outbox_inbox.dead_letters, the functions behind `outbox-inbox status` and `dead-letters`:
+Everything here goes through outbox_inbox.status.collect_status and
+outbox_inbox.dead_letters.DeadLetters, the functions behind `outbox-inbox status` and
+`dead-letters`:
 the dashboard shows the same numbers and acts the same way. An action selects by message id,
 so exactly the dead letters the operator confirmed are replayed or purged.
 """
@@ -12,23 +13,19 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from sqlalchemy import Engine
 
 from ..brokers.rabbitmq import RabbitMQBroker
 from ..brokers.rabbitmq_admin import RabbitMQAdmin
 from ..dead_letters import (
-    QUEUE,
-    SOURCES,
-    UNROUTABLE,
-    DeadLetter,
+    PURGE,
+    REPLAY,
+    DeadLetters,
     Filters,
     Outcome,
-    Pacer,
-    QueueSelection,
-    TableSelection,
-    reset_redeliveries,
+    Selection,
 )
 from ..errors import OutboxInboxError
 from ..status import collect_status
@@ -36,33 +33,7 @@ from ..tables import Tables
 
 log = logging.getLogger(__name__)
 
-BROKER_SOURCES = (QUEUE, UNROUTABLE)
-REPLAY, PURGE = "replay", "purge"
 ACTIONS = (REPLAY, PURGE)
-
-
-class Selection(Protocol):
-    """What every dead-letter source's selection offers (outbox_inbox.dead_letters)."""
-
-    source: str
-    letters: list[DeadLetter]
-    more: bool
-
-    def replay(self, pacer: Pacer, progress: Callable[[int], None]) -> Outcome: ...
-
-    def purge(self, pacer: Pacer, progress: Callable[[int], None]) -> Outcome: ...
-
-    def close(self) -> None: ...
-
-
-def _row_selections() -> dict[str, type[TableSelection]]:
-    # Every source kept in a database table is a TableSelection (the inbox's dead rows) or a
-    # subclass of it with its own `source` name (the outbox's dead rows).
-    kinds: dict[str, type[TableSelection]] = {TableSelection.source: TableSelection}
-    for kind in TableSelection.__subclasses__():
-        if isinstance(kind, type) and issubclass(kind, TableSelection):
-            kinds[kind.source] = kind
-    return kinds
 
 
 @dataclass(frozen=True)
@@ -75,12 +46,16 @@ class WatchedService:
     tables: Tables
     broker: RabbitMQBroker | None = None
 
+    @property
+    def dead_letters(self) -> DeadLetters:
+        """The library's dead letters of this service: the CLI's implementation."""
+        return DeadLetters(
+            engine=self.engine, tables=self.tables, broker=self.broker, service=self.name
+        )
+
     def sources(self) -> list[str]:
         """The dead-letter sources this service can read, in the CLI's order."""
-        rows = _row_selections()
-        return [
-            s for s in SOURCES if s in rows or (s in BROKER_SOURCES and self.broker is not None)
-        ]
+        return self.dead_letters.reachable()[0]
 
     def status(self, *, held_keys_limit: int = 20) -> dict[str, Any]:
         """`collect_status` of this service, with its queue depths when it has a broker."""
@@ -101,23 +76,7 @@ class WatchedService:
         self, sources: list[str], filters: Filters, limit: int | None
     ) -> Iterator[list[Selection]]:
         """One open selection per source; closed (queue messages released) at the end."""
-        rows = _row_selections()
-        with contextlib.ExitStack() as stack:
-            admin: RabbitMQAdmin | None = None
-            opened: list[Selection] = []
-            for source in sources:
-                if source in rows:
-                    selection: Selection = rows[source](self.engine, self.tables, filters, limit)
-                elif source in BROKER_SOURCES and self.broker is not None:
-                    if admin is None:
-                        admin = stack.enter_context(RabbitMQAdmin(self.broker))
-                    selection = QueueSelection(
-                        admin, source, filters, service=self.name, limit=limit
-                    )
-                else:
-                    raise ValueError(f"{self.name} has no dead-letter source {source!r}")
-                stack.callback(selection.close)
-                opened.append(selection)
+        with self.dead_letters.select(sources, filters, limit) as opened:
             yield opened
 
 
@@ -200,23 +159,4 @@ def act(
 
 
 def _run(service: WatchedService, action: str, selection: Selection) -> Outcome:
-    pacer = Pacer(None)
-
-    def progress(_count: int) -> None:
-        return None
-
-    if action == PURGE:
-        return selection.purge(pacer, progress)
-    if isinstance(selection, QueueSelection):
-
-        def reset(message_ids: list[str]) -> None:
-            # A message dead-lettered for too many redeliveries would be dead-lettered again at
-            # its first redelivery: its counter starts over with the replay.
-            if selection.source == QUEUE:
-                try:
-                    reset_redeliveries(service.engine, service.tables, message_ids)
-                except OutboxInboxError as exc:
-                    log.warning("redelivery counters not reset: %s", exc)
-
-        return selection.replay(pacer, progress, before=reset)
-    return selection.replay(pacer, progress)
+    return service.dead_letters.act(action, selection)

@@ -15,7 +15,8 @@ from cli_support import Cli
 from sqlalchemy import text
 
 from helpers import rows, scalar, wait_until
-from outbox_inbox import Service
+from outbox_inbox import Reject, Service
+from outbox_inbox.brokers.memory import MemoryBroker
 from outbox_inbox.brokers.rabbitmq import RabbitMQBroker
 from outbox_inbox.messages import H_DEAD_QUEUE, H_DEAD_REASON, H_RECEIVE_ATTEMPT
 
@@ -281,6 +282,18 @@ def test_purge_removes_exactly_what_was_listed(
     ledger_rows = _dead(db_url, LEDGER)
     _dead_letter_two_messages(service, mq_url)
 
+    def counted(*args: str) -> dict[str, int]:
+        result = cli("dead-letters", "count", "--app", "cli_app:billing", *args, "--json")
+        assert result.returncode == 0, result
+        counts: dict[str, int] = json.loads(result.stdout)["counts"]
+        return counts
+
+    assert counted() == {"table": 63, "outbox": 0, "queue": 2, "unroutable": 0}
+    assert counted("--source", "table", "--type", INVOICE) == {"table": 60}
+    assert counted("--source", "table", "--type", "billing.ledger.*") == {"table": 3}
+    assert counted("--source", "queue", "--reason", "store_failed") == {"queue": 1}
+    assert _depth(mq_url, "billing.dead_letter") == 2  # counting read them and gave them back
+
     selection = ["--app", "cli_app:billing", "--source", "table", "--type", INVOICE]
     listed = cli("dead-letters", "list", *selection, "--json")
     assert listed.returncode == 0, listed
@@ -440,3 +453,31 @@ def test_an_outbox_row_the_broker_refused_is_listed_shown_and_replayed_once_the_
     assert scalar(db_url, outbox_dead) == 0
     assert [e["command"] for e in _audit(tmp_path)] == ["dead-letters replay"]
     service.stop()
+
+
+def test_dead_letters_of_a_sqlite_service_are_listed_and_counted_without_a_broker(
+    cli: Cli, tmp_path: Path
+) -> None:
+    db = f"sqlite:///{tmp_path / 'billing.db'}"
+    service = Service("billing", db_url=db, broker=MemoryBroker(), worker_poll_interval=0.05)
+
+    @service.on_command("invoice.create")
+    def refuse(message: Any, session: Any) -> None:
+        raise Reject("no invoices today")
+
+    service.migrate()
+    service.start()
+    try:
+        with service.session() as session, session.begin():
+            service.outbox.send(session, "billing", "invoice.create", {"n": 1})
+        wait_until(lambda: scalar(db, "SELECT count(*) FROM inbox_messages WHERE status = 'dead'"))
+    finally:
+        service.stop()
+        service.close()
+    target = ["--db-url", db, "--service", "billing", "--source", "table"]
+    listed = cli("dead-letters", "list", *target)
+    assert listed.returncode == 0, listed
+    assert "rejected" in listed.stdout and "1 dead letter(s): table 1" in listed.stdout
+    counted = cli("dead-letters", "count", *target, "--reason", "rejected", "--json")
+    assert counted.returncode == 0, counted
+    assert json.loads(counted.stdout)["counts"] == {"table": 1}
