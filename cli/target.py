@@ -12,15 +12,21 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 from sqlalchemy import Engine, create_engine
-from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from outbox_inbox.brokers.rabbitmq import RabbitMQBroker
-from outbox_inbox.config import DB_URL_ENV, MQ_URL_ENV, validate_identifier, validate_service_name
+from outbox_inbox.config import (
+    DB_URL_ENV,
+    MQ_URL_ENV,
+    validate_db_url,
+    validate_identifier,
+    validate_service_name,
+)
 from outbox_inbox.errors import ConfigurationError
 from outbox_inbox.logsafe import mask_text, mask_url
 from outbox_inbox.migrate import DEFAULT_SCHEMA
 from outbox_inbox.service import Service
+from outbox_inbox.sqlite import create_sqlite_engine, is_sqlite
 from outbox_inbox.tables import Tables, build_tables
 from outbox_inbox.topology import Topology
 
@@ -64,8 +70,8 @@ def load_app(spec: str) -> Service:
 def checked_db_url(url: str) -> str:
     """`url` if SQLAlchemy can use it; ConfigurationError otherwise (never echoing a password)."""
     remember_secret(url)
+    validate_db_url(url)
     try:
-        make_url(url)
         create_engine(url).dispose()  # loads the dialect and driver, connects to nothing
     # The parser's own error quotes the URL or its parts: reported masked, and not chained
     # (a -v traceback would print it whole).
@@ -110,7 +116,12 @@ class Target:
 
     @property
     def tables(self) -> Tables:
-        return build_tables(self.schema)
+        # SQLite has no schemas: the tables are in the database file itself.
+        if self.db_url:
+            sqlite = is_sqlite(self.db_url)
+        else:
+            sqlite = self.service is not None and self.service.sqlite
+        return build_tables(None if sqlite else self.schema)
 
     @property
     def has_database(self) -> bool:
@@ -137,7 +148,9 @@ class Target:
 
     def engine(self) -> Engine:
         if self._engine is None:
-            if self.db_url:
+            if self.db_url and is_sqlite(self.db_url):
+                self._engine = create_sqlite_engine(self.db_url)
+            elif self.db_url:
                 self._engine = create_engine(self.db_url, pool_pre_ping=True)
             elif self.service is not None:
                 return self.service.engine
