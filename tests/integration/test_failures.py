@@ -23,6 +23,7 @@ from outbox_inbox import (
     RetryPolicy,
     SchemaMissing,
     Service,
+    TopologyMismatch,
 )
 
 
@@ -266,7 +267,7 @@ def test_a_message_that_can_never_be_stored_is_dead_lettered_after_max_attempts(
     svc.close()
 
 
-def test_quorum_queue_with_delivery_limit_and_priority_queue_can_be_declared(
+def test_quorum_queues_with_delivery_limit_are_declared_and_a_classic_service_is_refused(
     mq_url: str,
 ) -> None:
     quorum = Service(
@@ -278,12 +279,20 @@ def test_quorum_queue_with_delivery_limit_and_priority_queue_can_be_declared(
     )
     quorum.declare_topology()
     quorum.declare_topology()
+    # Every service of a broker must agree on queue_type: `unroutable` is shared.
+    classic = Service("shipping", db_url="postgresql+psycopg://unused/x", mq_url=mq_url)
+    with pytest.raises(TopologyMismatch, match="unroutable"):
+        classic.declare_topology()
+    with pytest.raises(ConfigurationError):
+        Service("x", db_url="postgresql+psycopg://unused/x", queue_type="quorum", max_priority=3)
+
+
+def test_a_priority_queue_can_be_declared(mq_url: str) -> None:
     prioritized = Service(
         "shipping", db_url="postgresql+psycopg://unused/x", mq_url=mq_url, max_priority=10
     )
     prioritized.declare_topology()
-    with pytest.raises(ConfigurationError):
-        Service("x", db_url="postgresql+psycopg://unused/x", queue_type="quorum", max_priority=3)
+    prioritized.declare_topology()
 
 
 def test_unreachable_servers_with_fail_fast_and_missing_tables_fail_start_with_a_clear_error(
