@@ -38,12 +38,18 @@ def validate_db_url(url: str) -> str:
     The parser's error quotes the URL: it is reported masked and not chained.
     """
     try:
-        make_url(url)
+        parsed = make_url(url)
     except (ArgumentError, ValueError, TypeError) as exc:
         raise ConfigurationError(
             f"malformed database URL {mask_url(url)}: {mask_text(exc, url)}; "
             "expected a URL like postgresql+psycopg://user@host:5432/dbname"
         ) from None
+    if parsed.host and "@" in parsed.host:
+        # SQLAlchemy ends the password at its first "@": the rest would be taken for a host
+        # name, and printed as one in every connection error.
+        raise ConfigurationError(
+            f"malformed database URL {mask_url(url)}: an '@' in the password must be written %40"
+        )
     return url
 
 

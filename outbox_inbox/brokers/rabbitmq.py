@@ -72,7 +72,8 @@ def _parameters(url: str) -> pika.URLParameters:
         # pika's message quotes parts of the URL (a password read as a port): masked, and
         # not chained, so that no traceback prints it.
         raise ConfigurationError(
-            f"invalid broker URL {mask_url(url)}: {mask_text(exc, url)}"
+            f"invalid broker URL {mask_url(url)}: {mask_text(exc, url)} (a '/', ':' or '@' "
+            "in the user name or password must be written %2F, %3A or %40)"
         ) from None
     return params
 
