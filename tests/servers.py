@@ -62,6 +62,7 @@ __all__ = [
     "RabbitMQServer",
     "ServerError",
     "ensure_chromium_installed",
+    "ensure_pgbouncer_installed",
     "ensure_postgres_installed",
     "ensure_rabbitmq_installed",
     "free_port",
@@ -1278,6 +1279,24 @@ def ensure_postgres_installed(bin_dir: Path | str = PG_BIN_DIR) -> bool:
     return True
 
 
+#: Where Debian's pgbouncer package puts its binary.
+PGBOUNCER_BIN = Path(os.environ.get("OUTBOX_INBOX_PGBOUNCER_BIN", "/usr/sbin/pgbouncer"))
+
+
+def ensure_pgbouncer_installed(binary: Path | str = PGBOUNCER_BIN) -> bool:
+    """Install Debian's pgbouncer if its binary is missing (needs root).
+
+    Returns True when it installed it; the package's own system service is stopped (the tests
+    run their own PgBouncer as a plain process, tests/pooler/bouncer.py)."""
+    if Path(binary).exists():
+        return False
+    _apt_install("pgbouncer")
+    _stop_system_service("pgbouncer", "postgres", ("pgbouncer",), "/etc/pgbouncer/")
+    if not Path(binary).exists():
+        raise ServerError(f"pgbouncer installed, but {binary} is missing")
+    return True
+
+
 #: Names the Chromium binary has on PATH (Debian's package: chromium).
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
 
@@ -1303,6 +1322,8 @@ if __name__ == "__main__":  # pragma: no cover - used by scripts/test, and by ha
         ensure_postgres_installed()
     elif command == "install-chromium":
         ensure_chromium_installed()
+    elif command == "install-pgbouncer":
+        ensure_pgbouncer_installed()
     elif command == "run":  # start both, print their URLs, clean up on Ctrl-C or SIGTERM
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -1312,5 +1333,6 @@ if __name__ == "__main__":  # pragma: no cover - used by scripts/test, and by ha
                 signal.pause()
     else:
         sys.exit(
-            f"usage: {sys.argv[0]} [run | install-rabbitmq | install-postgres | install-chromium]"
+            f"usage: {sys.argv[0]} [run | install-rabbitmq | install-postgres | install-chromium"
+            " | install-pgbouncer]"
         )
