@@ -9,6 +9,7 @@ from typing import Any
 
 from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
 from . import queries
@@ -52,6 +53,11 @@ class Outbox:
 
     With tracing on (`tracing`), each write is a ``create`` span, a child of the current span,
     whose W3C context the row's headers keep as ``traceparent`` / ``tracestate``.
+
+    `publish_async` and `send_async` are the same writes for asyncio code: awaited, in the
+    caller's `AsyncSession` or `AsyncConnection` (psycopg's async driver), with the same checks,
+    the same row and the same guarantees (docs/async-services.md). The sync methods refuse an
+    AsyncSession: a write that must be awaited is named so at the call site.
     """
 
     def __init__(
@@ -85,7 +91,7 @@ class Outbox:
         """Publish event `event` (``entity.happened``) as ``<service>.<event>`` on `events`."""
         _check_name(event, "event name")
         return self._write(
-            session,
+            _sync(session),
             kind=EVENT,
             exchange=EVENTS_EXCHANGE,
             routing_key=f"{self._service}.{event}",
@@ -120,7 +126,7 @@ class Outbox:
         validate_service_name(to_service)
         _check_name(command, "command name")
         return self._write(
-            session,
+            _sync(session),
             kind=COMMAND,
             exchange=COMMANDS_EXCHANGE,
             routing_key=f"{to_service}.{command}",
@@ -135,9 +141,105 @@ class Outbox:
             delay=delay,
         )
 
-    def _write(
+    async def publish_async(
         self,
-        session: Session | Connection,
+        session: AsyncSession | AsyncConnection,
+        event: str,
+        payload: Any,
+        *,
+        key: str | None = None,
+        headers: Mapping[str, Any] | None = None,
+        correlation_id: str | None = None,
+        message_id: uuid.UUID | None = None,
+        priority: int | None = None,
+        ttl: float | timedelta | None = None,
+        version: int = 1,
+        delay: float | timedelta | None = None,
+    ) -> uuid.UUID:
+        """`publish`, awaited in the caller's `AsyncSession` or `AsyncConnection`.
+
+        Adds the row in the caller's transaction (beginning it if it has not begun, as any
+        statement does) and never commits it. Raises what `publish` raises.
+        """
+        _check_name(event, "event name")
+        row = self._row(
+            kind=EVENT,
+            exchange=EVENTS_EXCHANGE,
+            routing_key=f"{self._service}.{event}",
+            payload=payload,
+            key=key,
+            headers=headers,
+            correlation_id=correlation_id,
+            message_id=message_id,
+            priority=priority,
+            ttl=ttl,
+            version=version,
+            delay=delay,
+        )
+        return await self._insert_async(_async(session), row)
+
+    async def send_async(
+        self,
+        session: AsyncSession | AsyncConnection,
+        to_service: str,
+        command: str,
+        payload: Any,
+        *,
+        key: str | None = None,
+        headers: Mapping[str, Any] | None = None,
+        correlation_id: str | None = None,
+        message_id: uuid.UUID | None = None,
+        priority: int | None = None,
+        ttl: float | timedelta | None = None,
+        version: int = 1,
+        delay: float | timedelta | None = None,
+    ) -> uuid.UUID:
+        """`send`, awaited in the caller's `AsyncSession` or `AsyncConnection`.
+
+        Adds the row in the caller's transaction and never commits it. Raises what `send`
+        raises.
+        """
+        validate_service_name(to_service)
+        _check_name(command, "command name")
+        row = self._row(
+            kind=COMMAND,
+            exchange=COMMANDS_EXCHANGE,
+            routing_key=f"{to_service}.{command}",
+            payload=payload,
+            key=key,
+            headers=headers,
+            correlation_id=correlation_id,
+            message_id=message_id,
+            priority=priority,
+            ttl=ttl,
+            version=version,
+            delay=delay,
+        )
+        return await self._insert_async(_async(session), row)
+
+    async def _insert_async(
+        self, session: AsyncSession | AsyncConnection, row: dict[str, Any]
+    ) -> uuid.UUID:
+        # run_sync runs the one insert path (writer locks, the insert the NOTIFY trigger sees)
+        # on the caller's async connection: each statement is awaited on the async driver.
+        try:
+            with creating(self._tracing, row):  # the span is current in the caller's task
+                await session.run_sync(queries.insert_outbox, self._tables, [row])
+        except SQLAlchemyError as exc:
+            raise storage_error(exc, "writing to the outbox") from exc
+        return row["message_id"]  # type: ignore[no-any-return]
+
+    def _write(self, session: Session | Connection, **fields: Any) -> uuid.UUID:
+        row = self._row(**fields)
+        try:
+            with creating(self._tracing, row):  # nothing at all when tracing is off
+                queries.insert_outbox(session, self._tables, [row])
+        except SQLAlchemyError as exc:
+            raise storage_error(exc, "writing to the outbox") from exc
+        return row["message_id"]  # type: ignore[no-any-return]
+
+    def _row(
+        self,
         *,
         kind: str,
         exchange: str,
@@ -151,9 +253,8 @@ class Outbox:
         ttl: float | timedelta | None,
         version: int,
         delay: float | timedelta | None,
-    ) -> uuid.UUID:
-        if not isinstance(session, Session | Connection):
-            raise MessageError("pass the SQLAlchemy Session or Connection of your transaction")
+    ) -> dict[str, Any]:
+        """The checked outbox row of one message, with the ids of the message being handled."""
         encode_payload(payload, limit=self._limit)
         clean_headers = check_headers(headers)
         if key is not None and (not isinstance(key, str) or not key or len(key) > 255):
@@ -185,12 +286,28 @@ class Outbox:
         else:  # a message written outside a handler starts a conversation
             row["correlation_id"] = correlation_id or str(row["message_id"])
             row["causation_id"] = None
-        try:
-            with creating(self._tracing, row):  # nothing at all when tracing is off
-                queries.insert_outbox(session, self._tables, [row])
-        except SQLAlchemyError as exc:
-            raise storage_error(exc, "writing to the outbox") from exc
-        return row["message_id"]  # type: ignore[no-any-return]
+        return row
+
+
+def _sync(session: Any) -> Session | Connection:
+    if isinstance(session, AsyncSession | AsyncConnection):
+        raise MessageError(
+            "an AsyncSession or AsyncConnection is written to with"
+            " `await outbox.publish_async(...)` / `await outbox.send_async(...)`"
+        )
+    if not isinstance(session, Session | Connection):
+        raise MessageError("pass the SQLAlchemy Session or Connection of your transaction")
+    return session
+
+
+def _async(session: Any) -> AsyncSession | AsyncConnection:
+    if isinstance(session, Session | Connection):
+        raise MessageError(
+            "a sync Session or Connection is written to with outbox.publish(...) / send(...)"
+        )
+    if not isinstance(session, AsyncSession | AsyncConnection):
+        raise MessageError("pass the AsyncSession or AsyncConnection of your transaction")
+    return session
 
 
 def _seconds(value: float | timedelta, what: str) -> float:

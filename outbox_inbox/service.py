@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import signal
 import threading
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from opentelemetry.trace import TracerProvider
 from sqlalchemy import Engine, create_engine
@@ -29,7 +30,7 @@ from .errors import (
     TopologyMissing,
     storage_error,
 )
-from .handlers import Handler, Handlers, Subscription
+from .handlers import AsyncHandler, Handler, Handlers, Subscription
 from .listener import Listener
 from .logsafe import mask_url
 from .messages import COMMAND, COMMANDS_EXCHANGE, EVENT, EVENTS_EXCHANGE
@@ -46,7 +47,10 @@ from .worker import Worker
 
 log = logging.getLogger(__name__)
 
-H = TypeVar("H", bound=Handler)
+if TYPE_CHECKING:
+    from .aio import AsyncWorker
+
+H = TypeVar("H", bound=Handler | AsyncHandler)
 
 
 class Service:
@@ -99,6 +103,7 @@ class Service:
         self._sessionmaker: sessionmaker[Session] | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._tasks: list[asyncio.Task[None]] = []
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -157,9 +162,11 @@ class Service:
         """Register the handler of command ``<this service>.<command>``.
 
         The handler is called as ``handler(message, session)`` inside the transaction that
-        marks the message processed; it must not commit. Raise `Retry` or `Reject` to choose
-        what happens to the message; any other exception is retried by `retry` (or the
-        service's policy).
+        marks the message processed; it must not commit. An ``async def`` handler gets an
+        `AsyncSession` in that transaction and is awaited by the asyncio worker, which the
+        service then runs instead of the thread worker (docs/async-services.md). Raise
+        `Retry` or `Reject` to choose what happens to the message; any other exception is
+        retried by `retry` (or the service's policy).
         """
 
         def register(handler: H) -> H:
@@ -315,6 +322,25 @@ class Service:
             tracing=self.tracing,
         )
 
+    def async_worker(self, name: str | None = None) -> AsyncWorker:
+        """A new asyncio worker running this service's handlers, sync and async alike, on
+        psycopg's async driver (the database URL's, as ``postgresql+psycopg``)."""
+        from .aio import AsyncWorker, worker_engine
+
+        return AsyncWorker(
+            self.worker(name), worker_engine(self.engine.url), waker_factory=self._waker_factory()
+        )
+
+    def _waker_factory(self) -> Callable[[threading.Event], Waker | None]:
+        return self._waker(self.tables.inbox.name)
+
+    def _worker_role(self) -> Callable[..., None]:
+        """The run function of one worker: in a thread, or in a loop of its own if a handler
+        is ``async def`` (the thread worker cannot give it an AsyncSession)."""
+        if self.handlers.any_async:
+            return self.async_worker().run_in_thread
+        return self.worker().run
+
     def start(
         self,
         *,
@@ -344,7 +370,7 @@ class Service:
         if receiver:
             roles.append(("receiver", self.receiver().run))
         for n in range(self.settings.worker_threads if workers is None else workers):
-            roles.append((f"worker-{n}", self.worker().run))
+            roles.append((f"worker-{n}", self._worker_role()))
         started = threading.Barrier(len(roles) + 1)
         for role, run in roles:
             thread = threading.Thread(
@@ -410,7 +436,86 @@ class Service:
 
     def run_worker(self, *, fail_fast: bool | None = None) -> None:
         """Run only a worker in this thread until SIGTERM or SIGINT (waits as `start()`)."""
-        self._run_role(self.worker().run, topology=False, fail_fast=fail_fast)
+        self._run_role(self._worker_role(), topology=False, fail_fast=fail_fast)
+
+    # --- roles in an event loop ---------------------------------------------------------------
+
+    async def start_async(
+        self,
+        *,
+        relay: bool = True,
+        receiver: bool = True,
+        workers: int | None = None,
+        fail_fast: bool | None = None,
+    ) -> None:
+        """`start()` for asyncio code: the workers run as tasks of the running loop.
+
+        The relay and the receiver run in threads, as with `start()`; waiting for the servers
+        happens in a thread too, so the loop runs on meanwhile. Returns once every role runs
+        (or without starting any if `stop_async()` was called meanwhile). Raises what
+        `start()` raises. Pair it with `stop_async()`, e.g. in a FastAPI lifespan.
+        """
+        if self._tasks or self._threads:
+            raise ConfigurationError("service already started")
+        count = self.settings.worker_threads if workers is None else workers
+        aio_workers = [self.async_worker() for _ in range(count)]
+        try:
+            await asyncio.to_thread(
+                self.start, relay=relay, receiver=receiver, workers=0, fail_fast=fail_fast
+            )
+        except asyncio.CancelledError:
+            self._stop.set()  # the thread's wait for the servers ends at once
+            raise
+        if self._stop.is_set():
+            return
+        for n, aio_worker in enumerate(aio_workers):
+            self._tasks.append(
+                asyncio.create_task(
+                    self._supervise_async(f"worker-{n}", aio_worker),
+                    name=f"outbox-inbox-{self.name}-worker-{n}",
+                )
+            )
+        log.info("service %s: %d asyncio workers started", self.name, count)
+
+    async def _supervise_async(self, role: str, aio_worker: AsyncWorker) -> None:
+        """Run an asyncio worker; if it dies of an unexpected error, log it and restart it."""
+        while not self._stop.is_set():
+            try:
+                await aio_worker.run(self._stop)
+            except Exception:
+                log.exception("service %s: %s crashed; restarting in 1 s", self.name, role)
+                await asyncio.to_thread(self._stop.wait, 1.0)
+        await aio_worker.close()
+
+    async def stop_async(self, timeout: float = 30.0) -> None:
+        """Stop every role after the work in hand (each worker finishes its batch), waiting up
+        to `timeout` seconds; then the worker tasks still running are cancelled, which rolls
+        their batch back (the rows are handled again, as after a crash)."""
+        self._stop.set()
+        tasks, self._tasks = self._tasks, []
+        if tasks:
+            _, late = await asyncio.wait(tasks, timeout=timeout)
+            for task in late:
+                task.cancel()
+            if late:
+                log.warning("service %s: %d asyncio workers cancelled", self.name, len(late))
+                await asyncio.wait(late)
+        await asyncio.to_thread(self.stop, timeout)
+
+    async def run_async(
+        self, *, relay: bool = True, receiver: bool = True, workers: int | None = None
+    ) -> None:
+        """`start_async()`, then run until the task is cancelled, then `stop_async()`.
+
+        Cancellation is the stop signal (``asyncio.run`` cancels on Ctrl-C; a TaskGroup or
+        lifespan cancels its tasks): the batch in hand is finished and committed first, then
+        the cancellation goes on.
+        """
+        try:
+            await self.start_async(relay=relay, receiver=receiver, workers=workers)
+            await asyncio.Event().wait()  # until cancelled
+        finally:
+            await self.stop_async()
 
     def _run_role(
         self, run: Callable[..., None], *, topology: bool, fail_fast: bool | None

@@ -129,8 +129,11 @@ class Worker:
         self._stop = threading.Event()
         self.processed = 0
 
-    def connect(self) -> Connection:
+    def connect(self, opened: Connection | None = None) -> Connection:
         """Open a connection for `work_once`, with this worker's liveness and hang limit.
+
+        `opened`: a connection to prepare instead of a new one from the engine (the asyncio
+        worker passes the sync face of its AsyncConnection); it is closed if this fails.
 
         Each connection gets a new `claimant` name and holds its liveness lock, so the claims
         of an earlier connection of this worker, if it broke, are free to every worker at once.
@@ -138,7 +141,7 @@ class Worker:
         closing it closes the database session. Raises SQLAlchemyError if the database cannot
         be reached.
         """
-        conn = self._engine.connect()
+        conn = self._engine.connect() if opened is None else opened
         try:
             if conn.dialect.name == "postgresql":
                 conn.detach()  # session state (lock, timeout) must not reach another user
@@ -349,7 +352,7 @@ class Worker:
         try:
             with handling(message), processing(tracer, self._tracing.service, message):
                 for subscription in subscriptions:
-                    subscription.handler(message, session)
+                    subscription.call(message, session)
         except Exception as exc:
             if listener is not None:
                 call(listener, "handler_ran", message, time.perf_counter() - started, exc)

@@ -1,0 +1,193 @@
+"""The asyncio side: the worker on the async driver, and the roles in an event loop.
+
+`AsyncWorker` is the worker of `worker.py` on an `AsyncConnection` (psycopg's async driver).
+It does not copy the batch loop: it runs the very same `Worker.work_once` through
+`AsyncConnection.run_sync`, the way SQLAlchemy's asyncio extension runs its own sync core: the
+code runs in a greenlet, and each statement it executes is awaited on the async driver from the
+event loop. Claim, one transaction per batch, savepoint redo on a failure, suspects run alone,
+the liveness lock and `ConnectionLost` are therefore those of the sync worker, line for line.
+An ``async def`` handler is awaited on the loop with an `AsyncSession` that proxies the batch's
+Session, so what it awaits runs on the worker's connection, in the transaction that marks its
+message processed (`handlers.Subscription.call`). A sync handler runs there too, as it would in
+the thread worker (its statements are awaited on the driver behind its back).
+
+The relay and the receiver keep their threads (pika is a blocking client):
+`start_roles` runs them with `Service.start` and the workers as tasks of the running loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.pool import NullPool
+
+from .backoff import Backoff
+from .errors import ConfigurationError
+from .waker import Waker
+from .worker import Worker
+
+log = logging.getLogger(__name__)
+
+
+def async_url(url: str | URL) -> URL:
+    """The URL of `url`'s PostgreSQL database on psycopg's async driver.
+
+    ``postgresql://`` and ``postgresql+psycopg://`` both become ``postgresql+psycopg://``
+    (the psycopg dialect serves sync and async engines alike). Raises ConfigurationError for
+    another database or driver: the asyncio worker needs PostgreSQL through psycopg 3.
+    """
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "postgresql" or parsed.get_driver_name() not in (
+        "psycopg",
+        "psycopg2",  # the default driver name of a bare postgresql:// URL
+    ):
+        raise ConfigurationError(
+            "async handlers and the asyncio worker need PostgreSQL through psycopg 3"
+            f" (postgresql+psycopg://), not {parsed.drivername}://"
+        )
+    return parsed.set(drivername="postgresql+psycopg")
+
+
+def worker_engine(url: str | URL) -> AsyncEngine:
+    """An async engine for one asyncio worker: NullPool, since the worker detaches and keeps
+    its one connection, and an engine's pooled connections belong to the loop that made them."""
+    return create_async_engine(async_url(url), poolclass=NullPool)
+
+
+class AsyncWorker:
+    """A worker whose transactions run on an `AsyncConnection`, in an event loop.
+
+    Same contract as `Worker` (which it drives): a handler's effects and the processed mark
+    commit together or not at all; retries, dead letters, ordering keys, suspects and the
+    liveness lock are the same. ``async def`` handlers get an `AsyncSession` in that
+    transaction; sync handlers get the Session, as in `Worker`. One task at a time may use an
+    AsyncWorker. Several may run in one loop, each on its own connection.
+
+    A sync handler that blocks (sleeps, calls a blocking client) blocks the loop for that long;
+    an async handler that never returns holds its rows until the server ends the worker's
+    session after ``lease`` idle in transaction, as in `Worker`.
+    """
+
+    def __init__(
+        self,
+        worker: Worker,
+        engine: AsyncEngine,
+        *,
+        waker_factory: Callable[[threading.Event], Waker | None] | None = None,
+    ) -> None:
+        self.worker = worker
+        self._engine = engine
+        self._waker_factory = waker_factory
+
+    @property
+    def processed(self) -> int:
+        """Messages handled so far."""
+        return self.worker.processed
+
+    @property
+    def claimant(self) -> str:
+        return self.worker.claimant
+
+    async def connect(self) -> AsyncConnection:
+        """Open the worker's connection: `Worker.connect` (liveness lock, session limits) on
+        the async driver. Raises SQLAlchemyError if the database cannot be reached."""
+        conn = await self._engine.connect()
+        try:
+            await conn.run_sync(self.worker.connect)
+        except BaseException:
+            await conn.close()
+            raise
+        return conn
+
+    async def work_once(self, conn: AsyncConnection) -> int:
+        """`Worker.work_once` on `conn` (from `connect()`): claim and handle one batch.
+
+        Returns how many rows were claimed; raises `ConnectionLost` or another SQLAlchemyError
+        when the database fails; handler errors never escape. Cancelling the task inside the
+        batch rolls the batch back (effects and marks alike); its rows return to the queue when
+        the connection closes, as after a crash of the thread worker.
+        """
+        return await conn.run_sync(self.worker.work_once)
+
+    async def run(
+        self, stop: threading.Event, *, on_started: Callable[[], None] | None = None
+    ) -> None:
+        """Handle messages until `stop` is set; the batch in hand is finished first.
+
+        `stop` is a threading.Event so that the batch loop (which checks it between messages)
+        and `Service.stop()` can set it from any thread.
+        """
+        # The batch loop checks its stop flag between the messages of a batch.
+        self.worker._stop = stop
+        s = self.worker._settings
+        waker = self._waker_factory(stop) if self._waker_factory else None
+        backoff = Backoff(
+            s.reconnect_initial,
+            s.reconnect_max,
+            what=f"asyncio worker {self.worker.name}: database",
+            logger=log,
+        )
+        conn: AsyncConnection | None = None
+        if on_started:
+            on_started()
+        try:
+            while not stop.is_set():
+                try:
+                    if conn is None:
+                        conn = await self.connect()
+                    count = await self.work_once(conn)
+                    backoff.succeeded()
+                except SQLAlchemyError as exc:
+                    if conn is not None:
+                        await _discard(conn)
+                        conn = None
+                    await asyncio.to_thread(backoff.failed, exc, stop)
+                    continue
+                if count < s.worker_batch_size:
+                    # The waker blocks on its LISTEN connection: in a thread, so the loop runs on.
+                    if waker is not None:
+                        await asyncio.to_thread(waker.wait, s.worker_poll_interval)
+                    else:
+                        await asyncio.to_thread(stop.wait, s.worker_poll_interval)
+        finally:
+            if conn is not None:
+                await _discard(conn)
+            if hasattr(self.worker, "close_liveness"):
+                self.worker.close_liveness()
+            if waker is not None:
+                waker.close()
+
+    async def close(self) -> None:
+        """Release the worker's engine (after `run` returned)."""
+        await self._engine.dispose()
+
+    def run_in_thread(
+        self, stop: threading.Event, *, on_started: Callable[[], None] | None = None
+    ) -> None:
+        """`run` in a new event loop of this thread (how `Service.start()` runs it)."""
+
+        async def main() -> None:
+            try:
+                await self.run(stop, on_started=on_started)
+            finally:
+                await self.close()
+
+        asyncio.run(main())
+
+
+async def _discard(conn: AsyncConnection) -> None:
+    """Close the worker's connection for good: its session (and liveness lock) ends."""
+    try:
+        await conn.invalidate()
+    except SQLAlchemyError as exc:
+        log.debug("closing a broken worker connection: %s", exc)
+    try:
+        await conn.close()
+    except SQLAlchemyError as exc:
+        log.debug("closing a broken worker connection: %s", exc)
