@@ -16,7 +16,7 @@ import shlex
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -183,7 +183,10 @@ def _service(roles: Roles, **settings: Any) -> Service:
     try:
         import lp_app
 
-        return lp_app.build(roles.runtime_url, roles.service_mq_url, **{**FAST, **settings})
+        service: Service = lp_app.build(
+            roles.runtime_url, roles.service_mq_url, **{**FAST, **settings}
+        )
+        return service
     finally:
         sys.path.remove(str(roles.app_dir))
         sys.modules.pop("lp_app", None)
@@ -299,7 +302,7 @@ def test_runtime_identities_cannot_change_the_schema_or_the_shared_topology(
     ):
         with (
             runtime.connect() as conn,
-            pytest.raises(ProgrammingError, match="permission denied|must be owner"),
+            pytest.raises(ProgrammingError, match=r"permission denied|must be owner"),
         ):
             conn.execute(text(statement))
     runtime.dispose()
@@ -315,13 +318,14 @@ def test_runtime_identities_cannot_change_the_schema_or_the_shared_topology(
     )  # fmt: skip
     assert done.returncode in (0,), done.stdout + done.stderr
     params = pika.URLParameters(roles.service_mq_url)
-    for action in (
+    actions: list[Callable[[Any], object]] = [
         lambda ch: ch.exchange_delete("events"),
         lambda ch: ch.queue_purge("unroutable"),
         lambda ch: ch.queue_delete("billing.inbox"),
         lambda ch: ch.exchange_declare("events", "topic", durable=True),
         lambda ch: ch.basic_get("billing.dead_letter"),
-    ):
+    ]
+    for action in actions:
         connection = pika.BlockingConnection(params)
         try:
             with pytest.raises(pika.exceptions.ChannelClosedByBroker) as refused_by:

@@ -10,6 +10,7 @@ DEBUG: no log record and no exception (str, repr, traceback with its causes) hol
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -474,13 +475,13 @@ def test_a_service_on_wrong_passwords_logs_and_raises_no_password(
         pw = new_password()
         passwords.append(pw)
         wrong_mq = _wrong_password(servers, pw.text)[MQ]
-        attempt(lambda u=wrong_mq: _service(db_url, u, migrate=True), run=run)
+        attempt(functools.partial(_service, db_url, wrong_mq, migrate=True), run=run)
     # A wrong PostgreSQL password, with a broker that works.
     for run in ("start", "run_worker"):
         pw = new_password()
         passwords.append(pw)
         wrong_db = _wrong_password(servers, pw.text)[DB]
-        attempt(lambda u=wrong_db: _service(u, mq_url, migrate=False), run=run)
+        attempt(functools.partial(_service, wrong_db, mq_url, migrate=False), run=run)
     # Malformed URLs: the constructor refuses them.
     for shape, specials, _expected in list(CASES.values())[1:]:
         pw = new_password(specials)
