@@ -8,6 +8,7 @@ import os
 import signal
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import click
 
@@ -135,18 +136,22 @@ def dashboard(
             guard=Guard(token=token),
             refresh=refresh,
         )
-        server = make_dashboard_server(app, host, port)
-        bound_host, bound_port = str(server.server_address[0]), int(server.server_address[1])
-        shown = f"[{bound_host}]" if ":" in str(bound_host) else bound_host
-        echo(f"dashboard on http://{shown}:{bound_port}/ ({', '.join(names)}); Ctrl-C to stop")
-        previous = signal.signal(signal.SIGTERM, _on_sigterm)
-        try:
-            with contextlib.suppress(KeyboardInterrupt, _Stop):
-                server.serve_forever()
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-            server.server_close()
-        echo("dashboard stopped")
+        _serve(make_dashboard_server(app, host, port), names)
     finally:
         for target in targets:
             target.close()
+
+
+def _serve(server: Any, names: list[str]) -> None:
+    """Serve until SIGTERM or Ctrl-C, saying where and when it stopped."""
+    bound_host, bound_port = str(server.server_address[0]), int(server.server_address[1])
+    shown = f"[{bound_host}]" if ":" in str(bound_host) else bound_host
+    echo(f"dashboard on http://{shown}:{bound_port}/ ({', '.join(names)}); Ctrl-C to stop")
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        with contextlib.suppress(KeyboardInterrupt, _Stop):
+            server.serve_forever()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        server.server_close()
+    echo("dashboard stopped")

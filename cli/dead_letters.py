@@ -20,23 +20,23 @@ from outbox_inbox.dead_letters import (
     OUTBOX,
     SOURCES,
     TABLE,
+    ActionReport,
     DeadLetter,
     DeadLetters,
     Filters,
-    Outcome,
-    Pacer,
     Selection,
     TableSelection,
     error_summary,
     parse_message_id,
 )
 
-from .audit import audit_log_option, write_audit
+from .audit import audit_log_option
 from .output import (
     EXIT_UNHEALTHY,
     echo,
     echo_json,
     format_age,
+    mask,
     one_line,
     progress,
     render_table,
@@ -425,7 +425,7 @@ def _act(
     as_json: bool,
     yes: bool = True,
 ) -> None:
-    """Select, show, (confirm,) act, audit: the shared body of replay and purge."""
+    """Select, show, (confirm,) act and audit (DeadLetters.run): replay's and purge's body."""
     if filters.empty and not everything:
         raise click.UsageError(
             f"choose what to {action}: --id, a filter (--type, --older-than, --reason, "
@@ -433,90 +433,63 @@ def _act(
         )
     target = resolve(app=app, service=service, schema=schema, db_url=db_url, mq_url=mq_url)
     sources = _sources(target, source, strict=True)
-    verb = {"replay": "replayed", "purge": "purged"}[action]
     with _selections(target, sources, filters, limit) as selections:
-        letters = [d for s in selections for d in s.letters]
-        total = len(letters)
+        total = sum(len(s.letters) for s in selections)
         if not as_json:
-            if letters:
-                echo(_letters_table(letters[:SHOWN]))
-                if total > SHOWN:
-                    echo(f"... and {total - SHOWN} more")
-            echo(f"selected {total} dead letter(s): {_counts(selections)}")
-            _more_note(selections, limit)
-        audit: dict[str, Any] = {
-            "command": f"dead-letters {action}",
-            "service": target.name,
-            "source": source,
-            "filters": filters.as_dict(),
-        }
-        if dry_run or total == 0:
-            entry = write_audit(
-                audit_log,
-                **audit,
-                counts={s.source: len(s.letters) for s in selections},
-                message_ids=[d.message_id for d in letters],
-                dry_run=dry_run,
-            )
-            if as_json:
-                echo_json(
-                    {
-                        "dry_run": dry_run,
-                        "selected": [d.as_dict() for d in letters],
-                        "results": [],
-                        "audit": entry,
-                    }
-                )
-            else:
-                echo(f"dry run: nothing {verb}" if dry_run else f"nothing to {action}")
-            return
-        if not yes:
+            _show_selected(selections, limit)
+        if total and not dry_run and not yes:
             click.confirm(
                 f"{action.capitalize()} {total} dead letter(s) ({_counts(selections)})? "
                 "This cannot be undone.",
                 abort=True,
                 err=True,
             )
-        outcomes: list[Outcome] = []
-        error: str | None = None
-        try:
-            with progress(total, f"{action} {total}") as advance:
-                pacer = Pacer(rate)
-                for selection in selections:
-                    outcomes.append(_run_one(action, selection, target, pacer, advance))
-        except BaseException as exc:  # recorded in the audit line, then raised on
-            error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            raise
-        finally:
-            # The audit line is written even when the action stopped half-way.
-            entry = write_audit(
-                audit_log,
-                **audit,
-                counts={o.source: len(o.done) for o in outcomes},
-                message_ids=[m for o in outcomes for m in o.done],
-                dry_run=False,
-                error=error,
+        with progress(total if total and not dry_run else 0, f"{action} {total}") as advance:
+            report = _dead_letters(target).run(
+                action,
+                selections,
+                filters=filters,
+                source=source,
+                rate=rate,
+                progress=advance,
+                dry_run=dry_run,
+                audit_log=audit_log,
+                mask=mask,
             )
-    kept = [k for o in outcomes for k in o.kept]
+    _print_report(report, selections, as_json)
+
+
+def _show_selected(selections: list[Selection], limit: int | None) -> None:
+    letters = [d for s in selections for d in s.letters]
+    if letters:
+        echo(_letters_table(letters[:SHOWN]))
+        if len(letters) > SHOWN:
+            echo(f"... and {len(letters) - SHOWN} more")
+    echo(f"selected {len(letters)} dead letter(s): {_counts(selections)}")
+    _more_note(selections, limit)
+
+
+def _print_report(report: ActionReport, selections: list[Selection], as_json: bool) -> None:
+    verb = {"replay": "replayed", "purge": "purged"}[report.action]
     if as_json:
-        echo_json({"dry_run": False, "results": [o.as_dict() for o in outcomes], "audit": entry})
-    else:
-        for selection, outcome in zip(selections, outcomes, strict=False):
-            echo(f"{_where(selection)}: {verb} {len(outcome.done)} of {outcome.selected}")
-            for message_id, why in outcome.kept:
-                echo(f"  kept {message_id}: {why}")
-    if kept:
+        shown: dict[str, Any] = {"dry_run": report.dry_run}
+        if report.dry_run or not report.selected:
+            shown["selected"] = [d.as_dict() for d in report.selected]
+        shown["results"] = [o.as_dict() for o in report.outcomes]
+        shown["audit"] = report.audit
+        echo_json(shown)
+    elif report.dry_run:
+        echo(f"dry run: nothing {verb}")
+    elif not report.selected:
+        echo(f"nothing to {report.action}")
+    for selection, outcome in zip(selections, report.outcomes, strict=False):
+        if as_json:
+            break
+        echo(f"{_where(selection)}: {verb} {len(outcome.done)} of {outcome.selected}")
+        for message_id, why in outcome.kept:
+            echo(f"  kept {message_id}: {why}")
+    if report.kept:
         sys.exit(EXIT_UNHEALTHY)
-
-
-def _run_one(
-    action: str,
-    selection: Selection,
-    target: Target,
-    pacer: Pacer,
-    advance: Callable[[int], None],
-) -> Outcome:
-    return _dead_letters(target).act(action, selection, pacer=pacer, progress=advance)
 
 
 @dead_letters.command(short_help="Send dead letters back to be handled, in order.")

@@ -15,10 +15,10 @@ from typing import Any
 import click
 from sqlalchemy import Engine
 
-from outbox_inbox import queries
 from outbox_inbox.archive import SOURCES, Archiver, ArchiveResult
 from outbox_inbox.config import DB_URL_ENV
 from outbox_inbox.logsafe import mask_url
+from outbox_inbox.status import subscribed_services
 from outbox_inbox.tables import Tables, build_tables
 
 from .output import EXIT_UNHEALTHY, echo, echo_json, progress, render_table
@@ -56,8 +56,7 @@ def _service_name(target: Target, engine: Engine, tables: Tables) -> str:
     """--app's or --service's name, else the one service the subscriptions table names."""
     if target.name is not None:
         return target.name
-    with engine.connect() as conn:
-        services = sorted({row["service"] for row in queries.subscriptions_of(conn, tables)})
+    services = subscribed_services(engine, tables)
     if len(services) != 1:
         fail(
             "cannot tell which service's rows these are "
@@ -268,20 +267,7 @@ def audit(
     from outbox_inbox.analytics.audit import AuditError, read_live, run_audit, spark_session
     from outbox_inbox.analytics.report import render_html
 
-    if not archives and not db_urls:
-        fail("nothing to audit: give at least one ARCHIVE directory or --db-url")
-    for url in db_urls:
-        checked_db_url(url)
-    for path in archives:
-        if "://" not in path and not Path(path).is_dir():
-            fail(f"archive {path!r} is not a directory")
-    config = {}
-    for item in confs:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            fail(f"--conf {item!r} is not KEY=VALUE")
-        config[key.strip()] = value.strip()
-
+    config = _audit_inputs(archives, db_urls, confs)
     live = [read_live(url, schema) for url in db_urls]
     spark = spark_session(master, driver_memory=driver_memory, config=config)
     try:
@@ -307,6 +293,26 @@ def audit(
         _print_summary(summary, out)
     if not summary["ok"]:
         raise SystemExit(EXIT_UNHEALTHY)
+
+
+def _audit_inputs(
+    archives: tuple[str, ...], db_urls: tuple[str, ...], confs: tuple[str, ...]
+) -> dict[str, str]:
+    """Check the audit's inputs (failing with one line); return the Spark --conf settings."""
+    if not archives and not db_urls:
+        fail("nothing to audit: give at least one ARCHIVE directory or --db-url")
+    for url in db_urls:
+        checked_db_url(url)
+    for path in archives:
+        if "://" not in path and not Path(path).is_dir():
+            fail(f"archive {path!r} is not a directory")
+    config = {}
+    for item in confs:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            fail(f"--conf {item!r} is not KEY=VALUE")
+        config[key.strip()] = value.strip()
+    return config
 
 
 def _print_summary(summary: dict[str, Any], out: Path) -> None:

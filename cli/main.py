@@ -14,13 +14,11 @@ from dataclasses import fields
 from typing import Any
 
 import click
-import pika.exceptions
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
 from alembic.util.exc import CommandError
 from sqlalchemy.exc import SQLAlchemyError
 
 from outbox_inbox import migrate as migrations
+from outbox_inbox.brokers.rabbitmq import CONNECTION_ERRORS
 from outbox_inbox.config import Settings
 from outbox_inbox.errors import (
     ConfigurationError,
@@ -31,13 +29,20 @@ from outbox_inbox.errors import (
 from outbox_inbox.logsafe import mask_url
 from outbox_inbox.metrics import MetricsServer, instrument
 from outbox_inbox.service import Service
-from outbox_inbox.tables import VERSION_TABLE
 
 from .dashboard import dashboard
 from .dead_letters import dead_letters
 from .demo import demo
 from .history import archive, audit
-from .output import EXIT_ERROR, MaskingFormatter, echo, echo_json, mask, render_table
+from .output import (
+    EXIT_ERROR,
+    EXIT_UNHEALTHY,
+    MaskingFormatter,
+    echo,
+    echo_json,
+    mask,
+    render_table,
+)
 from .status import status
 from .tail import tail
 from .target import (
@@ -59,7 +64,7 @@ __all__ = ["load_app", "main"]
 EXPECTED_ERRORS: tuple[type[BaseException], ...] = (
     OutboxInboxError,
     SQLAlchemyError,
-    pika.exceptions.AMQPError,
+    *CONNECTION_ERRORS,
     CommandError,
     OSError,
 )
@@ -202,52 +207,53 @@ def downgrade(app: str | None, db_url: str | None, schema: str | None, revision:
 def current(app: str | None, db_url: str | None, schema: str | None, as_json: bool) -> None:
     """Show the revision the database is at (changes nothing)."""
     target = _db_target(app, db_url, schema)
-    heads = set(ScriptDirectory.from_config(migrations.alembic_config()).get_heads())
     try:
         with target.engine().connect() as conn:
-            context = MigrationContext.configure(
-                conn,
-                opts={"version_table": VERSION_TABLE, "version_table_schema": target.schema},
-            )
-            revisions = sorted(context.get_current_heads())
+            state = migrations.current(conn, target.schema)
     finally:
         target.close()
     if as_json:
-        echo_json(
-            {
-                "schema": target.schema,
-                "revisions": revisions,
-                "up_to_date": bool(revisions) and set(revisions) == heads,
-            }
-        )
+        echo_json(state.as_dict())
         return
-    if not revisions:
+    if not state.revisions:
         echo(f"schema {target.schema}: no revision (run `outbox-inbox db upgrade`)")
-    for revision in revisions:
-        echo(f"{revision}{' (head)' if revision in heads else ''}")
+    for revision in state.revisions:
+        echo(f"{revision}{' (head)' if revision in state.heads else ''}")
+
+
+@db.command()
+@app_option
+@db_url_option
+@schema_option
+@json_option
+def check(app: str | None, db_url: str | None, schema: str | None, as_json: bool) -> None:
+    """Check that the tables equal the newest migration; exit 4 when they differ."""
+    target = _db_target(app, db_url, schema)
+    try:
+        with target.engine().connect() as conn:
+            differences = migrations.check(conn, target.schema)
+    finally:
+        target.close()
+    if as_json:
+        echo_json({"schema": target.schema, "differences": differences, "ok": not differences})
+    elif not differences:
+        echo(f"schema {target.schema}: the tables are those of the newest migration")
+    for difference in differences if not as_json else ():
+        echo(f"differs: {difference}")
+    if differences:
+        sys.exit(EXIT_UNHEALTHY)
 
 
 @db.command()
 @json_option
 def history(as_json: bool) -> None:
     """List the migrations shipped in the package, newest first."""
-    script = ScriptDirectory.from_config(migrations.alembic_config())
-    revisions = list(script.walk_revisions())
+    revisions = migrations.history()
     if as_json:
-        echo_json(
-            [
-                {
-                    "revision": r.revision,
-                    "down_revision": r.down_revision,
-                    "head": r.is_head,
-                    "message": r.doc,
-                }
-                for r in revisions
-            ]
-        )
+        echo_json([r.as_dict() for r in revisions])
         return
     rows = [
-        (r.revision, r.down_revision or "(base)", "yes" if r.is_head else "", r.doc)
+        (r.revision, r.down_revision or "(base)", "yes" if r.head else "", r.message)
         for r in revisions
     ]
     echo(render_table(["REVISION", "DOWN FROM", "HEAD", "MESSAGE"], rows))

@@ -73,13 +73,7 @@ def tail(
         if not pattern or any(not word for word in pattern.split(".")):
             raise click.BadParameter(f"{pattern!r} is not a topic pattern", param_hint="PATTERN")
     target = resolve(app=app, mq_url=mq_url)
-    stop = threading.Event()
-
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
+    stop = _stop_on_signals()
     if exchange == COMMANDS_EXCHANGE:
         echo(
             "warning: a command that only this tail matches is consumed here, not kept in "
@@ -102,30 +96,7 @@ def tail(
             # pattern is applied here too, so `--exchange unroutable '#'` works as expected.
             return True
         seen += 1
-        payload = _payload(message.body)
-        if as_json:
-            echo(
-                json.dumps(
-                    {
-                        "created_at": _created(message),
-                        "exchange": message.exchange,
-                        "routing_key": message.routing_key,
-                        "message_id": message.message_id,
-                        "correlation_id": message.correlation_id,
-                        "app_id": message.app_id,
-                        "headers": {k: _text(v) for k, v in message.headers.items()},
-                        "payload": payload,
-                    },
-                    default=str,
-                    ensure_ascii=False,
-                )
-            )
-        else:
-            shown = json.dumps(payload, ensure_ascii=False, default=str)
-            echo(
-                f"{_created(message)}  {message.routing_key}  {message.message_id or '-'}  "
-                f"{one_line(shown, 400)}"
-            )
+        echo(_render(message, as_json))
         return count is None or seen < count
 
     with RabbitMQAdmin(target.broker()) as admin:
@@ -138,6 +109,43 @@ def tail(
         )
     if not as_json:
         echo(f"{seen} message(s); tail queue deleted", err=True)
+
+
+def _stop_on_signals() -> threading.Event:
+    """An event set by SIGTERM or SIGINT."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    return stop
+
+
+def _render(message: WireMessage, as_json: bool) -> str:
+    """One line for a message: created-at, routing key, id and payload, or a JSON object."""
+    payload = _payload(message.body)
+    if as_json:
+        return json.dumps(
+            {
+                "created_at": _created(message),
+                "exchange": message.exchange,
+                "routing_key": message.routing_key,
+                "message_id": message.message_id,
+                "correlation_id": message.correlation_id,
+                "app_id": message.app_id,
+                "headers": {k: _text(v) for k, v in message.headers.items()},
+                "payload": payload,
+            },
+            default=str,
+            ensure_ascii=False,
+        )
+    shown = json.dumps(payload, ensure_ascii=False, default=str)
+    return (
+        f"{_created(message)}  {message.routing_key}  {message.message_id or '-'}  "
+        f"{one_line(shown, 400)}"
+    )
 
 
 def _text(value: Any) -> Any:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -37,8 +38,10 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from . import queries
+from .audit_trail import write_audit
 from .brokers.rabbitmq_admin import QueuedMessage, QueueReader, RabbitMQAdmin
 from .errors import ConfigurationError, StorageError, storage_error
+from .logsafe import mask_url
 from .messages import (
     COMMANDS_EXCHANGE,
     H_CREATED,
@@ -772,6 +775,98 @@ class DeadLetters:
             return selection.replay(pacer, progress)
         return selection.replay(pacer, progress, before=self._reset_counters(selection))
 
+    def run(
+        self,
+        action: str,
+        selections: list[Selection],
+        *,
+        filters: Filters,
+        source: str,
+        rate: float | None = None,
+        progress: Progress = lambda _n: None,
+        dry_run: bool = False,
+        audit_log: str | os.PathLike[str] | None = None,
+        command: str | None = None,
+        client: str | None = None,
+        mask: Callable[[str], str] = mask_url,
+    ) -> ActionReport:
+        """Replay or purge the open `selections` (selected, shown and confirmed by the
+        caller), at most `rate` letters a second, and write the audit record to `audit_log`.
+
+        The record is written in every case: a dry run or an empty selection (nothing is
+        changed then), and an action that fails half-way (with its error, then raised on).
+        `source` and `filters` are what was asked, for the record; `command` names the asker
+        (default ``dead-letters <action>``).
+        """
+        if action not in (REPLAY, PURGE):
+            raise ConfigurationError(f"unknown action {action!r}: replay or purge")
+        selected = [letter for s in selections for letter in s.letters]
+        report = ActionReport(action, source, selected, dry_run=dry_run)
+        record: dict[str, Any] = {
+            "command": command or f"dead-letters {action}",
+            "service": self.service,
+            "source": source,
+            "filters": filters.as_dict(),
+            "client": client,
+            "mask": mask,
+        }
+        if dry_run or not selected:
+            counts = {s.source: len(s.letters) for s in selections}
+            if audit_log is not None:
+                report.audit = write_audit(
+                    audit_log,
+                    **record,
+                    counts=counts,
+                    message_ids=[d.message_id for d in selected],
+                    dry_run=dry_run,
+                )
+            return report
+        error: str | None = None
+        try:
+            pacer = Pacer(rate)
+            for selection in selections:
+                report.outcomes.append(self.act(action, selection, pacer=pacer, progress=progress))
+        except BaseException as exc:  # recorded, then raised on
+            error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            raise
+        finally:
+            if audit_log is not None:
+                report.audit = write_audit(
+                    audit_log,
+                    **record,
+                    counts={o.source: len(o.done) for o in report.outcomes},
+                    message_ids=[m for o in report.outcomes for m in o.done],
+                    dry_run=False,
+                    error=error,
+                )
+        return report
+
+    def replay(
+        self,
+        sources: Iterable[str],
+        filters: Filters,
+        *,
+        limit: int | None = None,
+        **options: Any,
+    ) -> ActionReport:
+        """Select and replay in one call (no one to confirm): see `select` and `run`."""
+        asked = list(sources)
+        with self.select(asked, filters, limit) as selections:
+            return self.run(REPLAY, selections, filters=filters, source=",".join(asked), **options)
+
+    def purge(
+        self,
+        sources: Iterable[str],
+        filters: Filters,
+        *,
+        limit: int | None = None,
+        **options: Any,
+    ) -> ActionReport:
+        """Select and purge in one call (no one to confirm): see `select` and `run`."""
+        asked = list(sources)
+        with self.select(asked, filters, limit) as selections:
+            return self.run(PURGE, selections, filters=filters, source=",".join(asked), **options)
+
     def _reset_counters(self, selection: QueueSelection) -> Callable[[list[str]], None] | None:
         engine, tables = self.engine, self.tables
         if selection.source != QUEUE or engine is None or tables is None:
@@ -784,3 +879,34 @@ class DeadLetters:
                 log.warning("redelivery counters not reset before the replay: %s", exc)
 
         return reset
+
+
+@dataclass
+class ActionReport:
+    """What `DeadLetters.run` did: the letters selected, an outcome per source, the record."""
+
+    action: str
+    source: str
+    selected: list[DeadLetter]
+    outcomes: list[Outcome] = field(default_factory=list)
+    audit: dict[str, Any] | None = None
+    dry_run: bool = False
+
+    @property
+    def done(self) -> list[str]:
+        """The message ids replayed or purged."""
+        return [m for o in self.outcomes for m in o.done]
+
+    @property
+    def kept(self) -> list[tuple[str, str]]:
+        """(message id, why) of every selected letter left as it was."""
+        return [k for o in self.outcomes for k in o.kept]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "action": self.action,
+            "dry_run": self.dry_run,
+            "selected": len(self.selected),
+            "results": [o.as_dict() for o in self.outcomes],
+            "audit": self.audit,
+        }

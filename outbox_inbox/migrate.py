@@ -1,21 +1,26 @@
-"""Running the shipped alembic migrations, from code and from `outbox-inbox db`."""
+"""The shipped alembic migrations, from code and from `outbox-inbox db`: upgrade, downgrade,
+current, history and check."""
 
 from __future__ import annotations
 
 import importlib
 import io
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from alembic import command
+from alembic.autogenerate import compare_metadata
 from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, inspect
 from sqlalchemy.exc import SQLAlchemyError
 
 from .config import validate_identifier
-from .errors import StorageError
+from .errors import StorageError, storage_error
 from .logsafe import mask_url
-from .tables import build_tables
+from .tables import VERSION_TABLE, build_tables
 
 DEFAULT_SCHEMA = "outbox_inbox"
 
@@ -77,3 +82,117 @@ def tables_exist(connection: Connection, schema: str | None) -> bool:
     names = set(inspect(connection).get_table_names(schema=schema))
     wanted = {table.name for table in build_tables(schema or None).metadata.tables.values()}
     return wanted <= names
+
+
+@dataclass(frozen=True)
+class Revision:
+    """One shipped migration."""
+
+    revision: str
+    down_revision: str | None
+    head: bool
+    message: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "revision": self.revision,
+            "down_revision": self.down_revision,
+            "head": self.head,
+            "message": self.message,
+        }
+
+
+@dataclass(frozen=True)
+class Current:
+    """Where a database's schema stands: its revisions and whether that is the newest."""
+
+    schema: str
+    revisions: tuple[str, ...]
+    heads: tuple[str, ...]
+
+    @property
+    def up_to_date(self) -> bool:
+        return bool(self.revisions) and set(self.revisions) == set(self.heads)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "schema": self.schema,
+            "revisions": list(self.revisions),
+            "up_to_date": self.up_to_date,
+        }
+
+
+def history() -> list[Revision]:
+    """The migrations shipped in the package, newest first."""
+    script = ScriptDirectory.from_config(alembic_config())
+    return [
+        Revision(r.revision, _down(r.down_revision), r.is_head, r.doc or "")
+        for r in script.walk_revisions()
+    ]
+
+
+def heads() -> tuple[str, ...]:
+    """The newest shipped revisions (one, unless the history branches)."""
+    return tuple(sorted(ScriptDirectory.from_config(alembic_config()).get_heads()))
+
+
+def current(connection: Connection, schema: str = DEFAULT_SCHEMA) -> Current:
+    """The revisions `schema` is at on `connection` (reads only: creates no version table).
+
+    On SQLite the schema is the database file itself; `schema` names the version table's
+    owner elsewhere. Raises StorageError when the database cannot be read.
+    """
+    where = None if connection.dialect.name == "sqlite" else validate_identifier(schema)
+    try:
+        context = MigrationContext.configure(
+            connection, opts={"version_table": VERSION_TABLE, "version_table_schema": where}
+        )
+        revisions = tuple(sorted(context.get_current_heads()))
+    except SQLAlchemyError as exc:
+        raise storage_error(exc, "reading the migration version") from exc
+    return Current(schema, revisions, heads())
+
+
+def check(connection: Connection, schema: str = DEFAULT_SCHEMA) -> list[str]:
+    """What differs between `schema`'s tables and the newest migration; empty when equal.
+
+    The revision first (not at head: nothing else is compared), then every difference
+    alembic's comparison finds between the database and the library's table metadata.
+    """
+    state = current(connection, schema)
+    if not state.up_to_date:
+        at = ", ".join(state.revisions) or "no revision"
+        return [f"schema {schema} is at {at}, the newest is {', '.join(state.heads)}"]
+    sqlite = connection.dialect.name == "sqlite"
+    where = None if sqlite else schema
+    context = MigrationContext.configure(
+        connection,
+        opts={
+            "include_schemas": not sqlite,
+            "include_name": lambda name, type_, _parent: type_ != "schema" or name == where,
+            "include_object": lambda _obj, name, type_, _r, _c: (
+                not (type_ == "table" and name == VERSION_TABLE)
+            ),
+            "compare_type": True,
+        },
+    )
+    try:
+        found = compare_metadata(context, build_tables(where).metadata)
+    except SQLAlchemyError as exc:
+        raise storage_error(exc, "comparing the schema with the migrations") from exc
+    return [_describe(diff) for diff in found]
+
+
+def _describe(diff: Any) -> str:
+    """One line for one alembic difference (a tuple, or a list of them for a column)."""
+    if isinstance(diff, list):
+        return "; ".join(_describe(d) for d in diff)
+    kind, *rest = diff
+    names = [getattr(r, "name", None) or str(r) for r in rest if r is not None][:3]
+    return f"{kind}: {', '.join(names)}"
+
+
+def _down(value: Any) -> str | None:
+    if value is None:
+        return None
+    return value if isinstance(value, str) else ", ".join(value)

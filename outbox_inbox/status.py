@@ -127,3 +127,12 @@ def problems(
     if broker and broker.get("blocked"):
         out.append(f"broker blocks publishers: {broker['blocked']}")
     return out
+
+
+def subscribed_services(engine: Engine, tables: Tables) -> list[str]:
+    """The services the subscriptions table names (each records its own at topology time)."""
+    try:
+        with engine.connect() as conn:
+            return sorted({str(row["service"]) for row in queries.subscriptions_of(conn, tables)})
+    except SQLAlchemyError as exc:
+        raise storage_error(exc, "reading the subscriptions") from exc

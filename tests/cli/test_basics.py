@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from cli_support import Cli, base_env, command
+from sqlalchemy import create_engine, text
 
 from helpers import scalar
 
@@ -196,6 +197,22 @@ def test_db_upgrade_current_history_downgrade(cli: Cli, db_url: str) -> None:
     assert current.returncode == 0, current
     assert '"up_to_date": true' in current.stdout
     assert "0003 (head)" in cli("db", "current", "--db-url", db_url, "--schema", "ops").stdout
+
+    checked = cli("db", "check", "--db-url", db_url, "--schema", "ops")
+    assert checked.returncode == 0, checked
+    assert "the tables are those of the newest migration" in checked.stdout
+    with create_engine(db_url).begin() as conn:  # a change made by hand
+        conn.execute(text("DROP INDEX ops.ix_outbox_messages_dead"))
+    drifted = cli("db", "check", "--db-url", db_url, "--schema", "ops", "--json")
+    assert drifted.returncode == 4, drifted
+    assert any("ix_outbox_messages_dead" in d for d in json.loads(drifted.stdout)["differences"])
+    with create_engine(db_url).begin() as conn:
+        conn.execute(
+            text(
+                "CREATE INDEX ix_outbox_messages_dead ON ops.outbox_messages (id)"
+                " WHERE dead_at IS NOT NULL"
+            )
+        )
 
     history = cli("db", "history")
     assert history.returncode == 0, history

@@ -1,0 +1,127 @@
+"""Dead letters through the library API alone: count, replay and purge on both sides, with
+filters, and the audit record of each action."""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from pathlib import Path
+
+import pika
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from helpers import make_service, scalar, wait_until
+from outbox_inbox import Message, Reject
+from outbox_inbox.dead_letters import OUTBOX, QUEUE, TABLE, DeadLetters, Filters
+from outbox_inbox.messages import H_DEAD_QUEUE, H_DEAD_REASON
+
+INVOICE = "billing.invoice.create"
+
+
+def _dead_letter_in_the_queue(mq_url: str, message_id: str) -> None:
+    """A message the receiver gave up on, as it leaves it in billing.dead_letter."""
+    connection = pika.BlockingConnection(pika.URLParameters(mq_url))
+    try:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        channel.basic_publish(
+            "dead_letter",
+            "billing",
+            json.dumps({"n": 99}).encode(),
+            pika.BasicProperties(
+                message_id=message_id,
+                type=INVOICE,
+                content_type="application/json",
+                delivery_mode=2,
+                headers={
+                    H_DEAD_REASON: "store_failed: database down",
+                    H_DEAD_QUEUE: "billing.inbox",
+                    "x-original-exchange": "commands",
+                    "x-original-routing-key": INVOICE,
+                },
+            ),
+        )
+    finally:
+        connection.close()
+
+
+def test_replay_and_purge_through_the_library_with_filters_write_their_audit_records(
+    db_url: str, mq_url: str, tmp_path: Path
+) -> None:
+    refusing = threading.Event()
+    refusing.set()
+    svc = make_service("billing", db_url, mq_url)
+
+    @svc.on_command("invoice.create")
+    def create(message: Message, session: Session) -> None:
+        if refusing.is_set():
+            raise Reject("invoices are refused today")
+        session.execute(
+            text("INSERT INTO effects (message_id, type) VALUES (:m, :t)"),
+            {"m": str(message.message_id), "t": message.type},
+        )
+
+    svc.start()
+    try:
+        with svc.session() as session, session.begin():
+            sent = [
+                svc.outbox.send(session, "billing", "invoice.create", {"n": n}) for n in range(4)
+            ]
+        dead = "SELECT count(*) FROM outbox_inbox.inbox_messages WHERE status = 'dead'"
+        wait_until(lambda: scalar(db_url, dead) == 4, what="four dead rows")
+        queued = [str(uuid.uuid4()), str(uuid.uuid4())]
+        for message_id in queued:
+            _dead_letter_in_the_queue(mq_url, message_id)
+
+        letters = DeadLetters.of(svc)
+        assert letters.reachable()[0] == ["table", "outbox", "queue", "unroutable"]
+        wait_until(lambda: letters.count([QUEUE]) == {QUEUE: 2}, what="two queued dead letters")
+        assert letters.count([TABLE, OUTBOX], Filters(reason="rejected")) == {TABLE: 4, OUTBOX: 0}
+        assert letters.count([TABLE], Filters(reason="max_attempts")) == {TABLE: 0}
+
+        refusing.clear()  # the bug is fixed: replay two rows, by id
+        audit_log = tmp_path / "audit.log"
+        chosen = Filters(message_ids=tuple(str(m) for m in sent[:2]))
+        report = letters.replay([TABLE], chosen, audit_log=audit_log, rate=100)
+        assert sorted(report.done) == sorted(str(m) for m in sent[:2]) and not report.kept
+        assert report.audit is not None and report.audit["command"] == "dead-letters replay"
+        assert report.audit["counts"] == {TABLE: 2}
+        effects = "SELECT count(*) FROM effects"
+        wait_until(lambda: scalar(db_url, effects) == 2, what="the two replayed rows handled")
+        assert letters.count([TABLE]) == {TABLE: 2}
+
+        # The queue side: replay one by id (it is stored and handled), purge the other.
+        replayed = letters.replay([QUEUE], Filters(message_ids=(queued[0],)), audit_log=audit_log)
+        assert replayed.done == [queued[0]]
+        wait_until(lambda: scalar(db_url, effects) == 3, what="the replayed queue letter")
+        dry = letters.purge([QUEUE], Filters(), dry_run=True, audit_log=audit_log)
+        assert [d.message_id for d in dry.selected] == [queued[1]] and not dry.done
+        purged = letters.purge([QUEUE], Filters(reason="store_failed"), audit_log=audit_log)
+        assert purged.done == [queued[1]]
+        wait_until(lambda: letters.count([QUEUE]) == {QUEUE: 0}, what="an empty dead-letter queue")
+
+        records = [json.loads(line) for line in audit_log.read_text().splitlines()]
+        assert [(r["command"], r["source"], r["count"], r["dry_run"]) for r in records] == [
+            ("dead-letters replay", TABLE, 2, False),
+            ("dead-letters replay", QUEUE, 1, False),
+            ("dead-letters purge", QUEUE, 1, True),
+            ("dead-letters purge", QUEUE, 1, False),
+        ]
+        assert records[3]["message_ids"] == [queued[1]]
+    finally:
+        svc.stop()
+        svc.close()
+
+
+def test_a_source_that_cannot_be_reached_is_named_with_why(db_url: str) -> None:
+    letters = DeadLetters(engine=None, tables=None, broker=None, service=None)
+    chosen, missing = letters.reachable()
+    assert chosen == []
+    assert dict(missing) == {
+        "table": "no database",
+        "outbox": "no database",
+        "queue": "no RabbitMQ broker",
+        "unroutable": "no RabbitMQ broker",
+    }
