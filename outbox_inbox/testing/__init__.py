@@ -41,11 +41,11 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.engine import RowMapping
 
-from . import queries
-from .broker import PublishOutcome
-from .brokers.memory import MemoryBroker, MemoryConsumer
-from .errors import ConfigurationError, OutboxInboxError
-from .messages import (
+from .. import queries
+from ..broker import PublishOutcome
+from ..brokers.memory import MemoryBroker, MemoryConsumer
+from ..errors import ConfigurationError, OutboxInboxError
+from ..messages import (
     COMMAND,
     COMMANDS_EXCHANGE,
     EVENT,
@@ -55,9 +55,9 @@ from .messages import (
     inbox_id,
     to_wire,
 )
-from .service import Service
-from .tables import DEAD, PROCESSED
-from .topology import delay_queue, inbox_queue, topic_matches
+from ..service import Service
+from ..tables import DEAD, PROCESSED
+from ..topology import delay_queue, inbox_queue, topic_matches
 
 __all__ = [
     "HarnessTimeout",

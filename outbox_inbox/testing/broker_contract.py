@@ -1,0 +1,767 @@
+"""The broker contract: what a `Broker` must do for the relay, receiver and worker to keep
+their guarantees, as a pytest suite that ships with the library.
+
+Subclass `BrokerContract` in a test module of your own, give it a ``broker`` fixture (a fresh
+broker, or a fresh virtual host, per test), and list what your broker cannot do in
+`unsupported`: the cases needing it are skipped, each with the capability named, and every
+other case must pass. The in-memory broker and RabbitMQ 3.10 pass it whole::
+
+    import pytest
+    from outbox_inbox.testing.broker_contract import BrokerContract
+
+    class TestMyBroker(BrokerContract):
+        unsupported = frozenset({"priority"})
+
+        @pytest.fixture
+        def broker(self):
+            with MyBroker() as broker:
+                yield broker
+
+Where RabbitMQ and another broker could differ, RabbitMQ is the reference. Names carry a random
+service name, so the suite also runs against a shared server.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol, TypeVar
+
+import pytest
+
+from ..broker import Broker, Consumer, Delivery, PublishOutcome
+from ..errors import BrokerConnectionError, BrokerError, TopologyMismatch
+from ..messages import (
+    COMMANDS_EXCHANGE,
+    EVENTS_EXCHANGE,
+    H_DEAD_QUEUE,
+    H_DEAD_REASON,
+    H_ORIGINAL_EXCHANGE,
+    H_ORIGINAL_ROUTING_KEY,
+    H_RECEIVE_ATTEMPT,
+    H_RETRY_DELAY,
+    WireMessage,
+)
+from ..topology import (
+    DEAD_LETTER_EXCHANGE,
+    RETRY_EXCHANGE,
+    UNROUTABLE_QUEUE,
+    Binding,
+    Exchange,
+    Queue,
+    Topology,
+    dead_letter_queue,
+    delay_queue,
+    inbox_queue,
+    service_topology,
+)
+
+CONFIRMED = PublishOutcome.CONFIRMED
+RETURNED = PublishOutcome.RETURNED
+NACKED = PublishOutcome.NACKED
+SKIPPED = PublishOutcome.SKIPPED
+
+#: What a broker may lack; each case of the suite that needs one says so with `requires`.
+CAPABILITIES = frozenset(
+    {
+        "alternate_exchange",  # an exchange's alternate-exchange (commands -> unroutable)
+        "dead_lettering",  # x-dead-letter-exchange / -routing-key, x-death records
+        "max_length",  # x-max-length with x-overflow reject-publish or drop-head
+        "message_ttl",  # x-message-ttl (the delay tiers)
+        "priority",  # x-max-priority queues
+        "quorum",  # x-queue-type quorum with x-delivery-limit
+        "single_active_consumer",  # x-single-active-consumer
+    }
+)
+
+T = TypeVar("T")
+Case = TypeVar("Case", bound=Callable[..., Any])
+
+
+class ContractBroker(Broker, Protocol):
+    def queue_depth(self, queue: str) -> int | None: ...
+
+
+def requires(*capabilities: str) -> Callable[[Case], Case]:
+    """Mark a case as needing `capabilities`: skipped for a broker that lists one unsupported."""
+    unknown = set(capabilities) - CAPABILITIES
+    if unknown:
+        raise ValueError(f"unknown capabilities {sorted(unknown)}")
+
+    def mark(case: Case) -> Case:
+        case.required_capabilities = frozenset(capabilities)  # type: ignore[attr-defined]
+        return case
+
+    return mark
+
+
+def wait_until(condition: Callable[[], Any], timeout: float = 5.0, what: str = "") -> Any:
+    """Poll `condition` until it returns something truthy; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or condition}")
+        time.sleep(0.05)
+
+
+def wire(
+    exchange: str,
+    routing_key: str,
+    *,
+    n: int = 0,
+    key: str | None = None,
+    priority: int | None = None,
+    headers: dict[str, Any] | None = None,
+) -> WireMessage:
+    return WireMessage(
+        exchange=exchange,
+        routing_key=routing_key,
+        body=b'{"n": %d}' % n,
+        message_id=str(uuid.uuid4()),
+        type=routing_key,
+        correlation_id="corr-1",
+        timestamp=1_700_000_000,
+        priority=priority,
+        app_id="contract",
+        headers={"n": n, **(headers or {})},
+        key=key,
+    )
+
+
+def command(service: str, n: int = 0, **kwargs: Any) -> WireMessage:
+    return wire(COMMANDS_EXCHANGE, f"{service}.job.run", n=n, **kwargs)
+
+
+def publish(
+    broker: ContractBroker, messages: Sequence[WireMessage], *, window: int = 10
+) -> list[PublishOutcome]:
+    publisher = broker.publisher()
+    try:
+        return publisher.publish_batch(messages, window=window, timeout=5)
+    finally:
+        publisher.close()
+
+
+def take(consumer: Consumer, count: int, timeout: float = 5.0) -> list[Delivery]:
+    """Fetch until `count` deliveries arrived; fail after `timeout` seconds."""
+    got: list[Delivery] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < count:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"got {len(got)} of {count} deliveries in {timeout}s")
+        got.extend(consumer.fetch(count - len(got), 0.2))
+    return got
+
+
+def numbers(deliveries: Sequence[Delivery]) -> list[int]:
+    return [d.message.headers["n"] for d in deliveries]
+
+
+def depth_becomes(broker: ContractBroker, queue: str, expected: int) -> None:
+    """RabbitMQ requeues a closed consumer's deliveries a moment after the close returns."""
+    wait_until(lambda: broker.queue_depth(queue) == expected, timeout=5, what=f"{queue} depth")
+
+
+class BrokerContract:
+    """The cases every broker must pass. Subclass it with a ``broker`` fixture (module doc)."""
+
+    #: Capabilities (of CAPABILITIES) this broker lacks: their cases are skipped.
+    unsupported: frozenset[str] = frozenset()
+
+    @pytest.fixture(autouse=True)
+    def _capabilities(self, request: pytest.FixtureRequest) -> None:
+        unknown = set(self.unsupported) - CAPABILITIES
+        if unknown:
+            raise ValueError(f"unsupported names unknown capabilities {sorted(unknown)}")
+        needed: frozenset[str] = getattr(request.function, "required_capabilities", frozenset())
+        lacking = sorted(needed & self.unsupported)
+        if lacking:
+            pytest.skip(f"the broker does not support {', '.join(lacking)}")
+
+    @pytest.fixture
+    def broker(self) -> Iterator[ContractBroker]:
+        raise NotImplementedError("a BrokerContract subclass defines the `broker` fixture")
+
+    @pytest.fixture
+    def opened(self, broker: ContractBroker) -> Iterator[Callable[[T], T]]:
+        """Register a publisher or consumer to be closed after the case, before the broker."""
+        things: list[Any] = []
+
+        def keep(thing: T) -> T:
+            things.append(thing)
+            return thing
+
+        yield keep
+        for thing in reversed(things):
+            thing.close()
+
+    @pytest.fixture
+    def svc(self) -> str:
+        return f"svc{uuid.uuid4().hex[:8]}"
+
+    # --------------------------------------------------------------------------------------------
+    # Topology
+    # --------------------------------------------------------------------------------------------
+
+    def test_declaring_twice_changes_nothing_and_a_conflicting_redeclare_raises_topology_mismatch(
+        self, broker: ContractBroker, svc: str
+    ) -> None:
+        topology = service_topology(svc, ["orders.order.*"])
+        broker.declare(topology)
+        assert publish(broker, [command(svc)]) == [CONFIRMED]
+        broker.declare(topology)
+        assert broker.queue_depth(inbox_queue(svc)) == 1  # the redeclare kept the queue's message
+
+        inbox = topology.queues[0]
+        with pytest.raises(TopologyMismatch):  # an argument RabbitMQ compares differs
+            broker.declare(
+                Topology((), (Queue(inbox.name, arguments={"x-message-ttl": 1000}),), ())
+            )
+        with pytest.raises(TopologyMismatch):  # durability differs
+            broker.declare(Topology((), (Queue(inbox.name, False, inbox.arguments),), ()))
+        with pytest.raises(TopologyMismatch):  # another exchange type
+            broker.declare(Topology((Exchange(COMMANDS_EXCHANGE, "direct"),), (), ()))
+        with pytest.raises(TopologyMismatch):  # the alternate exchange is compared
+            broker.declare(Topology((Exchange(COMMANDS_EXCHANGE, "topic"),), (), ()))
+        # Arguments RabbitMQ does not compare may differ.
+        broker.declare(
+            Topology(
+                (Exchange(EVENTS_EXCHANGE, "topic", arguments={"x-note": "ignored"}),),
+                (Queue(inbox.name, arguments={**inbox.arguments, "x-note": "ignored"}),),
+                (),
+            )
+        )
+        with pytest.raises(BrokerError):
+            broker.declare(Topology((), (), (Binding(f"{svc}.missing", inbox.name, "#"),)))
+        assert broker.queue_depth(inbox_queue(svc)) == 1
+
+    def test_topic_exchange_matches_star_as_one_word_and_hash_as_zero_or_more_words(
+        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+    ) -> None:
+        exchange = f"{svc}.topic"
+        patterns = {"star": "a.*", "hash": "a.#", "tail": "#.z", "exact": "a.b"}
+        broker.declare(
+            Topology(
+                (Exchange(exchange, "topic"),),
+                tuple(Queue(f"{svc}.{name}") for name in patterns),
+                tuple(Binding(exchange, f"{svc}.{name}", p) for name, p in patterns.items()),
+            )
+        )
+        keys = ["a", "a.b", "a.b.c", "b.z", "z", "b.c", "a.b.z"]
+        outcomes = publish(broker, [wire(exchange, k, n=i) for i, k in enumerate(keys)])
+        assert outcomes == [CONFIRMED] * 5 + [RETURNED, CONFIRMED]
+
+        received: dict[str, list[str]] = {}
+        for name in patterns:
+            queue = f"{svc}.{name}"
+            count = broker.queue_depth(queue)
+            assert count is not None
+            consumer = opened(broker.consumer(queue, prefetch=0))
+            received[name] = [d.message.routing_key for d in take(consumer, count)]
+        assert received == {
+            "star": ["a.b"],
+            "hash": ["a", "a.b", "a.b.c", "a.b.z"],
+            "tail": ["b.z", "z", "a.b.z"],
+            "exact": ["a.b"],
+        }
+
+    def test_default_exchange_routes_by_queue_name_and_direct_retry_exchange_by_service(
+        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+    ) -> None:
+        broker.declare(service_topology(svc, []))
+        outcomes = publish(
+            broker,
+            [
+                wire("", inbox_queue(svc), n=0),
+                wire("", f"{svc}.no-such-queue", n=1),
+                wire(RETRY_EXCHANGE, svc, n=2),
+                wire(RETRY_EXCHANGE, f"{svc}.other", n=3),
+            ],
+        )
+        assert outcomes == [CONFIRMED, RETURNED, CONFIRMED, RETURNED]
+        consumer = opened(broker.consumer(inbox_queue(svc), prefetch=10))
+        got = take(consumer, 2)
+        assert [(d.message.exchange, d.message.routing_key) for d in got] == [
+            ("", inbox_queue(svc)),
+            (RETRY_EXCHANGE, svc),
+        ]
+
+    @requires("alternate_exchange")
+    def test_command_to_a_service_without_a_queue_is_kept_in_unroutable(
+        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+    ) -> None:
+        broker.declare(service_topology(svc, []))
+        lost = wire(COMMANDS_EXCHANGE, f"ghost{svc}.parcel.ship", n=7)
+        assert publish(broker, [lost]) == [CONFIRMED]  # the alternate exchange took it
+
+        consumer = opened(broker.consumer(UNROUTABLE_QUEUE, prefetch=100))
+        deadline = time.monotonic() + 5
+        found: Delivery | None = None
+        while found is None and time.monotonic() < deadline:  # a shared server may hold others
+            found = next(
+                (d for d in consumer.fetch(100, 0.2) if d.message.message_id == lost.message_id),
+                None,
+            )
+        assert found is not None
+        assert (found.message.exchange, found.message.routing_key) == (
+            COMMANDS_EXCHANGE,
+            f"ghost{svc}.parcel.ship",
+        )
+        assert found.message.body == lost.body
+
+    # --------------------------------------------------------------------------------------------
+    # Publishing
+    # --------------------------------------------------------------------------------------------
+
+    @requires("max_length")
+    def test_publish_batch_reports_confirmed_returned_nacked_and_skips_the_rest_of_a_failed_key(
+        self, broker: ContractBroker, svc: str
+    ) -> None:
+        broker.declare(service_topology(svc, ["src.thing.*"], max_length=2))
+        batch = [
+            wire(EVENTS_EXCHANGE, "src.thing.happened", n=0),  # subscribed
+            wire(EVENTS_EXCHANGE, "src.other.happened", n=1),  # nobody subscribes: returned
+            command(svc, 2, key="k"),  # fills the inbox
+            command(svc, 3, key="k"),  # the inbox is full: nacked
+            command(svc, 4, key="k"),  # skipped: its key failed
+            command(svc, 5, key="j"),  # another key: tried, nacked
+            wire(EVENTS_EXCHANGE, "src.other.happened", n=6, key="k"),  # skipped, though routable
+        ]
+        assert publish(broker, batch) == [
+            CONFIRMED,
+            RETURNED,
+            CONFIRMED,
+            NACKED,
+            SKIPPED,
+            NACKED,
+            SKIPPED,
+        ]
+        assert broker.queue_depth(inbox_queue(svc)) == 2
+
+    @requires("max_length")
+    def test_inbox_max_length_counts_ready_messages_not_unacknowledged_ones(
+        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+    ) -> None:
+        broker.declare(service_topology(svc, [], max_length=1))
+        assert publish(broker, [command(svc, 0)]) == [CONFIRMED]
+        consumer = opened(broker.consumer(inbox_queue(svc), prefetch=1))
+        assert numbers(take(consumer, 1)) == [0]
+        assert publish(broker, [command(svc, 1), command(svc, 2)], window=1) == [CONFIRMED, NACKED]
+        assert broker.queue_depth(inbox_queue(svc)) == 1
+
+    def test_publish_to_a_missing_exchange_breaks_the_publisher(
+        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+    ) -> None:
+        broker.declare(service_topology(svc, []))
+        publisher = opened(broker.publisher())
+        # window=1: the first message is confirmed before the bad one goes out. With a wider window
+        # RabbitMQ may close the channel before it confirms messages that were sent before.
+        outcomes = publisher.publish_batch(
+            [command(svc, 0), wire(f"{svc}.nowhere", "x", n=1), command(svc, 2)],
+            window=1,
+            timeout=0.5,
+        )
+        assert outcomes[0] == CONFIRMED
+        # RabbitMQ closes the channel: nothing after is confirmed (TIMEOUT, FAILED or SKIPPED).
+        assert not {CONFIRMED, RETURNED}.intersection(outcomes[1:])
+        assert publisher.broken
+        assert broker.queue_depth(inbox_queue(svc)) == 1
+        assert publish(broker, [command(svc, 3)]) == [CONFIRMED]  # a new publisher works
+
+    # --------------------------------------------------------------------------------------------
+    # Consuming
+    # --------------------------------------------------------------------------------------------
+
+    def test_fetch_stops_at_the_prefetch_window_until_an_ack_and_tags_start_at_one(
+        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+    ) -> None:
+        broker.declare(service_topology(svc, []))
+        assert publish(broker, [command(svc, n) for n in range(5)]) == [CONFIRMED] * 5
+        consumer = opened(broker.consumer(inbox_queue(svc), prefetch=2))
+        first = consumer.fetch(10, 0.3)
+        assert [d.tag for d in first] == [1, 2]
+        assert numbers(first) == [0, 1]
+        assert not any(d.redelivered for d in first)
+        assert broker.queue_depth(inbox_queue(svc)) == 3  # unacknowledged deliveries are not ready
+        assert consumer.fetch(10, 0.2) == []  # the window is full
+        consumer.ack_through(2)
+        second = consumer.fetch(10, 0.3)
+        assert [d.tag for d in second] == [3, 4]
+        assert numbers(second) == [2, 3]
+
+    def test_fetch_on_an_empty_queue_returns_nothing_after_wait(
+        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+    ) -> None:
+        broker.declare(service_topology(svc, []))
+        consumer = opened(broker.consumer(inbox_queue(svc), prefetch=10))
+        started = time.monotonic()
+        assert consumer.fetch(5, 0.3) == []
+        assert 0.25 <= time.monotonic() - started < 2.0
+
+    def test_fetch_from_a_missing_queue_raises_broker_error(
+        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+    ) -> None:
+        consumer = opened(broker.consumer(f"{svc}.missing", prefetch=10))
+        with pytest.raises(BrokerError, match="does not exist"):
+            consumer.fetch(1, 0.2)
+        assert broker.queue_depth(f"{svc}.missing") is None
+
+    def test_ack_through_acknowledges_every_delivery_up_to_the_tag(
+        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+    ) -> None:
+        broker.declare(service_topology(svc, []))
+        publish(broker, [command(svc, n) for n in range(4)])
+        consumer = broker.consumer(inbox_queue(svc), prefetch=10)
+        got = take(consumer, 4)
+        consumer.ack_through(got[2].tag)
+        consumer.close()
+        depth_becomes(broker, inbox_queue(svc), 1)
+        again = take(opened(broker.consumer(inbox_queue(svc), prefetch=10)), 1)
+        assert numbers(again) == [3]
+        assert again[0].redelivered
+
+    def test_ack_acknowledges_only_that_delivery(
+        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+    ) -> None:
+        broker.declare(service_topology(svc, []))
+        publish(broker, [command(svc, n) for n in range(3)])
+        consumer = broker.consumer(inbox_queue(svc), prefetch=10)
+        got = take(consumer, 3)
+        consumer.ack(got[1].tag)
+        consumer.close()
+        depth_becomes(broker, inbox_queue(svc), 2)
+        assert numbers(take(opened(broker.consumer(inbox_queue(svc), prefetch=10)), 2)) == [0, 2]
+
+    def test_acking_an_unknown_tag_closes_the_channel_and_requeues_its_deliveries(
+        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+    ) -> None:
+        broker.declare(service_topology(svc, []))
+        publish(broker, [command(svc, n) for n in range(2)])
+        consumer = opened(broker.consumer(inbox_queue(svc), prefetch=10))
+        take(consumer, 2)
+        # RabbitMQ answers the ack by closing the channel, which the next call reports.
+        with pytest.raises(BrokerConnectionError):
+            consumer.ack(99)
+            consumer.fetch(1, 0.5)
+        depth_becomes(broker, inbox_queue(svc), 2)
+
+    def test_close_without_ack_requeues_deliveries_at_the_front_in_order_flagged_redelivered(
+        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+    ) -> None:
+        broker.declare(service_topology(svc, []))
+        publish(broker, [command(svc, n) for n in range(5)])
+        consumer = broker.consumer(inbox_queue(svc), prefetch=3)
+        assert numbers(take(consumer, 3)) == [0, 1, 2]
+        consumer.close()
+        depth_becomes(broker, inbox_queue(svc), 5)
+        again = take(opened(broker.consumer(inbox_queue(svc), prefetch=10)), 5)
+        assert numbers(again) == [0, 1, 2, 3, 4]
+        assert [d.redelivered for d in again] == [True, True, True, False, False]
+        assert [d.tag for d in again] == [1, 2, 3, 4, 5]  # tags are per consumer
+
+    def test_consumers_without_single_active_consumer_share_the_queue(
+        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+    ) -> None:
+        work = f"{svc}.work"
+        broker.declare(Topology((), (Queue(work),), ()))
+        first = opened(broker.consumer(work, prefetch=1))
+        second = opened(broker.consumer(work, prefetch=1))
+        assert first.fetch(1, 0.1) == [] and second.fetch(1, 0.1) == []  # both consume now
+        publish(broker, [wire("", work, n=n) for n in range(3)])
+        a, b = take(first, 1), take(second, 1)
+        assert sorted(numbers(a) + numbers(b)) == [0, 1]
+        assert broker.queue_depth(work) == 1  # both windows are full
+
+    @requires("single_active_consumer")
+    def test_single_active_consumer_a_second_consumer_gets_nothing_until_the_first_closes(
+        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+    ) -> None:
+        broker.declare(service_topology(svc, []))  # the inbox has x-single-active-consumer
+        publish(broker, [command(svc, n) for n in range(3)])
+        active = broker.consumer(inbox_queue(svc), prefetch=10)
+        standby = opened(broker.consumer(inbox_queue(svc), prefetch=10))
+        got = take(active, 3)
+        assert standby.fetch(10, 0.2) == []
+        publish(broker, [command(svc, n) for n in range(3, 5)])
+        got += take(active, 2)
+        assert standby.fetch(10, 0.2) == []
+        active.ack_through(got[1].tag)
+        active.close()
+        taken_over = take(standby, 3)
+        assert numbers(taken_over) == [2, 3, 4]
+        assert all(d.redelivered for d in taken_over)
+
+    @requires("priority")
+    def test_priority_queue_delivers_higher_priority_first(
+        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+    ) -> None:
+        broker.declare(service_topology(svc, [], max_priority=5))
+        priorities = [None, 1, 9, 3, 0, 5]  # 9 counts as the maximum, 5; None as 0
+        publish(broker, [command(svc, n, priority=p) for n, p in enumerate(priorities)])
+        got = take(opened(broker.consumer(inbox_queue(svc), prefetch=10)), 6)
+        assert numbers(got) == [2, 5, 3, 1, 0, 4]
+        assert [d.message.priority for d in got] == [9, 5, 3, 1, None, 0]  # the property is kept
+
+    def test_queue_depth_counts_ready_messages_and_is_none_for_a_missing_queue(
+        self, broker: ContractBroker, svc: str
+    ) -> None:
+        broker.declare(service_topology(svc, []))
+        assert broker.queue_depth(inbox_queue(svc)) == 0
+        publish(broker, [command(svc, n) for n in range(3)])
+        assert broker.queue_depth(inbox_queue(svc)) == 3
+        assert broker.queue_depth(dead_letter_queue(svc)) == 0
+        assert broker.queue_depth(f"{svc}.missing") is None
+
+    def test_a_consumer_changing_its_delivery_changes_nothing_anyone_else_sees(
+        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+    ) -> None:
+        fanout = f"{svc}.fanout"
+        broker.declare(
+            Topology(
+                (Exchange(fanout, "fanout"),),
+                (Queue(f"{svc}.one"), Queue(f"{svc}.two")),
+                (Binding(fanout, f"{svc}.one", ""), Binding(fanout, f"{svc}.two", "")),
+            )
+        )
+        message = wire(fanout, "", headers={"nested": {"list": [1]}})
+        publish(broker, [message])
+        message.headers["nested"]["list"].append("changed by the publisher")
+
+        one = broker.consumer(f"{svc}.one", prefetch=10)
+        mine = take(one, 1)[0]
+        mine.message.headers["nested"]["list"].append("changed by a consumer")
+        mine.message.headers["added"] = True  # type: ignore[index]
+        one.close()
+
+        other = take(opened(broker.consumer(f"{svc}.two", prefetch=10)), 1)[0]
+        again = take(opened(broker.consumer(f"{svc}.one", prefetch=10)), 1)[0]
+        for delivery in (other, again):
+            assert delivery.message.headers == {"n": 0, "nested": {"list": [1]}}
+
+    # --------------------------------------------------------------------------------------------
+    # Forwarding: delay tiers and dead letters
+    # --------------------------------------------------------------------------------------------
+
+    @requires("message_ttl", "dead_lettering")
+    def test_forward_to_a_delay_tier_returns_to_the_inbox_through_retry_after_the_ttl(
+        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+    ) -> None:
+        broker.declare(service_topology(svc, [], delay_tiers=(0.3,)))
+        original = command(svc, 1, headers={"own": "kept"}, priority=2)
+        publish(broker, [original])
+        consumer = opened(broker.consumer(inbox_queue(svc), prefetch=10))
+        delivery = take(consumer, 1)[0]
+
+        started = time.monotonic()
+        consumer.forward(
+            delivery,
+            "",
+            delay_queue(svc, 0.3),
+            {H_RECEIVE_ATTEMPT: 1, H_RETRY_DELAY: 300},
+        )
+        assert broker.queue_depth(delay_queue(svc, 0.3)) == 1  # nobody consumes the delay tier
+        back = take(consumer, 1, timeout=3)
+        elapsed = time.monotonic() - started
+        assert 0.28 <= elapsed <= 0.5, f"came back after {elapsed:.3f}s, the TTL is 0.3s"
+
+        message = back[0].message
+        assert (message.exchange, message.routing_key) == (RETRY_EXCHANGE, svc)
+        assert not back[0].redelivered
+        assert back[0].tag == 2
+        assert (message.message_id, message.body, message.priority) == (
+            original.message_id,
+            original.body,
+            2,
+        )
+        assert (message.correlation_id, message.app_id, message.type) == (
+            "corr-1",
+            "contract",
+            f"{svc}.job.run",
+        )
+        headers = message.headers
+        assert headers["own"] == "kept"
+        assert headers[H_RECEIVE_ATTEMPT] == 1
+        assert headers[H_RETRY_DELAY] == 300
+        assert headers[H_ORIGINAL_EXCHANGE] == COMMANDS_EXCHANGE
+        assert headers[H_ORIGINAL_ROUTING_KEY] == f"{svc}.job.run"
+        death = headers["x-death"][0]
+        assert (death["reason"], death["queue"], death["count"]) == (
+            "expired",
+            delay_queue(svc, 0.3),
+            1,
+        )
+        assert death["exchange"] == "" and death["routing-keys"] == [delay_queue(svc, 0.3)]
+        assert headers["x-first-death-queue"] == delay_queue(svc, 0.3)
+        assert broker.queue_depth(delay_queue(svc, 0.3)) == 0
+
+        # A second trip keeps the first origin and counts the death in the same x-death entry.
+        consumer.forward(back[0], "", delay_queue(svc, 0.3), {H_RECEIVE_ATTEMPT: 2})
+        twice = take(consumer, 1, timeout=3)
+        headers = twice[0].message.headers
+        assert headers[H_RECEIVE_ATTEMPT] == 2
+        assert headers[H_ORIGINAL_EXCHANGE] == COMMANDS_EXCHANGE
+        assert headers[H_ORIGINAL_ROUTING_KEY] == f"{svc}.job.run"
+        assert [d["count"] for d in headers["x-death"]] == [2]
+
+    @requires("dead_lettering")
+    def test_forward_to_the_dead_letter_exchange_lands_in_the_services_dead_letter_queue(
+        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+    ) -> None:
+        broker.declare(service_topology(svc, []))
+        original = command(svc, 4)
+        publish(broker, [original])
+        consumer = opened(broker.consumer(inbox_queue(svc), prefetch=10))
+        delivery = take(consumer, 1)[0]
+        consumer.forward(
+            delivery,
+            DEAD_LETTER_EXCHANGE,
+            svc,
+            {H_DEAD_REASON: "invalid: not JSON", H_DEAD_QUEUE: inbox_queue(svc)},
+        )
+        dead = take(opened(broker.consumer(dead_letter_queue(svc), prefetch=10)), 1)[0].message
+        assert (dead.exchange, dead.routing_key) == (DEAD_LETTER_EXCHANGE, svc)
+        assert dead.message_id == original.message_id
+        assert dead.headers[H_DEAD_REASON] == "invalid: not JSON"
+        assert dead.headers[H_DEAD_QUEUE] == inbox_queue(svc)
+        assert dead.headers[H_ORIGINAL_ROUTING_KEY] == f"{svc}.job.run"
+        consumer.close()
+        depth_becomes(broker, inbox_queue(svc), 0)  # forward acknowledged the delivery
+
+    def test_forward_that_cannot_route_raises_broker_error_and_keeps_the_delivery(
+        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+    ) -> None:
+        broker.declare(service_topology(svc, []))
+        full = f"{svc}.full"
+        broker.declare(
+            Topology(
+                (),
+                (Queue(full, arguments={"x-max-length": 0, "x-overflow": "reject-publish"}),),
+                (),
+            )
+        )
+        publish(broker, [command(svc, 0)])
+        consumer = broker.consumer(inbox_queue(svc), prefetch=10)
+        delivery = take(consumer, 1)[0]
+        with pytest.raises(BrokerError, match="no queue"):
+            consumer.forward(delivery, "", f"{svc}.no-such-queue", {})
+        with pytest.raises(BrokerError, match="refused"):
+            consumer.forward(delivery, "", full, {})
+        with pytest.raises(BrokerConnectionError):  # RabbitMQ closes the channel: 404
+            consumer.forward(delivery, f"{svc}.no-such-exchange", "x", {})
+        consumer.close()
+        depth_becomes(broker, inbox_queue(svc), 1)  # never acknowledged
+        assert broker.queue_depth(full) == 0
+        again = take(opened(broker.consumer(inbox_queue(svc), prefetch=10)), 1)[0]
+        assert again.redelivered and again.message.message_id == delivery.message.message_id
+
+    @requires("quorum", "dead_lettering")
+    def test_quorum_inbox_dead_letters_a_message_returned_more_often_than_its_delivery_limit(
+        self, broker: ContractBroker, svc: str
+    ) -> None:
+        broker.declare(service_topology(svc, [], queue_type="quorum", delivery_limit=1))
+        publish(broker, [command(svc, 0)])
+        first_consumer = broker.consumer(inbox_queue(svc), prefetch=10)
+        first = take(first_consumer, 1)[0]
+        first_consumer.close()
+        assert not first.redelivered and "x-delivery-count" not in first.message.headers
+
+        second_consumer = broker.consumer(inbox_queue(svc), prefetch=10)
+        second = take(second_consumer, 1)[0]
+        second_consumer.close()
+        assert second.redelivered and second.message.headers["x-delivery-count"] == 1
+
+        dead_consumer = broker.consumer(dead_letter_queue(svc), prefetch=10)
+        try:
+            dead = take(dead_consumer, 1)[0].message
+        finally:
+            dead_consumer.close()
+        assert (dead.exchange, dead.routing_key) == (DEAD_LETTER_EXCHANGE, svc)
+        death = dead.headers["x-death"][0]
+        assert (death["reason"], death["queue"]) == ("delivery_limit", inbox_queue(svc))
+        assert dead.headers["x-first-death-reason"] == "delivery_limit"
+        assert broker.queue_depth(inbox_queue(svc)) == 0
+
+    # --------------------------------------------------------------------------------------------
+    # Dead-lettering by the broker itself
+    # --------------------------------------------------------------------------------------------
+
+    @requires("max_length", "dead_lettering")
+    def test_a_full_drop_head_queue_dead_letters_its_oldest_messages(
+        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+    ) -> None:
+        capped, overflow = f"{svc}.capped", f"{svc}.overflow"
+        broker.declare(
+            Topology(
+                (),
+                (
+                    Queue(
+                        capped,
+                        arguments={
+                            "x-max-length": 2,
+                            "x-dead-letter-exchange": "",
+                            "x-dead-letter-routing-key": overflow,
+                        },
+                    ),
+                    Queue(overflow),
+                ),
+                (),
+            )
+        )
+        assert publish(broker, [wire("", capped, n=n) for n in range(4)]) == [CONFIRMED] * 4
+        kept = take(opened(broker.consumer(capped, prefetch=10)), 2)
+        assert numbers(kept) == [2, 3]
+        dropped = take(opened(broker.consumer(overflow, prefetch=10)), 2)
+        assert numbers(dropped) == [0, 1]
+        assert [d.message.headers["x-death"][0]["reason"] for d in dropped] == ["maxlen"] * 2
+        assert dropped[0].message.routing_key == overflow
+
+    @requires("message_ttl", "dead_lettering")
+    def test_a_message_dead_lettered_back_into_the_queue_it_expired_in_is_dropped_as_a_cycle(
+        self, broker: ContractBroker, svc: str
+    ) -> None:
+        looping, onward, target = f"{svc}.looping", f"{svc}.onward", f"{svc}.target"
+
+        def expiring_into(name: str, destination: str) -> Queue:
+            return Queue(
+                name,
+                arguments={
+                    "x-message-ttl": 50,
+                    "x-dead-letter-exchange": "",
+                    "x-dead-letter-routing-key": destination,
+                },
+            )
+
+        broker.declare(
+            Topology(
+                (),
+                (expiring_into(looping, looping), expiring_into(onward, target), Queue(target)),
+                (),
+            )
+        )
+        publish(broker, [wire("", looping), wire("", onward)])
+        depth_becomes(broker, target, 1)  # dead-lettering works...
+        depth_becomes(broker, looping, 0)  # ...but not round a cycle with no consumer in it
+        time.sleep(0.2)
+        assert broker.queue_depth(looping) == 0
+
+    @requires("message_ttl", "dead_lettering")
+    def test_a_zero_ttl_message_reaches_a_waiting_consumer_or_is_dead_lettered_at_once(
+        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+    ) -> None:
+        now_or_never, missed = f"{svc}.now", f"{svc}.missed"
+        ttl_zero = {
+            "x-message-ttl": 0,
+            "x-dead-letter-exchange": "",
+            "x-dead-letter-routing-key": missed,
+        }
+        broker.declare(Topology((), (Queue(now_or_never, arguments=ttl_zero), Queue(missed)), ()))
+        consumer = opened(broker.consumer(now_or_never, prefetch=1))
+        assert consumer.fetch(1, 0.1) == []  # consuming, with room for one
+        publish(broker, [wire("", now_or_never, n=0), wire("", now_or_never, n=1)], window=1)
+        assert numbers(take(consumer, 1)) == [0]
+        assert numbers(take(opened(broker.consumer(missed, prefetch=10)), 1)) == [1]
+        assert broker.queue_depth(now_or_never) == 0
