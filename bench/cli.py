@@ -21,14 +21,14 @@ from types import FrameType
 
 from psycopg import sql
 
-from bench import latency, peers, raw_mq, raw_pg, report, roles, rss
+from bench import aio, latency, peers, raw_mq, raw_pg, report, roles, rss
 from bench.context import Context
 from bench.timing import BenchError
 from bench.wire import WINDOW, make_wires
 from outbox_inbox.messages import from_wire
 
 #: Groups of figures that --skip and --only choose from, in the order they run.
-GROUPS = ("raw", "peers", "library", "processes", "e2e", "latency", "memory")
+GROUPS = ("raw", "peers", "library", "processes", "async", "e2e", "latency", "memory")
 
 
 def warm_up(ctx: Context) -> None:
@@ -70,6 +70,13 @@ def run(ctx: Context) -> None:
         else:
             roles.worker_processes(ctx, 1)
             roles.worker_processes(ctx, 2)
+    if "async" not in skip:
+        if "library" in skip:
+            ctx.skipped("ga", "the asyncio workers need the inbox rows of (f): group 'library'")
+        else:
+            print("\nasyncio", flush=True)
+            aio.asyncio_workers(ctx, 1)
+            aio.asyncio_workers(ctx, 2)
     if "e2e" not in skip:
         roles.end_to_end(ctx)
     if "latency" not in skip:
@@ -140,7 +147,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="extend",
         default=[],
         metavar="GROUP[,GROUP]",
-        help="run only these groups (processes needs library)",
+        help="run only these groups (processes and async need library)",
     )
     parser.add_argument(
         "--latency-rate", type=float, default=1000.0, help="(L) offered messages per second"
