@@ -179,6 +179,20 @@ class RabbitMQAdmin:
         _close_channel(channel)
         return int(result.method.message_count), int(result.method.consumer_count)
 
+    def purge_queue(self, name: str) -> int:
+        """Drop every ready message of queue `name`; return how many (0 if it is missing)."""
+        channel = self._channel()
+        try:
+            result = channel.queue_purge(name)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if exc.reply_code == 404:
+                return 0
+            raise _broker_error(f"purging queue {name!r}", exc) from exc
+        except CONNECTION_ERRORS as exc:
+            raise _broker_error(f"purging queue {name!r}", exc) from exc
+        _close_channel(channel)
+        return int(result.method.message_count)
+
     # --- reading and moving messages ------------------------------------------------------
 
     def reader(self, queue: str) -> QueueReader:

@@ -1,7 +1,8 @@
-"""Test helpers: run a service's handlers in a test, on the in-memory broker, with no server.
+"""Test helpers: run a service's handlers in a test, in memory or on real servers.
 
-A `ServiceHarness` wraps a `Service` built with ``broker=MemoryBroker()`` and drives its three
-roles one step at a time in the calling thread, through the same code paths the real roles run:
+A `ServiceHarness` wraps a `Service` built with ``broker=MemoryBroker()`` (or a RabbitMQ
+broker: see the switch below) and drives its three roles one step at a time in the calling
+thread, through the same code paths the real roles run:
 
 * `ServiceHarness.deliver` publishes a message to the broker as another service would (the
   wire format of docs/wire-format.md) and runs the receiver until it is stored in the inbox;
@@ -22,6 +23,12 @@ With pytest, the package registers these fixtures (entry point ``pytest11``; dis
   Override this fixture in your conftest.py to test on PostgreSQL;
 * ``outbox_inbox_broker`` — the test's `MemoryBroker`, closed after the test.
 
+The switch to real servers: with ``OUTBOX_INBOX_HARNESS_DB_URL`` (a PostgreSQL URL whose user
+may create databases) and ``OUTBOX_INBOX_HARNESS_MQ_URL`` (RabbitMQ) set, the same tests run
+on a fresh PostgreSQL database per harness and on RabbitMQ; each harness empties its service's
+queues when it is built, so tests sharing a virtual host do not see each other's messages.
+The broker contract of `outbox_inbox.testing.broker_contract` tests a broker itself.
+
 Everything here is for tests: a harness is not thread-safe (use it from one thread), and the
 service it drives must not be started (`Service.start` would run competing roles).
 """
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import os
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -42,8 +50,8 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.engine import RowMapping
 
 from .. import queries
-from ..broker import PublishOutcome
-from ..brokers.memory import MemoryBroker, MemoryConsumer
+from ..broker import Broker, Consumer, PublishOutcome
+from ..brokers.memory import MemoryBroker
 from ..errors import ConfigurationError, OutboxInboxError
 from ..messages import (
     COMMAND,
@@ -57,7 +65,7 @@ from ..messages import (
 )
 from ..service import Service
 from ..tables import DEAD, PROCESSED
-from ..topology import delay_queue, inbox_queue, topic_matches
+from ..topology import dead_letter_queue, delay_queue, inbox_queue, topic_matches
 
 __all__ = [
     "HarnessTimeout",
@@ -70,6 +78,10 @@ __all__ = [
 
 #: How long `run_until_idle` waits by default before it gives up (seconds).
 DEFAULT_TIMEOUT = 10.0
+#: On a real broker: how long one receive waits for deliveries on their way, and how long
+#: `deliver` waits for its message to reach the inbox queue.
+RECEIVE_WAIT = 0.05
+DELIVERY_WAIT = 10.0
 
 
 class NotDelivered(OutboxInboxError, AssertionError):
@@ -144,23 +156,40 @@ class ServiceHarness:
 
     def __init__(self, service: Service, *, migrate: bool = True) -> None:
         broker = service.broker
-        if not isinstance(broker, MemoryBroker) or broker is MemoryBroker.shared():
-            where = "the shared in-memory broker" if isinstance(broker, MemoryBroker) else None
+        if broker is MemoryBroker.shared():
             raise ConfigurationError(
-                f"ServiceHarness needs a service on an in-memory broker of its own, not "
-                f"{where or broker.description}: build it with broker=MemoryBroker() (or the "
+                "ServiceHarness needs a service on a broker of its own, not the shared "
+                "in-memory broker: build it with broker=MemoryBroker() (or the "
                 "outbox_inbox_broker fixture)"
             )
         self.service = service
-        self.broker: MemoryBroker = broker
+        self.broker: Broker = broker
+        #: On a real broker messages take a moment to travel: receiving waits a little, and
+        #: idle also means the inbox queue is empty.
+        self.real = not isinstance(broker, MemoryBroker)
         if migrate:
             service.migrate()
         service.declare_topology()
         self._relay = service.relay()
         self._receiver = service.receiver()
         self._worker = service.worker(name=f"harness-{service.name}-{uuid.uuid4().hex[:6]}")
-        self._consumer: MemoryConsumer | None = None
+        self._consumer: Consumer | None = None
         self._delay_queues = [delay_queue(service.name, t) for t in service.settings.delay_tiers]
+        if self.real:
+            self._purge_queues()
+
+    def _purge_queues(self) -> None:
+        """Empty the service's queues on a real broker: a test starts from nothing, whatever
+        an earlier test on the same virtual host left behind."""
+        from ..brokers.rabbitmq import RabbitMQBroker
+        from ..brokers.rabbitmq_admin import RabbitMQAdmin
+
+        if not isinstance(self.broker, RabbitMQBroker):
+            return
+        name = self.service.name
+        with RabbitMQAdmin(self.broker) as admin:
+            for queue in (inbox_queue(name), dead_letter_queue(name), *self._delay_queues):
+                admin.purge_queue(queue)
 
     def __repr__(self) -> str:
         return f"<ServiceHarness {self.service.name} on {self.broker.description}>"
@@ -261,7 +290,9 @@ class ServiceHarness:
             publisher.close()
         if outcome is not PublishOutcome.CONFIRMED:
             raise NotDelivered(f"the broker did not take {kind} {type!r}: {outcome.value}")
-        self.receive()
+        deadline = time.monotonic() + (DELIVERY_WAIT if self.real else 0)
+        while self.receive() == 0 and time.monotonic() < deadline:
+            pass  # on a real broker the message is on its way to the inbox queue
         if self._find_inbox(stored_id) is None:
             raise NotDelivered(
                 f"{kind} {type!r} ({wire_id}) was not stored: the receiver dead-lettered or "
@@ -302,10 +333,18 @@ class ServiceHarness:
                 inbox_queue(self.service.name), prefetch=self.service.settings.prefetch
             )
         total = 0
-        while batch := self._consumer.fetch(self.service.settings.receive_batch_size, 0):
+        wait = RECEIVE_WAIT if self.real else 0
+        while batch := self._consumer.fetch(self.service.settings.receive_batch_size, wait):
             self._receiver.store(self._consumer, batch)
             total += len(batch)
         return total
+
+    def in_flight(self) -> int:
+        """Messages ready in this service's inbox queue, not yet received (0 in memory, where
+        a publish lands at once)."""
+        if not self.real:
+            return 0
+        return self.broker.queue_depth(inbox_queue(self.service.name)) or 0
 
     def work(self) -> int:
         """Run the handlers of every due inbox row (`Worker.work_once` until none is due).
@@ -446,6 +485,8 @@ def run_all_until_idle(
             attempts += worked
             busy = busy or bool(sent or received or worked)
         if not busy:
+            if any(h.in_flight() for h in harnesses):
+                continue  # published to a real broker and not yet pushed to the receiver
             if any(h.waiting_in_broker() for h in harnesses):
                 time.sleep(0.05)  # the receiver's own retries come back on the broker's timer
             elif not skip_delays or not any([h.skip_delays() for h in harnesses]):
@@ -475,6 +516,42 @@ def _inbox_row(r: RowMapping) -> InboxRow:
 
 # --- pytest fixtures (registered by the ``pytest11`` entry point ``outbox_inbox``) --------------
 
+#: The switch to real servers: the fixtures use these when they are set (see the module doc).
+HARNESS_DB_URL_ENV = "OUTBOX_INBOX_HARNESS_DB_URL"
+HARNESS_MQ_URL_ENV = "OUTBOX_INBOX_HARNESS_MQ_URL"
+
+
+class _Databases:
+    """Fresh PostgreSQL databases on the server of `url`, for the harness's tests."""
+
+    def __init__(self, url: str) -> None:
+        from sqlalchemy import create_engine
+        from sqlalchemy.engine import make_url
+
+        self._url = make_url(url)
+        self._engine = create_engine(self._url, isolation_level="AUTOCOMMIT")
+        self._made: list[str] = []
+
+    def create(self) -> str:
+        from sqlalchemy import text
+
+        name = f"oi_test_{uuid.uuid4().hex[:12]}"  # generated, so safe to quote as is
+        with self._engine.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+        self._made.append(name)
+        return self._url.set(database=name).render_as_string(hide_password=False)
+
+    def drop_all(self) -> None:
+        from sqlalchemy import text
+
+        try:
+            with self._engine.connect() as conn:
+                for name in reversed(self._made):
+                    conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        finally:
+            self._engine.dispose()
+
+
 #: What ``outbox_inbox_harness`` accepts: a service, or a function building one from
 #: ``db_url=`` and ``broker=`` keyword arguments.
 ServiceOrBuilder = Service | Callable[..., Service]
@@ -483,8 +560,16 @@ if TYPE_CHECKING or importlib.util.find_spec("pytest") is not None:
     import pytest
 
     @pytest.fixture
-    def outbox_inbox_broker() -> Iterator[MemoryBroker]:
-        """A `MemoryBroker` of this test only; closed after it."""
+    def outbox_inbox_broker() -> Iterator[Broker]:
+        """The broker of this test: a `MemoryBroker` of its own, closed after it; or, with
+        ``OUTBOX_INBOX_HARNESS_MQ_URL`` set, RabbitMQ at that URL (each harness empties its
+        service's queues when it is built)."""
+        url = os.environ.get(HARNESS_MQ_URL_ENV)
+        if url:
+            from ..brokers.rabbitmq import RabbitMQBroker
+
+            yield RabbitMQBroker(url)
+            return
         broker = MemoryBroker(name="test")
         try:
             yield broker
@@ -492,22 +577,28 @@ if TYPE_CHECKING or importlib.util.find_spec("pytest") is not None:
             broker.close()
 
     @pytest.fixture
-    def outbox_inbox_db_url_factory(tmp_path: Path) -> Callable[[], str]:
+    def outbox_inbox_db_url_factory(tmp_path: Path) -> Iterator[Callable[[], str]]:
         """A function returning the URL of a new, empty database at each call.
 
-        By default a SQLite file in the test's ``tmp_path``. Override this fixture in your
-        conftest.py to test on PostgreSQL (one fresh database per call).
+        By default a SQLite file in the test's ``tmp_path``. With
+        ``OUTBOX_INBOX_HARNESS_DB_URL`` set (a PostgreSQL URL whose user may create
+        databases), a new database on that server at each call, dropped after the test.
+        Override this fixture in your conftest.py for anything else.
         """
-        numbers = itertools.count(1)
-
-        def make() -> str:
-            return f"sqlite:///{tmp_path / f'outbox-inbox-{next(numbers)}.db'}"
-
-        return make
+        url = os.environ.get(HARNESS_DB_URL_ENV)
+        if not url:
+            numbers = itertools.count(1)
+            yield lambda: f"sqlite:///{tmp_path / f'outbox-inbox-{next(numbers)}.db'}"
+            return
+        databases = _Databases(url)
+        try:
+            yield databases.create
+        finally:
+            databases.drop_all()
 
     @pytest.fixture
     def outbox_inbox_harness(
-        outbox_inbox_db_url_factory: Callable[[], str], outbox_inbox_broker: MemoryBroker
+        outbox_inbox_db_url_factory: Callable[[], str], outbox_inbox_broker: Broker
     ) -> Iterator[Callable[..., ServiceHarness]]:
         """A factory of migrated `ServiceHarness` objects, all on this test's broker.
 

@@ -1,8 +1,9 @@
 """Fixtures of the example tests: the example modules, and the databases of the harness tests.
 
 The harness fixtures (``outbox_inbox_harness`` and friends) come from `outbox_inbox.testing`
-through its pytest11 entry point. Here the database fixture is parametrized, so every harness
-test runs on SQLite (the plugin's default) and on PostgreSQL (the session's server).
+through its pytest11 entry point. Here they are parametrized, so every harness test runs in
+memory (SQLite and the in-memory broker, the plugin's default) and on the session's real
+PostgreSQL and RabbitMQ.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from outbox_inbox.broker import Broker
+from outbox_inbox.brokers.rabbitmq import RabbitMQBroker
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -31,13 +35,30 @@ def load_example(name: str) -> ModuleType:
     return module
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=["memory", "servers"])
+def harness_servers(request: pytest.FixtureRequest) -> str:
+    """Where the harness tests run: SQLite and the in-memory broker (the plugin's default),
+    or the session's PostgreSQL and RabbitMQ — the switch a user flips with
+    OUTBOX_INBOX_HARNESS_DB_URL / OUTBOX_INBOX_HARNESS_MQ_URL."""
+    return str(request.param)
+
+
+@pytest.fixture
 def outbox_inbox_db_url_factory(
-    request: pytest.FixtureRequest, outbox_inbox_db_url_factory: Callable[[], str]
+    request: pytest.FixtureRequest,
+    harness_servers: str,
+    outbox_inbox_db_url_factory: Callable[[], str],
 ) -> Callable[[], str]:
-    """Fresh databases for the harness: the plugin's default (SQLite files in tmp_path), or
-    databases on the session's PostgreSQL server (started only for these)."""
-    if request.param == "postgresql":
+    if harness_servers == "servers":
         factory: Callable[[], str] = request.getfixturevalue("db_url_factory")
         return factory
     return outbox_inbox_db_url_factory
+
+
+@pytest.fixture
+def outbox_inbox_broker(
+    request: pytest.FixtureRequest, harness_servers: str, outbox_inbox_broker: Broker
+) -> Broker:
+    if harness_servers == "servers":
+        return RabbitMQBroker(request.getfixturevalue("mq_url"))
+    return outbox_inbox_broker

@@ -96,14 +96,6 @@ def test_run_until_idle_gives_up_on_handlers_that_never_stop_producing_work(
         demo.run_until_idle(timeout=0.5)
 
 
-def test_a_service_on_rabbitmq_is_refused_before_any_connection(tmp_path: Any) -> None:
-    service = Service(
-        "demo", db_url=f"sqlite:///{tmp_path / 'x.db'}", mq_url="amqp://guest:guest@127.0.0.1:1/"
-    )
-    with pytest.raises(ConfigurationError, match="broker=MemoryBroker"):
-        ServiceHarness(service, migrate=False)
-
-
 def test_a_service_on_the_process_shared_in_memory_broker_is_refused(tmp_path: Any) -> None:
     service = Service("demo", db_url=f"sqlite:///{tmp_path / 'x.db'}")  # mq_url=None
     with pytest.raises(ConfigurationError, match="shared in-memory broker"):
