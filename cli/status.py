@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from outbox_inbox.brokers.rabbitmq_admin import RabbitMQAdmin
-from outbox_inbox.status import collect_status, problems
+from outbox_inbox.status import collect_status, problems, wakeup_status
 
 from .output import EXIT_UNHEALTHY, echo, echo_json, format_age, one_line, render_table
 from .target import json_option, parse_duration, resolve, target_options
@@ -84,6 +84,8 @@ def status(
                 admin=admin,
                 held_keys_limit=keys_limit,
             )
+            listen_url = target.service.settings.listen_url if target.service else None
+            report["wakeups"] = wakeup_status(target.engine(), target.tables, listen_url)
     finally:
         target.close()
     lag = max_lag.total_seconds() if max_lag is not None else None
@@ -118,6 +120,14 @@ def _print(report: dict[str, Any]) -> None:
         echo()
         types = [(t["type"], t["pending"], t["in_progress"], t["dead"]) for t in inbox["by_type"]]
         echo(render_table(["TYPE", "PENDING", "IN PROGRESS", "DEAD"], types))
+    wakeups = report.get("wakeups") or {}
+    if wakeups.get("mode") == "polling":
+        echo(
+            f"wake-ups: polling (NOTIFY does not come back through {wakeups['via']}: a pooler "
+            "in transaction mode? set listen_url to a direct PostgreSQL URL)"
+        )
+    elif wakeups.get("mode"):
+        echo(f"wake-ups: {wakeups['mode']} (LISTEN through {wakeups['via']})")
     held = report["held_keys"]
     echo()
     echo(f"held-back keys: {held['count']}")

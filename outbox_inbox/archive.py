@@ -19,7 +19,8 @@ A batch is crash-safe without a distributed transaction:
 A crash before 4 leaves journal rows. The next run finishes them first: a file that exists is
 complete (the rename is atomic), so the rows it holds are deleted; a file that does not exist
 was never written, so its journal row is dropped and the rows are archived again later. No row
-is lost, and no row reaches two files. One run at a time per schema (a session advisory lock).
+is lost, and no row reaches two files. One run at a time per schema (a transaction-level
+advisory lock, held by a transaction that stays open for the run).
 """
 
 from __future__ import annotations
@@ -212,15 +213,17 @@ class Archiver:
                     raise ArchiveBusy(
                         f"another archive run holds the lock of schema {self._tables.schema!r}"
                     )
-                lock_conn.commit()  # the lock is the session's; end the implicit transaction
+                # The lock belongs to lock_conn's open transaction, held for the whole run:
+                # through a connection pooler in transaction mode that transaction keeps one
+                # server connection, and the lock ends with it, whatever becomes of the run.
                 try:
                     self._archive(stop, result)
                 finally:
                     try:
                         queries.release_archive_lock(lock_conn, self._tables.schema)
                     except SQLAlchemyError:
-                        # Closing the session releases its locks: do not pool this one.
-                        log.warning("archive: could not release its lock; closing the session")
+                        # Closing the connection ends the transaction and its lock.
+                        log.warning("archive: could not release its lock; closing the connection")
                         lock_conn.invalidate()
         except SQLAlchemyError as exc:
             raise storage_error(exc, "archiving") from exc

@@ -109,6 +109,15 @@ class Settings:
     #: One AMQP URL, or several nodes of a cluster (`broker_urls`); a list of URLs is joined.
     mq_url: str | None = None
     schema: str = "outbox_inbox"
+    #: A direct URL to the same PostgreSQL database, bypassing any connection pooler, for what
+    #: needs a session of its own: LISTEN (wake-ups) and the workers' liveness locks. None: the
+    #: roles use db_url for them when a probe shows it keeps sessions, else they poll.
+    listen_url: str | None = None
+    #: psycopg's ``prepare_threshold`` for the engines the library creates from db_url: the
+    #: executions of a statement after which it is prepared on the server. None never
+    #: prepares: needed behind a pooler in transaction mode without prepared-statement support
+    #: (PgBouncer before 1.21, or max_prepared_statements = 0).
+    prepare_threshold: int | None = 5
 
     # outbox
     max_payload_bytes: int = 1024 * 1024
@@ -168,6 +177,17 @@ class Settings:
         validate_identifier(self.schema)
         if self.db_url:
             validate_db_url(self.db_url)
+        if self.listen_url:
+            validate_db_url(self.listen_url)
+        if self.prepare_threshold is not None and (
+            isinstance(self.prepare_threshold, bool)
+            or not isinstance(self.prepare_threshold, int)
+            or self.prepare_threshold < 0
+        ):
+            raise ConfigurationError(
+                f"prepare_threshold must be None or a whole number >= 0, "
+                f"got {self.prepare_threshold!r}"
+            )
         if isinstance(self.mq_url, list | tuple):
             # Several nodes given as a list: the comma-separated form `broker_urls` reads.
             object.__setattr__(self, "mq_url", ",".join(str(u).strip() for u in self.mq_url))
@@ -175,7 +195,11 @@ class Settings:
             validate_mq_url(self.mq_url)
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or f.name == "prepare_threshold"  # 0 is valid: prepare at once
+            ):
                 continue
             if value <= 0:
                 raise ConfigurationError(f"{f.name} must be > 0, got {value!r}")

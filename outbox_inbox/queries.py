@@ -670,35 +670,65 @@ def count_deliveries(
     return {m: int(n) for m, n in conn.execute(stmt).all()}
 
 
+def notify(conn: Connection, channel: str, payload: str) -> None:
+    """Send a notification on `channel` when `conn`'s transaction commits (the wake-up probe)."""
+    conn.execute(select(func.pg_notify(bindparam("c", channel), bindparam("p", payload))))
+
+
+def backend_pid(conn: Connection) -> int:
+    """The process id of the server session `conn` runs on (the pooler probe compares them)."""
+    return int(conn.execute(select(func.pg_backend_pid())).scalar_one())
+
+
 def database_now(conn: Connection) -> Any:
     """The database clock: leases and delays are judged by it, never by the host's."""
     return conn.execute(select(db_now())).scalar_one()
 
 
-#: Server-side TCP keepalive of a worker's session (idle, interval, count): the server ends
-#: the session of a worker whose host vanished after about 25 s, and its liveness lock with it.
-#: (Over a Unix socket PostgreSQL ignores them.)
+#: Server-side TCP keepalive of a worker's transactions (idle, interval, count): the server ends
+#: the session of a worker whose host vanished mid-transaction after about 25 s, and its row
+#: locks with it. (Over a Unix socket PostgreSQL ignores them.)
 WORKER_KEEPALIVE = (10, 5, 3)
 
 
-def configure_worker_session(conn: Connection, lease: float) -> None:
-    """Set the session limits of a worker connection (PostgreSQL; SQLite has none).
-
-    ``idle_in_transaction_session_timeout`` = `lease`: a worker whose handler hangs keeps its row
-    locks; the server ends its session after the lease, so the rows go back to the queue and
-    the hung work can never commit. The TCP keepalive settings bound how long the session of a
-    worker whose host vanished lives on (`WORKER_KEEPALIVE`).
-    """
-    if conn.dialect.name != "postgresql":
-        return
+def worker_transaction_settings(lease: float) -> dict[str, str]:
+    """The settings `limit_worker_transaction` gives each worker transaction."""
     idle, interval, count = WORKER_KEEPALIVE
-    settings = {
+    return {
         "idle_in_transaction_session_timeout": str(int(lease * 1000)),
         "tcp_keepalives_idle": str(idle),
         "tcp_keepalives_interval": str(interval),
         "tcp_keepalives_count": str(count),
     }
-    conn.execute(select(*(func.set_config(name, value, False) for name, value in settings.items())))
+
+
+def limit_worker_transaction(dbapi_connection: Any, lease: float) -> None:
+    """Set the limits of the transaction that `dbapi_connection` (psycopg) is beginning.
+
+    ``idle_in_transaction_session_timeout`` = `lease`: a worker whose handler hangs keeps its row
+    locks; the server ends its session after the lease, so the rows go back to the queue and
+    the hung work can never commit. The TCP keepalive settings bound how long the transaction
+    of a worker whose host vanished lives on (`WORKER_KEEPALIVE`).
+
+    Every value is set with ``set_config(..., true)`` (``SET LOCAL``): it ends with the
+    transaction, so a connection pooler in transaction mode hands no setting of the library to
+    its other clients, and the limit holds whichever server connection the pooler picked.
+    Runs on the driver's connection because it is called from SQLAlchemy's ``begin`` event,
+    where the SQLAlchemy connection cannot execute yet; the statement opens the transaction.
+    """
+    settings = worker_transaction_settings(lease)
+    # The DB-API face only (no psycopg keywords): the asyncio worker's adapter has no more.
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute(
+            _LIMIT_TRANSACTION_SQL, [v for name, value in settings.items() for v in (name, value)]
+        )
+    finally:
+        cursor.close()
+
+
+# Fixed text, values bound: ``set_config(name, value, true)`` is ``SET LOCAL``.
+_LIMIT_TRANSACTION_SQL = "SELECT " + ", ".join(["set_config(%s, %s, true)"] * 4)
 
 
 def record_subscriptions(
@@ -1054,22 +1084,29 @@ def subscriptions_of(conn: Connection, tables: Tables) -> list[RowMapping]:
 
 
 def try_archive_lock(conn: Connection, schema: str) -> bool:
-    """Take the session lock that lets one archive run per schema; False when it is held.
+    """Take the lock that lets one archive run per schema; False when it is held.
+
+    A transaction-level lock: it lives until `conn`'s transaction ends (commit, rollback, or
+    the connection closing), so the caller keeps that transaction open for the whole run and a
+    connection pooler can never hand the lock to another client. The transaction also turns
+    off ``idle_in_transaction_session_timeout`` for itself (``SET LOCAL``), so that a
+    server-wide limit does not end the lock while the run works on other connections.
 
     SQLite has no such lock: one process writes it at a time anyway, and the archive of a
     development database is run by hand.
     """
     if conn.dialect.name != "postgresql":
         return True
-    return bool(conn.execute(select(func.pg_try_advisory_lock(_archive_key(schema)))).scalar_one())
+    conn.execute(select(func.set_config("idle_in_transaction_session_timeout", "0", True)))
+    stmt = select(func.pg_try_advisory_xact_lock(_archive_key(schema)))
+    return bool(conn.execute(stmt).scalar_one())
 
 
 def release_archive_lock(conn: Connection, schema: str) -> None:
-    """Release the lock of `try_archive_lock`. A pooled connection outlives its checkout, and
-    its session keeps a session lock until it is released or the connection closes."""
-    if conn.dialect.name == "postgresql":
-        conn.execute(select(func.pg_advisory_unlock(_archive_key(schema))))
-        conn.commit()
+    """Release the lock of `try_archive_lock` on `schema`: end the transaction that holds it
+    (it wrote nothing). Leaves no state on the connection, which may go back to a pool."""
+    del schema  # the lock is the transaction's: ending it releases every such lock
+    conn.rollback()
 
 
 def _archive_key(schema: str) -> Any:

@@ -105,6 +105,8 @@ class Service:
         self._threads: list[threading.Thread] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._lock = threading.Lock()
+        #: Whether db_url keeps database sessions (see `_liveness_url`); None until probed.
+        self._sessions_kept: bool | None = None
 
     def __repr__(self) -> str:
         return f"Service({self.name!r}, db={mask_url(self.settings.db_url)!r})"
@@ -122,7 +124,12 @@ class Service:
                 else:
                     extra = 3 + self.settings.worker_threads
                     self._engine = create_engine(
-                        self.settings.db_url, pool_pre_ping=True, pool_size=extra, max_overflow=10
+                        self.settings.db_url,
+                        pool_pre_ping=True,
+                        pool_size=extra,
+                        max_overflow=10,
+                        # None: never prepare (a pooler in transaction mode; docs/runbook.md)
+                        connect_args={"prepare_threshold": self.settings.prepare_threshold},
                     )
             return self._engine
 
@@ -277,12 +284,45 @@ class Service:
             if self.engine.dialect.name != "postgresql":
                 return None
             return Waker(
-                psycopg_conninfo(self.engine.url),
+                psycopg_conninfo(self.settings.listen_url or self.engine.url),
                 notify_channel(self.settings.schema, table),
                 stop,
+                probe=self.engine,
             )
 
         return factory
+
+    def wakeups(self) -> bool | None:
+        """Whether NOTIFY wake-ups reach this service's LISTEN path (``listen_url``, else
+        db_url), proven by a probe now: False behind a pooler in transaction mode (the roles
+        then poll), None when the database cannot be reached or is not PostgreSQL."""
+        if self.sqlite:
+            return None
+        waker = self._waker(self.tables.outbox.name)(threading.Event())
+        if waker is None:
+            return None
+        try:
+            return waker.check()
+        finally:
+            waker.close()
+
+    def _liveness_url(self) -> str | None:
+        """Where workers hold their liveness locks: ``listen_url``, else db_url once a probe
+        showed it keeps sessions (not a pooler in transaction mode), else nowhere."""
+        if self.settings.listen_url:
+            return self.settings.listen_url
+        if self.engine.dialect.name != "postgresql":
+            return None
+        with self._lock:
+            kept = self._sessions_kept
+        if kept is None:
+            kept = self.wakeups()
+            if kept is None:
+                # No verdict (the database is away): as before, on db_url; the connect fails.
+                return self.engine.url.render_as_string(hide_password=False)
+            with self._lock:
+                self._sessions_kept = kept
+        return self.engine.url.render_as_string(hide_password=False) if kept else None
 
     def relay(self) -> Relay:
         """A new relay for this service (run it with `Relay.run(stop)`)."""
@@ -320,6 +360,7 @@ class Service:
             waker_factory=self._waker(self.tables.inbox.name),
             listener=self.listener,
             tracing=self.tracing,
+            liveness_url=self._liveness_url,
         )
 
     def async_worker(self, name: str | None = None) -> AsyncWorker:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from sqlalchemy import Engine
@@ -13,6 +14,7 @@ from .dead_letters import error_summary
 from .errors import BrokerError, SchemaMissing, storage_error
 from .tables import Tables
 from .topology import UNROUTABLE_QUEUE, dead_letter_queue, inbox_queue
+from .waker import Waker, notify_channel, psycopg_conninfo
 
 
 def collect_status(
@@ -71,6 +73,30 @@ def collect_status(
     if admin is not None:
         status["broker"] = _broker_status(admin, service)
     return status
+
+
+def wakeup_status(engine: Engine, tables: Tables, listen_url: str | None) -> dict[str, Any]:
+    """How the roles of a service on `engine` are woken: ``notify`` or ``polling``.
+
+    Proves the path with the roles' own self-NOTIFY probe (outbox_inbox.waker): LISTEN on
+    `listen_url` (else the engine's URL), NOTIFY through `engine`. ``mode`` is ``notify`` when
+    the probe came back, ``polling`` when it did not (a pooler in transaction mode without
+    ``listen_url``), ``unknown`` when the database could not be asked, None on SQLite (no
+    NOTIFY: the roles poll). ``via`` says which setting the LISTEN path comes from.
+    """
+    if engine.dialect.name != "postgresql":
+        return {"mode": None, "via": None}
+    channel = notify_channel(tables.schema or "", tables.outbox.name)
+
+    waker = Waker(
+        psycopg_conninfo(listen_url or engine.url), channel, threading.Event(), probe=engine
+    )
+    try:
+        verdict = waker.check()
+    finally:
+        waker.close()
+    mode = {True: "notify", False: "polling", None: "unknown"}[verdict]
+    return {"mode": mode, "via": "listen_url" if listen_url else "db_url"}
 
 
 def _broker_status(admin: RabbitMQAdmin, service: str | None) -> dict[str, Any]:

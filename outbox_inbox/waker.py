@@ -1,16 +1,44 @@
-"""Waking a loop on PostgreSQL NOTIFY, with polling as the fallback."""
+"""Waking a loop on PostgreSQL NOTIFY, with polling as the fallback.
+
+LISTEN needs a database session of its own. Through a connection pooler in transaction mode
+(PgBouncer ``pool_mode=transaction``) there is none: the registration lands on whichever server
+connection the pooler picked, notifications reach whichever client that connection serves next,
+and the listener hears nothing. So a waker proves its path with a self-NOTIFY probe when it
+connects and whenever it has heard nothing for `PROBE_INTERVAL`: the probe is sent through
+another connection (the service's engine), and must come back on the LISTEN connection within
+`PROBE_TIMEOUT`. When it does not, the waker takes its registration back, logs one warning
+naming the cause and the ``listen_url`` setting, and polls; it tries again now and then.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import threading
+import time
+import uuid
 
 import psycopg
 from psycopg import sql
-from sqlalchemy.engine import URL
+from sqlalchemy import Engine
+from sqlalchemy.engine import URL, make_url
+
+from . import queries
 
 log = logging.getLogger(__name__)
+
+#: How long a probe waits for its own notification, in seconds.
+PROBE_TIMEOUT = 2.0
+#: How often a waker proves its path again: after this long without a notification while
+#: listening, and as the delay before listening again after a failed probe.
+PROBE_INTERVAL = 300.0
+#: The payload prefix of probe notifications (a loop woken by one only polls once more).
+PROBE_PREFIX = "outbox_inbox.probe:"
+
+
+# Paths (masked URL) already warned about: a warning once per process, not per role.
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
 
 
 def notify_channel(schema: str, table: str) -> str:
@@ -18,36 +46,185 @@ def notify_channel(schema: str, table: str) -> str:
     return f"{schema}.{table}"
 
 
-def psycopg_conninfo(url: URL) -> str:
+def psycopg_conninfo(url: URL | str) -> str:
     """A libpq connection string for a SQLAlchemy URL of the psycopg dialect."""
-    return url.set(drivername="postgresql").render_as_string(hide_password=False)
+    parsed = make_url(url) if isinstance(url, str) else url
+    return parsed.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def _pid(conn: psycopg.Connection[tuple[object, ...]]) -> int:
+    row = conn.execute("SELECT pg_backend_pid()").fetchone()
+    return int(str(row[0])) if row is not None else 0
+
+
+def _where(conninfo: str) -> str:
+    """host:port/dbname of a libpq URL, for log lines (never the password)."""
+    try:
+        url = make_url(conninfo)
+    except Exception:  # a description only; the URL was valid to connect
+        return "the database"
+    return f"{url.host}:{url.port or 5432}/{url.database}"
 
 
 class Waker:
     """Waits until a NOTIFY arrives on `channel`, `timeout` passes, or `stop` is set.
 
-    Owns one autocommit connection used only for LISTEN; if it breaks, waiting degrades to
-    polling and the connection is opened again on the next wait. Not thread-safe: one per loop.
+    Owns one autocommit connection (`conninfo`) used only for LISTEN; if it breaks, waiting
+    degrades to polling and the connection is opened again on the next wait. With `probe`
+    (an engine of the same database: the service's) the path is proven as the module says;
+    `setting` names, in the warning, what the operator sets to fix a path that cannot deliver
+    (``listen_url``). `listening` is True once a probe came back, False while the waker polls
+    because one did not, None before any verdict.
+    Not thread-safe: one per loop.
     """
 
-    def __init__(self, conninfo: str, channel: str, stop: threading.Event) -> None:
+    def __init__(
+        self,
+        conninfo: str,
+        channel: str,
+        stop: threading.Event,
+        *,
+        probe: Engine | None = None,
+        setting: str = "listen_url",
+    ) -> None:
         self._conninfo = conninfo
         self._channel = channel
         self._stop = stop
+        self._probe = probe
+        self._setting = setting
         self._conn: psycopg.Connection[tuple[object, ...]] | None = None
+        self._pid: int | None = None
+        self.listening: bool | None = None
+        self._retry_at = 0.0
+        self._heard_at = time.monotonic()
+        self._woken = False
+
+    def check(self) -> bool | None:
+        """Connect and probe now; the verdict (see `listening`). Keeps the connection."""
+        self._connect()
+        return self.listening
 
     def _connect(self) -> psycopg.Connection[tuple[object, ...]] | None:
         if self._conn is not None and not self._conn.closed:
             return self._conn
+        if self.listening is False and time.monotonic() < self._retry_at:
+            return None
         try:
             conn = psycopg.connect(self._conninfo, autocommit=True, connect_timeout=5)
-            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
+            self._pid = _pid(conn)
         except psycopg.Error as exc:
             # The error text of libpq names host and port, never the password.
             log.warning("cannot LISTEN on %s, polling instead: %s", self._channel, exc)
             return None
+        if self._probe is not None and not self._pinned(conn):
+            # The pooler gave our server connection to another client: LISTEN would be lost
+            # there, and stay registered for that client. Not a word of it is sent.
+            self._polling(conn)
+            return None
+        try:
+            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
+        except psycopg.Error as exc:
+            log.warning("cannot LISTEN on %s, polling instead: %s", self._channel, exc)
+            conn.close()
+            return None
         self._conn = conn
-        return conn
+        if self._probe is not None and not self._proven(conn):
+            return None
+        self._heard_at = time.monotonic()
+        return self._conn
+
+    def _pinned(self, conn: psycopg.Connection[tuple[object, ...]]) -> bool:
+        """Whether `conn` keeps its server session while idle (no pooler in transaction mode).
+
+        Another connection (the engine's) opens a transaction; should it get the server
+        connection `conn` used last, which a pooler in transaction mode hands out as soon as
+        `conn` is idle (PgBouncer reuses the most recent one first), `conn`'s next query must
+        run on another. A few tries; True when no other client was ever given our session,
+        which the NOTIFY probe then checks. Sets no state anywhere.
+        """
+        assert self._probe is not None
+        try:
+            for _ in range(5):
+                mine = _pid(conn)
+                with self._probe.connect() as other, other.begin():
+                    if queries.backend_pid(other) != mine:
+                        continue
+                    return _pid(conn) == mine
+        except Exception as exc:  # the database is away: no verdict yet
+            log.debug("wake-up pooler check on %s not done: %s", self._channel, exc)
+        return True
+
+    def _proven(self, conn: psycopg.Connection[tuple[object, ...]]) -> bool:
+        """Probe the path of `conn`; on failure take the registration back and poll."""
+        assert self._probe is not None
+        payload = f"{PROBE_PREFIX}{uuid.uuid4()}"
+        try:
+            with self._probe.begin() as other:
+                queries.notify(other, self._channel, payload)
+        except Exception as exc:  # the database is away: no verdict yet
+            log.debug("wake-up probe on %s not sent: %s", self._channel, exc)
+            return True
+        arrived = False
+        try:
+            for note in conn.notifies(timeout=PROBE_TIMEOUT):
+                if note.payload == payload:
+                    arrived = True
+                    break
+                self._woken = True  # a real notification: the loop has work
+        except psycopg.Error as exc:
+            log.warning("LISTEN connection lost: %s", exc)
+            self.close()
+            return False
+        if arrived:
+            if self.listening is not True:
+                log.info("wake-ups on %s arrive through %s", self._channel, _where(self._conninfo))
+            self.listening = True
+            return True
+        self._take_back(conn)
+        self._polling(conn)
+        return False
+
+    def _polling(self, conn: psycopg.Connection[tuple[object, ...]]) -> None:
+        """The path cannot deliver: close `conn`, poll, warn once per process and path."""
+        self.listening = False
+        self._retry_at = time.monotonic() + PROBE_INTERVAL
+        with contextlib.suppress(psycopg.Error):
+            conn.close()
+        self.close()
+        where = _where(self._conninfo)
+        with _warned_lock:
+            first = where not in _warned
+            _warned.add(where)
+        if first:
+            log.warning(
+                "wake-ups do not arrive through %s: a NOTIFY on %s did not reach the LISTEN "
+                "connection within %.0f s, as happens behind a connection pooler in transaction "
+                "mode (PgBouncer pool_mode=transaction), which gives LISTEN no session. Set %s "
+                "to a direct PostgreSQL URL (bypassing the pooler) for wake-ups; until then "
+                "every role polls (the *_poll_interval settings) and tries again every %.0f s; "
+                "workers hold no liveness lock either (a killed worker's messages wait for "
+                "their lease).",
+                where,
+                self._channel,
+                PROBE_TIMEOUT,
+                self._setting,
+                PROBE_INTERVAL,
+            )
+
+    def _take_back(self, conn: psycopg.Connection[tuple[object, ...]]) -> None:
+        """UNLISTEN on the server connection that registered it, so no other client of a
+        pooler inherits it. A pooler picks the server of each query: ask until it is that one
+        (a bounded number of times; a server connection the pooler closed holds nothing)."""
+        query = sql.SQL("UNLISTEN {}; SELECT pg_backend_pid()").format(
+            sql.Identifier(self._channel)
+        )
+        with contextlib.suppress(psycopg.Error):
+            for _ in range(20):
+                cursor = conn.execute(query)
+                cursor.nextset()
+                row = cursor.fetchone()
+                if row is None or row[0] == self._pid:
+                    return
 
     def wait(self, timeout: float) -> bool:
         """Block up to `timeout` seconds; True if a notification arrived."""
@@ -57,6 +234,14 @@ class Waker:
         if conn is None:
             self._stop.wait(timeout)
             return False
+        if self._woken:
+            self._woken = False
+            return True
+        if self._probe is not None and time.monotonic() - self._heard_at > PROBE_INTERVAL:
+            if not self._proven(conn):
+                self._stop.wait(timeout)
+                return False
+            self._heard_at = time.monotonic()
         remaining = timeout
         try:
             # Wait in slices so that a stop request is seen within a fraction of a second.
@@ -69,6 +254,7 @@ class Waker:
                 if arrived:
                     for _ in conn.notifies(timeout=0.001):
                         pass
+                    self._heard_at = time.monotonic()
                     return True
                 remaining -= slice_
         except psycopg.Error as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -16,10 +17,11 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from opentelemetry.trace import Tracer
-from sqlalchemy import Connection, Engine
-from sqlalchemy.engine import RowMapping
+from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy.engine import RowMapping, make_url
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session
+from sqlalchemy.pool import NullPool
 
 from . import queries
 from .backoff import Backoff
@@ -94,9 +96,10 @@ class Worker:
     others run a second time, in a new transaction (handler contract: effects belong in the
     session).
 
-    Liveness: the worker's connection holds a session advisory lock on its claimant name. A
-    worker that dies, or whose connection is cut, loses the lock with its session, and other
-    workers claim its rows at once instead of after the lease. The lease stays the bound for a
+    Liveness: a session connection of the worker's own (``listen_url``, or db_url when it
+    keeps sessions) holds an advisory lock on its claimant name. A worker that dies, or whose
+    connection is cut, loses the lock with its session, and other workers claim its rows at
+    once instead of after the lease. The lease stays the bound for a
     worker that is alive but hung: the server ends its session after ``lease`` idle in a
     transaction. A row claimed before without finishing (a suspect: it may have killed its
     worker) is run alone, one suspect per claim, so a poison message cannot take its batch-mates
@@ -114,6 +117,7 @@ class Worker:
         waker_factory: Callable[[threading.Event], Waker | None] | None = None,
         listener: Listener | None = None,
         tracing: Tracing | None = None,
+        liveness_url: Callable[[], str | None] | None = None,
     ) -> None:
         self._listener = listener
         self._tracing = tracing or Tracing("")
@@ -126,6 +130,15 @@ class Worker:
         #: What this worker writes into ``locked_by``: its name and its connection's number.
         self.claimant = f"{self.name}/0"
         self._waker_factory = waker_factory
+        #: Where the liveness lock's session goes (a SQLAlchemy URL, or None for no lock);
+        #: by default the engine's own database (PostgreSQL only).
+        self._liveness_url = liveness_url or (
+            (lambda: engine.url.render_as_string(hide_password=False))
+            if engine.dialect.name == "postgresql"
+            else None
+        )
+        self._liveness_engine: Engine | None = None
+        self._liveness_conn: Connection | None = None
         self._stop = threading.Event()
         self.processed = 0
 
@@ -135,27 +148,65 @@ class Worker:
         `opened`: a connection to prepare instead of a new one from the engine (the asyncio
         worker passes the sync face of its AsyncConnection); it is closed if this fails.
 
-        Each connection gets a new `claimant` name and holds its liveness lock, so the claims
-        of an earlier connection of this worker, if it broke, are free to every worker at once.
-        The connection carries session settings and is never returned to the engine's pool:
-        closing it closes the database session. Raises SQLAlchemyError if the database cannot
-        be reached.
+        The connection itself carries no session state: each of its transactions sets its own
+        hang limit (`queries.limit_worker_transaction`, ``SET LOCAL``), so it may come from
+        and go back to any pool, and a pooler in transaction mode passes nothing on to its
+        other clients. Each call gets a new `claimant` name whose liveness lock is held on a
+        session connection of its own (`liveness_url`; see `close_liveness`), so the claims of
+        an earlier connection of this worker, if it broke, are free to every worker at once.
+        Without a liveness URL (behind a transaction pooler and no ``listen_url``) no lock is
+        held, and a dead worker's rows are free once their lease ends. Raises SQLAlchemyError
+        if the database cannot be reached.
         """
         conn = self._engine.connect() if opened is None else opened
         try:
             if conn.dialect.name == "postgresql":
-                conn.detach()  # session state (lock, timeout) must not reach another user
-            queries.configure_worker_session(conn, self._settings.lease)
-            while True:
-                claimant = f"{self.name}/{next(self._connections)}"
-                if queries.hold_claimant_lock(conn, claimant):
-                    break
-            conn.commit()
+                lease = self._settings.lease
+
+                def limit(c: Connection) -> None:
+                    queries.limit_worker_transaction(c.connection.dbapi_connection, lease)
+
+                event.listen(conn, "begin", limit)
+            claimant = self._hold_liveness(conn)
         except BaseException:
             conn.close()
             raise
         self.claimant = claimant
         return conn
+
+    def _hold_liveness(self, conn: Connection) -> str:
+        """A new claimant name, its liveness lock held (if anywhere) for as long as `conn`.
+
+        When the liveness URL is the engine's own (a direct database, or a pooler in session
+        mode: a session per client), the lock is held on `conn` itself, which then never goes
+        back to the engine's pool: a cut connection frees its claims at once. Otherwise (a
+        ``listen_url`` past a pooler in transaction mode) on a session connection of its own.
+        """
+        self.close_liveness()
+        claimant = f"{self.name}/{next(self._connections)}"
+        url = self._liveness_url() if self._liveness_url is not None else None
+        if url is None:
+            return claimant
+        holder = conn
+        if make_url(url) == self._engine.url:
+            conn.detach()  # the session's lock must not reach another user of the pool
+        else:
+            if self._liveness_engine is None or self._liveness_engine.url != make_url(url):
+                # One session per worker, opened and closed with it: no pool.
+                self._liveness_engine = create_engine(url, poolclass=NullPool)
+            holder = self._liveness_engine.connect()
+            self._liveness_conn = holder
+        while not queries.hold_claimant_lock(holder, claimant):
+            claimant = f"{self.name}/{next(self._connections)}"
+        holder.commit()
+        return claimant
+
+    def close_liveness(self) -> None:
+        """Close the liveness session: the current claimant's rows are free to every worker."""
+        if self._liveness_conn is not None:
+            with contextlib.suppress(SQLAlchemyError):
+                self._liveness_conn.close()
+            self._liveness_conn = None
 
     def run(self, stop: threading.Event, *, on_started: Callable[[], None] | None = None) -> None:
         """Handle messages until `stop` is set; the batch in hand is finished first."""
@@ -190,6 +241,7 @@ class Worker:
         finally:
             if conn is not None:
                 conn.close()
+            self.close_liveness()
             if waker is not None:
                 waker.close()
 

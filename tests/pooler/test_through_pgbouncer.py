@@ -1,0 +1,252 @@
+"""The library behind PgBouncer: session and transaction pooling next to a direct connection.
+
+Each test runs the real roles against a real PgBouncer (tests/pooler/bouncer.py) in front of
+the tests' PostgreSQL; the schema is migrated on the direct URL, as docs/runbook.md says.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.orm import Session
+
+from helpers import make_service, rows, scalar, wait_until
+from outbox_inbox import Service
+from outbox_inbox.archive import Archiver
+from outbox_inbox.messages import Message
+
+from .bouncer import PgBouncerServer
+from .conftest import POOL_SIZE
+
+#: The ways in: (name, way to the database, listen_url given).
+WAYS = [
+    ("direct", "direct", False),
+    ("session", "session", False),
+    ("transaction", "transaction", False),
+    ("transaction+listen_url", "transaction", True),
+]
+#: Where each flow test writes its measurements (for the report on the mode table).
+REPORT = Path(os.environ.get("OUTBOX_INBOX_POOLER_REPORT", "/tmp/outbox-inbox-pooler.jsonl"))
+
+
+def _settings(way: str, db_url: str, listen: bool) -> dict[str, Any]:
+    """The settings docs/runbook.md gives for each way in."""
+    settings: dict[str, Any] = {}
+    if way == "transaction":
+        settings["prepare_threshold"] = None  # PgBouncer 1.18 keeps no prepared statements
+    if listen:
+        settings["listen_url"] = db_url
+    return settings
+
+
+def _user_engine(url: str, way: str) -> Any:
+    """The application's own engine, configured as docs/runbook.md shows for its pooler."""
+    args = {"prepare_threshold": None} if way == "transaction" else {}
+    return create_engine(url, connect_args=args)
+
+
+@contextmanager
+def _running(service: Service, **kwargs: Any) -> Iterator[Service]:
+    service.start(**kwargs)
+    try:
+        yield service
+    finally:
+        service.close()
+
+
+@pytest.mark.parametrize(("label", "way", "listen"), WAYS, ids=[w[0] for w in WAYS])
+def test_commands_flow_exactly_once_with_no_failed_user_transaction(
+    label: str,
+    way: str,
+    listen: bool,
+    db_url: str,
+    mq_url: str,
+    pooled: Callable[[str, str], str],
+) -> None:
+    make_service("orders", db_url, mq_url).engine.dispose()  # migrated on the direct URL
+    url = pooled(db_url, way)
+    service = Service("orders", db_url=url, mq_url=mq_url, **_settings(way, db_url, listen))
+
+    @service.on_command("thing.do")
+    def do(message: Message, session: Session) -> None:
+        session.execute(
+            text("INSERT INTO effects (message_id, type) VALUES (:m, :t)"),
+            {"m": str(message.message_id), "t": message.type},
+        )
+
+    count = 40
+    committed: dict[str, float] = {}
+    failed: list[BaseException] = []
+    user_engine = _user_engine(url, way)
+    with _running(service):
+        for n in range(count):
+            try:
+                with Session(user_engine) as session, session.begin():
+                    message_id = service.outbox.send(session, "orders", "thing.do", {"n": n})
+                committed[str(message_id)] = time.time()
+            except Exception as exc:
+                failed.append(exc)
+            time.sleep(0.1)  # one message at a time: latency, not throughput
+        wait_until(
+            lambda: scalar(db_url, "SELECT count(*) FROM effects") >= count - len(failed),
+            timeout=30,
+            what="every committed command handled",
+        )
+        wakeups = service.wakeups()
+    user_engine.dispose()
+
+    assert failed == []
+    effects = rows(db_url, "SELECT message_id, extract(epoch FROM at) FROM effects")
+    assert sorted(m for m, _ in effects) == sorted(committed)  # once each
+    inbox = rows(db_url, "SELECT attempts, finished, last_error FROM outbox_inbox.inbox_messages")
+    assert [tuple(r) for r in inbox] == [(1, 1, None)] * count  # no failed attempt
+    latencies = sorted(float(at) - committed[m] for m, at in effects)
+    assert latencies[-1] < 5, f"a message waited {latencies[-1]:.1f}s"
+    # Wake-ups reach the roles except through a transaction pooler without listen_url.
+    assert wakeups is (not (way == "transaction" and not listen))
+    with REPORT.open("a") as report:
+        report.write(
+            json.dumps(
+                {
+                    "mode": label,
+                    "effects_once": len(effects) == count,
+                    "failed_user_transactions": len(failed),
+                    "median": statistics.median(latencies),
+                    "p90": latencies[int(0.9 * (len(latencies) - 1))],
+                    "max": latencies[-1],
+                    "wakeups": wakeups,
+                }
+            )
+            + "\n"
+        )
+
+
+@pytest.mark.parametrize("way", ["direct", "session", "transaction"])
+def test_a_hung_handler_is_cut_off_after_the_lease_and_another_worker_handles_it(
+    way: str, db_url: str, mq_url: str, pooled: Callable[[str, str], str]
+) -> None:
+    make_service("orders", db_url, mq_url).engine.dispose()
+    service = Service(
+        "orders",
+        db_url=pooled(db_url, way),
+        mq_url=mq_url,
+        lease=2,
+        worker_poll_interval=0.2,
+        relay_poll_interval=0.2,
+        **_settings(way, db_url, way == "transaction"),
+    )
+    runs: list[str] = []
+    release = threading.Event()
+
+    @service.on_command("thing.do")
+    def do(message: Message, session: Session) -> None:
+        runs.append("run")
+        info = "ok"
+        if len(runs) == 1:
+            session.execute(text("SELECT 1"))  # the transaction holds its row lock
+            release.wait(20)  # hangs, idle in its transaction, well past the lease
+            info = "hung"
+        session.execute(
+            text("INSERT INTO effects (message_id, type, info) VALUES (:m, :t, :i)"),
+            {"m": str(message.message_id), "t": message.type, "i": info},
+        )
+
+    with _running(service, workers=2):
+        with Session(service.engine) as session, session.begin():
+            service.outbox.send(session, "orders", "thing.do", {})
+        started = time.monotonic()
+        # The other worker can only take the row once the server ended the hung transaction.
+        wait_until(
+            lambda: scalar(db_url, "SELECT count(*) FROM effects") == 1,
+            timeout=12,
+            what="the message handled by the other worker while the first still hangs",
+        )
+        assert time.monotonic() - started < 12
+        assert not release.is_set()
+        release.set()
+        time.sleep(1)  # the hung handler returns and tries to commit
+    assert rows(db_url, "SELECT info FROM effects") == [("ok",)]
+    assert len(runs) == 2
+
+
+@pytest.mark.parametrize("way", ["direct", "session", "transaction"])
+def test_three_archive_runs_back_to_back_each_take_the_lock(
+    way: str, db_url: str, mq_url: str, pooled: Callable[[str, str], str], tmp_path: Path
+) -> None:
+    make_service("orders", db_url, mq_url).engine.dispose()
+    service = Service("orders", db_url=pooled(db_url, way), **_settings(way, db_url, False))
+    for run in range(3):
+        with Session(service.engine) as session, session.begin():
+            for n in range(3):
+                service.outbox.send(session, "billing", "invoice.create", {"run": run, "n": n})
+        with service.engine.begin() as conn:
+            conn.execute(text("UPDATE outbox_inbox.outbox_messages SET published_at = now()"))
+        result = Archiver(
+            service.engine, service.tables, "orders", tmp_path, older_than=timedelta(0)
+        ).run()
+        assert result.rows["outbox"] == 3
+    assert scalar(db_url, "SELECT count(*) FROM outbox_inbox.outbox_messages") == 0
+    assert len(list(tmp_path.rglob("*.parquet"))) >= 3
+    service.close()
+
+
+def test_a_fresh_client_of_the_transaction_pool_sees_the_server_defaults(
+    db_url: str, mq_url: str, bouncers: dict[str, PgBouncerServer], tmp_path: Path
+) -> None:
+    """After the roles, a probe that fails and an archive ran through the pool, every server
+    connection of the pool looks to the next client as a new session would."""
+    make_service("orders", db_url, mq_url).engine.dispose()
+    url = bouncers["transaction"].url(db_url)
+    service = Service(
+        "orders", db_url=url, mq_url=mq_url, prepare_threshold=None, worker_poll_interval=0.1
+    )
+
+    @service.on_command("thing.do")
+    def do(message: Message, session: Session) -> None:
+        session.execute(
+            text("INSERT INTO effects (message_id, type) VALUES (:m, 'x')"),
+            {"m": str(message.message_id)},
+        )
+
+    with _running(service, workers=2):
+        for _ in range(10):
+            with Session(service.engine) as session, session.begin():
+                service.outbox.send(session, "orders", "thing.do", {})
+        wait_until(lambda: scalar(db_url, "SELECT count(*) FROM effects") == 10, timeout=20)
+        assert service.wakeups() is False
+    Archiver(service.engine, service.tables, "orders", tmp_path, older_than=timedelta(0)).run()
+
+    check = (
+        "SELECT current_setting('idle_in_transaction_session_timeout'),"
+        " current_setting('tcp_keepalives_idle'),"
+        " (SELECT count(*) FROM pg_listening_channels()),"
+        " (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()),"
+        " pg_backend_pid()"
+    )
+    with psycopg.connect(db_url.replace("+psycopg", "")) as direct:
+        fresh = direct.execute(check).fetchone()
+    assert fresh is not None
+    conninfo = url.replace("+psycopg", "")
+    clients = [psycopg.connect(conninfo) for _ in range(POOL_SIZE)]
+    try:
+        # Each client in a transaction holds a server connection of its own: all of the pool.
+        seen = [client.execute(check).fetchone() for client in clients]
+    finally:
+        for client in clients:
+            client.close()
+    assert len({s[4] for s in seen if s}) == POOL_SIZE
+    for values in seen:
+        assert values is not None
+        assert values[:4] == (fresh[0], fresh[1], 0, 0), values
