@@ -29,11 +29,18 @@ SHAPES = [
 PASSWORDS = ["Plain7x", "Sl/ash9", "At@sign8", "Co:lon6", "Pe%rcent5", "Mix/@:%4", "/Lead3"]
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("password", PASSWORDS)
+#: Every shape with every password, but an '@' in the password of a URL without a host: that
+#: '@' makes a host of what follows, a valid URL whose password is what precedes it.
+CASES = [
+    (shape, password)
+    for shape in SHAPES
+    for password in PASSWORDS
+    if not ("@" in password and "@" not in shape)
+]
+
+
+@pytest.mark.parametrize(("shape", "password"), CASES)
 def test_mask_url_hides_the_password_of_every_url_shape(shape: str, password: str) -> None:
-    if "@" in password and "@" not in shape:
-        pytest.skip("an '@' in the password of a URL without a host makes a host: a valid URL")
     text = "error: " + shape.format(pw=password) + " and more"
     masked = mask_url(text)
     assert password not in masked, masked
