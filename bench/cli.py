@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/run.py [--messages 20000] [--db-url URL] [--mq-url URL] [--json FILE]
 
-Without --db-url / --mq-url it starts its own PostgreSQL and RabbitMQ with tests/servers.py.
+Without --db-url / --mq-url it starts its own PostgreSQL and RabbitMQ with
+outbox_inbox.testing.servers.
 Everything runs in one run, on the same servers, one phase after the other. bench/README.md
 explains each figure. This is a benchmark, not a test: it only fails when a phase cannot finish.
 """

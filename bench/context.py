@@ -6,19 +6,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import importlib.util
 import io
 import multiprocessing
 import os
 import platform
 import pstats
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pika
@@ -33,21 +30,10 @@ from bench.timing import BenchError, Figure, Threads, Timer, fmt, log
 from bench.wire import EVENT_NAME, make_wires
 from outbox_inbox import Service
 from outbox_inbox.messages import EVENTS_EXCHANGE
+from outbox_inbox.testing.servers import PostgresServer, RabbitMQServer
 
 ROOT = Path(__file__).resolve().parent.parent
 Statement = str | SQL | Composed
-
-
-def load_servers_module() -> ModuleType:
-    """tests/servers.py, imported by path (it is a plain module, not a package)."""
-    path = ROOT / "tests" / "servers.py"
-    spec = importlib.util.spec_from_file_location("outbox_inbox_bench_servers", path)
-    if spec is None or spec.loader is None:
-        raise BenchError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def sqlalchemy_db_url(url: str) -> str:
@@ -95,7 +81,7 @@ class Context:
         self.threads = Threads()
         self.threads.profile = self.profile
         self.profile_dir: Path | None = Path(args.profile) if args.profile else None
-        self.servers: list[Any] = []
+        self.servers: list[PostgresServer | RabbitMQServer] = []
         self.children: list[tuple[Any, Any]] = []  # (process, stop event)
         self.services: list[Service] = []
         self.extra_schemas: list[str] = []  # made by peers; dropped on external servers
@@ -251,16 +237,12 @@ class Context:
 
     def setup(self) -> None:
         args = self.args
-        servers_module: ModuleType | None = None
-        if not args.db_url or not args.mq_url:
-            servers_module = load_servers_module()
         if args.db_url:
             self.db_url = sqlalchemy_db_url(args.db_url)
             self.external = True
         else:
-            assert servers_module is not None
             print("starting PostgreSQL ...", flush=True)
-            pg = servers_module.PostgresServer()
+            pg = PostgresServer()
             self.servers.append(pg)
             pg.start()
             self.db_url = pg.url("postgres")
@@ -268,20 +250,14 @@ class Context:
             self.mq_url = args.mq_url
             self.external = True
         else:
-            assert servers_module is not None
             print("starting RabbitMQ ...", flush=True)
-            mq = servers_module.RabbitMQServer()
+            mq = RabbitMQServer()
             self.servers.append(mq)
             mq.start()
             self.mq_url = mq.url
         self.conninfo = psycopg_conninfo(self.db_url)
         self.params = pika.URLParameters(self.mq_url)
-        Timer.server_pids = frozenset(
-            proc.pid
-            for server in self.servers
-            for proc in (getattr(server, "_proc", None), getattr(server, "_epmd", None))
-            if proc is not None
-        )
+        Timer.server_pids = frozenset(pid for server in self.servers for pid in server.pids)
 
         a_name, _ = service_names(self.tag)
         self.a = build_service_a(self.tag, self.db_url, self.mq_url)
