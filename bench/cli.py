@@ -112,6 +112,22 @@ def _group_list(value: str) -> list[str]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = _parser()
+    _add_latency_and_memory_options(parser)
+    args = parser.parse_args(argv)
+    if args.messages < WINDOW:
+        parser.error(f"--messages must be at least {WINDOW}")
+    if args.raw_repeats < 1:
+        parser.error("--raw-repeats must be at least 1")
+    if args.latency_rate <= 0 or args.latency_seconds <= 0 or args.latency_writers < 1:
+        parser.error("--latency-rate, --latency-seconds and --latency-writers must be positive")
+    if args.memory_rows < 1 or args.memory_seconds < 0:
+        parser.error("--memory-rows must be positive and --memory-seconds not negative")
+    return args
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The options of every run: size, servers, output, profiling and the groups."""
     doc = __doc__ or ""
     prog = "python -m bench" if sys.argv[0].endswith("__main__.py") else "bench/run.py"
     parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
@@ -150,6 +166,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="GROUP[,GROUP]",
         help="run only these groups (processes and async need library)",
     )
+    return parser
+
+
+def _add_latency_and_memory_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--latency-rate", type=float, default=1000.0, help="(L) offered messages per second"
     )
@@ -174,16 +194,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=45.0,
         help="(M) stop each role after this long; 0 = when its backlog is done (default 45)",
     )
-    args = parser.parse_args(argv)
-    if args.messages < WINDOW:
-        parser.error(f"--messages must be at least {WINDOW}")
-    if args.raw_repeats < 1:
-        parser.error("--raw-repeats must be at least 1")
-    if args.latency_rate <= 0 or args.latency_seconds <= 0 or args.latency_writers < 1:
-        parser.error("--latency-rate, --latency-seconds and --latency-writers must be positive")
-    if args.memory_rows < 1 or args.memory_seconds < 0:
-        parser.error("--memory-rows must be positive and --memory-seconds not negative")
-    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -236,6 +236,22 @@ class Context:
     # -- setup -----------------------------------------------------------------------------
 
     def setup(self) -> None:
+        """Start or reach the servers, build services A and B and the raw tables and queues."""
+        self._connect_servers()
+        a_name = self._build_services()
+        mq_version = self._make_raw_objects()
+        self._describe_environment(mq_version)
+        self.wires = make_wires(self.n, a_name, EVENTS_EXCHANGE, f"{a_name}.{EVENT_NAME}")
+        body = sum(len(w.body) for w in self.wires) / self.n
+        self.environment["body_bytes"] = round(body, 1)
+        env = self.environment
+        print(
+            f"\n{self.n} messages of {body:.0f} body bytes + {len(self.wires[0].headers)} headers;"
+            f" PostgreSQL {env['postgresql']}, RabbitMQ {env['rabbitmq']}, {env['cpus']} CPUs\n",
+            flush=True,
+        )
+
+    def _connect_servers(self) -> None:
         args = self.args
         if args.db_url:
             self.db_url = sqlalchemy_db_url(args.db_url)
@@ -259,18 +275,24 @@ class Context:
         self.params = pika.URLParameters(self.mq_url)
         Timer.server_pids = frozenset(pid for server in self.servers for pid in server.pids)
 
+    def _build_services(self) -> str:
+        """Services A and B, migrated, their topology declared; returns A's name."""
         a_name, _ = service_names(self.tag)
         self.a = build_service_a(self.tag, self.db_url, self.mq_url)
         self.b, self.effects = build_service_b(self.tag, self.db_url, self.mq_url)
         self.services += [self.a, self.b]
-        b_schema = self.b.settings.schema
 
         self.a.migrate()
         self.b.migrate()
         self.effects.create(self.b.engine)
         self.a.declare_topology()
         self.b.declare_topology()
+        return a_name
 
+    def _make_raw_objects(self) -> Any:
+        """The raw figures' tables and queues, shaped like the library's; returns RabbitMQ's
+        version as the broker reports it."""
+        b_schema = self.b.settings.schema
         a_out = sql.Identifier(self.a.settings.schema, "outbox_messages")
         b_in = sql.Identifier(b_schema, "inbox_messages")
         self.sql(
@@ -293,7 +315,9 @@ class Context:
             server = channel.connection._impl.server_properties or {}
             return server.get("version", b"")
 
-        mq_version = self.channel_call(declare)
+        return self.channel_call(declare)
+
+    def _describe_environment(self, mq_version: Any) -> None:
         self.environment = {
             "python": platform.python_version(),
             "platform": platform.platform(),
@@ -308,15 +332,6 @@ class Context:
             "library_commit": git("rev-parse", "--short", "HEAD"),
             "library_dirty": bool(git("status", "--porcelain", "--", "outbox_inbox")),
         }
-        self.wires = make_wires(self.n, a_name, EVENTS_EXCHANGE, f"{a_name}.{EVENT_NAME}")
-        body = sum(len(w.body) for w in self.wires) / self.n
-        self.environment["body_bytes"] = round(body, 1)
-        env = self.environment
-        print(
-            f"\n{self.n} messages of {body:.0f} body bytes + {len(self.wires[0].headers)} headers;"
-            f" PostgreSQL {env['postgresql']}, RabbitMQ {env['rabbitmq']}, {env['cpus']} CPUs\n",
-            flush=True,
-        )
 
     # -- cleanup ---------------------------------------------------------------------------
 

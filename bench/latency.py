@@ -58,10 +58,88 @@ def measure(ctx: Context) -> None:
     if ctx.profile:
         ctx.skipped("L", "under --profile (its roles run where cProfile cannot follow them)")
         return
-    rate: float = ctx.args.latency_rate
-    seconds: float = ctx.args.latency_seconds
-    writers: int = ctx.args.latency_writers
-    total = max(1, round(rate * seconds))
+    load = _Load(ctx)
+    _empty_tables(ctx)
+    child, ready = ctx.start_child("service-b", serve_b, ctx.tag, ctx.db_url, ctx.mq_url)
+    a_child = ctx.start_child("service-a", serve_a, ctx.tag, ctx.db_url, ctx.mq_url)
+    pids = ctx.wait_ready([(child, ready), a_child], "services A and B")
+    print(
+        f"  L    {load.rate:,.0f} msg/s offered for {load.seconds:.0f} s by {load.writers} writer"
+        f" threads; services A and B run in processes {a_child[0].pid} and {child.pid}",
+        flush=True,
+    )
+    try:
+        with ctx.a.engine.connect():
+            pass
+        with Timer(extra_pids=pids) as timer:
+            written = load.run()
+            _wait_handled(ctx, load.total, [child, a_child[0]])
+    finally:
+        ctx.stop_children()
+    times = {
+        "published": epochs(ctx, ctx.a_table("outbox_messages"), "published_at"),
+        "received": epochs(ctx, ctx.b_table("inbox_messages"), "received_at"),
+        "handled": epochs(ctx, ctx.b_table("bench_effects"), "handled_at"),
+    }
+    committed = load.committed
+    ms = sorted(
+        (at - committed[mid]) * 1000 for mid, at in times["handled"].items() if mid in committed
+    )
+    if len(ms) != load.total:
+        raise BenchError(f"latency: {len(ms)} of {load.total} messages matched a commit time")
+    result = _result(load, written, ms, _stages(committed, times), timer)
+    ctx.results["latency"] = result
+    _print_result(result)
+
+
+class _Load:
+    """The writer threads and their shared schedule: message i is due at start + i / rate."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.rate: float = ctx.args.latency_rate
+        self.seconds: float = ctx.args.latency_seconds
+        self.writers: int = ctx.args.latency_writers
+        self.total = max(1, round(self.rate * self.seconds))
+        self.committed: dict[uuid.UUID, float] = {}
+        self.late: list[float] = []  # how far behind schedule each writer fell, at most
+        self.errors: list[str] = []
+
+    def write(self, k: int, start: float) -> None:
+        worst = 0.0
+        svc = self.ctx.a
+        try:
+            for i in range(k, self.total, self.writers):
+                delay = start + i / self.rate - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                else:
+                    worst = max(worst, -delay)
+                with svc.engine.begin() as conn:
+                    mid = svc.outbox.publish(conn, EVENT_NAME, payload(i))
+                self.committed[mid] = time.time()
+        except Exception as exc:
+            self.errors.append(repr(exc))
+        self.late.append(worst)
+
+    def run(self) -> float:
+        """Offer the whole load; returns the seconds the writers took."""
+        start = time.perf_counter() + 0.1
+        threads = [
+            threading.Thread(target=self.write, args=(k, start), name=f"bench-writer-{k}")
+            for k in range(self.writers)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        written = time.perf_counter() - start
+        if self.errors:
+            raise BenchError(f"latency writer: {self.errors[0]}")
+        return written
+
+
+def _empty_tables(ctx: Context) -> None:
     ctx.sql(
         sql.SQL("TRUNCATE {}, {}, {}, {}").format(
             ctx.a_table("outbox_messages"),
@@ -75,72 +153,25 @@ def measure(ctx: Context) -> None:
         ctx.b_table("inbox_messages"),
         ctx.b_table("bench_effects"),
     )
-    child, ready = ctx.start_child("service-b", serve_b, ctx.tag, ctx.db_url, ctx.mq_url)
-    a_child = ctx.start_child("service-a", serve_a, ctx.tag, ctx.db_url, ctx.mq_url)
-    pids = ctx.wait_ready([(child, ready), a_child], "services A and B")
-    committed: dict[uuid.UUID, float] = {}
-    late: list[float] = []  # how far behind schedule each writer fell, at most
-    errors: list[str] = []
-    engine = ctx.a.engine
 
-    def write(k: int, start: float) -> None:
-        worst = 0.0
-        try:
-            for i in range(k, total, writers):
-                delay = start + i / rate - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
-                else:
-                    worst = max(worst, -delay)
-                with engine.begin() as conn:
-                    mid = ctx.a.outbox.publish(conn, EVENT_NAME, payload(i))
-                committed[mid] = time.time()
-        except Exception as exc:
-            errors.append(repr(exc))
-        late.append(worst)
 
+def _wait_handled(ctx: Context, total: int, children: list[Any]) -> None:
+    """Until B's handler has written `total` rows (60 s at most after the last commit)."""
     count = sql.SQL("SELECT count(*) FROM {}").format(ctx.b_table("bench_effects"))
-    print(
-        f"  L    {rate:,.0f} msg/s offered for {seconds:.0f} s by {writers} writer threads;"
-        f" services A and B run in processes {a_child[0].pid} and {child.pid}",
-        flush=True,
-    )
-    try:
-        with engine.connect():
-            pass
-        with Timer(extra_pids=pids) as timer:
-            start = time.perf_counter() + 0.1
-            threads = [
-                threading.Thread(target=write, args=(k, start), name=f"bench-writer-{k}")
-                for k in range(writers)
-            ]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-            written = time.perf_counter() - start
-            if errors:
-                raise BenchError(f"latency writer: {errors[0]}")
-            deadline = time.monotonic() + 60
-            while (ctx.scalar(count) or 0) < total:
-                if not child.is_alive() or not a_child[0].is_alive():
-                    raise BenchError("the process of service A or B died")
-                if time.monotonic() > deadline:
-                    raise BenchError("latency: messages not handled 60 s after the last commit")
-                time.sleep(0.05)
-    finally:
-        ctx.stop_children()
-    times = {
-        "published": epochs(ctx, ctx.a_table("outbox_messages"), "published_at"),
-        "received": epochs(ctx, ctx.b_table("inbox_messages"), "received_at"),
-        "handled": epochs(ctx, ctx.b_table("bench_effects"), "handled_at"),
-    }
-    handled = times["handled"]
-    ms = sorted((at - committed[mid]) * 1000 for mid, at in handled.items() if mid in committed)
-    if len(ms) != total:
-        raise BenchError(f"latency: {len(ms)} of {total} messages matched a commit time")
-    # Where the time goes: the relay's claim (published_at is its transaction's start), the
-    # receiver's insert (received_at, likewise), the handler (handled_at).
+    deadline = time.monotonic() + 60
+    while (ctx.scalar(count) or 0) < total:
+        if not all(child.is_alive() for child in children):
+            raise BenchError("the process of service A or B died")
+        if time.monotonic() > deadline:
+            raise BenchError("latency: messages not handled 60 s after the last commit")
+        time.sleep(0.05)
+
+
+def _stages(
+    committed: dict[uuid.UUID, float], times: dict[str, dict[uuid.UUID, float]]
+) -> dict[str, dict[str, float]]:
+    """Where the time goes: the relay's claim (published_at is its transaction's start), the
+    receiver's insert (received_at, likewise), the handler (handled_at)."""
     starts = {"committed": committed, **times}
     stages = {}
     for name, (since, until) in STAGES.items():
@@ -150,13 +181,19 @@ def measure(ctx: Context) -> None:
             if mid in starts[since] and mid in starts[until]
         )
         stages[name] = {"p50_ms": percentile(spans, 50), "p99_ms": percentile(spans, 99)}
-    result: dict[str, Any] = {
-        "offered_rate": rate,
-        "achieved_rate": total / written if written > 0 else None,
-        "seconds": seconds,
-        "writers": writers,
-        "messages": total,
-        "writer_max_late_ms": max(late) * 1000 if late else None,
+    return stages
+
+
+def _result(
+    load: _Load, written: float, ms: list[float], stages: dict[str, Any], timer: Timer
+) -> dict[str, Any]:
+    return {
+        "offered_rate": load.rate,
+        "achieved_rate": load.total / written if written > 0 else None,
+        "seconds": load.seconds,
+        "writers": load.writers,
+        "messages": load.total,
+        "writer_max_late_ms": max(load.late) * 1000 if load.late else None,
         "p50_ms": percentile(ms, 50),
         "p90_ms": percentile(ms, 90),
         "p99_ms": percentile(ms, 99),
@@ -167,15 +204,17 @@ def measure(ctx: Context) -> None:
         "server_cores": timer.server_cores,
         "other_cores": timer.other_cores,
     }
-    ctx.results["latency"] = result
+
+
+def _print_result(result: dict[str, Any]) -> None:
     print(
         f"  L    commit -> handled: p50 {result['p50_ms']:.1f} ms, p90 {result['p90_ms']:.1f} ms,"
         f" p99 {result['p99_ms']:.1f} ms, max {result['max_ms']:.1f} ms"
-        f" ({total} messages at {result['achieved_rate']:,.0f} msg/s;"
+        f" ({result['messages']} messages at {result['achieved_rate']:,.0f} msg/s;"
         f" writers at most {result['writer_max_late_ms']:.1f} ms late)",
         flush=True,
     )
-    for name, stage in stages.items():
+    for name, stage in result["stages"].items():
         print(
             f"       {name:<36} p50 {stage['p50_ms']:8.1f} ms, p99 {stage['p99_ms']:8.1f} ms",
             flush=True,

@@ -27,90 +27,116 @@ def raw_publish_window(
     timeout: float,
 ) -> Timer:
     """(a) SelectConnection, confirm mode, up to `window` unconfirmed, refilled on each confirm."""
-    n = len(wires)
-    timer = Timer()
-    state: dict[str, Any] = {"sent": 0, "through": 0, "nacked": 0, "error": None, "done": False}
-    singles: set[int] = set()  # tags above `through` confirmed one by one
-    channel_box: list[Any] = []
+    publisher = _WindowPublisher(exchange, routing_key, wires, window, timeout)
+    publisher.run(params)
+    if publisher.error:
+        raise BenchError(f"raw publish: {publisher.error}")
+    if publisher.nacked:
+        raise BenchError(f"raw publish: {publisher.nacked} nacks")
+    return publisher.timer
 
-    def confirmed() -> int:
-        return int(state["through"]) + len(singles)
 
-    def pump() -> None:
-        channel = channel_box[0]
-        while state["sent"] < n and state["sent"] - confirmed() < window:
-            wire = wires[state["sent"]]
-            channel.basic_publish(
-                exchange, routing_key, wire.body, properties=pika_properties(wire), mandatory=True
+class _WindowPublisher:
+    """The callbacks of (a) on one SelectConnection: publish until `window` messages wait for
+    their confirm, refill on each confirm, stop the clock when the last one is confirmed."""
+
+    def __init__(
+        self,
+        exchange: str,
+        routing_key: str,
+        wires: Sequence[WireMessage],
+        window: int,
+        timeout: float,
+    ) -> None:
+        self.exchange, self.routing_key = exchange, routing_key
+        self.wires, self.n, self.window, self.timeout = wires, len(wires), window, timeout
+        self.timer = Timer()
+        self.sent = self.through = self.nacked = 0
+        self.error: str | None = None
+        self.done = False
+        self.singles: set[int] = set()  # tags above `through` confirmed one by one
+        self.channel: Any = None
+        self.connection: Any = None
+
+    def run(self, params: pika.ConnectionParameters) -> None:
+        connection = self.connection = pika.SelectConnection(
+            params,
+            on_open_callback=self.on_open,
+            on_open_error_callback=self.on_open_error,
+            on_close_callback=self.on_close,
+        )
+        connection.ioloop.call_later(self.timeout, self.on_timeout)
+        try:
+            connection.ioloop.start()
+        finally:
+            if not connection.is_closed:
+                with contextlib.suppress(Exception):
+                    connection.close()
+                    connection.ioloop.call_later(5, connection.ioloop.stop)
+                    connection.ioloop.start()
+
+    def confirmed(self) -> int:
+        return self.through + len(self.singles)
+
+    def pump(self) -> None:
+        while self.sent < self.n and self.sent - self.confirmed() < self.window:
+            wire = self.wires[self.sent]
+            self.channel.basic_publish(
+                self.exchange,
+                self.routing_key,
+                wire.body,
+                properties=pika_properties(wire),
+                mandatory=True,
             )
-            state["sent"] += 1
+            self.sent += 1
 
-    def on_confirm(frame: Any) -> None:
+    def on_confirm(self, frame: Any) -> None:
         method = frame.method
         if not isinstance(method, Basic.Ack):
-            state["nacked"] += 1
+            self.nacked += 1
         tag = int(method.delivery_tag)
         if method.multiple:
-            if tag > state["through"]:
-                state["through"] = tag
-                for t in [t for t in singles if t <= tag]:
-                    singles.discard(t)
-        elif tag > state["through"]:
-            singles.add(tag)
-        while state["through"] + 1 in singles:
-            singles.discard(state["through"] + 1)
-            state["through"] += 1
-        if confirmed() >= n:
-            timer.stop()
-            state["done"] = True
-            connection.close()
+            if tag > self.through:
+                self.through = tag
+                for t in [t for t in self.singles if t <= tag]:
+                    self.singles.discard(t)
+        elif tag > self.through:
+            self.singles.add(tag)
+        while self.through + 1 in self.singles:
+            self.singles.discard(self.through + 1)
+            self.through += 1
+        if self.confirmed() >= self.n:
+            self.timer.stop()
+            self.done = True
+            self.connection.close()
         else:
-            pump()
+            self.pump()
 
-    def on_select_ok(_frame: Any) -> None:
-        timer.start()
-        pump()
+    def on_select_ok(self, _frame: Any) -> None:
+        self.timer.start()
+        self.pump()
 
-    def on_channel(channel: Any) -> None:
-        channel_box.append(channel)
-        channel.confirm_delivery(ack_nack_callback=on_confirm, callback=on_select_ok)
+    def on_channel(self, channel: Any) -> None:
+        self.channel = channel
+        channel.confirm_delivery(ack_nack_callback=self.on_confirm, callback=self.on_select_ok)
 
-    def on_open(conn: Any) -> None:
-        conn.channel(on_open_callback=on_channel)
+    def on_open(self, conn: Any) -> None:
+        conn.channel(on_open_callback=self.on_channel)
 
-    def on_open_error(_conn: Any, error: Any) -> None:
-        state["error"] = f"cannot connect: {error!r}"
-        connection.ioloop.stop()
+    def on_open_error(self, _conn: Any, error: Any) -> None:
+        self.error = f"cannot connect: {error!r}"
+        self.connection.ioloop.stop()
 
-    def on_close(_conn: Any, reason: Any) -> None:
-        if not state["done"] and state["error"] is None:
-            state["error"] = f"connection closed: {reason!r}"
-        connection.ioloop.stop()
+    def on_close(self, _conn: Any, reason: Any) -> None:
+        if not self.done and self.error is None:
+            self.error = f"connection closed: {reason!r}"
+        self.connection.ioloop.stop()
 
-    def on_timeout() -> None:
-        state["error"] = f"timeout after {timeout:.0f} s ({confirmed()} of {n} confirmed)"
-        connection.close()
-
-    connection = pika.SelectConnection(
-        params,
-        on_open_callback=on_open,
-        on_open_error_callback=on_open_error,
-        on_close_callback=on_close,
-    )
-    connection.ioloop.call_later(timeout, on_timeout)
-    try:
-        connection.ioloop.start()
-    finally:
-        if not connection.is_closed:
-            with contextlib.suppress(Exception):
-                connection.close()
-                connection.ioloop.call_later(5, connection.ioloop.stop)
-                connection.ioloop.start()
-    if state["error"]:
-        raise BenchError(f"raw publish: {state['error']}")
-    if state["nacked"]:
-        raise BenchError(f"raw publish: {state['nacked']} nacks")
-    return timer
+    def on_timeout(self) -> None:
+        self.error = (
+            f"timeout after {self.timeout:.0f} s ({self.confirmed()} of {self.n} confirmed)"
+        )
+        self.connection.close()
 
 
 def raw_publish_sync(

@@ -191,7 +191,32 @@ def measure(ctx: Context) -> None:
         lambda: (n, raw_batch_insert(ctx.conninfo, ctx.t("inbox"), rows)),
         before=lambda: ctx.sql(sql.SQL("TRUNCATE {}").format(ctx.t("inbox"))),
     )
-    outbox_rows = [
+    outbox_rows = _outbox_rows(rows)
+    ctx.best_of(
+        Figure("c'", "psycopg insert outbox rows, 1 per INSERT, commit per 500", "raw", "rows/s"),
+        lambda: (n, raw_single_inserts(ctx.conninfo, ctx.t("outbox"), outbox_rows)),
+        before=lambda: ctx.sql(sql.SQL("TRUNCATE {}").format(ctx.t("outbox"))),
+    )
+    ctx.sql(
+        sql.SQL("CREATE TABLE {} AS SELECT * FROM {}").format(ctx.t("inbox_seed"), ctx.t("inbox"))
+    )
+    _measure_claims(ctx)
+    ctx.best_of(
+        Figure(
+            "n",
+            "naive loop: claim 1 SKIP LOCKED + mark + commit, per row",
+            "raw",
+            "rows/s",
+            note=f"each attempt stops after {NAIVE_MAX_SECONDS:.0f} s",
+        ),
+        lambda: raw_naive_loop(ctx.conninfo, ctx.t("inbox"), NAIVE_MAX_SECONDS),
+        before=lambda: reseed_raw_inbox(ctx),
+    )
+
+
+def _outbox_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The outbox rows of (c'): the columns `outbox.publish()` writes, for the same messages."""
+    return [
         {
             "message_id": r["message_id"],
             "kind": EVENT,
@@ -208,14 +233,11 @@ def measure(ctx: Context) -> None:
         }
         for r in rows
     ]
-    ctx.best_of(
-        Figure("c'", "psycopg insert outbox rows, 1 per INSERT, commit per 500", "raw", "rows/s"),
-        lambda: (n, raw_single_inserts(ctx.conninfo, ctx.t("outbox"), outbox_rows)),
-        before=lambda: ctx.sql(sql.SQL("TRUNCATE {}").format(ctx.t("outbox"))),
-    )
-    ctx.sql(
-        sql.SQL("CREATE TABLE {} AS SELECT * FROM {}").format(ctx.t("inbox_seed"), ctx.t("inbox"))
-    )
+
+
+def _measure_claims(ctx: Context) -> None:
+    """(d), (d') and (d''), each over the N rows of (c), reseeded before each attempt."""
+    n = ctx.n
     variants = (
         ("d", "claim 50 SKIP LOCKED + mark processed + commit", False, False),
         ("d'", "  the same + 1 INSERT per row (the handler's effect)", True, False),
@@ -236,14 +258,3 @@ def measure(ctx: Context) -> None:
         ctx.best_of(
             Figure(key, title, "raw", "rows/s"), claim, before=lambda: reseed_raw_inbox(ctx)
         )
-    ctx.best_of(
-        Figure(
-            "n",
-            "naive loop: claim 1 SKIP LOCKED + mark + commit, per row",
-            "raw",
-            "rows/s",
-            note=f"each attempt stops after {NAIVE_MAX_SECONDS:.0f} s",
-        ),
-        lambda: raw_naive_loop(ctx.conninfo, ctx.t("inbox"), NAIVE_MAX_SECONDS),
-        before=lambda: reseed_raw_inbox(ctx),
-    )
