@@ -30,6 +30,7 @@ PUBLIC = [
     "outbox_inbox.archive",
     "outbox_inbox.testing",
     "outbox_inbox.testing.broker_contract",
+    "outbox_inbox.testing.servers",
 ]
 
 
