@@ -36,6 +36,7 @@ from ..archive import INBOX, OUTBOX, SUBSCRIPTIONS, arrow_schema, require_pyarro
 from .audit import TOTALS
 
 SERVICES = ("orders", "billing", "shipping")
+_US = 1_000_000  # microseconds in a second: times are integer microseconds
 # (routing key, kind, producer, share of the messages)
 TYPES = (
     ("orders.order.placed", "event", "orders", 0.35),
@@ -106,23 +107,125 @@ def generate(
 ) -> Expected:
     """Write `messages` messages of history under `directory`; return what the audit must
     report when run with ``now=Expected.now`` and ``grace=Expected.grace``."""
-    import numpy as np
-
-    pa = require_pyarrow()
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
     faults = faults or Faults()
-    rng = np.random.default_rng(seed)
-    root = Path(directory)
-    us = 1_000_000
-    start_us = int(start.timestamp() * us)
-    span_us = int(span.total_seconds() * us)
-    end = start + span
-    grace = timedelta(minutes=5)
-    now = end + timedelta(minutes=1)
-    horizon_us = int((now - grace).timestamp() * us)
-    late_us = start_us + int(span_us * LATE_SHARE)
+    history = _History.begin(Path(directory), messages, faults, seed, start, span, chunk)
+    _write_subscriptions(history.root, start, history.late_us, history.pa, history.pq)
+    for first in range(0, messages, chunk):
+        batch = _chunk_messages(history, first)
+        _write_outbox(history, batch)
+        deliveries = _handle_deliveries(history, batch, *_expected_deliveries(history, batch))
+        _count_handlings(history, deliveries)
+        _write_inbox(history, batch, deliveries)
+    if faults.unexpected:
+        _write_unexpected(history, faults.unexpected)
+    return _expected(history, faults)
+
+
+@dataclass
+class _History:
+    """What `generate` carries from one chunk of messages to the next."""
+
+    root: Path
+    messages: int
+    chunk: int
+    rng: Any
+    pa: Any
+    pc: Any
+    pq: Any
+    start_us: int
+    span_us: int
+    now: datetime
+    grace: timedelta
+    horizon_us: int
+    late_us: int
+    fault_index: dict[str, Any]
+    row_faults: dict[str, int]
+    totals: Counter[str] = field(default_factory=Counter)
+    dead_by: Counter[tuple[str, str]] = field(default_factory=Counter)
+    retries_by: Counter[str] = field(default_factory=Counter)
+    samples: list[Any] = field(default_factory=list)
+    inbox_ids: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SERVICES, 0))
+
+    @classmethod
+    def begin(
+        cls,
+        root: Path,
+        messages: int,
+        faults: Faults,
+        seed: int,
+        start: datetime,
+        span: timedelta,
+        chunk: int,
+    ) -> _History:
+        """The window's clock and the fault messages picked; nothing written yet."""
+        import numpy as np
+
+        pa = require_pyarrow()
+        import pyarrow.compute as pc
+        import pyarrow.parquet as pq
+
+        rng = np.random.default_rng(seed)
+        start_us = int(start.timestamp() * _US)
+        span_us = int(span.total_seconds() * _US)
+        grace = timedelta(minutes=5)
+        now = start + span + timedelta(minutes=1)
+        return cls(
+            root=root,
+            messages=messages,
+            chunk=chunk,
+            rng=rng,
+            pa=pa,
+            pc=pc,
+            pq=pq,
+            start_us=start_us,
+            span_us=span_us,
+            now=now,
+            grace=grace,
+            horizon_us=int((now - grace).timestamp() * _US),
+            late_us=start_us + int(span_us * LATE_SHARE),
+            fault_index=_pick_fault_messages(rng, faults, messages, chunk),
+            row_faults={
+                "duplicates": faults.duplicates,
+                "retried": faults.retried,
+                "dead": faults.dead,
+            },
+        )
+
+
+@dataclass
+class _Chunk:
+    """One chunk of sent messages, by position in the chunk."""
+
+    first: int
+    n: int
+    index: Any
+    kind_of: Any
+    created: Any
+    published: Any
+    expired: Any
+    message_id: Any
+
+
+@dataclass
+class _Deliveries:
+    """The received deliveries of one chunk: message position, consumer and how it went."""
+
+    pos: Any
+    consumer: Any
+    twice: Any
+    routing: Any
+    received: Any
+    attempts: Any
+    status: Any
+    dead_reason: Any
+    last_error: Any
+    duplicates: Any
+    processed: Any
+
+
+def _pick_fault_messages(rng: Any, faults: Faults, messages: int, chunk: int) -> dict[str, Any]:
+    """The positions of each message fault's messages."""
+    import numpy as np
 
     # Fault messages are commands to billing (one delivery each, always expected) taken from
     # the first chunk's indices; each fault has its own messages.
@@ -141,208 +244,251 @@ def generate(
     for name, n in fault_sizes:
         fault_index[name] = np.sort(picked[offset : offset + n])
         offset += n
+    return fault_index
 
-    _write_subscriptions(root, start, late_us, pa, pq)
-    totals: Counter[str] = Counter()
-    dead_by: Counter[tuple[str, str]] = Counter()
-    retries_by: Counter[str] = Counter()
-    samples: list[Any] = []
-    inbox_ids = dict.fromkeys(SERVICES, 0)
+
+def _chunk_messages(h: _History, first: int) -> _Chunk:
+    """The messages from position `first` on: their types and times, with the message faults
+    placed in the first chunk."""
+    import numpy as np
+
+    n = min(h.chunk, h.messages - first)
+    index = np.arange(first, first + n, dtype=np.int64)
     shares = np.array([t[3] for t in TYPES])
-    row_faults = {"duplicates": faults.duplicates, "retried": faults.retried, "dead": faults.dead}
+    kind_of = h.rng.choice(len(TYPES), size=n, p=shares / shares.sum())
+    created = h.start_us + h.rng.integers(0, h.span_us, size=n)
+    published = created + h.rng.exponential(50_000, size=n).astype(np.int64) + 1
+    expired = np.zeros(n, dtype=bool)
+    if first == 0:
+        for name in ("lost", "in_flight", "handled_twice", "expired"):
+            kind_of[h.fault_index[name]] = CREATE
+        expired[h.fault_index["expired"]] = True
+        # In flight: published a minute before the audit, inside its grace period.
+        late = h.fault_index["in_flight"]
+        published[late] = h.horizon_us + 60 * _US
+        created[late] = published[late] - 1000
+    message_id = _ids(h.pc, h.pa, "0", index)
+    return _Chunk(first, n, index, kind_of, created, published, expired, message_id)
 
-    for first in range(0, messages, chunk):
-        n = min(chunk, messages - first)
-        index = np.arange(first, first + n, dtype=np.int64)
-        kind_of = rng.choice(len(TYPES), size=n, p=shares / shares.sum())
-        created = start_us + rng.integers(0, span_us, size=n)
-        published = created + rng.exponential(50_000, size=n).astype(np.int64) + 1
-        expired = np.zeros(n, dtype=bool)
-        if first == 0:
-            for name in ("lost", "in_flight", "handled_twice", "expired"):
-                kind_of[fault_index[name]] = CREATE
-            expired[fault_index["expired"]] = True
-            # In flight: published a minute before the audit, inside its grace period.
-            late = fault_index["in_flight"]
-            published[late] = horizon_us + 60 * us
-            created[late] = published[late] - 1000
-        message_id = _ids(pc, pa, "0", index)
 
-        # --- outbox rows, by producer ---
-        for producer in SERVICES:
-            mask = np.isin(kind_of, [i for i, t in enumerate(TYPES) if t[2] == producer])
-            if not mask.any():
-                continue
-            rows = {
-                "id": index[mask] + 1,
-                "message_id": pc.filter(message_id, pa.array(mask)),
-                "kind": np.array([TYPES[k][1] for k in range(len(TYPES))])[kind_of[mask]],
-                "exchange": np.where(
-                    np.array([TYPES[k][1] for k in range(len(TYPES))])[kind_of[mask]] == "event",
-                    "events",
-                    "commands",
-                ),
-                "routing_key": np.array([t[0] for t in TYPES])[kind_of[mask]],
-                "created_at": created[mask],
-                "available_at": created[mask],
-                "published_at": np.where(expired[mask], -1, published[mask]),
-                "expired_at": np.where(expired[mask], published[mask], -1),
-                "attempts": np.where(rng.random(mask.sum()) < 0.01, 1, 0).astype(np.int32),
-            }
-            totals["publish_retries"] += int(rows["attempts"][~expired[mask]].sum())
-            _write(root / producer, OUTBOX, producer, rows, created[mask], pa, pq, first)
-            totals["sent"] += int(mask.sum())
-        totals["commands"] += int(np.isin(kind_of, [CREATE, SHIP]).sum())
-        totals["events"] += int(np.isin(kind_of, [PLACED, CREATED, SHIPPED]).sum())
-        totals["expired"] += int(expired.sum())
-        totals["published"] += int((~expired).sum())
+def _write_outbox(h: _History, c: _Chunk) -> None:
+    """The chunk's outbox rows, by producer, and their counts."""
+    import numpy as np
 
-        # --- deliveries: (message position, consumer) ---
-        pos_parts, consumer_parts = [], []
-        for target, types in (
-            ("billing", [PLACED, CREATE]),
-            ("shipping", [PLACED, SHIP]),
-        ):
-            sel = np.flatnonzero(np.isin(kind_of, types) & ~expired)
-            pos_parts.append(sel)
-            consumer_parts.append(np.full(sel.size, target))
-        sel = np.flatnonzero((kind_of == CREATED) & ~expired & (published >= late_us))
-        pos_parts.append(sel)
-        consumer_parts.append(np.full(sel.size, "shipping"))
-        pos = np.concatenate(pos_parts)
-        consumer = np.concatenate(consumer_parts)
-        totals["expected_deliveries"] += pos.size
-
-        keep = np.ones(pos.size, dtype=bool)
-        twice = np.zeros(pos.size, dtype=bool)
-        if first == 0:
-            keep &= ~np.isin(pos, fault_index["lost"]) & ~np.isin(pos, fault_index["in_flight"])
-            twice = np.isin(pos, fault_index["handled_twice"])
-            totals["lost"] += int(np.isin(pos, fault_index["lost"]).sum())
-            totals["in_flight"] += int(np.isin(pos, fault_index["in_flight"]).sum())
-        pos, consumer, twice = pos[keep], consumer[keep], twice[keep]
-        totals["delivered"] += pos.size
-        totals["handled_more_than_once"] += int(twice.sum())
-
-        m = pos.size
-        received = published[pos] + rng.exponential(20_000, size=m).astype(np.int64) + 1
-        attempts = np.ones(m, dtype=np.int32)
-        status = np.full(m, "processed", dtype=object)
-        dead_reason = np.full(m, None, dtype=object)
-        last_error = np.full(m, None, dtype=object)
-        duplicates = np.zeros(m, dtype=np.int32)
-        share = n / messages
-        candidates = rng.permutation(np.flatnonzero(~twice))
-        cursor = 0
-        for name, total in row_faults.items():
-            k = min(
-                _portion(total, share, first + n >= messages, totals, name),
-                candidates.size - cursor,
-            )
-            chosen = candidates[cursor : cursor + k]
-            cursor += k
-            totals[f"_injected_{name}"] += k
-            if name == "duplicates":
-                duplicates[chosen] = 1
-            elif name == "retried":
-                attempts[chosen] = rng.integers(2, 5, size=k)
-            else:
-                reasons = np.array(DEAD_REASONS)[np.arange(k) % len(DEAD_REASONS)]
-                status[chosen] = "dead"
-                dead_reason[chosen] = reasons
-                last_error[chosen] = [DEAD_ERRORS[r] for r in reasons]
-                attempts[chosen] = np.where(reasons == "max_attempts", 5, 1)
-        processing = rng.exponential(100_000, size=m).astype(np.int64) + 1
-        processed = received + processing + (attempts.astype(np.int64) - 1) * 2 * us
-        e2e = (processed - created[pos]) / us
-        ok = status == "processed"
-        if len(samples) < 5:
-            samples.append(e2e[ok])
-
-        routing = np.array([t[0] for t in TYPES])[kind_of[pos]]
-        totals["duplicates_absorbed"] += int(duplicates.sum())
-        totals["processed"] += int(ok.sum())
-        totals["dead"] += int((~ok).sum())
-        totals["retried_messages"] += int((attempts > 1).sum())
-        totals["retries"] += int((attempts - 1).sum())
-        for (t, r), c in Counter(zip(routing[~ok], dead_reason[~ok], strict=True)).items():
-            dead_by[(str(t), str(r))] += c
-        retried = attempts > 1
-        for t in np.unique(routing[retried]):
-            retries_by[str(t)] += int((attempts[retried & (routing == t)] - 1).sum())
-
-        for service in ("billing", "shipping"):
-            mine = np.asarray(consumer == service)
-            # A message handled twice gets a second inbox row, a day later (after the first
-            # left the inbox), with the same message id.
-            again = mine & twice
-            take = np.concatenate([np.flatnonzero(mine), np.flatnonzero(again)])
-            shift = np.concatenate(
-                [np.zeros(mine.sum(), np.int64), np.full(again.sum(), 86400 * us)]
-            )
-            count = take.size
-            ids = inbox_ids[service] + np.arange(1, count + 1, dtype=np.int64)
-            inbox_ids[service] += count
-            p = pos[take]
-            rows = {
-                "id": ids,
-                "message_id": pc.take(message_id, pa.array(p)),
-                "source": np.array([t[2] for t in TYPES])[kind_of[p]],
-                "kind": np.array([t[1] for t in TYPES])[kind_of[p]],
-                "routing_key": routing[take],
-                "created_at": created[p],
-                "received_at": received[take] + shift,
-                "status": status[take],
-                "attempts": attempts[take],
-                "finished": attempts[take],
-                "processed_at": processed[take] + shift,
-                "last_error": last_error[take],
-                "dead_reason": dead_reason[take],
-                "deliveries": np.zeros(count, np.int32),
-                "duplicates": np.where(shift > 0, 0, duplicates[take]).astype(np.int32),
-            }
-            _write(root / service, INBOX, service, rows, received[take] + shift, pa, pq, first)
-
-    # Receipts of messages nobody in the mesh sent: a producer outside it.
-    if faults.unexpected:
-        k = faults.unexpected
-        stamps = start_us + rng.integers(0, span_us, size=k)
+    kinds = np.array([TYPES[k][1] for k in range(len(TYPES))])
+    for producer in SERVICES:
+        mask = np.isin(c.kind_of, [i for i, t in enumerate(TYPES) if t[2] == producer])
+        if not mask.any():
+            continue
         rows = {
-            "id": inbox_ids["billing"] + np.arange(1, k + 1, dtype=np.int64),
-            "message_id": _ids(pc, pa, "f", np.arange(k, dtype=np.int64)),
-            "source": np.full(k, "legacy"),
-            "kind": np.full(k, "event"),
-            "routing_key": np.full(k, "legacy.customer.updated"),
-            "created_at": stamps,
-            "received_at": stamps + 1000,
-            "status": np.full(k, "processed", dtype=object),
-            "attempts": np.ones(k, np.int32),
-            "finished": np.ones(k, np.int32),
-            "processed_at": stamps + 2000,
-            "last_error": np.full(k, None, dtype=object),
-            "dead_reason": np.full(k, None, dtype=object),
-            "deliveries": np.zeros(k, np.int32),
-            "duplicates": np.zeros(k, np.int32),
+            "id": c.index[mask] + 1,
+            "message_id": h.pc.filter(c.message_id, h.pa.array(mask)),
+            "kind": kinds[c.kind_of[mask]],
+            "exchange": np.where(kinds[c.kind_of[mask]] == "event", "events", "commands"),
+            "routing_key": np.array([t[0] for t in TYPES])[c.kind_of[mask]],
+            "created_at": c.created[mask],
+            "available_at": c.created[mask],
+            "published_at": np.where(c.expired[mask], -1, c.published[mask]),
+            "expired_at": np.where(c.expired[mask], c.published[mask], -1),
+            "attempts": np.where(h.rng.random(mask.sum()) < 0.01, 1, 0).astype(np.int32),
         }
-        _write(root / "billing", INBOX, "billing", rows, stamps + 1000, pa, pq, messages)
-        totals["unexpected"] += k
-        totals["processed"] += k
+        h.totals["publish_retries"] += int(rows["attempts"][~c.expired[mask]].sum())
+        _write(h.root / producer, OUTBOX, producer, rows, c.created[mask], h.pa, h.pq, c.first)
+        h.totals["sent"] += int(mask.sum())
+    h.totals["commands"] += int(np.isin(c.kind_of, [CREATE, SHIP]).sum())
+    h.totals["events"] += int(np.isin(c.kind_of, [PLACED, CREATED, SHIPPED]).sum())
+    h.totals["expired"] += int(c.expired.sum())
+    h.totals["published"] += int((~c.expired).sum())
+
+
+def _expected_deliveries(h: _History, c: _Chunk) -> tuple[Any, Any, Any]:
+    """The chunk's deliveries that reached their consumer: (message position, consumer,
+    handled twice), with the expected, lost and in-flight ones counted."""
+    import numpy as np
+
+    pos_parts, consumer_parts = [], []
+    for target, types in (
+        ("billing", [PLACED, CREATE]),
+        ("shipping", [PLACED, SHIP]),
+    ):
+        sel = np.flatnonzero(np.isin(c.kind_of, types) & ~c.expired)
+        pos_parts.append(sel)
+        consumer_parts.append(np.full(sel.size, target))
+    sel = np.flatnonzero((c.kind_of == CREATED) & ~c.expired & (c.published >= h.late_us))
+    pos_parts.append(sel)
+    consumer_parts.append(np.full(sel.size, "shipping"))
+    pos = np.concatenate(pos_parts)
+    consumer = np.concatenate(consumer_parts)
+    h.totals["expected_deliveries"] += pos.size
+
+    keep = np.ones(pos.size, dtype=bool)
+    twice = np.zeros(pos.size, dtype=bool)
+    if c.first == 0:
+        lost, in_flight = h.fault_index["lost"], h.fault_index["in_flight"]
+        keep &= ~np.isin(pos, lost) & ~np.isin(pos, in_flight)
+        twice = np.isin(pos, h.fault_index["handled_twice"])
+        h.totals["lost"] += int(np.isin(pos, lost).sum())
+        h.totals["in_flight"] += int(np.isin(pos, in_flight).sum())
+    pos, consumer, twice = pos[keep], consumer[keep], twice[keep]
+    h.totals["delivered"] += pos.size
+    h.totals["handled_more_than_once"] += int(twice.sum())
+    return pos, consumer, twice
+
+
+def _handle_deliveries(h: _History, c: _Chunk, pos: Any, consumer: Any, twice: Any) -> _Deliveries:
+    """How each delivery went: received, handled (with the row faults injected), processed."""
+    import numpy as np
+
+    m = pos.size
+    d = _Deliveries(
+        pos=pos,
+        consumer=consumer,
+        twice=twice,
+        routing=np.array([t[0] for t in TYPES])[c.kind_of[pos]],
+        received=c.published[pos] + h.rng.exponential(20_000, size=m).astype(np.int64) + 1,
+        attempts=np.ones(m, dtype=np.int32),
+        status=np.full(m, "processed", dtype=object),
+        dead_reason=np.full(m, None, dtype=object),
+        last_error=np.full(m, None, dtype=object),
+        duplicates=np.zeros(m, dtype=np.int32),
+        processed=None,
+    )
+    _inject_row_faults(h, c, d)
+    processing = h.rng.exponential(100_000, size=m).astype(np.int64) + 1
+    d.processed = d.received + processing + (d.attempts.astype(np.int64) - 1) * 2 * _US
+    e2e = (d.processed - c.created[pos]) / _US
+    if len(h.samples) < 5:
+        h.samples.append(e2e[d.status == "processed"])
+    return d
+
+
+def _inject_row_faults(h: _History, c: _Chunk, d: _Deliveries) -> None:
+    """This chunk's share of the duplicates, retries and dead letters, on deliveries not
+    handled twice."""
+    import numpy as np
+
+    share = c.n / h.messages
+    candidates = h.rng.permutation(np.flatnonzero(~d.twice))
+    cursor = 0
+    for name, total in h.row_faults.items():
+        k = min(
+            _portion(total, share, c.first + c.n >= h.messages, h.totals, name),
+            candidates.size - cursor,
+        )
+        chosen = candidates[cursor : cursor + k]
+        cursor += k
+        h.totals[f"_injected_{name}"] += k
+        if name == "duplicates":
+            d.duplicates[chosen] = 1
+        elif name == "retried":
+            d.attempts[chosen] = h.rng.integers(2, 5, size=k)
+        else:
+            reasons = np.array(DEAD_REASONS)[np.arange(k) % len(DEAD_REASONS)]
+            d.status[chosen] = "dead"
+            d.dead_reason[chosen] = reasons
+            d.last_error[chosen] = [DEAD_ERRORS[r] for r in reasons]
+            d.attempts[chosen] = np.where(reasons == "max_attempts", 5, 1)
+
+
+def _count_handlings(h: _History, d: _Deliveries) -> None:
+    """The chunk's handling counts: processed, dead (by type and reason), retries (by type)."""
+    import numpy as np
+
+    ok = d.status == "processed"
+    h.totals["duplicates_absorbed"] += int(d.duplicates.sum())
+    h.totals["processed"] += int(ok.sum())
+    h.totals["dead"] += int((~ok).sum())
+    h.totals["retried_messages"] += int((d.attempts > 1).sum())
+    h.totals["retries"] += int((d.attempts - 1).sum())
+    for (t, r), count in Counter(zip(d.routing[~ok], d.dead_reason[~ok], strict=True)).items():
+        h.dead_by[(str(t), str(r))] += count
+    retried = d.attempts > 1
+    for t in np.unique(d.routing[retried]):
+        h.retries_by[str(t)] += int((d.attempts[retried & (d.routing == t)] - 1).sum())
+
+
+def _write_inbox(h: _History, c: _Chunk, d: _Deliveries) -> None:
+    """The chunk's inbox rows, by consumer."""
+    import numpy as np
+
+    for service in ("billing", "shipping"):
+        mine = np.asarray(d.consumer == service)
+        # A message handled twice gets a second inbox row, a day later (after the first
+        # left the inbox), with the same message id.
+        again = mine & d.twice
+        take = np.concatenate([np.flatnonzero(mine), np.flatnonzero(again)])
+        shift = np.concatenate([np.zeros(mine.sum(), np.int64), np.full(again.sum(), 86400 * _US)])
+        count = take.size
+        ids = h.inbox_ids[service] + np.arange(1, count + 1, dtype=np.int64)
+        h.inbox_ids[service] += count
+        p = d.pos[take]
+        rows = {
+            "id": ids,
+            "message_id": h.pc.take(c.message_id, h.pa.array(p)),
+            "source": np.array([t[2] for t in TYPES])[c.kind_of[p]],
+            "kind": np.array([t[1] for t in TYPES])[c.kind_of[p]],
+            "routing_key": d.routing[take],
+            "created_at": c.created[p],
+            "received_at": d.received[take] + shift,
+            "status": d.status[take],
+            "attempts": d.attempts[take],
+            "finished": d.attempts[take],
+            "processed_at": d.processed[take] + shift,
+            "last_error": d.last_error[take],
+            "dead_reason": d.dead_reason[take],
+            "deliveries": np.zeros(count, np.int32),
+            "duplicates": np.where(shift > 0, 0, d.duplicates[take]).astype(np.int32),
+        }
+        dated_by = d.received[take] + shift
+        _write(h.root / service, INBOX, service, rows, dated_by, h.pa, h.pq, c.first)
+
+
+def _write_unexpected(h: _History, k: int) -> None:
+    """Receipts of messages nobody in the mesh sent: a producer outside it."""
+    import numpy as np
+
+    stamps = h.start_us + h.rng.integers(0, h.span_us, size=k)
+    rows = {
+        "id": h.inbox_ids["billing"] + np.arange(1, k + 1, dtype=np.int64),
+        "message_id": _ids(h.pc, h.pa, "f", np.arange(k, dtype=np.int64)),
+        "source": np.full(k, "legacy"),
+        "kind": np.full(k, "event"),
+        "routing_key": np.full(k, "legacy.customer.updated"),
+        "created_at": stamps,
+        "received_at": stamps + 1000,
+        "status": np.full(k, "processed", dtype=object),
+        "attempts": np.ones(k, np.int32),
+        "finished": np.ones(k, np.int32),
+        "processed_at": stamps + 2000,
+        "last_error": np.full(k, None, dtype=object),
+        "dead_reason": np.full(k, None, dtype=object),
+        "deliveries": np.zeros(k, np.int32),
+        "duplicates": np.zeros(k, np.int32),
+    }
+    _write(h.root / "billing", INBOX, "billing", rows, stamps + 1000, h.pa, h.pq, h.messages)
+    h.totals["unexpected"] += k
+    h.totals["processed"] += k
+
+
+def _expected(h: _History, faults: Faults) -> Expected:
+    """What the audit must report, from the counts taken while writing."""
+    import numpy as np
 
     for name in ("duplicates", "retried", "dead"):
-        if totals.pop(f"_injected_{name}", 0) != getattr(faults, name):
+        if h.totals.pop(f"_injected_{name}", 0) != getattr(faults, name):
             raise ValueError(f"not enough deliveries to inject {getattr(faults, name)} {name}")
     # Every count the audit reports, zero where nothing of the kind was generated.
     for name in TOTALS:
-        totals.setdefault(name, 0)
-    e2e_all = np.concatenate(samples) if samples else np.array([])
+        h.totals.setdefault(name, 0)
+    e2e_all = np.concatenate(h.samples) if h.samples else np.array([])
     return Expected(
-        totals=dict(totals),
-        dead_by_type_reason=dict(dead_by),
-        retries_by_type=dict(retries_by),
+        totals=dict(h.totals),
+        dead_by_type_reason=dict(h.dead_by),
+        retries_by_type=dict(h.retries_by),
         end_to_end_p50=float(np.percentile(e2e_all, 50)) if e2e_all.size else None,
-        roots=[str(root / s) for s in SERVICES],
-        now=now,
-        grace=grace,
+        roots=[str(h.root / s) for s in SERVICES],
+        now=h.now,
+        grace=h.grace,
     )
 
 
