@@ -101,7 +101,6 @@ def render_html(summary: Mapping[str, Any]) -> str:
     if version != SCHEMA_VERSION:
         raise ValueError(f"audit summary schema_version {version!r} is not {SCHEMA_VERSION}")
     totals: Mapping[str, Any] = summary.get("totals") or {}
-    throughput: Mapping[str, Any] = summary.get("throughput") or {}
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -111,13 +110,32 @@ def render_html(summary: Mapping[str, Any]) -> str:
         "</head><body>",
         _header(summary, totals),
         _headline(totals),
-        '<div class="charts">',
-        _chart_section(_latency_chart(summary.get("latency_histogram") or [])),
-        _chart_section(
-            _throughput_chart(throughput.get("series") or [], throughput.get("bucket_seconds"))
-        ),
-        _chart_section(_dead_letter_chart(summary.get("dead_letter_causes") or [])),
-        "</div>",
+        _charts(summary),
+        *_tables(summary, totals),
+        "</body></html>",
+    ]
+    return "\n".join(parts) + "\n"
+
+
+def _charts(summary: Mapping[str, Any]) -> str:
+    """The three charts, side by side."""
+    throughput: Mapping[str, Any] = summary.get("throughput") or {}
+    return "\n".join(
+        [
+            '<div class="charts">',
+            _chart_section(_latency_chart(summary.get("latency_histogram") or [])),
+            _chart_section(
+                _throughput_chart(throughput.get("series") or [], throughput.get("bucket_seconds"))
+            ),
+            _chart_section(_dead_letter_chart(summary.get("dead_letter_causes") or [])),
+            "</div>",
+        ]
+    )
+
+
+def _tables(summary: Mapping[str, Any], totals: Mapping[str, Any]) -> list[str]:
+    """The tables under the charts, in reading order."""
+    return [
         _latency_table(summary.get("latency") or []),
         _count_table(
             "Services",
@@ -137,9 +155,7 @@ def render_html(summary: Mapping[str, Any]) -> str:
             summary.get("handled_more_than_once") or [],
             _count(totals.get("handled_more_than_once")),
         ),
-        "</body></html>",
     ]
-    return "\n".join(parts) + "\n"
 
 
 # --- header and headline numbers -------------------------------------------------------------
@@ -320,35 +336,59 @@ def _throughput_chart(series: Sequence[Mapping[str, Any]], bucket_seconds: Any) 
     processed = [_count(point.get("processed")) for point in series]
     ticks = _count_ticks(max(*published, *processed))
     parts.extend(_y_axis(ticks, PLOT_TOP, bottom, "messages per bucket"))
-
-    # One point sits in the middle; more points span the plot from edge to edge.
-    step = (PLOT_RIGHT - PLOT_LEFT) / max(len(series) - 1, 1)
-    xs = [
-        PLOT_LEFT + step * index if len(series) > 1 else (PLOT_LEFT + PLOT_RIGHT) / 2
-        for index in range(len(series))
-    ]
-
-    def y_of(value: int) -> float:
-        return bottom - (bottom - PLOT_TOP) * value / ticks[-1]
-
+    xs = _throughput_xs(len(series))
     for name, values, color in (
         ("published", published, PUBLISHED_COLOR),
         ("processed", processed, PROCESSED_COLOR),
     ):
-        points = " ".join(f"{x:.1f},{y_of(v):.1f}" for x, v in zip(xs, values, strict=True))
-        parts.append(
-            f'<polyline class="series series-{name}" points="{points}" fill="none" '
-            f'stroke="{color}" stroke-width="2.5" stroke-linejoin="round"/>'
-        )
-        if len(series) == 1:  # a polyline of one point draws nothing
-            parts.append(
-                f'<circle cx="{xs[0]:.1f}" cy="{y_of(values[0]):.1f}" r="4" fill="{color}"/>'
-            )
+        parts.extend(_throughput_line(name, values, color, xs, ticks[-1], bottom))
+    parts.extend(_throughput_time_labels(series, xs, bottom))
+    parts.extend(_throughput_legend())
+    parts.append(
+        _x_axis_label(f"time (UTC), buckets of {_fmt_duration(bucket_seconds)}", height - 12)
+    )
+    parts.append("</svg>")
+    return "".join(parts)
 
+
+def _throughput_xs(points: int) -> list[float]:
+    """The x of each point of the throughput series."""
+    # One point sits in the middle; more points span the plot from edge to edge.
+    step = (PLOT_RIGHT - PLOT_LEFT) / max(points - 1, 1)
+    return [
+        PLOT_LEFT + step * index if points > 1 else (PLOT_LEFT + PLOT_RIGHT) / 2
+        for index in range(points)
+    ]
+
+
+def _throughput_line(
+    name: str, values: Sequence[int], color: str, xs: Sequence[float], scale_max: int, bottom: int
+) -> list[str]:
+    """One series of the throughput chart, as a line."""
+
+    def y_of(value: int) -> float:
+        return bottom - (bottom - PLOT_TOP) * value / scale_max
+
+    points = " ".join(f"{x:.1f},{y_of(v):.1f}" for x, v in zip(xs, values, strict=True))
+    parts = [
+        f'<polyline class="series series-{name}" points="{points}" fill="none" '
+        f'stroke="{color}" stroke-width="2.5" stroke-linejoin="round"/>'
+    ]
+    if len(values) == 1:  # a polyline of one point draws nothing
+        parts.append(f'<circle cx="{xs[0]:.1f}" cy="{y_of(values[0]):.1f}" r="4" fill="{color}"/>')
+    return parts
+
+
+def _throughput_time_labels(
+    series: Sequence[Mapping[str, Any]], xs: Sequence[float], bottom: int
+) -> list[str]:
+    """At most MAX_X_LABELS bucket start times under the x axis, with the date when the
+    window spans days."""
     times = [_parse_time(point.get("start")) for point in series]
     known = [time for time in times if time is not None]
     spans_days = bool(known) and known[0].date() != known[-1].date()
     stride = math.ceil(len(series) / MAX_X_LABELS)
+    parts = []
     for index in range(0, len(series), stride):
         time = times[index]
         if time is None:
@@ -358,8 +398,12 @@ def _throughput_chart(series: Sequence[Mapping[str, Any]], bucket_seconds: Any) 
         parts.append(
             f'<text x="{xs[index]:.1f}" y="{bottom + 16}" text-anchor="middle">{label}</text>'
         )
+    return parts
 
+
+def _throughput_legend() -> list[str]:
     legend_x = PLOT_RIGHT - 190
+    parts = []
     for offset, (name, color) in enumerate(
         (("published", PUBLISHED_COLOR), ("processed", PROCESSED_COLOR))
     ):
@@ -368,11 +412,7 @@ def _throughput_chart(series: Sequence[Mapping[str, Any]], bucket_seconds: Any) 
             f'<g class="legend"><rect x="{x}" y="12" width="14" height="14" fill="{color}"/>'
             f'<text x="{x + 20}" y="23">{name}</text></g>'
         )
-    parts.append(
-        _x_axis_label(f"time (UTC), buckets of {_fmt_duration(bucket_seconds)}", height - 12)
-    )
-    parts.append("</svg>")
-    return "".join(parts)
+    return parts
 
 
 def _dead_letter_chart(causes: Sequence[Mapping[str, Any]]) -> str:
@@ -395,13 +435,7 @@ def _dead_letter_chart(causes: Sequence[Mapping[str, Any]]) -> str:
     ticks = _count_ticks(max(counts))
     bars_left = DEAD_LETTER_LABEL_WIDTH
     width = PLOT_RIGHT - 40 - bars_left  # room for the count after the longest bar
-    for tick in ticks:
-        x = bars_left + width * tick / ticks[-1]
-        parts.append(
-            f'<line class="grid" x1="{x:.1f}" x2="{x:.1f}" y1="{top}" y2="{bottom}"/>'
-            f'<text x="{x:.1f}" y="{bottom + 16}" text-anchor="middle">{_fmt_count(tick)}</text>'
-        )
-    parts.append(f'<line class="axis" x1="{bars_left}" x2="{bars_left}" y1="{top}" y2="{bottom}"/>')
+    parts.extend(_dead_letter_x_axis(ticks, bars_left, width, top, bottom))
     # Labels start at the left edge and are clipped short of the bars: text metrics are the
     # browser's, so a label that turns out too wide is cut at its end instead of running off
     # the chart or over the bars.
@@ -411,28 +445,50 @@ def _dead_letter_chart(causes: Sequence[Mapping[str, Any]]) -> str:
     )
     for index, (cause, count) in enumerate(zip(causes, counts, strict=True)):
         y = top + index * DEAD_LETTER_ROW_HEIGHT
-        reason = str(cause.get("reason") or "")
-        error = str(cause.get("error") or "")
-        label = f"{reason}: {_truncate(error, DEAD_LETTER_ERROR_CHARS)}" if error else reason
-        label = _truncate(label, DEAD_LETTER_LABEL_CHARS)
-        bar_width = width * count / ticks[-1]
-        parts.append(
-            f'<text x="8" y="{y + DEAD_LETTER_ROW_HEIGHT / 2 + 4:.1f}" '
-            f'clip-path="url(#dead-letter-labels)"><title>{_esc(reason)}: {_esc(error)}</title>'
-            f"{_esc(label)}</text>"
-        )
-        if count > 0:
-            parts.append(
-                f'<rect class="bar" x="{bars_left}" y="{y + 4}" width="{bar_width:.1f}" '
-                f'height="{DEAD_LETTER_ROW_HEIGHT - 8}" fill="{DEAD_LETTER_COLOR}"/>'
-            )
-        parts.append(
-            f'<text x="{bars_left + bar_width + 4:.1f}" '
-            f'y="{y + DEAD_LETTER_ROW_HEIGHT / 2 + 4:.1f}">{_fmt_count(count)}</text>'
-        )
+        parts.extend(_dead_letter_row(cause, count, y, bars_left, width * count / ticks[-1]))
     parts.append(_x_axis_label("dead letters", height - 12))
     parts.append("</svg>")
     return "".join(parts)
+
+
+def _dead_letter_x_axis(
+    ticks: Sequence[int], bars_left: int, width: int, top: int, bottom: int
+) -> list[str]:
+    """Vertical grid lines with count labels, and the axis line the bars start from."""
+    parts = []
+    for tick in ticks:
+        x = bars_left + width * tick / ticks[-1]
+        parts.append(
+            f'<line class="grid" x1="{x:.1f}" x2="{x:.1f}" y1="{top}" y2="{bottom}"/>'
+            f'<text x="{x:.1f}" y="{bottom + 16}" text-anchor="middle">{_fmt_count(tick)}</text>'
+        )
+    parts.append(f'<line class="axis" x1="{bars_left}" x2="{bars_left}" y1="{top}" y2="{bottom}"/>')
+    return parts
+
+
+def _dead_letter_row(
+    cause: Mapping[str, Any], count: int, y: int, bars_left: int, bar_width: float
+) -> list[str]:
+    """One cause: its label (clipped), its bar and its count."""
+    reason = str(cause.get("reason") or "")
+    error = str(cause.get("error") or "")
+    label = f"{reason}: {_truncate(error, DEAD_LETTER_ERROR_CHARS)}" if error else reason
+    label = _truncate(label, DEAD_LETTER_LABEL_CHARS)
+    parts = [
+        f'<text x="8" y="{y + DEAD_LETTER_ROW_HEIGHT / 2 + 4:.1f}" '
+        f'clip-path="url(#dead-letter-labels)"><title>{_esc(reason)}: {_esc(error)}</title>'
+        f"{_esc(label)}</text>"
+    ]
+    if count > 0:
+        parts.append(
+            f'<rect class="bar" x="{bars_left}" y="{y + 4}" width="{bar_width:.1f}" '
+            f'height="{DEAD_LETTER_ROW_HEIGHT - 8}" fill="{DEAD_LETTER_COLOR}"/>'
+        )
+    parts.append(
+        f'<text x="{bars_left + bar_width + 4:.1f}" '
+        f'y="{y + DEAD_LETTER_ROW_HEIGHT / 2 + 4:.1f}">{_fmt_count(count)}</text>'
+    )
+    return parts
 
 
 def _count_ticks(max_value: int, target: int = 5) -> list[int]:
