@@ -54,10 +54,16 @@ def async_url(url: str | URL) -> URL:
     return parsed.set(drivername="postgresql+psycopg")
 
 
-def worker_engine(url: str | URL) -> AsyncEngine:
-    """An async engine for one asyncio worker: NullPool, since the worker detaches and keeps
-    its one connection, and an engine's pooled connections belong to the loop that made them."""
-    return create_async_engine(async_url(url), poolclass=NullPool)
+def worker_engine(url: str | URL, *, prepare_threshold: int | None = 5) -> AsyncEngine:
+    """An async engine for one asyncio worker: NullPool, since the worker keeps its one
+    connection, and an engine's pooled connections belong to the loop that made them.
+    `prepare_threshold`: psycopg's, as the ``prepare_threshold`` setting (None behind a pooler
+    in transaction mode without prepared statements)."""
+    return create_async_engine(
+        async_url(url),
+        poolclass=NullPool,
+        connect_args={"prepare_threshold": prepare_threshold},
+    )
 
 
 class AsyncWorker:
@@ -158,8 +164,7 @@ class AsyncWorker:
         finally:
             if conn is not None:
                 await _discard(conn)
-            if hasattr(self.worker, "close_liveness"):
-                self.worker.close_liveness()
+            self.worker.close_liveness()
             if waker is not None:
                 waker.close()
 

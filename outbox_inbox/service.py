@@ -368,9 +368,8 @@ class Service:
         psycopg's async driver (the database URL's, as ``postgresql+psycopg``)."""
         from .aio import AsyncWorker, worker_engine
 
-        return AsyncWorker(
-            self.worker(name), worker_engine(self.engine.url), waker_factory=self._waker_factory()
-        )
+        engine = worker_engine(self.engine.url, prepare_threshold=self.settings.prepare_threshold)
+        return AsyncWorker(self.worker(name), engine, waker_factory=self._waker_factory())
 
     def _waker_factory(self) -> Callable[[threading.Event], Waker | None]:
         return self._waker(self.tables.inbox.name)
