@@ -80,6 +80,16 @@ def build_tables(schema: str | None = "outbox_inbox") -> Tables:
         validate_identifier(schema)
     metadata = MetaData(schema=schema, naming_convention=NAMING_CONVENTION)
 
+    outbox = _outbox_table(metadata)
+    inbox = _inbox_table(metadata)
+    deliveries = _deliveries_table(metadata)
+    subscriptions = _subscriptions_table(metadata)
+    archive_files = _archive_files_table(metadata)
+    return Tables(schema or "", metadata, outbox, inbox, deliveries, subscriptions, archive_files)
+
+
+def _outbox_table(metadata: MetaData) -> Table:
+    """The outbox table and its indexes."""
     outbox = Table(
         "outbox_messages",
         metadata,
@@ -111,6 +121,13 @@ def build_tables(schema: str | None = "outbox_inbox") -> Tables:
         Column("dead_reason", String(255), nullable=True),
         CheckConstraint("kind IN ('command', 'event')", name="kind"),
     )
+    _outbox_indexes(outbox)
+    return outbox
+
+
+def _outbox_indexes(outbox: Table) -> None:
+    """The partial indexes of the rows still to publish (all, and those with a key) and of
+    the dead rows."""
     unsent = outbox_unsent(outbox)
     Index(
         "ix_outbox_messages_unpublished",
@@ -132,6 +149,9 @@ def build_tables(schema: str | None = "outbox_inbox") -> Tables:
         sqlite_where=outbox.c.dead_at.is_not(None),
     )
 
+
+def _inbox_table(metadata: MetaData) -> Table:
+    """The inbox table and its indexes."""
     inbox = Table(
         "inbox_messages",
         metadata,
@@ -176,7 +196,11 @@ def build_tables(schema: str | None = "outbox_inbox") -> Tables:
         postgresql_where=(inbox.c.status == PENDING) & inbox.c.key.is_not(None),
         sqlite_where=(inbox.c.status == PENDING) & inbox.c.key.is_not(None),
     )
+    return inbox
 
+
+def _deliveries_table(metadata: MetaData) -> Table:
+    """The count of deliveries of each received message."""
     deliveries = Table(
         "inbox_deliveries",
         metadata,
@@ -188,7 +212,11 @@ def build_tables(schema: str | None = "outbox_inbox") -> Tables:
         # inbox absorbed. The audit reports them.
         Column("duplicates", Integer, nullable=False, server_default=text("0")),
     )
+    return deliveries
 
+
+def _subscriptions_table(metadata: MetaData) -> Table:
+    """The subscriptions table."""
     # What the service's inbox queue is bound to, and since when (the database clock at its
     # first declaration). The audit expects an event at a service only if it was published
     # after the service subscribed to it.
@@ -200,7 +228,11 @@ def build_tables(schema: str | None = "outbox_inbox") -> Tables:
         Column("pattern", String(255), primary_key=True),
         Column("subscribed_at", _Time, nullable=False, server_default=func.now()),
     )
+    return subscriptions
 
+
+def _archive_files_table(metadata: MetaData) -> Table:
+    """The archive's files in progress."""
     # Parquet files being written by `outbox-inbox archive`. A row is committed before its file
     # is written and deleted in the transaction that deletes the file's rows from the hot
     # table, so a row left behind names a file whose batch did not finish (archive.py).
@@ -213,4 +245,4 @@ def build_tables(schema: str | None = "outbox_inbox") -> Tables:
         Column("created_at", _Time, nullable=False, server_default=func.now()),
         CheckConstraint("source_table IN ('outbox', 'inbox')", name="source_table"),
     )
-    return Tables(schema or "", metadata, outbox, inbox, deliveries, subscriptions, archive_files)
+    return archive_files
