@@ -37,7 +37,7 @@ from ..messages import EVENTS_EXCHANGE
 from ..topology import topic_matches
 
 if TYPE_CHECKING:
-    from pyspark.sql import Column, DataFrame, SparkSession
+    from pyspark.sql import Column, DataFrame, Row, SparkSession
     from pyspark.sql.types import StructType
 
 SCHEMA_VERSION = 1
@@ -232,11 +232,66 @@ def run_audit(
 
     Reads but never writes the archives. Raises pyspark's errors when Spark fails.
     """
-    from pyspark import StorageLevel
     from pyspark.sql import functions as F
 
     now = now or datetime.now(UTC)
     horizon = now - grace
+    outbox, inbox, subscriptions = _read_inputs(spark, archives, live)
+    published = outbox.where(F.col("published_at").isNotNull())
+    expected = _expected_deliveries(spark, published, subscriptions)
+    joined = _reconcile(expected, _received(inbox))
+    totals_out, totals_in = _outbox_totals(outbox), _delivery_totals(joined, horizon)
+    totals = {k: int(totals_out[k] or 0) for k in _OUT_COUNTS} | {
+        k: int(totals_in[k] or 0) for k in _IN_COUNTS
+    }
+    is_expected, is_received, _, lost = _delivery_states(horizon)
+    summary: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "generated_at": _iso(now),
+        "ok": totals["lost"] == 0 and totals["handled_more_than_once"] == 0,
+        "inputs": _inputs(spark, archives, grace, horizon, inputs or {}),
+        "window": {
+            "first_created_at": _iso(totals_out["first_created_at"]),
+            "last_processed_at": _iso(totals_in["last_processed_at"]),
+        },
+        "totals": totals,
+        "services": _services(outbox, joined, is_expected, is_received, lost),
+        **_examples(joined, lost),
+        "latency": _latency(joined),
+        "latency_histogram": _histogram(joined),
+        "retries": _retries(joined),
+        **_dead_letters(joined),
+        "throughput": _throughput(outbox, joined, *_throughput_window(totals_out, totals_in)),
+    }
+    joined.unpersist()
+    outbox.unpersist()
+    return summary
+
+
+def _inputs(
+    spark: SparkSession,
+    archives: Sequence[str],
+    grace: timedelta,
+    horizon: datetime,
+    inputs: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The summary's ``inputs``: what was read, where, and the grace; `inputs` adds to it."""
+    return {
+        "archives": list(archives),
+        "live_databases": [],
+        "master": spark.sparkContext.master,
+        "grace_seconds": grace.total_seconds(),
+        "horizon": _iso(horizon),
+        **inputs,
+    }
+
+
+def _read_inputs(
+    spark: SparkSession, archives: Sequence[str], live: Sequence[LiveRows]
+) -> tuple[DataFrame, DataFrame, list[tuple[str, str, str, datetime | None]]]:
+    """The sent messages (persisted: the caller unpersists them), the inbox rows, and every
+    subscription as (service, exchange, pattern, subscribed_at), from archives and live rows."""
+    from pyspark import StorageLevel
 
     # Only the columns the audit uses: payloads and headers never enter a shuffle.
     outbox = read_archives(spark, archives, OUTBOX).select(*_OUTBOX_USED)
@@ -261,7 +316,16 @@ def run_audit(
     if live_outbox is not None:
         outbox = outbox.dropDuplicates(["service", "message_id"])
     outbox = outbox.withColumnRenamed("service", "producer").persist(StorageLevel.MEMORY_AND_DISK)
-    published = outbox.where(F.col("published_at").isNotNull())
+    return outbox, inbox, subscriptions
+
+
+def _expected_deliveries(
+    spark: SparkSession,
+    published: DataFrame,
+    subscriptions: Iterable[tuple[str, str, str, datetime | None]],
+) -> DataFrame:
+    """One row per (consumer, message) the published messages were expected at."""
+    from pyspark.sql import functions as F
 
     # Expected deliveries: commands at the service their routing key names, events at every
     # subscriber whose pattern matches and who subscribed before the publication.
@@ -292,7 +356,12 @@ def run_audit(
         "created_at",
         "published_at",
     ]
-    expected = commands.select(*expected_columns).unionByName(events.select(*expected_columns))
+    return commands.select(*expected_columns).unionByName(events.select(*expected_columns))
+
+
+def _received(inbox: DataFrame) -> DataFrame:
+    """One row per (consumer, message_id) received, with how its handling went."""
+    from pyspark.sql import functions as F
 
     # Received: one row per (consumer, message_id). Copies of one inbox row (a replayed dead
     # row archived twice) collapse to the latest; two inbox rows are two handlings.
@@ -303,7 +372,7 @@ def run_audit(
         .agg(F.max_by(F.struct(*[c for c in inbox.columns]), "archived_at").alias("r"))
         .select("r.*")
     )
-    received = latest.groupBy(F.col("service").alias("consumer"), "message_id").agg(
+    return latest.groupBy(F.col("service").alias("consumer"), "message_id").agg(
         F.count("*").alias("copies"),
         F.first("routing_key").alias("r_type"),
         F.first("source").alias("r_source"),
@@ -316,17 +385,36 @@ def run_audit(
         F.sum("duplicates").alias("duplicates"),
         F.max("deliveries").alias("deliveries"),
     )
-    joined = (
+
+
+def _reconcile(expected: DataFrame, received: DataFrame) -> DataFrame:
+    """Expected and received deliveries side by side, persisted (the caller unpersists)."""
+    from pyspark import StorageLevel
+    from pyspark.sql import functions as F
+
+    return (
         expected.withColumn("expected", F.lit(True))
         .join(received.withColumn("got", F.lit(True)), ["consumer", "message_id"], "full_outer")
         .withColumn("type", F.coalesce("routing_key", "r_type"))
         .persist(StorageLevel.MEMORY_AND_DISK)
     )
 
+
+def _delivery_states(horizon: datetime) -> tuple[Column, Column, Column, Column]:
+    """Conditions on a reconciled row: expected, received, missing, lost (missing and
+    published before the horizon; a missing delivery published after it is in flight)."""
+    from pyspark.sql import functions as F
+
     is_expected = F.col("expected").isNotNull()
     is_received = F.col("got").isNotNull()
     missing = is_expected & ~is_received
     lost = missing & (F.col("published_at") < F.lit(horizon))
+    return is_expected, is_received, missing, lost
+
+
+def _outbox_totals(outbox: DataFrame) -> Row:
+    """The counts of sent messages, and the first and last times of the window."""
+    from pyspark.sql import functions as F
 
     totals_out = outbox.agg(
         F.count("*").alias("sent"),
@@ -344,6 +432,15 @@ def run_audit(
         F.min("published_at").alias("first_published_at"),
         F.max("published_at").alias("last_published_at"),
     ).first()
+    assert totals_out is not None
+    return totals_out
+
+
+def _delivery_totals(joined: DataFrame, horizon: datetime) -> Row:
+    """The counts of deliveries and handlings, and the last time anything was processed."""
+    from pyspark.sql import functions as F
+
+    is_expected, is_received, missing, lost = _delivery_states(horizon)
     totals_in = joined.agg(
         F.sum(_flag(is_expected)).alias("expected_deliveries"),
         F.sum(_flag(is_expected & is_received)).alias("delivered"),
@@ -359,30 +456,15 @@ def run_audit(
         F.sum(F.greatest(F.col("attempts") - 1, F.lit(0))).alias("retries"),
         F.max("processed_at").alias("last_processed_at"),
     ).first()
-    assert totals_out is not None and totals_in is not None
-    totals = {
-        **{k: int(totals_out[k] or 0) for k in _OUT_COUNTS},
-        **{k: int(totals_in[k] or 0) for k in _IN_COUNTS},
-    }
+    assert totals_in is not None
+    return totals_in
 
-    summary: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION,
-        "generated_at": _iso(now),
-        "ok": totals["lost"] == 0 and totals["handled_more_than_once"] == 0,
-        "inputs": {
-            "archives": list(archives),
-            "live_databases": [],
-            "master": spark.sparkContext.master,
-            "grace_seconds": grace.total_seconds(),
-            "horizon": _iso(horizon),
-            **(inputs or {}),
-        },
-        "window": {
-            "first_created_at": _iso(totals_out["first_created_at"]),
-            "last_processed_at": _iso(totals_in["last_processed_at"]),
-        },
-        "totals": totals,
-        "services": _services(outbox, joined, is_expected, is_received, lost),
+
+def _examples(joined: DataFrame, lost: Column) -> dict[str, list[dict[str, Any]]]:
+    """The summary's ``lost`` and ``handled_more_than_once`` lists, EXAMPLES of each."""
+    from pyspark.sql import functions as F
+
+    return {
         "lost": [
             {
                 "message_id": r["message_id"],
@@ -408,30 +490,23 @@ def run_audit(
             .limit(EXAMPLES)
             .collect()
         ],
-        "latency": _latency(joined),
-        "latency_histogram": _histogram(joined),
-        "retries": _retries(joined),
-        **_dead_letters(joined),
-        "throughput": _throughput(
-            outbox,
-            joined,
-            _aware(totals_out["first_published_at"]),
-            max(
-                (
-                    t
-                    for t in (
-                        _aware(totals_out["last_published_at"]),
-                        _aware(totals_in["last_processed_at"]),
-                    )
-                    if t is not None
-                ),
-                default=None,
-            ),
-        ),
     }
-    joined.unpersist()
-    outbox.unpersist()
-    return summary
+
+
+def _throughput_window(totals_out: Row, totals_in: Row) -> tuple[datetime | None, datetime | None]:
+    """From the first publication to the last publication or processing, whichever is later."""
+    last = max(
+        (
+            t
+            for t in (
+                _aware(totals_out["last_published_at"]),
+                _aware(totals_in["last_processed_at"]),
+            )
+            if t is not None
+        ),
+        default=None,
+    )
+    return _aware(totals_out["first_published_at"]), last
 
 
 _OUTBOX_USED = (
