@@ -73,6 +73,18 @@ def check_topology(topology: Topology, admin: RabbitMQAdmin, api: ManagementAPI 
 
     Raises BrokerError when the broker cannot be reached over AMQP.
     """
+    api, problem = _usable_api(api)
+    items, states = _check_declared(topology, admin, api)
+    actual = _bindings_by_api(topology, api) if api is not None else {}
+    for binding in topology.bindings:
+        state, detail = _binding_state(binding, states, api, actual)
+        items.append(Item("binding", binding_name(binding), state, detail))
+    items.extend(_extra_bindings(topology, actual))
+    return Plan(tuple(items), problem)
+
+
+def _usable_api(api: ManagementAPI | None) -> tuple[ManagementAPI | None, str | None]:
+    """`api` when it answers, else None and why not."""
     problem: str | None = None
     if api is None:
         problem = "no management URL"
@@ -81,6 +93,13 @@ def check_topology(topology: Topology, admin: RabbitMQAdmin, api: ManagementAPI 
             api.check()
         except ManagementUnavailable as exc:
             problem, api = str(exc), None
+    return api, problem
+
+
+def _check_declared(
+    topology: Topology, admin: RabbitMQAdmin, api: ManagementAPI | None
+) -> tuple[list[Item], dict[tuple[str, str], str]]:
+    """The items of the exchanges and queues, and the state of each by (kind, name)."""
     items: list[Item] = []
     states: dict[tuple[str, str], str] = {}
     for exchange in topology.exchanges:
@@ -91,31 +110,47 @@ def check_topology(topology: Topology, admin: RabbitMQAdmin, api: ManagementAPI 
         found = _queue_by_api(queue, api) if api else admin.check_queue(queue)
         states["queue", queue.name] = found.state
         items.append(Item("queue", queue.name, found.state, found.detail))
+    return items, states
+
+
+def _bindings_by_api(topology: Topology, api: ManagementAPI) -> dict[str, set[tuple[str, str]]]:
+    """The (exchange, routing key) bindings the broker holds on each of the service's queues."""
     actual: dict[str, set[tuple[str, str]]] = {}
-    if api is not None:
-        for queue_name in dict.fromkeys(b.queue for b in topology.bindings):
-            actual[queue_name] = {
-                (str(b["source"]), str(b.get("routing_key", "")))
-                for b in api.queue_bindings(queue_name)
-                if b.get("destination_type", "queue") == "queue"
-            }
-    for binding in topology.bindings:
-        ends_missing = (
-            states.get(("exchange", binding.exchange)) == MISSING
-            or states.get(("queue", binding.queue)) == MISSING
-        )
-        if ends_missing:
-            state, detail = MISSING, "its exchange or queue is missing"
-        elif api is None:
-            state, detail = UNVERIFIED, "management API unreachable"
-        elif (binding.exchange, binding.routing_key) in actual[binding.queue]:
-            state, detail = PRESENT, ""
-        else:
-            state, detail = MISSING, ""
-        items.append(Item("binding", binding_name(binding), state, detail))
+    for queue_name in dict.fromkeys(b.queue for b in topology.bindings):
+        actual[queue_name] = {
+            (str(b["source"]), str(b.get("routing_key", "")))
+            for b in api.queue_bindings(queue_name)
+            if b.get("destination_type", "queue") == "queue"
+        }
+    return actual
+
+
+def _binding_state(
+    binding: Binding,
+    states: Mapping[tuple[str, str], str],
+    api: ManagementAPI | None,
+    actual: Mapping[str, set[tuple[str, str]]],
+) -> tuple[str, str]:
+    """The state of one declared binding, and why when that needs saying."""
+    ends_missing = (
+        states.get(("exchange", binding.exchange)) == MISSING
+        or states.get(("queue", binding.queue)) == MISSING
+    )
+    if ends_missing:
+        return MISSING, "its exchange or queue is missing"
+    if api is None:
+        return UNVERIFIED, "management API unreachable"
+    if (binding.exchange, binding.routing_key) in actual[binding.queue]:
+        return PRESENT, ""
+    return MISSING, ""
+
+
+def _extra_bindings(topology: Topology, actual: Mapping[str, set[tuple[str, str]]]) -> list[Item]:
+    """The bindings on the service's queues that the service does not declare."""
     # A binding the service no longer declares still routes messages to it (which then die
     # with no_handler). `apply` does not remove it: unbinding is left to the operator.
     expected = {(b.queue, b.exchange, b.routing_key) for b in topology.bindings}
+    items = []
     for queue_name, present in actual.items():
         if queue_name == UNROUTABLE_QUEUE:  # shared by every service
             continue
@@ -125,7 +160,7 @@ def check_topology(topology: Topology, admin: RabbitMQAdmin, api: ManagementAPI 
                 items.append(
                     Item("binding", binding_name(extra), EXTRA, "not declared by the service")
                 )
-    return Plan(tuple(items), problem)
+    return items
 
 
 def apply_topology(
