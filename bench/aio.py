@@ -1,20 +1,57 @@
-"""The asyncio worker (ga, ga2): the workload of the worker in threads (g, g2), with an
-``async def`` handler that awaits its insert on psycopg's async driver, the workers being tasks
-of one event loop. Reported as a ratio to the same raw limit (d) as g, and to g itself."""
+"""The asyncio side: the outbox write (wa) and the worker (ga, ga2) on psycopg's async driver.
+
+(wa) is the workload of (w) through ``await outbox.publish_async(async_session, ...)``. (ga) and
+(ga2) are the workload of the worker in threads (g, g2), with an ``async def`` handler that
+awaits its insert, the workers being tasks of one event loop. Each is reported as a ratio to the
+same raw limit as its sync twin, and to the twin itself."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 
+from psycopg import sql
 from sqlalchemy import Table, insert
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
 
 from bench.context import Context
 from bench.roles import check_effects, reload_b_inbox
 from bench.timing import Figure, Timer, wait_until
+from bench.wire import EVENT_NAME, OUTBOX_TXN, payload
 from outbox_inbox import Message, Service
-from outbox_inbox.aio import AsyncWorker
+from outbox_inbox.aio import AsyncWorker, async_url
+
+
+def write_outbox_async(ctx: Context) -> None:
+    """(wa): N awaited outbox.publish_async() calls, OUTBOX_TXN per AsyncSession transaction."""
+    n = ctx.n
+    svc = ctx.a
+
+    async def write() -> None:
+        engine = create_async_engine(async_url(ctx.db_url))
+        sessions = async_sessionmaker(engine)
+        try:
+            for start in range(0, n, OUTBOX_TXN):
+                async with sessions() as session, session.begin():
+                    for i in range(start, min(n, start + OUTBOX_TXN)):
+                        await svc.outbox.publish_async(session, EVENT_NAME, payload(i))
+        finally:
+            await engine.dispose()
+
+    with Timer() as timer:
+        asyncio.run(write())
+    ctx.record(
+        Figure(
+            "wa",
+            "outbox.publish_async(), 500 per AsyncSession transaction",
+            "library",
+            limit_of=("c'",),
+        ).took(n, timer)
+    )
+    # The rows are not relayed: A's outbox is left as (e) left it.
+    ctx.sql(
+        sql.SQL("DELETE FROM {} WHERE published_at IS NULL").format(ctx.a_table("outbox_messages"))
+    )
 
 
 def _service_b_async(ctx: Context) -> Service:

@@ -76,6 +76,7 @@ def run(ctx: Context) -> None:
             ctx.skipped("ga", "the asyncio workers need the inbox rows of (f): group 'library'")
         else:
             print("\nasyncio", flush=True)
+            aio.write_outbox_async(ctx)
             aio.asyncio_workers(ctx, 1)
             aio.asyncio_workers(ctx, 2)
     if "e2e" not in skip:

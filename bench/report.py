@@ -28,6 +28,7 @@ TARGETS = (
     Target("worker (g) / pgqueuer (pq)", "g", "pq", 1.5),
     Target("worker (g) / pgqueuer, job inserts a row (pq')", "g", "pq'", None),
     Target("2 worker processes (gp2) / 1 process (gp)", "gp2", "gp", 1.6),
+    Target("outbox.publish_async (wa) / outbox.publish (w)", "wa", "w", None),
     Target("asyncio worker (ga) / worker in a thread (g)", "ga", "g", None),
     Target("2 asyncio workers (ga2) / 2 threads (g2)", "ga2", "g2", None),
     Target("relay (e) / raw confirmed publish (a)", "e", "a", 0.6),
