@@ -985,55 +985,28 @@ def _frozen_queue(spec: Queue) -> Queue:
 def _queue_settings(queue: Queue) -> _QueueSettings:
     """Validate a queue's arguments as RabbitMQ 3.10 does; raise TopologyMismatch if invalid."""
     args = queue.arguments
-
-    def invalid(name: str, why: str) -> TopologyMismatch:
-        return TopologyMismatch(f"invalid argument {name!r} for queue {queue.name!r}: {why}")
-
-    def integer(name: str, minimum: int, maximum: int | None = None) -> int | None:
-        if name not in args:
-            return None
-        value = args[name]
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise invalid(name, f"expected an integer, got {value!r}")
-        if value < minimum or (maximum is not None and value > maximum):
-            raise invalid(name, f"{value} is out of range")
-        return value
-
-    def text(name: str) -> str | None:
-        if name not in args:
-            return None
-        value = args[name]
-        if not isinstance(value, str):
-            raise invalid(name, f"expected a string, got {value!r}")
-        return value
-
-    kind = text("x-queue-type") or "classic"
+    kind = _text_argument(queue, "x-queue-type") or "classic"
     if kind == "stream":
         raise BrokerError(f"queue {queue.name!r}: stream queues are not supported in memory")
     if kind not in ("classic", "quorum"):
-        raise invalid("x-queue-type", f"unsupported queue type {kind!r}")
-    ttl = integer("x-message-ttl", 0)
-    integer("x-expires", 1)
-    dead_letter_exchange = text("x-dead-letter-exchange")
-    dead_letter_routing_key = text("x-dead-letter-routing-key")
+        raise _invalid(queue, "x-queue-type", f"unsupported queue type {kind!r}")
+    ttl = _integer_argument(queue, "x-message-ttl", 0)
+    _integer_argument(queue, "x-expires", 1)
+    dead_letter_exchange = _text_argument(queue, "x-dead-letter-exchange")
+    dead_letter_routing_key = _text_argument(queue, "x-dead-letter-routing-key")
     if dead_letter_routing_key is not None and dead_letter_exchange is None:
-        raise invalid("x-dead-letter-routing-key", "routing key but no dead-letter exchange")
-    max_length = integer("x-max-length", 0)
-    overflow = text("x-overflow") or "drop-head"
+        raise _invalid(
+            queue, "x-dead-letter-routing-key", "routing key but no dead-letter exchange"
+        )
+    max_length = _integer_argument(queue, "x-max-length", 0)
+    overflow = _text_argument(queue, "x-overflow") or "drop-head"
     if overflow not in OVERFLOW_MODES:
-        raise invalid("x-overflow", f"invalid overflow mode {overflow!r}")
-    max_priority = integer("x-max-priority", 0, 255)
+        raise _invalid(queue, "x-overflow", f"invalid overflow mode {overflow!r}")
+    max_priority = _integer_argument(queue, "x-max-priority", 0, 255)
     single = args.get("x-single-active-consumer", False)
     if not isinstance(single, bool):
-        raise invalid("x-single-active-consumer", f"expected a boolean, got {single!r}")
-    delivery_limit: int | None = None
-    if kind == "quorum":
-        if not queue.durable:
-            raise TopologyMismatch(f"queue {queue.name!r}: a quorum queue must be durable")
-        for name in ("x-max-priority", "x-queue-mode"):
-            if name in args:
-                raise invalid(name, "not supported by quorum queues")
-        delivery_limit = integer("x-delivery-limit", -(2**31))
+        raise _invalid(queue, "x-single-active-consumer", f"expected a boolean, got {single!r}")
+    delivery_limit = _quorum_delivery_limit(queue) if kind == "quorum" else None
     return _QueueSettings(
         kind=kind,
         ttl=ttl / 1000 if ttl is not None else None,
@@ -1045,6 +1018,46 @@ def _queue_settings(queue: Queue) -> _QueueSettings:
         single_active_consumer=single,
         delivery_limit=delivery_limit,
     )
+
+
+def _quorum_delivery_limit(queue: Queue) -> int | None:
+    """Check what a quorum queue refuses; return its delivery limit (None: no limit)."""
+    if not queue.durable:
+        raise TopologyMismatch(f"queue {queue.name!r}: a quorum queue must be durable")
+    for name in ("x-max-priority", "x-queue-mode"):
+        if name in queue.arguments:
+            raise _invalid(queue, name, "not supported by quorum queues")
+    return _integer_argument(queue, "x-delivery-limit", -(2**31))
+
+
+def _invalid(queue: Queue, name: str, why: str) -> TopologyMismatch:
+    return TopologyMismatch(f"invalid argument {name!r} for queue {queue.name!r}: {why}")
+
+
+def _integer_argument(
+    queue: Queue, name: str, minimum: int, maximum: int | None = None
+) -> int | None:
+    """The integer argument `name` of `queue`, None when absent; TopologyMismatch when it is
+    not an integer in [minimum, maximum]."""
+    if name not in queue.arguments:
+        return None
+    value = queue.arguments[name]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _invalid(queue, name, f"expected an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        raise _invalid(queue, name, f"{value} is out of range")
+    return value
+
+
+def _text_argument(queue: Queue, name: str) -> str | None:
+    """The string argument `name` of `queue`, None when absent; TopologyMismatch when it is
+    not a string."""
+    if name not in queue.arguments:
+        return None
+    value = queue.arguments[name]
+    if not isinstance(value, str):
+        raise _invalid(queue, name, f"expected a string, got {value!r}")
+    return value
 
 
 def _check_equivalent(old: Queue, new: Queue, kind: str) -> None:
