@@ -54,6 +54,9 @@ from .tables import DEAD, PENDING, PROCESSED, Tables, outbox_unsent
 WRITER_LOCK = 0x0B0C
 RELAY_LOCK = 0x0B0D
 WORKER_LOCK = 0x0B0E
+#: Ends the claimant name of a worker that holds no liveness lock (behind a pooler in
+#: transaction mode without ``listen_url``): its rows are free only when their lease ends.
+LEASE_ONLY = "+lease-only"
 
 # The server's lock table, read by claims to tell a live claimant from a dead one.
 _pg_locks = table(
@@ -474,7 +477,11 @@ def _claim_statement(tables: Tables, liveness: bool) -> Any:
     earlier = i.alias("earlier")
     free = [i.c.locked_until.is_(None), i.c.locked_until <= db_now()]
     if liveness:
-        free.append(_claimant_gone(i.c.locked_by))
+        free.append(
+            and_(
+                ~i.c.locked_by.endswith(LEASE_ONLY, autoescape=True), _claimant_gone(i.c.locked_by)
+            )
+        )
     due = (
         select(i.c.id)
         .where(

@@ -186,7 +186,9 @@ class Worker:
         claimant = f"{self.name}/{next(self._connections)}"
         url = self._liveness_url() if self._liveness_url is not None else None
         if url is None:
-            return claimant
+            # No session to hold a lock: say so in the name, or claims would take this
+            # worker's leased rows for a dead worker's.
+            return claimant + queries.LEASE_ONLY
         holder = conn
         if make_url(url) == self._engine.url:
             conn.detach()  # the session's lock must not reach another user of the pool
