@@ -129,63 +129,81 @@ def decode_value(data: bytes, offset: int, depth: int = 0) -> tuple[Any, int]:
     """
     kind = data[offset : offset + 1]
     offset += 1
+    number = _NUMBERS.get(bytes(kind))  # bytes: a bytearray's slice cannot be a key
+    if number is not None:
+        return number.unpack_from(data, offset)[0], offset + number.size
     if kind == b"S":
-        (length,) = _U32.unpack_from(data, offset)
-        end = offset + 4 + length
-        raw = data[offset + 4 : end]
-        try:
-            return raw.decode("utf-8"), end
-        except UnicodeDecodeError:
-            return RawField(kind, data[offset:end]), end
-    if kind == b"I":
-        return _I32.unpack_from(data, offset)[0], offset + 4
-    if kind in (b"l", b"L"):
-        return _I64.unpack_from(data, offset)[0], offset + 8
+        return _long_string(kind, data, offset)
+    if kind == b"F" or kind == b"A":
+        return _nested(kind, data, offset, depth)
+    if kind == b"T":
+        return _timestamp(kind, data, offset)
     if kind == b"t":
         return bool(data[offset]), offset + 1
-    if kind == b"F" or kind == b"A":
-        (length,) = _U32.unpack_from(data, offset)
-        end = offset + 4 + length
-        if depth >= MAX_DEPTH:
-            return RawField(kind, data[offset:end]), end
-        if kind == b"F":
-            return decode_table(data, offset, depth + 1)
-        values = []
-        offset += 4
-        while offset < end:
-            value, offset = decode_value(data, offset, depth + 1)
-            values.append(value)
-        return values, end
-    if kind == b"T":
-        (seconds,) = _U64.unpack_from(data, offset)
-        try:
-            return _EPOCH + timedelta(seconds=seconds), offset + 8
-        except OverflowError:
-            return RawField(kind, data[offset : offset + 8]), offset + 8
     if kind == b"V":
         return None, offset
     if kind == b"x":
         (length,) = _U32.unpack_from(data, offset)
         return bytes(data[offset + 4 : offset + 4 + length]), offset + 4 + length
-    if kind == b"b":
-        return _I8.unpack_from(data, offset)[0], offset + 1
     if kind == b"B":
         return data[offset], offset + 1
-    if kind in (b"s", b"U"):
-        return _I16.unpack_from(data, offset)[0], offset + 2
-    if kind == b"u":
-        return _U16.unpack_from(data, offset)[0], offset + 2
-    if kind == b"i":
-        return _U32.unpack_from(data, offset)[0], offset + 4
     if kind == b"f":
         return Float32(_F32.unpack_from(data, offset)[0]), offset + 4
-    if kind == b"d":
-        return _F64.unpack_from(data, offset)[0], offset + 8
     if kind == b"D":
         decimals = data[offset]
         (raw,) = _I32.unpack_from(data, offset + 1)
         return decimal.Decimal(raw).scaleb(-decimals), offset + 5
     raise ValueError(f"unknown AMQP field type {kind!r}")
+
+
+#: The integers and doubles, decoded as they are: type octet -> their struct.
+_NUMBERS = {
+    b"b": _I8,
+    b"s": _I16,
+    b"U": _I16,
+    b"u": _U16,
+    b"I": _I32,
+    b"i": _U32,
+    b"l": _I64,
+    b"L": _I64,
+    b"d": _F64,
+}
+
+
+def _long_string(kind: bytes, data: bytes, offset: int) -> tuple[str | RawField, int]:
+    """A long string: text, or a RawField when it is not UTF-8."""
+    (length,) = _U32.unpack_from(data, offset)
+    end = offset + 4 + length
+    raw = data[offset + 4 : end]
+    try:
+        return raw.decode("utf-8"), end
+    except UnicodeDecodeError:
+        return RawField(kind, data[offset:end]), end
+
+
+def _nested(kind: bytes, data: bytes, offset: int, depth: int) -> tuple[Any, int]:
+    """A table (``F``) or an array (``A``); kept raw below MAX_DEPTH levels of nesting."""
+    (length,) = _U32.unpack_from(data, offset)
+    end = offset + 4 + length
+    if depth >= MAX_DEPTH:
+        return RawField(kind, data[offset:end]), end
+    if kind == b"F":
+        return decode_table(data, offset, depth + 1)
+    values = []
+    offset += 4
+    while offset < end:
+        value, offset = decode_value(data, offset, depth + 1)
+        values.append(value)
+    return values, end
+
+
+def _timestamp(kind: bytes, data: bytes, offset: int) -> tuple[datetime | RawField, int]:
+    """A timestamp in seconds since the epoch; a RawField when datetime cannot hold it."""
+    (seconds,) = _U64.unpack_from(data, offset)
+    try:
+        return _EPOCH + timedelta(seconds=seconds), offset + 8
+    except OverflowError:
+        return RawField(kind, data[offset : offset + 8]), offset + 8
 
 
 def decode_properties(data: bytes, offset: int = 0) -> BasicProperties:
