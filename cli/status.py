@@ -121,6 +121,8 @@ def _print(report: dict[str, Any]) -> None:
         types = [(t["type"], t["pending"], t["in_progress"], t["dead"]) for t in inbox["by_type"]]
         echo(render_table(["TYPE", "PENDING", "IN PROGRESS", "DEAD"], types))
     wakeups = report.get("wakeups") or {}
+    if wakeups.get("mode"):
+        echo()
     if wakeups.get("mode") == "polling":
         echo(
             f"wake-ups: polling (NOTIFY does not come back through {wakeups['via']}: a pooler "

@@ -124,6 +124,13 @@ def test_commands_flow_exactly_once_with_no_failed_user_transaction(
         if r.name.startswith("outbox_inbox") and "wake-ups do not arrive" not in r.getMessage()
     ]
     assert troubles == []
+    # Where they cannot arrive, one warning (not one per role) names the cause and the fix.
+    told = [r.getMessage() for r in caplog.records if "wake-ups do not arrive" in r.getMessage()]
+    if way == "transaction" and not listen:
+        assert len(told) == 1
+        assert "pool_mode=transaction" in told[0] and "listen_url" in told[0]
+    else:
+        assert told == []
     effects = rows(db_url, "SELECT message_id, extract(epoch FROM at) FROM effects")
     assert sorted(m for m, _ in effects) == sorted(committed)  # once each
     inbox = rows(db_url, "SELECT attempts, finished, last_error FROM outbox_inbox.inbox_messages")
@@ -149,9 +156,9 @@ def test_commands_flow_exactly_once_with_no_failed_user_transaction(
         )
 
 
-@pytest.mark.parametrize("way", ["direct", "session", "transaction"])
+@pytest.mark.parametrize(("label", "way", "listen"), WAYS, ids=[w[0] for w in WAYS])
 def test_a_hung_handler_is_cut_off_after_the_lease_and_another_worker_handles_it(
-    way: str, db_url: str, mq_url: str, pooled: Callable[[str, str], str]
+    label: str, way: str, listen: bool, db_url: str, mq_url: str, pooled: Callable[[str, str], str]
 ) -> None:
     make_service("orders", db_url, mq_url).engine.dispose()
     service = Service(
@@ -161,7 +168,7 @@ def test_a_hung_handler_is_cut_off_after_the_lease_and_another_worker_handles_it
         lease=2,
         worker_poll_interval=0.2,
         relay_poll_interval=0.2,
-        **_settings(way, db_url, way == "transaction"),
+        **_settings(way, db_url, listen),
     )
     runs: list[str] = []
     release = threading.Event()
@@ -367,3 +374,27 @@ def test_a_killed_workers_rows_are_free_at_the_next_claim_where_a_session_holds_
     # The lease is 60 s: only a liveness lock that died with the worker frees them now.
     # Behind a transaction pooler without listen_url no session holds one: the lease does.
     assert free == (0 if (way == "transaction" and not listen) else 5)
+
+
+@pytest.mark.parametrize(
+    ("way", "shown"),
+    [
+        ("direct", "wake-ups: notify (LISTEN through db_url)"),
+        ("session", "wake-ups: notify (LISTEN through db_url)"),
+        ("transaction", "wake-ups: polling (NOTIFY does not come back through db_url"),
+    ],
+)
+def test_status_shows_whether_wake_ups_arrive_through_the_pooler(
+    way: str, shown: str, db_url: str, mq_url: str, pooled: Callable[[str, str], str]
+) -> None:
+    make_service("orders", db_url, mq_url).engine.dispose()
+    command = Path(sys.executable).parent / "outbox-inbox"
+    result = subprocess.run(
+        [str(command), "status", "--service", "orders", "--db-url", pooled(db_url, way)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "OUTBOX_INBOX_MQ_URL": ""},
+    )
+    assert result.returncode == 0, result.stderr
+    assert shown in result.stdout
