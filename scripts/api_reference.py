@@ -15,6 +15,7 @@ from pathlib import Path
 PUBLIC = [
     "outbox_inbox",
     "outbox_inbox.service",
+    "outbox_inbox.aio",
     "outbox_inbox.config",
     "outbox_inbox.errors",
     "outbox_inbox.messages",
