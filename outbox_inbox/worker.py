@@ -186,6 +186,8 @@ class Worker:
         claimant = f"{self.name}/{next(self._connections)}"
         url = self._liveness_url() if self._liveness_url is not None else None
         if url is None:
+            if conn.dialect.name != "postgresql":
+                return claimant  # SQLite: one process, claims judge leases only
             # No session to hold a lock: say so in the name, or claims would take this
             # worker's leased rows for a dead worker's.
             return claimant + queries.LEASE_ONLY
