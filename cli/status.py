@@ -120,7 +120,12 @@ def _print(report: dict[str, Any]) -> None:
         echo()
         types = [(t["type"], t["pending"], t["in_progress"], t["dead"]) for t in inbox["by_type"]]
         echo(render_table(["TYPE", "PENDING", "IN PROGRESS", "DEAD"], types))
-    wakeups = report.get("wakeups") or {}
+    _print_wakeups(report.get("wakeups") or {})
+    _print_held_keys(report["held_keys"])
+    _print_broker(report["broker"])
+
+
+def _print_wakeups(wakeups: dict[str, Any]) -> None:
     if wakeups.get("mode"):
         echo()
     if wakeups.get("mode") == "polling":
@@ -130,7 +135,9 @@ def _print(report: dict[str, Any]) -> None:
         )
     elif wakeups.get("mode"):
         echo(f"wake-ups: {wakeups['mode']} (LISTEN through {wakeups['via']})")
-    held = report["held_keys"]
+
+
+def _print_held_keys(held: dict[str, Any]) -> None:
     echo()
     echo(f"held-back keys: {held['count']}")
     if held["keys"]:
@@ -154,7 +161,9 @@ def _print(report: dict[str, Any]) -> None:
         )
         if held["count"] > len(held["keys"]):
             echo(f"... and {held['count'] - len(held['keys'])} more (--keys N)")
-    broker = report["broker"]
+
+
+def _print_broker(broker: dict[str, Any] | None) -> None:
     if broker is not None:
         echo()
         rows: list[tuple[Any, ...]] = []
