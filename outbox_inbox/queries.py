@@ -734,6 +734,24 @@ def limit_worker_transaction(dbapi_connection: Any, lease: float) -> None:
         cursor.close()
 
 
+def keep_liveness_session_alive(conn: Connection) -> None:
+    """Set `WORKER_KEEPALIVE` on the session that holds a worker's liveness lock.
+
+    Session-level on purpose: that session is the worker's own for as long as it lives (a
+    direct connection, or one a session pooler resets when the client leaves), never a
+    connection a transaction pooler shares. The server then ends the session of a worker whose
+    host vanished after about 25 s, and the lock with it.
+    """
+    idle, interval, count = WORKER_KEEPALIVE
+    conn.execute(
+        select(
+            func.set_config("tcp_keepalives_idle", str(idle), False),
+            func.set_config("tcp_keepalives_interval", str(interval), False),
+            func.set_config("tcp_keepalives_count", str(count), False),
+        )
+    )
+
+
 # Fixed text, values bound: ``set_config(name, value, true)`` is ``SET LOCAL``.
 _LIMIT_TRANSACTION_SQL = "SELECT " + ", ".join(["set_config(%s, %s, true)"] * 4)
 

@@ -200,6 +200,7 @@ class Worker:
                 self._liveness_engine = create_engine(url, poolclass=NullPool)
             holder = self._liveness_engine.connect()
             self._liveness_conn = holder
+        queries.keep_liveness_session_alive(holder)
         while not queries.hold_claimant_lock(holder, claimant):
             claimant = f"{self.name}/{next(self._connections)}"
         holder.commit()
