@@ -82,9 +82,9 @@ def filter_options(function: Callable[..., Any]) -> Callable[..., Any]:
         click.option(
             "--reason",
             metavar="REASON",
-            help="Dead reason: max_attempts, rejected, no_handler, expired, abandoned (table); "
-            "refused (outbox); invalid, store_failed, redelivered, or the broker's rejected / "
-            "expired / delivery_limit (queue).",
+            help="Dead reason: max_attempts, rejected, invalid_payload, no_handler, expired, "
+            "abandoned (table); refused (outbox); invalid, store_failed, redelivered, or the "
+            "broker's rejected / expired / delivery_limit (queue).",
         ),
         click.option("--error", metavar="TEXT", help="Text in the error (case-insensitive)."),
         click.option(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .brokers.memory import MemoryBroker
 from .errors import (
     BrokerAccessRefused,
     BrokerConnectionError,
@@ -9,6 +10,7 @@ from .errors import (
     ConfigurationError,
     DatabaseUnavailable,
     InvalidMessage,
+    InvalidPayload,
     MessageError,
     OutboxInboxError,
     PayloadTooLarge,
@@ -19,6 +21,8 @@ from .errors import (
     TopologyMismatch,
     TopologyMissing,
 )
+from .handlers import AsyncHandlerContext, HandlerContext
+from .listener import Listener, Listeners
 from .messages import Message
 from .retry import RetryPolicy
 from .service import Service
@@ -26,12 +30,18 @@ from .service import Service
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncHandlerContext",
     "BrokerAccessRefused",
     "BrokerConnectionError",
     "BrokerError",
     "ConfigurationError",
     "DatabaseUnavailable",
+    "HandlerContext",
     "InvalidMessage",
+    "InvalidPayload",
+    "Listener",
+    "Listeners",
+    "MemoryBroker",
     "Message",
     "MessageError",
     "OutboxInboxError",

@@ -78,9 +78,19 @@ class Retry(HandlerOutcome):
 class Reject(HandlerOutcome):
     """The message can never succeed: make it dead at once, with `reason`, without retrying."""
 
+    #: The inbox row's dead_reason.
+    dead_reason = "rejected"
+
     def __init__(self, reason: str) -> None:
         self.reason = reason
         super().__init__(reason)
+
+
+class InvalidPayload(Reject):
+    """The payload does not fit the type its handler declared: dead at once, never retried,
+    as ``invalid_payload`` with the decoder's words (outbox_inbox.payloads)."""
+
+    dead_reason = "invalid_payload"
 
 
 def storage_error(exc: BaseException, action: str) -> StorageError:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import inspect
+import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, cast
+from dataclasses import dataclass, field
+from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
@@ -14,6 +15,7 @@ from sqlalchemy.util.concurrency import in_greenlet
 
 from .errors import ConfigurationError
 from .messages import COMMAND, EVENT, Message
+from .payloads import declared_payload_type, decode
 from .retry import RetryPolicy
 from .topology import topic_matches
 
@@ -31,13 +33,100 @@ def is_async_handler(handler: Callable[..., Any]) -> bool:
 
 
 @dataclass(frozen=True)
+class HandlerContext:
+    """What a handler written as ``def handler(ctx: HandlerContext)`` gets.
+
+    `session` is the Session of the transaction that marks the message processed (do not
+    commit it); `payload` is the message's payload, decoded into the handler's declared type
+    when it has one (outbox_inbox.payloads). `publish` and `send` write to the service's
+    outbox in that session, with the message's ids as causation and correlation.
+    """
+
+    message: Message
+    session: Session
+    payload: Any
+    outbox: Any  # the service's Outbox
+
+    def publish(self, event: str, payload: Any, **options: Any) -> uuid.UUID:
+        """`Outbox.publish` in this handler's transaction."""
+        message_id: uuid.UUID = self.outbox.publish(self.session, event, payload, **options)
+        return message_id
+
+    def send(self, *, to: str, command: str, payload: Any, **options: Any) -> uuid.UUID:
+        """`Outbox.send` in this handler's transaction; keywords only, so that the service
+        and the command cannot be swapped."""
+        message_id: uuid.UUID = self.outbox.send(self.session, to, command, payload, **options)
+        return message_id
+
+
+@dataclass(frozen=True)
+class AsyncHandlerContext:
+    """What an ``async def handler(ctx: AsyncHandlerContext)`` gets: `HandlerContext` with an
+    `AsyncSession` and awaited `publish` / `send`."""
+
+    message: Message
+    session: AsyncSession
+    payload: Any
+    outbox: Any
+
+    async def publish(self, event: str, payload: Any, **options: Any) -> uuid.UUID:
+        """`Outbox.publish_async` in this handler's transaction."""
+        message_id: uuid.UUID = await self.outbox.publish_async(
+            self.session, event, payload, **options
+        )
+        return message_id
+
+    async def send(self, *, to: str, command: str, payload: Any, **options: Any) -> uuid.UUID:
+        """`Outbox.send_async` in this handler's transaction (keywords only)."""
+        message_id: uuid.UUID = await self.outbox.send_async(
+            self.session, to, command, payload, **options
+        )
+        return message_id
+
+
+def _takes_context(handler: Callable[..., Any]) -> bool:
+    """True when a handler's first parameter is a context (annotated so, or named ``ctx``)."""
+    try:
+        parameters = list(inspect.signature(handler).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    if not parameters:
+        return False
+    first = parameters[0]
+    annotation = first.annotation
+    if isinstance(annotation, str):
+        return annotation.split(".")[-1] in ("HandlerContext", "AsyncHandlerContext")
+    return annotation in (HandlerContext, AsyncHandlerContext) or (
+        annotation is inspect.Parameter.empty and first.name in ("ctx", "context")
+    )
+
+
+@dataclass(frozen=True)
 class Subscription:
-    """A handler and what it handles. `pattern` is a full routing key or topic pattern."""
+    """A handler and what it handles. `pattern` is a full routing key or topic pattern.
+
+    A handler is called as ``handler(message, session)``, or ``handler(ctx)`` when its first
+    parameter is a `HandlerContext` (annotated so, or named ``ctx``); either way a parameter
+    named ``payload`` annotated with a dataclass or a pydantic model gets the decoded payload
+    (outbox_inbox.payloads). `outbox` is the service's, for the context's publish and send.
+    """
 
     kind: str
     pattern: str
     handler: Handler | AsyncHandler
     retry: RetryPolicy | None = None
+    outbox: Any = None
+    payload_type: type | None = field(init=False, default=None)
+    takes_context: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "payload_type", declared_payload_type(self.handler))
+        object.__setattr__(self, "takes_context", _takes_context(self.handler))
+        if self.takes_context and self.outbox is None:
+            raise ConfigurationError(
+                f"handler {self.name} takes a context: register it with the service's "
+                "on_command / on_event, which give the context its outbox"
+            )
 
     @property
     def name(self) -> str:
@@ -56,16 +145,25 @@ class Subscription:
         connection, in its transaction. Outside that worker an async handler cannot run on
         the transaction: `ConfigurationError`, which the worker records as a handler failure.
         """
+        payload = message.payload
+        if self.payload_type is not None:
+            payload = decode(payload, self.payload_type)  # InvalidPayload: dead at once
+        typed = {"payload": payload} if self.payload_type is not None else {}
+        call: Callable[..., Any] = self.handler
         if not self.is_async:
-            return cast(Handler, self.handler)(message, session)
+            if self.takes_context:
+                return call(HandlerContext(message, session, payload, self.outbox), **typed)
+            return call(message, session, **typed)
         if not in_greenlet():
             raise ConfigurationError(
                 f"async handler {self.name} runs only in the asyncio worker: run the service"
                 " with start(), run(), run_worker() or run_async(), which choose it"
             )
         proxy = AsyncSession(sync_session_class=lambda **_: session)  # type: ignore[arg-type]
-        handler = cast(AsyncHandler, self.handler)
-        return await_only(handler(message, proxy))
+        if self.takes_context:
+            context = AsyncHandlerContext(message, proxy, payload, self.outbox)
+            return await_only(call(context, **typed))
+        return await_only(call(message, proxy, **typed))
 
 
 class Handlers:

@@ -24,6 +24,7 @@ from .messages import (
     check_headers,
     encode_payload,
 )
+from .payloads import plain
 from .tables import Tables
 from .tracing import Tracing, creating
 
@@ -255,6 +256,7 @@ class Outbox:
         delay: float | timedelta | None,
     ) -> dict[str, Any]:
         """The checked outbox row of one message, with the ids of the message being handled."""
+        payload = plain(payload)  # a dataclass or pydantic model: its fields
         encode_payload(payload, limit=self._limit)
         clean_headers = check_headers(headers)
         if key is not None and (not isinstance(key, str) or not key or len(key) > 255):

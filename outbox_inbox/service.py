@@ -178,7 +178,7 @@ class Service:
 
         def register(handler: H) -> H:
             routing_key = command_routing_key(self.name, command)
-            self.handlers.add(Subscription(COMMAND, routing_key, handler, retry))
+            self.handlers.add(Subscription(COMMAND, routing_key, handler, retry, self.outbox))
             return handler
 
         return register
@@ -193,7 +193,7 @@ class Service:
             raise ConfigurationError(f"invalid event pattern {pattern!r}")
 
         def register(handler: H) -> H:
-            self.handlers.add(Subscription(EVENT, pattern, handler, retry))
+            self.handlers.add(Subscription(EVENT, pattern, handler, retry, self.outbox))
             return handler
 
         return register

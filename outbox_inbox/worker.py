@@ -439,10 +439,11 @@ class Worker:
         """A handler of `row` raised `exc`: dead at once (Reject), or retried per its policy."""
         message = message_from_row(row)
         if isinstance(exc, Reject):
-            log.warning("worker: %s rejected: %s", message.message_id, exc.reason)
-            queries.mark_dead(conn, self._tables, row["id"], REJECTED, exc.reason, finished=True)
+            reason = exc.dead_reason or REJECTED
+            log.warning("worker: %s %s: %s", message.message_id, reason, exc.reason)
+            queries.mark_dead(conn, self._tables, row["id"], reason, exc.reason, finished=True)
             call(self._listener, "failed", message, exc, dead=True)
-            call(self._listener, "dead", REJECTED, 1)
+            call(self._listener, "dead", reason, 1)
             return
         subscriptions = self._handlers.find(message.kind, message.type)
         dead = self._failed(conn, row, subscriptions, exc)
