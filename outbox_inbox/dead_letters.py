@@ -842,30 +842,28 @@ class DeadLetters:
         return report
 
     def replay(
-        self,
-        sources: Iterable[str],
-        filters: Filters,
-        *,
-        limit: int | None = None,
-        **options: Any,
+        self, sources: Iterable[str], filters: Filters, *, limit: int | None = None, **options: Any
     ) -> ActionReport:
         """Select and replay in one call (no one to confirm): see `select` and `run`."""
-        asked = list(sources)
-        with self.select(asked, filters, limit) as selections:
-            return self.run(REPLAY, selections, filters=filters, source=",".join(asked), **options)
+        return self._select_and_run(REPLAY, sources, filters, limit, options)
 
     def purge(
-        self,
-        sources: Iterable[str],
-        filters: Filters,
-        *,
-        limit: int | None = None,
-        **options: Any,
+        self, sources: Iterable[str], filters: Filters, *, limit: int | None = None, **options: Any
     ) -> ActionReport:
         """Select and purge in one call (no one to confirm): see `select` and `run`."""
+        return self._select_and_run(PURGE, sources, filters, limit, options)
+
+    def _select_and_run(
+        self,
+        action: str,
+        sources: Iterable[str],
+        filters: Filters,
+        limit: int | None,
+        options: dict[str, Any],
+    ) -> ActionReport:
         asked = list(sources)
         with self.select(asked, filters, limit) as selections:
-            return self.run(PURGE, selections, filters=filters, source=",".join(asked), **options)
+            return self.run(action, selections, filters=filters, source=",".join(asked), **options)
 
     def _reset_counters(self, selection: QueueSelection) -> Callable[[list[str]], None] | None:
         engine, tables = self.engine, self.tables

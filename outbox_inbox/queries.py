@@ -382,10 +382,17 @@ def replay_dead_outbox(conn: Connection, tables: Tables, ids: Sequence[int]) -> 
 
 def purge_dead_outbox(conn: Connection, tables: Tables, ids: Sequence[int]) -> list[int]:
     """Delete the outbox rows of `ids` that are still dead; return the ids deleted."""
+    o = tables.outbox
+    return _delete_dead(conn, o, o.c.dead_at.is_not(None), ids)
+
+
+def _delete_dead(
+    conn: Connection, table: Table, dead: ColumnElement[bool], ids: Sequence[int]
+) -> list[int]:
+    """Delete the rows of `ids` still `dead`; return the ids deleted."""
     if not ids:
         return []
-    o = tables.outbox
-    stmt = delete(o).where(o.c.id.in_(list(ids)), o.c.dead_at.is_not(None)).returning(o.c.id)
+    stmt = delete(table).where(table.c.id.in_(list(ids)), dead).returning(table.c.id)
     return sorted(conn.execute(stmt).scalars())
 
 
@@ -846,11 +853,7 @@ def replay_dead_inbox(conn: Connection, tables: Tables, ids: Sequence[int]) -> l
 
 def purge_dead_inbox(conn: Connection, tables: Tables, ids: Sequence[int]) -> list[int]:
     """Delete the rows of `ids` that are still dead; return the ids deleted."""
-    if not ids:
-        return []
-    i = tables.inbox
-    stmt = delete(i).where(i.c.id.in_(list(ids)), i.c.status == DEAD).returning(i.c.id)
-    return sorted(conn.execute(stmt).scalars())
+    return _delete_dead(conn, tables.inbox, tables.inbox.c.status == DEAD, ids)
 
 
 def forget_deliveries(conn: Connection, tables: Tables, message_ids: Sequence[uuid.UUID]) -> int:
