@@ -725,9 +725,10 @@ class DeadLetters:
             if source in (TABLE, OUTBOX) and not any(_is_pattern(t) for t in filters.types):
                 counts[source] = self._count_rows(source, filters)
             elif source in (QUEUE, UNROUTABLE) and filters.empty and self.broker is not None:
-                queue = dead_letter_queue(self.service or "") if source == QUEUE else None
-                depth = self.broker.queue_depth(queue or UNROUTABLE_QUEUE)
-                counts[source] = depth or 0
+                queue = (
+                    dead_letter_queue(self.service or "") if source == QUEUE else UNROUTABLE_QUEUE
+                )
+                counts[source] = self.broker.queue_depth(queue) or 0
             else:
                 with self.select([source], filters) as [selection]:
                     counts[source] = len(selection.letters)

@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 _PUBLISHED = (PublishOutcome.CONFIRMED, PublishOutcome.RETURNED)
 #: What a batch's messages are when the broker closed the channel over one of them.
 _IN_DOUBT = (PublishOutcome.REFUSED, PublishOutcome.SKIPPED)
+#: A refusal whose reason the publisher could not tell (not a refusal of the message itself).
+_UNKNOWN_REFUSAL = Refusal(0, "the broker closed the channel")
 #: The dead_reason of an outbox row the broker refused on its every attempt.
 REFUSED_REASON = "refused"
 
@@ -328,7 +330,7 @@ class Relay:
         """
         refusals: dict[int, Refusal] = {}
         if PublishOutcome.REFUSED in outcomes:
-            refusal = publisher.refusal or Refusal(0, "the broker closed the channel")
+            refusal = publisher.refusal or _UNKNOWN_REFUSAL
             outcomes, refusals = self._isolate(conn, marking, outcomes, refusal)
         tracer = self._tracing.tracer()
         if tracer is not None and messages:
@@ -401,7 +403,7 @@ class Relay:
             return PublishOutcome.FAILED, None
         [outcome] = publisher.publish_batch([wire], window=1, timeout=s.confirm_timeout)
         if outcome is PublishOutcome.REFUSED:
-            why = publisher.refusal or Refusal(0, "the broker closed the channel")
+            why = publisher.refusal or _UNKNOWN_REFUSAL
             self._learn_limit(why.max_body)
             return outcome, why
         return outcome, None
@@ -518,7 +520,7 @@ class Relay:
             elif outcome is PublishOutcome.SKIPPED:
                 continue
             elif outcome is PublishOutcome.REFUSED:
-                why = refusals.get(index) or Refusal(0, "the broker closed the channel")
+                why = refusals.get(index) or _UNKNOWN_REFUSAL
                 if why.message_specific and attempts + 1 >= self._settings.relay_max_attempts:
                     dead.setdefault(str(why), []).append(row_id)
                 else:
