@@ -517,6 +517,10 @@ class PublishingBatch:
         self._unconfirmed.clear()
 
 
+#: How long each pump waits for the confirms in flight before a channel is replaced.
+_RENEW_WAIT = 0.002
+
+
 class RabbitMQPublisher:
     """Publishes with a window of unconfirmed messages on one channel in confirm mode.
 
@@ -535,18 +539,28 @@ class RabbitMQPublisher:
         self._connection = connection
         self._broken = False
         self._refusal: Refusal | None = None
-        self._channel = connection.channel()
-        self._impl = self._channel._impl
-        self._frames = _PublishFrames(
-            self._impl.channel_number, self._impl.connection._body_max_length
-        )
         self._confirms: deque[tuple[int, bool, bool]] = deque()  # (tag, multiple, ack)
         self._returned: set[str] = set()
-        self._next_tag = 1
         self._window = 1
         self._batches: deque[PublishingBatch] = deque()  # started and not yet done, in order
-        selected: list[bool] = []
+        # A nack was received: the channel is replaced before the next batch (see `_renew`).
+        self._nacked = False
         try:
+            self._open_channel()
+        except BaseException:
+            close_quietly(connection)
+            raise
+
+    def _open_channel(self) -> None:
+        """Open a channel in confirm mode; raise BrokerConnectionError if that fails."""
+        try:
+            self._channel = self._connection.channel()
+            self._impl = self._channel._impl
+            self._frames = _PublishFrames(
+                self._impl.channel_number, self._impl.connection._body_max_length
+            )
+            self._next_tag = 1
+            selected: list[bool] = []
             self._impl.confirm_delivery(
                 ack_nack_callback=self._on_confirm, callback=lambda _frame: selected.append(True)
             )
@@ -557,8 +571,33 @@ class RabbitMQPublisher:
                     raise BrokerConnectionError("RabbitMQ did not enable publisher confirms")
                 self._connection.process_data_events(time_limit=0.05)
         except CONNECTION_ERRORS as exc:
-            close_quietly(connection)
             raise BrokerConnectionError(f"cannot open a publishing channel: {exc!r}") from exc
+
+    def _renew(self) -> None:
+        """Publish on a new channel from now on, once the messages in flight are settled.
+
+        After a nack the channel may be what refuses: a RabbitMQ 3.10 channel whose first
+        message to a quorum queue went out while the queue's leader was down keeps sending
+        that message's successors to the dead leader, and nacks them for as long as the
+        channel lives, while a new channel reaches the new leader. A nack for a reason of the
+        queue's own (full, with ``reject-publish``) is given on the new channel alike.
+        """
+        while self._batches and not self._broken:
+            self.pump(_RENEW_WAIT)
+        if self._broken:
+            return
+        self._nacked = False
+        self._confirms.clear()
+        self._returned.clear()
+        failures: tuple[type[BaseException], ...] = (BrokerConnectionError, *CONNECTION_ERRORS)
+        try:
+            self._channel.close()
+            self._open_channel()
+        except failures as exc:
+            log.warning("replacing the publishing channel failed: %r", exc)
+            self._broken = True
+            return
+        log.debug("publishing channel replaced after a nack")
 
     @property
     def broken(self) -> bool:
@@ -606,6 +645,8 @@ class RabbitMQPublisher:
         """
         if window < 1:
             raise ConfigurationError("publish window must be at least 1")
+        if self._nacked:
+            self._renew()
         if self._broken:
             batch = PublishingBatch(messages, time.monotonic() + timeout, None)
             batch._abandon(PublishOutcome.FAILED)
@@ -724,6 +765,7 @@ class RabbitMQPublisher:
                     index = unconfirmed.pop(t)
                     if not acked:
                         batch._settle(index, PublishOutcome.NACKED)
+                        self._nacked = True
                         continue
                     message_id = batch._message_ids[index]
                     if returned and message_id in returned:
