@@ -27,7 +27,6 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
-from .backoff import Backoff
 from .errors import ConfigurationError
 from .waker import Waker
 from .worker import Worker
@@ -131,42 +130,30 @@ class AsyncWorker:
         """
         # The batch loop checks its stop flag between the messages of a batch.
         self.worker._stop = stop
-        s = self.worker._settings
-        waker = self._waker_factory(stop) if self._waker_factory else None
-        backoff = Backoff(
-            s.reconnect_initial,
-            s.reconnect_max,
-            what=f"asyncio worker {self.worker.name}: database",
-            logger=log,
-        )
         conn: AsyncConnection | None = None
+
+        async def step() -> int:
+            nonlocal conn
+            if conn is None:
+                conn = await self.connect()
+            return await self.work_once(conn)
+
+        async def recover(_exc: Exception) -> None:
+            nonlocal conn
+            if conn is not None:
+                await _discard(conn)
+                conn = None
+
+        loop = self.worker.role_loop("asyncio worker")
+        loop.waker_factory = self._waker_factory
         if on_started:
             on_started()
         try:
-            while not stop.is_set():
-                try:
-                    if conn is None:
-                        conn = await self.connect()
-                    count = await self.work_once(conn)
-                    backoff.succeeded()
-                except SQLAlchemyError as exc:
-                    if conn is not None:
-                        await _discard(conn)
-                        conn = None
-                    await asyncio.to_thread(backoff.failed, exc, stop)
-                    continue
-                if count < s.worker_batch_size:
-                    # The waker blocks on its LISTEN connection: in a thread, so the loop runs on.
-                    if waker is not None:
-                        await asyncio.to_thread(waker.wait, s.worker_poll_interval)
-                    else:
-                        await asyncio.to_thread(stop.wait, s.worker_poll_interval)
+            await loop.run_async(stop, step, recover=recover)
         finally:
             if conn is not None:
                 await _discard(conn)
             self.worker.close_liveness()
-            if waker is not None:
-                waker.close()
 
     async def close(self) -> None:
         """Release the worker's engine (after `run` returned)."""

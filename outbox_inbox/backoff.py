@@ -7,6 +7,8 @@ import random
 import threading
 import time
 
+from .errors import first_line
+
 
 class Backoff:
     """Delays initial, 2 * initial, … up to maximum, each shortened by up to half at random.
@@ -55,11 +57,11 @@ class Backoff:
             self._log.warning(
                 "%s: %s; retrying every %.1f s at most until it answers",
                 self._what,
-                _first_line(reason),
+                first_line(reason),
                 self._maximum,
             )
         else:
-            self._log.debug("%s: still failing: %s", self._what, _first_line(reason))
+            self._log.debug("%s: still failing: %s", self._what, first_line(reason))
         self.sleep(stop)
 
     def succeeded(self) -> None:
@@ -70,8 +72,3 @@ class Backoff:
             )
             self._since = None
         self.reset()
-
-
-def _first_line(reason: object) -> str:
-    text = str(reason)
-    return text.splitlines()[0] if text else repr(reason)

@@ -93,6 +93,13 @@ class InvalidPayload(Reject):
     dead_reason = "invalid_payload"
 
 
+def first_line(error: object) -> str:
+    """The first line of an error's text (a driver error may carry a whole statement after
+    it), or its repr when it has no text."""
+    text = str(error)
+    return text.splitlines()[0] if text else repr(error)
+
+
 def storage_error(exc: BaseException, action: str) -> StorageError:
     """Translate a SQLAlchemy/driver error raised while doing `action` into a StorageError."""
     original = getattr(exc, "orig", None)
@@ -101,7 +108,7 @@ def storage_error(exc: BaseException, action: str) -> StorageError:
             f"{action}: the outbox/inbox tables are missing; run `outbox-inbox db upgrade` "
             "(or Service.migrate())"
         )
-    first = str(original or exc).splitlines()[0] if str(original or exc) else repr(exc)
+    first = first_line(original or exc)
     if database_unreachable(exc):
         return DatabaseUnavailable(f"{action} failed: {first}")
     return StorageError(f"{action} failed: {first}")

@@ -20,10 +20,9 @@ from sqlalchemy.exc import (
 )
 
 from . import queries
-from .backoff import Backoff
 from .broker import Broker, Consumer, Delivery
 from .config import Settings
-from .errors import BrokerError, InvalidMessage
+from .errors import InvalidMessage, first_line
 from .listener import Listener, call
 from .messages import (
     H_DEAD_QUEUE,
@@ -36,6 +35,7 @@ from .messages import (
     from_wire,
     inbox_id,
 )
+from .role_loop import RoleLoop
 from .tables import Tables
 from .topology import DEAD_LETTER_EXCHANGE, delay_queue, inbox_queue
 from .tracing import Tracing, record_receives
@@ -96,36 +96,38 @@ class Receiver:
         self.dead = 0  # deliveries sent to the dead letters
 
     def run(self, stop: threading.Event, *, on_started: Callable[[], None] | None = None) -> None:
-        """Receive until `stop` is set; the batch in hand is stored and acked first."""
+        """Receive until `stop` is set; the batch in hand is stored and acked first.
+
+        `on_started` is called once the first consumer is open. Any error is retried (see
+        `RoleLoop`): a fault of the receiver itself must not end it. The consumer is closed
+        first, so its unacked deliveries come back flagged redelivered and are then counted
+        one by one.
+        """
         s = self._settings
-        backoff = Backoff(
-            s.reconnect_initial, s.reconnect_max, what=f"receiver of {self._service}", logger=log
-        )
         consumer: Consumer | None = None
-        started = False
+        announce = on_started
+
+        def step() -> int:
+            nonlocal consumer, announce
+            if consumer is None:
+                consumer = self._broker.consumer(inbox_queue(self._service), prefetch=s.prefetch)
+            if announce is not None:
+                announce()
+                announce = None
+            batch = consumer.fetch(s.receive_batch_size, s.receive_batch_wait)
+            if batch:
+                self.store(consumer, batch)
+            return len(batch)
+
+        def recover(_exc: Exception) -> None:
+            nonlocal consumer
+            if consumer is not None:
+                consumer.close()  # unacked deliveries go back to the queue
+                consumer = None
+
+        loop = RoleLoop(f"receiver of {self._service}", s, log, retried=(Exception,))
         try:
-            while not stop.is_set():
-                try:
-                    if consumer is None:
-                        consumer = self._broker.consumer(
-                            inbox_queue(self._service), prefetch=s.prefetch
-                        )
-                    if not started and on_started:
-                        on_started()
-                    started = True
-                    batch = consumer.fetch(s.receive_batch_size, s.receive_batch_wait)
-                    if batch:
-                        self.store(consumer, batch)
-                    backoff.succeeded()
-                except Exception as exc:
-                    if not isinstance(exc, BrokerError | SQLAlchemyError):
-                        # A fault of the receiver itself must not end it: the unacked deliveries
-                        # come back flagged redelivered, and are then counted one by one.
-                        log.exception("receiver of %s: unexpected error", self._service)
-                    if consumer is not None:
-                        consumer.close()  # unacked deliveries go back to the queue
-                        consumer = None
-                    backoff.failed(exc, stop)
+            loop.run(stop, step, recover=recover)  # the fetch waits for deliveries itself
         finally:
             if consumer is not None:
                 consumer.close()
@@ -166,7 +168,7 @@ class Receiver:
             except SQLAlchemyError as exc:
                 # Not counted, not stored: the database cannot be used now.
                 if self._decode(consumer, delivery) is not None:
-                    self._delay(consumer, delivery, _short(exc))
+                    self._delay(consumer, delivery, first_line(exc))
                 return []
             if stored:  # its earlier copy was stored and its ack lost: a duplicate
                 self._ack_duplicate(consumer, delivery)
@@ -214,7 +216,7 @@ class Receiver:
             if isinstance(exc, SQLAlchemyError) and _database_unavailable(exc):
                 log.warning("receiver: database unavailable, delaying %d messages", len(items))
                 for delivery, _ in items:
-                    self._delay(consumer, delivery, _short(exc))
+                    self._delay(consumer, delivery, first_line(exc))
                 return []
             if len(items) == 1:
                 self._set_aside(consumer, items[0][0], exc)
@@ -241,9 +243,9 @@ class Receiver:
         """A row could not be inserted: dead-letter it if the database refused its values,
         else delay it."""
         if isinstance(error, DataError | IntegrityError):
-            self._dead(consumer, delivery, INVALID, f"the database refused it: {_short(error)}")
+            self._dead(consumer, delivery, INVALID, f"the database refused it: {first_line(error)}")
         else:
-            self._delay(consumer, delivery, _short(error))
+            self._delay(consumer, delivery, first_line(error))
 
     def _insert(
         self, items: list[tuple[Delivery, dict[str, Any]]], repeats: Mapping[uuid.UUID, int]
@@ -373,7 +375,3 @@ def _int(value: Any) -> int:
         return int(value)
     except (TypeError, ValueError):
         return 0
-
-
-def _short(exc: Exception) -> str:
-    return str(exc).splitlines()[0] if str(exc) else repr(exc)

@@ -8,19 +8,19 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from sqlalchemy import Connection, Engine, RootTransaction
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.exc import SQLAlchemyError
 
 from . import queries
-from .backoff import Backoff
 from .broker import Broker, Publisher, PublishOutcome, Refusal
 from .config import Settings
-from .errors import BrokerError
+from .errors import BrokerError, first_line
 from .listener import Listener, call
 from .messages import COMMAND, OutgoingMessage, WireMessage, to_wire
+from .role_loop import RoleLoop
 from .tables import Tables
 from .tracing import Tracing, record_sends
 from .waker import Waker
@@ -106,37 +106,38 @@ class Relay:
         self._limit_probed = False
 
     def run(self, stop: threading.Event, *, on_started: Callable[[], None] | None = None) -> None:
-        """Relay batches until `stop` is set; the batch in hand is finished first."""
-        waker = self._waker_factory(stop) if self._waker_factory else None
-        s = self._settings
-        backoff = Backoff(
-            s.reconnect_initial, s.reconnect_max, what=f"relay of {self._service}", logger=log
+        """Relay batches until `stop` is set; the batch in hand is finished first.
+
+        Waits between batches, outages and their log lines are the `RoleLoop`'s; while idle,
+        the publisher's connection is kept known alive (heartbeats).
+        """
+        loop = RoleLoop(
+            f"relay of {self._service}",
+            self._settings,
+            log,
+            full=self._settings.relay_batch_size,
+            poll_interval=self._settings.relay_poll_interval,
+            waker_factory=self._waker_factory,
         )
         if on_started:
             on_started()
         try:
-            while not stop.is_set():
-                try:
-                    count = self._relay_stream(stop)
-                    backoff.succeeded()
-                except BrokerError as exc:
-                    self._drop_publisher()
-                    backoff.failed(f"broker unavailable: {exc}", stop)
-                    continue
-                except SQLAlchemyError as exc:
-                    backoff.failed(f"database unavailable: {_short(exc)}", stop)
-                    continue
-                if count < self._settings.relay_batch_size:
-                    if self._publisher is not None:
-                        self._publisher.idle()  # heartbeats: an idle link must stay known alive
-                    if waker is not None:
-                        waker.wait(self._settings.relay_poll_interval)
-                    else:
-                        stop.wait(self._settings.relay_poll_interval)
+            loop.run(
+                stop,
+                lambda: self._relay_stream(stop),
+                recover=self._recover,
+                idle=self._idle,
+            )
         finally:
             self._drop_publisher()
-            if waker is not None:
-                waker.close()
+
+    def _recover(self, exc: Exception) -> None:
+        if isinstance(exc, BrokerError):
+            self._drop_publisher()
+
+    def _idle(self) -> None:
+        if self._publisher is not None:
+            self._publisher.idle()  # heartbeats: an idle link must stay known alive
 
     def relay_once(self) -> int:
         """Relay one batch; return how many rows were claimed."""
@@ -550,10 +551,10 @@ class Relay:
             )
         if failed:
             log.warning(
-                "relay: %d of %d messages not confirmed, kept for retry",
+                "relay: %d of %d messages not confirmed, kept for retry (%s)",
                 sum(len(v) for v in failed.values()),
                 len(outcomes),
-                extra={"reasons": sorted(failed)},
+                "; ".join(f"{len(v)} {reason}" for reason, v in sorted(failed.items())),
             )
         return published
 
@@ -699,7 +700,7 @@ class _Batch:
         try:
             self.conn.close()
         except Exception as exc:  # the caller is already failing: keep its error
-            log.debug("relay: closing a batch's connection failed: %s", _short(exc))
+            log.debug("relay: closing a batch's connection failed: %s", first_line(exc))
 
 
 def _expired(row: RowMapping) -> bool:
@@ -712,8 +713,3 @@ def _group_by_attempts(items: list[tuple[int, int]]) -> dict[int, list[int]]:
     for row_id, attempts in items:
         groups.setdefault(attempts, []).append(row_id)
     return groups
-
-
-def _short(exc: Any) -> str:
-    """First line of a driver error, which may otherwise carry a whole statement."""
-    return str(exc).splitlines()[0] if str(exc) else repr(exc)

@@ -24,14 +24,14 @@ from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
 from . import queries
-from .backoff import Backoff
 from .config import Settings
 from .context import handling
-from .errors import Reject, Retry
+from .errors import Reject, Retry, first_line
 from .handlers import Handlers, Subscription
 from .listener import Listener, call
 from .messages import Message, message_from_row
 from .retry import RetryPolicy
+from .role_loop import RoleLoop
 from .tables import Tables
 from .tracing import Tracing, processing
 from .waker import Waker
@@ -214,41 +214,48 @@ class Worker:
             self._liveness_conn = None
 
     def run(self, stop: threading.Event, *, on_started: Callable[[], None] | None = None) -> None:
-        """Handle messages until `stop` is set; the batch in hand is finished first."""
+        """Handle messages until `stop` is set; the batch in hand is finished first.
+
+        Waits between batches and outages are the `RoleLoop`'s; a database error drops the
+        connection (and with it the liveness lock) and the next batch opens another one.
+        """
         self._stop = stop
-        s = self._settings
-        waker = self._waker_factory(stop) if self._waker_factory else None
-        backoff = Backoff(
-            s.reconnect_initial, s.reconnect_max, what=f"worker {self.name}: database", logger=log
-        )
         conn: Connection | None = None
+
+        def step() -> int:
+            nonlocal conn
+            if conn is None:
+                conn = self.connect()
+            return self.work_once(conn)
+
+        def recover(_exc: Exception) -> None:
+            nonlocal conn
+            if conn is not None:
+                conn.invalidate()
+                conn.close()
+                conn = None
+
         if on_started:
             on_started()
         try:
-            while not stop.is_set():
-                try:
-                    if conn is None:
-                        conn = self.connect()
-                    count = self.work_once(conn)
-                    backoff.succeeded()
-                except SQLAlchemyError as exc:
-                    if conn is not None:
-                        conn.invalidate()
-                        conn.close()
-                        conn = None
-                    backoff.failed(exc, stop)
-                    continue
-                if count < s.worker_batch_size:
-                    if waker is not None:
-                        waker.wait(s.worker_poll_interval)
-                    else:
-                        stop.wait(s.worker_poll_interval)
+            self.role_loop("worker").run(stop, step, recover=recover)
         finally:
             if conn is not None:
                 conn.close()
             self.close_liveness()
-            if waker is not None:
-                waker.close()
+
+    def role_loop(self, kind: str) -> RoleLoop:
+        """The loop a run of this worker goes round (`kind` names it in the log lines)."""
+        s = self._settings
+        return RoleLoop(
+            f"{kind} {self.name}",
+            s,
+            log,
+            full=s.worker_batch_size,
+            poll_interval=s.worker_poll_interval,
+            waker_factory=self._waker_factory,
+            retried=(SQLAlchemyError,),
+        )
 
     def work_once(self, conn: Connection) -> int:
         """Claim and handle one batch on `conn`; return how many rows were claimed.
@@ -294,7 +301,8 @@ class Worker:
         except Exception as exc:
             cause = exc.error if isinstance(exc, _HandlerFailed) else exc
             if _connection_broken(conn, cause):
-                raise ConnectionLost(f"connection lost while handling: {_short(cause)}") from cause
+                lost = f"connection lost while handling: {first_line(cause)}"
+                raise ConnectionLost(lost) from cause
             # A handler failed, or the batch's flush or commit did: redo the batch message by
             # message. The failing handler is not run again for this attempt: its error is
             # recorded as it was raised.
@@ -428,7 +436,7 @@ class Worker:
             return message
         except Exception as exc:
             if _connection_broken(conn, exc):
-                raise ConnectionLost(f"connection lost while handling: {_short(exc)}") from exc
+                raise ConnectionLost(f"connection lost while handling: {first_line(exc)}") from exc
             session.rollback()
             self._record_failure(conn, row, exc)
             return None
@@ -491,7 +499,3 @@ def _policy(subscriptions: Sequence[Subscription], default: RetryPolicy) -> Retr
         if subscription.retry is not None:
             return subscription.retry
     return default
-
-
-def _short(exc: BaseException) -> str:
-    return str(exc).splitlines()[0] if str(exc) else repr(exc)

@@ -1,0 +1,149 @@
+"""The loop every role runs: its own step again and again until it is asked to stop.
+
+The relay, the receiver and the worker differ only in their step (relay a batch, store a
+batch, handle a batch). What happens around it is this module's, and the same for each:
+
+* **stop**: the loop ends once the role's `stop` event is set, after the step in hand;
+* **failures**: a step that raises one of the role's `retried` errors (a server that cannot
+  be reached) is followed by the role's `recover` (drop the broken connection) and a capped,
+  jittered wait (`Backoff`), and then by the next step; an outage is logged as one warning and,
+  once a step works again, one info line with its length. An error outside
+  `BrokerError`/`SQLAlchemyError` that a role retries anyway is logged with its traceback
+  first. What a role does not retry ends its `run` (its supervisor restarts it);
+* **the poll wait**: a step that found less than a full batch is followed by the role's `idle`
+  (if any) and a wait of ``poll_interval`` seconds, cut short by a NOTIFY on the role's table
+  (`Waker`) or by `stop`. A full batch is followed by the next step at once.
+
+`RoleLoop.run` runs a sync step in the calling thread; `RoleLoop.run_async` awaits an async
+one on the running event loop, doing its waits in a thread so that the loop runs on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from sqlalchemy.exc import SQLAlchemyError
+
+from .backoff import Backoff
+from .config import Settings
+from .errors import BrokerError, first_line
+from .waker import Waker
+
+#: The errors of a server that cannot be reached: retried by every role.
+UNAVAILABLE: tuple[type[Exception], ...] = (BrokerError, SQLAlchemyError)
+
+
+@dataclass
+class RoleLoop:
+    """How one role repeats its step. Build one per `run` of the role (it keeps the outage).
+
+    `what` names the role in the log lines ("relay of orders"). `full`: a step returning at
+    least this many rows is followed by the next at once; fewer, by the poll wait of
+    `poll_interval` seconds (None: no wait, the step waits itself, as the receiver's fetch
+    does). `waker_factory` makes the role's NOTIFY listener for a run (None: poll only).
+    `retried`: the errors after which the role backs off and tries again.
+    """
+
+    what: str
+    settings: Settings
+    logger: logging.Logger
+    full: int = 1
+    poll_interval: float | None = None
+    waker_factory: Callable[[threading.Event], Waker | None] | None = None
+    retried: tuple[type[Exception], ...] = UNAVAILABLE
+
+    def __post_init__(self) -> None:
+        s = self.settings
+        self.backoff = Backoff(
+            s.reconnect_initial, s.reconnect_max, what=self.what, logger=self.logger
+        )
+
+    def run(
+        self,
+        stop: threading.Event,
+        step: Callable[[], int],
+        *,
+        recover: Callable[[Exception], None] | None = None,
+        idle: Callable[[], None] | None = None,
+    ) -> None:
+        """Run `step` until `stop` is set (see the module documentation).
+
+        `step` returns how many rows it found; `recover` is called with a retried error before
+        the backoff wait; `idle` before each poll wait.
+        """
+        waker = self.waker_factory(stop) if self.waker_factory else None
+        try:
+            while not stop.is_set():
+                try:
+                    count = step()
+                except self.retried as exc:
+                    self._failed(exc, recover)
+                    self.backoff.failed(self._reason(exc), stop)
+                    continue
+                self.backoff.succeeded()
+                if self._waits_after(count):
+                    if idle is not None:
+                        idle()
+                    self._wait(waker, stop)
+        finally:
+            if waker is not None:
+                waker.close()
+
+    async def run_async(
+        self,
+        stop: threading.Event,
+        step: Callable[[], Awaitable[int]],
+        *,
+        recover: Callable[[Exception], Awaitable[None]] | None = None,
+    ) -> None:
+        """`run` for an async `step` and `recover`, on the running event loop.
+
+        The waits (backoff, poll, the waker's LISTEN connection) block: they run in a thread.
+        `stop` stays a threading.Event, so that any thread may set it.
+        """
+        waker = self.waker_factory(stop) if self.waker_factory else None
+        try:
+            while not stop.is_set():
+                try:
+                    count = await step()
+                except self.retried as exc:
+                    self._failed(exc, None)
+                    if recover is not None:
+                        await recover(exc)
+                    await asyncio.to_thread(self.backoff.failed, self._reason(exc), stop)
+                    continue
+                self.backoff.succeeded()
+                if self._waits_after(count):
+                    await asyncio.to_thread(self._wait, waker, stop)
+        finally:
+            if waker is not None:
+                waker.close()
+
+    def _waits_after(self, count: int) -> bool:
+        return self.poll_interval is not None and count < self.full
+
+    def _wait(self, waker: Waker | None, stop: threading.Event) -> None:
+        assert self.poll_interval is not None
+        if waker is not None:
+            waker.wait(self.poll_interval)
+        else:
+            stop.wait(self.poll_interval)
+
+    def _failed(self, exc: Exception, recover: Callable[[Exception], None] | None) -> None:
+        if not isinstance(exc, UNAVAILABLE):
+            # A fault of the role itself, retried: its traceback is the only trace of it.
+            self.logger.exception("%s: unexpected error", self.what)
+        if recover is not None:
+            recover(exc)
+
+    @staticmethod
+    def _reason(exc: Exception) -> str:
+        if isinstance(exc, BrokerError):
+            return f"broker unavailable: {first_line(exc)}"
+        if isinstance(exc, SQLAlchemyError):
+            return f"database unavailable: {first_line(exc)}"
+        return first_line(exc)
