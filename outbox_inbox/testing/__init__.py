@@ -35,12 +35,14 @@ service it drives must not be started (`Service.start` would run competing roles
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import itertools
 import os
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -349,13 +351,44 @@ class ServiceHarness:
     def work(self) -> int:
         """Run the handlers of every due inbox row (`Worker.work_once` until none is due).
 
-        Returns the rows claimed: each is one handling attempt, whatever its outcome.
+        Returns the rows claimed: each is one handling attempt, whatever its outcome. A
+        service with an ``async def`` handler is worked by its asyncio worker, in an event
+        loop of a thread of its own (so that this works from an async test too); that needs
+        PostgreSQL, as the asyncio worker does: on SQLite it raises ConfigurationError.
         """
+        if self.service.handlers.any_async:
+            return self._work_async()
         total = 0
         with self._worker.connect() as conn:
             while count := self._worker.work_once(conn):
                 total += count
         return total
+
+    def _work_async(self) -> int:
+        if self.service.sqlite:
+            raise ConfigurationError(
+                f"service {self.service.name} has async handlers, which run on PostgreSQL only"
+                " (psycopg's async driver): give the harness a PostgreSQL database"
+                " (OUTBOX_INBOX_HARNESS_DB_URL, or override outbox_inbox_db_url_factory)"
+            )
+        aio_worker = self.service.async_worker(name=self._worker.name)
+
+        async def drain() -> int:
+            total = 0
+            try:
+                conn = await aio_worker.connect()
+                try:
+                    while count := await aio_worker.work_once(conn):
+                        total += count
+                finally:
+                    await conn.close()
+                    aio_worker.worker.close_liveness()
+            finally:
+                await aio_worker.close()
+            return total
+
+        with ThreadPoolExecutor(1, thread_name_prefix="outbox-inbox-harness") as pool:
+            return pool.submit(asyncio.run, drain()).result()
 
     def step(self) -> int:
         """One round of relay, receive and work; returns how much each found to do, summed."""
