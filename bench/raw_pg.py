@@ -15,26 +15,18 @@ from psycopg.types.json import Jsonb
 from bench.context import Context
 from bench.timing import BenchError, Figure, Timer
 from bench.wire import CLAIM_BATCH, INSERT_BATCH, OUTBOX_TXN
-from outbox_inbox.messages import EVENT, EVENTS_EXCHANGE, from_wire
+from outbox_inbox.messages import (
+    EVENT,
+    EVENTS_EXCHANGE,
+    RECEIVED_COLUMNS,
+    RECEIVED_JSON_COLUMNS,
+    from_wire,
+)
 
 NAIVE_MAX_SECONDS = 20.0  # (n) stops after this long if rows are still pending
 
-INBOX_COLUMNS = (
-    "message_id",
-    "source",
-    "kind",
-    "routing_key",
-    "payload",
-    "headers",
-    "version",
-    "correlation_id",
-    "causation_id",
-    "key",
-    "priority",
-    "created_at",
-    "expires_at",
-)
-JSON_COLUMNS = frozenset({"payload", "headers"})
+INBOX_COLUMNS = RECEIVED_COLUMNS
+JSON_COLUMNS = frozenset(RECEIVED_JSON_COLUMNS)
 OUTBOX_COLUMNS = (
     "message_id",
     "kind",

@@ -436,6 +436,26 @@ def _check_strings(value: Any, where: str) -> None:
             stack.extend(node)
 
 
+#: The inbox columns `from_wire` fills, in this order (the keys of its result).
+RECEIVED_COLUMNS = (
+    "message_id",
+    "source",
+    "kind",
+    "routing_key",
+    "payload",
+    "headers",
+    "version",
+    "correlation_id",
+    "causation_id",
+    "key",
+    "priority",
+    "created_at",
+    "expires_at",
+)
+#: Of those, the ones that hold JSON values.
+RECEIVED_JSON_COLUMNS = ("payload", "headers")
+
+
 def from_wire(wire: WireMessage, *, max_bytes: int | None = None) -> dict[str, Any]:
     """Decode a delivery into inbox column values; raise InvalidMessage with the reason.
 

@@ -48,6 +48,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
 
 from .clock import db_now, db_now_plus
+from .messages import RECEIVED_COLUMNS, RECEIVED_JSON_COLUMNS
 from .tables import DEAD, PENDING, PROCESSED, Tables, outbox_unsent
 
 #: Advisory-lock namespaces (the first key of the two-key form). Writers of one ordering key
@@ -414,8 +415,8 @@ def insert_inbox(
         # One array per column, whatever the batch size: the statement's text never changes,
         # so neither SQLAlchemy nor psycopg parses it again (a multi-row VALUES of 250 rows has
         # 3,250 placeholders for psycopg to find in a new text each batch).
-        params = {name: [row[name] for row in rows] for name in _RECEIVED}
-        for name in _RECEIVED_JSON:
+        params = {name: [row[name] for row in rows] for name in RECEIVED_COLUMNS}
+        for name in RECEIVED_JSON_COLUMNS:
             params[name] = [_JSON_TEXT(value) for value in params[name]]
         stmt = _insert_inbox_statement(tables)
         return {message_id for (message_id,) in conn.execute(stmt, params).all()}
@@ -427,24 +428,6 @@ def insert_inbox(
     return {message_id for (message_id,) in conn.execute(stmt, list(rows)).all()}
 
 
-#: The columns the receiver writes (`messages.from_wire`'s keys), in the statement's order.
-_RECEIVED = (
-    "message_id",
-    "source",
-    "kind",
-    "routing_key",
-    "payload",
-    "headers",
-    "version",
-    "correlation_id",
-    "causation_id",
-    "key",
-    "priority",
-    "created_at",
-    "expires_at",
-)
-#: Of those, the JSON ones: sent as JSON text, cast to jsonb by the statement.
-_RECEIVED_JSON = ("payload", "headers")
 #: JSON text as SQLAlchemy's JSON type writes it (`json.dumps`; None is JSON null).
 _JSON_TEXT = json.JSONEncoder().encode
 
@@ -455,18 +438,18 @@ def _insert_inbox_statement(tables: Tables) -> Any:
     RETURNING message_id``: the rows of a batch as one array per column (PostgreSQL)."""
     inbox = tables.inbox
     # The psycopg dialect casts each parameter to its type (``%(source)s::VARCHAR(255)[]``).
-    arrays = [
-        bindparam(name, type_=ARRAY(Text() if name in _RECEIVED_JSON else inbox.c[name].type))
-        for name in _RECEIVED
-    ]
-    received = func.unnest(*arrays).table_valued(*_RECEIVED).render_derived(name="received")
+    arrays = []
+    for name in RECEIVED_COLUMNS:
+        element = Text() if name in RECEIVED_JSON_COLUMNS else inbox.c[name].type
+        arrays.append(bindparam(name, type_=ARRAY(element)))
+    received = func.unnest(*arrays).table_valued(*RECEIVED_COLUMNS).render_derived(name="received")
     values = [
-        cast(received.c[name], JSONB) if name in _RECEIVED_JSON else received.c[name]
-        for name in _RECEIVED
+        cast(received.c[name], JSONB) if name in RECEIVED_JSON_COLUMNS else received.c[name]
+        for name in RECEIVED_COLUMNS
     ]
     return (
         pg_insert(inbox)
-        .from_select(list(_RECEIVED), select(*values))
+        .from_select(list(RECEIVED_COLUMNS), select(*values))
         .on_conflict_do_nothing(index_elements=["message_id"])
         .returning(inbox.c.message_id)
     )
@@ -490,25 +473,7 @@ def count_duplicates(conn: Connection, tables: Tables, counts: Mapping[uuid.UUID
 
 #: The columns a claim returns: what the worker needs to build the message and decide its
 #: fate. (``last_error`` can be large and is kept by ``mark_dead`` unless replaced.)
-_CLAIMED = (
-    "id",
-    "message_id",
-    "source",
-    "kind",
-    "routing_key",
-    "payload",
-    "headers",
-    "version",
-    "correlation_id",
-    "causation_id",
-    "key",
-    "priority",
-    "created_at",
-    "expires_at",
-    "received_at",
-    "attempts",
-    "finished",
-)
+_CLAIMED = ("id", *RECEIVED_COLUMNS, "received_at", "attempts", "finished")
 
 
 def claim_inbox(
