@@ -105,14 +105,45 @@ _handed_out_ports: set[int] = set()
 _ports_lock = threading.Lock()
 
 
+#: Where `free_port` looks below the kernel's ephemeral range (the ports of outgoing
+#: connections): from here up to that range's first port.
+_LOWEST_PORT = 10000
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections (Linux; its default elsewhere)."""
+    try:
+        low, high = (
+            int(n) for n in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        )
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
 def free_port(host: str = LOCALHOST) -> int:
     """Return a TCP port that is free on ``host`` now and was not handed out before here.
 
-    The kernel may give the same ephemeral port to two ``bind(0)`` calls in a row once the first
-    socket is closed, so ports already returned by this process are never returned again.
+    The port is below the kernel's ephemeral range. A server is often stopped and started
+    again on its ports (a restart test, a killed node); while it is down, a port in that range
+    may become the local port of any outgoing connection of the machine, and the restart then
+    fails with "address in use". Ports handed out by this process are never handed out again.
     """
+    low, _ = _ephemeral_ports()
     with _ports_lock:
-        for _ in range(100):
+        if low - _LOWEST_PORT >= 1000:
+            for _ in range(200):
+                port = secrets.randbelow(low - _LOWEST_PORT) + _LOWEST_PORT
+                if port in _handed_out_ports:
+                    continue
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                    try:
+                        sock.bind((host, port))
+                    except OSError:
+                        continue
+                _handed_out_ports.add(port)
+                return port
+        for _ in range(100):  # no room below the ephemeral range: let the kernel choose
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
                 sock.bind((host, 0))
                 port = int(sock.getsockname()[1])
