@@ -713,6 +713,13 @@ def backend_pid(conn: Connection) -> int:
     return int(conn.execute(select(func.pg_backend_pid())).scalar_one())
 
 
+def backend_exists(conn: Connection, pid: int) -> bool:
+    """Whether server process `pid` still runs (a pooler may have closed its connection)."""
+    activity = table("pg_stat_activity", column("pid"))
+    found = select(activity.c.pid).where(activity.c.pid == bindparam("pid"))
+    return bool(conn.execute(select(exists(found)), {"pid": pid}).scalar_one())
+
+
 def database_now(conn: Connection) -> Any:
     """The database clock: leases and delays are judged by it, never by the host's."""
     return conn.execute(select(db_now())).scalar_one()

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
+import select
 import threading
 import time
 import uuid
 
 import psycopg
-from psycopg import sql
+from psycopg import pq, sql
 from sqlalchemy import Engine
 from sqlalchemy.engine import URL, make_url
 
@@ -34,11 +36,22 @@ PROBE_TIMEOUT = 2.0
 PROBE_INTERVAL = 300.0
 #: The payload prefix of probe notifications (a loop woken by one only polls once more).
 PROBE_PREFIX = "outbox_inbox.probe:"
+#: How long taking back a registration that landed on a pooled server connection may take, in
+#: seconds (see `release_listen`).
+RELEASE_TIMEOUT = 5.0
+#: How long one step of `release_listen` waits for the pooler to give it a server connection
+#: before it lets go of every one it holds (so that it never waits while holding).
+RELEASE_WAIT = 0.5
+#: At most this many server connections held at once by `release_listen`.
+RELEASE_HOLD = 100
 
 
 # Paths (masked URL) already warned about: a warning once per process, not per role.
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
+# One `release_listen` at a time per process: two would hold the server connections each
+# other looks for.
+_release_lock = threading.Lock()
 
 
 def notify_channel(schema: str, table: str) -> str:
@@ -111,7 +124,6 @@ class Waker:
             return None
         try:
             conn = psycopg.connect(self._conninfo, autocommit=True, connect_timeout=5)
-            self._pid = _pid(conn)
         except psycopg.Error as exc:
             # The error text of libpq names host and port, never the password.
             log.warning("cannot LISTEN on %s, polling instead: %s", self._channel, exc)
@@ -122,7 +134,14 @@ class Waker:
             self._polling(conn)
             return None
         try:
-            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
+            # One query string runs on one server connection, pooled or not: the pid says
+            # which server holds the registration, should it have to be taken back.
+            cursor = conn.execute(
+                sql.SQL("LISTEN {}; SELECT pg_backend_pid()").format(sql.Identifier(self._channel))
+            )
+            cursor.nextset()
+            row = cursor.fetchone()
+            self._pid = int(str(row[0])) if row is not None else None
         except psycopg.Error as exc:
             log.warning("cannot LISTEN on %s, polling instead: %s", self._channel, exc)
             conn.close()
@@ -212,19 +231,28 @@ class Waker:
             )
 
     def _take_back(self, conn: psycopg.Connection[tuple[object, ...]]) -> None:
-        """UNLISTEN on the server connection that registered it, so no other client of a
-        pooler inherits it. A pooler picks the server of each query: ask until it is that one
-        (a bounded number of times; a server connection the pooler closed holds nothing)."""
+        """UNLISTEN on the server connection that holds the registration (`_pid`), so that
+        no other client of a pooler inherits it.
+
+        `conn` asks first, and names the server connection its UNLISTEN ran on: the
+        registration's one when `conn` keeps its session (and, by chance, behind a pooler).
+        When it ran elsewhere, `conn` is behind a pooler in transaction mode and
+        `release_listen` goes and finds the registration's server connection.
+        """
+        pid, self._pid = self._pid, None
         query = sql.SQL("UNLISTEN {}; SELECT pg_backend_pid()").format(
             sql.Identifier(self._channel)
         )
-        with contextlib.suppress(psycopg.Error):
-            for _ in range(20):
-                cursor = conn.execute(query)
-                cursor.nextset()
-                row = cursor.fetchone()
-                if row is None or row[0] == self._pid:
-                    return
+        try:
+            cursor = conn.execute(query)
+            cursor.nextset()
+            row = cursor.fetchone()
+        except psycopg.Error as exc:  # the session, and with it a direct registration, is gone
+            log.debug("UNLISTEN %s not sent: %s", self._channel, exc)
+            return
+        if pid is None or row is None or int(str(row[0])) == pid:
+            return
+        release_listen(self._conninfo, self._channel, pid, probe=self._probe)
 
     def wait(self, timeout: float) -> bool:
         """Block up to `timeout` seconds; True if a notification arrived."""
@@ -267,3 +295,104 @@ class Waker:
             with contextlib.suppress(psycopg.Error):
                 self._conn.close()
             self._conn = None
+
+
+def release_listen(conninfo: str, channel: str, pid: int, *, probe: Engine | None = None) -> bool:
+    """UNLISTEN `channel` on the server connection of backend `pid`, behind the pooler at
+    `conninfo` (transaction mode); True once done or once that backend is gone.
+
+    A pooler in transaction mode gives each transaction an idle server connection of its
+    choosing (PgBouncer: the one used last), so the one that holds a registration is reached
+    by taking the others out of its way: each step opens a client connection and a transaction
+    (``BEGIN; UNLISTEN; SELECT pg_backend_pid()``) and holds it while its server is not `pid`'s.
+    On `pid`'s server it commits. A step given no server within `RELEASE_WAIT` (the pool is
+    busy) lets go of every transaction held, so that it never waits while holding, and the
+    search starts again; `RELEASE_HOLD` and `RELEASE_TIMEOUT` bound it. Other clients of the
+    pool wait for a server meanwhile, for milliseconds. `probe` (an engine of the same
+    database) tells whether backend `pid` still exists. Logs a warning when it gives up.
+    """
+    query = (
+        sql.SQL("BEGIN; UNLISTEN {}; SELECT pg_backend_pid()")
+        .format(sql.Identifier(channel))
+        .as_string(None)
+        .encode()
+    )
+    target = psycopg.conninfo.make_conninfo(conninfo, connect_timeout=5)
+    deadline = time.monotonic() + RELEASE_TIMEOUT
+    held: list[pq.abc.PGconn] = []
+    with _release_lock:
+        try:
+            while time.monotonic() < deadline:
+                if not held and probe is not None and not _backend_exists(probe, pid):
+                    return True
+                step = pq.PGconn.connect(target.encode())
+                held.append(step)
+                if step.status != pq.ConnStatus.OK:
+                    raise psycopg.OperationalError(step.get_error_message())
+                given = _run_within(step, query, RELEASE_WAIT)
+                if given == pid:
+                    # Unanswered, the COMMIT still ends it: PgBouncer drops a server connection
+                    # whose client left in a transaction.
+                    _run_within(step, b"COMMIT", RELEASE_WAIT)
+                    held.remove(step)
+                    step.finish()
+                    return True
+                if given is None or len(held) >= RELEASE_HOLD:
+                    _let_go(held)
+                    time.sleep(random.uniform(0.01, 0.1))
+        except psycopg.Error as exc:
+            log.warning("could not take LISTEN %s back from backend %d: %s", channel, pid, exc)
+            return False
+        finally:
+            _let_go(held)
+    log.warning(
+        "could not take LISTEN %s back from backend %d within %.0f s: the pooler did not hand "
+        "out its server connection; the pooler's server_lifetime ends it",
+        channel,
+        pid,
+        RELEASE_TIMEOUT,
+    )
+    return False
+
+
+def _backend_exists(engine: Engine, pid: int) -> bool:
+    try:
+        with engine.begin() as conn:
+            return queries.backend_exists(conn, pid)
+    except Exception as exc:  # no verdict: go on looking
+        log.debug("backend %d not looked up: %s", pid, exc)
+        return True
+
+
+def _run_within(conn: pq.abc.PGconn, query: bytes, timeout: float) -> int | None:
+    """Send `query` on `conn`; the first value of its last row (a backend pid), or None when
+    no answer came within `timeout` seconds. Raises psycopg.Error on an error result."""
+    conn.send_query(query)
+    end = time.monotonic() + timeout
+    value: int | None = None
+    while True:
+        while conn.is_busy():
+            left = end - time.monotonic()
+            if left <= 0:
+                return None
+            ready, _, _ = select.select([conn.socket], [], [], left)
+            if ready:
+                conn.consume_input()
+        result = conn.get_result()
+        if result is None:
+            return value
+        if result.status == pq.ExecStatus.FATAL_ERROR:
+            raise psycopg.OperationalError(result.get_error_message())
+        if result.status == pq.ExecStatus.TUPLES_OK and result.ntuples:
+            cell = result.get_value(0, 0)
+            value = int(cell) if cell is not None else None
+
+
+def _let_go(held: list[pq.abc.PGconn]) -> None:
+    """Roll back and close each held transaction (closing alone would make PgBouncer drop
+    the server connection it was given), and empty `held`."""
+    for conn in held:
+        with contextlib.suppress(psycopg.Error):
+            _run_within(conn, b"ROLLBACK", RELEASE_WAIT)
+        conn.finish()
+    held.clear()
