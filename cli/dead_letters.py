@@ -444,19 +444,36 @@ def _act(
                 abort=True,
                 err=True,
             )
-        with progress(total if total and not dry_run else 0, f"{action} {total}") as advance:
-            report = _dead_letters(target).run(
-                action,
-                selections,
-                filters=filters,
-                source=source,
-                rate=rate,
-                progress=advance,
-                dry_run=dry_run,
-                audit_log=audit_log,
-                mask=mask,
-            )
+        try:
+            with progress(total if total and not dry_run else 0, f"{action} {total}") as advance:
+                report = _dead_letters(target).run(
+                    action,
+                    selections,
+                    filters=filters,
+                    source=source,
+                    rate=rate,
+                    progress=advance,
+                    dry_run=dry_run,
+                    audit_log=audit_log,
+                    mask=mask,
+                )
+        except BaseException:
+            _print_partial(action, selections)
+            raise
     _print_report(report, selections, as_json)
+
+
+def _print_partial(action: str, selections: list[Selection]) -> None:
+    """On stderr, what an action that failed did before it failed (the audit line has it)."""
+    verb = {"replay": "replayed", "purge": "purged"}[action]
+    for selection in selections:
+        if selection.outcome is not None:
+            outcome = selection.outcome
+            echo(
+                f"{_where(selection)}: {verb} {len(outcome.done)} of {outcome.selected} "
+                "before the error",
+                err=True,
+            )
 
 
 def _show_selected(selections: list[Selection], limit: int | None) -> None:

@@ -151,7 +151,12 @@ class Target:
             if self.db_url and is_sqlite(self.db_url):
                 self._engine = create_sqlite_engine(self.db_url)
             elif self.db_url:
-                self._engine = create_engine(self.db_url, pool_pre_ping=True)
+                # No prepared statements: a command repeats a statement batch after batch, and
+                # behind a pooler in transaction mode the next batch may run on a server
+                # connection that never saw it prepared. Commands gain nothing from them.
+                self._engine = create_engine(
+                    self.db_url, pool_pre_ping=True, connect_args={"prepare_threshold": None}
+                )
             elif self.service is not None:
                 return self.service.engine
             else:

@@ -227,6 +227,8 @@ class TableSelection:
         self.letters: list[DeadLetter] = []
         self._ids: list[int] = []
         self.more = False  # True when `limit` cut the selection short
+        #: What the action under way has done so far (kept when it fails half-way).
+        self.outcome: Outcome | None = None
         exact = () if any(_is_pattern(t) for t in filters.types) else filters.types
         try:
             with engine.connect() as conn:
@@ -273,39 +275,37 @@ class TableSelection:
         action: Callable[[Any, Tables, list[int]], list[int]],
         pacer: Pacer,
         progress: Progress,
-    ) -> list[int]:
-        done: list[int] = []
+        why_not: str,
+    ) -> Outcome:
+        """`action` on the selected rows batch by batch, one transaction each. `outcome`
+        gains each batch's rows as it commits, so a failure leaves in it what was done."""
+        outcome = self.outcome = Outcome(self.source, len(self._ids))
+        letters = dict(zip(self._ids, self.letters, strict=True))
         size = pacer.batch_size()
         for start in range(0, len(self._ids), size):
             batch = self._ids[start : start + size]
             pacer.before(len(batch))
             try:
                 with self._engine.begin() as conn:
-                    done += action(conn, self._tables, batch)
+                    changed = set(action(conn, self._tables, batch))
             except SQLAlchemyError as exc:
                 raise storage_error(exc, f"changing {self.what}") from exc
+            for row_id in batch:
+                message_id = letters[row_id].message_id
+                if row_id in changed:
+                    outcome.done.append(message_id)
+                else:
+                    outcome.kept.append((message_id, why_not))
             progress(len(batch))
-        return done
-
-    def _outcome(self, done: Iterable[int], why_not: str) -> Outcome:
-        done_ids = set(done)
-        outcome = Outcome(self.source, len(self._ids))
-        for row_id, letter in zip(self._ids, self.letters, strict=True):
-            if row_id in done_ids:
-                outcome.done.append(letter.message_id)
-            else:
-                outcome.kept.append((letter.message_id, why_not))
         return outcome
 
     def replay(self, pacer: Pacer, progress: Progress) -> Outcome:
         """Make the selected rows due again (those still dead), batch by batch in id order."""
-        done = self._each_batch(self._replay, pacer, progress)
-        return self._outcome(done, "no longer dead")
+        return self._each_batch(self._replay, pacer, progress, "no longer dead")
 
     def purge(self, pacer: Pacer, progress: Progress) -> Outcome:
         """Delete the selected rows that are still dead."""
-        done = self._each_batch(self._purge, pacer, progress)
-        return self._outcome(done, "no longer dead")
+        return self._each_batch(self._purge, pacer, progress, "no longer dead")
 
     def close(self) -> None:
         """Nothing to release: the rows were read in a finished transaction."""
@@ -403,6 +403,8 @@ class QueueSelection:
         self.letters: list[DeadLetter] = []
         self._held: list[QueuedMessage] = []
         self.more = False
+        #: What the action under way has done so far (kept when it fails half-way).
+        self.outcome: Outcome | None = None
         try:
             depth = self._reader.depth()
             budget = depth if limit is None else min(limit, depth)
@@ -427,7 +429,7 @@ class QueueSelection:
 
         `before(message_ids)` runs first (the CLI resets the redelivery counters there).
         """
-        outcome = Outcome(self.source, len(self._held))
+        outcome = self.outcome = Outcome(self.source, len(self._held))
         if before is not None and self._held:
             before([letter.message_id for letter in self.letters])
         published: dict[str, str] = {}
@@ -476,7 +478,7 @@ class QueueSelection:
 
     def purge(self, pacer: Pacer, progress: Progress) -> Outcome:
         """Acknowledge (remove) each selected message."""
-        outcome = Outcome(self.source, len(self._held))
+        outcome = self.outcome = Outcome(self.source, len(self._held))
         for taken, letter in zip(self._held, self.letters, strict=True):
             pacer.before(1)
             self._reader.ack(taken)
@@ -823,12 +825,18 @@ class DeadLetters:
                 )
             return report
         error: str | None = None
+        pacer = Pacer(rate)
+        for selection in selections:
+            selection.outcome = None
         try:
-            pacer = Pacer(rate)
             for selection in selections:
                 report.outcomes.append(self.act(action, selection, pacer=pacer, progress=progress))
         except BaseException as exc:  # recorded, then raised on
             error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            # What the failed selection did before it failed was done: it goes on record.
+            unfinished = selections[len(report.outcomes) :]
+            if unfinished and unfinished[0].outcome is not None:
+                report.outcomes.append(unfinished[0].outcome)
             raise
         finally:
             if audit_log is not None:

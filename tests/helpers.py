@@ -117,3 +117,40 @@ def drain(mq_url: str, queue: str) -> list[tuple[pika.spec.BasicProperties, byte
             got.append((props, body))
     finally:
         connection.close()
+
+
+def dead_rows_one_refused(service: Service, count: int, refused: int) -> list[str]:
+    """`count` dead inbox rows, in id order; a trigger makes any change of the `refused`-th
+    (from 1) fail. Their message ids."""
+    with service.engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO outbox_inbox.inbox_messages"
+                " (message_id, kind, routing_key, payload, headers, status, dead_reason)"
+                " SELECT gen_random_uuid(), 'command', 'invoice.create', '{}', '{}', 'dead',"
+                " 'rejected' FROM generate_series(1, :n)"
+            ),
+            {"n": count},
+        )
+        ids = [
+            str(m)
+            for m in conn.execute(
+                text("SELECT message_id FROM outbox_inbox.inbox_messages ORDER BY id")
+            ).scalars()
+        ]
+        conn.execute(text("CREATE TABLE refused (message_id uuid PRIMARY KEY)"))
+        conn.execute(text("INSERT INTO refused VALUES (CAST(:m AS uuid))"), {"m": ids[refused - 1]})
+        conn.execute(
+            text(
+                "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$"
+                " BEGIN IF EXISTS (SELECT 1 FROM refused WHERE message_id = NEW.message_id)"
+                " THEN RAISE EXCEPTION 'this row is refused'; END IF; RETURN NEW; END $$"
+            )
+        )
+        conn.execute(
+            text(
+                "CREATE TRIGGER refuse BEFORE UPDATE ON outbox_inbox.inbox_messages"
+                " FOR EACH ROW EXECUTE FUNCTION refuse()"
+            )
+        )
+    return ids

@@ -133,6 +133,7 @@ def act(
         raise ValueError("no message id given")
     filters = Filters(message_ids=tuple(message_ids))
     outcome: Outcome | None = None
+    selection: Selection | None = None
     error: str | None = None
     try:
         with service.selections([source], filters, None) as (selection,):
@@ -144,6 +145,8 @@ def act(
         error = f"{type(exc).__name__}: {exc}"
         raise
     finally:
+        if outcome is None and selection is not None:
+            outcome = selection.outcome  # what was done before the failure, if anything
         audit(
             command=f"dashboard {action}",
             service=service.name,

@@ -14,7 +14,7 @@ import pika
 from cli_support import Cli
 from sqlalchemy import text
 
-from helpers import rows, scalar, wait_until
+from helpers import dead_rows_one_refused, rows, scalar, wait_until
 from outbox_inbox import Reject, Service
 from outbox_inbox.brokers.memory import MemoryBroker
 from outbox_inbox.brokers.rabbitmq import RabbitMQBroker
@@ -481,3 +481,20 @@ def test_dead_letters_of_a_sqlite_service_are_listed_and_counted_without_a_broke
     counted = cli("dead-letters", "count", *target, "--reason", "rejected", "--json")
     assert counted.returncode == 0, counted
     assert json.loads(counted.stdout)["counts"] == {"table": 1}
+
+
+def test_a_replay_that_fails_half_way_says_what_it_did_and_its_audit_line_lists_it(
+    cli: Cli, make_service: Callable[..., Service], db_url: str, tmp_path: Path
+) -> None:
+    """A trigger refuses the 25th of 50 dead rows, replayed 10 a transaction: the command
+    exits with the error, says on stderr that it replayed 20 of 50 before it, and its audit
+    line lists exactly those 20."""
+    ids = dead_rows_one_refused(make_service(), 50, refused=25)
+    replay = "dead-letters replay --app cli_app:billing --source table --all --rate 100"
+    result = cli(*replay.split(), "--audit-log", str(tmp_path / "audit.log"))
+    assert result.returncode != 0, result
+    assert "this row is refused" in result.stderr, result
+    assert "table: replayed 20 of 50 before the error" in result.stderr, result
+    (line,) = _audit(tmp_path)
+    assert line["message_ids"] == ids[:20] and "this row is refused" in line["error"]
+    assert _dead(db_url) == ids[20:]

@@ -7,14 +7,18 @@ import json
 import threading
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pika
+import pytest
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from helpers import make_service, scalar, wait_until
+from helpers import dead_rows_one_refused, make_service, rows, scalar, wait_until
 from outbox_inbox import Message, Reject
+from outbox_inbox.dashboard.letters import WatchedService, act
 from outbox_inbox.dead_letters import OUTBOX, QUEUE, TABLE, DeadLetters, Filters
+from outbox_inbox.errors import StorageError
 from outbox_inbox.messages import H_DEAD_QUEUE, H_DEAD_REASON
 
 INVOICE = "billing.invoice.create"
@@ -125,3 +129,61 @@ def test_a_source_that_cannot_be_reached_is_named_with_why(db_url: str) -> None:
         "queue": "no RabbitMQ broker",
         "unroutable": "no RabbitMQ broker",
     }
+
+
+def _pending(db_url: str) -> list[str]:
+    return [
+        r[0]
+        for r in rows(
+            db_url,
+            "SELECT message_id::text FROM outbox_inbox.inbox_messages"
+            " WHERE status = 'pending' ORDER BY id",
+        )
+    ]
+
+
+def test_a_replay_that_fails_half_way_records_the_rows_it_replayed_before_the_failure(
+    db_url: str, tmp_path: Path
+) -> None:
+    """50 dead rows replayed 10 a transaction (rate 100/s); a trigger refuses the 25th, so the
+    third batch fails. The two batches before it were committed: the audit record names
+    exactly their 20 message ids with the error, the database agrees, the rest stay dead."""
+    svc = make_service("billing", db_url, None)
+    try:
+        ids = dead_rows_one_refused(svc, 50, refused=25)
+        audit_log = tmp_path / "audit.log"
+        letters = DeadLetters.of(svc)
+        with pytest.raises(StorageError, match="this row is refused"):
+            letters.replay([TABLE], Filters(), audit_log=audit_log, rate=100)
+
+        (record,) = [json.loads(line) for line in audit_log.read_text().splitlines()]
+        assert record["count"] == 20 and record["counts"] == {TABLE: 20}
+        assert record["message_ids"] == ids[:20]
+        assert "this row is refused" in record["error"]
+        assert _pending(db_url) == ids[:20]
+        assert letters.count([TABLE]) == {TABLE: 30}
+    finally:
+        svc.close()
+
+
+def test_a_dashboard_replay_that_fails_half_way_shows_and_records_what_it_did(
+    db_url: str,
+) -> None:
+    """The dashboard's action on 150 rows (100 a transaction); the 125th is refused: the
+    result and the audit line both carry the first 100 as done, and the error."""
+    svc = make_service("billing", db_url, None)
+    try:
+        ids = dead_rows_one_refused(svc, 150, refused=125)
+        lines: list[dict[str, Any]] = []
+        watched = WatchedService("billing", svc.engine, svc.tables)
+        result = act(
+            watched, "replay", TABLE, ids, audit=lambda **line: lines.append(line), client="t"
+        )
+        assert result.error is not None and "this row is refused" in result.error
+        assert result.done == ids[:100]
+        (line,) = lines
+        assert line["message_ids"] == ids[:100] and line["counts"] == {TABLE: 100}
+        assert line["error"] == result.error
+        assert _pending(db_url) == ids[:100]
+    finally:
+        svc.close()

@@ -7,9 +7,12 @@ direct URL into the URL of one way in: ``direct``, ``session`` or ``transaction`
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
+from sqlalchemy import Engine, text
 
 from servers import PostgresHandle
 
@@ -53,3 +56,12 @@ def pooled(bouncers: dict[str, PgBouncerServer]) -> Callable[[str, str], str]:
         return db_url if way == "direct" else bouncers[way].url(db_url)
 
     return url
+
+
+def churn(engine: Engine, stop: threading.Event) -> None:
+    """Short transactions of another client on `engine` until `stop`: behind a transaction
+    pooler they keep handing the pool's server connections from one client to the next."""
+    while not stop.is_set():
+        with engine.begin() as conn:
+            conn.execute(text("SELECT pg_sleep(0.002)"))
+        time.sleep(0.01)

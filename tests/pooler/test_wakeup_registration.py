@@ -15,13 +15,13 @@ from collections.abc import Callable
 import psycopg
 import pytest
 from psycopg import sql
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import create_engine
 
 from outbox_inbox import waker as waker_module
 from outbox_inbox.waker import Waker, psycopg_conninfo, release_listen
 
 from .bouncer import PgBouncerServer
-from .conftest import POOL_SIZE
+from .conftest import POOL_SIZE, churn
 
 CHANNEL = "orders.inbox_messages"
 LISTEN = sql.SQL("LISTEN {}; SELECT pg_backend_pid()").format(sql.Identifier(CHANNEL))
@@ -51,14 +51,6 @@ def _listening_in_pool(conninfo: str) -> list[tuple[int, int]]:
             client.close()
     assert len({pid for pid, _ in seen}) == POOL_SIZE, seen
     return seen
-
-
-def _load(engine: Engine, stop: threading.Event) -> None:
-    """Short transactions of other clients, until `stop`."""
-    while not stop.is_set():
-        with engine.begin() as conn:
-            conn.execute(text("SELECT pg_sleep(0.002)"))
-        time.sleep(0.01)
 
 
 def test_release_listen_finds_the_registration_under_the_servers_used_since(
@@ -140,7 +132,7 @@ def test_wakers_started_together_on_a_cold_transaction_pool_leave_no_listen_behi
         load_engine = create_engine(url, connect_args={"prepare_threshold": None}, pool_size=3)
         stop = threading.Event()
 
-        loaders = [threading.Thread(target=_load, args=(load_engine, stop)) for _ in range(3)]
+        loaders = [threading.Thread(target=churn, args=(load_engine, stop)) for _ in range(3)]
         wakers = [
             Waker(psycopg_conninfo(url), f"orders.t{i}", threading.Event(), probe=engine)
             for i in range(4)
