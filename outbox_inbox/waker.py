@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
-import select
+import selectors
 import threading
 import time
 import uuid
@@ -340,7 +340,7 @@ def release_listen(conninfo: str, channel: str, pid: int, *, probe: Engine | Non
                 if given is None or len(held) >= RELEASE_HOLD:
                     _let_go(held)
                     time.sleep(random.uniform(0.01, 0.1))
-        except psycopg.Error as exc:
+        except (psycopg.Error, OSError) as exc:
             log.warning("could not take LISTEN %s back from backend %d: %s", channel, pid, exc)
             return False
         finally:
@@ -370,22 +370,23 @@ def _run_within(conn: pq.abc.PGconn, query: bytes, timeout: float) -> int | None
     conn.send_query(query)
     end = time.monotonic() + timeout
     value: int | None = None
-    while True:
-        while conn.is_busy():
-            left = end - time.monotonic()
-            if left <= 0:
-                return None
-            ready, _, _ = select.select([conn.socket], [], [], left)
-            if ready:
-                conn.consume_input()
-        result = conn.get_result()
-        if result is None:
-            return value
-        if result.status == pq.ExecStatus.FATAL_ERROR:
-            raise psycopg.OperationalError(result.get_error_message())
-        if result.status == pq.ExecStatus.TUPLES_OK and result.ntuples:
-            cell = result.get_value(0, 0)
-            value = int(cell) if cell is not None else None
+    with selectors.DefaultSelector() as selector:
+        selector.register(conn.socket, selectors.EVENT_READ)
+        while True:
+            while conn.is_busy():
+                left = end - time.monotonic()
+                if left <= 0:
+                    return None
+                if selector.select(left):
+                    conn.consume_input()
+            result = conn.get_result()
+            if result is None:
+                return value
+            if result.status == pq.ExecStatus.FATAL_ERROR:
+                raise psycopg.OperationalError(result.get_error_message())
+            if result.status == pq.ExecStatus.TUPLES_OK and result.ntuples:
+                cell = result.get_value(0, 0)
+                value = int(cell) if cell is not None else None
 
 
 def _let_go(held: list[pq.abc.PGconn]) -> None:
