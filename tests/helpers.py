@@ -119,6 +119,14 @@ def drain(mq_url: str, queue: str) -> list[tuple[pika.spec.BasicProperties, byte
         connection.close()
 
 
+def inbox_message_ids(db_url: str, status: str, routing_key: str | None = None) -> list[str]:
+    """Message ids of the inbox rows of `status` (and `routing_key`, if given), in id order."""
+    sql = "SELECT message_id::text FROM outbox_inbox.inbox_messages WHERE status = :s"
+    if routing_key:
+        sql += " AND routing_key = :t"
+    return [r[0] for r in rows(db_url, sql + " ORDER BY id", s=status, t=routing_key)]
+
+
 def dead_rows_one_refused(service: Service, count: int, refused: int) -> list[str]:
     """`count` dead inbox rows, in id order; a trigger makes any change of the `refused`-th
     (from 1) fail. Their message ids."""

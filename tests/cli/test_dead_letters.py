@@ -14,7 +14,7 @@ import pika
 from cli_support import Cli
 from sqlalchemy import text
 
-from helpers import dead_rows_one_refused, rows, scalar, wait_until
+from helpers import dead_rows_one_refused, inbox_message_ids, rows, scalar, wait_until
 from outbox_inbox import Reject, Service
 from outbox_inbox.brokers.memory import MemoryBroker
 from outbox_inbox.brokers.rabbitmq import RabbitMQBroker
@@ -38,10 +38,7 @@ def _send(service: Service, command: str, payloads: list[dict[str, Any]]) -> Non
 
 
 def _dead(db_url: str, type_: str | None = None) -> list[str]:
-    sql = "SELECT message_id::text FROM outbox_inbox.inbox_messages WHERE status = 'dead'"
-    if type_:
-        sql += " AND routing_key = :t"
-    return [r[0] for r in rows(db_url, sql + " ORDER BY id", t=type_)]
+    return inbox_message_ids(db_url, "dead", type_)
 
 
 def _audit(tmp_path: Path) -> list[dict[str, Any]]:

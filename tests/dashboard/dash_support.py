@@ -15,7 +15,7 @@ from typing import Any
 
 from sqlalchemy import text
 
-from helpers import rows, wait_until
+from helpers import inbox_message_ids, wait_until
 from outbox_inbox import Service
 
 INVOICE = "billing.invoice.create"
@@ -88,14 +88,7 @@ def set_failing(service: Service, *types: str) -> None:
 
 
 def dead_ids(db_url: str) -> list[str]:
-    return [
-        r[0]
-        for r in rows(
-            db_url,
-            "SELECT message_id::text FROM outbox_inbox.inbox_messages"
-            " WHERE status = 'dead' ORDER BY id",
-        )
-    ]
+    return inbox_message_ids(db_url, "dead")
 
 
 def wait_dead(db_url: str, count: int) -> list[str]:

@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from helpers import dead_rows_one_refused, make_service, rows, scalar, wait_until
+from helpers import dead_rows_one_refused, inbox_message_ids, make_service, scalar, wait_until
 from outbox_inbox import Message, Reject
 from outbox_inbox.dashboard.letters import WatchedService, act
 from outbox_inbox.dead_letters import OUTBOX, QUEUE, TABLE, DeadLetters, Filters
@@ -131,17 +131,6 @@ def test_a_source_that_cannot_be_reached_is_named_with_why(db_url: str) -> None:
     }
 
 
-def _pending(db_url: str) -> list[str]:
-    return [
-        r[0]
-        for r in rows(
-            db_url,
-            "SELECT message_id::text FROM outbox_inbox.inbox_messages"
-            " WHERE status = 'pending' ORDER BY id",
-        )
-    ]
-
-
 def test_a_replay_that_fails_half_way_records_the_rows_it_replayed_before_the_failure(
     db_url: str, tmp_path: Path
 ) -> None:
@@ -160,7 +149,7 @@ def test_a_replay_that_fails_half_way_records_the_rows_it_replayed_before_the_fa
         assert record["count"] == 20 and record["counts"] == {TABLE: 20}
         assert record["message_ids"] == ids[:20]
         assert "this row is refused" in record["error"]
-        assert _pending(db_url) == ids[:20]
+        assert inbox_message_ids(db_url, "pending") == ids[:20]
         assert letters.count([TABLE]) == {TABLE: 30}
     finally:
         svc.close()
@@ -184,6 +173,6 @@ def test_a_dashboard_replay_that_fails_half_way_shows_and_records_what_it_did(
         (line,) = lines
         assert line["message_ids"] == ids[:100] and line["counts"] == {TABLE: 100}
         assert line["error"] == result.error
-        assert _pending(db_url) == ids[:100]
+        assert inbox_message_ids(db_url, "pending") == ids[:100]
     finally:
         svc.close()
