@@ -86,6 +86,24 @@ class Database:
         """Rows of `table` matching `where` (both written by the tests, never input)."""
         return int(self.scalar(f"SELECT count(*) FROM {table} WHERE {where}", **params))
 
+    def sessions(self) -> list[tuple[Any, ...]]:
+        """The other sessions of this database as a failure message wants them: pid, state,
+        what it waits on, the age of its transaction, its query (cut), and the advisory locks
+        it holds (worker liveness)."""
+        return [
+            tuple(r)
+            for r in self.rows(
+                "SELECT a.pid, a.state, a.wait_event_type, a.wait_event,"
+                " round(extract(epoch FROM now() - a.xact_start)::numeric, 1),"
+                " left(regexp_replace(a.query, '\\s+', ' ', 'g'), 80),"
+                " (SELECT count(*) FROM pg_locks l"
+                "  WHERE l.pid = a.pid AND l.locktype = 'advisory' AND l.granted)"
+                " FROM pg_stat_activity a"
+                " WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()"
+                " ORDER BY a.pid"
+            )
+        ]
+
     def dispose(self) -> None:
         self.engine.dispose()
 

@@ -61,6 +61,18 @@ def _inbox_states(db: Database) -> list[tuple[str, int, int, int]]:
     )
 
 
+def _claims(db: Database) -> list[tuple[Any, ...]]:
+    """Who holds the pending claims, how many, and for how much longer."""
+    return [
+        tuple(r)
+        for r in db.rows(
+            f"SELECT locked_by, count(*),"
+            f" round(extract(epoch FROM max(locked_until) - now())::numeric, 1)"
+            f" FROM {INBOX} WHERE status = 'pending' AND locked_by IS NOT NULL GROUP BY 1"
+        )
+    ]
+
+
 def test_worker_killed_ten_times_while_3000_messages_flow_handles_each_once_within_seconds(
     db_url: str,
     make_service: Callable[..., Service],
@@ -119,6 +131,8 @@ def test_worker_killed_ten_times_while_3000_messages_flow_handles_each_once_with
                 _inbox_states(db),
                 db.count("effects"),
                 orphaned,
+                _claims(db),
+                db.sessions(),
             ),
         )
         hold(1.0, lambda: db.count("effects") == total, what="one effect per message")
@@ -173,7 +187,7 @@ def test_worker_killed_holding_a_batch_of_50_is_finished_by_another_worker_withi
             lambda: db.count("effects") == batch,
             timeout=10,
             what="the second worker to handle the dead worker's batch within 10 s",
-            describe=lambda: (_inbox_states(db), db.count("effects")),
+            describe=lambda: (_inbox_states(db), db.count("effects"), _claims(db), db.sessions()),
         )
         took = time.monotonic() - killed_at
         hold(1.0, lambda: db.count("effects") == batch, what="one effect per message")
