@@ -173,18 +173,26 @@ class WireMessage:
 _JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
-def encode_payload(payload: Any, *, limit: int | None = None) -> bytes:
-    """Serialize `payload` to JSON bytes; raise MessageError, or PayloadTooLarge over `limit`."""
+def payload_json(payload: Any, *, limit: int | None = None) -> str:
+    """`payload` as JSON text; raise MessageError, or PayloadTooLarge when its UTF-8 encoding
+    is over `limit` bytes."""
     try:
-        body = _JSON.encode(payload)
+        text = _JSON.encode(payload)
     except (TypeError, ValueError) as exc:
         raise MessageError(f"payload is not JSON-serializable: {exc}") from exc
-    data = body.encode("utf-8")
-    if limit is not None and len(data) > limit:
-        from .errors import PayloadTooLarge
+    # A character is at most 4 bytes of UTF-8: most payloads fit without being encoded.
+    if limit is not None and len(text) * 4 > limit:
+        size = len(text.encode("utf-8"))
+        if size > limit:
+            from .errors import PayloadTooLarge
 
-        raise PayloadTooLarge(f"payload is {len(data)} bytes, over the limit of {limit} bytes")
-    return data
+            raise PayloadTooLarge(f"payload is {size} bytes, over the limit of {limit} bytes")
+    return text
+
+
+def encode_payload(payload: Any, *, limit: int | None = None) -> bytes:
+    """Serialize `payload` to JSON bytes; raise MessageError, or PayloadTooLarge over `limit`."""
+    return payload_json(payload, limit=limit).encode("utf-8")
 
 
 def check_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:

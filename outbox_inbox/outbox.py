@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Mapping
 from datetime import timedelta
@@ -22,24 +23,23 @@ from .messages import (
     EVENT,
     EVENTS_EXCHANGE,
     check_headers,
-    encode_payload,
+    payload_json,
 )
 from .payloads import plain
 from .tables import Tables
 from .tracing import Tracing, creating
 
-_WORD = "abcdefghijklmnopqrstuvwxyz0123456789_-"
+_NAME = re.compile(r"[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*")
 
 
 def _check_name(value: str, what: str) -> str:
     """A message name: dot-separated words, no wildcards, e.g. ``order.placed``."""
     if not isinstance(value, str) or not value:
         raise MessageError(f"{what} must be a non-empty string")
-    for word in value.split("."):
-        if not word or any(ch not in _WORD for ch in word.lower()):
-            raise MessageError(
-                f"invalid {what} {value!r}: use dot-separated words of letters, digits, _ and -"
-            )
+    if not _NAME.fullmatch(value):
+        raise MessageError(
+            f"invalid {what} {value!r}: use dot-separated words of letters, digits, _ and -"
+        )
     return value
 
 
@@ -257,7 +257,7 @@ class Outbox:
     ) -> dict[str, Any]:
         """The checked outbox row of one message, with the ids of the message being handled."""
         payload = plain(payload)  # a dataclass or pydantic model: its fields
-        encode_payload(payload, limit=self._limit)
+        encoded = payload_json(payload, limit=self._limit)
         clean_headers = check_headers(headers)
         if key is not None and (not isinstance(key, str) or not key or len(key) > 255):
             raise MessageError("key must be a non-empty string of at most 255 characters")
@@ -271,6 +271,7 @@ class Outbox:
             "exchange": exchange,
             "routing_key": routing_key,
             "payload": payload,
+            "payload_json": encoded,  # inserted as it is (queries.insert_outbox)
             "headers": clean_headers,
             "version": version,
             "key": key,
