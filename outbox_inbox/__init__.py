@@ -21,7 +21,7 @@ from .errors import (
     TopologyMismatch,
     TopologyMissing,
 )
-from .handlers import AsyncHandlerContext, HandlerContext
+from .handlers import AsyncBatchContext, AsyncHandlerContext, BatchContext, HandlerContext
 from .listener import Listener, Listeners
 from .messages import Message
 from .retry import RetryPolicy
@@ -30,7 +30,9 @@ from .service import Service
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncBatchContext",
     "AsyncHandlerContext",
+    "BatchContext",
     "BrokerAccessRefused",
     "BrokerConnectionError",
     "BrokerError",

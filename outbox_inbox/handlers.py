@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import inspect
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentelemetry.trace import Span
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
+from sqlalchemy.sql import Executable
 from sqlalchemy.util import await_only
 from sqlalchemy.util.concurrency import in_greenlet
 
+from .context import handling
 from .errors import ConfigurationError
 from .messages import COMMAND, EVENT, Message
 from .payloads import declared_payload_type, decode
 from .retry import RetryPolicy
 from .topology import topic_matches
+from .tracing import current
 
 Handler = Callable[[Message, Session], Any]
 #: A coroutine function handler: ``async def handler(message, session: AsyncSession)``.
@@ -46,17 +50,34 @@ class HandlerContext:
     session: Session
     payload: Any
     outbox: Any  # the service's Outbox
+    #: The message's ``process`` span where it is not the current one (in a batch handler).
+    span: Span | None = None
 
     def publish(self, event: str, payload: Any, **options: Any) -> uuid.UUID:
         """`Outbox.publish` in this handler's transaction."""
-        message_id: uuid.UUID = self.outbox.publish(self.session, event, payload, **options)
+        # The message's ids and span, in a batch handler too.
+        with handling(self.message), current(self.span):
+            message_id: uuid.UUID = self.outbox.publish(self.session, event, payload, **options)
         return message_id
 
     def send(self, *, to: str, command: str, payload: Any, **options: Any) -> uuid.UUID:
         """`Outbox.send` in this handler's transaction; keywords only, so that the service
         and the command cannot be swapped."""
-        message_id: uuid.UUID = self.outbox.send(self.session, to, command, payload, **options)
+        with handling(self.message), current(self.span):
+            message_id: uuid.UUID = self.outbox.send(self.session, to, command, payload, **options)
         return message_id
+
+    def write(self, statement: Executable, parameters: Mapping[str, Any]) -> None:
+        """Execute `statement` with `parameters` later in this handler's transaction: at the
+        end of the batch, in one executemany with every other write of the same statement
+        object (one multi-row INSERT for an insert), after the session's flush.
+
+        For writes whose result the handler does not need. Build the statement once (at
+        module level) so that the batch's writes share it; statements are run in the order
+        they were first written. A write that fails fails the batch, which is then run one
+        message at a time, each message's writes at the end of its own savepoint.
+        """
+        defer_write(self.session, statement, parameters)
 
 
 @dataclass(frozen=True)
@@ -68,24 +89,102 @@ class AsyncHandlerContext:
     session: AsyncSession
     payload: Any
     outbox: Any
+    span: Span | None = None
 
     async def publish(self, event: str, payload: Any, **options: Any) -> uuid.UUID:
         """`Outbox.publish_async` in this handler's transaction."""
-        message_id: uuid.UUID = await self.outbox.publish_async(
-            self.session, event, payload, **options
-        )
+        with handling(self.message), current(self.span):
+            message_id: uuid.UUID = await self.outbox.publish_async(
+                self.session, event, payload, **options
+            )
         return message_id
 
     async def send(self, *, to: str, command: str, payload: Any, **options: Any) -> uuid.UUID:
         """`Outbox.send_async` in this handler's transaction (keywords only)."""
-        message_id: uuid.UUID = await self.outbox.send_async(
-            self.session, to, command, payload, **options
-        )
+        with handling(self.message), current(self.span):
+            message_id: uuid.UUID = await self.outbox.send_async(
+                self.session, to, command, payload, **options
+            )
         return message_id
 
+    def write(self, statement: Executable, parameters: Mapping[str, Any]) -> None:
+        """`HandlerContext.write`: run at the end of the batch (nothing to await here)."""
+        defer_write(self.session.sync_session, statement, parameters)
 
-def _takes_context(handler: Callable[..., Any]) -> bool:
-    """True when a handler's first parameter is a context (annotated so, or named ``ctx``)."""
+
+@dataclass(frozen=True)
+class BatchContext:
+    """What a batch handler written as ``def handler(batch: BatchContext)`` gets.
+
+    `messages` and `payloads` are in claim order, one payload per message (decoded into the
+    handler's declared type when it has one). `session` is the Session of the transaction
+    that marks them all processed. Iterating gives one `HandlerContext` per message, whose
+    `publish` / `send` carry that message's ids as causation and correlation.
+    """
+
+    messages: Sequence[Message]
+    payloads: Sequence[Any]
+    session: Session
+    outbox: Any
+    #: The messages' ``process`` spans, in the same order (empty when tracing is off).
+    spans: Sequence[Span] = ()
+
+    def __len__(self) -> int:
+        return len(self.messages)
+
+    def __iter__(self) -> Iterator[HandlerContext]:
+        for n, (message, payload) in enumerate(zip(self.messages, self.payloads, strict=True)):
+            span = self.spans[n] if self.spans else None
+            yield HandlerContext(message, self.session, payload, self.outbox, span)
+
+
+@dataclass(frozen=True)
+class AsyncBatchContext:
+    """`BatchContext` for an ``async def`` batch handler: an `AsyncSession`, and one
+    `AsyncHandlerContext` per message when iterated."""
+
+    messages: Sequence[Message]
+    payloads: Sequence[Any]
+    session: AsyncSession
+    outbox: Any
+    spans: Sequence[Span] = ()
+
+    def __len__(self) -> int:
+        return len(self.messages)
+
+    def __iter__(self) -> Iterator[AsyncHandlerContext]:
+        for n, (message, payload) in enumerate(zip(self.messages, self.payloads, strict=True)):
+            span = self.spans[n] if self.spans else None
+            yield AsyncHandlerContext(message, self.session, payload, self.outbox, span)
+
+
+#: Where a Session keeps the writes of `defer_write` (in `Session.info`, the user's dict).
+_WRITES = "outbox_inbox.writes"
+
+
+def defer_write(session: Session, statement: Executable, parameters: Mapping[str, Any]) -> None:
+    """Add a write that `run_writes` executes later in `session` (see `HandlerContext.write`)."""
+    writes: dict[int, tuple[Executable, list[Mapping[str, Any]]]]
+    writes = session.info.setdefault(_WRITES, {})
+    writes.setdefault(id(statement), (statement, []))[1].append(parameters)
+
+
+def run_writes(session: Session) -> None:
+    """Execute the writes deferred in `session`, one executemany per statement, in the order
+    each statement was first written; then forget them. Raises what the database raises."""
+    writes = session.info.pop(_WRITES, None)
+    if writes:
+        for statement, parameters in writes.values():
+            session.execute(statement, parameters)
+
+
+_CONTEXTS = (HandlerContext, AsyncHandlerContext, BatchContext, AsyncBatchContext)
+_CONTEXT_NAMES = tuple(c.__name__ for c in _CONTEXTS)
+
+
+def _takes_context(handler: Callable[..., Any], batch: bool) -> bool:
+    """True when a handler's first parameter is a context (annotated so, or named ``ctx``,
+    ``context``, or ``batch`` for a batch handler)."""
     try:
         parameters = list(inspect.signature(handler).parameters.values())
     except (TypeError, ValueError):
@@ -95,9 +194,10 @@ def _takes_context(handler: Callable[..., Any]) -> bool:
     first = parameters[0]
     annotation = first.annotation
     if isinstance(annotation, str):
-        return annotation.split(".")[-1] in ("HandlerContext", "AsyncHandlerContext")
-    return annotation in (HandlerContext, AsyncHandlerContext) or (
-        annotation is inspect.Parameter.empty and first.name in ("ctx", "context")
+        return annotation.split(".")[-1] in _CONTEXT_NAMES
+    names = ("ctx", "context", "batch") if batch else ("ctx", "context")
+    return annotation in _CONTEXTS or (
+        annotation is inspect.Parameter.empty and first.name in names
     )
 
 
@@ -109,6 +209,10 @@ class Subscription:
     parameter is a `HandlerContext` (annotated so, or named ``ctx``); either way a parameter
     named ``payload`` annotated with a dataclass or a pydantic model gets the decoded payload
     (outbox_inbox.payloads). `outbox` is the service's, for the context's publish and send.
+
+    A `batch` handler is called once for many messages: ``handler(messages, session)`` with
+    the list of messages, or ``handler(batch)`` with a `BatchContext`; a parameter named
+    ``payloads`` annotated ``list[T]`` gets the decoded payloads.
     """
 
     kind: str
@@ -116,12 +220,17 @@ class Subscription:
     handler: Handler | AsyncHandler
     retry: RetryPolicy | None = None
     outbox: Any = None
+    batch: bool = False
     payload_type: type | None = field(init=False, default=None)
     takes_context: bool = field(init=False, default=False)
+    #: An ``async def`` handler (read once: the worker asks for every message).
+    is_async: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "payload_type", declared_payload_type(self.handler))
-        object.__setattr__(self, "takes_context", _takes_context(self.handler))
+        payload_type = declared_payload_type(self.handler, batch=self.batch)
+        object.__setattr__(self, "payload_type", payload_type)
+        object.__setattr__(self, "takes_context", _takes_context(self.handler, self.batch))
+        object.__setattr__(self, "is_async", is_async_handler(self.handler))
         if self.takes_context and self.outbox is None:
             raise ConfigurationError(
                 f"handler {self.name} takes a context: register it with the service's "
@@ -132,38 +241,65 @@ class Subscription:
     def name(self) -> str:
         return getattr(self.handler, "__qualname__", repr(self.handler))
 
-    @property
-    def is_async(self) -> bool:
-        return is_async_handler(self.handler)
-
     def call(self, message: Message, session: Session) -> Any:
         """Run the handler with `session`, the worker's Session in the marking transaction.
 
-        An async handler gets an `AsyncSession` that proxies that same Session, awaited on
-        the event loop of the asyncio worker: the worker's code runs in a greenlet over the
-        async driver (`aio.AsyncWorker`), so what the handler awaits runs on the worker's
-        connection, in its transaction. Outside that worker an async handler cannot run on
-        the transaction: `ConfigurationError`, which the worker records as a handler failure.
+        A batch handler gets a batch of this one message. An async handler gets an
+        `AsyncSession` that proxies that same Session, awaited on the event loop of the
+        asyncio worker: the worker's code runs in a greenlet over the async driver
+        (`aio.AsyncWorker`), so what the handler awaits runs on the worker's connection, in
+        its transaction. Outside that worker an async handler cannot run on the transaction:
+        `ConfigurationError`, which the worker records as a handler failure.
         """
+        if self.batch:
+            return self.call_batch([message], session)
         payload = message.payload
         if self.payload_type is not None:
             payload = decode(payload, self.payload_type)  # InvalidPayload: dead at once
         typed = {"payload": payload} if self.payload_type is not None else {}
-        call: Callable[..., Any] = self.handler
+        handler: Callable[..., Any] = self.handler
         if not self.is_async:
             if self.takes_context:
-                return call(HandlerContext(message, session, payload, self.outbox), **typed)
-            return call(message, session, **typed)
+                return handler(HandlerContext(message, session, payload, self.outbox), **typed)
+            return handler(message, session, **typed)
+        proxy = self._async_session(session)
+        if self.takes_context:
+            context = AsyncHandlerContext(message, proxy, payload, self.outbox)
+            return await_only(handler(context, **typed))
+        return await_only(handler(message, proxy, **typed))
+
+    def call_batch(
+        self, messages: Sequence[Message], session: Session, spans: Sequence[Span] = ()
+    ) -> Any:
+        """Run a batch handler once for `messages` (see `call` for the session), whose
+        ``process`` spans are `spans` (`tracing.processing_batch`).
+
+        Raises InvalidPayload when one of the payloads does not fit the declared type: the
+        worker then runs the messages one at a time, and only that one is dead.
+        """
+        payloads = [m.payload for m in messages]
+        if self.payload_type is not None:
+            payloads = [decode(p, self.payload_type) for p in payloads]
+        typed = {"payloads": payloads} if self.payload_type is not None else {}
+        handler: Callable[..., Any] = self.handler
+        if not self.is_async:
+            if self.takes_context:
+                context = BatchContext(messages, payloads, session, self.outbox, spans)
+                return handler(context, **typed)
+            return handler(list(messages), session, **typed)
+        proxy = self._async_session(session)
+        if self.takes_context:
+            async_context = AsyncBatchContext(messages, payloads, proxy, self.outbox, spans)
+            return await_only(handler(async_context, **typed))
+        return await_only(handler(list(messages), proxy, **typed))
+
+    def _async_session(self, session: Session) -> AsyncSession:
         if not in_greenlet():
             raise ConfigurationError(
                 f"async handler {self.name} runs only in the asyncio worker: run the service"
                 " with start(), run(), run_worker() or run_async(), which choose it"
             )
-        proxy = AsyncSession(sync_session_class=lambda **_: session)  # type: ignore[arg-type]
-        if self.takes_context:
-            context = AsyncHandlerContext(message, proxy, payload, self.outbox)
-            return await_only(call(context, **typed))
-        return await_only(call(message, proxy, **typed))
+        return AsyncSession(sync_session_class=lambda **_: session)  # type: ignore[arg-type]
 
 
 class Handlers:
@@ -173,7 +309,7 @@ class Handlers:
         self._subscriptions: list[Subscription] = []
         # find()'s answers by (kind, routing key): the worker asks for every message, and the
         # set of routing keys a service sees is small. Cleared whenever a handler is added.
-        self._found: dict[tuple[str, str], list[Subscription]] = {}
+        self._found: dict[tuple[str, str], _Found] = {}
 
     def add(self, subscription: Subscription) -> None:
         if not callable(subscription.handler):
@@ -204,18 +340,31 @@ class Handlers:
 
         The returned list is shared between callers: do not change it.
         """
+        return self._lookup(kind, routing_key)[0]
+
+    def split(self, kind: str, routing_key: str) -> tuple[list[Subscription], list[Subscription]]:
+        """`find`'s subscriptions as (called per message, batch handlers); shared lists."""
+        _, single, batch = self._lookup(kind, routing_key)
+        return single, batch
+
+    def _lookup(self, kind: str, routing_key: str) -> _Found:
         found = self._found.get((kind, routing_key))
         if found is None:
             if kind == COMMAND:
-                found = [
+                every = [
                     s for s in self._subscriptions if s.kind == COMMAND and s.pattern == routing_key
                 ]
             else:
-                found = [
+                every = [
                     s
                     for s in self._subscriptions
                     if s.kind == EVENT and topic_matches(s.pattern, routing_key)
                 ]
+            found = (every, [s for s in every if not s.batch], [s for s in every if s.batch])
             if len(self._found) < 10_000:  # routing keys come from senders: keep it bounded
                 self._found[(kind, routing_key)] = found
         return found
+
+
+#: A lookup's answer: every subscription, those called per message, the batch handlers.
+_Found = tuple[list[Subscription], list[Subscription], list[Subscription]]

@@ -21,6 +21,7 @@ know them. `publish` and `send` take such objects as payloads too (`plain`).
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import inspect
 import types
@@ -31,27 +32,37 @@ from typing import Any
 from .errors import ConfigurationError, InvalidPayload
 
 
-def declared_payload_type(handler: Callable[..., Any]) -> type | None:
+def declared_payload_type(handler: Callable[..., Any], *, batch: bool = False) -> type | None:
     """The type a handler's ``payload`` parameter is annotated with, or None without one.
 
-    Raises ConfigurationError when it is annotated with something that cannot be decoded
-    into (anything but a dataclass or a pydantic model).
+    For a batch handler (`batch`), the item type of its ``payloads`` parameter, annotated
+    ``list[T]`` or ``Sequence[T]``. Raises ConfigurationError when it is annotated with
+    something that cannot be decoded into (anything but a dataclass or a pydantic model).
     """
+    name = "payloads" if batch else "payload"
     try:
         parameters = inspect.signature(handler).parameters
     except (TypeError, ValueError):  # a builtin or C callable: no signature to read
         return None
-    if "payload" not in parameters:
+    if name not in parameters:
         return None
-    hints = _hints(handler)
-    wanted = hints.get("payload", inspect.Parameter.empty)
+    wanted = _hints(handler).get(name, inspect.Parameter.empty)
+    if batch and wanted not in (inspect.Parameter.empty, Any):
+        if typing.get_origin(wanted) not in (list, collections.abc.Sequence):
+            raise ConfigurationError(
+                f"the payloads of batch handler {getattr(handler, '__qualname__', handler)!r}"
+                f" are annotated {wanted!r}: annotate them list[T] with T a dataclass or a"
+                " pydantic model (or leave the annotation out)"
+            )
+        wanted = (typing.get_args(wanted) or (Any,))[0]
     if wanted in (inspect.Parameter.empty, Any):
         return None
     if isinstance(wanted, type) and (dataclasses.is_dataclass(wanted) or _is_pydantic(wanted)):
         return wanted
+    what = "payloads of batch handler" if batch else "payload of handler"
     raise ConfigurationError(
-        f"the payload of handler {getattr(handler, '__qualname__', handler)!r} is annotated "
-        f"{wanted!r}: annotate it with a dataclass or a pydantic model (or leave it out)"
+        f"the {what} {getattr(handler, '__qualname__', handler)!r} is annotated {wanted!r}:"
+        " annotate it with a dataclass or a pydantic model (or leave it out)"
     )
 
 

@@ -759,7 +759,7 @@ WORKER_KEEPALIVE = (10, 5, 3)
 
 
 def worker_transaction_settings(lease: float) -> dict[str, str]:
-    """The settings `limit_worker_transaction` gives each worker transaction."""
+    """The settings `limit_worker` gives a worker's transactions."""
     idle, interval, count = WORKER_KEEPALIVE
     return {
         "idle_in_transaction_session_timeout": str(int(lease * 1000)),
@@ -769,26 +769,27 @@ def worker_transaction_settings(lease: float) -> dict[str, str]:
     }
 
 
-def limit_worker_transaction(dbapi_connection: Any, lease: float) -> None:
-    """Set the limits of the transaction that `dbapi_connection` (psycopg) is beginning.
+def limit_worker(dbapi_connection: Any, lease: float, *, local: bool) -> None:
+    """Set the limits of a worker's transactions on `dbapi_connection` (psycopg).
 
     ``idle_in_transaction_session_timeout`` = `lease`: a worker whose handler hangs keeps its row
     locks; the server ends its session after the lease, so the rows go back to the queue and
     the hung work can never commit. The TCP keepalive settings bound how long the transaction
     of a worker whose host vanished lives on (`WORKER_KEEPALIVE`).
 
-    Every value is set with ``set_config(..., true)`` (``SET LOCAL``): it ends with the
-    transaction, so a connection pooler in transaction mode hands no setting of the library to
-    its other clients, and the limit holds whichever server connection the pooler picked.
-    Runs on the driver's connection because it is called from SQLAlchemy's ``begin`` event,
-    where the SQLAlchemy connection cannot execute yet; the statement opens the transaction.
+    `local`: set them for the transaction being begun only (``set_config(..., true)``, ``SET
+    LOCAL``), so that a connection pooler in transaction mode hands no setting of the library
+    to its other clients, and the limit holds whichever server connection the pooler picked;
+    then it is called from SQLAlchemy's ``begin`` event, where the SQLAlchemy connection cannot
+    execute yet, and the statement opens the transaction. Otherwise for the session, once:
+    only on a session that is the worker's own for as long as it lives.
     """
     settings = worker_transaction_settings(lease)
     # The DB-API face only (no psycopg keywords): the asyncio worker's adapter has no more.
     cursor = dbapi_connection.cursor()
     try:
         cursor.execute(
-            _LIMIT_TRANSACTION_SQL, [v for name, value in settings.items() for v in (name, value)]
+            _LIMIT_SQL[local], [v for name, value in settings.items() for v in (name, value)]
         )
     finally:
         cursor.close()
@@ -812,8 +813,11 @@ def keep_liveness_session_alive(conn: Connection) -> None:
     )
 
 
-# Fixed text, values bound: ``set_config(name, value, true)`` is ``SET LOCAL``.
-_LIMIT_TRANSACTION_SQL = "SELECT " + ", ".join(["set_config(%s, %s, true)"] * 4)
+# Fixed texts, values bound: ``set_config(name, value, true)`` is ``SET LOCAL``.
+_LIMIT_SQL = {
+    local: "SELECT " + ", ".join([f"set_config(%s, %s, {str(local).lower()})"] * 4)
+    for local in (True, False)
+}
 
 
 def record_subscriptions(

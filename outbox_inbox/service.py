@@ -165,7 +165,9 @@ class Service:
 
     # --- handlers -------------------------------------------------------------------------
 
-    def on_command(self, command: str, *, retry: RetryPolicy | None = None) -> Callable[[H], H]:
+    def on_command(
+        self, command: str, *, retry: RetryPolicy | None = None, batch: bool = False
+    ) -> Callable[[H], H]:
         """Register the handler of command ``<this service>.<command>``.
 
         The handler is called as ``handler(message, session)`` inside the transaction that
@@ -174,26 +176,37 @@ class Service:
         service then runs instead of the thread worker (docs/async-services.md). Raise
         `Retry` or `Reject` to choose what happens to the message; any other exception is
         retried by `retry` (or the service's policy).
+
+        With `batch`, the handler is called once for all the messages of this command in a
+        claimed batch, as ``handler(messages, session)`` (or ``handler(batch:
+        BatchContext)``), in the transaction that marks them all processed. If it raises,
+        the batch is rolled back and each message is run again alone, in a savepoint of its
+        own: a message's `Retry`, `Reject` or error is its own (docs/concepts.md).
         """
 
         def register(handler: H) -> H:
             routing_key = command_routing_key(self.name, command)
-            self.handlers.add(Subscription(COMMAND, routing_key, handler, retry, self.outbox))
+            self.handlers.add(
+                Subscription(COMMAND, routing_key, handler, retry, self.outbox, batch=batch)
+            )
             return handler
 
         return register
 
-    def on_event(self, pattern: str, *, retry: RetryPolicy | None = None) -> Callable[[H], H]:
+    def on_event(
+        self, pattern: str, *, retry: RetryPolicy | None = None, batch: bool = False
+    ) -> Callable[[H], H]:
         """Register a handler of events matching topic `pattern` (e.g. ``orders.order.*``).
 
         A message matching several event handlers runs them all, in registration order, in
-        one savepoint: they succeed or are retried together.
+        one savepoint: they succeed or are retried together. `batch`: as in `on_command`.
         """
         if not pattern or any(not w for w in pattern.split(".")):
             raise ConfigurationError(f"invalid event pattern {pattern!r}")
 
         def register(handler: H) -> H:
-            self.handlers.add(Subscription(EVENT, pattern, handler, retry, self.outbox))
+            subscription = Subscription(EVENT, pattern, handler, retry, self.outbox, batch=batch)
+            self.handlers.add(subscription)
             return handler
 
         return register

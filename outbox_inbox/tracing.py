@@ -24,7 +24,7 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.propagators.textmap import Getter
-from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer, TracerProvider
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer, TracerProvider
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from .broker import PublishOutcome
@@ -162,6 +162,59 @@ def processing(
 
 @contextmanager
 def _processing(tracer: Tracer, service: str, message: Message) -> Iterator[None]:
+    # record_exception / set_status_on_exception: a handler's error (Retry and Reject too)
+    # marks the span, and propagates unchanged.
+    with tracer.start_as_current_span(
+        f"process {message.type}",
+        context=extract(message.headers),
+        kind=SpanKind.CONSUMER,
+        attributes=_process_attributes(service, message),
+    ):
+        yield
+
+
+def processing_batch(
+    tracer: Tracer | None, service: str, messages: Sequence[Message]
+) -> AbstractContextManager[list[Span]]:
+    """The ``process`` spans of messages whose batch handler runs in the block, one per
+    message as in `processing`; none is current (give one to `current` where the handler
+    works for its message). Yields [] when `tracer` is None."""
+    if tracer is None:
+        return nullcontext([])
+    return _processing_batch(tracer, service, messages)
+
+
+@contextmanager
+def _processing_batch(
+    tracer: Tracer, service: str, messages: Sequence[Message]
+) -> Iterator[list[Span]]:
+    spans = [
+        tracer.start_span(
+            f"process {m.type}",
+            context=extract(m.headers),
+            kind=SpanKind.CONSUMER,
+            attributes=_process_attributes(service, m),
+        )
+        for m in messages
+    ]
+    try:
+        yield spans
+    except BaseException as exc:
+        for span in spans:
+            span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        raise
+    finally:
+        for span in spans:
+            span.end()
+
+
+def current(span: Span | None) -> AbstractContextManager[Any]:
+    """Make `span` the current span in the block (nothing when it is None)."""
+    return _NOTHING if span is None else trace.use_span(span, end_on_exit=False)
+
+
+def _process_attributes(service: str, message: Message) -> dict[str, Any]:
     exchange = COMMANDS_EXCHANGE if message.kind == COMMAND else EVENTS_EXCHANGE
     attributes = {
         **_common(exchange, message.type, message.original_id),
@@ -175,15 +228,7 @@ def _processing(tracer: Tracer, service: str, message: Message) -> Iterator[None
         attributes[A_CONSUMER_GROUP] = service
         attributes[A_SUBSCRIPTION] = f"{service}.inbox"
         attributes[A_SERVICE] = service
-    # record_exception / set_status_on_exception: a handler's error (Retry and Reject too)
-    # marks the span, and propagates unchanged.
-    with tracer.start_as_current_span(
-        f"process {message.type}",
-        context=extract(message.headers),
-        kind=SpanKind.CONSUMER,
-        attributes=attributes,
-    ):
-        yield
+    return attributes
 
 
 def record_sends(

@@ -27,13 +27,13 @@ from . import queries
 from .config import Settings
 from .context import handling
 from .errors import Reject, Retry, first_line
-from .handlers import Handlers, Subscription
+from .handlers import Handlers, Subscription, run_writes
 from .listener import Listener, call
 from .messages import Message, message_from_row
 from .retry import RetryPolicy
 from .role_loop import RoleLoop
 from .tables import Tables
-from .tracing import Tracing, processing
+from .tracing import Tracing, processing, processing_batch
 from .waker import Waker
 
 log = logging.getLogger(__name__)
@@ -140,6 +140,8 @@ class Worker:
         self._liveness_engine: Engine | None = None
         self._liveness_conn: Connection | None = None
         self._stop = threading.Event()
+        #: Rows the last batch's transaction claimed for the next batch (see `_run_batch`).
+        self._next: list[RowMapping] = []
         self.processed = 0
 
     def connect(self, opened: Connection | None = None) -> Connection:
@@ -148,34 +150,43 @@ class Worker:
         `opened`: a connection to prepare instead of a new one from the engine (the asyncio
         worker passes the sync face of its AsyncConnection); it is closed if this fails.
 
-        The connection itself carries no session state: each of its transactions sets its own
-        hang limit (`queries.limit_worker_transaction`, ``SET LOCAL``), so it may come from
-        and go back to any pool, and a pooler in transaction mode passes nothing on to its
-        other clients. Each call gets a new `claimant` name whose liveness lock is held on a
-        session connection of its own (`liveness_url`; see `close_liveness`), so the claims of
-        an earlier connection of this worker, if it broke, are free to every worker at once.
+        The hang limit (`queries.limit_worker`) is set once on a session that is the worker's
+        own (it holds the liveness lock and never goes back to a pool); otherwise each
+        transaction sets it (``SET LOCAL``), so that a pooler in transaction mode passes
+        nothing on to its other clients. Each call gets a new `claimant` name whose liveness
+        lock is held on a session connection of its own (`liveness_url`; see
+        `close_liveness`), so the claims of an earlier connection of this worker, if it
+        broke, are free to every worker at once.
         Without a liveness URL (behind a transaction pooler and no ``listen_url``) no lock is
         held, and a dead worker's rows are free once their lease ends. Raises SQLAlchemyError
         if the database cannot be reached.
         """
         conn = self._engine.connect() if opened is None else opened
+        self._next = []  # claims of an earlier connection are free with its liveness lock
         try:
+            claimant, own_session = self._hold_liveness(conn)
             if conn.dialect.name == "postgresql":
                 lease = self._settings.lease
+                if own_session:
+                    # The session is this worker's alone (never back in a pool): its limits
+                    # are set once, not at each transaction's start (a round trip saved).
+                    with conn.begin():
+                        queries.limit_worker(conn.connection.dbapi_connection, lease, local=False)
+                else:
 
-                def limit(c: Connection) -> None:
-                    queries.limit_worker_transaction(c.connection.dbapi_connection, lease)
+                    def limit(c: Connection) -> None:
+                        queries.limit_worker(c.connection.dbapi_connection, lease, local=True)
 
-                event.listen(conn, "begin", limit)
-            claimant = self._hold_liveness(conn)
+                    event.listen(conn, "begin", limit)
         except BaseException:
             conn.close()
             raise
         self.claimant = claimant
         return conn
 
-    def _hold_liveness(self, conn: Connection) -> str:
-        """A new claimant name, its liveness lock held (if anywhere) for as long as `conn`.
+    def _hold_liveness(self, conn: Connection) -> tuple[str, bool]:
+        """A new claimant name, its liveness lock held (if anywhere) for as long as `conn`;
+        and whether `conn` holds it (then `conn`'s session is the worker's own).
 
         When the liveness URL is the engine's own (a direct database, or a pooler in session
         mode: a session per client), the lock is held on `conn` itself, which then never goes
@@ -187,10 +198,10 @@ class Worker:
         url = self._liveness_url() if self._liveness_url is not None else None
         if url is None:
             if conn.dialect.name != "postgresql":
-                return claimant  # SQLite: one process, claims judge leases only
+                return claimant, False  # SQLite: one process, claims judge leases only
             # No session to hold a lock: say so in the name, or claims would take this
             # worker's leased rows for a dead worker's.
-            return claimant + queries.LEASE_ONLY
+            return claimant + queries.LEASE_ONLY, False
         holder = conn
         if make_url(url) == self._engine.url:
             conn.detach()  # the session's lock must not reach another user of the pool
@@ -204,7 +215,7 @@ class Worker:
         while not queries.hold_claimant_lock(holder, claimant):
             claimant = f"{self.name}/{next(self._connections)}"
         holder.commit()
-        return claimant
+        return claimant, holder is conn
 
     def close_liveness(self) -> None:
         """Close the liveness session: the current claimant's rows are free to every worker."""
@@ -218,15 +229,18 @@ class Worker:
 
         Waits between batches and outages are the `RoleLoop`'s; a database error drops the
         connection (and with it the liveness lock) and the next batch opens another one.
+        Claims of a next batch not yet begun are given back, uncounted, when it stops.
         """
         self._stop = stop
         conn: Connection | None = None
+        full = self._settings.worker_batch_size
 
         def step() -> int:
             nonlocal conn
             if conn is None:
                 conn = self.connect()
-            return self.work_once(conn)
+            count = self.work_once(conn)
+            return full if self._next else count  # a next batch claimed: no poll wait
 
         def recover(_exc: Exception) -> None:
             nonlocal conn
@@ -241,6 +255,7 @@ class Worker:
             self.role_loop("worker").run(stop, step, recover=recover)
         finally:
             if conn is not None:
+                self.give_back(conn)
                 conn.close()
             self.close_liveness()
 
@@ -258,19 +273,22 @@ class Worker:
         )
 
     def work_once(self, conn: Connection) -> int:
-        """Claim and handle one batch on `conn`; return how many rows were claimed.
+        """Handle one batch on `conn`; return how many rows it claimed.
 
         `conn` should come from `connect()` (on another connection claims still work, but
-        without liveness other workers take them only after the lease). A return value below
-        ``worker_batch_size`` means nothing more was due; after giving suspects back it returns
-        at least ``worker_batch_size``, since they are. Raises `ConnectionLost` or another
-        SQLAlchemyError when the database fails; handler errors never escape.
+        without liveness other workers take them only after the lease). The batch is the one
+        the last batch's transaction claimed for it (see `_run_batch`), else one claimed now.
+        A return value below ``worker_batch_size`` means nothing more was due; after giving
+        suspects back it returns at least ``worker_batch_size``, since they are. Raises
+        `ConnectionLost` or another SQLAlchemyError when the database fails (claims of a next
+        batch are then dropped: they are free with the connection's liveness lock); handler
+        errors never escape.
         """
         s = self._settings
-        with conn.begin():
-            rows = queries.claim_inbox(
-                conn, self._tables, self.claimant, s.worker_batch_size, timedelta(seconds=s.lease)
-            )
+        rows, self._next = self._next, []
+        if not rows:
+            with conn.begin():
+                rows = self._claim(conn)
         if not rows:
             return 0
         suspects = [r for r in rows if r["attempts"] - r["finished"] > 1]
@@ -286,16 +304,37 @@ class Worker:
                 queries.release_claims(
                     conn, self._tables, [r["id"] for r in rows if r is not alone], self.claimant
                 )
-            self._work(conn, [alone])
+            self._work(conn, [alone], claim_next=False)
             return max(len(rows), s.worker_batch_size) if len(rows) > 1 else 1
-        self._work(conn, rows)
+        self._work(conn, rows, claim_next=True)
         return len(rows)
 
-    def _work(self, conn: Connection, rows: list[RowMapping]) -> None:
-        """Handle claimed rows: all in one transaction, or one savepoint each on a failure."""
+    def _claim(self, conn: Connection) -> list[RowMapping]:
+        s = self._settings
+        lease = timedelta(seconds=s.lease)
+        return queries.claim_inbox(conn, self._tables, self.claimant, s.worker_batch_size, lease)
+
+    def give_back(self, conn: Connection) -> None:
+        """Give back the claims of a next batch that will not be handled (the worker stops);
+        they do not count as attempts. A database error is only logged: the claims are then
+        free once this connection's liveness lock is gone."""
+        rows, self._next = self._next, []
+        if not rows or conn.invalidated or conn.closed:
+            return
+        try:
+            with conn.begin():
+                queries.release_claims(conn, self._tables, [r["id"] for r in rows], self.claimant)
+        except SQLAlchemyError as exc:
+            log.debug("worker %s: giving back %d claims failed: %s", self.name, len(rows), exc)
+
+    def _work(self, conn: Connection, rows: list[RowMapping], *, claim_next: bool) -> None:
+        """Handle claimed rows: all in one transaction, or one savepoint each on a failure.
+
+        `claim_next`: the batch's transaction also claims the next batch (`_run_batch`).
+        """
         batch = self._plan(rows)
         try:
-            handled = self._run_batch(conn, batch)
+            handled = self._run_batch(conn, batch, claim_next=claim_next)
         except ConnectionLost:
             raise
         except Exception as exc:
@@ -338,9 +377,15 @@ class Worker:
                 batch.run.append(row)
         return batch
 
-    def _run_batch(self, conn: Connection, batch: _Batch) -> list[Message]:
-        """Run every handler of the batch in one transaction; raise if any of them fails."""
+    def _run_batch(self, conn: Connection, batch: _Batch, *, claim_next: bool) -> list[Message]:
+        """Run every handler of the batch in one transaction; raise if any of them fails.
+
+        With `claim_next`, the same transaction claims the next batch (`_next`) after the
+        marks, unless the worker is stopping: one transaction per batch instead of two, and
+        the next batch's attempts are counted when this one commits, before its handlers run.
+        """
         handled: list[Message] = []
+        claimed: list[RowMapping] = []
         with conn.begin():
             mine = queries.lock_claimed(conn, self._tables, batch.ids, self.claimant)
             self._mark_dead_rows(conn, batch, mine)
@@ -349,27 +394,56 @@ class Worker:
             session = Session(bind=conn, join_transaction_mode="rollback_only")
             processed: list[int] = []
             unrun: list[int] = []
-            tracer = self._tracing.tracer()
             try:
-                for row in batch.run:
-                    if row["id"] not in mine:
-                        continue  # lease lost to another worker in the meantime
-                    if self._stop.is_set():
-                        unrun.append(row["id"])
-                        continue
-                    message = message_from_row(row)
-                    try:
-                        self._run_handlers(message, session, tracer)
-                    except Exception as exc:
-                        raise _HandlerFailed(row["id"], exc) from exc
-                    handled.append(message)
-                    processed.append(row["id"])
+                self._handle(batch.run, mine, session, handled, processed, unrun)
                 session.flush()
+                run_writes(session)
             finally:
                 session.close()
             queries.mark_processed(conn, self._tables, processed)
             queries.release_claims(conn, self._tables, unrun, self.claimant)
+            if claim_next and not self._stop.is_set():
+                claimed = self._claim(conn)
+        self._next = claimed
         return handled
+
+    def _handle(
+        self,
+        rows: list[RowMapping],
+        mine: set[int],
+        session: Session,
+        handled: list[Message],
+        processed: list[int],
+        unrun: list[int],
+    ) -> None:
+        """Run the handlers of `rows` (those in `mine`) with `session`, filling the lists.
+
+        Message by message, its handlers called per message run at once; each batch handler
+        runs once at the end with all the messages it handles. Stopping between messages
+        leaves the rest `unrun`; a message begun runs every handler. Raises `_HandlerFailed`
+        (a handler called per message), or what a batch handler raised.
+        """
+        tracer = self._tracing.tracer()
+        batches: dict[int, tuple[Subscription, list[Message]]] = {}
+        for row in rows:
+            if row["id"] not in mine:
+                continue  # lease lost to another worker in the meantime
+            if self._stop.is_set():
+                unrun.append(row["id"])
+                continue
+            message = message_from_row(row)
+            single, batched = self._handlers.split(message.kind, message.type)
+            if single:
+                try:
+                    self._run_handlers(message, single, session, tracer)
+                except Exception as exc:
+                    raise _HandlerFailed(row["id"], exc) from exc
+            for subscription in batched:
+                batches.setdefault(id(subscription), (subscription, []))[1].append(message)
+            handled.append(message)
+            processed.append(row["id"])
+        for subscription, messages in batches.values():
+            self._run_batch_handler(subscription, messages, session, tracer)
 
     def _run_one_by_one(
         self, conn: Connection, batch: _Batch, failed: _HandlerFailed | None
@@ -408,10 +482,16 @@ class Worker:
                 queries.mark_dead(conn, self._tables, row["id"], reason, error, finished=finished)
                 batch.marked.append(reason)
 
-    def _run_handlers(self, message: Message, session: Session, tracer: Tracer | None) -> None:
-        """Run every handler of `message`, as the current message, in its ``process`` span if
-        `tracer`; tell the listener how long they ran. Raises what a handler raises."""
-        subscriptions = self._handlers.find(message.kind, message.type)
+    def _run_handlers(
+        self,
+        message: Message,
+        subscriptions: list[Subscription],
+        session: Session,
+        tracer: Tracer | None,
+    ) -> None:
+        """Run `subscriptions` for `message` (a batch handler with a batch of it alone), as the
+        current message, in its ``process`` span if `tracer`; tell the listener how long they
+        ran. Raises what a handler raises."""
         listener = self._listener
         started = time.perf_counter() if listener is not None else 0.0
         try:
@@ -425,13 +505,33 @@ class Worker:
         if listener is not None:
             call(listener, "handler_ran", message, time.perf_counter() - started, None)
 
+    def _run_batch_handler(
+        self,
+        subscription: Subscription,
+        messages: list[Message],
+        session: Session,
+        tracer: Tracer | None,
+    ) -> None:
+        """Run a batch handler once for `messages`, each in its ``process`` span if `tracer`;
+        tell the listener each message's share of the time it ran. Raises what it raises
+        (the worker then runs the messages one at a time, which tells each one's outcome)."""
+        started = time.perf_counter()
+        with processing_batch(tracer, self._tracing.service, messages) as spans:
+            subscription.call_batch(messages, session, spans)
+        if self._listener is not None:
+            share = (time.perf_counter() - started) / len(messages)
+            for message in messages:
+                call(self._listener, "handler_ran", message, share, None)
+
     def _handle_alone(self, conn: Connection, row: RowMapping) -> Message | None:
         """Run the handlers of one row in a savepoint; the message if it is to be processed."""
         message = message_from_row(row)
         session = Session(bind=conn, join_transaction_mode="create_savepoint")
         try:
-            self._run_handlers(message, session, self._tracing.tracer())
+            subscriptions = self._handlers.find(message.kind, message.type)
+            self._run_handlers(message, subscriptions, session, self._tracing.tracer())
             session.flush()
+            run_writes(session)
             session.commit()  # releases the savepoint; the outer transaction commits later
             return message
         except Exception as exc:

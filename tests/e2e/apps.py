@@ -11,7 +11,9 @@ need at exact points:
 * ``--hang-marker PATH``: the first handler call writes PATH (with the row's lease, read on the
   database clock) and sleeps for ever; a call that finds PATH there handles normally;
 * ``--handle-delay S``: every handler call sleeps S seconds first (work in flight at a signal);
-* ``--record-relayed``: the relay writes which process published each message (``relayed``).
+* ``--record-relayed``: the relay writes which process published each message (``relayed``);
+* ``--batch``: the handlers are batch handlers (``batch=True``), called once per claimed batch
+  with a `BatchContext`: the same effects, one multi-row INSERT per call, the same faults.
 
 As a process, a handler given a message whose payload has ``"poison": true`` SIGKILLs its own
 process before it writes anything: a poison message, which kills every worker that runs it.
@@ -39,7 +41,7 @@ from typing import Any
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.orm import Session
 
-from outbox_inbox import Message, Reject, Service
+from outbox_inbox import BatchContext, Message, Reject, Service
 from outbox_inbox.broker import PublishOutcome
 from outbox_inbox.listener import Listener
 from outbox_inbox.messages import OutgoingMessage
@@ -184,6 +186,7 @@ def build_service(
     hang_marker: Path | None = None,
     handle_delay: float = 0.0,
     die_on_poison: bool = False,
+    batch: bool = False,
 ) -> Service:
     """The service `name` with the handlers of COMMANDS / EVENTS, each recording its effect.
 
@@ -201,39 +204,49 @@ def build_service(
     )
 
     def record(message: Message, session: Session) -> None:
+        record_batch(BatchContext([message], [message.payload], session, service.outbox))
+
+    def record_batch(batch: BatchContext) -> None:
         if hang_marker is not None and not hang_marker.exists():
-            _hang(message, session, hang_marker)
-        if handle_delay:
-            time.sleep(handle_delay)
-        payload = message.payload if isinstance(message.payload, dict) else {}
-        if die_on_poison and payload.get("poison"):
-            log.info("handler got poison message %s: killing this process", message.message_id)
-            os.kill(os.getpid(), signal.SIGKILL)
-        if payload.get("reject"):  # bad input: dead at once, nothing written
-            raise Reject(payload["reject"])
-        session.execute(
+            _hang(batch.messages[0], batch.session, hang_marker)
+        rows = []
+        for ctx in batch:
+            if handle_delay:
+                time.sleep(handle_delay)
+            message = ctx.message
+            payload = message.payload if isinstance(message.payload, dict) else {}
+            if die_on_poison and payload.get("poison"):
+                log.info("handler got poison message %s: killing this process", message.message_id)
+                os.kill(os.getpid(), signal.SIGKILL)
+            if payload.get("reject"):  # bad input: dead at once, nothing written
+                raise Reject(payload["reject"])
+            rows.append(
+                {
+                    "message_id": message.message_id,
+                    "type": message.type,
+                    "key": message.key,
+                    "seq": payload.get("seq"),
+                    "correlation_id": message.correlation_id,
+                    "causation_id": message.causation_id,
+                    "pid": os.getpid(),
+                }
+            )
+            if payload.get("publish"):
+                ctx.publish(payload["publish"], {"for": str(message.message_id)})
+        batch.session.execute(
             text(
                 "INSERT INTO effects"
                 " (message_id, type, key, seq, correlation_id, causation_id, handled_by)"
                 " VALUES (:message_id, :type, :key, :seq, :correlation_id, :causation_id, :pid)"
             ),
-            {
-                "message_id": message.message_id,
-                "type": message.type,
-                "key": message.key,
-                "seq": payload.get("seq"),
-                "correlation_id": message.correlation_id,
-                "causation_id": message.causation_id,
-                "pid": os.getpid(),
-            },
+            rows,
         )
-        if payload.get("publish"):
-            service.outbox.publish(session, payload["publish"], {"for": str(message.message_id)})
 
+    handler = record_batch if batch else record
     for command in COMMANDS[name]:
-        service.on_command(command)(record)
+        service.on_command(command, batch=batch)(handler)
     for pattern in EVENTS[name]:
-        service.on_event(pattern)(record)
+        service.on_event(pattern, batch=batch)(handler)
     return service
 
 
@@ -293,6 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hang-marker", type=Path)
     parser.add_argument("--handle-delay", type=float, default=0.0)
     parser.add_argument("--record-relayed", action="store_true")
+    parser.add_argument("--batch", action="store_true")
     args = parser.parse_args(argv)
 
     _die_with_parent()
@@ -314,6 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         hang_marker=args.hang_marker,
         handle_delay=args.handle_delay,
         die_on_poison=True,
+        batch=args.batch,
     )
     log.info("%s %s of %s", STARTING, args.role, args.service)
     if args.role == "relay":

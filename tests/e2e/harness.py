@@ -187,6 +187,7 @@ class Processes:
         hang_marker: Path | None = None,
         handle_delay: float | None = None,
         record_relayed: bool = False,
+        batch: bool = False,
     ) -> ServiceProcess:
         """Start one role of `service` in a new process (from the main thread: see apps.py)."""
         name = f"{service}-{role}-{len(self.started)}"
@@ -200,6 +201,8 @@ class Processes:
             argv += ["--handle-delay", str(handle_delay)]
         if record_relayed:
             argv.append("--record-relayed")
+        if batch:
+            argv.append("--batch")
         env = dict(os.environ)
         env[apps.DB_URL_ENV] = db_url or self._db_url
         env[apps.MQ_URL_ENV] = self._mq_url

@@ -20,6 +20,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from outbox_inbox import Service
 from outbox_inbox.config import Settings
 
@@ -147,24 +149,32 @@ def test_worker_killed_ten_times_while_3000_messages_flow_handles_each_once_with
     assert any(orphaned), (seed, orphaned)
 
 
+#: The handlers of the batch tests: called per message, and one batch handler per claimed batch
+#: (the same effects, one INSERT per batch, killed or hung inside the batch handler).
+HANDLERS = pytest.mark.parametrize("batch", [False, True], ids=["per-message", "batch-handler"])
+
+
+@HANDLERS
 def test_worker_killed_holding_a_batch_of_50_is_finished_by_another_worker_within_seconds(
     db_url: str,
     make_service: Callable[..., Service],
     prepare_db: Callable[[str, str], Database],
     processes: Processes,
     tmp_path: Path,
+    batch: bool,
 ) -> None:
-    batch = DEFAULT_WORKER["worker_batch_size"]
-    assert batch == 50
+    size = DEFAULT_WORKER["worker_batch_size"]
+    assert size == 50
     db = prepare_db("billing", db_url)
     billing = make_service("billing", db_url)
     marker = tmp_path / "hanging"
+    options = {"settings": DEFAULT_WORKER, "hang_marker": marker, "batch": batch}
 
     with running(billing, workers=0):
-        message_ids = _send(billing, [{"seq": n} for n in range(batch)])
-        wait_until(lambda: db.count(INBOX) == batch, timeout=30, what="the inbox to fill")
+        message_ids = _send(billing, [{"seq": n} for n in range(size)])
+        wait_until(lambda: db.count(INBOX) == size, timeout=30, what="the inbox to fill")
         # Its first handler call hangs: the worker holds the whole batch, claimed and locked.
-        first = processes.start("worker", settings=DEFAULT_WORKER, hang_marker=marker)
+        first = processes.start("worker", **options)
         processes.wait_until(marker.exists, timeout=30, what="the first worker to hang")
         hung = _read_marker(marker)
         assert hung["pid"] == first.pid
@@ -174,9 +184,9 @@ def test_worker_killed_holding_a_batch_of_50_is_finished_by_another_worker_withi
                 "status = 'pending' AND locked_by = :claimant AND attempts = 1",
                 claimant=hung["locked_by"],
             )
-            == batch
+            == size
         )
-        second = processes.start("worker", settings=DEFAULT_WORKER, hang_marker=marker)
+        second = processes.start("worker", **options)
         processes.wait_started()
         # While the first worker lives, its claims are its own.
         hold(2.0, lambda: db.count("effects") == 0, what="no effect while the holder lives")
@@ -184,13 +194,13 @@ def test_worker_killed_holding_a_batch_of_50_is_finished_by_another_worker_withi
         _kill(first)
         killed_at = time.monotonic()
         processes.wait_until(
-            lambda: db.count("effects") == batch,
+            lambda: db.count("effects") == size,
             timeout=10,
             what="the second worker to handle the dead worker's batch within 10 s",
             describe=lambda: (_inbox_states(db), db.count("effects"), _claims(db), db.sessions()),
         )
         took = time.monotonic() - killed_at
-        hold(1.0, lambda: db.count("effects") == batch, what="one effect per message")
+        hold(1.0, lambda: db.count("effects") == size, what="one effect per message")
 
     assert took < 10
     effects = db.rows("SELECT message_id, handled_by FROM effects")
@@ -198,29 +208,31 @@ def test_worker_killed_holding_a_batch_of_50_is_finished_by_another_worker_withi
     assert {pid for _, pid in effects} == {second.pid}
     # Each was claimed twice and finished once: the second worker ran each orphan alone and
     # released the others of its claim without counting them.
-    assert _inbox_states(db) == [("processed", 2, 1, batch)]
+    assert _inbox_states(db) == [("processed", 2, 1, size)]
 
 
+@HANDLERS
 def test_worker_killed_on_a_batch_of_50_with_a_poison_finishes_the_49_and_abandons_the_poison(
     db_url: str,
     make_service: Callable[..., Service],
     prepare_db: Callable[[str, str], Database],
     processes: Processes,
+    batch: bool,
 ) -> None:
-    batch, poison_at = DEFAULT_WORKER["worker_batch_size"], 10
+    size, poison_at = DEFAULT_WORKER["worker_batch_size"], 10
     abandon_after = DEFAULT_WORKER["abandon_after"]
     db = prepare_db("billing", db_url)
     billing = make_service("billing", db_url)
-    payloads: list[dict[str, Any]] = [{"seq": n} for n in range(batch)]
+    payloads: list[dict[str, Any]] = [{"seq": n} for n in range(size)]
     payloads[poison_at]["poison"] = True  # its handler SIGKILLs the worker process
 
     with running(billing, workers=0):
         message_ids = _send(billing, payloads)
         poison_id = message_ids[poison_at]
-        wait_until(lambda: db.count(INBOX) == batch, timeout=30, what="the inbox to fill")
+        wait_until(lambda: db.count(INBOX) == size, timeout=30, what="the inbox to fill")
         kills = 0
         started_at = time.monotonic()
-        worker = processes.start("worker", settings=DEFAULT_WORKER)
+        worker = processes.start("worker", settings=DEFAULT_WORKER, batch=batch)
         # A supervisor's job: start the worker again whenever it dies. The first worker claims
         # the whole batch at once (it is all in the inbox): the poison kills it in the batch.
         while db.count(INBOX, "status = 'pending'") and time.monotonic() - started_at < 20:
@@ -228,7 +240,7 @@ def test_worker_killed_on_a_batch_of_50_with_a_poison_finishes_the_49_and_abando
                 assert worker.popen.returncode == -signal.SIGKILL, worker.log_tail()
                 worker.signalled = True  # its death was expected
                 kills += 1
-                worker = processes.start("worker", settings=DEFAULT_WORKER)
+                worker = processes.start("worker", settings=DEFAULT_WORKER, batch=batch)
             time.sleep(0.1)
         took = time.monotonic() - started_at
         # Far below the 60 s lease, with four worker processes started one after another; a

@@ -371,3 +371,39 @@ def test_a_connection_cut_inside_a_handler_is_not_a_handler_failure(
     assert _states(db_url) == [("processed", 2, 1, 3)]
     assert rows(db_url, f"SELECT count(*) FROM {INBOX} WHERE last_error IS NOT NULL") == [(0,)]
     billing.close()
+
+
+# --- one transaction per batch ------------------------------------------------------------------
+
+
+def test_a_batch_commits_with_the_claim_of_the_next_and_a_stopping_worker_gives_that_back(
+    db_url: str, mq_url: str
+) -> None:
+    """The transaction that marks a batch also claims the next one (counted when it commits,
+    before its handlers run); a worker that stops before that batch gives its claims back
+    uncounted, so they never look like the claims of a worker that died."""
+    billing = _billing(db_url, mq_url, lambda m, s: _effect(s, m), worker_batch_size=50)
+    _store(billing, mq_url, 120)
+    stop = threading.Event()
+    claimed_when_committed: list[int] = []
+
+    class StopAfterFirstBatch(Listener):
+        def handled(self, message: Message) -> None:  # after the batch's commit
+            if not stop.is_set():
+                claimed_when_committed.append(
+                    scalar(
+                        db_url,
+                        f"SELECT count(*) FROM {INBOX} WHERE status = 'pending'"
+                        " AND locked_by = :w AND attempts = 1",
+                        w=worker.claimant,
+                    )
+                )
+                stop.set()
+
+    billing.listener = StopAfterFirstBatch()
+    worker = billing.worker()
+    worker.run(stop)
+    assert claimed_when_committed == [50]
+    assert _states(db_url) == [("pending", 0, 0, 70), ("processed", 1, 1, 50)]
+    assert scalar(db_url, f"SELECT count(*) FROM {INBOX} WHERE locked_by IS NOT NULL") == 0
+    billing.close()
