@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 import traceback
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 import click
@@ -302,6 +302,14 @@ def with_urls(app: Service, db_url: str | None, mq_url: str | None) -> Service:
     " waiting for them.",
 )
 @click.option(
+    "--processes",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Worker processes for `worker` and `all` (default: the service's `processes`"
+    " setting, else one per CPU); 1 runs the workers in threads of this process.",
+)
+@click.option(
     "--metrics-port",
     type=click.IntRange(0, 65535),
     default=None,
@@ -321,6 +329,7 @@ def run(
     db_url: str | None,
     mq_url: str | None,
     fail_fast: bool,
+    processes: int | None,
     metrics_port: int | None,
     metrics_host: str,
 ) -> None:
@@ -329,8 +338,10 @@ def run(
     \b
     relay     publishes the outbox to RabbitMQ
     receiver  stores messages from <service>.inbox in the inbox table (declares the topology)
-    worker    runs your handlers on the inbox rows
-    all       all three, in threads of one process
+    worker    runs your handlers on the inbox rows, in --processes worker processes
+    all       the relay and the receiver in threads of this process, the workers as `worker`
+
+    Worker processes are started again when they die; SIGTERM stops them after their batch.
 
     A server that cannot be reached at start is waited for (one warning, then retries), unless
     --fail-fast is given. A configuration error (bad URL or credentials, missing schema) exits
@@ -341,6 +352,8 @@ def run(
     """
     resolve(db_url=db_url, mq_url=mq_url)  # checks the URLs before anything starts
     service = with_urls(load_app(app_spec), db_url, mq_url)
+    if processes is not None:
+        service.settings = replace(service.settings, processes=processes)
     wait = {"fail_fast": True} if fail_fast else {}
     server: MetricsServer | None = None
     if metrics_port is not None:

@@ -156,6 +156,10 @@ class Settings:
     # worker
     worker_batch_size: int = 50
     worker_threads: int = 1
+    #: Worker processes of `Service.run()` / `run_worker()` (``outbox-inbox run``), each with
+    #: ``worker_threads`` workers; None: one per CPU this process may use (its affinity and
+    #: cgroup quota). 1 runs the workers in threads of the service's own process.
+    processes: int | None = None
     lease: float = 60.0
     abandon_after: int = 3
     worker_poll_interval: float = 0.5
@@ -203,6 +207,12 @@ class Settings:
                 continue
             if value <= 0:
                 raise ConfigurationError(f"{f.name} must be > 0, got {value!r}")
+        if self.processes is not None and (
+            isinstance(self.processes, bool) or not isinstance(self.processes, int)
+        ):
+            raise ConfigurationError(
+                f"processes must be None or a whole number >= 1, got {self.processes!r}"
+            )
         if self.publish_window > self.relay_batch_size:
             object.__setattr__(self, "publish_window", self.relay_batch_size)
         if isinstance(self.max_message_bytes, bool) or not isinstance(self.max_message_bytes, int):

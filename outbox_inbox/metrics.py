@@ -183,19 +183,34 @@ class Metrics(Listener):
                 self._receive_lag.observe(max(0.0, now - message.created_at.timestamp()))
 
     def handled(self, message: Message) -> None:
-        self._handled.inc()
-        if message.received_at is not None:
-            self._handle_lag.observe(max(0.0, time.time() - message.received_at.timestamp()))
+        received = message.received_at
+        self.forwarded_handled(received.timestamp() if received is not None else None)
 
     def failed(self, message: Message, error: BaseException, *, dead: bool) -> None:
-        if not dead:
-            self._retried.inc()
+        self.forwarded_failed(dead)
 
     def handler_ran(self, message: Message, seconds: float, error: BaseException | None) -> None:
         self._handler_duration.observe(seconds)
 
     def dead(self, reason: str, count: int) -> None:
         self._dead.labels(self.service, reason).inc(count)
+
+    # What a worker process sends (outbox_inbox.supervisor): the hooks' values as plain data.
+
+    def forwarded_handled(self, received_at: float | None) -> None:
+        self._handled.inc()
+        if received_at is not None:
+            self._handle_lag.observe(max(0.0, time.time() - received_at))
+
+    def forwarded_failed(self, dead: bool) -> None:
+        if not dead:
+            self._retried.inc()
+
+    def forwarded_handler_ran(self, seconds: float) -> None:
+        self._handler_duration.observe(seconds)
+
+    def forwarded_dead(self, reason: str, count: int) -> None:
+        self.dead(reason, count)
 
     # --- exposition -----------------------------------------------------------------------
 

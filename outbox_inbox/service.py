@@ -39,6 +39,7 @@ from .receiver import Receiver
 from .relay import Relay
 from .retry import RetryPolicy
 from .sqlite import create_sqlite_engine, is_sqlite
+from .supervisor import WorkerProcesses, available_cpus, without_metrics
 from .tables import Tables, build_tables
 from .topology import Topology, command_routing_key, inbox_queue, service_topology
 from .tracing import Tracing
@@ -402,7 +403,7 @@ class Service:
         workers: int | None = None,
         fail_fast: bool | None = None,
     ) -> None:
-        """Declare the topology, then run the roles in background threads.
+        """Declare the topology, then run the roles in background threads of this process.
 
         Returns once every role has started. While PostgreSQL or RabbitMQ cannot be reached it
         waits for them (one warning, then retries every ``reconnect_max`` seconds at most), or
@@ -410,12 +411,20 @@ class Service:
         (default: the ``fail_fast`` setting) it raises DatabaseUnavailable or
         BrokerConnectionError at once instead. Configuration errors always raise at once:
         SchemaMissing, TopologyMismatch, TopologyMissing (with ``declare=False``),
-        BrokerAccessRefused, a refused database login.
+        BrokerAccessRefused, a refused database login. `workers`: worker threads (default:
+        the ``worker_threads`` setting). The topology is declared when the receiver runs.
+        `run()` runs the workers in processes of their own instead (the ``processes``
+        setting); `start()` keeps them in this process, which embeds the service.
         """
         if self._threads:
             raise ConfigurationError("service already started")
         self._stop.clear()
-        if not self._wait_until_ready(topology=True, fail_fast=fail_fast):
+        self._start_roles(relay=relay, receiver=receiver, workers=workers, fail_fast=fail_fast)
+
+    def _start_roles(
+        self, *, relay: bool, receiver: bool, workers: int | None, fail_fast: bool | None
+    ) -> None:
+        if not self._wait_until_ready(topology=receiver, fail_fast=fail_fast):
             return
         roles: list[tuple[str, Callable[..., None]]] = []
         if relay:
@@ -424,6 +433,8 @@ class Service:
             roles.append(("receiver", self.receiver().run))
         for n in range(self.settings.worker_threads if workers is None else workers):
             roles.append((f"worker-{n}", self._worker_role()))
+        if not roles:
+            return
         started = threading.Barrier(len(roles) + 1)
         for role, run in roles:
             thread = threading.Thread(
@@ -466,14 +477,15 @@ class Service:
             log.warning("service %s: threads still running after stop: %s", self.name, alive)
 
     def run(self, *, fail_fast: bool | None = None) -> None:
-        """`start()`, then block until SIGTERM or SIGINT, then `stop()`.
+        """Run the service until SIGTERM or SIGINT, then stop it gracefully.
 
+        The relay and the receiver run in threads of this process. The workers run in
+        ``processes`` child processes (default: one per CPU this process may use), supervised
+        by this one (outbox_inbox.supervisor: a child that dies is started again); with
+        ``processes=1``, or on SQLite, in threads of this process, as `start()` runs them.
         Waits for unreachable servers as `start()` does; a signal ends the wait too.
         """
-        with _stop_on_signals(self._stop):
-            self.start(fail_fast=fail_fast)
-            self._stop.wait()
-        self.stop()
+        self._run_with_workers(relay=True, receiver=True, fail_fast=fail_fast)
 
     def run_relay(self, *, fail_fast: bool | None = None) -> None:
         """Run only the relay in this thread until SIGTERM or SIGINT (waits as `start()`)."""
@@ -488,8 +500,62 @@ class Service:
         self._run_role(self.receiver().run, topology=True, fail_fast=fail_fast)
 
     def run_worker(self, *, fail_fast: bool | None = None) -> None:
-        """Run only a worker in this thread until SIGTERM or SIGINT (waits as `start()`)."""
-        self._run_role(self._worker_role(), topology=False, fail_fast=fail_fast)
+        """Run only the workers until SIGTERM or SIGINT (waits as `start()`): in
+        ``processes`` child processes as `run()` does, or with ``processes=1`` (or on SQLite)
+        one worker in this thread."""
+        if self.worker_processes() == 1:
+            self._run_role(self._worker_role(), topology=False, fail_fast=fail_fast)
+        else:
+            self._run_with_workers(relay=False, receiver=False, fail_fast=fail_fast)
+
+    def worker_processes(self) -> int:
+        """How many worker processes `run()` and `run_worker()` start: the ``processes``
+        setting, else `supervisor.available_cpus()`; always 1 on SQLite (one process)."""
+        if self.sqlite:
+            return 1
+        return self.settings.processes or available_cpus()
+
+    def start_workers(self) -> list[threading.Thread]:
+        """Start this process's worker threads (``worker_threads``) once the database can be
+        reached, and return them; `stop()` stops them. What each worker process runs."""
+        if self._threads:
+            raise ConfigurationError("service already started")
+        self._start_roles(relay=False, receiver=False, workers=None, fail_fast=None)
+        return list(self._threads)
+
+    def _run_with_workers(self, *, relay: bool, receiver: bool, fail_fast: bool | None) -> None:
+        count = self.worker_processes()
+        self._stop.clear()
+        with _stop_on_signals(self._stop):
+            if count == 1:
+                self._start_roles(relay=relay, receiver=receiver, workers=None, fail_fast=fail_fast)
+                self._stop.wait()
+            # Configuration errors raise here, before any process is forked.
+            elif self._wait_until_ready(topology=receiver, fail_fast=fail_fast):
+                pool = WorkerProcesses(self, count)
+                pool.start()  # before this process starts a thread of its own
+                try:
+                    self._start_roles(
+                        relay=relay, receiver=receiver, workers=0, fail_fast=fail_fast
+                    )
+                    pool.watch(self._stop)
+                finally:
+                    self._stop.set()
+                    pool.stop()
+        self.stop()
+
+    def _in_worker_process(self, stop: threading.Event, metrics: Listener | None) -> None:
+        """Make this copy of the service, in a forked worker process, its own: a new stop
+        event and lock, no pooled connection of the parent's (dropped, not closed: they are
+        the parent's), and `metrics` instead of the Prometheus metrics of the parent."""
+        self._stop = stop
+        self._lock = threading.Lock()
+        self._threads = []
+        self._tasks = []
+        if self._engine is not None:
+            self._engine.dispose(close=False)
+        if metrics is not None:
+            self.listener = without_metrics(self.listener, metrics)
 
     # --- roles in an event loop ---------------------------------------------------------------
 

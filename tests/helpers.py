@@ -22,6 +22,7 @@ FAST: dict[str, Any] = {
     "receive_batch_wait": 0.02,
     "reconnect_initial": 0.1,
     "reconnect_max": 1.0,
+    "processes": 1,  # run() / run_worker() in the test's process, as start() does
 }
 
 

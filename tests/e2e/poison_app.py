@@ -23,6 +23,7 @@ SETTINGS: dict[str, Any] = {
     "receive_batch_wait": 0.02,
     "max_redeliveries": 2,
     "reconnect_initial": 0.1,
+    "processes": 1,  # the test kills and restarts this one process itself
 }
 
 

@@ -22,6 +22,7 @@ SETTINGS = {
     "worker_batch_size": 10,
     "worker_poll_interval": 0.1,
     "reconnect_initial": 0.1,
+    "processes": 1,  # the test kills and restarts this one process itself
 }
 
 

@@ -195,6 +195,8 @@ def _free_port() -> int:
 
 
 def test_run_serves_metrics_on_loopback_until_sigterm(db_url: str, mq_url: str) -> None:
+    """`run all` with two worker processes: what the workers count reaches the metrics that
+    the parent process serves."""
     sys.path.insert(0, CLI_DIR)
     try:
         import cli_app
@@ -223,6 +225,8 @@ def test_run_serves_metrics_on_loopback_until_sigterm(db_url: str, mq_url: str) 
             "cli_app:billing",
             "--metrics-port",
             str(port),
+            "--processes",
+            "2",
         ],
         env=env,
         stdout=subprocess.PIPE,
@@ -243,6 +247,8 @@ def test_run_serves_metrics_on_loopback_until_sigterm(db_url: str, mq_url: str) 
         samples = wait_until(handled, timeout=60, what="4 messages handled, seen by a scrape")
         effects = _db(db_url, "count(*) FROM effects")
         assert value(samples, "outbox_inbox_handled_total", service="billing") == effects == 4
+        handlers = "outbox_inbox_handler_duration_seconds_count"
+        assert value(samples, handlers, service="billing") == 4
         assert value(samples, "outbox_inbox_state_up", service="billing") == 1
         assert value(samples, "outbox_inbox_outbox_backlog", service="billing") == _db(
             db_url, "count(*) FROM outbox_inbox.outbox_messages WHERE published_at IS NULL"
