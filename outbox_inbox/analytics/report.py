@@ -374,8 +374,8 @@ def _throughput_line(
         f'<polyline class="series series-{name}" points="{points}" fill="none" '
         f'stroke="{color}" stroke-width="2.5" stroke-linejoin="round"/>'
     ]
-    if len(values) == 1:  # a polyline of one point draws nothing
-        parts.append(f'<circle cx="{xs[0]:.1f}" cy="{y_of(values[0]):.1f}" r="4" fill="{color}"/>')
+    if len(values) == 1:  # a polyline of one point draws nothing: a dot a reader can see
+        parts.append(f'<circle cx="{xs[0]:.1f}" cy="{y_of(values[0]):.1f}" r="6" fill="{color}"/>')
     return parts
 
 
