@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import multiprocessing
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -459,12 +460,15 @@ class Service:
                 with contextlib.suppress(threading.BrokenBarrierError):
                     started.wait(timeout=30)
 
-        while not self._stop.is_set():
-            try:
-                run(self._stop, on_started=on_started)
-            except Exception:
-                log.exception("service %s: %s crashed; restarting in 1 s", self.name, role)
-                self._stop.wait(1.0)
+        try:
+            while not self._stop.is_set():
+                try:
+                    run(self._stop, on_started=on_started)
+                except Exception:
+                    log.exception("service %s: %s crashed; restarting in 1 s", self.name, role)
+                    self._stop.wait(1.0)
+        finally:
+            on_started()  # stopped before it started: whoever waits for the start goes on
 
     def stop(self, timeout: float = 30.0) -> None:
         """Ask every role to stop after the work in hand and wait up to `timeout` seconds."""
@@ -510,8 +514,9 @@ class Service:
 
     def worker_processes(self) -> int:
         """How many worker processes `run()` and `run_worker()` start: the ``processes``
-        setting, else `supervisor.available_cpus()`; always 1 on SQLite (one process)."""
-        if self.sqlite:
+        setting, else `supervisor.available_cpus()`; always 1 on SQLite (one process) and in
+        a daemonic multiprocessing process (which may not have children)."""
+        if self.sqlite or multiprocessing.current_process().daemon:
             return 1
         return self.settings.processes or available_cpus()
 
@@ -531,7 +536,10 @@ class Service:
                 self._start_roles(relay=relay, receiver=receiver, workers=None, fail_fast=fail_fast)
                 self._stop.wait()
             # Configuration errors raise here, before any process is forked.
-            elif self._wait_until_ready(topology=receiver, fail_fast=fail_fast):
+            elif (
+                self._wait_until_ready(topology=receiver, fail_fast=fail_fast)
+                and not self._stop.is_set()
+            ):
                 pool = WorkerProcesses(self, count)
                 pool.start()  # before this process starts a thread of its own
                 try:

@@ -48,6 +48,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: The signals that stop a worker process gracefully.
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 #: The longest pause before a child that keeps dying is started again.
 MAX_RESTART_DELAY = 30.0
 #: A child that lived this long before it died was not crash-looping: its restart waits 0 s.
@@ -123,7 +125,13 @@ class WorkerProcesses:
             args=(self._service, slot, send),
             name=f"outbox-inbox-{self._service.name}-worker-{slot}",
         )
-        process.start()
+        # The child inherits this thread's signal mask: a SIGTERM that reaches it before it
+        # has its own handlers waits for them instead of going to the parent's copy.
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         if send is not None and receive is not None:
             send.close()  # the child's end: EOF here once the child is gone
             reader = threading.Thread(
@@ -209,8 +217,9 @@ def _child_main(service: Service, slot: int, metrics_pipe: Any) -> None:
     starts the process again).
     """
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in _STOP_SIGNALS:
         signal.signal(sig, lambda *_: stop.set())
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked since the fork
     parent = multiprocessing.parent_process()
     if parent is not None:
         threading.Thread(

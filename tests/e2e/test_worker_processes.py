@@ -191,3 +191,20 @@ def test_worker_processes_stop_by_themselves_when_their_parent_is_sigkilled(
     done = db.count(INBOX, "status = 'processed'")
     assert db.count("effects") == done
     assert db.count(INBOX, "status = 'pending' AND attempts <> finished") == 0
+
+
+def test_sigterm_while_the_service_starts_stops_it_within_seconds(
+    db_url: str, prepare_db: Callable[[str, str], Database], processes: Processes
+) -> None:
+    """A SIGTERM that comes while the service checks its servers and forks its workers: the
+    signal is not lost to a child that has no handler yet, and no one waits for workers that
+    will never start."""
+    prepare_db("billing", db_url)
+    for _ in range(3):
+        run = processes.start("run", settings={"processes": 2})
+        processes.wait_until(run.entered_role, timeout=30, what="the service to start")
+        run.signal(signal.SIGTERM)
+        started = time.monotonic()
+        assert run.wait(20) == 0, run.log_tail()
+        assert time.monotonic() - started < 10, run.log_tail()
+        assert "still running after" not in run.log_path.read_text()
