@@ -43,7 +43,9 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB, OID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.engine import RowMapping
+from sqlalchemy.engine import Dialect, RowMapping
+from sqlalchemy.engine.interfaces import Compiled
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -114,13 +116,35 @@ def insert_outbox(executor: Executor, tables: Tables, rows: Sequence[Mapping[str
                 select(func.pg_advisory_xact_lock(WRITER_LOCK, func.hashtext(bindparam("k")))),
                 {"k": key},
             )
-    if postgres:
-        params = [_outbox_params(row) for row in rows]
-    else:  # SQLAlchemy's JSON type encodes the payload
+    if not postgres:  # SQLAlchemy's JSON type encodes the payload
         params = [{k: v for k, v in row.items() if k != "payload_json"} for row in rows]
-    # One row is one execute: executemany's machinery costs more than the row.
-    stmt = _insert_outbox_statement(tables, postgres)
-    conn.execute(stmt, params[0] if len(params) == 1 else params)
+        conn.execute(_insert_outbox_statement(tables, False), params)
+        return
+    # On the connection's DB-API cursor, with the statement compiled once: every writer pays
+    # this per message, and SQLAlchemy's execution layer cost more than the INSERT itself
+    # (bench/README.md, figure w). SQLAlchemy's cursor events do not see this statement.
+    if not conn.in_transaction():
+        conn.begin()  # as executing a statement would (autobegin): the caller commits it
+    cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+    try:
+        for row in rows:
+            values = _outbox_params(row)
+            compiled = _insert_outbox_compiled(tables, conn.dialect, tuple(values))
+            cursor.execute(compiled.string, compiled.construct_params(values))
+    except conn.dialect.loaded_dbapi.Error as exc:
+        raise DBAPIError.instance(
+            "INSERT INTO outbox_messages", None, exc, conn.dialect.loaded_dbapi.Error
+        ) from exc
+    finally:
+        cursor.close()
+
+
+@cache
+def _insert_outbox_compiled(tables: Tables, dialect: Dialect, keys: tuple[str, ...]) -> Compiled:
+    """`_insert_outbox_statement` compiled for `dialect` with the parameters `keys`."""
+    statement = _insert_outbox_statement(tables, True)
+    compiled: Compiled = statement.compile(dialect=dialect, column_keys=list(keys))
+    return compiled
 
 
 def _outbox_params(row: Mapping[str, Any]) -> dict[str, Any]:

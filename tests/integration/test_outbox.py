@@ -8,7 +8,7 @@ import pytest
 from sqlalchemy import text
 
 from helpers import make_service, rows, scalar
-from outbox_inbox import MessageError, PayloadTooLarge, SchemaMissing
+from outbox_inbox import MessageError, PayloadTooLarge, SchemaMissing, StorageError
 
 
 def test_publish_and_send_write_rows_that_commit_with_the_business_transaction(
@@ -85,4 +85,36 @@ def test_missing_tables_say_to_run_db_upgrade(db_url: str) -> None:
         pytest.raises(SchemaMissing, match="db upgrade"),
     ):
         svc.outbox.publish(session, "order.placed", {"id": 1}, message_id=uuid.uuid4())
+    svc.close()
+
+
+def test_a_connection_the_caller_has_not_begun_commits_the_row_only_with_its_commit(
+    db_url: str,
+) -> None:
+    """As a statement would, the write begins the caller's Connection (autobegin): the
+    caller's commit() commits it; closing without one discards it."""
+    svc = make_service("orders", db_url, None)
+    with svc.engine.connect() as conn:
+        svc.outbox.send(conn, "billing", "invoice.create", {"n": 1})
+        assert conn.in_transaction()
+    assert scalar(db_url, "SELECT count(*) FROM outbox_inbox.outbox_messages") == 0
+    with svc.engine.connect() as conn:
+        svc.outbox.send(conn, "billing", "invoice.create", {"n": 2})
+        conn.commit()
+    assert rows(db_url, "SELECT payload FROM outbox_inbox.outbox_messages") == [({"n": 2},)]
+    svc.close()
+
+
+def test_a_row_the_database_refuses_is_a_storage_error_that_shows_no_payload(
+    db_url: str,
+) -> None:
+    svc = make_service("orders", db_url, None)
+    message_id = uuid.uuid4()
+    with svc.session() as session, session.begin():
+        svc.outbox.publish(session, "order.placed", {"card": "4111-SECRET"}, message_id=message_id)
+    with svc.session() as session, session.begin(), pytest.raises(StorageError) as refused:
+        svc.outbox.publish(session, "order.placed", {"card": "4111-SECRET"}, message_id=message_id)
+    assert "outbox_messages" in str(refused.value)
+    assert "SECRET" not in str(refused.value) and "4111" not in str(refused.value)
+    assert scalar(db_url, "SELECT count(*) FROM outbox_inbox.outbox_messages") == 1
     svc.close()

@@ -114,3 +114,23 @@ def test_reserved_headers_are_refused() -> None:
     with pytest.raises(MessageError, match="reserved"):
         check_headers({"x-key": "k"})
     assert check_headers({"tenant": "acme"}) == {"tenant": "acme"}
+
+
+def test_the_outbox_insert_sent_on_the_db_api_cursor_needs_no_bind_processing() -> None:
+    """queries.insert_outbox runs its compiled INSERT on psycopg's cursor with the values as
+    they are: psycopg adapts every column type itself. A type that needed SQLAlchemy's bind
+    processing would be sent unprocessed, so it must fail here first."""
+    from sqlalchemy.dialects.postgresql import psycopg as pg_psycopg
+
+    from outbox_inbox import queries
+    from outbox_inbox.tables import build_tables
+
+    keys = (
+        "message_id", "kind", "exchange", "routing_key", "payload", "headers", "version",
+        "correlation_id", "causation_id", "key", "priority", "ttl", "delay",
+    )  # fmt: skip
+    compiled = queries._insert_outbox_compiled(
+        build_tables("outbox_inbox"), pg_psycopg.dialect(), keys
+    )
+    assert compiled._bind_processors == {}  # type: ignore[attr-defined]
+    assert "RETURNING" not in compiled.string
