@@ -542,7 +542,7 @@ def claim_inbox(
     """
     stmt = _claim_statement(tables, conn.dialect.name == "postgresql")
     params = {"claimant": worker, "limit": limit, "lease": lease.total_seconds()}
-    rows = list(conn.execute(stmt, params).mappings())
+    rows = list(conn.execute(stmt, params).mappings().all())  # one fetchall, not row by row
     rows.sort(key=lambda r: (-r["priority"], r["id"]))
     return rows
 
@@ -647,7 +647,7 @@ def lock_claimed(conn: Connection, tables: Tables, ids: Sequence[int], worker: s
     The row lock keeps any other worker away while the handlers run, even if the lease runs out.
     """
     stmt = _lock_claimed_statement(tables, conn.dialect.name == "postgresql")
-    return set(conn.execute(stmt, {"ids": list(ids), "claimant": worker}).scalars())
+    return set(conn.execute(stmt, {"ids": list(ids), "claimant": worker}).scalars().all())
 
 
 @cache
