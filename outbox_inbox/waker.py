@@ -280,7 +280,9 @@ class Waker:
                 with contextlib.closing(conn.notifies(timeout=slice_, stop_after=1)) as stream:
                     arrived = next(stream, None) is not None
                 if arrived:
-                    for _ in conn.notifies(timeout=0.001):
+                    # What is already here, without waiting: psycopg spends the last
+                    # millisecond before a timeout polling, a millisecond of CPU per wake-up.
+                    for _ in conn.notifies(timeout=0):
                         pass
                     self._heard_at = time.monotonic()
                     return True
