@@ -64,6 +64,8 @@ def run(ctx: Context) -> None:
         roles.relay(ctx)
         roles.receiver(ctx)
         roles.worker_threads(ctx, 1)
+        for style in ("noop", "orm", "write", "batch"):
+            roles.worker_threads(ctx, 1, style)
         roles.worker_threads(ctx, 2)
     if "processes" not in skip:
         if "library" in skip:
@@ -71,6 +73,7 @@ def run(ctx: Context) -> None:
         else:
             roles.worker_processes(ctx, 1)
             roles.worker_processes(ctx, 2)
+            roles.worker_run(ctx)
     if "async" not in skip:
         if "library" in skip:
             ctx.skipped("ga", "the asyncio workers need the inbox rows of (f): group 'library'")
@@ -112,6 +115,13 @@ def _group_list(value: str) -> list[str]:
     return names
 
 
+def _rates(value: str) -> list[float]:
+    try:
+        return [float(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of rates: {value!r}") from None
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = _parser()
     _add_latency_and_memory_options(parser)
@@ -120,7 +130,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--messages must be at least {WINDOW}")
     if args.raw_repeats < 1:
         parser.error("--raw-repeats must be at least 1")
-    if args.latency_rate <= 0 or args.latency_seconds <= 0 or args.latency_writers < 1:
+    if min(args.latency_rate) <= 0 or args.latency_seconds <= 0 or args.latency_writers < 1:
         parser.error("--latency-rate, --latency-seconds and --latency-writers must be positive")
     if args.memory_rows < 1 or args.memory_seconds < 0:
         parser.error("--memory-rows must be positive and --memory-seconds not negative")
@@ -172,7 +182,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_latency_and_memory_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--latency-rate", type=float, default=1000.0, help="(L) offered messages per second"
+        "--latency-rate",
+        type=_rates,
+        default=[250.0, 500.0, 1000.0],
+        metavar="RATE[,RATE]",
+        help="(L) offered messages per second, one run each (default 250,500,1000)",
     )
     parser.add_argument(
         "--latency-seconds", type=float, default=10.0, help="(L) how long the load is offered"

@@ -139,6 +139,10 @@ class Context:
         result = self.channel_call(lambda ch: ch.queue_declare(queue, passive=True))
         return int(result.method.message_count)
 
+    def queue_consumers(self, queue: str) -> int:
+        result = self.channel_call(lambda ch: ch.queue_declare(queue, passive=True))
+        return int(result.method.consumer_count)
+
     def purge(self, queue: str) -> None:
         self.channel_call(lambda ch: ch.queue_purge(queue))
 
@@ -195,14 +199,17 @@ class Context:
 
     # -- child processes -------------------------------------------------------------------
 
-    def start_child(self, name: str, target: Callable[..., None], *args: Any) -> tuple[Any, Any]:
+    def start_child(
+        self, name: str, target: Callable[..., None], *args: Any, daemon: bool = True
+    ) -> tuple[Any, Any]:
         """Start `target(*args, ready, stop)` in a spawned process; wait until it is ready.
 
-        Returns (process, ready event); the stop event is kept for `stop_children()`.
+        Returns (process, ready event); the stop event is kept for `stop_children()`. A child
+        that forks processes of its own (`svc.run()`) must not be a daemon (`daemon=False`).
         """
         ready, stop = self.spawn.Event(), self.spawn.Event()
         child = self.spawn.Process(
-            target=target, args=(*args, ready, stop), name=f"bench-{name}", daemon=True
+            target=target, args=(*args, ready, stop), name=f"bench-{name}", daemon=daemon
         )
         self.children.append((child, stop))
         child.start()

@@ -3,8 +3,10 @@
 Writer threads in the bench's process commit one outbox row of service A per transaction, on
 a fixed schedule (message i is due at start + i / rate; a late writer catches up at once, so the
 offered load does not bend to the system's pace), and note `time.time()` right after each
-commit, keyed by message id. Services A and B each run `svc.start()` in a child process of
-their own, so the writers share the bench's interpreter with nothing else. B's handler inserts
+commit, keyed by message id. Services A and B each run `svc.run()` in a child process of their
+own, with their default settings, as users run them (the relay and receiver in that process,
+the workers in one process per CPU), so the writers share the bench's interpreter with nothing
+else. One run per offered rate (`--latency-rate`). B's handler inserts
 its row with `clock_timestamp()`, the database server's clock on the same host.
 Latency = handled - committed.
 """
@@ -22,8 +24,9 @@ import psycopg
 from psycopg import sql
 
 from bench.context import Context
-from bench.services import serve_a, serve_b
-from bench.timing import BenchError, Timer
+from bench.roles import wait_serving
+from bench.services import serve
+from bench.timing import BenchError, Timer, tree_cpu_seconds
 from bench.wire import EVENT_NAME, payload
 
 
@@ -58,22 +61,34 @@ def measure(ctx: Context) -> None:
     if ctx.profile:
         ctx.skipped("L", "under --profile (its roles run where cProfile cannot follow them)")
         return
-    load = _Load(ctx)
+    ctx.results["latency"] = [_measure_at(ctx, rate) for rate in ctx.args.latency_rate]
+
+
+def _measure_at(ctx: Context, rate: float) -> dict[str, Any]:
+    load = _Load(ctx, rate)
     _empty_tables(ctx)
-    child, ready = ctx.start_child("service-b", serve_b, ctx.tag, ctx.db_url, ctx.mq_url)
-    a_child = ctx.start_child("service-a", serve_a, ctx.tag, ctx.db_url, ctx.mq_url)
+    child, ready = ctx.start_child(
+        "service-b", serve, "b", ctx.tag, ctx.db_url, ctx.mq_url, daemon=False
+    )
+    a_child = ctx.start_child(
+        "service-a", serve, "a", ctx.tag, ctx.db_url, ctx.mq_url, daemon=False
+    )
     pids = ctx.wait_ready([(child, ready), a_child], "services A and B")
+    wait_serving(ctx, child.pid)
     print(
         f"  L    {load.rate:,.0f} msg/s offered for {load.seconds:.0f} s by {load.writers} writer"
-        f" threads; services A and B run in processes {a_child[0].pid} and {child.pid}",
+        f" threads; services A and B run svc.run() in processes {a_child[0].pid} and {child.pid}",
         flush=True,
     )
     try:
         with ctx.a.engine.connect():
             pass
+        trees = {"A": frozenset({a_child[0].pid}), "B": frozenset({child.pid})}
+        before = {name: tree_cpu_seconds(pids) or 0.0 for name, pids in trees.items()}
         with Timer(extra_pids=pids) as timer:
             written = load.run()
             _wait_handled(ctx, load.total, [child, a_child[0]])
+        spent = {name: (tree_cpu_seconds(p) or 0.0) - before[name] for name, p in trees.items()}
     finally:
         ctx.stop_children()
     times = {
@@ -88,16 +103,35 @@ def measure(ctx: Context) -> None:
     if len(ms) != load.total:
         raise BenchError(f"latency: {len(ms)} of {load.total} messages matched a commit time")
     result = _result(load, written, ms, _stages(committed, times), timer)
-    ctx.results["latency"] = result
+    result["batches"] = _batches(ctx)
+    # Where the CPU went: A (its relay), B (receiver, workers), the writers (the bench's own)
+    result["cpu_us_by_process"] = {
+        name: seconds / load.total * 1e6 for name, seconds in spent.items()
+    }
     _print_result(result)
+    return result
+
+
+def _batches(ctx: Context) -> dict[str, int]:
+    """How many transactions each role needed for the load: the rows of one transaction share
+    its start time (now()) in published_at, received_at and processed_at."""
+    count = "SELECT count(DISTINCT {}) FROM {}"
+    return {
+        role: int(ctx.scalar(sql.SQL(count).format(sql.Identifier(column), table)) or 0)
+        for role, column, table in (
+            ("relay", "published_at", ctx.a_table("outbox_messages")),
+            ("receiver", "received_at", ctx.b_table("inbox_messages")),
+            ("worker", "processed_at", ctx.b_table("inbox_messages")),
+        )
+    }
 
 
 class _Load:
     """The writer threads and their shared schedule: message i is due at start + i / rate."""
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: Context, rate: float) -> None:
         self.ctx = ctx
-        self.rate: float = ctx.args.latency_rate
+        self.rate = rate
         self.seconds: float = ctx.args.latency_seconds
         self.writers: int = ctx.args.latency_writers
         self.total = max(1, round(self.rate * self.seconds))
@@ -203,6 +237,8 @@ def _result(
         "client_cores": timer.client_cores,
         "server_cores": timer.server_cores,
         "other_cores": timer.other_cores,
+        # CPU of the bench's processes (writers, services A and B) per message
+        "cpu_us": (timer.client_cores or 0) * timer.seconds / load.total * 1e6,
     }
 
 
@@ -219,3 +255,15 @@ def _print_result(result: dict[str, Any]) -> None:
             f"       {name:<36} p50 {stage['p50_ms']:8.1f} ms, p99 {stage['p99_ms']:8.1f} ms",
             flush=True,
         )
+    batches = result["batches"]
+    print(
+        "       transactions: "
+        + ", ".join(
+            f"{role} {n:,} ({result['messages'] / n:.1f} msg each)" if n else f"{role} 0"
+            for role, n in batches.items()
+        )
+        + f"; CPU {result['cpu_us']:.0f} us/msg ("
+        + ", ".join(f"{k} {v:.0f}" for k, v in result["cpu_us_by_process"].items())
+        + ", the rest the writers')",
+        flush=True,
+    )

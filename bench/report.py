@@ -24,18 +24,26 @@ class Target:
 
 
 TARGETS = (
+    Target("no-op handler (g0) / raw claim + mark (d)", "g0", "d", 0.7),
+    Target("ORM session.add handler (go) / pgqueuer batch 50 (pq50)", "go", "pq50", 1.0),
+    Target("batch handler, one INSERT (gb) / raw claim + mark (d)", "gb", "d", 0.7),
+    Target("session.execute handler (g) / pgqueuer, job inserts (pq')", "g", "pq'", 1.2),
+    Target("session.execute handler (g) / raw + 1 INSERT per row (d')", "g", "d'", 0.6),
+    Target("ctx.write handler (gw) / raw + 1 INSERT per row (d')", "gw", "d'", None),
     Target("worker (g) / naive loop (n)", "g", "n", 4.0),
     Target("worker (g) / pgqueuer (pq)", "g", "pq", 1.5),
-    Target("worker (g) / pgqueuer, job inserts a row (pq')", "g", "pq'", None),
     Target("2 worker processes (gp2) / 1 process (gp)", "gp2", "gp", 1.6),
+    Target("run_worker(), default processes (gr) / 1 process (gp)", "gr", "gp", None),
+    Target("outbox.publish (w) / raw INSERT per row (c')", "w", "c'", 0.9),
     Target("outbox.publish_async (wa) / outbox.publish (w)", "wa", "w", None),
     Target("asyncio worker (ga) / worker in a thread (g)", "ga", "g", None),
     Target("2 asyncio workers (ga2) / 2 threads (g2)", "ga2", "g2", None),
     Target("relay (e) / raw confirmed publish (a)", "e", "a", 0.6),
-    Target("pipeline (h) / raw confirmed publish (a)", "h", "a", 0.25),
+    Target("pipeline, B's default run() (h) / raw confirmed publish (a)", "h", "a", 0.35),
     Target("dramatiq enqueue (dq) / raw confirmed publish (a)", "dq", "a", None),
 )
-LATENCY_P99_MS = 100.0
+#: The most commit -> handled p99 the team accepts at each offered rate (msg/s -> ms).
+LATENCY_P99_MS = {500.0: 100.0, 1000.0: 250.0}
 RSS_MAX_MB = 150.0
 
 
@@ -55,15 +63,14 @@ def target_rows(ctx: Context) -> list[dict[str, Any]]:
         ratio = num.rate / den.rate if num and den and num.rate and den.rate else None
         met = None if ratio is None or target.least is None else ratio >= target.least
         rows.append({"what": target.what, "ratio": ratio, "target": target.least, "met": met})
-    latency = ctx.results.get("latency")
-    if latency:
-        p99 = latency["p99_ms"]
+    for latency in ctx.results.get("latency", []):
+        p99, bound = latency["p99_ms"], LATENCY_P99_MS.get(latency["offered_rate"])
         rows.append(
             {
                 "what": f"latency p99 at {latency['offered_rate']:,.0f} msg/s (ms)",
                 "value": p99,
-                "target": f"<= {LATENCY_P99_MS:.0f} ms",
-                "met": p99 <= LATENCY_P99_MS,
+                "target": f"<= {bound:.0f} ms" if bound is not None else "",
+                "met": None if bound is None else p99 <= bound,
             }
         )
     for memory in ctx.results.get("memory", []):
@@ -139,25 +146,23 @@ def print_table(ctx: Context) -> None:
 
 
 def _print_latency(ctx: Context) -> None:
-    latency = ctx.results.get("latency")
-    if not latency:
-        return
-    print(
-        f"\n-- latency (L): commit -> handled, {latency['messages']:,} messages offered at"
-        f" {latency['offered_rate']:,.0f} msg/s (achieved {latency['achieved_rate']:,.0f}),"
-        f" {latency['writers']} writer threads"
-    )
-    print(f"{'p50':>8} {'p90':>8} {'p99':>8} {'max':>8} {'mean':>8}   py/srv/oth")
-    cores = "/".join(
-        f"{latency[k]:.1f}" if latency[k] is not None else "?"
-        for k in ("client_cores", "server_cores", "other_cores")
-    )
-    print(
-        "".join(f"{latency[k]:>6.1f}ms " for k in ("p50_ms", "p90_ms", "p99_ms", "max_ms"))
-        + f"{latency['mean_ms']:>6.1f}ms   {cores}"
-    )
-    for name, stage in latency.get("stages", {}).items():
-        print(f"  {name:<36} p50 {stage['p50_ms']:8.1f} ms   p99 {stage['p99_ms']:8.1f} ms")
+    for latency in ctx.results.get("latency", []):
+        print(
+            f"\n-- latency (L): commit -> handled, {latency['messages']:,} messages offered at"
+            f" {latency['offered_rate']:,.0f} msg/s (achieved {latency['achieved_rate']:,.0f}),"
+            f" {latency['writers']} writer threads"
+        )
+        print(f"{'p50':>8} {'p90':>8} {'p99':>8} {'max':>8} {'mean':>8}   py/srv/oth")
+        cores = "/".join(
+            f"{latency[k]:.1f}" if latency[k] is not None else "?"
+            for k in ("client_cores", "server_cores", "other_cores")
+        )
+        print(
+            "".join(f"{latency[k]:>6.1f}ms " for k in ("p50_ms", "p90_ms", "p99_ms", "max_ms"))
+            + f"{latency['mean_ms']:>6.1f}ms   {cores}"
+        )
+        for name, stage in latency.get("stages", {}).items():
+            print(f"  {name:<36} p50 {stage['p50_ms']:8.1f} ms   p99 {stage['p99_ms']:8.1f} ms")
 
 
 def _print_memory(ctx: Context) -> None:

@@ -5,18 +5,26 @@ write (w), the relay (e), the receiver (f), the worker in threads (g, g2) and in
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import psycopg
 from psycopg import sql
 
 from bench.context import Context
-from bench.services import run_role, serve_b
+from bench.services import (
+    HANDLERS,
+    build_service_b,
+    run_role,
+    run_worker_processes,
+    serve,
+)
 from bench.timing import BenchError, Figure, Timer, wait_until
 from bench.wire import EVENT_NAME, INSERT_BATCH, OUTBOX_TXN, PREFETCH, WINDOW, payload
 from outbox_inbox import Service
 from outbox_inbox.broker import PublishOutcome
 from outbox_inbox.brokers.rabbitmq import RabbitMQBroker
+from outbox_inbox.supervisor import available_cpus
 
 
 def write_outbox(svc: Service, n: int) -> Timer:
@@ -153,11 +161,25 @@ def check_effects(ctx: Context, what: str) -> None:
         raise BenchError(f"{what}: {effects} handler effects, expected {ctx.n}")
 
 
-def worker_threads(ctx: Context, threads: int) -> None:
-    """(g) / (g2): `threads` workers in threads of the bench's process."""
+#: The single-thread worker figures: (key, handler style, what it is compared with).
+WORKER_FIGURES = (
+    ("g", "execute", ("d'",)),
+    ("g0", "noop", ("d",)),
+    ("go", "orm", ("pq50",)),
+    ("gw", "write", ("d'",)),
+    ("gb", "batch", ("d",)),
+)
+
+
+def worker_threads(ctx: Context, threads: int, style: str = "execute") -> None:
+    """(g) / (g2): `threads` workers in threads of the bench's process; (g0, go, gw, gb): one
+    worker whose handler writes its row the way `style` says (services.HANDLERS)."""
     n = ctx.n
     reload_b_inbox(ctx)
-    workers = [ctx.b.worker() for _ in range(threads)]
+    svc = (
+        ctx.b if style == "execute" else build_service_b(ctx.tag, ctx.db_url, ctx.mq_url, style)[0]
+    )
+    workers = [svc.worker() for _ in range(threads)]
     with Timer() as timer:
         for k, worker in enumerate(workers):
             ctx.threads.start(f"worker-{k}", worker.run)
@@ -165,18 +187,18 @@ def worker_threads(ctx: Context, threads: int) -> None:
             lambda: sum(w.processed for w in workers) >= n, ctx.timeout, "worker", ctx.threads
         )
     ctx.threads.stop_all()
-    key = "g" if threads == 1 else f"g{threads}"
-    ctx.record(
-        Figure(
-            key,
-            f"worker: pending rows -> handler + processed ({threads} thread"
-            f"{'s' if threads > 1 else ''})",
-            "library",
-            limit_of=("d",),
-        ).took(n, timer)
-    )
+    if svc is not ctx.b:
+        svc.close()
+    if threads > 1:
+        key, limit_of = f"g{threads}", ("d'",)
+        title = f"worker: pending rows -> handler + processed ({threads} threads)"
+    else:
+        key, _, limit_of = next(f for f in WORKER_FIGURES if f[1] == style)
+        title = f"worker, 1 thread: {HANDLERS[style]}"
+    ctx.record(Figure(key, title, "library", limit_of=limit_of).took(n, timer))
     ctx.dump_profiles(key)
-    check_effects(ctx, "worker")
+    if style != "noop":
+        check_effects(ctx, f"worker ({style})")
 
 
 def worker_processes(ctx: Context, processes: int) -> None:
@@ -225,6 +247,89 @@ def worker_processes(ctx: Context, processes: int) -> None:
     check_effects(ctx, f"{processes} worker processes")
 
 
+def worker_run(ctx: Context) -> None:
+    """(gr): `svc.run_worker()` with its default settings in a process of its own, as
+    ``outbox-inbox run worker`` runs it: one worker process per CPU, forked and supervised.
+
+    The workers start on an empty inbox; the clock starts when the N rows appear in it (one
+    INSERT ... SELECT, committed) and stops when their N effects are counted.
+    """
+    n = ctx.n
+    if ctx.profile:
+        ctx.skipped("gr", "under --profile (its workers run where cProfile cannot follow them)")
+        return
+    ctx.sql(
+        sql.SQL("TRUNCATE {}, {}").format(
+            ctx.b_table("inbox_messages"), ctx.b_table("bench_effects")
+        )
+    )
+    child, ready = ctx.start_child(
+        "worker-processes", run_worker_processes, ctx.tag, ctx.db_url, ctx.mq_url, daemon=False
+    )
+    pids = ctx.wait_ready([(child, ready)], "service B's run_worker()")
+    cpus = available_cpus()
+    wait_until(
+        lambda: len(children_of(child.pid)) >= cpus, ctx.timeout, "worker processes", ctx.threads
+    )
+    time.sleep(1.0)  # they connect and go to sleep on LISTEN
+    count = sql.SQL("SELECT count(*) FROM {}").format(ctx.b_table("bench_effects"))
+    try:
+        with Timer(extra_pids=pids) as timer:
+            ctx.sql(
+                sql.SQL("INSERT INTO {} SELECT * FROM {}").format(
+                    ctx.b_table("inbox_messages"), ctx.t("b_inbox_seed")
+                )
+            )
+            deadline = time.monotonic() + ctx.timeout
+            while (ctx.scalar(count) or 0) < n:
+                time.sleep(0.005)
+                if not child.is_alive():
+                    raise BenchError("run_worker()'s process died")
+                if time.monotonic() > deadline:
+                    raise BenchError(
+                        f"run_worker(): {ctx.scalar(count)} of {n} after {ctx.timeout} s"
+                    )
+    finally:
+        ctx.stop_children()
+    ctx.record(
+        Figure(
+            "gr",
+            f"run_worker(), default settings: {cpus} worker processes",
+            "library",
+            limit_of=("d'",),
+        ).took(n, timer)
+    )
+    check_effects(ctx, "run_worker()")
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    raw = f.read()
+            except OSError:
+                continue
+            if int(raw[raw.rfind(")") + 2 :].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def wait_serving(ctx: Context, pid: int) -> None:
+    """Until the `svc.run()` in process `pid` (service B) consumes its inbox queue and its
+    worker processes run."""
+    cpus = available_cpus()
+    wait_until(
+        lambda: ctx.queue_consumers(f"{ctx.b.name}.inbox") >= 1 and len(children_of(pid)) >= cpus,
+        ctx.timeout,
+        "service B to serve",
+        ctx.threads,
+    )
+    time.sleep(0.5)  # its workers connect and go to sleep on LISTEN
+
+
 def end_to_end(ctx: Context) -> None:
     """(h): A's outbox to B's handler, A in the bench's process and B in a child process."""
     n = ctx.n
@@ -246,10 +351,17 @@ def end_to_end(ctx: Context) -> None:
         ctx.b_table("bench_effects"),
     )
     count = sql.SQL("SELECT count(*) FROM {}").format(ctx.b_table("bench_effects"))
-    # B runs in a process of its own, as a separate service would; A runs in this one.
-    child, ready = ctx.start_child("service-b", serve_b, ctx.tag, ctx.db_url, ctx.mq_url)
+    # B runs svc.run() in a process of its own, as a separate service would: its relay and
+    # receiver there, its workers in one process per CPU. A's relay runs in this one.
+    child, ready = ctx.start_child(
+        "service-b", serve, "b", ctx.tag, ctx.db_url, ctx.mq_url, daemon=False
+    )
     pids = ctx.wait_ready([(child, ready)], "service B")
-    print(f"  h    (backlog of {n} written; service B runs in process {child.pid})", flush=True)
+    wait_serving(ctx, child.pid)
+    print(
+        f"  h    (backlog of {n} written; service B runs svc.run() in process {child.pid})",
+        flush=True,
+    )
     try:
         with psycopg.connect(ctx.conninfo, autocommit=True) as conn:
             done = 0
@@ -270,7 +382,7 @@ def end_to_end(ctx: Context) -> None:
     ctx.record(
         Figure(
             "h",
-            "end to end: A outbox -> B handler (A, B: svc.start())",
+            "end to end: A outbox -> B handler (A: relay; B: svc.run())",
             "library",
             limit_of=("a", "b", "c", "d"),
         ).took(n, timer)

@@ -10,6 +10,7 @@ end when `stop` is set.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from typing import Any
@@ -26,9 +27,10 @@ from sqlalchemy import (
     insert,
     text,
 )
+from sqlalchemy.orm import DeclarativeBase
 
 from bench.wire import EVENT_NAME
-from outbox_inbox import Service
+from outbox_inbox import HandlerContext, Service
 from outbox_inbox.messages import Message
 
 
@@ -57,13 +59,57 @@ def effects_table(schema: str) -> Table:
     )
 
 
-def _subscribe(svc: Service, pattern: str, effects: Table) -> None:
-    @svc.on_event(pattern)
-    def on_order_placed(message: Message, session: Any) -> None:
-        session.execute(
-            insert(effects),
-            {"message_id": message.message_id, "order_id": message.payload["order_id"]},
-        )
+#: How the bench's handler writes its row, per figure (bench/README.md, "The library").
+HANDLERS = {
+    "execute": "session.execute(insert(effects), {...}) per message",
+    "noop": "a no-op handler",
+    "orm": "session.add(Effect(...)) per message (flushed once per batch)",
+    "write": "ctx.write(INSERT, {...}) per message (one executemany per batch)",
+    "batch": "a batch handler: one multi-row INSERT per batch",
+}
+
+
+def _subscribe(svc: Service, pattern: str, effects: Table, style: str = "execute") -> None:
+    if style == "noop":
+        svc.on_event(pattern)(lambda message, session: None)
+    elif style == "orm":
+
+        class Base(DeclarativeBase):
+            pass
+
+        effect = type("Effect", (Base,), {"__table__": effects})
+
+        @svc.on_event(pattern)
+        def add(message: Message, session: Any) -> None:
+            session.add(effect(message_id=message.message_id, order_id=message.payload["order_id"]))
+
+    elif style == "write":
+        statement = insert(effects)
+
+        @svc.on_event(pattern)
+        def write(ctx: HandlerContext) -> None:
+            ctx.write(
+                statement,
+                {"message_id": ctx.message.message_id, "order_id": ctx.payload["order_id"]},
+            )
+
+    elif style == "batch":
+
+        @svc.on_event(pattern, batch=True)
+        def on_batch(messages: list[Message], session: Any) -> None:
+            session.execute(
+                insert(effects),
+                [{"message_id": m.message_id, "order_id": m.payload["order_id"]} for m in messages],
+            )
+
+    else:
+
+        @svc.on_event(pattern)
+        def on_order_placed(message: Message, session: Any) -> None:
+            session.execute(
+                insert(effects),
+                {"message_id": message.message_id, "order_id": message.payload["order_id"]},
+            )
 
 
 def build_service_a(tag: str, db_url: str, mq_url: str) -> Service:
@@ -71,12 +117,15 @@ def build_service_a(tag: str, db_url: str, mq_url: str) -> Service:
     return Service(service_names(tag)[0], db_url=db_url, mq_url=mq_url, schema=f"bench_{tag}_a")
 
 
-def build_service_b(tag: str, db_url: str, mq_url: str) -> tuple[Service, Table]:
-    """Service B: subscribes to A's events; its handler inserts one row per message."""
+def build_service_b(
+    tag: str, db_url: str, mq_url: str, style: str = "execute"
+) -> tuple[Service, Table]:
+    """Service B: subscribes to A's events; its handler inserts one row per message, written
+    the way `style` says (`HANDLERS`)."""
     a_name, b_name = service_names(tag)
     svc = Service(b_name, db_url=db_url, mq_url=mq_url, schema=f"bench_{tag}_b")
     effects = effects_table(svc.settings.schema)
-    _subscribe(svc, f"{a_name}.{EVENT_NAME}", effects)
+    _subscribe(svc, f"{a_name}.{EVENT_NAME}", effects, style)
     return svc, effects
 
 
@@ -96,26 +145,42 @@ def _child_logging(label: str) -> None:
     )
 
 
-def serve_a(tag: str, db_url: str, mq_url: str, ready: Any, stop: Any) -> None:
-    """Child process: service A with svc.start() (relay, receiver, worker), until `stop`."""
-    _child_logging("A")
-    svc = build_service_a(tag, db_url, mq_url)
-    try:
-        svc.start()
-        ready.set()
+def serve(which: str, tag: str, db_url: str, mq_url: str, ready: Any, stop: Any) -> None:
+    """Child process: service A or B (`which`) as users run it, `svc.run()` with its default
+    settings (relay and receiver here, the workers in one process per CPU), until `stop`."""
+    _child_logging(which.upper())
+    svc = (
+        build_service_a(tag, db_url, mq_url)
+        if which == "a"
+        else build_service_b(tag, db_url, mq_url)[0]
+    )
+
+    def stop_on_event() -> None:
         stop.wait()
+        os.kill(os.getpid(), signal.SIGTERM)  # what run() stops on
+
+    threading.Thread(target=stop_on_event, daemon=True).start()
+    ready.set()
+    try:
+        svc.run()
     finally:
         svc.close()
 
 
-def serve_b(tag: str, db_url: str, mq_url: str, ready: Any, stop: Any) -> None:
-    """Child process: service B with svc.start() (relay, receiver, worker), until `stop`."""
-    _child_logging("B")
+def run_worker_processes(tag: str, db_url: str, mq_url: str, ready: Any, stop: Any) -> None:
+    """Child process: service B's `svc.run_worker()` with its default settings (one worker
+    process per CPU), until `stop`."""
+    _child_logging("workers")
     svc, _ = build_service_b(tag, db_url, mq_url)
-    try:
-        svc.start()
-        ready.set()
+
+    def stop_on_event() -> None:
         stop.wait()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_on_event, daemon=True).start()
+    ready.set()
+    try:
+        svc.run_worker()
     finally:
         svc.close()
 
