@@ -520,7 +520,7 @@ class Service:
             return 1
         return self.settings.processes or available_cpus()
 
-    def start_workers(self) -> list[threading.Thread]:
+    def _start_workers(self) -> list[threading.Thread]:
         """Start this process's worker threads (``worker_threads``) once the database can be
         reached, and return them; `stop()` stops them. What each worker process runs."""
         if self._threads:

@@ -229,7 +229,7 @@ def _child_main(service: Service, slot: int, metrics_pipe: Any) -> None:
     service._in_worker_process(stop, forwarder)
     code = 0
     try:
-        threads = service.start_workers()
+        threads = service._start_workers()
         while not stop.wait(0.5):
             if not all(t.is_alive() for t in threads):
                 log.error("service %s: a worker of process %d ended; exiting", service.name, slot)
