@@ -16,7 +16,7 @@ from typing import Any
 from outbox_inbox import Service
 from outbox_inbox.supervisor import available_cpus
 
-from .harness import INBOX, Database, Processes, running, wait_until
+from .harness import INBOX, Database, Processes, ServiceProcess, running, wait_until
 
 #: The library's default number of worker processes (one per CPU), and quick polls.
 SUPERVISED: dict[str, Any] = {"processes": None}
@@ -49,6 +49,15 @@ def _send(billing: Service, count: int) -> list[object]:
             billing.outbox.send(session, "billing", "ledger.append", {"seq": n})
             for n in range(count)
         ]
+
+
+def _start_with_two_children(
+    processes: Processes, role: str, handle_delay: float | None = None
+) -> tuple[ServiceProcess, set[int]]:
+    """`role` of billing with two worker processes, once both are running."""
+    run = processes.start(role, settings={"processes": 2}, handle_delay=handle_delay)
+    processes.wait_until(lambda: len(_children(run.pid)) == 2, timeout=30, what="2 children")
+    return run, _children(run.pid)
 
 
 def _states(db: Database) -> list[tuple[str, int, int, int]]:
@@ -90,8 +99,7 @@ def test_a_worker_process_sigkilled_mid_batch_is_started_again_and_its_rows_hand
     db = prepare_db("billing", db_url)
     billing = make_service("billing", db_url)
     # 10 ms per message: each child is inside a batch of 50 most of the time.
-    run = processes.start("run", settings={"processes": 2}, handle_delay=0.01)
-    processes.wait_until(lambda: len(_children(run.pid)) == 2, timeout=30, what="2 children")
+    run, _ = _start_with_two_children(processes, "run", handle_delay=0.01)
     ids = _send(billing, 1000)
     processes.wait_until(lambda: db.count("effects") >= 100, timeout=30, what="100 effects")
 
@@ -142,9 +150,7 @@ def test_sigterm_stops_every_worker_process_after_its_batch_and_leaves_no_counte
 ) -> None:
     db = prepare_db("billing", db_url)
     billing = make_service("billing", db_url)
-    run = processes.start("run", settings={"processes": 2}, handle_delay=0.02)
-    processes.wait_until(lambda: len(_children(run.pid)) == 2, timeout=30, what="2 children")
-    children = _children(run.pid)
+    run, children = _start_with_two_children(processes, "run", handle_delay=0.02)
     ids = _send(billing, 1000)
     processes.wait_until(lambda: db.count("effects") >= 100, timeout=30, what="100 effects")
 
@@ -177,9 +183,7 @@ def test_worker_processes_stop_by_themselves_when_their_parent_is_sigkilled(
     db = prepare_db("billing", db_url)
     billing = make_service("billing", db_url)
     with running(billing, workers=0):  # relay and receiver here: the parent's die with it
-        run = processes.start("worker", settings={"processes": 2}, handle_delay=0.01)
-        processes.wait_until(lambda: len(_children(run.pid)) == 2, timeout=30, what="children")
-        children = _children(run.pid)
+        run, children = _start_with_two_children(processes, "worker", handle_delay=0.01)
         _send(billing, 300)
         processes.wait_until(lambda: db.count("effects") >= 50, timeout=30, what="50 effects")
         run.signal(signal.SIGKILL)
