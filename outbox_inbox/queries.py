@@ -125,18 +125,29 @@ def insert_outbox(executor: Executor, tables: Tables, rows: Sequence[Mapping[str
     # (bench/README.md, figure w). SQLAlchemy's cursor events do not see this statement.
     if not conn.in_transaction():
         conn.begin()  # as executing a statement would (autobegin): the caller commits it
-    cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+    cursor = _outbox_cursor(conn)
     try:
         for row in rows:
             values = _outbox_params(row)
-            compiled = _insert_outbox_compiled(tables, conn.dialect, tuple(values))
-            cursor.execute(compiled.string, compiled.construct_params(values))
+            # The compiled text's parameters are the row's keys by name (a unit test says so).
+            sql_text = _insert_outbox_compiled(tables, conn.dialect, tuple(values)).string
+            cursor.execute(sql_text, values)
     except conn.dialect.loaded_dbapi.Error as exc:
         raise DBAPIError.instance(
             "INSERT INTO outbox_messages", None, exc, conn.dialect.loaded_dbapi.Error
         ) from exc
-    finally:
-        cursor.close()
+
+
+def _outbox_cursor(conn: Connection) -> Any:
+    """A DB-API cursor of `conn`'s database connection, kept for the outbox's inserts in the
+    connection's ``info`` (which lives as long as the pooled connection): made once per
+    database connection, not per message."""
+    dbapi_connection = conn.connection.dbapi_connection
+    kept = conn.connection.info.get("outbox_inbox.cursor")
+    if kept is None or kept[0] is not dbapi_connection:
+        kept = (dbapi_connection, dbapi_connection.cursor())  # type: ignore[union-attr]
+        conn.connection.info["outbox_inbox.cursor"] = kept
+    return kept[1]
 
 
 @cache

@@ -116,10 +116,13 @@ def test_reserved_headers_are_refused() -> None:
     assert check_headers({"tenant": "acme"}) == {"tenant": "acme"}
 
 
-def test_the_outbox_insert_sent_on_the_db_api_cursor_needs_no_bind_processing() -> None:
-    """queries.insert_outbox runs its compiled INSERT on psycopg's cursor with the values as
-    they are: psycopg adapts every column type itself. A type that needed SQLAlchemy's bind
-    processing would be sent unprocessed, so it must fail here first."""
+def test_the_outbox_insert_sent_on_the_db_api_cursor_takes_the_row_as_it_is() -> None:
+    """queries.insert_outbox runs its compiled INSERT on psycopg's cursor with the row's values
+    as they are, by their names: psycopg adapts every column type itself. A type that needed
+    SQLAlchemy's bind processing, or a parameter SQLAlchemy renamed, would be sent wrong, so
+    it must fail here first."""
+    import re
+
     from sqlalchemy.dialects.postgresql import psycopg as pg_psycopg
 
     from outbox_inbox import queries
@@ -133,4 +136,5 @@ def test_the_outbox_insert_sent_on_the_db_api_cursor_needs_no_bind_processing() 
         build_tables("outbox_inbox"), pg_psycopg.dialect(), keys
     )
     assert compiled._bind_processors == {}  # type: ignore[attr-defined]
+    assert set(re.findall(r"%\((\w+)\)s", compiled.string)) == set(keys)
     assert "RETURNING" not in compiled.string
