@@ -18,6 +18,7 @@ The relay and the receiver keep their threads (pika is a blocking client):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -131,12 +132,15 @@ class AsyncWorker:
         # The batch loop checks its stop flag between the messages of a batch.
         self.worker._stop = stop
         conn: AsyncConnection | None = None
+        loop = self.worker.role_loop("asyncio worker")
+        loop.waker_factory = self._waker_factory
 
         async def step() -> int:
             nonlocal conn
             if conn is None:
                 conn = await self.connect()
-            return await self.work_once(conn)
+            count = await self.work_once(conn)
+            return loop.full if self.worker.claimed_next else count  # a next batch in hand
 
         async def recover(_exc: Exception) -> None:
             nonlocal conn
@@ -144,14 +148,14 @@ class AsyncWorker:
                 await _discard(conn)
                 conn = None
 
-        loop = self.worker.role_loop("asyncio worker")
-        loop.waker_factory = self._waker_factory
         if on_started:
             on_started()
         try:
             await loop.run_async(stop, step, recover=recover)
         finally:
             if conn is not None:
+                with contextlib.suppress(SQLAlchemyError):  # a broken one: freed with its session
+                    await conn.run_sync(self.worker.give_back)  # the next batch, uncounted
                 await _discard(conn)
             self.worker.close_liveness()
 

@@ -240,7 +240,7 @@ class Worker:
             if conn is None:
                 conn = self.connect()
             count = self.work_once(conn)
-            return full if self._next else count  # a next batch claimed: no poll wait
+            return full if self.claimed_next else count  # a next batch in hand: no poll wait
 
         def recover(_exc: Exception) -> None:
             nonlocal conn
@@ -313,6 +313,12 @@ class Worker:
         s = self._settings
         lease = timedelta(seconds=s.lease)
         return queries.claim_inbox(conn, self._tables, self.claimant, s.worker_batch_size, lease)
+
+    @property
+    def claimed_next(self) -> bool:
+        """Whether the last batch's transaction claimed a next batch, which `work_once` handles
+        next (so the role loop should not wait before it)."""
+        return bool(self._next)
 
     def give_back(self, conn: Connection) -> None:
         """Give back the claims of a next batch that will not be handled (the worker stops);
