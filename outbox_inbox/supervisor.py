@@ -239,7 +239,7 @@ def _child_main(service: Service, slot: int, metrics_pipe: Any) -> None:
         log.exception("service %s: worker process %d failed", service.name, slot)
         code = 1
     finally:
-        service.stop()
+        service.close()  # stops the workers, then closes this process's own connections
         if forwarder is not None:
             forwarder.close()
         logging.shutdown()
