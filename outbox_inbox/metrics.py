@@ -190,7 +190,7 @@ class Metrics(Listener):
         self.forwarded_failed(dead)
 
     def handler_ran(self, message: Message, seconds: float, error: BaseException | None) -> None:
-        self._handler_duration.observe(seconds)
+        self.forwarded_handler_ran(seconds)
 
     def dead(self, reason: str, count: int) -> None:
         self._dead.labels(self.service, reason).inc(count)

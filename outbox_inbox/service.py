@@ -423,9 +423,17 @@ class Service:
         self._start_roles(relay=relay, receiver=receiver, workers=workers, fail_fast=fail_fast)
 
     def _start_roles(
-        self, *, relay: bool, receiver: bool, workers: int | None, fail_fast: bool | None
+        self,
+        *,
+        relay: bool,
+        receiver: bool,
+        workers: int | None,
+        fail_fast: bool | None,
+        ready: bool = False,
     ) -> None:
-        if not self._wait_until_ready(topology=receiver, fail_fast=fail_fast):
+        """Start the roles in threads once the servers can be reached (`ready`: the caller
+        has just checked them, and declared the topology if the receiver runs)."""
+        if not ready and not self._wait_until_ready(topology=receiver, fail_fast=fail_fast):
             return
         roles: list[tuple[str, Callable[..., None]]] = []
         if relay:
@@ -544,7 +552,7 @@ class Service:
                 pool.start()  # before this process starts a thread of its own
                 try:
                     self._start_roles(
-                        relay=relay, receiver=receiver, workers=0, fail_fast=fail_fast
+                        relay=relay, receiver=receiver, workers=0, fail_fast=fail_fast, ready=True
                     )
                     pool.watch(self._stop)
                 finally:
