@@ -2,46 +2,89 @@
 
     python scripts/api_reference.py [OUTPUT_DIR]    (default: build/api)
 
-Every warning is an error; tests/unit/test_api_reference.py runs this in CI.
+Every module of the package whose dotted name has no part starting with ``_`` is public and gets
+a page. Every warning is an error. The optional extras (pyarrow, PySpark, numpy) need not be installed:
+an annotation naming one of their types is shown as written. tests/unit/test_api_reference.py runs this in CI, with
+and without the extras.
 """
 
 from __future__ import annotations
 
+import os
+import pkgutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
-#: The public modules: what a service, an operator's script or a test imports.
-PUBLIC = [
-    "outbox_inbox",
-    "outbox_inbox.service",
-    "outbox_inbox.aio",
-    "outbox_inbox.config",
-    "outbox_inbox.errors",
-    "outbox_inbox.messages",
-    "outbox_inbox.retry",
-    "outbox_inbox.listener",
-    "outbox_inbox.broker",
-    "outbox_inbox.brokers.memory",
-    "outbox_inbox.brokers.rabbitmq",
-    "outbox_inbox.dead_letters",
-    "outbox_inbox.audit_trail",
-    "outbox_inbox.migrate",
-    "outbox_inbox.status",
-    "outbox_inbox.archive",
-    "outbox_inbox.testing",
-    "outbox_inbox.testing.broker_contract",
-    "outbox_inbox.testing.servers",
-]
+PACKAGE = "outbox_inbox"
+#: The optional extras' top-level modules (`pip install 'outbox-inbox[spark]'`).
+EXTRAS = ("pyarrow", "pyspark", "numpy")
+
+# Run in the child: pdoc with warnings as errors. An extra that is not installed is stood in for
+# by an empty module whose every attribute is a class of that name: the annotations that name
+# its types (`pa.Schema`, `DataFrame`, imported under TYPE_CHECKING) then render as they do with
+# the extra installed. The package itself imports the extras only inside the calls that use them.
+_PDOC = f"""
+import importlib.abc, importlib.machinery, runpy, sys, types, warnings
+
+class _StandIn(types.ModuleType):
+    __path__ = []
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return type(name, (), {{"__module__": self.__name__}})
+
+class _Absent(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, names):
+        self.names = names
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in self.names:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        return _StandIn(spec.name)
+
+    def exec_module(self, module):
+        pass
+
+absent = set()
+for extra in {EXTRAS!r}:
+    try:
+        __import__(extra)
+    except ImportError:
+        absent.add(extra)
+if absent:
+    sys.meta_path.insert(0, _Absent(absent))
+warnings.simplefilter("error")
+# Every module is named, and pdoc walks a package's submodules too: named twice, one page.
+warnings.filterwarnings("ignore", "The module specification .* has already been added", UserWarning)
+sys.argv = ["pdoc", *sys.argv[1:]]
+runpy.run_module("pdoc", run_name="__main__", alter_sys=True)
+"""
 
 
-def build(out: Path) -> subprocess.CompletedProcess[str]:
-    """Run pdoc on PUBLIC into `out` with warnings as errors (from `out`'s parent directory,
-    so that nothing in the current directory shadows a module)."""
+def public_modules() -> list[str]:
+    """The package and every module under it with no ``_``-prefixed part, sorted."""
+    package = __import__(PACKAGE)
+    names = [PACKAGE]
+    for module in pkgutil.walk_packages(package.__path__, f"{PACKAGE}."):
+        if not any(part.startswith("_") for part in module.name.split(".")):
+            names.append(module.name)
+    return sorted(names)
+
+
+def build(out: Path, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run pdoc on every public module into `out` (from `out`'s parent directory, so that
+    nothing in the current directory shadows a module), in `env` (default: this process's)."""
     out.mkdir(parents=True, exist_ok=True)
     return subprocess.run(
-        [sys.executable, "-W", "error", "-m", "pdoc", *PUBLIC, "-o", str(out.resolve())],
+        [sys.executable, "-c", _PDOC, *public_modules(), "-o", str(out.resolve())],
         cwd=out.parent,
+        env=dict(os.environ if env is None else env),
         capture_output=True,
         text=True,
         timeout=300,
