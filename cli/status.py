@@ -105,7 +105,8 @@ def status(
 def _print(report: dict[str, Any]) -> None:
     outbox, inbox = report["outbox"], report["inbox"]
     who = f"service {report['service']}, " if report["service"] else ""
-    echo(f"{who}schema {report['schema']}, database time {report['database_time']}")
+    schema = f"schema {report['schema']}, " if report["schema"] else ""  # SQLite has none
+    echo(f"{who}{schema}database time {report['database_time']}")
     echo()
     echo(
         f"outbox  unpublished {outbox['unpublished']} (retrying {outbox['retrying']}), "

@@ -79,7 +79,7 @@ def downgrade(config: Config, revision: str) -> None:
 
 def tables_exist(connection: Connection, schema: str | None) -> bool:
     """True when the tables of the latest revision exist in `schema`."""
-    names = set(inspect(connection).get_table_names(schema=schema))
+    names = set(inspect(connection).get_table_names(schema=schema or None))
     wanted = {table.name for table in build_tables(schema or None).metadata.tables.values()}
     return wanted <= names
 

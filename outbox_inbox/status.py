@@ -39,7 +39,9 @@ def collect_status(
                     "run `outbox-inbox db upgrade`"
                 )
             conn.commit()  # the inspection began a transaction; the snapshot starts below
-            with conn.execution_options(isolation_level="REPEATABLE READ").begin():
+            # SQLite's transactions are serializable already and it knows no REPEATABLE READ.
+            snapshot = "REPEATABLE READ" if engine.dialect.name == "postgresql" else "SERIALIZABLE"
+            with conn.execution_options(isolation_level=snapshot).begin():
                 now = queries.database_now(conn)
                 outbox = queries.outbox_status(conn, tables)
                 inbox = queries.inbox_status(conn, tables)
@@ -146,7 +148,8 @@ def problems(
     if max_dead is not None:
         dead = dead_count(status)
         if dead > max_dead:
-            out.append(f"{dead} dead letters exceed --max-dead {max_dead}")
+            letters = "dead letter exceeds" if dead == 1 else "dead letters exceed"
+            out.append(f"{dead} {letters} --max-dead {max_dead}")
     broker = status.get("broker")
     if broker and broker.get("error"):
         out.append(f"broker: {broker['error']}")

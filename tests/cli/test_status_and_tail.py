@@ -11,16 +11,18 @@ import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pika
 import pika.exceptions
 import pytest
-from cli_support import Cli
+from cli_support import Cli, base_env, command
 from sqlalchemy import func, text
 
 from helpers import scalar, wait_until
 from outbox_inbox import Service
+from outbox_inbox.brokers.memory import MemoryBroker
 
 INBOX = "outbox_inbox.inbox_messages"
 
@@ -120,12 +122,46 @@ def test_status_numbers_match_the_database_and_thresholds_set_the_exit_code(
 
     too_dead = cli("status", "--app", "cli_app:billing", "--max-dead", "0")
     assert too_dead.returncode == 4, too_dead
-    assert "unhealthy: 1 dead letters exceed --max-dead 0" in too_dead.stderr
+    assert "unhealthy: 1 dead letter exceeds --max-dead 0" in too_dead.stderr
     lagging = cli("status", "--app", "cli_app:billing", "--max-lag", "30m", "--no-broker")
     assert lagging.returncode == 4, lagging
     assert "outbox lag" in lagging.stderr and "inbox lag" not in lagging.stderr
     healthy = cli("status", "--app", "cli_app:billing", "--max-lag", "2h", "--max-dead", "1")
     assert healthy.returncode == 0, healthy
+
+
+def test_status_reads_a_sqlite_database(tmp_path: Path) -> None:
+    """SQLite has no schemas and no REPEATABLE READ: status reads its tables all the same."""
+    db = f"sqlite:///{tmp_path / 'billing.db'}"
+    service = Service("billing", db_url=db, broker=MemoryBroker())
+    service.migrate()
+    try:
+        with service.session() as session, session.begin():
+            service.outbox.send(session, "billing", "invoice.create", {"n": 1})
+        _insert_inbox(service)
+        _insert_inbox(service, status="dead", dead_reason="rejected", last_error="bad input")
+    finally:
+        service.close()
+    argv = ["status", "--db-url", db, "--service", "billing", "--json"]
+    result = subprocess.run(
+        command(*argv), cwd=tmp_path, env=base_env(), capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    status = json.loads(result.stdout)
+    assert status["outbox"]["unpublished"] == 1
+    assert (status["inbox"]["pending"], status["inbox"]["dead"]) == (1, 1)
+    human = subprocess.run(
+        command(*argv[:-1], "--max-dead", "0"),
+        cwd=tmp_path,
+        env=base_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert human.returncode == 4, human.stderr
+    assert human.stdout.startswith("service billing, database time ")
+    assert "pending 1, in progress 0, dead 1" in human.stdout
+    assert "unhealthy: 1 dead letter exceeds --max-dead 0" in human.stderr
 
 
 def _read_line(stream: Any, timeout: float) -> str:
