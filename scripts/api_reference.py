@@ -3,9 +3,9 @@
     python scripts/api_reference.py [OUTPUT_DIR]    (default: build/api)
 
 Every module of the package whose dotted name has no part starting with ``_`` is public and gets
-a page. Every warning is an error. The optional extras (pyarrow, PySpark, numpy) need not be installed:
-an annotation naming one of their types is shown as written. tests/unit/test_api_reference.py runs this in CI, with
-and without the extras.
+a page. Every warning is an error. The optional extras (pyarrow, PySpark, numpy) need not be
+installed: an annotation naming one of their types is shown as written.
+tests/unit/test_api_reference.py runs this in CI, with the extras made absent.
 """
 
 from __future__ import annotations
