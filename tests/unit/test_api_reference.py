@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pkgutil
+import re
 from pathlib import Path
 from types import ModuleType
 
@@ -63,5 +64,5 @@ def test_the_api_reference_builds_without_extras_with_a_page_per_public_module(
     assert not missing, f"no page for {sorted(missing)}"
     outbox = (out / "outbox_inbox" / "outbox.html").read_text()
     assert "publish" in outbox and "send" in outbox  # the docstrings are in it
-    archive = (out / "outbox_inbox" / "archive.html").read_text()
-    assert "pa.Schema" in archive  # an absent extra's type, shown as written
+    archive = re.sub(r"<[^>]*>", "", (out / "outbox_inbox" / "archive.html").read_text())
+    assert "-&gt; pa.Schema" in archive  # an absent extra's type, shown as written
