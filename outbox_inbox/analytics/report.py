@@ -14,6 +14,19 @@ from datetime import datetime
 from typing import Any
 
 from ..logsafe import mask_url
+from ..svgchart import (
+    CHART_CSS,
+    PLOT_LEFT,
+    PLOT_RIGHT,
+    PLOT_TOP,
+    count_ticks,
+    fmt_count,
+    no_data,
+    series_line,
+    svg_open,
+    x_axis_label,
+    y_axis,
+)
 
 SCHEMA_VERSION = 1
 
@@ -28,11 +41,7 @@ PAGE_BACKGROUND = "#f3f4f6"
 STAGES = ("publish", "transit", "processing", "end_to_end")
 PERCENTILES = ("p50", "p90", "p99", "max")
 
-# Every chart shares one coordinate system; the SVG scales to its card through its viewBox.
-CHART_WIDTH = 640
-PLOT_LEFT = 64
-PLOT_RIGHT = CHART_WIDTH - 20
-PLOT_TOP = 44
+# Every chart shares one coordinate system (outbox_inbox.svgchart).
 DEAD_LETTER_LABEL_WIDTH = 330
 DEAD_LETTER_ROW_HEIGHT = 28
 DEAD_LETTER_ERROR_CHARS = 40
@@ -69,13 +78,6 @@ dl.inputs dd {{ margin: 0; font-family: ui-monospace, monospace; word-break: bre
   gap: 16px; margin-bottom: 16px; }}
 .charts section {{ margin: 0; }}
 section {{ overflow-x: auto; }}  /* the latency table is wider than a phone */
-svg.chart {{ width: 100%; height: auto; display: block; }}
-svg.chart text {{ font-family: system-ui, sans-serif; font-size: 11px; fill: #374151; }}
-svg.chart text.title {{ font-size: 15px; font-weight: 600; fill: #111827; }}
-svg.chart text.axis-label {{ font-size: 12px; fill: #4b5563; }}
-svg.chart text.no-data {{ font-size: 16px; fill: #9ca3af; }}
-svg.chart line.grid {{ stroke: #e5e7eb; stroke-width: 1; }}
-svg.chart line.axis {{ stroke: #6b7280; stroke-width: 1; }}
 table {{ border-collapse: collapse; width: 100%; font-variant-numeric: tabular-nums; }}
 th, td {{ padding: 4px 8px; border-bottom: 1px solid #e5e7eb; text-align: left;
   vertical-align: top; }}
@@ -86,6 +88,7 @@ td.code {{ font-family: ui-monospace, monospace; font-size: 12px; word-break: br
 p.none {{ color: #6b7280; margin: 0; }}
 p.note {{ color: #6b7280; margin: 8px 0 0; }}
 """
+_STYLE += CHART_CSS
 
 
 def render_html(summary: Mapping[str, Any]) -> str:
@@ -168,8 +171,8 @@ def _header(summary: Mapping[str, Any], totals: Mapping[str, Any]) -> str:
         verdict = '<h1 class="verdict ok">OK: nothing lost</h1>'
     else:
         verdict = (
-            f'<h1 class="verdict bad">{_fmt_count(lost)} lost, '
-            f"{_fmt_count(handled_twice)} handled more than once</h1>"
+            f'<h1 class="verdict bad">{fmt_count(lost)} lost, '
+            f"{fmt_count(handled_twice)} handled more than once</h1>"
         )
     inputs: Mapping[str, Any] = summary.get("inputs") or {}
     window: Mapping[str, Any] = summary.get("window") or {}
@@ -214,7 +217,7 @@ def _headline(totals: Mapping[str, Any]) -> str:
         css = "tile bad" if failure and value > 0 else "tile"
         tiles.append(
             f'<div class="{css}" id="total-{key.replace("_", "-")}">'
-            f'<div class="value">{_fmt_count(value)}</div><div class="label">{label}</div></div>'
+            f'<div class="value">{fmt_count(value)}</div><div class="label">{label}</div></div>'
         )
     return f'<div class="headline">{"".join(tiles)}</div>'
 
@@ -226,60 +229,16 @@ def _chart_section(svg: str) -> str:
     return f"<section>{svg}</section>"
 
 
-def _svg_open(chart_id: str, height: int, title: str) -> str:
-    return (
-        f'<svg class="chart" id="{chart_id}" viewBox="0 0 {CHART_WIDTH} {height}" '
-        f'role="img" aria-label="{title}" xmlns="http://www.w3.org/2000/svg">'
-        f"<title>{title}</title>"
-        f'<text class="title" x="{PLOT_LEFT}" y="22">{title}</text>'
-    )
-
-
-def _no_data(height: int) -> str:
-    return (
-        f'<text class="no-data" x="{CHART_WIDTH / 2}" y="{height / 2}" '
-        f'text-anchor="middle">no data</text>'
-    )
-
-
-def _y_axis(ticks: Sequence[int], top: int, bottom: int, label: str) -> list[str]:
-    """Horizontal grid lines with count labels, the axis line and the rotated axis label."""
-    scale_max = ticks[-1]
-    marks = []
-    for tick in ticks:
-        y = bottom - (bottom - top) * tick / scale_max
-        marks.append(
-            f'<line class="grid" x1="{PLOT_LEFT}" x2="{PLOT_RIGHT}" y1="{y:.1f}" y2="{y:.1f}"/>'
-            f'<text x="{PLOT_LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">'
-            f"{_fmt_count(tick)}</text>"
-        )
-    marks.append(f'<line class="axis" x1="{PLOT_LEFT}" x2="{PLOT_LEFT}" y1="{top}" y2="{bottom}"/>')
-    marks.append(
-        f'<line class="axis" x1="{PLOT_LEFT}" x2="{PLOT_RIGHT}" y1="{bottom}" y2="{bottom}"/>'
-    )
-    middle = (top + bottom) / 2
-    marks.append(
-        f'<text class="axis-label" x="16" y="{middle:.1f}" text-anchor="middle" '
-        f'transform="rotate(-90 16 {middle:.1f})">{label}</text>'
-    )
-    return marks
-
-
-def _x_axis_label(label: str, y: int) -> str:
-    middle = (PLOT_LEFT + PLOT_RIGHT) / 2
-    return f'<text class="axis-label" x="{middle:.1f}" y="{y}" text-anchor="middle">{label}</text>'
-
-
 def _latency_chart(histogram: Sequence[Mapping[str, Any]]) -> str:
     height = 320
     bottom = height - 56
-    parts = [_svg_open("chart-latency", height, "End-to-end latency")]
+    parts = [svg_open("chart-latency", height, "End-to-end latency")]
     counts = [_count(bucket.get("count")) for bucket in histogram]
     if not histogram or sum(counts) == 0:
-        return "".join([*parts, _no_data(height), "</svg>"])
+        return "".join([*parts, no_data(height), "</svg>"])
 
-    ticks = _count_ticks(max(counts))
-    parts.extend(_y_axis(ticks, PLOT_TOP, bottom, "messages"))
+    ticks = count_ticks(max(counts))
+    parts.extend(y_axis(ticks, PLOT_TOP, bottom, "messages"))
     # The buckets are logarithmic, so equal-width slots in bucket order already give a log axis.
     slot = (PLOT_RIGHT - PLOT_LEFT) / len(histogram)
     labelled = _latency_labelled_buckets([bucket.get("le_seconds") for bucket in histogram])
@@ -294,7 +253,7 @@ def _latency_chart(histogram: Sequence[Mapping[str, Any]]) -> str:
                 f'<rect class="bar" x="{left + 1:.1f}" y="{bottom - bar_height:.1f}" '
                 f'width="{max(slot - 2, 1):.1f}" height="{bar_height:.1f}" '
                 f'fill="{LATENCY_COLOR}"><title>{previous_bound} to {bound}: '
-                f"{_fmt_count(count)} messages</title></rect>"
+                f"{fmt_count(count)} messages</title></rect>"
             )
         # A bucket's bound is its upper edge, so the label sits at the right edge of its slot.
         if index in labelled:
@@ -302,7 +261,7 @@ def _latency_chart(histogram: Sequence[Mapping[str, Any]]) -> str:
                 f'<text x="{left + slot:.1f}" y="{bottom + 16}" text-anchor="middle">{bound}</text>'
             )
         previous_bound = bound
-    parts.append(_x_axis_label("end-to-end latency (bucket upper bound, log scale)", height - 12))
+    parts.append(x_axis_label("end-to-end latency (bucket upper bound, log scale)", height - 12))
     parts.append("</svg>")
     return "".join(parts)
 
@@ -328,24 +287,24 @@ def _latency_labelled_buckets(bounds: Sequence[Any]) -> set[int]:
 def _throughput_chart(series: Sequence[Mapping[str, Any]], bucket_seconds: Any) -> str:
     height = 320
     bottom = height - 56
-    parts = [_svg_open("chart-throughput", height, "Throughput: published and processed")]
+    parts = [svg_open("chart-throughput", height, "Throughput: published and processed")]
     if not series:
-        return "".join([*parts, _no_data(height), "</svg>"])
+        return "".join([*parts, no_data(height), "</svg>"])
 
     published = [_count(point.get("published")) for point in series]
     processed = [_count(point.get("processed")) for point in series]
-    ticks = _count_ticks(max(*published, *processed))
-    parts.extend(_y_axis(ticks, PLOT_TOP, bottom, "messages per bucket"))
+    ticks = count_ticks(max(*published, *processed))
+    parts.extend(y_axis(ticks, PLOT_TOP, bottom, "messages per bucket"))
     xs = _throughput_xs(len(series))
     for name, values, color in (
         ("published", published, PUBLISHED_COLOR),
         ("processed", processed, PROCESSED_COLOR),
     ):
-        parts.extend(_throughput_line(name, values, color, xs, ticks[-1], bottom))
+        parts.extend(series_line(name, values, color, xs, ticks[-1], bottom))
     parts.extend(_throughput_time_labels(series, xs, bottom))
     parts.extend(_throughput_legend())
     parts.append(
-        _x_axis_label(f"time (UTC), buckets of {_fmt_duration(bucket_seconds)}", height - 12)
+        x_axis_label(f"time (UTC), buckets of {_fmt_duration(bucket_seconds)}", height - 12)
     )
     parts.append("</svg>")
     return "".join(parts)
@@ -359,24 +318,6 @@ def _throughput_xs(points: int) -> list[float]:
         PLOT_LEFT + step * index if points > 1 else (PLOT_LEFT + PLOT_RIGHT) / 2
         for index in range(points)
     ]
-
-
-def _throughput_line(
-    name: str, values: Sequence[int], color: str, xs: Sequence[float], scale_max: int, bottom: int
-) -> list[str]:
-    """One series of the throughput chart, as a line."""
-
-    def y_of(value: int) -> float:
-        return bottom - (bottom - PLOT_TOP) * value / scale_max
-
-    points = " ".join(f"{x:.1f},{y_of(v):.1f}" for x, v in zip(xs, values, strict=True))
-    parts = [
-        f'<polyline class="series series-{name}" points="{points}" fill="none" '
-        f'stroke="{color}" stroke-width="2.5" stroke-linejoin="round"/>'
-    ]
-    if len(values) == 1:  # a polyline of one point draws nothing: a dot a reader can see
-        parts.append(f'<circle cx="{xs[0]:.1f}" cy="{y_of(values[0]):.1f}" r="6" fill="{color}"/>')
-    return parts
 
 
 def _throughput_time_labels(
@@ -421,8 +362,8 @@ def _dead_letter_chart(causes: Sequence[Mapping[str, Any]]) -> str:
         height = 200
         return "".join(
             [
-                _svg_open("chart-dead-letters", height, "Dead letters by cause"),
-                _no_data(height),
+                svg_open("chart-dead-letters", height, "Dead letters by cause"),
+                no_data(height),
                 "</svg>",
             ]
         )
@@ -430,9 +371,9 @@ def _dead_letter_chart(causes: Sequence[Mapping[str, Any]]) -> str:
     top = PLOT_TOP + 6
     bottom = top + DEAD_LETTER_ROW_HEIGHT * len(causes)
     height = bottom + 44
-    parts = [_svg_open("chart-dead-letters", height, "Dead letters by cause")]
+    parts = [svg_open("chart-dead-letters", height, "Dead letters by cause")]
     counts = [_count(cause.get("count")) for cause in causes]
-    ticks = _count_ticks(max(counts))
+    ticks = count_ticks(max(counts))
     bars_left = DEAD_LETTER_LABEL_WIDTH
     width = PLOT_RIGHT - 40 - bars_left  # room for the count after the longest bar
     parts.extend(_dead_letter_x_axis(ticks, bars_left, width, top, bottom))
@@ -446,7 +387,7 @@ def _dead_letter_chart(causes: Sequence[Mapping[str, Any]]) -> str:
     for index, (cause, count) in enumerate(zip(causes, counts, strict=True)):
         y = top + index * DEAD_LETTER_ROW_HEIGHT
         parts.extend(_dead_letter_row(cause, count, y, bars_left, width * count / ticks[-1]))
-    parts.append(_x_axis_label("dead letters", height - 12))
+    parts.append(x_axis_label("dead letters", height - 12))
     parts.append("</svg>")
     return "".join(parts)
 
@@ -460,7 +401,7 @@ def _dead_letter_x_axis(
         x = bars_left + width * tick / ticks[-1]
         parts.append(
             f'<line class="grid" x1="{x:.1f}" x2="{x:.1f}" y1="{top}" y2="{bottom}"/>'
-            f'<text x="{x:.1f}" y="{bottom + 16}" text-anchor="middle">{_fmt_count(tick)}</text>'
+            f'<text x="{x:.1f}" y="{bottom + 16}" text-anchor="middle">{fmt_count(tick)}</text>'
         )
     parts.append(f'<line class="axis" x1="{bars_left}" x2="{bars_left}" y1="{top}" y2="{bottom}"/>')
     return parts
@@ -486,19 +427,9 @@ def _dead_letter_row(
         )
     parts.append(
         f'<text x="{bars_left + bar_width + 4:.1f}" '
-        f'y="{y + DEAD_LETTER_ROW_HEIGHT / 2 + 4:.1f}">{_fmt_count(count)}</text>'
+        f'y="{y + DEAD_LETTER_ROW_HEIGHT / 2 + 4:.1f}">{fmt_count(count)}</text>'
     )
     return parts
-
-
-def _count_ticks(max_value: int, target: int = 5) -> list[int]:
-    """0 up to a round number at or above `max_value`, in steps of 1, 2 or 5 times 10^k."""
-    if max_value <= 0:
-        return [0, 1]
-    raw = max_value / target
-    magnitude = 10 ** max(math.floor(math.log10(raw)), 0)  # counts need no fractional steps
-    step = next(factor * magnitude for factor in (1, 2, 5, 10) if factor * magnitude >= raw)
-    return list(range(0, math.ceil(max_value / step) * step + 1, step))
 
 
 # --- tables ----------------------------------------------------------------------------------
@@ -528,7 +459,7 @@ def _text_cell(value: Any, css: str = "") -> str:
 
 
 def _count_cell(value: Any) -> str:
-    return f'<td class="num">{_fmt_count(_count(value))}</td>'
+    return f'<td class="num">{fmt_count(_count(value))}</td>'
 
 
 def _latency_table(latency: Sequence[Mapping[str, Any]]) -> str:
@@ -587,7 +518,7 @@ def _dead_letters_table(dead_letters: Sequence[Mapping[str, Any]]) -> str:
 
 def _examples_note(shown: int, total: int) -> str:
     if total > shown:
-        return f"Showing {_fmt_count(shown)} of {_fmt_count(total)}."
+        return f"Showing {fmt_count(shown)} of {fmt_count(total)}."
     return ""
 
 
@@ -646,10 +577,6 @@ def _count(value: Any) -> int:
     if not _is_number(value) or not math.isfinite(value):
         raise ValueError(f"expected a count in the audit summary, got {value!r}")
     return round(float(value))
-
-
-def _fmt_count(value: int) -> str:
-    return f"{value:,}"
 
 
 def _fmt_duration(seconds: Any) -> str:
