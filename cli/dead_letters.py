@@ -38,6 +38,7 @@ from .output import (
     format_age,
     mask,
     one_line,
+    plural,
     progress,
     render_table,
 )
@@ -142,10 +143,6 @@ def _sources(target: Target, source: str, *, strict: bool) -> list[str]:
     return chosen
 
 
-def _where(selection: Selection) -> str:
-    return selection.source if isinstance(selection, TableSelection) else selection.queue
-
-
 @contextlib.contextmanager
 def _selections(
     target: Target, sources: list[str], filters: Filters, limit: int | None
@@ -175,15 +172,16 @@ def _letters_table(letters: list[DeadLetter]) -> str:
 
 
 def _counts(selections: list[Selection]) -> str:
-    return ", ".join(f"{_where(s)} {len(s.letters)}" for s in selections) or "no sources"
+    """Per source, by the name --source gives it (as `count` prints them)."""
+    return ", ".join(f"{s.source} {len(s.letters)}" for s in selections) or "no sources"
 
 
 def _more_note(selections: list[Selection], limit: int | None) -> None:
     for s in selections:
         if s.more:
+            where = s.source if isinstance(s, TableSelection) else f"{s.source} ({s.queue})"
             echo(
-                f"note: {_where(s)} has more than --limit {limit}; raise --limit to see them",
-                err=True,
+                f"note: {where} has more than --limit {limit}; raise --limit to see them", err=True
             )
 
 
@@ -232,7 +230,7 @@ def list_command(
                 {
                     "filters": filters.as_dict(),
                     "sources": {
-                        _where(s): {"count": len(s.letters), "more": s.more} for s in selections
+                        s.source: {"count": len(s.letters), "more": s.more} for s in selections
                     },
                     "dead_letters": [d.as_dict() for d in letters],
                 }
@@ -240,7 +238,7 @@ def list_command(
             return
         if letters:
             echo(_letters_table(letters))
-        echo(f"{len(letters)} dead letter(s): {_counts(selections)}")
+        echo(f"{plural(len(letters), 'dead letter')}: {_counts(selections)}")
         _more_note(selections, limit)
 
 
@@ -285,7 +283,7 @@ def count(
         echo_json({"filters": filters.as_dict(), "counts": counts, "total": sum(counts.values())})
         return
     echo(render_table(["SOURCE", "DEAD LETTERS"], [[s, n] for s, n in counts.items()]))
-    echo(f"{sum(counts.values())} dead letter(s)")
+    echo(plural(sum(counts.values()), "dead letter"))
 
 
 @dead_letters.command(short_help="Show one dead letter in full.")
@@ -324,7 +322,7 @@ def show(
     sources = _sources(target, source, strict=False)
     with _selections(target, sources, filters, limit) as selections:
         letters = [d for s in selections for d in s.letters]
-        searched = ", ".join(_where(s) for s in selections)
+        searched = ", ".join(s.source for s in selections)
     if not letters:
         fail(f"no dead letter with message id {message_id} in {searched or 'no source'}")
     if as_json:
@@ -439,7 +437,7 @@ def _act(
             _show_selected(selections, limit)
         if total and not dry_run and not yes:
             click.confirm(
-                f"{action.capitalize()} {total} dead letter(s) ({_counts(selections)})? "
+                f"{action.capitalize()} {plural(total, 'dead letter')} ({_counts(selections)})? "
                 "This cannot be undone.",
                 abort=True,
                 err=True,
@@ -470,7 +468,7 @@ def _print_partial(action: str, selections: list[Selection]) -> None:
         if selection.outcome is not None:
             outcome = selection.outcome
             echo(
-                f"{_where(selection)}: {verb} {len(outcome.done)} of {outcome.selected} "
+                f"{selection.source}: {verb} {len(outcome.done)} of {outcome.selected} "
                 "before the error",
                 err=True,
             )
@@ -482,7 +480,7 @@ def _show_selected(selections: list[Selection], limit: int | None) -> None:
         echo(_letters_table(letters[:SHOWN]))
         if len(letters) > SHOWN:
             echo(f"... and {len(letters) - SHOWN} more")
-    echo(f"selected {len(letters)} dead letter(s): {_counts(selections)}")
+    echo(f"selected {plural(len(letters), 'dead letter')}: {_counts(selections)}")
     _more_note(selections, limit)
 
 
@@ -502,7 +500,7 @@ def _print_report(report: ActionReport, selections: list[Selection], as_json: bo
     for selection, outcome in zip(selections, report.outcomes, strict=False):
         if as_json:
             break
-        echo(f"{_where(selection)}: {verb} {len(outcome.done)} of {outcome.selected}")
+        echo(f"{selection.source}: {verb} {len(outcome.done)} of {outcome.selected}")
         for message_id, why in outcome.kept:
             echo(f"  kept {message_id}: {why}")
     if report.kept:

@@ -60,6 +60,11 @@ def echo_json(value: Any) -> None:
     click.echo(mask(json.dumps(value, indent=2, default=str, ensure_ascii=False)))
 
 
+def plural(count: int, word: str, words: str | None = None) -> str:
+    """``1 dead letter``, ``2 dead letters``: `count` and the word in the right number."""
+    return f"{count} {word if count == 1 else words or word + 's'}"
+
+
 def one_line(text: str | None, width: int = 60) -> str:
     """`text` on one line, cut to `width` characters."""
     if not text:

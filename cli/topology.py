@@ -16,6 +16,7 @@ from .output import (
     echo,
     echo_json,
     one_line,
+    plural,
     remember_secret,
     render_table,
 )
@@ -116,7 +117,9 @@ def apply(app: str, mq_url: str | None, management_url: str | None, as_json: boo
         before, after = apply_topology(
             target.topology(), target.broker(), admin, _api(target, management_url)
         )
-    declared = [i for i in before.items if i.state == MISSING]
+    # Without the management API a binding between an exchange and a queue that were both
+    # there is `unverified` before: it was declared all the same, so it is listed and counted.
+    declared = before.having(MISSING, UNVERIFIED)
     if as_json:
         echo_json(
             {
@@ -128,14 +131,17 @@ def apply(app: str, mq_url: str | None, management_url: str | None, as_json: boo
     else:
         echo(f"service {target.name} on {target.broker().description}")
         if declared:
-            echo(
-                render_table(
-                    ["KIND", "NAME", "STATE"], [(i.kind, i.name, "declared") for i in declared]
-                )
-            )
-        echo(
-            f"declared {len(declared)} missing objects; {len(before.having(PRESENT))} were present"
-        )
+            rows = [
+                (i.kind, i.name, "declared" if i.state == MISSING else "declared (unverified)")
+                for i in declared
+            ]
+            echo(render_table(["KIND", "NAME", "STATE"], rows))
+        unchecked = before.having(UNVERIFIED)
+        declared_line = f"declared {plural(len(before.having(MISSING)), 'missing object')}"
+        if unchecked:
+            declared_line += f" and {plural(len(unchecked), 'unverified binding')}"
+        present = len(before.having(PRESENT))
+        echo(f"{declared_line}; {present} {'was' if present == 1 else 'were'} present")
         if after.having(UNVERIFIED):
             echo(
                 f"bindings were declared but cannot be verified: {after.management_problem}",
@@ -173,8 +179,10 @@ def verify(app: str, mq_url: str | None, management_url: str | None, as_json: bo
             echo("verify failed: the topology is incomplete", err=True)
         sys.exit(EXIT_UNHEALTHY)
     if result.having(UNVERIFIED):
+        unverified = result.having(UNVERIFIED)
+        are = "is" if len(unverified) == 1 else "are"
         echo(
-            f"verify incomplete: {len(result.having(UNVERIFIED))} bindings are unverified "
+            f"verify incomplete: {plural(len(unverified), 'binding')} {are} unverified "
             "(no management API)",
             err=True,
         )

@@ -1,7 +1,9 @@
-"""The audit trail of operator actions: one JSON line per replay or purge, in a file and the log.
+"""The audit trail of operator actions: one JSON line per replay or purge, in a file.
 
 Written by `DeadLetters.run` for every action — dry runs and empty selections included —
-whoever asked: the CLI, the dashboard, or a service's own code.
+whoever asked: the CLI, the dashboard, or a service's own code. The file is `audit_log_path()`
+unless the caller names another. The log gets one short line per record (what, how many,
+where the record is), the record itself in the log record's ``audit`` attribute.
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ MAX_IDS = 1000
 log = logging.getLogger("outbox_inbox.audit")
 
 
+def audit_log_path() -> str:
+    """The audit trail's file when none is named: ``$OUTBOX_INBOX_AUDIT_LOG``, else
+    ``outbox-inbox-audit.log`` in the current directory (the CLI's ``--audit-log`` default)."""
+    return os.environ.get(AUDIT_LOG_ENV) or DEFAULT_AUDIT_LOG
+
+
 def _user() -> str:
     try:
         return getpass.getuser()
@@ -47,13 +55,15 @@ def write_audit(
     client: str | None = None,
     mask: Callable[[str], str] = mask_url,
 ) -> dict[str, Any]:
-    """Append one line (who, on which host, what, how many) to `path`, log it at WARNING, and
-    return it.
+    """Append one line (who, on which host, what, how many) to `path` and return it.
 
+    Logs one short line on ``outbox_inbox.audit`` saying what was done, how many and where
+    the record is: at WARNING for an action, at INFO for a dry run (which changes nothing);
+    the whole record is the log record's ``audit`` attribute, for structured log handlers.
     `client` names who asked when it is not the user running the process (the dashboard:
     the authenticated user and the remote address). `mask` hides passwords in the line.
     The file is opened in append mode and written with one write call, so lines of concurrent
-    operators do not interleave.
+    operators do not interleave. Raises OSError when the file cannot be written.
     """
     entry: dict[str, Any] = {
         "time": datetime.now(UTC).isoformat(),
@@ -78,5 +88,23 @@ def write_audit(
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8") as file:
         file.write(line + "\n")
-    log.warning("audit: %s", line)
+    level = logging.INFO if dry_run else logging.WARNING
+    log.log(level, "%s", mask(_summary(entry, path)), extra={"audit": json.loads(line)})
     return entry
+
+
+def _summary(entry: dict[str, Any], path: str | os.PathLike[str]) -> str:
+    """The record in one short line: ``audit: dead-letters replay: 2 dead letters of billing
+    (table 2), by alice on ops-1; recorded in /srv/outbox-inbox-audit.log``."""
+    count = entry["count"]
+    what = f"{count} dead letter{'' if count == 1 else 's'}"
+    if entry["service"]:
+        what += f" of {entry['service']}"
+    counts = ", ".join(f"{source} {n}" for source, n in entry["counts"].items())
+    who = entry.get("client") or f"{entry['user']} on {entry['host']}"
+    dry = " (dry run: nothing changed)" if entry["dry_run"] else ""
+    failed = f", failed: {str(entry['error']).splitlines()[0][:160]}" if "error" in entry else ""
+    return (
+        f"audit: {entry['command']}{dry}: {what} ({counts or 'no source'}), by {who}{failed}; "
+        f"recorded in {os.path.abspath(path)}"
+    )

@@ -38,7 +38,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from . import queries
-from .audit_trail import write_audit
+from .audit_trail import audit_log_path, write_audit
 from .brokers.rabbitmq_admin import QueuedMessage, QueueReader, RabbitMQAdmin
 from .errors import ConfigurationError, StorageError, storage_error
 from .logsafe import mask_url
@@ -642,12 +642,20 @@ class DeadLetters:
     sources, `broker` for the broker queues, `service` for ``<service>.dead_letter``). Reading
     queues needs RabbitMQ: an in-memory broker has no operator access.
 
-    Typical use::
+    Typical use (each call appends its audit record to the file the CLI writes,
+    outbox_inbox.audit_trail.audit_log_path(), unless `audit_log=` names another)::
 
         letters = DeadLetters.of(service)
-        with letters.select(["table"], Filters(reason="rejected")) as selections:
-            for selection in selections:
-                letters.act("replay", selection)
+        rejected = Filters(reason="rejected")
+        report = letters.replay(["table"], rejected)
+
+    or, to show a selection and ask before acting::
+
+        with letters.select(["table"], rejected) as selections:
+            ...  # show selections[0].letters and ask
+            report = letters.run("replay", selections, filters=rejected, source="table")
+
+    `act` is the bare step under `run`: it writes no audit record.
     """
 
     engine: Engine | None = None
@@ -765,9 +773,10 @@ class DeadLetters:
     ) -> Outcome:
         """Replay or purge every letter of `selection` (see each source's replay and purge).
 
-        A dead letter of ``<service>.dead_letter`` that died for too many redeliveries would
-        die again at its first redelivery: its redelivery counter is reset (when a database
-        is known) before it is replayed.
+        Writes no audit record: `run`, `replay` and `purge` do; a caller of `act` writes its
+        own (the dashboard does). A dead letter of ``<service>.dead_letter`` that died for too
+        many redeliveries would die again at its first redelivery: its redelivery counter is
+        reset (when a database is known) before it is replayed.
         """
         pacer = pacer or Pacer(None)
         if action == PURGE:
@@ -794,15 +803,19 @@ class DeadLetters:
         mask: Callable[[str], str] = mask_url,
     ) -> ActionReport:
         """Replay or purge the open `selections` (selected, shown and confirmed by the
-        caller), at most `rate` letters a second, and write the audit record to `audit_log`.
+        caller), at most `rate` letters a second, and write the audit record to `audit_log`
+        (default: `audit_log_path()`, ``$OUTBOX_INBOX_AUDIT_LOG`` else
+        ``outbox-inbox-audit.log`` in the current directory: the CLI's file).
 
         The record is written in every case: a dry run or an empty selection (nothing is
         changed then), and an action that fails half-way (with its error, then raised on).
         `source` and `filters` are what was asked, for the record; `command` names the asker
-        (default ``dead-letters <action>``).
+        (default ``dead-letters <action>``). OSError when the record cannot be written.
         """
         if action not in (REPLAY, PURGE):
             raise ConfigurationError(f"unknown action {action!r}: replay or purge")
+        if audit_log is None:
+            audit_log = audit_log_path()
         selected = [letter for s in selections for letter in s.letters]
         report = ActionReport(action, source, selected, dry_run=dry_run)
         record: dict[str, Any] = {
@@ -814,15 +827,13 @@ class DeadLetters:
             "mask": mask,
         }
         if dry_run or not selected:
-            counts = {s.source: len(s.letters) for s in selections}
-            if audit_log is not None:
-                report.audit = write_audit(
-                    audit_log,
-                    **record,
-                    counts=counts,
-                    message_ids=[d.message_id for d in selected],
-                    dry_run=dry_run,
-                )
+            report.audit = write_audit(
+                audit_log,
+                **record,
+                counts={s.source: len(s.letters) for s in selections},
+                message_ids=[d.message_id for d in selected],
+                dry_run=dry_run,
+            )
             return report
         error: str | None = None
         pacer = Pacer(rate)
@@ -839,15 +850,14 @@ class DeadLetters:
                 report.outcomes.append(unfinished[0].outcome)
             raise
         finally:
-            if audit_log is not None:
-                report.audit = write_audit(
-                    audit_log,
-                    **record,
-                    counts={o.source: len(o.done) for o in report.outcomes},
-                    message_ids=[m for o in report.outcomes for m in o.done],
-                    dry_run=False,
-                    error=error,
-                )
+            report.audit = write_audit(
+                audit_log,
+                **record,
+                counts={o.source: len(o.done) for o in report.outcomes},
+                message_ids=[m for o in report.outcomes for m in o.done],
+                dry_run=False,
+                error=error,
+            )
         return report
 
     def replay(

@@ -123,7 +123,7 @@ def test_replayed_table_dead_letters_are_handled_in_order_at_the_rate_by_run_all
     listed = cli("dead-letters", "list", "--app", "cli_app:billing", "--source", "table")
     assert listed.returncode == 0, listed
     assert listed.stdout.count("rejected") == 5
-    assert "5 dead letter(s): table 5" in listed.stdout
+    assert "5 dead letters: table 5" in listed.stdout
 
     _set_failing(service)  # the bug is fixed
     dry = cli(
@@ -139,6 +139,7 @@ def test_replayed_table_dead_letters_are_handled_in_order_at_the_rate_by_run_all
     )
     assert dry.returncode == 0, dry
     assert _dead(db_url) == dead
+    assert "audit" not in dry.stderr  # a dry run changes nothing: no audit warning
 
     replayed = cli(
         "dead-letters",
@@ -186,7 +187,11 @@ def test_replayed_table_dead_letters_are_handled_in_order_at_the_rate_by_run_all
     assert line["filters"] == {"type": ["billing.invoice.*"]}
     assert line["user"] and line["host"]
     assert sorted(line["message_ids"]) == sorted(dead)
-    assert "outbox_inbox.audit" in replayed.stderr  # also logged at WARNING
+    # The terminal gets one short line: what, how many, where the record is; not the ids.
+    (logged,) = [line for line in replayed.stderr.splitlines() if "outbox_inbox.audit" in line]
+    assert "WARNING" in logged and "dead-letters replay: 5 dead letters of billing" in logged
+    assert logged.endswith(f"recorded in {tmp_path / 'audit.log'}")
+    assert not any(message_id in replayed.stderr for message_id in dead)
 
     # `run all` stops gracefully: exit 0, nothing left leased.
     runner.send_signal(signal.SIGTERM)
@@ -215,6 +220,17 @@ def test_replayed_broker_dead_letters_are_handled_by_the_service(
         ("orders.order.placed", "rejected"),
     ]
     assert _depth(mq_url, "billing.dead_letter") == 2  # listing put them back
+    # `list` and `count` name each source alike: as --source names it.
+    summary = cli("dead-letters", "list", "--app", "cli_app:billing").stdout.splitlines()[-1]
+    assert summary == "2 dead letters: table 0, outbox 0, queue 2, unroutable 0"
+    counted = cli("dead-letters", "count", "--app", "cli_app:billing").stdout.splitlines()
+    assert [line.split() for line in counted[1:]] == [
+        ["table", "0"],
+        ["outbox", "0"],
+        ["queue", "2"],
+        ["unroutable", "0"],
+        ["2", "dead", "letters"],
+    ]
 
     shown = cli("dead-letters", "show", "foreign-1", "--app", "cli_app:billing")
     assert shown.returncode == 0, shown
@@ -225,7 +241,7 @@ def test_replayed_broker_dead_letters_are_handled_by_the_service(
         "dead-letters", "replay", "--app", "cli_app:billing", "--source", "queue", "--all"
     )
     assert replayed.returncode == 0, replayed
-    assert "billing.dead_letter: replayed 2 of 2" in replayed.stdout
+    assert "queue: replayed 2 of 2" in replayed.stdout
     wait_until(lambda: scalar(db_url, "SELECT count(*) FROM effects") == 2, what="both handled")
     types = {r[0] for r in rows(db_url, "SELECT type FROM effects")}
     assert types == {INVOICE, "orders.order.placed"}  # routing keys restored
@@ -299,7 +315,7 @@ def test_purge_removes_exactly_what_was_listed(
 
     declined = cli("dead-letters", "purge", *selection, input="n\n")
     assert declined.returncode == 1, declined
-    assert "Purge 60 dead letter(s)" in declined.stderr
+    assert "Purge 60 dead letters (table 60)?" in declined.stderr
     dry = cli("dead-letters", "purge", *selection, "--dry-run")
     assert dry.returncode == 0, dry
     assert len(_dead(db_url)) == 63
@@ -474,7 +490,7 @@ def test_dead_letters_of_a_sqlite_service_are_listed_and_counted_without_a_broke
     target = ["--db-url", db, "--service", "billing", "--source", "table"]
     listed = cli("dead-letters", "list", *target)
     assert listed.returncode == 0, listed
-    assert "rejected" in listed.stdout and "1 dead letter(s): table 1" in listed.stdout
+    assert "rejected" in listed.stdout and "1 dead letter: table 1" in listed.stdout
     counted = cli("dead-letters", "count", *target, "--reason", "rejected", "--json")
     assert counted.returncode == 0, counted
     assert json.loads(counted.stdout)["counts"] == {"table": 1}

@@ -61,7 +61,7 @@ def test_verify_fails_on_a_missing_binding_and_passes_after_apply(
 
     again = cli("topology", "apply", "--app", "cli_app:billing")
     assert again.returncode == 0, again
-    assert "declared 1 missing objects" in again.stdout
+    assert "declared 1 missing object; " in again.stdout
     verified = cli("topology", "verify", "--app", "cli_app:billing", "--json")
     assert verified.returncode == 0, verified
     assert set(_states(verified.stdout).values()) == {"present"}
@@ -89,6 +89,34 @@ def test_verify_reports_arguments_that_differ_and_extra_bindings(
     assert refused.returncode == 1, refused
     assert "queue billing.inbox" in refused.stderr
     assert "nothing was declared" in refused.stderr
+
+
+def test_apply_without_management_api_lists_and_counts_every_object_it_declared(
+    cli: Cli, mq_url: str
+) -> None:
+    """The shared exchanges and `unroutable` are there once billing applied: shipping's
+    binding unroutable -> unroutable cannot be checked without the API. It is declared all
+    the same, so it is in the table and the count, which add up to every object."""
+    no_api = {"OUTBOX_INBOX_MANAGEMENT_URL": "http://127.0.0.1:1"}
+    assert cli("topology", "apply", "--app", "cli_app:billing", env=no_api).returncode == 0
+    planned = cli("topology", "plan", "--app", "cli_app:shipping", "--json", env=no_api)
+    states = _states(planned.stdout)
+    assert states["binding unroutable -> unroutable (no key)"] == "unverified"
+    declared = {name for name, state in states.items() if state in ("missing", "unverified")}
+
+    applied = cli("topology", "apply", "--app", "cli_app:shipping", env=no_api)
+    assert applied.returncode == 0, applied
+    table = applied.stdout.splitlines()[2:-1]
+    assert {" ".join(re.split(r" {2,}", line)[:2]) for line in table} == declared
+    assert re.search(
+        r"unroutable -> unroutable \(no key\) +declared \(unverified\)", applied.stdout
+    )
+    missing = sum(1 for state in states.values() if state == "missing")
+    present = sum(1 for state in states.values() if state == "present")
+    assert applied.stdout.splitlines()[-1] == (
+        f"declared {missing} missing objects and 1 unverified binding; {present} were present"
+    )
+    assert missing + 1 + present == len(states)
 
 
 def test_without_management_api_amqp_checks_queues_and_bindings_are_unverified(

@@ -4,6 +4,7 @@ filters, and the audit record of each action."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import uuid
 from pathlib import Path
@@ -16,6 +17,7 @@ from sqlalchemy.orm import Session
 
 from helpers import dead_rows_one_refused, inbox_message_ids, make_service, scalar, wait_until
 from outbox_inbox import Message, Reject
+from outbox_inbox.audit_trail import AUDIT_LOG_ENV
 from outbox_inbox.dashboard.letters import WatchedService, act
 from outbox_inbox.dead_letters import OUTBOX, QUEUE, TABLE, DeadLetters, Filters
 from outbox_inbox.errors import StorageError
@@ -116,6 +118,57 @@ def test_replay_and_purge_through_the_library_with_filters_write_their_audit_rec
         assert records[3]["message_ids"] == [queued[1]]
     finally:
         svc.stop()
+        svc.close()
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_the_library_writes_the_audit_record_where_the_cli_does_when_not_told_where(
+    db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No `audit_log=`: a replay or purge from a service's own code is recorded in the CLI's
+    file, $OUTBOX_INBOX_AUDIT_LOG else outbox-inbox-audit.log in the current directory, dry
+    runs too. The log gets one short line per record (the dry run's below WARNING), no ids."""
+    svc = make_service("billing", db_url, None)
+    try:
+        ids = [str(uuid.uuid4()) for _ in range(3)]
+        dead = {"kind": "command", "routing_key": INVOICE, "payload": {}, "headers": {}}
+        dead |= {"status": "dead", "dead_reason": "rejected"}
+        with svc.engine.begin() as conn:
+            conn.execute(svc.tables.inbox.insert(), [{**dead, "message_id": m} for m in ids])
+        letters = DeadLetters.of(svc)
+        monkeypatch.delenv(AUDIT_LOG_ENV, raising=False)
+        monkeypatch.chdir(tmp_path)
+        with caplog.at_level(logging.INFO, logger="outbox_inbox.audit"):
+            letters.replay([TABLE], Filters(), dry_run=True)
+            report = letters.replay([TABLE], Filters(message_ids=(ids[0],)))
+
+        default = tmp_path / "outbox-inbox-audit.log"
+        records = _records(default)
+        assert [(r["command"], r["count"], r["dry_run"]) for r in records] == [
+            ("dead-letters replay", 3, True),
+            ("dead-letters replay", 1, False),
+        ]
+        assert records[1]["message_ids"] == [ids[0]] and records[1]["service"] == "billing"
+        assert report.audit is not None and report.audit["time"] == records[1]["time"]
+        assert inbox_message_ids(db_url, "pending") == [ids[0]]
+
+        logged = [r for r in caplog.records if r.name == "outbox_inbox.audit"]
+        assert [r.levelno for r in logged] == [logging.INFO, logging.WARNING]
+        line = logged[1].getMessage()
+        assert "dead-letters replay: 1 dead letter of billing (table 1)" in line
+        assert line.endswith(f"recorded in {default}") and ids[0] not in line
+        assert "dry run" in logged[0].getMessage()
+
+        elsewhere = tmp_path / "ops" / "audit.jsonl"
+        monkeypatch.setenv(AUDIT_LOG_ENV, str(elsewhere))
+        letters.purge([TABLE], Filters(message_ids=(ids[1],)))
+        (purged,) = _records(elsewhere)
+        assert (purged["command"], purged["message_ids"]) == ("dead-letters purge", [ids[1]])
+        assert len(_records(default)) == 2
+    finally:
         svc.close()
 
 
