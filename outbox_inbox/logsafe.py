@@ -30,6 +30,16 @@ _HOSTLESS = re.compile(
 )
 
 
+# A password written with white space in it ("amqp://u:two words@host"), which the word-wise
+# patterns would cut at the space: "scheme://user:" then, within one line and at most 200
+# characters (a bound, so that no text costs more than linear time), the rest up to an "@"
+# followed by a host.
+_SPACED = re.compile(
+    rf"(?P<scheme>{_SCHEME}://)"
+    r"""(?P<user>[^:/@\s'"\[\]]*):(?P<pw>[^@\n/]{0,200}?[ \t][^@\n/]{0,200}?)@(?=[^@\s/]+)"""
+)
+
+
 def mask_url(url: str | None) -> str:
     """Return `url` (or any text holding URLs) with every password replaced by `***`.
 
@@ -39,10 +49,13 @@ def mask_url(url: str | None) -> str:
     """
     if not url:
         return ""
+    text = str(url)
+    if "://" in text and "@" in text:
+        text = _SPACED.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text)
     # Word by word (no pattern crosses white space), and only words that can hold a
     # password: the patterns backtrack over a word's length, and a long word without ":"
     # (a payload printed by `dead-letters show`) would take time quadratic in its length.
-    return _WORD.sub(_mask_word, str(url))
+    return _WORD.sub(_mask_word, text)
 
 
 _WORD = re.compile(r"\S+")
@@ -58,7 +71,7 @@ def _mask_word(match: re.Match[str]) -> str:
 
 def url_passwords(text: str | None) -> set[str]:
     """Every password `mask_url` would hide in `text`: as written, percent-decoded, and its
-    pieces between "/", "@" and ":".
+    pieces between "/", "@", ":" and white space.
 
     For a caller that must also hide a password where it appears alone, e.g. a parser's
     "invalid port 'secret'" about a URL without a host.
@@ -71,12 +84,12 @@ def url_passwords(text: str | None) -> set[str]:
         found.add(match["pw"])
         return " "
 
-    for match in _HOSTLESS.finditer(_USERINFO.sub(keep, str(text))):
+    for match in _HOSTLESS.finditer(_USERINFO.sub(keep, _SPACED.sub(keep, str(text)))):
         found.add(match["pw"])
     found |= {unquote(p) for p in found}
-    # A parser that splits a malformed URL at "/", "@" or ":" quotes a piece of the password
-    # (pika: "Port could not be cast to integer value as '<first piece>'").
-    found |= {piece for p in found for piece in re.split(r"[/@:]", p)}
+    # A parser that splits a malformed URL at "/", "@", ":" or white space quotes a piece of
+    # the password (pika: "Port could not be cast to integer value as '<first piece>'").
+    found |= {piece for p in found for piece in re.split(r"[/@:\s]", p)}
     found.discard("")
     found.discard("***")
     return found

@@ -45,6 +45,9 @@ class _ConnectFailuresAtDebug(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno > logging.DEBUG:
             record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            # The logger's level check passed at the record's own level: ask again at DEBUG,
+            # or the relabelled record (and its traceback) is printed all the same.
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
         return True
 
 

@@ -49,6 +49,26 @@ def test_mask_url_hides_the_password_of_every_url_shape(shape: str, password: st
 
 
 @pytest.mark.parametrize(
+    "shape",
+    [
+        "amqp://u:{pw}@rabbit:5672/%2F",
+        "postgresql+psycopg://u:{pw}@db:5432/x",
+        "http://u:{pw}@mgmt:15672",
+        "'amqp://u:{pw}@rabbit/v'",
+        "cannot connect to RabbitMQ at amqp://edgepw:{pw}@127.0.0.1:1/: refused",
+    ],
+)
+@pytest.mark.parametrize("password", ["Edge Pw666", "two  spaces\tand7"])
+def test_a_password_with_white_space_is_masked_whole(shape: str, password: str) -> None:
+    text = "error: " + shape.format(pw=password) + " and more"
+    masked = mask_url(text)
+    pieces = password.split()
+    assert not any(piece in masked for piece in pieces), masked
+    assert mask_text(text, shape.format(pw=password)).count("***") >= 1
+    assert not any(piece in mask_text(pieces[-1], shape.format(pw=password)) for piece in pieces)
+
+
+@pytest.mark.parametrize(
     "text",
     [
         "amqp://rabbit:5672/%2F",
