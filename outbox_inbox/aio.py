@@ -28,6 +28,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
+from . import queries
 from .errors import ConfigurationError
 from .waker import Waker
 from .worker import Worker
@@ -54,16 +55,16 @@ def async_url(url: str | URL) -> URL:
     return parsed.set(drivername="postgresql+psycopg")
 
 
-def worker_engine(url: str | URL, *, prepare_threshold: int | None = 5) -> AsyncEngine:
+def worker_engine(url: str | URL, *, prepare_threshold: int | str | None = "auto") -> AsyncEngine:
     """An async engine for one asyncio worker: NullPool, since the worker keeps its one
     connection, and an engine's pooled connections belong to the loop that made them.
-    `prepare_threshold`: psycopg's, as the ``prepare_threshold`` setting (None behind a pooler
-    in transaction mode without prepared statements)."""
-    return create_async_engine(
-        async_url(url),
-        poolclass=NullPool,
-        connect_args={"prepare_threshold": prepare_threshold},
+    `prepare_threshold`: the setting of that name ("auto": not behind a pooler)."""
+    engine = create_async_engine(
+        async_url(url), poolclass=NullPool, connect_args=queries.prepare_args(prepare_threshold)
     )
+    if prepare_threshold == "auto":
+        queries.unprepared_behind_pooler(engine)
+    return engine
 
 
 class AsyncWorker:

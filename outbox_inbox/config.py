@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field, fields
+from typing import Literal
 
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
@@ -113,11 +114,14 @@ class Settings:
     #: needs a session of its own: LISTEN (wake-ups) and the workers' liveness locks. None: the
     #: roles use db_url for them when a probe shows it keeps sessions, else they poll.
     listen_url: str | None = None
-    #: psycopg's ``prepare_threshold`` for the engines the library creates from db_url: the
-    #: executions of a statement after which it is prepared on the server. None never
-    #: prepares: needed behind a pooler in transaction mode without prepared-statement support
-    #: (PgBouncer before 1.21, or max_prepared_statements = 0).
-    prepare_threshold: int | None = 5
+    #: psycopg's ``prepare_threshold`` for the engines the library creates from db_url (the
+    #: service's engine, which `Service.session()` uses too, and the workers'): the executions
+    #: of a statement after which it is prepared on the server. "auto": 5 on a direct
+    #: connection, and never on a connection that goes through a pooler (each connection is
+    #: checked once when it opens: `queries.unprepared_behind_pooler`). None never prepares; a
+    #: number always prepares after that many, which a pooler must then support (PgBouncer 1.21
+    #: and later with max_prepared_statements > 0).
+    prepare_threshold: int | Literal["auto"] | None = "auto"
 
     # outbox
     max_payload_bytes: int = 1024 * 1024
@@ -183,13 +187,13 @@ class Settings:
             validate_db_url(self.db_url)
         if self.listen_url:
             validate_db_url(self.listen_url)
-        if self.prepare_threshold is not None and (
+        if self.prepare_threshold not in (None, "auto") and (
             isinstance(self.prepare_threshold, bool)
             or not isinstance(self.prepare_threshold, int)
             or self.prepare_threshold < 0
         ):
             raise ConfigurationError(
-                f"prepare_threshold must be None or a whole number >= 0, "
+                f'prepare_threshold must be "auto", None or a whole number >= 0, '
                 f"got {self.prepare_threshold!r}"
             )
         if isinstance(self.mq_url, list | tuple):

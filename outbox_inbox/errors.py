@@ -93,6 +93,17 @@ class InvalidPayload(Reject):
     dead_reason = "invalid_payload"
 
 
+class HandlerExited(OutboxInboxError):
+    """A handler raised an exception that is not an `Exception` (``SystemExit`` from
+    ``sys.exit()``, ``KeyboardInterrupt``, ``GeneratorExit``): a handler failure like any
+    other, retried by the handler's policy, never the end of the worker that ran it."""
+
+    def __init__(self, handler: str, exit: BaseException) -> None:
+        self.handler = handler
+        self.exit = exit
+        super().__init__(f"handler {handler} raised {exit!r}")
+
+
 def first_line(error: object) -> str:
     """The first line of an error's text (a driver error may carry a whole statement after
     it), or its repr when it has no text."""

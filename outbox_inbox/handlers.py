@@ -16,7 +16,7 @@ from sqlalchemy.util import await_only
 from sqlalchemy.util.concurrency import in_greenlet
 
 from .context import handling
-from .errors import ConfigurationError
+from .errors import ConfigurationError, HandlerExited
 from .messages import COMMAND, EVENT, Message
 from .payloads import declared_payload_type, decode
 from .retry import RetryPolicy
@@ -160,6 +160,9 @@ class AsyncBatchContext:
 
 #: Where a Session keeps the writes of `defer_write` (in `Session.info`, the user's dict).
 _WRITES = "outbox_inbox.writes"
+#: What a handler may raise that is not an `Exception` and is still its failure, not the
+#: worker's end (asyncio.CancelledError is not among them: it is how an asyncio worker stops).
+_EXITS = (SystemExit, KeyboardInterrupt, GeneratorExit)
 
 
 def defer_write(session: Session, statement: Executable, parameters: Mapping[str, Any]) -> None:
@@ -253,6 +256,12 @@ class Subscription:
         """
         if self.batch:
             return self.call_batch([message], session)
+        try:
+            return self._call(message, session)
+        except _EXITS as exc:
+            raise HandlerExited(self.name, exc) from exc
+
+    def _call(self, message: Message, session: Session) -> Any:
         payload = message.payload
         if self.payload_type is not None:
             payload = decode(payload, self.payload_type)  # InvalidPayload: dead at once
@@ -277,6 +286,14 @@ class Subscription:
         Raises InvalidPayload when one of the payloads does not fit the declared type: the
         worker then runs the messages one at a time, and only that one is dead.
         """
+        try:
+            return self._call_batch(messages, session, spans)
+        except _EXITS as exc:
+            raise HandlerExited(self.name, exc) from exc
+
+    def _call_batch(
+        self, messages: Sequence[Message], session: Session, spans: Sequence[Span]
+    ) -> Any:
         payloads = [m.payload for m in messages]
         if self.payload_type is not None:
             payloads = [decode(p, self.payload_type) for p in payloads]

@@ -11,12 +11,13 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime, timedelta
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import (
     ARRAY,
     BigInteger,
     Connection,
+    Engine,
     Float,
     Integer,
     String,
@@ -29,6 +30,7 @@ from sqlalchemy import (
     cast,
     column,
     delete,
+    event,
     exists,
     func,
     insert,
@@ -48,6 +50,9 @@ from sqlalchemy.engine.interfaces import Compiled
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
 
 from .clock import db_now, db_now_plus
 from .messages import RECEIVED_COLUMNS, RECEIVED_JSON_COLUMNS
@@ -785,6 +790,43 @@ def notify(conn: Connection, channel: str, payload: str) -> None:
 def backend_pid(conn: Connection) -> int:
     """The process id of the server session `conn` runs on (the pooler probe compares them)."""
     return int(conn.execute(select(func.pg_backend_pid())).scalar_one())
+
+
+#: psycopg's ``prepare_threshold`` where ``prepare_threshold="auto"`` prepares (no pooler).
+PREPARE_THRESHOLD = 5
+
+
+def prepare_args(setting: int | str | None) -> dict[str, Any]:
+    """The psycopg ``connect_args`` of the ``prepare_threshold`` setting (with "auto", the
+    threshold of a direct connection; `unprepared_behind_pooler` turns it off where needed)."""
+    return {"prepare_threshold": PREPARE_THRESHOLD if setting == "auto" else setting}
+
+
+def unprepared_behind_pooler(engine: Engine | AsyncEngine) -> None:
+    """Turn prepared statements off on each new connection of `engine` that goes through a
+    connection pooler; leave them on (`PREPARE_THRESHOLD`) on a direct connection.
+
+    A pooler in transaction mode runs each transaction on whichever server connection is
+    free, so a statement prepared on one is missing (or already there) on the next:
+    "prepared statement "_pg3_5" already exists". It is found by the backend pid: the one the
+    server reports (``pg_backend_pid()``) is not the one the connection was given at its start
+    (a pooler such as PgBouncer gives each client a key of its own). One query per new
+    connection, then rolled back.
+    """
+    sync_engine = getattr(engine, "sync_engine", engine)
+
+    @event.listens_for(sync_engine, "connect")
+    def _check(dbapi_connection: Any, _record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute("SELECT pg_backend_pid()")
+            server_pid = cursor.fetchone()[0]
+        finally:
+            cursor.close()
+        dbapi_connection.rollback()
+        driver = getattr(dbapi_connection, "driver_connection", dbapi_connection)
+        if server_pid != driver.info.backend_pid:
+            driver.prepare_threshold = None
 
 
 def backend_exists(conn: Connection, pid: int) -> bool:

@@ -7,9 +7,9 @@ batch, handle a batch). What happens around it is this module's, and the same fo
 * **failures**: a step that raises one of the role's `retried` errors (a server that cannot
   be reached) is followed by the role's `recover` (drop the broken connection) and a capped,
   jittered wait (`Backoff`), and then by the next step; an outage is logged as one warning and,
-  once a step works again, one info line with its length. An error outside
-  `BrokerError`/`SQLAlchemyError` that a role retries anyway is logged with its traceback
-  first. What a role does not retry ends its `run` (its supervisor restarts it);
+  once a step works again, one info line with its length. An error outside `BrokerError`,
+  `SQLAlchemyError` and the driver's `DRIVER_OUTAGES` that a role retries anyway is logged
+  with its traceback first. What a role does not retry ends its `run` (its supervisor restarts it);
 * **the poll wait**: a step that found less than a full batch is followed by the role's `idle`
   (if any) and a wait of ``poll_interval`` seconds, cut short by a NOTIFY on the role's table
   (`Waker`) or by `stop`. A full batch is followed by the next step at once.
@@ -26,6 +26,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import psycopg
 from sqlalchemy.exc import SQLAlchemyError
 
 from .backoff import Backoff
@@ -33,8 +34,12 @@ from .config import Settings
 from .errors import BrokerError, first_line
 from .waker import Waker
 
+#: The errors of a database that cannot be reached as the driver raises them, from code that
+#: runs on the raw connection outside SQLAlchemy's wrapping (a ``begin`` hook, a kept cursor):
+#: a terminated session, a lost connection.
+DRIVER_OUTAGES: tuple[type[Exception], ...] = (psycopg.OperationalError, psycopg.InterfaceError)
 #: The errors of a server that cannot be reached: retried by every role.
-UNAVAILABLE: tuple[type[Exception], ...] = (BrokerError, SQLAlchemyError)
+UNAVAILABLE: tuple[type[Exception], ...] = (BrokerError, SQLAlchemyError, *DRIVER_OUTAGES)
 
 
 @dataclass
@@ -144,6 +149,6 @@ class RoleLoop:
     def _reason(exc: Exception) -> str:
         if isinstance(exc, BrokerError):
             return f"broker unavailable: {first_line(exc)}"
-        if isinstance(exc, SQLAlchemyError):
+        if isinstance(exc, (SQLAlchemyError, *DRIVER_OUTAGES)):
             return f"database unavailable: {first_line(exc)}"
         return first_line(exc)

@@ -29,6 +29,7 @@ from .errors import (
     DatabaseUnavailable,
     SchemaMissing,
     TopologyMissing,
+    first_line,
     storage_error,
 )
 from .handlers import AsyncHandler, Handler, Handlers, Subscription
@@ -125,14 +126,16 @@ class Service:
                     self._engine = create_sqlite_engine(self.settings.db_url)
                 else:
                     extra = 3 + self.settings.worker_threads
+                    prepare = self.settings.prepare_threshold
                     self._engine = create_engine(
                         self.settings.db_url,
                         pool_pre_ping=True,
                         pool_size=extra,
                         max_overflow=10,
-                        # None: never prepare (a pooler in transaction mode; docs/runbook.md)
-                        connect_args={"prepare_threshold": self.settings.prepare_threshold},
+                        connect_args=queries.prepare_args(prepare),
                     )
+                    if prepare == "auto":
+                        queries.unprepared_behind_pooler(self._engine)
             return self._engine
 
     @property
@@ -458,7 +461,12 @@ class Service:
         log.info("service %s started: %s", self.name, ", ".join(r for r, _ in roles))
 
     def _supervise(self, role: str, run: Callable[..., None], started: threading.Barrier) -> None:
-        """Run a role; if it dies of an unexpected error, log it and start it again."""
+        """Run a role; if it dies of an unexpected error, log it and start it again.
+
+        Whatever ends the role before the service stops, a `BaseException` included
+        (``SystemExit`` from library code or a thread's own ``KeyboardInterrupt``), is such an
+        error: a role never ends silently while the service runs.
+        """
         announced = False
 
         def on_started() -> None:
@@ -472,9 +480,20 @@ class Service:
             while not self._stop.is_set():
                 try:
                     run(self._stop, on_started=on_started)
-                except Exception:
-                    log.exception("service %s: %s crashed; restarting in 1 s", self.name, role)
+                except BaseException as exc:
+                    log.error(
+                        "service %s: %s crashed (%s: %s); restarting in 1 s",
+                        self.name,
+                        role,
+                        type(exc).__name__,
+                        first_line(exc),
+                        exc_info=True,
+                    )
                     self._stop.wait(1.0)
+                else:
+                    if not self._stop.is_set():
+                        log.error("service %s: %s ended; restarting in 1 s", self.name, role)
+                        self._stop.wait(1.0)
         finally:
             on_started()  # stopped before it started: whoever waits for the start goes on
 

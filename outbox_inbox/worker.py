@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+import psycopg
 from opentelemetry.trace import Tracer
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import RowMapping, make_url
@@ -31,7 +32,7 @@ from .handlers import Handlers, Subscription, run_writes
 from .listener import Listener, call
 from .messages import Message, message_from_row
 from .retry import RetryPolicy
-from .role_loop import RoleLoop
+from .role_loop import DRIVER_OUTAGES, RoleLoop
 from .tables import Tables
 from .tracing import Tracing, processing, processing_batch
 from .waker import Waker
@@ -173,11 +174,7 @@ class Worker:
                     with conn.begin():
                         queries.limit_worker(conn.connection.dbapi_connection, lease, local=False)
                 else:
-
-                    def limit(c: Connection) -> None:
-                        queries.limit_worker(c.connection.dbapi_connection, lease, local=True)
-
-                    event.listen(conn, "begin", limit)
+                    event.listen(conn, "begin", _limit_each_transaction(lease))
         except BaseException:
             conn.close()
             raise
@@ -269,7 +266,7 @@ class Worker:
             full=s.worker_batch_size,
             poll_interval=s.worker_poll_interval,
             waker_factory=self._waker_factory,
-            retried=(SQLAlchemyError,),
+            retried=(SQLAlchemyError, *DRIVER_OUTAGES),
         )
 
     def work_once(self, conn: Connection) -> int:
@@ -591,6 +588,27 @@ class Worker:
         )
         queries.mark_retry(conn, self._tables, row["id"], error, timedelta(seconds=delay))
         return False
+
+
+def _limit_each_transaction(lease: float) -> Callable[[Connection], None]:
+    """A ``begin`` hook that sets the worker's limits for the transaction (``SET LOCAL``).
+
+    SQLAlchemy does not wrap what a begin hook raises: a driver error that means the session
+    is gone (AdminShutdown after ``pg_terminate_backend``) is raised as the DBAPIError, with
+    the connection invalidated, that the same failure of a statement would be.
+    """
+
+    def limit(conn: Connection) -> None:
+        dbapi = conn.connection.dbapi_connection
+        try:
+            queries.limit_worker(dbapi, lease, local=True)
+        except DRIVER_OUTAGES as exc:
+            gone = conn.dialect.is_disconnect(exc, dbapi, None)  # type: ignore[arg-type]
+            raise DBAPIError.instance(
+                "SET LOCAL (worker limits)", None, exc, psycopg.Error, connection_invalidated=gone
+            ) from exc
+
+    return limit
 
 
 def _connection_broken(conn: Connection, exc: BaseException) -> bool:

@@ -5,13 +5,15 @@ the database and broker URLs from ``CLI_TEST_DB_URL`` / ``CLI_TEST_MQ_URL``. Eve
 records its effect as a row of ``effects`` through the session it is given, so the effect commits
 exactly when the message is marked processed. A handler raises ``Reject`` while the ``failing``
 table lists the message's type (that is how the tests make dead letters, and then cure them),
-and a plain exception, retried later, while the ``flaky`` table lists it.
+a plain exception, retried later, while the ``flaky`` table lists it, and calls
+``sys.exit(3)`` while the ``exiting`` table lists it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any
 
 from sqlalchemy import text
@@ -36,6 +38,7 @@ TABLES_DDL = (
     " payload jsonb)",
     "CREATE TABLE IF NOT EXISTS failing (type text PRIMARY KEY)",
     "CREATE TABLE IF NOT EXISTS flaky (type text PRIMARY KEY)",
+    "CREATE TABLE IF NOT EXISTS exiting (type text PRIMARY KEY)",
 )
 
 
@@ -50,6 +53,11 @@ def _record(message: Message, session: Session) -> None:
     ).scalar_one()
     if flaky:
         raise RuntimeError(f"{message.type} is flaky on purpose")
+    exiting = session.execute(
+        text("SELECT count(*) FROM exiting WHERE type = :t"), {"t": message.type}
+    ).scalar_one()
+    if exiting:
+        sys.exit(3)  # a handler ending "the program": a BaseException, not an Exception
     session.execute(
         text("INSERT INTO effects (message_id, type, payload) VALUES (:m, :t, CAST(:p AS jsonb))"),
         {"m": str(message.message_id), "t": message.type, "p": json.dumps(message.payload)},

@@ -8,7 +8,8 @@ the library's default settings. Once messages flow end to end, the test injects 
 1. RabbitMQ SIGKILLed and started again;
 2. PostgreSQL stopped in immediate mode (``pg_ctl stop -m immediate``: no checkpoint, crash
    recovery at the next start), down for a few seconds, and started again;
-3. ``pg_terminate_backend`` of every session of the two service databases;
+3. ``pg_terminate_backend`` of every session of the two service databases, five times over
+   (and no role logs a traceback or a crash for it);
 4. RabbitMQ's memory alarm for 5 s (every publishing connection blocked);
 5. the broker's port blackholed on loopback with iptables for 10 s (packets dropped: the
    connections hang, nothing is closed).
@@ -48,6 +49,8 @@ pytestmark = pytest.mark.faults
 #: How long PostgreSQL stays down, the memory alarm lasts, the port stays blackholed.
 POSTGRES_DOWN = 3.0
 ALARM = 5.0
+#: How many rounds of pg_terminate_backend the session test gives.
+TERMINATES = 5
 BLACKHOLE = 10.0
 
 #: The `record_recovery` fixture (conftest.py): record(case, figures, outcome).
@@ -124,7 +127,7 @@ def test_postgres_immediate_stop_and_restart_recovers_within_15s(
     _conclude(result, record_recovery)
 
 
-def test_every_service_database_session_terminated_recovers_within_15s(
+def test_every_service_database_session_terminated_five_times_recovers_within_15s_quietly(
     two_services: TwoServices,
     postgres_server: PostgresHandle,
     record_recovery: RecordRecovery,
@@ -132,13 +135,25 @@ def test_every_service_database_session_terminated_recovers_within_15s(
     flow = two_services
     flow.start()
     flow.fault_begins()
-    terminated = terminate_backends(postgres_server, flow.databases)
+    terminated: list[Any] = []
+    for _ in range(TERMINATES):
+        terminated += terminate_backends(postgres_server, flow.databases)
+        time.sleep(1.0)  # the roles reconnect in between: each round cuts new sessions
     flow.fault_over()
     result = _finish(flow, "pg-terminate-backend")
     result.extra["terminated_sessions"] = sum(1 for row in terminated if row[3])
     # The relay, the receiver and the worker each had sessions there (LISTEN ones included).
-    if result.extra["terminated_sessions"] < 3:
+    if result.extra["terminated_sessions"] < 3 * TERMINATES:
         result.problems.append(f"too few sessions terminated to hit every role: {terminated}")
+    # An outage is not a crash: at the default level (INFO) no role logs a traceback or a
+    # restart for a session the server ended, whichever layer of the driver raised it.
+    for process in flow.processes.started:
+        text = process.log_path.read_text(errors="replace")
+        noisy = [
+            line for line in text.splitlines() if "Traceback" in line or "crashed" in line
+        ]
+        if noisy:
+            result.problems.append(f"{process.name} logged {noisy[:3]}:\n{process.log_tail()}")
     _conclude(result, record_recovery)
 
 

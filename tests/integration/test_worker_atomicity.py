@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import threading
 import time
 import uuid
@@ -409,4 +410,70 @@ def test_a_batch_commits_with_the_claim_of_the_next_and_a_stopping_worker_gives_
     assert claimed_when_committed == [50]
     assert _states(db_url) == [("pending", 0, 0, 70), ("processed", 1, 1, 50)]
     assert scalar(db_url, f"SELECT count(*) FROM {INBOX} WHERE locked_by IS NOT NULL") == 0
+    billing.close()
+
+
+# --- a session the server ends is an outage, not a crash ----------------------------------------
+
+
+def _terminate_others(db_url: str) -> int:
+    """pg_terminate_backend every other session of the test's database; how many."""
+    return int(
+        scalar(
+            db_url,
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid()",
+        )
+    )
+
+
+def test_a_session_ended_by_the_server_is_an_outage_of_the_worker_never_a_crash(
+    db_url: str, mq_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    billing = _billing(db_url, mq_url, lambda message, session: _effect(session, message))
+    # Limits set by each transaction's `begin` hook, as behind a pooler in transaction mode
+    # (no session to hold a liveness lock): the hook runs on the raw driver connection.
+    worker = Worker(
+        engine=billing.engine,
+        tables=billing.tables,
+        handlers=billing.handlers,
+        settings=billing.settings,
+        liveness_url=lambda: None,
+    )
+    conn = worker.connect()
+    try:
+        pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        conn.commit()
+        assert _terminate_others(db_url) >= 1
+        wait_until(lambda: _backend_gone(db_url, pid), timeout=10, what="the backend to end")
+        # What the hook meets is the database error every role retries, the connection
+        # marked gone: not the driver's own AdminShutdown, which no role expects.
+        with pytest.raises(SQLAlchemyError) as raised:
+            worker.work_once(conn)
+        assert getattr(raised.value, "connection_invalidated", False), raised.value
+    finally:
+        _cut(conn)
+
+    # The role: five rounds of terminated sessions, then work; one line per outage, no
+    # traceback, no error, and everything handled.
+    caplog.set_level(logging.INFO, logger="outbox_inbox")
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,))
+    thread.start()
+    try:
+        for _ in range(5):
+            time.sleep(0.5)
+            _terminate_others(db_url)
+        message_ids = _store(billing, mq_url, 20)
+        wait_until(lambda: _pending(db_url) == 0, timeout=30, what="every row handled")
+        assert thread.is_alive()
+    finally:
+        stop.set()
+        thread.join(30)
+    assert _effects(db_url) == sorted(message_ids)
+    mine = [r for r in caplog.records if r.name.startswith("outbox_inbox")]
+    assert [r.getMessage() for r in mine if r.exc_info or r.levelno >= logging.ERROR] == []
+    outages = [r for r in mine if r.levelno == logging.WARNING]
+    assert 1 <= len(outages) <= 5, [r.getMessage() for r in outages]
+    assert all("database unavailable" in r.getMessage() for r in outages), outages
     billing.close()

@@ -398,3 +398,44 @@ def test_status_shows_whether_wake_ups_arrive_through_the_pooler(
     )
     assert result.returncode == 0, result.stderr
     assert shown in result.stdout
+
+
+def test_the_default_engine_behind_a_transaction_pooler_never_prepares_for_concurrent_users(
+    db_url: str, mq_url: str, pooled: Callable[[str, str], str]
+) -> None:
+    make_service("orders", db_url, mq_url).engine.dispose()  # migrated on the direct URL
+    # The library's defaults, nothing said about the pooler.
+    service = Service("orders", db_url=pooled(db_url, "transaction"), mq_url=mq_url)
+    direct = Service("orders", db_url=db_url, mq_url=mq_url)
+    failures: list[BaseException] = []
+    users, each = 6, 60
+
+    def user() -> None:
+        for n in range(each):
+            try:
+                # The user's own transaction on Service.session(): the same statements again
+                # and again, which psycopg would prepare after 5 executions.
+                with service.session() as session, session.begin():
+                    service.outbox.send(session, "orders", "thing.do", {"n": n})
+                    session.execute(
+                        text("SELECT count(*) FROM effects WHERE type = :t"), {"t": "x"}
+                    )
+            except Exception as exc:
+                failures.append(exc)
+
+    try:
+        threads = [threading.Thread(target=user) for _ in range(users)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert [str(f).splitlines()[0] for f in failures[:3]] == []
+        assert scalar(db_url, "SELECT count(*) FROM outbox_inbox.outbox_messages") == users * each
+        # Found per connection: through the pooler nothing is prepared; directly, after 5.
+        with service.engine.connect() as conn:
+            assert conn.connection.driver_connection.prepare_threshold is None
+        with direct.engine.connect() as conn:
+            assert conn.connection.driver_connection.prepare_threshold == 5
+    finally:
+        service.close()
+        direct.close()
