@@ -33,10 +33,20 @@ def validate_identifier(value: str, what: str = "schema") -> str:
     return value
 
 
-def validate_db_url(url: str) -> str:
-    """Return `url` if SQLAlchemy can parse it, else raise ConfigurationError (masked).
+#: The database URL schemes the library runs on: PostgreSQL through psycopg 3, and SQLite.
+_DRIVERS = {"postgresql+psycopg", "sqlite", "sqlite+pysqlite"}
+#: Schemes that mean PostgreSQL without naming psycopg 3, read as psycopg 3 (libpq's
+#: ``postgres://``, as many platforms give DATABASE_URL; SQLAlchemy's default driver).
+_POSTGRES_ALIASES = {"postgres", "postgresql"}
 
-    The parser's error quotes the URL: it is reported masked and not chained.
+
+def validate_db_url(url: str) -> str:
+    """Return `url` if the library can run on it, else raise ConfigurationError (masked).
+
+    ``postgres://`` and ``postgresql://`` are returned as ``postgresql+psycopg://`` (the
+    library's driver); another driver or database (``postgresql+psycopg2://``,
+    ``mysql://``) is refused here, not at the first connection. The parser's error quotes the
+    URL: it is reported masked and not chained.
     """
     try:
         parsed = make_url(url)
@@ -50,6 +60,14 @@ def validate_db_url(url: str) -> str:
         # name, and printed as one in every connection error.
         raise ConfigurationError(
             f"malformed database URL {mask_url(url)}: an '@' in the password must be written %40"
+        )
+    if parsed.drivername in _POSTGRES_ALIASES:
+        return "postgresql+psycopg:" + url.split(":", 1)[1]  # the rest exactly as written
+    if parsed.drivername not in _DRIVERS:
+        raise ConfigurationError(
+            f"database URL {mask_url(url)}: {parsed.drivername}:// is not supported; the library"
+            " runs on PostgreSQL through psycopg 3 (postgresql+psycopg://user@host:5432/dbname)"
+            " or on SQLite (sqlite:///path.db)"
         )
     return url
 
@@ -184,9 +202,9 @@ class Settings:
     def __post_init__(self) -> None:
         validate_identifier(self.schema)
         if self.db_url:
-            validate_db_url(self.db_url)
+            object.__setattr__(self, "db_url", validate_db_url(self.db_url))
         if self.listen_url:
-            validate_db_url(self.listen_url)
+            object.__setattr__(self, "listen_url", validate_db_url(self.listen_url))
         if self.prepare_threshold not in (None, "auto") and (
             isinstance(self.prepare_threshold, bool)
             or not isinstance(self.prepare_threshold, int)

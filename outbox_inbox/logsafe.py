@@ -31,13 +31,19 @@ _HOSTLESS = re.compile(
 
 
 # A password written with white space in it ("amqp://u:two words@host"), which the word-wise
-# patterns would cut at the space: "scheme://user:" then, within one line and at most 200
+# patterns would cut at the space: "scheme://user:" then, within one line and at most 400
 # characters (a bound, so that no text costs more than linear time), the rest up to an "@"
-# followed by a host.
+# followed by a host. Tried only where a scheme starts.
 _SPACED = re.compile(
-    rf"(?P<scheme>{_SCHEME}://)"
-    r"""(?P<user>[^:/@\s'"\[\]]*):(?P<pw>[^@\n/]{0,200}?[ \t][^@\n/]{0,200}?)@(?=[^@\s/]+)"""
+    rf"(?<![a-zA-Z0-9+.\-])(?P<scheme>{_SCHEME}://)"  # from a scheme's start only: linear
+    r"""(?P<user>[^:/@\s'"\[\]]*):(?P<pw>[^@\n/]{1,400})@(?=[^@\s/]+)"""
 )
+
+
+def _mask_spaced(match: re.Match[str]) -> str:
+    if not any(c.isspace() for c in match["pw"]):
+        return match.group()  # no white space: the word-wise patterns mask it
+    return f"{match['scheme']}{match['user']}:***@"
 
 
 def mask_url(url: str | None) -> str:
@@ -51,7 +57,7 @@ def mask_url(url: str | None) -> str:
         return ""
     text = str(url)
     if "://" in text and "@" in text:
-        text = _SPACED.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text)
+        text = _SPACED.sub(_mask_spaced, text)
     # Word by word (no pattern crosses white space), and only words that can hold a
     # password: the patterns backtrack over a word's length, and a long word without ":"
     # (a payload printed by `dead-letters show`) would take time quadratic in its length.
@@ -84,7 +90,13 @@ def url_passwords(text: str | None) -> set[str]:
         found.add(match["pw"])
         return " "
 
-    for match in _HOSTLESS.finditer(_USERINFO.sub(keep, _SPACED.sub(keep, str(text)))):
+    def keep_spaced(match: re.Match[str]) -> str:
+        masked = _mask_spaced(match)
+        if masked != match.group():
+            found.add(match["pw"])
+        return masked
+
+    for match in _HOSTLESS.finditer(_USERINFO.sub(keep, _SPACED.sub(keep_spaced, str(text)))):
         found.add(match["pw"])
     found |= {unquote(p) for p in found}
     # A parser that splits a malformed URL at "/", "@", ":" or white space quotes a piece of

@@ -173,13 +173,40 @@ class WireMessage:
 _JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
+def _first_unserializable(value: Any, path: str) -> str | None:
+    """Where in `value` the first value JSON cannot hold is (``payload.items[2].price``), for
+    the error message; None if it is not found."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str | int | float | bool) and key is not None:
+                return f"{path} key {key!r}"
+            found = _first_unserializable(item, f"{path}.{key}")
+            if found:
+                return found
+        return None
+    if isinstance(value, list | tuple):
+        for n, item in enumerate(value):
+            found = _first_unserializable(item, f"{path}[{n}]")
+            if found:
+                return found
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return path
+    if value is None or isinstance(value, str | int | float | bool):
+        return None
+    return f"{path} ({type(value).__name__})"
+
+
 def payload_json(payload: Any, *, limit: int | None = None) -> str:
     """`payload` as JSON text; raise MessageError, or PayloadTooLarge when its UTF-8 encoding
     is over `limit` bytes."""
     try:
         text = _JSON.encode(payload)
     except (TypeError, ValueError) as exc:
-        raise MessageError(f"payload is not JSON-serializable: {exc}") from exc
+        where = _first_unserializable(payload, "payload")
+        raise MessageError(
+            f"payload is not JSON-serializable: {where + ': ' if where else ''}{exc}"
+        ) from exc
     # A character is at most 4 bytes of UTF-8: most payloads fit without being encoded.
     if limit is not None and len(text) * 4 > limit:
         size = len(text.encode("utf-8"))

@@ -73,3 +73,34 @@ def test_invalid_message_names_are_refused_before_any_database_work() -> None:
 )
 def test_mask_url_hides_passwords(url: str | None, masked: str) -> None:
     assert mask_url(url) == masked
+
+
+@pytest.mark.parametrize(
+    ("given", "used"),
+    [
+        (
+            "postgres://app:s%40cret@db:5432/orders",
+            "postgresql+psycopg://app:s%40cret@db:5432/orders",
+        ),
+        ("postgresql://app@db/orders", "postgresql+psycopg://app@db/orders"),
+        ("postgresql+psycopg://app@db/orders", "postgresql+psycopg://app@db/orders"),
+        ("sqlite:///orders.db", "sqlite:///orders.db"),
+    ],
+)
+def test_a_postgres_url_without_the_driver_runs_on_psycopg_3(given: str, used: str) -> None:
+    service = Service("orders", db_url=given, listen_url=given)
+    assert service.settings.db_url == used
+    assert service.settings.listen_url == used
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["postgresql+psycopg2://app:Hidden-pw9@db/orders", "mysql://app:Hidden-pw9@db/orders"],
+)
+def test_a_database_the_library_cannot_run_on_is_refused_when_the_service_is_built(
+    url: str,
+) -> None:
+    with pytest.raises(ConfigurationError, match="not supported") as refused:
+        Service("orders", db_url=url)
+    assert "Hidden" not in str(refused.value) and "pw9" not in str(refused.value)
+    assert "postgresql+psycopg://" in str(refused.value)

@@ -44,3 +44,9 @@ def test_long_words_with_colons_and_at_signs_are_masked_without_backtracking_for
     text = "x" * 200_000 + " amqp://user:s3cret@host/ " + "y:" * 50_000 + " a:" + "x:" * 50_000
     masked = _mask_in_a_child(text + "@h")
     assert "s3cret" not in masked and "amqp://user:***@host/" in masked
+
+
+def test_many_urls_with_spaces_and_no_host_are_masked_in_linear_time() -> None:
+    text = "a://u:" + "x " * 150 + "\n" + ("b://u:p q " * 20_000) + " c://user:two words@host/"
+    masked = _mask_in_a_child(text)
+    assert "two" not in masked and "c://user:***@host/" in masked

@@ -2,10 +2,13 @@ from __future__ import annotations
 
 import uuid
 from datetime import UTC, datetime
+from decimal import Decimal
+from pathlib import Path
 
 import pytest
+from sqlalchemy import func, select
 
-from outbox_inbox import InvalidMessage, MessageError, PayloadTooLarge
+from outbox_inbox import InvalidMessage, MessageError, PayloadTooLarge, Service
 from outbox_inbox.messages import (
     FOREIGN_ID_NAMESPACE,
     H_ORIGINAL_ID,
@@ -108,6 +111,36 @@ def test_payload_must_be_json_and_within_the_limit() -> None:
     with pytest.raises(PayloadTooLarge, match="over the limit"):
         encode_payload("x" * 100, limit=50)
     assert encode_payload({"a": 1}, limit=50) == b'{"a":1}'
+
+
+@pytest.mark.parametrize(
+    ("payload", "named"),
+    [
+        ({"order": {"lines": [1, 2, Decimal("1.5")]}}, "payload.order.lines[2] (Decimal)"),
+        ({"total": float("inf")}, "payload.total:"),
+        ({(1, 2): "a tuple for a key"}, "payload key (1, 2)"),
+        ([{"when": datetime.now(UTC)}], "payload[0].when (datetime)"),
+    ],
+)
+def test_a_payload_json_cannot_hold_is_refused_naming_where_the_value_is(
+    payload: object, named: str
+) -> None:
+    with pytest.raises(MessageError) as raised:
+        encode_payload(payload)
+    assert named in str(raised.value)
+
+
+def test_an_outbox_write_of_a_payload_json_cannot_hold_names_the_key_and_writes_nothing(
+    tmp_path: Path,
+) -> None:
+    service = Service("orders", db_url=f"sqlite:///{tmp_path}/orders.db")
+    service.migrate()
+    refused = pytest.raises(MessageError, match=r"payload\.amount \(Decimal\)")
+    with refused, service.session() as session, session.begin():
+        service.outbox.publish(session, "orders.order.placed", {"amount": Decimal("9.99")})
+    with service.engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(service.tables.outbox)).scalar() == 0
+    service.close()
 
 
 def test_reserved_headers_are_refused() -> None:
