@@ -10,6 +10,7 @@ dead letters.
 
 from __future__ import annotations
 
+import json
 import tempfile
 import threading
 import time
@@ -29,6 +30,14 @@ from .service import Service
 Trace = Callable[[str, str], None]
 
 
+def _of_order(payload: Any) -> str:
+    """`` of order N`` for a payload about order N (the demo's payloads are), else nothing."""
+    if isinstance(payload, str):
+        payload = json.loads(payload)  # a row's payload may still be its JSON text
+    order = payload.get("order") if isinstance(payload, dict) else None
+    return f" of order {order}" if order is not None else ""
+
+
 class _Tracer(Listener):
     """Prints what the roles of one service do."""
 
@@ -38,7 +47,11 @@ class _Tracer(Listener):
 
     def relay_committed(self, messages: Sequence[OutgoingMessage]) -> None:
         for message in messages:
-            self._trace(self._service, f"relay published {message.kind} {message.routing_key}")
+            self._trace(
+                self._service,
+                f"relay published {message.kind} {message.routing_key}"
+                f"{_of_order(message.payload)} (message {str(message.message_id)[:8]})",
+            )
 
     def relay_confirmed(
         self, messages: Sequence[OutgoingMessage], outcomes: Sequence[PublishOutcome]
@@ -205,7 +218,9 @@ class Demo:
         with self.billing.engine.connect() as conn:
             inbox = self.billing.tables.inbox
             rows = conn.execute(
-                select(inbox.c.routing_key, inbox.c.status, inbox.c.dead_reason)
+                select(
+                    inbox.c.routing_key, inbox.c.payload, inbox.c.status, inbox.c.dead_reason
+                ).order_by(inbox.c.id)
             ).all()
         return {"orders": states, "billing_inbox": [tuple(r) for r in rows]}
 
@@ -244,16 +259,17 @@ def run_demo(
         deadline = time.monotonic() + timeout
         dead = False
         while time.monotonic() < deadline and not dead:
-            dead = any(status == "dead" for _, status, _ in demo.summary()["billing_inbox"])
+            dead = any(status == "dead" for _, _, status, _ in demo.summary()["billing_inbox"])
             time.sleep(0.1)
         demo.orders.stop()
         demo.billing.stop()
         summary = demo.summary()
         trace("demo", f"orders: {summary['orders']}")
-        for routing_key, status, reason in summary["billing_inbox"]:
+        for routing_key, payload, status, reason in summary["billing_inbox"]:
+            about = f"{routing_key}{_of_order(payload)}"
             trace(
                 "demo",
-                f"billing inbox: {routing_key:<26} {status}" + (f" ({reason})" if reason else ""),
+                f"billing inbox: {about:<37} {status}" + (f" ({reason})" if reason else ""),
             )
         return done and dead
     finally:
