@@ -579,29 +579,9 @@ def claim_inbox(
 def _claim_statement(tables: Tables, liveness: bool) -> Any:
     """The claim of `claim_inbox`, built once per schema (the worker runs it for every batch)."""
     i = tables.inbox
-    earlier = i.alias("earlier")
-    free = [i.c.locked_until.is_(None), i.c.locked_until <= db_now()]
-    if liveness:
-        free.append(
-            and_(
-                ~i.c.locked_by.endswith(LEASE_ONLY, autoescape=True), _claimant_gone(i.c.locked_by)
-            )
-        )
     due = (
         select(i.c.id)
-        .where(
-            i.c.status == PENDING,
-            i.c.next_attempt_at <= db_now(),
-            or_(*free),
-            or_(
-                i.c.key.is_(None),
-                ~exists().where(
-                    earlier.c.key == i.c.key,
-                    earlier.c.status == PENDING,
-                    earlier.c.id < i.c.id,
-                ),
-            ),
-        )
+        .where(_claimable(i, liveness=liveness))
         .order_by(i.c.priority.desc(), i.c.id)
         .limit(bindparam("limit", type_=Integer))
         .with_for_update(skip_locked=True)
@@ -616,6 +596,32 @@ def _claim_statement(tables: Tables, liveness: bool) -> Any:
             attempts=i.c.attempts + 1,
         )
         .returning(*(i.c[name] for name in _CLAIMED), db_now().label("claimed_at"))
+    )
+
+
+def _claimable(i: Any, *, liveness: bool) -> ColumnElement[bool]:
+    """The rows a claim may take now: pending, due, not leased (its lease ran out, or with
+    `liveness` its claimant holds no liveness lock), and no earlier pending row of its key."""
+    earlier = i.alias("earlier")
+    free = [i.c.locked_until.is_(None), i.c.locked_until <= db_now()]
+    if liveness:
+        free.append(
+            and_(
+                ~i.c.locked_by.endswith(LEASE_ONLY, autoescape=True), _claimant_gone(i.c.locked_by)
+            )
+        )
+    return and_(
+        i.c.status == PENDING,
+        i.c.next_attempt_at <= db_now(),
+        or_(*free),
+        or_(
+            i.c.key.is_(None),
+            ~exists().where(
+                earlier.c.key == i.c.key,
+                earlier.c.status == PENDING,
+                earlier.c.id < i.c.id,
+            ),
+        ),
     )
 
 
@@ -1036,9 +1042,26 @@ def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
     """Inbox rows by state, the age of the oldest pending row, and the counts per type.
 
     ``pending`` rows wait for a worker (due or scheduled for a retry); ``in_progress`` rows are
-    pending rows a worker holds a lease on (database clock).
+    pending rows a worker holds a lease on (database clock). ``claimable`` rows are those a
+    worker's claim would take now (due, not leased, not held behind an earlier row of their
+    key); ``oldest_claimable_age_seconds`` is how long the longest-waiting of them has been
+    claimable (since its retry came due or its lease ran out); ``last_handled_age_seconds``
+    the age of the newest processed or dead row's ``processed_at`` (None without one): how
+    long ago a worker last finished a row.
     """
     i = tables.inbox
+    claimable_since = case(
+        (i.c.locked_until > i.c.next_attempt_at, i.c.locked_until), else_=i.c.next_attempt_at
+    )
+    claimable = conn.execute(
+        select(
+            func.count().label("claimable"),
+            func.max(_age_seconds(claimable_since)).label("oldest"),
+        ).where(_claimable(i, liveness=False))
+    ).one()
+    last_handled = conn.execute(
+        select(func.min(_age_seconds(i.c.processed_at))).where(i.c.processed_at.is_not(None))
+    ).scalar_one()
     leased = and_(i.c.status == PENDING, i.c.locked_until > func.now())
     waiting = and_(
         i.c.status == PENDING, or_(i.c.locked_until.is_(None), i.c.locked_until <= func.now())
@@ -1071,6 +1094,9 @@ def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
         "dead": int(totals.dead),
         "processed": int(totals.processed),
         "oldest_pending_age_seconds": _float(totals.oldest_pending_age_seconds),
+        "claimable": int(claimable.claimable),
+        "oldest_claimable_age_seconds": _float(claimable.oldest),
+        "last_handled_age_seconds": _float(last_handled),
         "by_type": [
             {
                 "type": r.routing_key,

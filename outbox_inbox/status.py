@@ -127,14 +127,22 @@ def dead_count(status: dict[str, Any]) -> int:
     return count
 
 
+#: Without a lag bound, how long inbox rows may wait claimable, with no row in progress and
+#: none handled, before `problems` says no worker runs (the default lease, 60 s: a worker
+#: that died holds its rows that long anyway).
+STALLED_AFTER = 60.0
+
+
 def problems(
     status: dict[str, Any], *, max_lag: float | None = None, max_dead: int | None = None
 ) -> list[str]:
     """What makes `status` unhealthy under the thresholds given; empty when healthy.
 
     Lag is the age of the oldest unpublished outbox row and of the oldest pending inbox row
-    (a message waiting for its retry counts: it is not handled yet). A broker that could not
-    be asked is a problem too.
+    (a message waiting for its retry counts: it is not handled yet). Whatever the thresholds,
+    the inbox is stalled, a problem, when rows have been claimable for longer than `max_lag`
+    (else STALLED_AFTER) while no row is in progress and none was handled in that time: no
+    worker has claimed for that long. A broker that could not be asked is a problem too.
     """
     out = []
     if max_lag is not None:
@@ -145,6 +153,9 @@ def problems(
             age = status[part][field]
             if age is not None and age > max_lag:
                 out.append(f"{part} lag {age:.1f}s exceeds --max-lag {max_lag:g}s")
+    stalled = _stalled(status["inbox"], STALLED_AFTER if max_lag is None else max_lag)
+    if stalled:
+        out.append(stalled)
     if max_dead is not None:
         dead = dead_count(status)
         if dead > max_dead:
@@ -156,6 +167,23 @@ def problems(
     if broker and broker.get("blocked"):
         out.append(f"broker blocks publishers: {broker['blocked']}")
     return out
+
+
+def _stalled(inbox: dict[str, Any], bound: float) -> str | None:
+    """Why no worker seems to run (rows claimable for over `bound` seconds, none in progress,
+    none handled in that time), or None."""
+    waited = inbox.get("oldest_claimable_age_seconds")
+    if waited is None or waited <= bound or inbox["in_progress"]:
+        return None
+    handled = inbox.get("last_handled_age_seconds")
+    if handled is not None and handled <= bound:
+        return None
+    last = "never" if handled is None else f"{handled:.0f}s ago"
+    return (
+        f"inbox stalled: {inbox['claimable']} row(s) claimable for up to {waited:.0f}s, none "
+        f"in progress, last handled {last}: no worker has claimed for over {bound:g}s "
+        "(is a worker running?)"
+    )
 
 
 def subscribed_services(engine: Engine, tables: Tables) -> list[str]:

@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 #: What a check found: the object exists as declared, does not exist, or exists otherwise.
 PRESENT, MISSING, DIFFERS = "present", "missing", "differs"
 
+#: The routing key of `flow_control`'s probes on the default exchange: no queue has this name.
+FLOW_CONTROL_PROBE = "outbox-inbox.flow-control-probe"
+
 
 @dataclass(frozen=True)
 class Found:
@@ -92,21 +95,27 @@ class RabbitMQAdmin:
     def flow_control(self, timeout: float = 1.0) -> str | None:
         """The broker's reason if it blocks publishers now (a memory or disk alarm), else None.
 
-        RabbitMQ tells a connection it is blocked only once it publishes, so this publishes
-        one empty, unroutable message to the default exchange (dropped by the broker) on a
-        connection of its own and waits up to `timeout` seconds for ``connection.blocked``.
+        RabbitMQ blocks a connection only once it publishes, and then reads nothing more from
+        it. So this publishes, on a connection of its own, one empty message to the default
+        exchange (dropped: no queue has the probe's name), then a second, mandatory one: the
+        broker returns the second (``basic.return``, no route) only if it read on after the
+        first. The answer is the first of that return (None: not blocked, one round trip) or
+        ``connection.blocked`` (its reason); with neither within `timeout` seconds, None.
         Raises BrokerConnectionError if the broker cannot be reached.
         """
         connection = self._broker.connect()
         blocked: list[str] = []
+        returned: list[bool] = []
         connection.add_on_connection_blocked_callback(
             lambda _conn, frame: blocked.append(str(getattr(frame.method, "reason", "")))
         )
         try:
             channel = connection.channel()
-            channel.basic_publish("", "outbox-inbox.flow-control-probe", b"")
+            channel.add_on_return_callback(lambda *_: returned.append(True))
+            channel.basic_publish("", FLOW_CONTROL_PROBE, b"")
+            channel.basic_publish("", FLOW_CONTROL_PROBE, b"", mandatory=True)
             deadline = time.monotonic() + timeout
-            while not blocked and time.monotonic() < deadline:
+            while not blocked and not returned and time.monotonic() < deadline:
                 connection.process_data_events(time_limit=0.05)
         except CONNECTION_ERRORS as exc:
             raise _broker_error("probing flow control", exc) from exc
