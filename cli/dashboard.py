@@ -6,6 +6,7 @@ import contextlib
 import functools
 import os
 import signal
+from datetime import timedelta
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -16,7 +17,7 @@ from outbox_inbox.dashboard import Dashboard, Guard, WatchedService, make_dashbo
 
 from .audit import audit_log_option, write_audit
 from .output import echo
-from .target import Target, fail, resolve
+from .target import Target, fail, parse_duration, resolve
 
 TOKEN_ENV = "OUTBOX_INBOX_DASHBOARD_TOKEN"  # noqa: S105 - the variable's name, not a secret
 
@@ -88,6 +89,13 @@ def _on_sigterm(_signum: int, _frame: FrameType | None) -> None:
     metavar="SECONDS",
     help="Reload the overview page this often (0: never).",
 )
+@click.option(
+    "--max-lag",
+    metavar="DURATION",
+    callback=parse_duration,
+    help="Unhealthy when the oldest unpublished outbox row or pending inbox row is older, and "
+    "when no worker claimed for this long while rows wait (as `status --max-lag`).",
+)
 @audit_log_option
 def dashboard(
     apps: tuple[str, ...],
@@ -99,6 +107,7 @@ def dashboard(
     port: int,
     token_file: str | None,
     refresh: int,
+    max_lag: timedelta | None,
     audit_log: str,
 ) -> None:
     """Serve a web dashboard of one or more services until SIGTERM or Ctrl-C.
@@ -135,6 +144,7 @@ def dashboard(
             audit=functools.partial(write_audit, audit_log),
             guard=Guard(token=token),
             refresh=refresh,
+            max_lag=max_lag.total_seconds() if max_lag is not None else None,
         )
         _serve(make_dashboard_server(app, host, port), names)
     finally:

@@ -7,8 +7,10 @@
     POST /act              replay or purge exactly the ids confirmed (CSRF-checked, audited)
     GET  /dashboard.css
 
-Each request runs in its own thread of the server and opens its own broker connection; the
-database engines are shared (SQLAlchemy pools are thread-safe).
+Each request runs in its own thread of the server and opens its own broker connections; the
+database engines are shared (SQLAlchemy pools are thread-safe). The overview reads its
+services at the same time, each in a thread of its own: a page takes as long as the slowest
+service, not the sum of them.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qs
@@ -23,10 +26,12 @@ from urllib.parse import parse_qs
 from ..dead_letters import Filters, parse_message_id
 from ..errors import OutboxInboxError
 from ..logsafe import mask_url
+from ..status import problems
 from . import views
+from .charts import charts
 from .letters import ACTIONS, AuditWriter, WatchedService, act
 from .markup import Safe, html, join
-from .rates import Rates, RateTracker
+from .rates import RateTracker
 from .security import CSRF_FIELD, Guard
 
 log = logging.getLogger(__name__)
@@ -85,7 +90,9 @@ def parse_filters(query: dict[str, str]) -> Filters:
 
 class Dashboard:
     """The WSGI application. `audit` writes one line per action (outbox_inbox.cli.audit);
-    `refresh` reloads the overview every so many seconds (0: never)."""
+    `refresh` reloads the overview every so many seconds (0: never); `max_lag` (seconds) is
+    the lag bound of the health, as `outbox-inbox status --max-lag` (None: no lag limit, and
+    a stalled inbox after outbox_inbox.status.STALLED_AFTER)."""
 
     def __init__(
         self,
@@ -94,6 +101,7 @@ class Dashboard:
         audit: AuditWriter,
         guard: Guard | None = None,
         refresh: int = 10,
+        max_lag: float | None = None,
     ) -> None:
         if not services:
             raise ValueError("the dashboard needs at least one service")
@@ -103,6 +111,7 @@ class Dashboard:
         self.guard = guard or Guard()
         self.audit = audit
         self.refresh = refresh
+        self.max_lag = max_lag
         self.rates = RateTracker()
 
     # --- WSGI -------------------------------------------------------------------------------
@@ -213,27 +222,29 @@ class Dashboard:
             return self._confirm(environ, cookie)
         raise NotFound(f"no page {path}")
 
-    def _status(self, service: WatchedService) -> tuple[dict[str, Any], Rates | None]:
-        status = service.status()
-        return status, self.rates.add(service.name, status)
+    def _status(self, service: WatchedService) -> views.Shown:
+        """The service's status, its snapshot taken for the rates and charts, its health."""
+        try:
+            status = service.status()
+        except OutboxInboxError as exc:
+            return views.Shown(service.name, None, error=str(exc))
+        return views.Shown(
+            service.name,
+            status,
+            self.rates.add(service.name, status),
+            problems(status, max_lag=self.max_lag),
+        )
+
+    def _charts(self, names: Iterable[str]) -> Safe:
+        return charts({name: self.rates.history(name) for name in names})
 
     def _overview(self) -> Safe:
-        entries: list[tuple[str, dict[str, Any] | None, Rates | None, str | None]] = []
-        for name, service in self.services.items():
-            try:
-                status, rates = self._status(service)
-                entries.append((name, status, rates, None))
-            except OutboxInboxError as exc:
-                entries.append((name, None, None, str(exc)))
-        return views.overview(entries, self.refresh or None)
+        with ThreadPoolExecutor(max_workers=len(self.services)) as pool:
+            entries = list(pool.map(self._status, self.services.values()))
+        return views.overview(entries, self._charts(self.services), self.refresh or None)
 
     def _service_page(self, service: WatchedService, query: dict[str, str]) -> Safe:
-        parts = []
-        try:
-            status, rates = self._status(service)
-            parts.append(views.service_status(service.name, status, rates))
-        except OutboxInboxError as exc:
-            parts.append(html("<h1>{}</h1>{}", service.name, views.error_text(str(exc))))
+        parts = [views.service_status(self._status(service), self._charts([service.name]))]
         filters = parse_filters(query)
         wanted = query.get("source") or "all"
         sources = service.sources() if wanted == "all" else [self._source(service, wanted)]

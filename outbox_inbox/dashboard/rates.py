@@ -1,9 +1,11 @@
-"""Rates from successive status snapshots: the dashboard asks nothing more of the database.
+"""Rates and the last hour's history from successive status snapshots: the dashboard asks
+nothing more of the database.
 
 Each time a service's status is collected its counters are remembered with the database time
-they were read at; a rate is the change between the newest snapshot and the oldest one kept
-(within `window` seconds, at least `min_span` apart). A counter that went down (processed rows
-archived, rows purged) gives no rate for that span rather than a wrong one.
+they were read at (at most one every `spacing` seconds, for `history` seconds). A rate is the
+change between the newest snapshot and the oldest one of the last `window` seconds (at least
+`min_span` apart). A counter that went down (processed rows archived, rows purged) gives no
+rate for that span rather than a wrong one.
 """
 
 from __future__ import annotations
@@ -17,10 +19,14 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Sample:
+    """One snapshot: `backlog` is unpublished + pending + in-progress rows, `lag` the age of
+    the oldest unpublished outbox or pending inbox row (0 without one), in seconds."""
+
     at: datetime
     processed: int
     dead: int
     backlog: int
+    lag: float
 
 
 @dataclass(frozen=True)
@@ -36,20 +42,31 @@ class Rates:
 def sample_of(status: dict[str, Any]) -> Sample:
     """The counters of a `collect_status` result."""
     inbox, outbox = status["inbox"], status["outbox"]
+    ages = (outbox.get("oldest_age_seconds"), inbox.get("oldest_pending_age_seconds"))
     return Sample(
         at=datetime.fromisoformat(status["database_time"]),
         processed=int(inbox["processed"]),
         dead=int(inbox["dead"]) + int(outbox.get("dead", 0)),
         backlog=int(outbox["unpublished"]) + int(inbox["pending"]) + int(inbox["in_progress"]),
+        lag=max((float(a) for a in ages if a is not None), default=0.0),
     )
 
 
 class RateTracker:
-    """Snapshots per service, kept for `window` seconds; safe to use from several threads."""
+    """Snapshots per service; safe to use from several threads."""
 
-    def __init__(self, *, window: float = 300.0, min_span: float = 1.0) -> None:
+    def __init__(
+        self,
+        *,
+        window: float = 300.0,
+        min_span: float = 1.0,
+        history: float = 3600.0,
+        spacing: float = 5.0,
+    ) -> None:
         self._window = window
         self._min_span = min_span
+        self._history = history
+        self._spacing = spacing
         self._samples: dict[str, deque[Sample]] = {}
         self._lock = threading.Lock()
 
@@ -59,10 +76,19 @@ class RateTracker:
         new = sample_of(status)
         with self._lock:
             samples = self._samples.setdefault(service, deque())
-            samples.append(new)
-            while len(samples) > 2 and (new.at - samples[1].at).total_seconds() >= self._window:
+            earlier = list(samples)
+            if not samples or (new.at - samples[-1].at).total_seconds() >= self._spacing:
+                samples.append(new)
+            while (new.at - samples[0].at).total_seconds() > self._history:
                 samples.popleft()
-            oldest = samples[0]
+        if not earlier:
+            return None
+        # The newest snapshot at least `window` old, else the oldest: a span of about `window`.
+        oldest = earlier[0]
+        for sample in earlier[1:]:
+            if (new.at - sample.at).total_seconds() < self._window:
+                break
+            oldest = sample
         span = (new.at - oldest.at).total_seconds()
         if span < self._min_span:
             return None
@@ -78,3 +104,8 @@ class RateTracker:
             dead=rate(oldest.dead, new.dead, monotonic=True),
             backlog=rate(oldest.backlog, new.backlog, monotonic=False),
         )
+
+    def history(self, service: str) -> list[Sample]:
+        """The snapshots of `service` kept (the last `history` seconds), oldest first."""
+        with self._lock:
+            return list(self._samples.get(service, ()))

@@ -48,9 +48,12 @@ def make_dashboard_server(
     """A server for `dashboard` on `host`:`port` (0: any free port), bound and ready for
     `serve_forever()`; `server.server_address` has the port. Raises ConfigurationError when
     `host` is not a loopback address and the dashboard has no token (see security.py), and
-    OSError when the address cannot be bound."""
+    OSError naming `host`:`port` when the address cannot be bound (taken, not this machine's)."""
     check_bind(host, dashboard.guard.token)
     server_class = _IPv6ThreadingServer if ":" in host else _ThreadingServer
-    return make_server(
-        host.strip("[]"), port, dashboard, server_class=server_class, handler_class=_Handler
-    )
+    bare = host.strip("[]")
+    try:
+        return make_server(bare, port, dashboard, server_class=server_class, handler_class=_Handler)
+    except OSError as exc:
+        where = f"[{bare}]:{port}" if ":" in bare else f"{bare}:{port}"
+        raise OSError(exc.errno, f"cannot listen on {where}: {exc.strerror or exc}") from exc

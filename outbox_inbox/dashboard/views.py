@@ -6,16 +6,19 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode
 
 from ..dead_letters import DeadLetter, error_summary
 from ..logsafe import mask_url
-from ..status import dead_count, problems
+from ..status import dead_count
+from ..svgchart import CHART_CSS
 from .markup import Safe, html, join
 from .rates import Rates
 
-STYLESHEET = """
+STYLESHEET = (
+    """
 body { font: 14px/1.4 "Liberation Sans", "DejaVu Sans", sans-serif; margin: 0; color: #1f2328;
        background: #f6f8fa; }
 header { background: #24292f; color: #fff; padding: 10px 24px; }
@@ -45,7 +48,25 @@ dl.fields { display: grid; grid-template-columns: max-content auto; gap: 2px 16p
             background: #fff; border: 1px solid #d0d7de; padding: 8px; max-width: 1100px; }
 dl.fields dt { font-weight: bold; }
 dl.fields dd { margin: 0; }
+.charts { display: grid; grid-template-columns: repeat(auto-fit, minmax(600px, 1fr)); gap: 12px;
+          max-width: 1400px; margin: 16px 0; }
+.charts figure { margin: 0; background: #fff; border: 1px solid #d0d7de; padding: 4px; }
 """
+    + CHART_CSS
+)
+
+
+@dataclass(frozen=True)
+class Shown:
+    """One service as a page shows it: its status and rates, and what makes it unhealthy
+    (`outbox_inbox.status.problems`); or the error that kept its status from being read."""
+
+    name: str
+    status: dict[str, Any] | None
+    rates: Rates | None = None
+    problems: list[str] = field(default_factory=list)
+    error: str | None = None
+
 
 #: The W3C trace context header, when the sender traced the message.
 TRACEPARENT = "traceparent"
@@ -127,8 +148,7 @@ def error_text(message: str) -> Safe:
     return html('<p class="error">{}</p>', mask_url(message))
 
 
-def health_badge(status: dict[str, Any]) -> Safe:
-    found = problems(status)
+def health_badge(found: list[str]) -> Safe:
     if found:
         return html('<span class="badge unhealthy" title="{}">unhealthy</span>', "; ".join(found))
     return html('<span class="badge healthy">healthy</span>')
@@ -154,27 +174,26 @@ OVERVIEW_HEADERS = (
 )
 
 
-def overview(
-    entries: Sequence[tuple[str, dict[str, Any] | None, Rates | None, str | None]],
-    refresh: int | None,
-) -> Safe:
-    """One line per service: lag, backlog, rates, dead letters; or why it could not be read."""
+def overview(entries: Sequence[Shown], charts: Safe, refresh: int | None) -> Safe:
+    """One line per service: lag, backlog, rates, dead letters; or why it could not be read.
+    Then the charts."""
     rows = []
-    for name, status, rates, error in entries:
+    for entry in entries:
+        name, status, rates = entry.name, entry.status, entry.rates
         name_cell = html('<a href="{}">{}</a>', link("/service", name=name), name)
         if status is None:
             rows.append(
                 html(
                     '<tr><td>{}</td><td colspan="12">{}</td></tr>',
                     name_cell,
-                    error_text(error or ""),
+                    error_text(entry.error or ""),
                 )
             )
             continue
         outbox, inbox = status["outbox"], status["inbox"]
         queue = ((status.get("broker") or {}).get("queues") or {}).get(f"{name}.inbox")
         cells: list[Any] = [
-            health_badge(status),
+            health_badge(entry.problems),
             outbox["unpublished"],
             age(outbox["oldest_age_seconds"]),
             inbox["pending"],
@@ -206,10 +225,11 @@ def overview(
         "<h1>Services</h1><table id=services><thead><tr>{}</tr></thead><tbody>{}</tbody></table>"
         '<p class="note">Lag: age of the oldest unpublished outbox row and of the oldest pending '
         "inbox row (database clock). Rates: change per second since the oldest snapshot of the "
-        "last five minutes (one is taken each time a page shows the service{}).</p>",
+        "last five minutes (one is taken each time a page shows the service{}).</p>{}",
         head,
         join(rows),
         f"; this page reloads every {refresh}s" if refresh else "",
+        charts,
     )
     return page("Services", body, refresh=refresh)
 
@@ -217,7 +237,11 @@ def overview(
 # --- one service -----------------------------------------------------------------------------
 
 
-def service_status(name: str, status: dict[str, Any], rates: Rates | None) -> Safe:
+def service_status(entry: Shown, charts: Safe) -> Safe:
+    """A service's status, the problems that make it unhealthy, and its charts."""
+    name, status, rates, found = entry.name, entry.status, entry.rates, entry.problems
+    if status is None:
+        return html("<h1>{}</h1>{}", name, error_text(entry.error or ""))
     outbox, inbox = status["outbox"], status["inbox"]
     summary = html(
         "<h1>{} {}</h1>"
@@ -229,7 +253,7 @@ def service_status(name: str, status: dict[str, Any], rates: Rates | None) -> Sa
         "<dt>database time</dt><dd>{} (schema {})</dd>"
         "</dl>",
         name,
-        health_badge(status),
+        health_badge(found),
         outbox["unpublished"],
         outbox["retrying"],
         outbox.get("dead", 0),
@@ -247,9 +271,9 @@ def service_status(name: str, status: dict[str, Any], rates: Rates | None) -> Sa
         status["schema"],
     )
     parts = [summary]
-    found = problems(status)
     if found:
         parts.append(join(error_text(p) for p in found))
+    parts.append(charts)
     if inbox["by_type"]:
         parts.append(html("<h2>Inbox by type</h2>"))
         parts.append(

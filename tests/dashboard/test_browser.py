@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from dash_support import INVOICE, RunningDashboard, set_failing, wait_dead
 
 from helpers import rows, scalar, wait_until
 from outbox_inbox import Service
+from outbox_inbox.dashboard.charts import COLORS
 from report_check import decode_png, near, rgb
 
 REPLAY_BLUE = "#0969da"
@@ -22,6 +24,7 @@ PURGE_RED = "#cf222e"
 HEALTHY_GREEN = "#1a7f37"
 HOSTILE = '<script>document.title="owned"</script><img src=x onerror="document.title=1">'
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+SPACING = 5.0  # RateTracker keeps at most one snapshot per 5 s
 
 
 def _status_json(dash_env: dict[str, str], tmp_path: Path) -> dict[str, Any]:
@@ -140,3 +143,37 @@ def test_operator_replays_a_dead_letter_in_chromium_and_the_worker_handles_it(
     assert line["service"] == "billing" and line["source"] == "table"
     assert line["message_ids"] == [dead] and line["count"] == 1
     assert line["client"] == "local@127.0.0.1"
+
+
+def test_the_overview_draws_the_last_hour_in_chromium(
+    billing: Service,
+    start_dashboard: Callable[..., RunningDashboard],
+    browser: Browser,
+    tmp_path: Path,
+) -> None:
+    with billing.session() as session, session.begin():  # no relay runs: a backlog of 3
+        for n in range(3):
+            billing.outbox.send(session, "billing", "invoice.create", {"n": n})
+    dashboard = start_dashboard()
+    browser.navigate(dashboard.url)
+    time.sleep(SPACING + 0.5)  # the next snapshot is kept: a line of two points
+    browser.navigate(dashboard.url)
+
+    charts = browser.evaluate(
+        "[...document.querySelectorAll('#charts svg.chart')].map(s => "
+        "[s.id, s.getBoundingClientRect().width, s.querySelectorAll('polyline').length])"
+    )
+    assert [c[0] for c in charts] == [
+        "chart-backlog",
+        "chart-lag",
+        "chart-handled",
+        "chart-dead",
+    ]
+    assert all(width > 300 for _, width, _ in charts), charts
+    assert all(lines == 1 for _, _, lines in charts), charts
+    points = browser.evaluate(
+        "document.querySelector('#chart-backlog polyline.series-billing').getAttribute('points')"
+    )
+    assert len(points.split()) == 2
+    shot = browser.screenshot(tmp_path / "charts.png")
+    assert _color_in_box(browser, shot, "#chart-backlog circle.latest", COLORS[0]) > 20

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import socket
 import subprocess
 import urllib.parse
 import uuid
@@ -195,3 +196,23 @@ def test_bad_input_gets_a_clear_page_and_a_4xx(
         assert (reply.status, text in reply.body) == (status, True), (path, reply.body[-500:])
     dashboard.process.terminate()
     assert dashboard.process.wait(timeout=15) == 0
+
+
+def test_a_port_in_use_is_named_with_its_host_in_the_error(
+    billing: Service, dash_env: dict[str, str], tmp_path: Path
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            command("dashboard", "--app", "cli_app:billing", "--port", str(port)),
+            cwd=tmp_path,
+            env=base_env(dash_env),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert done.returncode == 1, done
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in done.stderr
