@@ -2,31 +2,45 @@
 
 The page marks its blocks with an HTML comment on the line(s) before the fence:
 
-- ```` ```bash ```` — each line is a shell command, run in the working directory; it must exit 0.
+- ```` ```bash ```` — a shell script, run in the working directory as the reader pastes it
+  into one shell (``bash -euo pipefail``: an unset variable or a failing command stops it); it
+  must exit 0.
 - ```` ```console ```` — ``$ command`` lines, each followed by the output it prints on stdout;
   the command must exit 0 and its output must match (see :func:`normalize` and
   :func:`matches`).
 - ``<!-- file: PATH -->`` before a block: the block is written to ``PATH`` in the directory.
-- ``<!-- background -->`` before a ``bash`` block: each line is started as a long-running
-  process (a reader's second terminal), stopped with SIGTERM at the end.
-- ``<!-- eventually -->`` before a ``console`` block: run again until the outputs match, up to
-  a timeout (the page says "within a moment").
+- ``<!-- background -->`` before a ``bash`` block: each command (a trailing ``\\`` continues
+  it) is started as a long-running process (a reader's second terminal), stopped with SIGTERM
+  at the end.
+- ``<!-- eventually -->`` before a ``console`` block: run again until the commands succeed and
+  their outputs match, up to a timeout (the page says "within a moment").
 - ``<!-- environment -->`` before a ``bash`` block of ``export NAME=value`` lines: the reader
   puts their servers there; the runner checks the names and gives its own values.
-- ``<!-- not run: REASON -->``: skipped, with the reason written on the page.
+- ``<!-- run by: PATH -->``: another test, the file PATH of the repository, runs the block
+  (with names of its own, or while talking to what it starts); that file names the page.
+- ``<!-- fragment -->``: a deliberate excerpt that is no complete program (a handler's
+  signature, a line of your own alembic ``env.py``, an installation command): not run, but it
+  must parse (``ast`` for Python, ``bash -n`` for shell), and its first line is a comment
+  ``# fragment: ...`` so that the reader sees it too.
 
-A ``python``, ``bash``, ``sh`` or ``console`` block with none of these is an error: nothing on
-the page escapes the run by accident. Blocks of other languages (or none) are not code to run.
+A ``python`` block with no marker is run: the Python blocks that follow one another, with no
+shell block between them, are one program run in the working directory (one interpreter, one
+namespace), which must exit 0. A ``python``, ``bash``, ``sh`` or ``console`` block is always run,
+written, checked or a fragment: nothing on the page escapes the run by accident (there is no
+"not run"). Blocks of other languages (or none) are not code to run.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shlex
 import signal
 import subprocess
+import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -148,6 +162,9 @@ class PageRun:
     background: list[tuple[str, subprocess.Popen[bytes], Path]] = field(default_factory=list)
     log: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
+    #: How each code block was taken: run, written, environment, elsewhere or fragment.
+    counts: Counter[str] = field(default_factory=Counter)
+    _program: list[Block] = field(default_factory=list)
 
     def note(self, what: str) -> None:
         self.log.append(f"{time.monotonic() - self.started:6.1f}s {what}")
@@ -156,40 +173,78 @@ class PageRun:
         blocks = parse_blocks(self.page.read_text(encoding="utf-8"))
         for block in blocks:
             self.run_block(block)
+        self.run_program()
 
     def where(self, block: Block) -> str:
         return f"{self.page.name} line {block.line}"
 
     def run_block(self, block: Block) -> None:
         if block.marker("not run") is not None:
-            if not block.marker("not run"):
-                raise AssertionError(f"{self.where(block)}: <!-- not run: --> needs a reason")
-            self.note(f"skipped {self.where(block)}: {block.marker('not run')}")
+            raise AssertionError(
+                f"{self.where(block)}: <!-- not run --> is gone: run the block, or mark a "
+                "deliberate excerpt <!-- fragment -->"
+            )
+        if block.lang not in RUNNABLE and block.marker("file") is None:
+            return
+        if block.marker("fragment") is not None:
+            check_fragment(block, self.where(block))
+            self.counts["fragment"] += 1
+            self.note(f"fragment {self.where(block)}")
+            return
+        runner = block.marker("run by")
+        if runner is not None:
+            check_runner(runner, self.page, self.where(block))
+            self.counts["elsewhere"] += 1
+            self.note(f"{self.where(block)} is run by {runner}")
             return
         path = block.marker("file")
         if path is not None:
             target = self.workdir / path
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(block.text, encoding="utf-8")
+            self.counts["written"] += 1
             self.note(f"wrote {path}")
             return
-        if block.lang not in RUNNABLE:
+        if block.lang == "python":
+            self._program.append(block)
+            self.counts["run"] += 1
             return
+        self.run_program()
         if block.marker("environment") is not None:
             self.check_environment(block)
-        elif block.lang == "python":
-            raise AssertionError(
-                f"{self.where(block)}: a python block needs <!-- file: PATH --> or "
-                "<!-- not run: REASON -->"
-            )
-        elif block.marker("background") is not None:
+            self.counts["environment"] += 1
+            return
+        self.counts["run"] += 1
+        if block.marker("background") is not None:
             for line in _command_lines(block):
                 self.start_background(line)
         elif block.lang == "console":
             self.run_console(block)
         else:
-            for line in _command_lines(block):
-                self.run(line, block)
+            self.run(block.text, block, "-euo")
+
+    def run_program(self) -> None:
+        """Run the Python blocks read since the last shell block as one program."""
+        blocks, self._program = self._program, []
+        if not blocks:
+            return
+        program = "".join(f"# {self.where(b)}\n{b.text}" for b in blocks)
+        self.note(f"python {', '.join(self.where(b) for b in blocks)}")
+        result = subprocess.run(
+            [sys.executable, "-c", program],
+            cwd=self.workdir,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=self.timeout * 2,
+        )
+        if result.returncode != 0:
+            raise CommandFailed(
+                f"{self.where(blocks[0])}: its Python ({len(blocks)} block(s)) exited "
+                f"{result.returncode}\nstdout:\n{result.stdout[-3000:]}\n"
+                f"stderr:\n{result.stderr[-3000:]}"
+            )
 
     def check_environment(self, block: Block) -> None:
         names: set[str] = set()
@@ -206,10 +261,11 @@ class PageRun:
                 f"{sorted(self.environment_names)}"
             )
 
-    def run(self, command: str, block: Block) -> str:
-        self.note(f"$ {command}")
+    def run(self, command: str, block: Block, options: str = "-o") -> str:
+        """Run `command` with ``bash OPTIONS pipefail``; its stdout. Raises CommandFailed."""
+        self.note(f"$ {command.strip()}")
         result = subprocess.run(
-            ["bash", "-o", "pipefail", "-c", command],
+            ["bash", options, "pipefail", "-c", command],
             cwd=self.workdir,
             env=self.env,
             stdin=subprocess.DEVNULL,
@@ -230,7 +286,13 @@ class PageRun:
         while True:
             mismatch = None
             for command in commands:
-                actual = self.run(command.command, block)
+                try:
+                    actual = self.run(command.command, block)
+                except CommandFailed as failed:
+                    if block.marker("eventually") is None or time.monotonic() > deadline:
+                        raise
+                    mismatch = str(failed)
+                    break
                 if not matches(command.expected, actual):
                     mismatch = (
                         f"{self.where(block)}: `{command.command}` printed\n{actual}\n"
@@ -279,8 +341,46 @@ class PageRun:
         )
 
 
+REPOSITORY = Path(__file__).resolve().parents[2]
+
+
+def check_runner(runner: str, page: Path, where: str) -> None:
+    """The test file `runner` exists and names `page`."""
+    path = REPOSITORY / runner
+    if not path.is_file() or page.name not in path.read_text(encoding="utf-8"):
+        raise AssertionError(f"{where}: <!-- run by: {runner} -->: no such test naming {page.name}")
+
+
+def check_fragment(block: Block, where: str) -> None:
+    """A fragment parses, and says on its first line that it is one."""
+    if not block.text.startswith("# fragment: "):
+        raise AssertionError(f"{where}: a fragment's first line is '# fragment: what it is'")
+    if block.lang == "python":
+        try:
+            ast.parse(block.text)
+        except SyntaxError as exc:
+            raise AssertionError(f"{where}: not valid Python: {exc}") from None
+        return
+    if block.lang == "console":
+        raise AssertionError(f"{where}: a console block shows what runs; not a fragment")
+    checked = subprocess.run(["bash", "-n"], input=block.text, capture_output=True, text=True)
+    if checked.returncode != 0:
+        raise AssertionError(f"{where}: not valid shell: {checked.stderr}")
+
+
 def _command_lines(block: Block) -> list[str]:
-    return [line for line in block.text.splitlines() if line.strip()]
+    """The block's commands: a line ending in a backslash continues on the next; blank and
+    comment lines are none."""
+    commands: list[str] = []
+    pending = ""
+    for line in block.text.splitlines():
+        if line.endswith("\\"):
+            pending += line[:-1]
+            continue
+        command, pending = pending + line, ""
+        if command.strip() and not command.lstrip().startswith("#"):
+            commands.append(command)
+    return commands
 
 
 def base_env(bin_dir: Path) -> dict[str, str]:
