@@ -202,6 +202,16 @@ class RabbitMQAdmin:
         _close_channel(channel)
         return int(result.method.message_count)
 
+    def delete_queue(self, name: str) -> int:
+        """Delete queue `name` and its messages; return how many it held (0 if missing)."""
+        channel = self._channel()
+        try:
+            result = channel.queue_delete(name)
+        except CONNECTION_ERRORS as exc:
+            raise _broker_error(f"deleting queue {name!r}", exc) from exc
+        _close_channel(channel)
+        return int(result.method.message_count)
+
     # --- reading and moving messages ------------------------------------------------------
 
     def reader(self, queue: str) -> QueueReader:

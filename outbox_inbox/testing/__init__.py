@@ -26,7 +26,8 @@ With pytest, the package registers these fixtures (entry point ``pytest11``; dis
 The switch to real servers: with ``OUTBOX_INBOX_HARNESS_DB_URL`` (a PostgreSQL URL whose user
 may create databases) and ``OUTBOX_INBOX_HARNESS_MQ_URL`` (RabbitMQ) set, the same tests run
 on a fresh PostgreSQL database per harness and on RabbitMQ; each harness empties its service's
-queues when it is built, so tests sharing a virtual host do not see each other's messages.
+queues when it is built, so tests sharing a virtual host do not see each other's messages, and
+deletes them when it is closed (after the test), so that nothing is left on the broker.
 The broker contract of `outbox_inbox.testing.broker_contract` tests a broker itself.
 
 Everything here is for tests: a harness is not thread-safe (use it from one thread), and the
@@ -153,7 +154,8 @@ class ServiceHarness:
     in-memory broker (``mq_url=None``), which would carry messages from one test to the next.
 
     Not thread-safe; the service must not be started. `close()` (or leaving the ``with``
-    block) stops consuming; the service and the broker stay open, they belong to the caller.
+    block) stops consuming, and on a real broker deletes the service's queues; the service and
+    the broker stay open, they belong to the caller.
     """
 
     def __init__(self, service: Service, *, migrate: bool = True) -> None:
@@ -177,12 +179,14 @@ class ServiceHarness:
         self._worker = service.worker(name=f"harness-{service.name}-{uuid.uuid4().hex[:6]}")
         self._consumer: Consumer | None = None
         self._delay_queues = [delay_queue(service.name, t) for t in service.settings.delay_tiers]
+        self._closed = False
         if self.real:
             self._purge_queues()
 
-    def _purge_queues(self) -> None:
-        """Empty the service's queues on a real broker: a test starts from nothing, whatever
-        an earlier test on the same virtual host left behind."""
+    def _purge_queues(self, *, delete: bool = False) -> None:
+        """Empty the service's queues on a real broker (or `delete` them): a test starts from
+        nothing, whatever an earlier test on the same virtual host left behind, and leaves
+        nothing behind."""
         from ..brokers.rabbitmq import RabbitMQBroker
         from ..brokers.rabbitmq_admin import RabbitMQAdmin
 
@@ -191,7 +195,10 @@ class ServiceHarness:
         name = self.service.name
         with RabbitMQAdmin(self.broker) as admin:
             for queue in (inbox_queue(name), dead_letter_queue(name), *self._delay_queues):
-                admin.purge_queue(queue)
+                if delete:
+                    admin.delete_queue(queue)
+                else:
+                    admin.purge_queue(queue)
 
     def __repr__(self) -> str:
         return f"<ServiceHarness {self.service.name} on {self.broker.description}>"
@@ -208,10 +215,16 @@ class ServiceHarness:
         self.close()
 
     def close(self) -> None:
-        """Stop consuming the inbox queue (unacknowledged deliveries go back). Idempotent."""
+        """Stop consuming the inbox queue. On a real broker, delete the queues the harness
+        declared for the service (inbox, dead letters, delay tiers, with what is left in
+        them), so that a test leaves nothing on the broker; the exchanges, shared by every
+        service, stay. Idempotent."""
         if self._consumer is not None:
             self._consumer.close()
             self._consumer = None
+        if self.real and not self._closed:
+            self._closed = True
+            self._purge_queues(delete=True)
 
     # --- input ----------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pika
 import pytest
 
 pytest_plugins = ["pytester"]
@@ -69,3 +70,12 @@ def test_with_the_switch_the_same_test_runs_on_postgresql_and_rabbitmq(
             "SELECT count(*) FROM pg_database WHERE datname LIKE 'oi_test_%'"
         ).fetchone()[0]
     assert left == 0
+    # Nor anything on the broker: the harness deleted the queues it declared for billing.
+    connection = pika.BlockingConnection(pika.URLParameters(mq_url))
+    try:
+        for queue in ("billing.inbox", "billing.dead_letter", "billing.delay.1s"):
+            channel = connection.channel()
+            with pytest.raises(pika.exceptions.ChannelClosedByBroker, match="NOT_FOUND"):
+                channel.queue_declare(queue, passive=True)
+    finally:
+        connection.close()
