@@ -68,8 +68,10 @@ def status(
                and unroutable (when a broker URL is known; --no-broker skips them)
 
     \b
-    As a health check: exit 4 when --max-lag or --max-dead is exceeded, or the broker
-    cannot be asked; exit 1 when the database cannot be read; else 0.
+    As a health check: exit 4 when --max-lag or --max-dead is exceeded, the inbox is
+    stalled (rows claimable for longer than --max-lag, else 60 s, with none in progress
+    and none handled: no worker claims), or the broker cannot be asked; exit 1 when the
+    database cannot be read; else 0.
     """
     target = resolve(app=app, service=service, schema=schema, db_url=db_url, mq_url=mq_url)
     try:
