@@ -1,6 +1,10 @@
 """A service whose handler kills its own process on a poison message (run by test_poison.py).
 
-python poison_app.py worker|receiver DB_URL MQ_URL
+python poison_app.py worker|receiver|receiver-dying-in-decode DB_URL MQ_URL
+
+``receiver-dying-in-decode`` is the receiver with a fault injected into its decoding step: the
+decoding of a delivery whose body holds ``die_in_decode`` SIGKILLs the process, as a decoder
+that crashes the interpreter or runs out of memory would.
 """
 
 from __future__ import annotations
@@ -50,10 +54,26 @@ def _die_with_parent() -> None:
             os._exit(1)
 
 
+def _die_in_decode() -> None:
+    from outbox_inbox import receiver
+
+    decode = receiver.from_wire
+
+    def dying(message: Any, **options: Any) -> Any:
+        if b"die_in_decode" in message.body:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return decode(message, **options)
+
+    receiver.from_wire = dying  # type: ignore[assignment]
+
+
 def main() -> None:
     _die_with_parent()
     role, db_url, mq_url = sys.argv[1:4]
     service = build(db_url, mq_url)
+    if role == "receiver-dying-in-decode":
+        _die_in_decode()
+        role = "receiver"
     if role == "worker":
         service.run_worker()
     else:

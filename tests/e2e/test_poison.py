@@ -1,4 +1,5 @@
-"""Poison messages: one that kills the worker, one that hangs the receiver (real processes)."""
+"""Poison messages: one that kills the worker, one that hangs the receiver, one whose decoding
+kills the receiver (real processes)."""
 
 from __future__ import annotations
 
@@ -196,4 +197,50 @@ def test_message_that_hangs_the_receiver_is_dead_lettered_after_max_redeliveries
         connection.close()
     assert method is not None
     assert props.message_id == hang_id
+    assert props.headers["x-dead-reason"].startswith("redelivered: redelivered 3 times")
+
+
+def test_message_whose_decoding_kills_the_receiver_is_dead_lettered_after_max_redeliveries(
+    db_url: str, mq_url: str
+) -> None:
+    make_service("billing", db_url, mq_url).declare_topology()
+    # The poison comes first in a batch with innocent messages: the first death takes their
+    # deliveries with it, and they come back flagged redelivered too.
+    poison_id, *innocent = _publish(
+        mq_url, [{"die_in_decode": True}] + [{"n": n} for n in range(5)]
+    )
+    deaths = []
+    receiver = None
+    try:
+        for _ in range(3):  # the first delivery, then two counted redeliveries: all die
+            receiver = _start("receiver-dying-in-decode", db_url, mq_url)
+            deaths.append(receiver.wait(60))
+        receiver = _start("receiver-dying-in-decode", db_url, mq_url)
+        wait_until(
+            lambda: scalar(db_url, "SELECT count(*) FROM outbox_inbox.inbox_messages") == 5,
+            timeout=30,
+            what="the innocent messages stored",
+        )
+        assert receiver.poll() is None, "the fourth receiver died too"
+    finally:
+        if receiver is not None:
+            _stop(receiver)
+    assert deaths == [-signal.SIGKILL] * 3
+    stored = rows(db_url, "SELECT message_id::text FROM outbox_inbox.inbox_messages")
+    assert sorted(r[0] for r in stored) == sorted(innocent)
+    # Counted before each decoding, so the count survived each death: 3 > max_redeliveries.
+    assert (
+        scalar(
+            db_url,
+            "SELECT deliveries FROM outbox_inbox.inbox_deliveries WHERE message_id = :m",
+            m=poison_id,
+        )
+        == 3
+    )
+    connection = pika.BlockingConnection(pika.URLParameters(mq_url))
+    try:
+        method, props, _ = connection.channel().basic_get("billing.dead_letter", auto_ack=True)
+    finally:
+        connection.close()
+    assert method is not None and props.message_id == poison_id
     assert props.headers["x-dead-reason"].startswith("redelivered: redelivered 3 times")
