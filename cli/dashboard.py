@@ -50,7 +50,7 @@ def _on_sigterm(_signum: int, _frame: FrameType | None) -> None:
     raise _Stop
 
 
-@click.command(short_help="Serve the web dashboard: status, rates, dead letters.")
+@click.command()
 @click.option(
     "--app",
     "apps",

@@ -65,7 +65,7 @@ def _service_name(target: Target, engine: Engine, tables: Tables) -> str:
     return str(services[0])
 
 
-@click.command(short_help="Move finished messages older than the retention into Parquet.")
+@click.command()
 @_target_options
 @click.option(
     "--to",
@@ -187,7 +187,7 @@ def _print_result(name: str, root: Path, result: ArchiveResult, as_json: bool) -
 # --- audit --------------------------------------------------------------------------------
 
 
-@click.command(short_help="Reconcile sent and received messages on Spark; write a report.")
+@click.command()
 @click.argument("archives", nargs=-1, metavar="ARCHIVE...")
 @click.option(
     "--db-url",

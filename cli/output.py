@@ -113,3 +113,31 @@ class MaskingFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         return mask(super().format(record))
+
+
+#: Where a command keeps its -v count (`click.Context.meta` is shared by nested contexts).
+VERBOSE = "outbox_inbox.verbose"
+
+
+def configure_logging(verbose: int) -> None:
+    """Log to stderr, masked: WARNING and up, INFO with -v, DEBUG with -vv."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(MaskingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING - 10 * min(verbose, 2))
+    # pika logs every failed connection attempt at ERROR; the command reports it in one line.
+    logging.getLogger("pika").setLevel(logging.DEBUG if verbose >= 2 else logging.CRITICAL)
+
+
+def verbosity(ctx: click.Context | None = None) -> int:
+    """How many -v the command was given, before or after its name (0 outside a command)."""
+    ctx = ctx or click.get_current_context(silent=True)
+    return int(ctx.meta.get(VERBOSE, 0)) if ctx is not None else 0
+
+
+def more_verbose(ctx: click.Context, _param: click.Parameter, count: int) -> None:
+    """Callback of the -v a subcommand takes: adds to the count and logs accordingly."""
+    if count:
+        ctx.meta[VERBOSE] = verbosity(ctx) + count
+        configure_logging(ctx.meta[VERBOSE])

@@ -16,7 +16,7 @@ from .output import EXIT_UNHEALTHY, echo, echo_json, format_age, one_line, rende
 from .target import json_option, parse_duration, resolve, target_options
 
 
-@click.command(short_help="Backlog, inbox states and held-back keys; a health check.")
+@click.command()
 @target_options
 @click.option(
     "--max-lag",

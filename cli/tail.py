@@ -37,7 +37,7 @@ def _payload(body: bytes) -> Any:
         return body.decode("utf-8", "replace")
 
 
-@click.command(short_help="Print messages matching a topic pattern, live.")
+@click.command()
 @click.argument("patterns", metavar="PATTERN...", nargs=-1, required=True)
 @click.option(
     "--exchange",

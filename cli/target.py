@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import re
 import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -30,19 +31,40 @@ from outbox_inbox.sqlite import create_sqlite_engine, is_sqlite
 from outbox_inbox.tables import Tables, build_tables
 from outbox_inbox.topology import Topology
 
-from .output import EXIT_ERROR, echo, remember_secret
+from .output import EXIT_ERROR, echo, remember_secret, verbosity
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def fail(message: str) -> NoReturn:
-    """Print ``error: <message>`` (masked) on stderr and exit 1."""
+def fail(message: str, cause: BaseException | None = None) -> NoReturn:
+    """Print ``error: <message>`` (masked) on stderr and exit 1; with -v, the traceback of
+    `cause` first (where it was raised: the file and line of an app's own code)."""
+    if cause is not None and verbosity():
+        echo("".join(traceback.format_exception(cause)).rstrip(), err=True)
     echo(f"error: {message}", err=True)
     sys.exit(EXIT_ERROR)
 
 
+def _raised_at(exc: BaseException) -> str:
+    """`` (at FILE:LINE)``: the innermost frame of `exc` in the app's own code (not here, not
+    in the import machinery); empty when there is none."""
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if f.filename != __file__ and "importlib" not in f.filename
+    ]
+    if isinstance(exc, SyntaxError) or not frames:  # a SyntaxError names its file and line
+        return ""
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})"
+
+
+def _a(value: object) -> str:
+    return "None" if value is None else f"a {type(value).__name__}"
+
+
 def load_app(spec: str) -> Service:
-    """Import ``module:attribute`` and return the Service it names (or a callable's result)."""
+    """Import ``module:attribute`` and return the Service it names, or that a function it
+    names returns when called without arguments (called once)."""
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
         fail(f"--app must be module:attribute, got {spec!r}")
@@ -50,27 +72,33 @@ def load_app(spec: str) -> Service:
         sys.path.insert(0, ".")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        fail(f"--app {spec}: cannot import {module_name!r}: {exc}")
     except Exception as exc:  # the service's own module failed: say so in one line
-        fail(f"--app {spec}: importing {module_name!r} raised {type(exc).__name__}: {exc}")
-    app = getattr(module, attribute, None)
-    if app is None:
+        what = f"importing {module_name!r} raised {type(exc).__name__}"
+        if isinstance(exc, ImportError):
+            what = f"cannot import {module_name!r}"
+        fail(f"--app {spec}: {what}: {exc}{_raised_at(exc)}", exc)
+    if not hasattr(module, attribute):
         fail(f"--app {spec}: module {module_name!r} has no attribute {attribute!r}")
-    if callable(app) and not isinstance(app, Service):
-        try:
-            app = app()
-        except Exception as exc:  # a factory of the service's own: report, do not trace
-            fail(f"--app {spec}: calling {attribute}() raised {type(exc).__name__}: {exc}")
-    if not isinstance(app, Service):
-        fail(f"--app {spec} is a {type(app).__name__}, not an outbox_inbox.Service")
-    return app
+    app = getattr(module, attribute)
+    if isinstance(app, Service):
+        return app
+    if not callable(app):
+        fail(
+            f"--app {spec} is {_a(app)}, not an outbox_inbox.Service (nor a function returning one)"
+        )
+    try:
+        made = app()
+    except Exception as exc:  # a factory of the service's own: report, do not trace
+        fail(f"--app {spec}: calling {attribute}() raised {type(exc).__name__}: {exc}", exc)
+    if not isinstance(made, Service):
+        fail(f"--app {spec}: {attribute}() returned {_a(made)}; expected an outbox_inbox.Service")
+    return made
 
 
 def checked_db_url(url: str) -> str:
     """`url` if SQLAlchemy can use it; ConfigurationError otherwise (never echoing a password)."""
     remember_secret(url)
-    validate_db_url(url)
+    url = validate_db_url(url)
     try:
         create_engine(url).dispose()  # loads the dialect and driver, connects to nothing
     # The parser's own error quotes the URL or its parts: reported masked, and not chained

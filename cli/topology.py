@@ -42,7 +42,7 @@ management_url_option = click.option(
 )
 
 
-@click.group(short_help="Plan, apply and verify the broker objects a service needs.")
+@click.group()
 def topology() -> None:
     """Plan, apply and verify the exchanges, queues and bindings a service needs.
 

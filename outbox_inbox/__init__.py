@@ -2,31 +2,35 @@
 
 from __future__ import annotations
 
-from .brokers.memory import MemoryBroker
-from .errors import (
-    BrokerAccessRefused,
-    BrokerConnectionError,
-    BrokerError,
-    ConfigurationError,
-    DatabaseUnavailable,
-    HandlerExited,
-    InvalidMessage,
-    InvalidPayload,
-    MessageError,
-    OutboxInboxError,
-    PayloadTooLarge,
-    Reject,
-    Retry,
-    SchemaMissing,
-    StorageError,
-    TopologyMismatch,
-    TopologyMissing,
-)
-from .handlers import AsyncBatchContext, AsyncHandlerContext, BatchContext, HandlerContext
-from .listener import Listener, Listeners
-from .messages import Message
-from .retry import RetryPolicy
-from .service import Service
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .brokers.memory import MemoryBroker
+    from .errors import (
+        BrokerAccessRefused,
+        BrokerConnectionError,
+        BrokerError,
+        ConfigurationError,
+        DatabaseUnavailable,
+        HandlerExited,
+        InvalidMessage,
+        InvalidPayload,
+        MessageError,
+        OutboxInboxError,
+        PayloadTooLarge,
+        Reject,
+        Retry,
+        SchemaMissing,
+        StorageError,
+        TopologyMismatch,
+        TopologyMissing,
+    )
+    from .handlers import AsyncBatchContext, AsyncHandlerContext, BatchContext, HandlerContext
+    from .listener import Listener, Listeners
+    from .messages import Message
+    from .retry import RetryPolicy
+    from .service import Service
 
 __version__ = "0.1.0"
 
@@ -60,3 +64,59 @@ __all__ = [
     "TopologyMissing",
     "__version__",
 ]
+
+#: The module of each public name. A name is imported when first used, so that a module of the
+#: package imported on its own (the `outbox-inbox` command, for its --version and --help) does
+#: not import SQLAlchemy, psycopg and pika with the whole API.
+_HOMES = {
+    name: module
+    for module, names in {
+        ".brokers.memory": ("MemoryBroker",),
+        ".errors": (
+            "BrokerAccessRefused",
+            "BrokerConnectionError",
+            "BrokerError",
+            "ConfigurationError",
+            "DatabaseUnavailable",
+            "HandlerExited",
+            "InvalidMessage",
+            "InvalidPayload",
+            "MessageError",
+            "OutboxInboxError",
+            "PayloadTooLarge",
+            "Reject",
+            "Retry",
+            "SchemaMissing",
+            "StorageError",
+            "TopologyMismatch",
+            "TopologyMissing",
+        ),
+        ".handlers": (
+            "AsyncBatchContext",
+            "AsyncHandlerContext",
+            "BatchContext",
+            "HandlerContext",
+        ),
+        ".listener": (
+            "Listener",
+            "Listeners",
+        ),
+        ".messages": ("Message",),
+        ".retry": ("RetryPolicy",),
+        ".service": ("Service",),
+    }.items()
+    for name in names
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _HOMES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -181,6 +181,89 @@ def test_verbose_shows_the_traceback_still_masked(tmp_path: Path) -> None:
     assert SECRET not in err
 
 
+def test_version_and_help_import_neither_sqlalchemy_nor_pika_nor_psycopg(tmp_path: Path) -> None:
+    """`--version` and `--help` load no command: the database and broker drivers (most of a
+    second of imports) stay out. `-X importtime` lists every module the process imported."""
+    for argv in (["--version"], ["--help"]):
+        done = subprocess.run(
+            [sys.executable, "-X", "importtime", *command(*argv)[1:]],
+            cwd=tmp_path,
+            env=base_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        assert "outbox-inbox" in done.stdout
+        imported = {
+            line.rsplit("|", 1)[1].strip()
+            for line in done.stderr.splitlines()
+            if line.startswith("import time:")
+        }
+        assert "click" in imported and "outbox_inbox.cli.output" in imported  # it did run
+        heavy = {m for m in imported if m.split(".")[0] in ("sqlalchemy", "pika", "psycopg")}
+        assert not heavy, f"{argv}: {sorted(heavy)[:10]}"
+
+
+def _app_modules(where: Path) -> None:
+    """A module that fails at import (line 4), and one whose function returns no Service and
+    counts its calls in calls.txt."""
+    (where / "broken_app.py").write_text('import os\n\nx = 1\nraise RuntimeError("boom")\n')
+    (where / "factory_app.py").write_text(
+        "from pathlib import Path\n\n\ndef make():\n"
+        "    with Path('calls.txt').open('a') as calls:\n"
+        "        calls.write('called\\n')\n"
+    )
+
+
+def test_an_app_that_fails_at_import_is_one_line_with_its_file_and_line_and_v_traces_it(
+    tmp_path: Path,
+) -> None:
+    _app_modules(tmp_path)
+    where = f"{tmp_path / 'broken_app.py'}:4"
+    plain, after, nested, before = _run_all(
+        [
+            ["status", "--app", "broken_app:service"],
+            ["status", "--app", "broken_app:service", "-v"],  # -v after the command
+            ["dead-letters", "list", "-vv", "--app", "broken_app:service"],
+            ["-v", "topology", "plan", "--app", "broken_app:service"],
+        ],
+        tmp_path,
+    )
+    code, out, err = plain
+    assert code == 1 and out == "", err
+    assert err.strip().splitlines() == [
+        f"error: --app broken_app:service: importing 'broken_app' raised RuntimeError: boom "
+        f"(at {where})"
+    ]
+    for code, _, err in (after, nested, before):
+        assert code == 1, err
+        assert "Traceback (most recent call last)" in err
+        assert f'File "{tmp_path / "broken_app.py"}", line 4' in err
+        assert err.strip().splitlines()[-1].startswith("error: --app broken_app:service")
+
+
+def test_an_app_function_that_returns_no_service_is_called_once_and_named(
+    tmp_path: Path,
+) -> None:
+    _app_modules(tmp_path)
+    ((code, out, err),) = _run_all([["status", "--app", "factory_app:make"]], tmp_path)
+    assert code == 1 and out == "", err
+    assert err.strip() == (
+        "error: --app factory_app:make: make() returned None; expected an outbox_inbox.Service"
+    )
+    assert (tmp_path / "calls.txt").read_text() == "called\n"
+
+
+def test_a_missing_vhost_is_named_in_one_line(cli: Cli, mq_url: str) -> None:
+    base = mq_url.rsplit("/", 1)[0]
+    result = cli("tail", "x.#", "--mq-url", f"{base}/no_such_vhost", "--count", "1")
+    assert result.returncode == 1, result
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: cannot connect to RabbitMQ at amqp://"), line
+    assert line.endswith(": vhost no_such_vhost does not exist (or user *** may not access it)")
+
+
 def test_db_upgrade_current_history_downgrade(cli: Cli, db_url: str) -> None:
     fresh = cli("db", "current", "--db-url", db_url)
     assert fresh.returncode == 0, fresh
