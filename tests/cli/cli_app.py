@@ -90,3 +90,13 @@ def billing() -> Service:
 
 def shipping() -> Service:
     return build("shipping", os.environ[DB_ENV], os.environ[MQ_ENV])
+
+
+def set_types(service: Service, table: str, *types: str) -> None:
+    """Make `table` (``failing``, ``flaky`` or ``exiting``) list exactly `types`."""
+    if table not in ("failing", "flaky", "exiting"):
+        raise ValueError(f"not a switch table: {table}")
+    with service.engine.begin() as conn:
+        conn.execute(text(f"DELETE FROM {table}"))
+        for t in types:
+            conn.execute(text(f"INSERT INTO {table} (type) VALUES (:t)"), {"t": t})

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+import cli_app
 import pika
 from cli_support import Cli
-from sqlalchemy import text
 
 from helpers import dead_rows_one_refused, inbox_message_ids, rows, scalar, wait_until
 from outbox_inbox import Reject, Service
@@ -25,10 +25,7 @@ LEDGER = "billing.ledger.append"
 
 
 def _set_failing(service: Service, *types: str) -> None:
-    with service.engine.begin() as conn:
-        conn.execute(text("DELETE FROM failing"))
-        for t in types:
-            conn.execute(text("INSERT INTO failing (type) VALUES (:t)"), {"t": t})
+    cli_app.set_types(service, "failing", *types)
 
 
 def _send(service: Service, command: str, payloads: list[dict[str, Any]]) -> None:

@@ -8,8 +8,8 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
+import cli_app
 import pytest
-from sqlalchemy import text
 
 from helpers import rows, wait_until
 from outbox_inbox import Service
@@ -19,10 +19,7 @@ LEDGER = "billing.ledger.append"
 
 
 def _set_exiting(service: Service, *types: str) -> None:
-    with service.engine.begin() as conn:
-        conn.execute(text("DELETE FROM exiting"))
-        for t in types:
-            conn.execute(text("INSERT INTO exiting (type) VALUES (:t)"), {"t": t})
+    cli_app.set_types(service, "exiting", *types)
 
 
 def _effects(db_url: str) -> set[str]:

@@ -148,6 +148,23 @@ def hanging_billing(db_url: str, mq_url: str) -> Service:
     return svc
 
 
+def _assert_dead_lettered_after_three_deliveries(db_url: str, mq_url: str, message_id: str) -> None:
+    """`message_id` was counted three times (max_redeliveries 2) and is billing's dead letter."""
+    deliveries = scalar(
+        db_url,
+        "SELECT deliveries FROM outbox_inbox.inbox_deliveries WHERE message_id = :m",
+        m=message_id,
+    )
+    assert deliveries == 3
+    connection = pika.BlockingConnection(pika.URLParameters(mq_url))
+    try:
+        method, props, _ = connection.channel().basic_get("billing.dead_letter", auto_ack=True)
+    finally:
+        connection.close()
+    assert method is not None and props.message_id == message_id
+    assert props.headers["x-dead-reason"].startswith("redelivered: redelivered 3 times")
+
+
 def test_message_that_hangs_the_receiver_is_dead_lettered_after_max_redeliveries(
     db_url: str, mq_url: str
 ) -> None:
@@ -182,22 +199,7 @@ def test_message_that_hangs_the_receiver_is_dead_lettered_after_max_redeliveries
             _stop(receiver)
     assert kills == 3
     assert rows(db_url, "SELECT message_id::text FROM outbox_inbox.inbox_messages") == [(good_id,)]
-    assert (
-        scalar(
-            db_url,
-            "SELECT deliveries FROM outbox_inbox.inbox_deliveries WHERE message_id = :m",
-            m=hang_id,
-        )
-        == 3
-    )
-    connection = pika.BlockingConnection(pika.URLParameters(mq_url))
-    try:
-        method, props, _ = connection.channel().basic_get("billing.dead_letter", auto_ack=True)
-    finally:
-        connection.close()
-    assert method is not None
-    assert props.message_id == hang_id
-    assert props.headers["x-dead-reason"].startswith("redelivered: redelivered 3 times")
+    _assert_dead_lettered_after_three_deliveries(db_url, mq_url, hang_id)
 
 
 def test_message_whose_decoding_kills_the_receiver_is_dead_lettered_after_max_redeliveries(
@@ -229,18 +231,4 @@ def test_message_whose_decoding_kills_the_receiver_is_dead_lettered_after_max_re
     stored = rows(db_url, "SELECT message_id::text FROM outbox_inbox.inbox_messages")
     assert sorted(r[0] for r in stored) == sorted(innocent)
     # Counted before each decoding, so the count survived each death: 3 > max_redeliveries.
-    assert (
-        scalar(
-            db_url,
-            "SELECT deliveries FROM outbox_inbox.inbox_deliveries WHERE message_id = :m",
-            m=poison_id,
-        )
-        == 3
-    )
-    connection = pika.BlockingConnection(pika.URLParameters(mq_url))
-    try:
-        method, props, _ = connection.channel().basic_get("billing.dead_letter", auto_ack=True)
-    finally:
-        connection.close()
-    assert method is not None and props.message_id == poison_id
-    assert props.headers["x-dead-reason"].startswith("redelivered: redelivered 3 times")
+    _assert_dead_lettered_after_three_deliveries(db_url, mq_url, poison_id)
