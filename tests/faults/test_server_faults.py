@@ -149,9 +149,7 @@ def test_every_service_database_session_terminated_five_times_recovers_within_15
     # restart for a session the server ended, whichever layer of the driver raised it.
     for process in flow.processes.started:
         text = process.log_path.read_text(errors="replace")
-        noisy = [
-            line for line in text.splitlines() if "Traceback" in line or "crashed" in line
-        ]
+        noisy = [line for line in text.splitlines() if "Traceback" in line or "crashed" in line]
         if noisy:
             result.problems.append(f"{process.name} logged {noisy[:3]}:\n{process.log_tail()}")
     _conclude(result, record_recovery)

@@ -16,4 +16,3 @@ def test_ports_are_below_the_ephemeral_range_distinct_and_free() -> None:
     for port in ports[:5]:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind((LOCALHOST, port))  # free now
-
