@@ -482,8 +482,23 @@ class Worker:
         batch.marked = []  # told to the listener once the transaction committed
         for row, reason, error, finished in batch.dead:
             if row["id"] in mine:
-                queries.mark_dead(conn, self._tables, row["id"], reason, error, finished=finished)
+                self._mark_dead(conn, row, reason, error, finished=finished)
                 batch.marked.append(reason)
+
+    def _mark_dead(
+        self,
+        conn: Connection,
+        row: RowMapping,
+        reason: str,
+        error: str | None,
+        *,
+        finished: bool,
+        cause: BaseException | None = None,
+    ) -> None:
+        """Mark `row` dead, in the caller's transaction: the one way every dead end of the
+        worker goes (abandoned, expired, no handler, rejected, invalid payload, attempts
+        exhausted). `cause`: the handler's exception, when one ended it."""
+        queries.mark_dead(conn, self._tables, row["id"], reason, error, finished=finished)
 
     def _run_handlers(
         self,
@@ -552,7 +567,7 @@ class Worker:
         if isinstance(exc, Reject):
             reason = exc.dead_reason or REJECTED
             log.warning("worker: %s %s: %s", message.message_id, reason, exc.reason)
-            queries.mark_dead(conn, self._tables, row["id"], reason, exc.reason, finished=True)
+            self._mark_dead(conn, row, reason, exc.reason, finished=True, cause=exc)
             call(self._listener, "failed", message, exc, dead=True)
             call(self._listener, "dead", reason, 1)
             return
@@ -577,7 +592,7 @@ class Worker:
             log.error(
                 "worker: %s failed on attempt %d, giving up: %r", row["message_id"], attempt, exc
             )
-            queries.mark_dead(conn, self._tables, row["id"], MAX_ATTEMPTS, error, finished=True)
+            self._mark_dead(conn, row, MAX_ATTEMPTS, error, finished=True, cause=exc)
             return True
         log.warning(
             "worker: %s failed on attempt %d, retrying in %.1fs: %r",
