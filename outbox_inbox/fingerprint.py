@@ -1,0 +1,60 @@
+"""The fingerprint of why a message died: what groups thousands of dead letters into a few causes.
+
+A handler's exception is fingerprinted by its type and the innermost frame of the traceback
+that is the user's own code (not this library's, not the standard library's or an installed
+package's): ``TimeoutError at billing/app.py:create_invoice``. The function, not the line, so
+that an unrelated edit of the file between two deploys does not split a group. A death the
+library decides without an exception (expired, abandoned, no handler, invalid, redelivered)
+is fingerprinted by its reason alone.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+import traceback
+from pathlib import Path
+
+from .errors import HandlerExited
+
+#: Where code that is not the user's lives: this package, the standard library, installed
+#: packages.
+_NOT_USER = tuple(
+    str(Path(p).resolve()) + os.sep
+    for p in {
+        str(Path(__file__).resolve().parent),
+        sysconfig.get_paths()["stdlib"],
+        sysconfig.get_paths()["purelib"],
+        sysconfig.get_paths()["platlib"],
+    }
+)
+#: Fingerprints fit the column that holds them.
+MAX_LENGTH = 255
+
+
+def fingerprint(reason: str, cause: BaseException | None = None) -> str:
+    """The fingerprint of a death for `reason` (the row's dead reason), caused by `cause` (the
+    handler's exception), if any."""
+    if cause is None:
+        return reason[:MAX_LENGTH]
+    if isinstance(cause, HandlerExited):
+        cause = cause.exit  # the handler's own SystemExit, with its traceback
+    where = _users_frame(cause)
+    name = type(cause).__qualname__
+    text = f"{name} at {where}" if where else name
+    return text[:MAX_LENGTH]
+
+
+def _users_frame(error: BaseException) -> str | None:
+    """``path:function`` of the innermost frame of `error` in the user's code (the path
+    relative to the working directory when under it), or None."""
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        path = str(Path(frame.filename).resolve())
+        if path.startswith(_NOT_USER) or frame.filename.startswith("<"):
+            continue
+        try:
+            shown = str(Path(path).relative_to(Path.cwd()))
+        except ValueError:
+            shown = path
+        return f"{shown}:{frame.name}"
+    return None
