@@ -15,6 +15,13 @@ Four sources, for `outbox-inbox dead-letters`:
 * ``unroutable``: commands sent to a service that had no queue. Replay republishes each to the
   exchange and routing key it was sent with; purge acks it.
 
+Every dead letter has a fingerprint of why it died (outbox_inbox.fingerprint): `groups()`
+counts the dead rows of the table and outbox sources by it, and a filter on it selects a
+whole group to replay, purge or park. Park sets dead rows aside (table and outbox sources):
+out of the dead letters and of their replays and purges, kept, selected with
+``Filters(parked=True)`` to be listed, replayed or purged later. A replay counts itself on each
+row (``replays``, ``replayed_at``): a row dead again after a replay says so.
+
 A selection is made first (and can be shown), then acted on: rows by id, still dead; queue
 messages are held unacknowledged by the selection until it is closed, so exactly what was
 selected is replayed or purged. Messages read and not acted on go back to their queue, flagged
@@ -24,6 +31,8 @@ redelivered, when the selection is closed.
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import json
 import logging
 import os
@@ -45,6 +54,7 @@ from .logsafe import mask_url
 from .messages import (
     COMMANDS_EXCHANGE,
     H_CREATED,
+    H_DEAD_FINGERPRINT,
     H_DEAD_QUEUE,
     H_DEAD_REASON,
     H_LAST_ERROR,
@@ -90,10 +100,21 @@ class Filters:
     reason: str | None = None  # the reason word: max_attempts, rejected, invalid, ...
     error: str | None = None  # case-insensitive substring of the error text
     message_ids: tuple[str, ...] = ()
+    fingerprint: str | None = None  # one dead-letter group: see DeadLetters.groups
+    #: Select the parked rows instead of the dead ones (table and outbox sources only).
+    parked: bool = False
 
     @property
     def empty(self) -> bool:
-        return not (self.types or self.older_than or self.reason or self.error or self.message_ids)
+        return not (
+            self.types
+            or self.older_than
+            or self.reason
+            or self.error
+            or self.message_ids
+            or self.fingerprint is not None
+            or self.parked
+        )
 
     def as_dict(self) -> dict[str, Any]:
         """The filters given, as JSON values (for output and the audit log)."""
@@ -108,6 +129,10 @@ class Filters:
             out["error"] = self.error
         if self.message_ids:
             out["id"] = list(self.message_ids)
+        if self.fingerprint is not None:
+            out["fingerprint"] = self.fingerprint
+        if self.parked:
+            out["parked"] = True
         return out
 
     def matches_type(self, routing_key: str) -> bool:
@@ -119,6 +144,8 @@ class Filters:
         if self.message_ids and letter.message_id not in self.message_ids:
             return False
         if self.reason is not None and letter.reason != self.reason:
+            return False
+        if self.fingerprint is not None and letter.fingerprint != self.fingerprint:
             return False
         if self.error is not None and self.error.lower() not in (letter.error or "").lower():
             return False
@@ -147,6 +174,9 @@ class DeadLetter:
     correlation_id: str | None = None
     payload: Any = None
     headers: Mapping[str, Any] = field(default_factory=dict)
+    fingerprint: str | None = None  # why it died, as DeadLetters.groups groups it
+    replays: int = 0  # how many times it was replayed (and died again since, being here)
+    replayed_at: datetime | None = None  # its last replay
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -164,6 +194,10 @@ class DeadLetter:
             "correlation_id": self.correlation_id,
             "payload": self.payload,
             "headers": jsonable(dict(self.headers)),
+            "fingerprint": self.fingerprint,
+            "group": group_id(self.fingerprint) if self.fingerprint is not None else None,
+            "replays": self.replays,
+            "replayed_at": self.replayed_at.isoformat() if self.replayed_at else None,
         }
 
 
@@ -229,6 +263,7 @@ class TableSelection:
         self.more = False  # True when `limit` cut the selection short
         #: What the action under way has done so far (kept when it fails half-way).
         self.outcome: Outcome | None = None
+        self._parked = filters.parked
         exact = () if any(_is_pattern(t) for t in filters.types) else filters.types
         try:
             with engine.connect() as conn:
@@ -240,6 +275,8 @@ class TableSelection:
                     reason=filters.reason,
                     error=filters.error,
                     message_ids=self._message_ids(filters.message_ids),
+                    fingerprint=filters.fingerprint,
+                    parked=filters.parked,
                 )
                 for row in rows:
                     if not filters.matches_type(row["routing_key"]):
@@ -262,13 +299,9 @@ class TableSelection:
         # Inbox rows of a message id that is not a UUID are stored under its uuid5.
         return [inbox_id(m) for m in message_ids]
 
-    @staticmethod
-    def _replay(conn: Any, tables: Tables, ids: list[int]) -> list[int]:
-        return queries.replay_dead_inbox(conn, tables, ids)
-
-    @staticmethod
-    def _purge(conn: Any, tables: Tables, ids: list[int]) -> list[int]:
-        return queries.purge_dead_inbox(conn, tables, ids)
+    _replay = staticmethod(queries.replay_dead_inbox)
+    _purge = staticmethod(queries.purge_dead_inbox)
+    _park = staticmethod(queries.park_dead_inbox)
 
     def _each_batch(
         self,
@@ -299,13 +332,24 @@ class TableSelection:
             progress(len(batch))
         return outcome
 
+    @property
+    def _state(self) -> str:
+        return "parked" if self._parked else "dead"
+
     def replay(self, pacer: Pacer, progress: Progress) -> Outcome:
-        """Make the selected rows due again (those still dead), batch by batch in id order."""
-        return self._each_batch(self._replay, pacer, progress, "no longer dead")
+        """Make the selected rows due again (those still dead, or parked when the selection
+        is of parked rows), batch by batch in id order, counting the replay on each."""
+        replay = functools.partial(self._replay, parked=self._parked)
+        return self._each_batch(replay, pacer, progress, f"no longer {self._state}")
 
     def purge(self, pacer: Pacer, progress: Progress) -> Outcome:
-        """Delete the selected rows that are still dead."""
-        return self._each_batch(self._purge, pacer, progress, "no longer dead")
+        """Delete the selected rows that are still dead (or parked)."""
+        purge = functools.partial(self._purge, parked=self._parked)
+        return self._each_batch(purge, pacer, progress, f"no longer {self._state}")
+
+    def park(self, pacer: Pacer, progress: Progress) -> Outcome:
+        """Set the selected rows that are still dead aside as parked."""
+        return self._each_batch(self._park, pacer, progress, "not dead")
 
     def close(self) -> None:
         """Nothing to release: the rows were read in a finished transaction."""
@@ -338,13 +382,9 @@ class OutboxSelection(TableSelection):
             return [uuid.UUID(int=0)]  # ids were given and none can match: select nothing
         return found
 
-    @staticmethod
-    def _replay(conn: Any, tables: Tables, ids: list[int]) -> list[int]:
-        return queries.replay_dead_outbox(conn, tables, ids)
-
-    @staticmethod
-    def _purge(conn: Any, tables: Tables, ids: list[int]) -> list[int]:
-        return queries.purge_dead_outbox(conn, tables, ids)
+    _replay = staticmethod(queries.replay_dead_outbox)
+    _purge = staticmethod(queries.purge_dead_outbox)
+    _park = staticmethod(queries.park_dead_outbox)
 
 
 def _row_letter(row: Mapping[Any, Any], source: str) -> DeadLetter:
@@ -363,6 +403,9 @@ def _row_letter(row: Mapping[Any, Any], source: str) -> DeadLetter:
         correlation_id=row["correlation_id"],
         payload=row["payload"],
         headers=dict(row["headers"] or {}),
+        fingerprint=row["fingerprint"],
+        replays=row["replays"],
+        replayed_at=row["replayed_at"],
     )
 
 
@@ -553,6 +596,10 @@ def _queued_letter(message: WireMessage, source: str, position: int, now: dateti
         correlation_id=message.correlation_id,
         payload=_payload(message.body),
         headers=dict(headers),
+        # Messages dead-lettered before the header existed are grouped by their reason.
+        fingerprint=_text(headers.get(H_DEAD_FINGERPRINT))
+        or reason
+        or ("unknown" if source == QUEUE else "unroutable"),
     )
 
 
@@ -617,6 +664,15 @@ def reset_redeliveries(engine: Engine, tables: Tables, message_ids: list[str]) -
         raise storage_error(exc, "resetting redelivery counters") from exc
 
 
+def _aware(value: Any) -> datetime | None:
+    """A time read from the database, with its zone (SQLite gives naive UTC times)."""
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value)
+    if isinstance(value, datetime) and value.tzinfo is None:
+        return value.replace(tzinfo=UTC)
+    return value if isinstance(value, datetime) else None
+
+
 def parse_message_id(value: str) -> str:
     """A message id as given: a UUID is normalized, anything else kept (foreign senders)."""
     try:
@@ -629,8 +685,51 @@ def parse_message_id(value: str) -> str:
 
 #: A selection of one source, held until closed (queue messages stay unacknowledged).
 Selection = TableSelection | QueueSelection
-#: The actions on a selection.
-REPLAY, PURGE = "replay", "purge"
+#: The actions on a selection (park: table and outbox sources only).
+REPLAY, PURGE, PARK = "replay", "purge", "park"
+ACTIONS = (REPLAY, PURGE, PARK)
+
+
+def group_id(fingerprint: str) -> str:
+    """The short id of a dead-letter group, for a command line: 8 hex digits of the SHA-256 of
+    its fingerprint."""
+    return hashlib.sha256(fingerprint.encode("utf-8")).hexdigest()[:8]
+
+
+@dataclass(frozen=True)
+class Group:
+    """The dead rows of one cause: see `DeadLetters.groups`."""
+
+    fingerprint: str
+    count: int
+    types: tuple[str, ...]  # their routing keys, sorted
+    sources: tuple[str, ...]  # "table" (inbox rows), "outbox"
+    first_seen: datetime | None  # the earliest and latest time one of them died
+    last_seen: datetime | None
+    replayed: int  # how many of them died again after a replay
+
+    @property
+    def id(self) -> str:
+        """The group's short id (`group_id`)."""
+        return group_id(self.fingerprint)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "fingerprint": self.fingerprint,
+            "count": self.count,
+            "types": list(self.types),
+            "sources": list(self.sources),
+            "first_seen": self.first_seen.isoformat() if self.first_seen else None,
+            "last_seen": self.last_seen.isoformat() if self.last_seen else None,
+            "replayed": self.replayed,
+        }
+
+
+def _listed(value: Any) -> tuple[str, ...]:
+    """An aggregated list: a PostgreSQL array, or SQLite's JSON array text."""
+    items = json.loads(value) if isinstance(value, str) else value
+    return tuple(sorted(str(item) for item in items or () if item is not None))
 
 
 @dataclass
@@ -706,6 +805,10 @@ class DeadLetters:
             selections: list[Selection] = []
             for source in sources:
                 selection: Selection
+                if filters.parked and source not in (TABLE, OUTBOX):
+                    raise ConfigurationError(
+                        f"the {source} source has no parked letters: only table and outbox"
+                    )
                 if source in (TABLE, OUTBOX):
                     if self.engine is None or self.tables is None:
                         raise ConfigurationError(f"the {source} source needs a database")
@@ -759,9 +862,46 @@ class DeadLetters:
                     reason=filters.reason,
                     error=filters.error,
                     message_ids=selector._message_ids(filters.message_ids),
+                    fingerprint=filters.fingerprint,
+                    parked=filters.parked,
                 )
         except SQLAlchemyError as exc:
             raise storage_error(exc, f"counting the {selector.what}") from exc
+
+    def groups(self, *, parked: bool = False) -> list[Group]:
+        """The dead rows of the table and outbox sources (`parked`: the parked rows) grouped
+        by fingerprint, largest first: one GROUP BY in the database, over the partial index of
+        the dead rows by fingerprint. The broker queues are not counted (a queue is read
+        message by message); their letters carry a fingerprint all the same, and a
+        ``Filters(fingerprint=...)`` selects them. StorageError when the database fails."""
+        if self.engine is None or self.tables is None:
+            raise ConfigurationError("dead-letter groups need a database")
+        try:
+            with self.engine.connect() as conn:
+                rows = queries.dead_groups(conn, self.tables, parked=parked)
+        except SQLAlchemyError as exc:
+            raise storage_error(exc, "grouping the dead letters") from exc
+        return [
+            Group(
+                fingerprint=row["fingerprint"] or "",
+                count=int(row["count"]),
+                types=_listed(row["types"]),
+                sources=_listed(row["sources"]),
+                first_seen=_aware(row["first_seen"]),
+                last_seen=_aware(row["last_seen"]),
+                replayed=int(row["replayed"]),
+            )
+            for row in rows
+        ]
+
+    def group(self, ref: str, *, parked: bool = False) -> str:
+        """The fingerprint of the group `ref` names: its short id (`Group.id`) among
+        `groups(parked=parked)`, else `ref` itself, taken as a fingerprint (the queue sources'
+        groups are not listed by `groups`)."""
+        for found in self.groups(parked=parked):
+            if ref == found.id:
+                return found.fingerprint
+        return ref
 
     def act(
         self,
@@ -781,8 +921,12 @@ class DeadLetters:
         pacer = pacer or Pacer(None)
         if action == PURGE:
             return selection.purge(pacer, progress)
+        if action == PARK:
+            if not isinstance(selection, TableSelection):
+                raise ConfigurationError(f"the {selection.source} source cannot be parked")
+            return selection.park(pacer, progress)
         if action != REPLAY:
-            raise ConfigurationError(f"unknown action {action!r}: replay or purge")
+            raise ConfigurationError(f"unknown action {action!r}: one of {ACTIONS}")
         if isinstance(selection, TableSelection):
             return selection.replay(pacer, progress)
         return selection.replay(pacer, progress, before=self._reset_counters(selection))
@@ -802,7 +946,7 @@ class DeadLetters:
         client: str | None = None,
         mask: Callable[[str], str] = mask_url,
     ) -> ActionReport:
-        """Replay or purge the open `selections` (selected, shown and confirmed by the
+        """Replay, purge or park the open `selections` (selected, shown and confirmed by the
         caller), at most `rate` letters a second, and write the audit record to `audit_log`
         (default: `audit_log_path()`, ``$OUTBOX_INBOX_AUDIT_LOG`` else
         ``outbox-inbox-audit.log`` in the current directory: the CLI's file).
@@ -812,8 +956,8 @@ class DeadLetters:
         `source` and `filters` are what was asked, for the record; `command` names the asker
         (default ``dead-letters <action>``). OSError when the record cannot be written.
         """
-        if action not in (REPLAY, PURGE):
-            raise ConfigurationError(f"unknown action {action!r}: replay or purge")
+        if action not in ACTIONS:
+            raise ConfigurationError(f"unknown action {action!r}: one of {ACTIONS}")
         if audit_log is None:
             audit_log = audit_log_path()
         selected = [letter for s in selections for letter in s.letters]
@@ -871,6 +1015,13 @@ class DeadLetters:
     ) -> ActionReport:
         """Select and purge in one call (no one to confirm): see `select` and `run`."""
         return self._select_and_run(PURGE, sources, filters, limit, options)
+
+    def park(
+        self, sources: Iterable[str], filters: Filters, *, limit: int | None = None, **options: Any
+    ) -> ActionReport:
+        """Select and park in one call: the selected dead rows are set aside (table and
+        outbox sources only; ConfigurationError for another). See `select` and `run`."""
+        return self._select_and_run(PARK, sources, filters, limit, options)
 
     def _select_and_run(
         self,

@@ -14,8 +14,12 @@ import os
 import sysconfig
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import HandlerExited
+
+if TYPE_CHECKING:
+    from .broker import Refusal
 
 #: Where code that is not the user's lives: this package, the standard library, installed
 #: packages.
@@ -43,6 +47,13 @@ def fingerprint(reason: str, cause: BaseException | None = None) -> str:
     name = type(cause).__qualname__
     text = f"{name} at {where}" if where else name
     return text[:MAX_LENGTH]
+
+
+def refusal_fingerprint(refusal: Refusal) -> str:
+    """The fingerprint of an outbox row the broker refused on its every attempt: its reply
+    code, and whether for the message's size (the text names sizes: it would split a group)."""
+    size = " message larger than the broker's max_message_size" if refusal.max_body else ""
+    return f"refused: {refusal.code}{size}"
 
 
 def _users_frame(error: BaseException) -> str | None:

@@ -54,6 +54,8 @@ H_RETRY_DELAY = "x-retry-delay-ms"
 H_LAST_ERROR = "x-last-error"
 H_DEAD_REASON = "x-dead-reason"
 H_DEAD_QUEUE = "x-dead-queue"
+#: The fingerprint of why the receiver dead-lettered a message (outbox_inbox.fingerprint).
+H_DEAD_FINGERPRINT = "x-dead-fingerprint"
 TRANSPORT_HEADERS = frozenset(
     {
         H_ORIGINAL_EXCHANGE,
@@ -63,6 +65,7 @@ TRANSPORT_HEADERS = frozenset(
         H_LAST_ERROR,
         H_DEAD_REASON,
         H_DEAD_QUEUE,
+        H_DEAD_FINGERPRINT,
         "x-death",
         "x-first-death-exchange",
         "x-first-death-queue",

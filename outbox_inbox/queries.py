@@ -40,6 +40,7 @@ from sqlalchemy import (
     select,
     table,
     type_coerce,
+    union_all,
     update,
 )
 from sqlalchemy.dialects.postgresql import JSONB, OID
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
 
 from .clock import db_now, db_now_plus
 from .messages import RECEIVED_COLUMNS, RECEIVED_JSON_COLUMNS
-from .tables import DEAD, PENDING, PROCESSED, Tables, outbox_unsent
+from .tables import DEAD, PARKED, PENDING, PROCESSED, Tables, outbox_unsent
 
 #: Advisory-lock namespaces (the first key of the two-key form). Writers of one ordering key
 #: serialize on WRITER_LOCK; a relay holds RELAY_LOCK on each key it is publishing; a worker
@@ -341,12 +342,20 @@ def _mark_publish_failed_statement(tables: Tables, postgres: bool) -> Any:
 
 
 def mark_outbox_dead(
-    conn: Connection, tables: Tables, ids: Sequence[int], reason: str, error: str
+    conn: Connection,
+    tables: Tables,
+    ids: Sequence[int],
+    reason: str,
+    error: str,
+    *,
+    fingerprint: str | None = None,
 ) -> None:
-    """Count a last failed attempt on rows and take them out of the relay's way as dead."""
+    """Count a last failed attempt on rows and take them out of the relay's way as dead,
+    with the `fingerprint` of why (default: the reason)."""
     if ids:
         stmt = _mark_outbox_dead_statement(tables, _is_postgres(conn))
-        conn.execute(stmt, {"ids": list(ids), "reason": reason[:255], "error": error[:2000]})
+        params = {"ids": list(ids), "reason": reason[:255], "error": error[:2000]}
+        conn.execute(stmt, {**params, "fingerprint": (fingerprint or reason)[:255]})
 
 
 @cache
@@ -359,6 +368,7 @@ def _mark_outbox_dead_statement(tables: Tables, postgres: bool) -> Any:
             attempts=o.c.attempts + 1,
             last_error=bindparam("error", type_=String),
             dead_reason=bindparam("reason", type_=String),
+            fingerprint=bindparam("fingerprint", type_=String),
             dead_at=db_now(),
         )
     )
@@ -373,6 +383,8 @@ def dead_outbox_rows(
     reason: str | None = None,
     error: str | None = None,
     message_ids: Sequence[uuid.UUID] = (),
+    fingerprint: str | None = None,
+    parked: bool = False,
 ) -> Iterator[RowMapping]:
     """Dead outbox rows matching every given filter, in id order, streamed.
 
@@ -380,7 +392,8 @@ def dead_outbox_rows(
     """
     o = tables.outbox
     stmt = select(o, _age_seconds(o.c.dead_at).label("age_seconds")).where(
-        *_dead_filters(o, o.c.dead_at, routing_keys, older_than, reason, error, message_ids)
+        *_dead_filters(o, o.c.dead_at, routing_keys, older_than, reason, error, message_ids),
+        *_group_filters(o, fingerprint, parked),
     )
     result = conn.execute(stmt.order_by(o.c.id).execution_options(yield_per=500))
     yield from result.mappings()
@@ -396,6 +409,8 @@ def count_dead(
     reason: str | None = None,
     error: str | None = None,
     message_ids: Sequence[uuid.UUID] = (),
+    fingerprint: str | None = None,
+    parked: bool = False,
 ) -> int:
     """How many dead rows of `table` ("inbox" or "outbox") match every given filter.
 
@@ -404,6 +419,7 @@ def count_dead(
     t = tables.inbox if table == "inbox" else tables.outbox
     dead_at = _dead_since(t) if table == "inbox" else t.c.dead_at
     where = _dead_filters(t, dead_at, routing_keys, older_than, reason, error, message_ids)
+    where.extend(_group_filters(t, fingerprint, parked))
     return int(conn.execute(select(func.count()).select_from(t).where(*where)).scalar_one())
 
 
@@ -416,10 +432,9 @@ def _dead_filters(
     error: str | None,
     message_ids: Sequence[uuid.UUID],
 ) -> list[ColumnElement[bool]]:
-    """The conditions of a dead-row selection: dead, and every filter given."""
-    where: list[ColumnElement[bool]] = [
-        t.c.status == DEAD if "status" in t.c else t.c.dead_at.is_not(None)
-    ]
+    """The conditions of a dead-row selection: every filter given (with `_group_filters`,
+    which says dead or parked)."""
+    where: list[ColumnElement[bool]] = []
     if routing_keys:
         where.append(t.c.routing_key.in_(list(routing_keys)))
     if older_than is not None:
@@ -433,27 +448,136 @@ def _dead_filters(
     return where
 
 
-def replay_dead_outbox(conn: Connection, tables: Tables, ids: Sequence[int]) -> list[int]:
-    """Make dead outbox rows unsent again, due now, with their attempts reset; return the ids.
+def _group_filters(
+    t: Any, fingerprint: str | None, parked: bool = False
+) -> list[ColumnElement[bool]]:
+    """Dead rows (`parked`: parked rows instead) of table `t`, of `fingerprint` if given."""
+    where = [_dead_or_parked(t, parked)]
+    if fingerprint is not None:
+        where.append(t.c.fingerprint == fingerprint)
+    return where
 
-    Only rows still dead are touched. last_error stays until the next attempt ends.
+
+def _dead_or_parked(t: Any, parked: bool) -> ColumnElement[bool]:
+    """The dead rows of table `t` (an operator's parked rows are not among them), or the
+    parked rows."""
+    if "status" in t.c:
+        state: ColumnElement[bool] = t.c.status == (PARKED if parked else DEAD)
+        return state
+    set_aside = t.c.parked_at.is_not(None) if parked else t.c.parked_at.is_(None)
+    return and_(t.c.dead_at.is_not(None), set_aside)
+
+
+def _replayed(t: Any) -> dict[str, Any]:
+    """What a replay records on a row: one more replay, and when."""
+    return {"replays": t.c.replays + 1, "replayed_at": func.now()}
+
+
+def replay_dead_outbox(
+    conn: Connection, tables: Tables, ids: Sequence[int], *, parked: bool = False
+) -> list[int]:
+    """Make dead (`parked`: parked) outbox rows unsent again, due now, with their attempts
+    reset and the replay counted; return the ids.
+
+    Only rows still dead (parked) are touched. last_error and the fingerprint stay until the
+    next attempt ends.
     """
     if not ids:
         return []
     o = tables.outbox
     stmt = (
         update(o)
-        .where(o.c.id.in_(list(ids)), o.c.dead_at.is_not(None))
-        .values(dead_at=None, dead_reason=None, attempts=0, available_at=func.now())
+        .where(o.c.id.in_(list(ids)), _dead_or_parked(o, parked))
+        .values(
+            dead_at=None,
+            dead_reason=None,
+            parked_at=None,
+            attempts=0,
+            available_at=func.now(),
+            **_replayed(o),
+        )
         .returning(o.c.id)
     )
     return sorted(conn.execute(stmt).scalars())
 
 
-def purge_dead_outbox(conn: Connection, tables: Tables, ids: Sequence[int]) -> list[int]:
-    """Delete the outbox rows of `ids` that are still dead; return the ids deleted."""
+def purge_dead_outbox(
+    conn: Connection, tables: Tables, ids: Sequence[int], *, parked: bool = False
+) -> list[int]:
+    """Delete the outbox rows of `ids` that are still dead (`parked`: parked); return the ids
+    deleted."""
     o = tables.outbox
-    return _delete_dead(conn, o, o.c.dead_at.is_not(None), ids)
+    return _delete_dead(conn, o, _dead_or_parked(o, parked), ids)
+
+
+def park_dead_outbox(conn: Connection, tables: Tables, ids: Sequence[int]) -> list[int]:
+    """Set the outbox rows of `ids` that are still dead aside as parked; return their ids."""
+    if not ids:
+        return []
+    o = tables.outbox
+    stmt = (
+        update(o)
+        .where(o.c.id.in_(list(ids)), _dead_or_parked(o, False))
+        .values(parked_at=func.now())
+        .returning(o.c.id)
+    )
+    return sorted(conn.execute(stmt).scalars())
+
+
+def park_dead_inbox(conn: Connection, tables: Tables, ids: Sequence[int]) -> list[int]:
+    """Set the inbox rows of `ids` that are still dead aside as parked; return their ids."""
+    if not ids:
+        return []
+    i = tables.inbox
+    stmt = (
+        update(i)
+        .where(i.c.id.in_(list(ids)), i.c.status == DEAD)
+        .values(status=PARKED)
+        .returning(i.c.id)
+    )
+    return sorted(conn.execute(stmt).scalars())
+
+
+def dead_groups(conn: Connection, tables: Tables, *, parked: bool = False) -> list[RowMapping]:
+    """The dead (`parked`: parked) rows of the inbox and the outbox grouped by fingerprint,
+    largest group first, in one GROUP BY: each with ``fingerprint``, ``count``, ``types``,
+    ``sources`` ("table", "outbox"), ``first_seen`` and ``last_seen`` (when they died) and
+    ``replayed`` (how many died again after a replay). The partial indexes of the dead rows by
+    fingerprint cover it on PostgreSQL."""
+    i, o = tables.inbox, tables.outbox
+    rows = union_all(
+        select(
+            i.c.fingerprint,
+            i.c.routing_key,
+            literal("table").label("source"),
+            _dead_since(i).label("dead_at"),
+            i.c.replays,
+        ).where(_dead_or_parked(i, parked)),
+        select(
+            o.c.fingerprint,
+            o.c.routing_key,
+            literal("outbox").label("source"),
+            o.c.dead_at,
+            o.c.replays,
+        ).where(_dead_or_parked(o, parked)),
+    ).subquery()
+    postgres = _is_postgres(conn)
+    listed = func.array_agg if postgres else func.json_group_array
+    count = func.count()
+    stmt = (
+        select(
+            rows.c.fingerprint,
+            count.label("count"),
+            listed(rows.c.routing_key.distinct()).label("types"),
+            listed(rows.c.source.distinct()).label("sources"),
+            func.min(rows.c.dead_at).label("first_seen"),
+            func.max(rows.c.dead_at).label("last_seen"),
+            func.count().filter(rows.c.replays > 0).label("replayed"),
+        )
+        .group_by(rows.c.fingerprint)
+        .order_by(count.desc(), rows.c.fingerprint)
+    )
+    return list(conn.execute(stmt).mappings())
 
 
 def _delete_dead(
@@ -739,13 +863,22 @@ def mark_retry(conn: Connection, tables: Tables, row_id: int, error: str, delay:
 
 
 def mark_dead(
-    conn: Connection, tables: Tables, row_id: int, reason: str, error: str | None, *, finished: bool
+    conn: Connection,
+    tables: Tables,
+    row_id: int,
+    reason: str,
+    error: str | None,
+    *,
+    finished: bool,
+    fingerprint: str | None = None,
 ) -> None:
-    """A row that will never be handled: status dead, with the reason and the last error."""
+    """A row that will never be handled: status dead, with the reason, the last error and the
+    `fingerprint` of why (default: the reason)."""
     i = tables.inbox
     values: dict[str, Any] = {
         "status": DEAD,
         "dead_reason": reason[:255],
+        "fingerprint": (fingerprint or reason)[:255],
         "processed_at": db_now(),
         "locked_until": None,
         "locked_by": None,
@@ -956,6 +1089,8 @@ def dead_inbox_rows(
     error: str | None = None,
     message_ids: Sequence[uuid.UUID] = (),
     ids: Sequence[int] = (),
+    fingerprint: str | None = None,
+    parked: bool = False,
 ) -> Iterator[RowMapping]:
     """Dead inbox rows matching every given filter, in id order, streamed.
 
@@ -968,7 +1103,8 @@ def dead_inbox_rows(
     dead_at = _dead_since(i)
     columns = (i, dead_at.label("dead_at"), _age_seconds(dead_at).label("age_seconds"))
     stmt = select(*columns).where(
-        *_dead_filters(i, dead_at, routing_keys, older_than, reason, error, message_ids)
+        *_dead_filters(i, dead_at, routing_keys, older_than, reason, error, message_ids),
+        *_group_filters(i, fingerprint, parked),
     )
     if ids:
         stmt = stmt.where(i.c.id.in_(list(ids)))
@@ -976,18 +1112,22 @@ def dead_inbox_rows(
     yield from result.mappings()
 
 
-def replay_dead_inbox(conn: Connection, tables: Tables, ids: Sequence[int]) -> list[int]:
-    """Make dead rows pending again, due now, with fresh counters; return the ids changed.
+def replay_dead_inbox(
+    conn: Connection, tables: Tables, ids: Sequence[int], *, parked: bool = False
+) -> list[int]:
+    """Make dead (`parked`: parked) rows pending again, due now, with fresh counters and the
+    replay counted; return the ids changed.
 
-    Only rows still dead are touched (another operator may have replayed or purged some).
-    last_error stays as the history of the earlier failure until the next attempt ends.
+    Only rows still dead (parked) are touched (another operator may have replayed or purged
+    some). last_error and the fingerprint stay as the history of the earlier failure until
+    the next attempt ends.
     """
     if not ids:
         return []
     i = tables.inbox
     stmt = (
         update(i)
-        .where(i.c.id.in_(list(ids)), i.c.status == DEAD)
+        .where(i.c.id.in_(list(ids)), i.c.status == (PARKED if parked else DEAD))
         .values(
             status=PENDING,
             next_attempt_at=func.now(),
@@ -997,15 +1137,20 @@ def replay_dead_inbox(conn: Connection, tables: Tables, ids: Sequence[int]) -> l
             processed_at=None,
             locked_until=None,
             locked_by=None,
+            **_replayed(i),
         )
         .returning(i.c.id)
     )
     return sorted(conn.execute(stmt).scalars())
 
 
-def purge_dead_inbox(conn: Connection, tables: Tables, ids: Sequence[int]) -> list[int]:
-    """Delete the rows of `ids` that are still dead; return the ids deleted."""
-    return _delete_dead(conn, tables.inbox, tables.inbox.c.status == DEAD, ids)
+def purge_dead_inbox(
+    conn: Connection, tables: Tables, ids: Sequence[int], *, parked: bool = False
+) -> list[int]:
+    """Delete the rows of `ids` that are still dead (`parked`: parked); return the ids
+    deleted."""
+    i = tables.inbox
+    return _delete_dead(conn, i, i.c.status == (PARKED if parked else DEAD), ids)
 
 
 def forget_deliveries(conn: Connection, tables: Tables, message_ids: Sequence[uuid.UUID]) -> int:
@@ -1029,7 +1174,7 @@ def outbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
             func.max(_age_seconds(o.c.created_at)).label("oldest_age_seconds"),
         ).where(unsent)
     ).one()
-    dead = conn.execute(select(func.count()).where(o.c.dead_at.is_not(None))).scalar_one()
+    dead = conn.execute(select(func.count()).where(_dead_or_parked(o, False))).scalar_one()
     return {
         "unpublished": int(row.unpublished),
         "retrying": int(row.retrying),

@@ -23,8 +23,10 @@ from . import queries
 from .broker import Broker, Consumer, Delivery
 from .config import Settings
 from .errors import InvalidMessage, first_line
+from .fingerprint import fingerprint
 from .listener import Listener, call
 from .messages import (
+    H_DEAD_FINGERPRINT,
     H_DEAD_QUEUE,
     H_DEAD_REASON,
     H_LAST_ERROR,
@@ -321,7 +323,11 @@ class Receiver:
             delivery,
             DEAD_LETTER_EXCHANGE,
             self._service,
-            {H_DEAD_REASON: f"{reason}: {detail}"[:1000], H_DEAD_QUEUE: inbox_queue(self._service)},
+            {
+                H_DEAD_REASON: f"{reason}: {detail}"[:1000],
+                H_DEAD_QUEUE: inbox_queue(self._service),
+                H_DEAD_FINGERPRINT: fingerprint(reason),
+            },
         )
         self.dead += 1
         call(self._listener, "dead", reason, 1)

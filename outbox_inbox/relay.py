@@ -18,6 +18,7 @@ from . import queries
 from .broker import Broker, Publisher, PublishOutcome, Refusal
 from .config import Settings
 from .errors import BrokerError, first_line
+from .fingerprint import refusal_fingerprint
 from .listener import Listener, call
 from .messages import COMMAND, OutgoingMessage, WireMessage, to_wire
 from .role_loop import RoleLoop
@@ -510,7 +511,7 @@ class Relay:
         """
         published: list[int] = []
         failed: dict[str, list[tuple[int, int]]] = {}
-        dead: dict[str, list[int]] = {}
+        dead: dict[tuple[str, str], list[int]] = {}  # by (error, fingerprint)
         for index, (row_id, kind, attempts, outcome) in enumerate(
             zip(marking.ids, marking.kinds, marking.attempts, outcomes, strict=True)
         ):
@@ -523,7 +524,7 @@ class Relay:
             elif outcome is PublishOutcome.REFUSED:
                 why = refusals.get(index) or _UNKNOWN_REFUSAL
                 if why.message_specific and attempts + 1 >= self._settings.relay_max_attempts:
-                    dead.setdefault(str(why), []).append(row_id)
+                    dead.setdefault((str(why), refusal_fingerprint(why)), []).append(row_id)
                 else:
                     failed.setdefault(str(why), []).append((row_id, attempts))
             else:
@@ -539,8 +540,10 @@ class Relay:
                 queries.mark_publish_failed(
                     conn, self._tables, ids, reason, self._retry_delay(attempts)
                 )
-        for error, ids in dead.items():
-            queries.mark_outbox_dead(conn, self._tables, ids, REFUSED_REASON, error)
+        for (error, cause), ids in dead.items():
+            queries.mark_outbox_dead(
+                conn, self._tables, ids, REFUSED_REASON, error, fingerprint=cause
+            )
             self.dead += len(ids)
             call(self._listener, "dead", REFUSED_REASON, len(ids))
             log.error(

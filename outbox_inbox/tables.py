@@ -37,9 +37,10 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
-#: Inbox row states. A row is `pending` until it is `processed` or `dead`.
-PENDING, PROCESSED, DEAD = "pending", "processed", "dead"
-INBOX_STATUSES = (PENDING, PROCESSED, DEAD)
+#: Inbox row states. A row is `pending` until it is `processed` or `dead`; an operator may
+#: set a dead row aside as `parked` (out of the dead letters, kept, replayable later).
+PENDING, PROCESSED, DEAD, PARKED = "pending", "processed", "dead", "parked"
+INBOX_STATUSES = (PENDING, PROCESSED, DEAD, PARKED)
 
 #: Name of the alembic version table, kept in the library's schema so that it never collides
 #: with the service's own `alembic_version`.
@@ -119,6 +120,9 @@ def _outbox_table(metadata: MetaData) -> Table:
         # (relay_max_attempts), with why in dead_reason and the broker's words in last_error.
         Column("dead_at", _Time, nullable=True),
         Column("dead_reason", String(255), nullable=True),
+        *_dead_letter_columns(),
+        # Set on a dead row an operator set aside (dead_at stays): out of the dead letters.
+        Column("parked_at", _Time, nullable=True),
         CheckConstraint("kind IN ('command', 'event')", name="kind"),
     )
     _outbox_indexes(outbox)
@@ -148,6 +152,25 @@ def _outbox_indexes(outbox: Table) -> None:
         postgresql_where=outbox.c.dead_at.is_not(None),
         sqlite_where=outbox.c.dead_at.is_not(None),
     )
+    # Dead-letter groups: GROUP BY fingerprint reads this index alone on PostgreSQL.
+    dead = outbox.c.dead_at.is_not(None) & outbox.c.parked_at.is_(None)
+    Index(
+        "ix_outbox_messages_dead_fingerprint",
+        outbox.c.fingerprint,
+        postgresql_include=["routing_key", "dead_at", "replays"],
+        postgresql_where=dead,
+        sqlite_where=dead,
+    )
+
+
+def _dead_letter_columns() -> list[Column[Any]]:
+    """What dead-letter groups need of a row: the fingerprint of why it died (set with the
+    dead mark, kept by a replay until the row dies again), and its replays."""
+    return [
+        Column("fingerprint", String(255), nullable=True),
+        Column("replays", Integer, nullable=False, server_default=text("0")),
+        Column("replayed_at", _Time, nullable=True),
+    ]
 
 
 def _inbox_table(metadata: MetaData) -> Table:
@@ -179,7 +202,8 @@ def _inbox_table(metadata: MetaData) -> Table:
         Column("processed_at", _Time, nullable=True),
         Column("last_error", Text, nullable=True),
         Column("dead_reason", String(255), nullable=True),
-        CheckConstraint("status IN ('pending', 'processed', 'dead')", name="status"),
+        *_dead_letter_columns(),
+        CheckConstraint("status IN ('pending', 'processed', 'dead', 'parked')", name="status"),
         CheckConstraint("kind IN ('command', 'event')", name="kind"),
     )
     Index(
@@ -195,6 +219,14 @@ def _inbox_table(metadata: MetaData) -> Table:
         inbox.c.id,
         postgresql_where=(inbox.c.status == PENDING) & inbox.c.key.is_not(None),
         sqlite_where=(inbox.c.status == PENDING) & inbox.c.key.is_not(None),
+    )
+    # Dead-letter groups: GROUP BY fingerprint reads this index alone on PostgreSQL.
+    Index(
+        "ix_inbox_messages_dead_fingerprint",
+        inbox.c.fingerprint,
+        postgresql_include=["routing_key", "processed_at", "received_at", "replays"],
+        postgresql_where=inbox.c.status == DEAD,
+        sqlite_where=inbox.c.status == DEAD,
     )
     return inbox
 

@@ -28,6 +28,7 @@ from . import queries
 from .config import Settings
 from .context import handling
 from .errors import Reject, Retry, first_line
+from .fingerprint import fingerprint
 from .handlers import Handlers, Subscription, run_writes
 from .listener import Listener, call
 from .messages import Message, message_from_row
@@ -498,7 +499,10 @@ class Worker:
         """Mark `row` dead, in the caller's transaction: the one way every dead end of the
         worker goes (abandoned, expired, no handler, rejected, invalid payload, attempts
         exhausted). `cause`: the handler's exception, when one ended it."""
-        queries.mark_dead(conn, self._tables, row["id"], reason, error, finished=finished)
+        cause_print = fingerprint(reason, cause)
+        queries.mark_dead(
+            conn, self._tables, row["id"], reason, error, finished=finished, fingerprint=cause_print
+        )
 
     def _run_handlers(
         self,

@@ -135,9 +135,9 @@ def dead_rows_one_refused(service: Service, count: int, refused: int) -> list[st
         conn.execute(
             text(
                 "INSERT INTO outbox_inbox.inbox_messages"
-                " (message_id, kind, routing_key, payload, headers, status, dead_reason)"
-                " SELECT gen_random_uuid(), 'command', 'invoice.create', '{}', '{}', 'dead',"
-                " 'rejected' FROM generate_series(1, :n)"
+                " (message_id, kind, routing_key, payload, headers, status, dead_reason,"
+                " fingerprint) SELECT gen_random_uuid(), 'command', 'invoice.create', '{}', '{}',"
+                " 'dead', 'rejected', 'rejected' FROM generate_series(1, :n)"
             ),
             {"n": count},
         )

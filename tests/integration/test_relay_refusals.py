@@ -91,7 +91,7 @@ def _write_mixed_batch(svc: Service) -> dict[str, Any]:
 def _outbox_row(db_url: str, message_id: uuid.UUID) -> Any:
     [row] = rows(
         db_url,
-        "SELECT published_at, dead_at, dead_reason, attempts, last_error"
+        "SELECT published_at, dead_at, dead_reason, attempts, last_error, fingerprint"
         " FROM outbox_inbox.outbox_messages WHERE message_id = :m",
         m=message_id,
     )
@@ -139,6 +139,7 @@ def test_a_row_the_broker_refuses_mid_batch_is_found_alone_and_the_rows_around_i
     assert "in doubt one by one" in caplog.text
     row = _outbox_row(db_url, ids["big"])
     assert row.dead_reason == REFUSED_REASON
+    assert row.fingerprint == "refused: 406 message larger than the broker's max_message_size"
     assert row.attempts == REFUSAL_SETTINGS["relay_max_attempts"]
     assert f"max size {LIMIT}" in row.last_error
     # The rows of its key waited for it and leave once it is dead, in their order.
