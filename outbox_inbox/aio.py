@@ -157,6 +157,7 @@ class AsyncWorker:
             if conn is not None:
                 with contextlib.suppress(SQLAlchemyError):  # a broken one: freed with its session
                     await conn.run_sync(self.worker.give_back)  # the next batch, uncounted
+                    await conn.run_sync(self.worker.retire)  # out of the instances table
                 await _discard(conn)
             self.worker.close_liveness()
 

@@ -184,6 +184,10 @@ class Settings:
     processes: int | None = None
     lease: float = 60.0
     abandon_after: int = 3
+    #: Seconds a worker may go without refreshing its row of the instances table and still
+    #: count as live. A row no live worker has a handler for is dead (``no_handler``) once no
+    #: worker advertising one was seen for this long; until then it waits (docs/failures.md).
+    no_handler_grace: float = 300.0
     worker_poll_interval: float = 0.5
     retry: RetryPolicy = field(default_factory=RetryPolicy)
 

@@ -216,6 +216,8 @@ class Subscription:
     A `batch` handler is called once for many messages: ``handler(messages, session)`` with
     the list of messages, or ``handler(batch)`` with a `BatchContext`; a parameter named
     ``payloads`` annotated ``list[T]`` gets the decoded payloads.
+
+    `version`: the one payload version (``message.version``) it handles; None: every version.
     """
 
     kind: str
@@ -224,6 +226,7 @@ class Subscription:
     retry: RetryPolicy | None = None
     outbox: Any = None
     batch: bool = False
+    version: int | None = None
     payload_type: type | None = field(init=False, default=None)
     takes_context: bool = field(init=False, default=False)
     #: An ``async def`` handler (read once: the worker asks for every message).
@@ -234,6 +237,10 @@ class Subscription:
         object.__setattr__(self, "payload_type", payload_type)
         object.__setattr__(self, "takes_context", _takes_context(self.handler, self.batch))
         object.__setattr__(self, "is_async", is_async_handler(self.handler))
+        if self.version is not None and (
+            isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 1
+        ):
+            raise ConfigurationError(f"version must be an int >= 1, got {self.version!r}")
         if self.takes_context and self.outbox is None:
             raise ConfigurationError(
                 f"handler {self.name} takes a context: register it with the service's "
@@ -243,6 +250,10 @@ class Subscription:
     @property
     def name(self) -> str:
         return getattr(self.handler, "__qualname__", repr(self.handler))
+
+    def handles(self, version: int) -> bool:
+        """True when this subscription handles payload `version`."""
+        return self.version is None or self.version == version
 
     def call(self, message: Message, session: Session) -> Any:
         """Run the handler with `session`, the worker's Session in the marking transaction.
@@ -326,7 +337,7 @@ class Handlers:
         self._subscriptions: list[Subscription] = []
         # find()'s answers by (kind, routing key): the worker asks for every message, and the
         # set of routing keys a service sees is small. Cleared whenever a handler is added.
-        self._found: dict[tuple[str, str], _Found] = {}
+        self._found: dict[tuple[str, str, int], _Found] = {}
 
     def add(self, subscription: Subscription) -> None:
         if not callable(subscription.handler):
@@ -335,8 +346,16 @@ class Handlers:
             if (
                 existing.kind == COMMAND == subscription.kind
                 and existing.pattern == subscription.pattern
+                and (
+                    existing.version is None
+                    or subscription.version is None
+                    or existing.version == subscription.version
+                )
             ):
-                raise ConfigurationError(f"command {subscription.pattern!r} already has a handler")
+                which = "" if subscription.version is None else f" version {subscription.version}"
+                raise ConfigurationError(
+                    f"command {subscription.pattern!r}{which} already has a handler"
+                )
         self._subscriptions.append(subscription)
         self._found = {}
 
@@ -352,20 +371,40 @@ class Handlers:
     def event_patterns(self) -> list[str]:
         return [s.pattern for s in self._subscriptions if s.kind == EVENT]
 
-    def find(self, kind: str, routing_key: str) -> list[Subscription]:
-        """Every subscription of `kind` matching `routing_key`, in registration order.
+    def find(self, kind: str, routing_key: str, version: int = 1) -> list[Subscription]:
+        """Every subscription of `kind` matching `routing_key` and handling payload `version`
+        (its own, or every version), in registration order.
 
         The returned list is shared between callers: do not change it.
         """
-        return self._lookup(kind, routing_key)[0]
+        return self._lookup(kind, routing_key, version)[0]
 
-    def split(self, kind: str, routing_key: str) -> tuple[list[Subscription], list[Subscription]]:
+    def split(
+        self, kind: str, routing_key: str, version: int = 1
+    ) -> tuple[list[Subscription], list[Subscription]]:
         """`find`'s subscriptions as (called per message, batch handlers); shared lists."""
-        _, single, batch = self._lookup(kind, routing_key)
+        _, single, batch = self._lookup(kind, routing_key, version)
         return single, batch
 
-    def _lookup(self, kind: str, routing_key: str) -> _Found:
-        found = self._found.get((kind, routing_key))
+    def advertised(self) -> list[dict[str, Any]]:
+        """What this service handles, as the instances table stores it: one
+        ``{"kind", "pattern", "versions"}`` per kind and pattern, ``versions`` a sorted list,
+        or None when a handler takes every version."""
+        versions: dict[tuple[str, str], set[int] | None] = {}
+        for s in self._subscriptions:
+            key = (s.kind, s.pattern)
+            known = versions.setdefault(key, set())
+            if s.version is None or known is None:
+                versions[key] = None
+            else:
+                known.add(s.version)
+        return [
+            {"kind": k, "pattern": p, "versions": None if v is None else sorted(v)}
+            for (k, p), v in versions.items()
+        ]
+
+    def _lookup(self, kind: str, routing_key: str, version: int) -> _Found:
+        found = self._found.get((kind, routing_key, version))
         if found is None:
             if kind == COMMAND:
                 every = [
@@ -377,10 +416,23 @@ class Handlers:
                     for s in self._subscriptions
                     if s.kind == EVENT and topic_matches(s.pattern, routing_key)
                 ]
+            every = [s for s in every if s.handles(version)]
             found = (every, [s for s in every if not s.batch], [s for s in every if s.batch])
             if len(self._found) < 10_000:  # routing keys come from senders: keep it bounded
-                self._found[(kind, routing_key)] = found
+                self._found[(kind, routing_key, version)] = found
         return found
+
+
+def handled_by(advertised: Sequence[Mapping[str, Any]], kind: str, key: str, version: int) -> bool:
+    """True when handlers as `Handlers.advertised` lists them take a message of `kind`
+    (command or event), routing key `key` and payload `version`."""
+    for h in advertised:
+        pattern, versions = str(h.get("pattern")), h.get("versions")
+        if h.get("kind") != kind or (versions is not None and version not in versions):
+            continue
+        if (pattern == key) if kind == COMMAND else topic_matches(pattern, key):
+            return True
+    return False
 
 
 #: A lookup's answer: every subscription, those called per message, the batch handlers.

@@ -906,6 +906,82 @@ def release_claims(conn: Connection, tables: Tables, ids: Sequence[int], worker:
         )
 
 
+def defer_claims(
+    conn: Connection, tables: Tables, ids: Sequence[int], worker: str, delay: timedelta
+) -> None:
+    """Give back claims this worker has no handler for, uncounted, due again after `delay`.
+
+    The rows stay pending, so a later row of the same key is still held behind them; the
+    delay keeps this worker from claiming them again at every poll, while a worker that has a
+    handler takes them once they are due.
+    """
+    if ids:
+        i = tables.inbox
+        conn.execute(
+            update(i)
+            .where(
+                _among(i.c.id, conn.dialect.name == "postgresql"),
+                i.c.locked_by == worker,
+                i.c.status == PENDING,
+            )
+            .values(
+                locked_until=None,
+                locked_by=None,
+                attempts=i.c.attempts - 1,
+                next_attempt_at=db_now_plus(delay),
+            ),
+            {"ids": list(ids)},
+        )
+
+
+# --- instances (rolling deploys) -----------------------------------------------------------
+
+
+def advertise_instance(
+    conn: Connection,
+    tables: Tables,
+    service: str,
+    instance: str,
+    handlers: Sequence[Mapping[str, Any]],
+    forget_after: timedelta,
+) -> None:
+    """Upsert `instance`'s row of `service` (its handlers, seen now); delete the rows of the
+    service's instances not seen for `forget_after` (workers that died long ago)."""
+    n = tables.instances
+    insert = _insert(conn, n).values(
+        service=service,
+        instance=instance,
+        handlers=list(handlers),
+        started_at=db_now(),
+        seen_at=db_now(),
+    )
+    conn.execute(
+        insert.on_conflict_do_update(
+            index_elements=[n.c.service, n.c.instance],
+            set_={"handlers": insert.excluded.handlers, "seen_at": db_now()},
+        )
+    )
+    conn.execute(delete(n).where(n.c.service == service, n.c.seen_at < db_now_plus(-forget_after)))
+
+
+def forget_instance(conn: Connection, tables: Tables, service: str, instance: str) -> None:
+    """Delete `instance`'s row of `service`: it stopped and handles nothing any more."""
+    n = tables.instances
+    conn.execute(delete(n).where(n.c.service == service, n.c.instance == instance))
+
+
+def live_instances(
+    conn: Connection, tables: Tables, service: str, grace: timedelta
+) -> list[RowMapping]:
+    """The instances of `service` seen within `grace` on the database clock: each row's
+    ``instance`` and ``handlers``."""
+    n = tables.instances
+    stmt = select(n.c.instance, n.c.handlers).where(
+        n.c.service == service, n.c.seen_at >= db_now_plus(-grace)
+    )
+    return list(conn.execute(stmt).mappings().all())
+
+
 def count_deliveries(
     conn: Connection, tables: Tables, message_ids: Sequence[uuid.UUID]
 ) -> dict[uuid.UUID, int]:

@@ -171,7 +171,12 @@ class Service:
     # --- handlers -------------------------------------------------------------------------
 
     def on_command(
-        self, command: str, *, retry: RetryPolicy | None = None, batch: bool = False
+        self,
+        command: str,
+        *,
+        retry: RetryPolicy | None = None,
+        batch: bool = False,
+        version: int | None = None,
     ) -> Callable[[H], H]:
         """Register the handler of command ``<this service>.<command>``.
 
@@ -187,30 +192,45 @@ class Service:
         BatchContext)``), in the transaction that marks them all processed. If it raises,
         the batch is rolled back and each message is run again alone, in a savepoint of its
         own: a message's `Retry`, `Reject` or error is its own (docs/concepts.md).
+
+        `version`: the handler takes only messages of this payload version (the sender's
+        ``send(..., version=)``); None takes every version. A command may have one handler
+        per version; a message whose version no handler of this worker takes waits for a
+        worker that has one (docs/migrating.md).
         """
 
         def register(handler: H) -> H:
             routing_key = command_routing_key(self.name, command)
             self.handlers.add(
-                Subscription(COMMAND, routing_key, handler, retry, self.outbox, batch=batch)
+                Subscription(
+                    COMMAND, routing_key, handler, retry, self.outbox, batch=batch, version=version
+                )
             )
             return handler
 
         return register
 
     def on_event(
-        self, pattern: str, *, retry: RetryPolicy | None = None, batch: bool = False
+        self,
+        pattern: str,
+        *,
+        retry: RetryPolicy | None = None,
+        batch: bool = False,
+        version: int | None = None,
     ) -> Callable[[H], H]:
         """Register a handler of events matching topic `pattern` (e.g. ``orders.order.*``).
 
         A message matching several event handlers runs them all, in registration order, in
-        one savepoint: they succeed or are retried together. `batch`: as in `on_command`.
+        one savepoint: they succeed or are retried together. `batch` and `version`: as in
+        `on_command` (a message runs every matching handler of its version or of none).
         """
         if not pattern or any(not w for w in pattern.split(".")):
             raise ConfigurationError(f"invalid event pattern {pattern!r}")
 
         def register(handler: H) -> H:
-            subscription = Subscription(EVENT, pattern, handler, retry, self.outbox, batch=batch)
+            subscription = Subscription(
+                EVENT, pattern, handler, retry, self.outbox, batch=batch, version=version
+            )
             self.handlers.add(subscription)
             return handler
 
@@ -375,6 +395,7 @@ class Service:
             handlers=self.handlers,
             settings=self.settings,
             name=name,
+            service=self.name,
             waker_factory=self._waker(self.tables.inbox.name),
             listener=self.listener,
             tracing=self.tracing,

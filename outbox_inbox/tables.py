@@ -62,6 +62,7 @@ class Tables:
     deliveries: Table
     subscriptions: Table
     archive_files: Table
+    instances: Table
 
 
 def outbox_unsent(outbox: Table | Any) -> ColumnElement[bool]:
@@ -86,7 +87,10 @@ def build_tables(schema: str | None = "outbox_inbox") -> Tables:
     deliveries = _deliveries_table(metadata)
     subscriptions = _subscriptions_table(metadata)
     archive_files = _archive_files_table(metadata)
-    return Tables(schema or "", metadata, outbox, inbox, deliveries, subscriptions, archive_files)
+    instances = _instances_table(metadata)
+    return Tables(
+        schema or "", metadata, outbox, inbox, deliveries, subscriptions, archive_files, instances
+    )
 
 
 def _outbox_table(metadata: MetaData) -> Table:
@@ -278,3 +282,20 @@ def _archive_files_table(metadata: MetaData) -> Table:
         CheckConstraint("source_table IN ('outbox', 'inbox')", name="source_table"),
     )
     return archive_files
+
+
+def _instances_table(metadata: MetaData) -> Table:
+    """The running workers of each service and what they handle (rolling deploys)."""
+    # One row per worker, upserted while it runs (`queries.advertise_instance`) and deleted
+    # when it stops. `handlers`: a JSON list of {"kind", "pattern", "versions"} (versions
+    # null: every version). A row whose `seen_at` is older than `no_handler_grace` is a
+    # worker that died: not live.
+    return Table(
+        "instances",
+        metadata,
+        Column("service", String(255), primary_key=True),
+        Column("instance", String(255), primary_key=True),
+        Column("handlers", _Json, nullable=False),
+        Column("started_at", _Time, nullable=False, server_default=func.now()),
+        Column("seen_at", _Time, nullable=False, server_default=func.now()),
+    )

@@ -29,7 +29,7 @@ from .config import Settings
 from .context import handling
 from .errors import Reject, Retry, first_line
 from .fingerprint import fingerprint
-from .handlers import Handlers, Subscription, run_writes
+from .handlers import Handlers, Subscription, handled_by, run_writes
 from .listener import Listener, call
 from .messages import Message, message_from_row
 from .retry import RetryPolicy
@@ -48,6 +48,9 @@ NO_HANDLER, EXPIRED, ABANDONED, MAX_ATTEMPTS, REJECTED = (
     "max_attempts",
     "rejected",
 )
+#: Seconds a row this worker has no handler for is due again after it gave the row back
+#: (other workers may take it at once; this one is kept from claiming it at every poll).
+AWAY_DELAY = 1.0
 
 
 def worker_name() -> str:
@@ -78,12 +81,19 @@ class _Batch:
 
     run: list[RowMapping] = field(default_factory=list)
     dead: list[tuple[RowMapping, str, str | None, bool]] = field(default_factory=list)
+    #: Rows no handler of this worker takes (their routing key or version): left for a live
+    #: instance that has one, or dead once none has been seen for ``no_handler_grace``.
+    away: list[RowMapping] = field(default_factory=list)
     #: The reasons of the rows of `dead` marked by the last transaction that tried.
     marked: list[str] = field(default_factory=list)
 
     @property
     def ids(self) -> list[int]:
-        return [r["id"] for r in self.run] + [d[0]["id"] for d in self.dead]
+        return [r["id"] for r in self.run] + [d[0]["id"] for d in self.dead] + self.away_ids
+
+    @property
+    def away_ids(self) -> list[int]:
+        return [r["id"] for r in self.away]
 
 
 class Worker:
@@ -120,6 +130,7 @@ class Worker:
         listener: Listener | None = None,
         tracing: Tracing | None = None,
         liveness_url: Callable[[], str | None] | None = None,
+        service: str | None = None,
     ) -> None:
         self._listener = listener
         self._tracing = tracing or Tracing("")
@@ -142,6 +153,14 @@ class Worker:
         self._liveness_engine: Engine | None = None
         self._liveness_conn: Connection | None = None
         self._stop = threading.Event()
+        #: The service whose instances table this worker advertises its handlers in (see
+        #: `_leave_away_rows`); None: it advertises nothing and a row it has no handler for is
+        #: dead at once.
+        self._service = service
+        self._advertised_at = -float("inf")
+        #: When the warning about each (kind, routing key, version) left to others was last
+        #: logged (time.monotonic()).
+        self._warned: dict[tuple[str, str, int], float] = {}
         #: Rows the last batch's transaction claimed for the next batch (see `_run_batch`).
         self._next: list[RowMapping] = []
         self.processed = 0
@@ -254,6 +273,7 @@ class Worker:
         finally:
             if conn is not None:
                 self.give_back(conn)
+                self.retire(conn)
                 conn.close()
             self.close_liveness()
 
@@ -283,6 +303,7 @@ class Worker:
         errors never escape.
         """
         s = self._settings
+        self._advertise(conn)
         rows, self._next = self._next, []
         if not rows:
             with conn.begin():
@@ -331,6 +352,39 @@ class Worker:
         except SQLAlchemyError as exc:
             log.debug("worker %s: giving back %d claims failed: %s", self.name, len(rows), exc)
 
+    def _advertise(self, conn: Connection) -> None:
+        """Refresh this worker's row of the instances table (its handlers, seen now) when a
+        quarter of ``no_handler_grace`` has passed since the last time: in its own short
+        transaction, before a claim, so that a busy worker stays live as an idle one does."""
+        if self._service is None:
+            return
+        grace = self._settings.no_handler_grace
+        if time.monotonic() - self._advertised_at < grace / 4:
+            return
+        with conn.begin():
+            queries.advertise_instance(
+                conn,
+                self._tables,
+                self._service,
+                self.name,
+                self._handlers.advertised(),
+                forget_after=timedelta(seconds=10 * grace),
+            )
+        self._advertised_at = time.monotonic()
+
+    def retire(self, conn: Connection) -> None:
+        """Delete this worker's row of the instances table: it stops, and no longer keeps
+        messages only it could handle waiting. A database error is only logged: the row then
+        stops counting as live after ``no_handler_grace``."""
+        if self._service is None or conn.invalidated or conn.closed:
+            return
+        try:
+            with conn.begin():
+                queries.forget_instance(conn, self._tables, self._service, self.name)
+        except SQLAlchemyError as exc:
+            log.debug("worker %s: forgetting its instance row failed: %s", self.name, exc)
+        self._advertised_at = -float("inf")
+
     def _work(self, conn: Connection, rows: list[RowMapping], *, claim_next: bool) -> None:
         """Handle claimed rows: all in one transaction, or one savepoint each on a failure.
 
@@ -374,9 +428,8 @@ class Worker:
                 batch.dead.append((row, ABANDONED, None, False))  # keeps its last error
             elif row["expires_at"] is not None and row["expires_at"] <= row["claimed_at"]:
                 batch.dead.append((row, EXPIRED, None, True))
-            elif not self._handlers.find(row["kind"], row["routing_key"]):
-                log.error("worker: no handler for %s %s; dead", row["kind"], row["routing_key"])
-                batch.dead.append((row, NO_HANDLER, f"no handler for {row['routing_key']}", True))
+            elif not self._handlers.find(row["kind"], row["routing_key"], row["version"]):
+                batch.away.append(row)  # decided in the batch's transaction: _leave_away_rows
             else:
                 batch.run.append(row)
         return batch
@@ -436,7 +489,7 @@ class Worker:
                 unrun.append(row["id"])
                 continue
             message = message_from_row(row)
-            single, batched = self._handlers.split(message.kind, message.type)
+            single, batched = self._handlers.split(message.kind, message.type, message.version)
             if single:
                 try:
                     self._run_handlers(message, single, session, tracer)
@@ -479,8 +532,69 @@ class Worker:
             queries.release_claims(conn, self._tables, unrun, self.claimant)
         return handled
 
+    def _leave_away_rows(self, conn: Connection, batch: _Batch, mine: set[int]) -> None:
+        """Decide the rows no handler of this worker takes, in the batch's transaction.
+
+        A row that a live instance of the service advertises a handler for (one seen within
+        ``no_handler_grace``: `queries.live_instances`) is given back uncounted and due again
+        in `AWAY_DELAY` seconds (`queries.defer_claims`): still pending, so its key's later
+        rows stay behind it, and not claimed again by this worker at every poll. One warning
+        per routing key and version a minute says so. A row no live instance handles is dead,
+        reason ``no_handler``; so is every such row of a worker without a service.
+        """
+        rows = [r for r in batch.away if r["id"] in mine]
+        if not rows:
+            return
+        grace = self._settings.no_handler_grace
+        live = (
+            []
+            if self._service is None
+            else queries.live_instances(conn, self._tables, self._service, timedelta(seconds=grace))
+        )
+        left: list[int] = []
+        for row in rows:
+            kind, key, version = row["kind"], row["routing_key"], row["version"]
+            others = [i["instance"] for i in live if handled_by(i["handlers"], kind, key, version)]
+            if others:
+                left.append(row["id"])
+                self._warn_away(kind, key, version, others)
+                continue
+            log.error(
+                "worker %s: no handler for %s %s version %d here, nor on any instance seen in"
+                " the last %gs; dead",
+                self.name,
+                kind,
+                key,
+                version,
+                grace,
+            )
+            error = f"no handler for {key} version {version} on any live instance"
+            self._mark_dead(conn, row, NO_HANDLER, error, finished=True)
+            batch.marked.append(NO_HANDLER)
+        queries.defer_claims(conn, self._tables, left, self.claimant, timedelta(seconds=AWAY_DELAY))
+
+    def _warn_away(self, kind: str, key: str, version: int, others: list[str]) -> None:
+        """Log that this worker leaves (kind, key, version) to `others`: once a minute."""
+        now = time.monotonic()
+        if now - self._warned.get((kind, key, version), -float("inf")) < 60:
+            return
+        if len(self._warned) >= 10_000:  # routing keys come from senders: keep it bounded
+            self._warned.clear()
+        self._warned[(kind, key, version)] = now
+        log.warning(
+            "worker %s (service %s) has no handler for %s %s version %d: left, uncounted, to"
+            " live instances that have one: %s",
+            self.name,
+            self._service,
+            kind,
+            key,
+            version,
+            ", ".join(sorted(others)[:3]) + (" …" if len(others) > 3 else ""),
+        )
+
     def _mark_dead_rows(self, conn: Connection, batch: _Batch, mine: set[int]) -> None:
         batch.marked = []  # told to the listener once the transaction committed
+        self._leave_away_rows(conn, batch, mine)
         for row, reason, error, finished in batch.dead:
             if row["id"] in mine:
                 self._mark_dead(conn, row, reason, error, finished=finished)
@@ -550,7 +664,7 @@ class Worker:
         message = message_from_row(row)
         session = Session(bind=conn, join_transaction_mode="create_savepoint")
         try:
-            subscriptions = self._handlers.find(message.kind, message.type)
+            subscriptions = self._handlers.find(message.kind, message.type, message.version)
             self._run_handlers(message, subscriptions, session, self._tracing.tracer())
             session.flush()
             run_writes(session)
@@ -575,7 +689,7 @@ class Worker:
             call(self._listener, "failed", message, exc, dead=True)
             call(self._listener, "dead", reason, 1)
             return
-        subscriptions = self._handlers.find(message.kind, message.type)
+        subscriptions = self._handlers.find(message.kind, message.type, message.version)
         dead = self._failed(conn, row, subscriptions, exc)
         call(self._listener, "failed", message, exc, dead=dead)
         if dead:
