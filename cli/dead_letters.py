@@ -1,4 +1,4 @@
-"""`outbox-inbox dead-letters list | count | show | replay | purge`.
+"""`outbox-inbox dead-letters list | count | show | groups | replay | purge | park`.
 
 Sources: ``table`` (dead inbox rows), ``outbox`` (outbox rows the broker refused), ``queue``
 (``<service>.dead_letter``) and ``unroutable`` (commands no service had a queue for). See
@@ -8,6 +8,7 @@ outbox_inbox.dead_letters for what each action does.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -18,6 +19,7 @@ import click
 
 from outbox_inbox.dead_letters import (
     OUTBOX,
+    PARK,
     SOURCES,
     TABLE,
     ActionReport,
@@ -50,7 +52,7 @@ SHOWN = 50
 
 @click.group("dead-letters")
 def dead_letters() -> None:
-    """List, show, replay and purge dead letters.
+    """List, show, group, replay, purge and park dead letters.
 
     \b
     Sources (--source):
@@ -62,7 +64,15 @@ def dead_letters() -> None:
 
     Reading a broker queue takes up to --limit messages without acknowledging them and then
     releases them: they stay in the queue, in their place, flagged redelivered.
+
+    Each dead letter has a fingerprint of its cause; `groups` counts them by it, and --group
+    selects one group (by its fingerprint or the ID `groups` prints). `park` sets dead rows
+    aside (table and outbox): --parked selects them again.
     """
+
+
+#: What each action did, as its report says it.
+DONE = {"replay": "replayed", "purge": "purged", PARK: "parked"}
 
 
 def filter_options(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -91,6 +101,16 @@ def filter_options(function: Callable[..., Any]) -> Callable[..., Any]:
         click.option(
             "--id", "ids", multiple=True, metavar="MESSAGE_ID", help="A message id. Repeatable."
         ),
+        click.option(
+            "--group",
+            metavar="GROUP",
+            help="One dead-letter group: its ID as `groups` prints it, or its fingerprint.",
+        ),
+        click.option(
+            "--parked",
+            is_flag=True,
+            help="The parked rows instead of the dead ones (table and outbox sources).",
+        ),
     ]
     for option in reversed(options):
         function = option(function)
@@ -103,7 +123,10 @@ def _filters(
     reason: str | None,
     error: str | None,
     ids: tuple[str, ...],
+    group: str | None = None,
+    parked: bool = False,
 ) -> Filters:
+    """The filters given. `group` is resolved to its fingerprint by `_resolved`."""
     for pattern in types:
         if not pattern or any(not word for word in pattern.split(".")):
             raise click.BadParameter(
@@ -115,7 +138,18 @@ def _filters(
         reason=reason,
         error=error,
         message_ids=tuple(parse_message_id(i) for i in ids),
+        fingerprint=group,
+        parked=parked,
     )
+
+
+def _resolved(target: Target, filters: Filters) -> Filters:
+    """`filters` with a --group ID replaced by its group's fingerprint (read from the
+    database when there is one; else the value is the fingerprint)."""
+    if filters.fingerprint is None or not target.has_database:
+        return filters
+    fingerprint = _dead_letters(target).group(filters.fingerprint, parked=filters.parked)
+    return dataclasses.replace(filters, fingerprint=fingerprint)
 
 
 def _dead_letters(target: Target) -> DeadLetters:
@@ -128,9 +162,15 @@ def _dead_letters(target: Target) -> DeadLetters:
     )
 
 
-def _sources(target: Target, source: str, *, strict: bool) -> list[str]:
-    """The sources to read. `strict`: every source asked for must be reachable (actions)."""
+def _sources(target: Target, source: str, *, strict: bool, tables_only: bool = False) -> list[str]:
+    """The sources to read. `strict`: every source asked for must be reachable (actions).
+    `tables_only` (parked rows, park): "all" means the table and outbox sources."""
+    if tables_only and source not in ("all", TABLE, OUTBOX):
+        fail(f"--source {source} has no parked letters: only table and outbox can be parked")
     chosen, missing = _dead_letters(target).reachable(source)
+    if tables_only:
+        chosen = [s for s in chosen if s in (TABLE, OUTBOX)]
+        missing = [(s, why) for s, why in missing if s in (TABLE, OUTBOX)]
     for name, why in missing:
         why = {
             "no database": "no database (--db-url)",
@@ -160,7 +200,7 @@ def _letters_table(letters: list[DeadLetter]) -> str:
             d.ref,
             d.message_id,
             d.type,
-            d.reason or "",
+            _reason(d),
             format_age(d.age_seconds),
             "" if d.attempts is None else d.attempts,
             one_line(error_summary(d.error), 60),
@@ -169,6 +209,14 @@ def _letters_table(letters: list[DeadLetter]) -> str:
     ]
     headers = ["SOURCE", "REF", "MESSAGE ID", "TYPE", "REASON", "AGE", "ATTEMPTS", "ERROR"]
     return render_table(headers, rows)
+
+
+def _reason(letter: DeadLetter) -> str:
+    """The reason, and how many replays the letter died again after."""
+    reason = letter.reason or ""
+    if letter.replays:
+        reason += f" (after {plural(letter.replays, 'replay')})"
+    return reason
 
 
 def _counts(selections: list[Selection]) -> str:
@@ -216,13 +264,17 @@ def list_command(
     reason: str | None,
     error: str | None,
     ids: tuple[str, ...],
+    group: str | None,
+    parked: bool,
     limit: int,
     as_json: bool,
 ) -> None:
-    """List dead letters matching the filters, oldest first within each source."""
-    filters = _filters(types, older_than, reason, error, ids)
+    """List dead letters matching the filters, oldest first within each source (--parked:
+    the parked rows)."""
+    filters = _filters(types, older_than, reason, error, ids, group, parked)
     target = resolve(app=app, service=service, schema=schema, db_url=db_url, mq_url=mq_url)
-    sources = _sources(target, source, strict=False)
+    sources = _sources(target, source, strict=False, tables_only=parked)
+    filters = _resolved(target, filters)
     with _selections(target, sources, filters, limit) as selections:
         letters = [d for s in selections for d in s.letters]
         if as_json:
@@ -265,6 +317,8 @@ def count(
     reason: str | None,
     error: str | None,
     ids: tuple[str, ...],
+    group: str | None,
+    parked: bool,
     as_json: bool,
 ) -> None:
     """Count dead letters per source without loading them (tables: one query each).
@@ -272,10 +326,11 @@ def count(
     A broker queue is counted by its depth, or, with a filter, by reading it (its messages
     are given back, flagged redelivered).
     """
-    filters = _filters(types, older_than, reason, error, ids)
+    filters = _filters(types, older_than, reason, error, ids, group, parked)
     target = resolve(app=app, service=service, schema=schema, db_url=db_url, mq_url=mq_url)
     try:
-        sources = _sources(target, source, strict=False)
+        sources = _sources(target, source, strict=False, tables_only=parked)
+        filters = _resolved(target, filters)
         counts = _dead_letters(target).count(sources, filters)
     finally:
         target.close()
@@ -351,6 +406,10 @@ def _print_letter(letter: DeadLetter) -> None:
         ("dead at", letter.dead_at.isoformat() if letter.dead_at else None),
         ("age", format_age(letter.age_seconds)),
         ("attempts", letter.attempts),
+        ("fingerprint", letter.fingerprint),
+        ("group", letter.as_dict()["group"]),
+        ("replays", letter.replays or None),
+        ("replayed at", letter.replayed_at.isoformat() if letter.replayed_at else None),
     ]
     width = max(len(name) for name, _ in fields)
     for name, value in fields:
@@ -427,10 +486,12 @@ def _act(
     if filters.empty and not everything:
         raise click.UsageError(
             f"choose what to {action}: --id, a filter (--type, --older-than, --reason, "
-            "--error), or --all"
+            "--error, --group, --parked), or --all"
         )
     target = resolve(app=app, service=service, schema=schema, db_url=db_url, mq_url=mq_url)
-    sources = _sources(target, source, strict=True)
+    tables_only = filters.parked or action == PARK
+    sources = _sources(target, source, strict=True, tables_only=tables_only)
+    filters = _resolved(target, filters)
     with _selections(target, sources, filters, limit) as selections:
         total = sum(len(s.letters) for s in selections)
         if not as_json:
@@ -463,7 +524,7 @@ def _act(
 
 def _print_partial(action: str, selections: list[Selection]) -> None:
     """On stderr, what an action that failed did before it failed (the audit line has it)."""
-    verb = {"replay": "replayed", "purge": "purged"}[action]
+    verb = DONE[action]
     for selection in selections:
         if selection.outcome is not None:
             outcome = selection.outcome
@@ -485,7 +546,7 @@ def _show_selected(selections: list[Selection], limit: int | None) -> None:
 
 
 def _print_report(report: ActionReport, selections: list[Selection], as_json: bool) -> None:
-    verb = {"replay": "replayed", "purge": "purged"}[report.action]
+    verb = DONE[report.action]
     if as_json:
         shown: dict[str, Any] = {"dry_run": report.dry_run}
         if report.dry_run or not report.selected:
@@ -521,6 +582,8 @@ def replay(
     reason: str | None,
     error: str | None,
     ids: tuple[str, ...],
+    group: str | None,
+    parked: bool,
     everything: bool,
     limit: int | None,
     rate: float | None,
@@ -549,7 +612,7 @@ def replay(
         db_url=db_url,
         mq_url=mq_url,
         source=source,
-        filters=_filters(types, older_than, reason, error, ids),
+        filters=_filters(types, older_than, reason, error, ids, group, parked),
         everything=everything,
         limit=limit,
         rate=rate,
@@ -574,6 +637,8 @@ def purge(
     reason: str | None,
     error: str | None,
     ids: tuple[str, ...],
+    group: str | None,
+    parked: bool,
     everything: bool,
     limit: int | None,
     rate: float | None,
@@ -595,7 +660,7 @@ def purge(
         db_url=db_url,
         mq_url=mq_url,
         source=source,
-        filters=_filters(types, older_than, reason, error, ids),
+        filters=_filters(types, older_than, reason, error, ids, group, parked),
         everything=everything,
         limit=limit,
         rate=rate,
@@ -604,3 +669,101 @@ def purge(
         as_json=as_json,
         yes=yes or dry_run,
     )
+
+
+@dead_letters.command(short_help="Set dead rows aside: out of the dead letters, kept.")
+@_action_options
+def park(
+    app: str | None,
+    service: str | None,
+    schema: str | None,
+    db_url: str | None,
+    mq_url: str | None,
+    source: str,
+    types: tuple[str, ...],
+    older_than: timedelta | None,
+    reason: str | None,
+    error: str | None,
+    ids: tuple[str, ...],
+    group: str | None,
+    parked: bool,
+    everything: bool,
+    limit: int | None,
+    rate: float | None,
+    dry_run: bool,
+    audit_log: str,
+    as_json: bool,
+) -> None:
+    """Set dead rows aside as parked: out of `list`, `count`, `groups` and of every replay
+    and purge, kept for inspection. `list --parked` lists them; `replay --parked` and
+    `purge --parked` act on them later.
+
+    Table and outbox rows only (--source all means these two). Choose by --group, another
+    filter or --all. Writes one audit line (--audit-log).
+    """
+    _act(
+        PARK,
+        app=app,
+        service=service,
+        schema=schema,
+        db_url=db_url,
+        mq_url=mq_url,
+        source=source,
+        filters=_filters(types, older_than, reason, error, ids, group, parked),
+        everything=everything,
+        limit=limit,
+        rate=rate,
+        dry_run=dry_run,
+        audit_log=audit_log,
+        as_json=as_json,
+    )
+
+
+@dead_letters.command(short_help="Dead letters grouped by cause.")
+@target_options
+@click.option("--parked", is_flag=True, help="Group the parked rows instead.")
+@json_option
+def groups(
+    app: str | None,
+    service: str | None,
+    schema: str | None,
+    db_url: str | None,
+    mq_url: str | None,
+    parked: bool,
+    as_json: bool,
+) -> None:
+    """The dead rows of the table and outbox sources grouped by the fingerprint of their
+    cause (the exception's type and the handler's function, or the reason), largest first,
+    counted by the database: ID (for --group), count, types, sources, when the first and
+    last died, and how many died again after a replay. The broker queues are not counted:
+    `list --source queue --json` shows each message's fingerprint.
+    """
+    target = resolve(app=app, service=service, schema=schema, db_url=db_url, mq_url=mq_url)
+    try:
+        if not target.has_database:
+            fail("groups needs a database (--db-url)")
+        found = _dead_letters(target).groups(parked=parked)
+    finally:
+        target.close()
+    if as_json:
+        echo_json({"parked": parked, "groups": [g.as_dict() for g in found]})
+        return
+    rows = [
+        (
+            g.id,
+            g.count,
+            one_line(", ".join(g.types), 40),
+            ",".join(g.sources),
+            g.first_seen.isoformat(timespec="seconds") if g.first_seen else "",
+            g.last_seen.isoformat(timespec="seconds") if g.last_seen else "",
+            g.replayed,
+            g.fingerprint,
+        )
+        for g in found
+    ]
+    headers = ["ID", "COUNT", "TYPES", "SOURCES", "FIRST SEEN", "LAST SEEN", "REPLAYED"]
+    if rows:
+        echo(render_table([*headers, "FINGERPRINT"], rows))
+    what = "parked letter" if parked else "dead letter"
+    total = sum(g.count for g in found)
+    echo(f"{plural(len(found), 'group')}, {plural(total, what)}")

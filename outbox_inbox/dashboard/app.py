@@ -4,7 +4,10 @@
     GET  /service?name=    one service's status and its dead letters, with filters
     GET  /letter?service=&source=&id=      one dead letter: payload, headers, error, trace id
     GET  /confirm?service=&source=&action=&id=...   what an action would do, and its form
-    POST /act              replay or purge exactly the ids confirmed (CSRF-checked, audited)
+    GET  /confirm?service=&source=&action=&group=[&parked=1]   the same for a dead-letter
+                           group (its first MAX_IDS letters, chosen by id on the form)
+    POST /act              replay, purge or park exactly the ids confirmed (CSRF-checked,
+                           audited)
     GET  /dashboard.css
 
 Each request runs in its own thread of the server and opens its own broker connections; the
@@ -23,7 +26,7 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qs
 
-from ..dead_letters import Filters, parse_message_id
+from ..dead_letters import OUTBOX, PARK, TABLE, Filters, parse_message_id
 from ..errors import OutboxInboxError
 from ..logsafe import mask_url
 from ..status import problems
@@ -248,6 +251,7 @@ class Dashboard:
         filters = parse_filters(query)
         wanted = query.get("source") or "all"
         sources = service.sources() if wanted == "all" else [self._source(service, wanted)]
+        parts.append(self._groups(service))
         parts.append(html("<h2 id=dead-letters>Dead letters</h2>"))
         parts.append(
             views.filter_form(service.name, service.sources(), {**query, "source": wanted})
@@ -280,13 +284,24 @@ class Dashboard:
                     parts.append(views.bulk_links(service.name, by_source))
         return views.page(service.name, join(parts))
 
+    @staticmethod
+    def _groups(service: WatchedService) -> Safe:
+        """The dead and the parked rows of the service grouped by cause, with their actions."""
+        try:
+            dead = service.dead_letters.groups()
+            parked = service.dead_letters.groups(parked=True)
+        except OutboxInboxError as exc:
+            return join([html("<h2 id=groups>Dead-letter groups</h2>"), views.error_text(str(exc))])
+        return views.groups_section(service.name, dead, parked)
+
     def _find(
-        self, service: WatchedService, source: str, message_ids: list[str]
+        self, service: WatchedService, source: str, message_ids: list[str], filters: Filters
     ) -> tuple[list[Any], list[str]]:
         # Broker queues are read up to their depth: the letter may be anywhere in them.
-        with service.selections([source], Filters(message_ids=tuple(message_ids)), None) as (
-            selection,
-        ):
+        chosen = Filters(
+            message_ids=tuple(message_ids), fingerprint=filters.fingerprint, parked=filters.parked
+        )
+        with service.selections([source], chosen, None) as (selection,):
             letters = list(selection.letters)
         found = {d.message_id for d in letters}
         return letters, [m for m in message_ids if m not in found]
@@ -297,33 +312,55 @@ class Dashboard:
         message_id = parse_message_id(query.get("id", ""))
         if not message_id:
             raise BadRequest("no message id given")
-        letters, _ = self._find(service, source, [message_id])
+        letters, _ = self._find(service, source, [message_id], Filters())
         if not letters:
             raise NotFound(f"no dead letter {message_id} in {service.name}'s {source}")
         return views.letter_page(service.name, letters[0])
 
     def _action_params(
-        self, fields: dict[str, list[str]]
-    ) -> tuple[WatchedService, str, str, list[str]]:
+        self, fields: dict[str, list[str]], *, by_group: bool = False
+    ) -> tuple[WatchedService, str, str, list[str], Filters]:
+        """The service, source, action and ids of a form, and the group (fingerprint) and
+        parked state it keeps to. `by_group`: a group may stand for the ids (confirm)."""
         first = _single(fields)
         service = self._service(first.get("service"))
         source = self._source(service, first.get("source"))
         action = first.get("action", "")
         if action not in ACTIONS:
             raise BadRequest(f"unknown action {action!r}")
+        group = first.get("group", "").strip() or None
+        parked = first.get("parked", "") == "1"
+        if (action == PARK or parked) and source not in (TABLE, OUTBOX):
+            raise BadRequest(f"the {source} source has no parked letters: only table and outbox")
+        if action == PARK and parked:
+            raise BadRequest("these letters are parked already")
         ids = list(dict.fromkeys(parse_message_id(i) for i in fields.get("id", []) if i))
-        if not ids:
+        if not ids and not (by_group and group):
             raise BadRequest("no message id given: choose the dead letters first")
         if len(ids) > MAX_IDS:
             raise BadRequest(f"at most {MAX_IDS} dead letters at once")
-        return service, source, action, ids
+        if group is not None:
+            group = service.dead_letters.group(group, parked=parked)
+        return service, source, action, ids, Filters(fingerprint=group, parked=parked)
 
     def _confirm(self, environ: dict[str, Any], cookie: str) -> Safe:
         fields = parse_qs(str(environ.get("QUERY_STRING", "")))
-        service, source, action, ids = self._action_params(fields)
-        letters, missing = self._find(service, source, ids)
+        service, source, action, ids, group = self._action_params(fields, by_group=True)
+        more = False
+        if ids:
+            letters, missing = self._find(service, source, ids, group)
+        else:  # a whole group: its first MAX_IDS letters, confirmed by id like any others
+            with service.selections([source], group, MAX_IDS) as (selection,):
+                letters, missing, more = list(selection.letters), [], selection.more
         return views.confirm_page(
-            service.name, source, action, letters, missing, self.guard.csrf_token(cookie)
+            service.name,
+            source,
+            action,
+            letters,
+            missing,
+            self.guard.csrf_token(cookie),
+            group=group,
+            more=more,
         )
 
     def _post_act(self, environ: dict[str, Any], user: str) -> Safe:
@@ -331,9 +368,18 @@ class Dashboard:
         problem = self.guard.csrf_problem(environ, _single(fields).get(CSRF_FIELD))
         if problem is not None:
             raise PermissionError(problem)
-        service, source, action, ids = self._action_params(fields)
+        service, source, action, ids, group = self._action_params(fields)
         client = f"{user}@{environ.get('REMOTE_ADDR', '?')}"
-        result = act(service, action, source, ids, audit=self.audit, client=client)
+        result = act(
+            service,
+            action,
+            source,
+            ids,
+            audit=self.audit,
+            client=client,
+            fingerprint=group.fingerprint,
+            parked=group.parked,
+        )
         return views.result_page(
             service.name, action, source, result.done, result.kept, result.missing, result.error
         )

@@ -4,7 +4,8 @@ Everything here goes through outbox_inbox.status.collect_status and
 outbox_inbox.dead_letters.DeadLetters, the functions behind `outbox-inbox status` and
 `dead-letters`:
 the dashboard shows the same numbers and acts the same way. An action selects by message id,
-so exactly the dead letters the operator confirmed are replayed or purged.
+so exactly the dead letters the operator confirmed are replayed, purged or parked (a group's
+action confirms the group's letters by id as well, and keeps to the group).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from sqlalchemy import Engine
 from ..brokers.rabbitmq import RabbitMQBroker
 from ..brokers.rabbitmq_admin import RabbitMQAdmin
 from ..dead_letters import (
+    PARK,
     PURGE,
     REPLAY,
     DeadLetters,
@@ -33,7 +35,7 @@ from ..tables import Tables
 
 log = logging.getLogger(__name__)
 
-ACTIONS = (REPLAY, PURGE)
+ACTIONS = (REPLAY, PURGE, PARK)
 
 
 @dataclass(frozen=True)
@@ -118,8 +120,12 @@ def act(
     *,
     audit: AuditWriter,
     client: str,
+    fingerprint: str | None = None,
+    parked: bool = False,
 ) -> ActionResult:
-    """Replay or purge the dead letters `message_ids` of `source`, and write one audit line.
+    """Replay, purge or park the dead letters `message_ids` of `source`, and write one audit
+    line. `fingerprint`: only those still of that dead-letter group; `parked`: the ids are
+    parked rows (park itself takes dead rows, of the table and outbox sources only).
 
     The selection is made again here, by id: a letter replayed or purged by someone else in
     the meantime is not found (reported as missing), never acted on twice. A queue replay
@@ -131,7 +137,7 @@ def act(
         raise ValueError(f"unknown action {action!r}")
     if not message_ids:
         raise ValueError("no message id given")
-    filters = Filters(message_ids=tuple(message_ids))
+    filters = Filters(message_ids=tuple(message_ids), fingerprint=fingerprint, parked=parked)
     outcome: Outcome | None = None
     selection: Selection | None = None
     error: str | None = None

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode
 
-from ..dead_letters import DeadLetter, error_summary
+from ..dead_letters import DeadLetter, Filters, Group, error_summary
 from ..logsafe import mask_url
 from ..status import dead_count
 from ..svgchart import CHART_CSS
@@ -373,6 +373,88 @@ def letters_table(name: str, letters: list[DeadLetter]) -> Safe:
     )
 
 
+#: What each action does to the letters, on its confirmation page; and what it did.
+_WHAT = {
+    "replay": "sent back to be handled again",
+    "purge": "deleted for good; this cannot be undone",
+    "park": "set aside as parked: out of the dead letters, kept, replayable later",
+}
+_DONE = {"replay": "replayed", "purge": "purged", "park": "parked"}
+
+
+def groups_section(name: str, dead: list[Group], parked: list[Group]) -> Safe:
+    """The dead rows grouped by cause (replay, purge or park a group, per source), and the
+    parked ones (replay or purge), as `outbox-inbox dead-letters groups` counts them."""
+    parts = [html("<h2 id=groups>Dead-letter groups</h2>"), _groups_table(name, dead, False)]
+    if parked:
+        parts.append(html("<h2 id=parked>Parked</h2>"))
+        parts.append(_groups_table(name, parked, True))
+    return join(parts)
+
+
+def _groups_table(name: str, groups: list[Group], parked: bool) -> Safe:
+    if not groups:
+        return html("<p>No dead letters in the table or the outbox.</p>")
+    actions = ("replay", "purge") if parked else ("replay", "purge", "park")
+    rows = []
+    for g in groups:
+        links = join(
+            html(
+                '<a class="button {}" href="{}">{} ({})</a>',
+                action,
+                link(
+                    "/confirm",
+                    service=name,
+                    source=source,
+                    action=action,
+                    group=g.id,
+                    parked="1" if parked else None,
+                ),
+                action.capitalize(),
+                source,
+            )
+            for source in g.sources
+            for action in actions
+        )
+        rows.append(
+            html(
+                '<tr id="group-{}"><td>{}</td><td class="num">{}</td><td>{}</td><td>{}</td>'
+                '<td>{}</td><td>{}</td><td class="num">{}</td><td>{}</td><td>{}</td></tr>',
+                g.id,
+                g.id,
+                g.count,
+                ", ".join(g.types),
+                ", ".join(g.sources),
+                g.first_seen.isoformat(timespec="seconds") if g.first_seen else "",
+                g.last_seen.isoformat(timespec="seconds") if g.last_seen else "",
+                g.replayed,
+                g.fingerprint,
+                links,
+            )
+        )
+    head = join(
+        html("<th>{}</th>", h)
+        for h in (
+            "group",
+            "count",
+            "types",
+            "sources",
+            "first seen",
+            "last seen",
+            "dead again after a replay",
+            "cause",
+            "",
+        )
+    )
+    table_id = "parked-groups" if parked else "dead-groups"
+    return html(
+        '<table id="{}"><thead><tr>{}</tr></thead><tbody>{}</tbody></table>',
+        table_id,
+        head,
+        join(rows),
+    )
+
+
 def bulk_links(name: str, by_source: dict[str, list[str]]) -> Safe:
     """Replay / purge every listed letter of one source (each confirmed on the next page)."""
     links = []
@@ -419,6 +501,14 @@ def letter_page(name: str, letter: DeadLetter) -> Safe:
         ("attempts", letter.attempts),
     ]
     dl = join(html("<dt>{}</dt><dd>{}</dd>", k, "" if v is None else v) for k, v in fields)
+    # Below the error, so that the actions keep their place at the top of the page.
+    cause = [
+        ("fingerprint", letter.fingerprint),
+        ("group", as_dict["group"]),
+        ("replays", letter.replays),
+        ("replayed at", letter.replayed_at.isoformat() if letter.replayed_at else None),
+    ]
+    cause_dl = join(html("<dt>{}</dt><dd>{}</dd>", k, "" if v is None else v) for k, v in cause)
     actions = join(
         html(
             '<a class="button {}" id="{}" href="{}">{}…</a>',
@@ -435,13 +525,15 @@ def letter_page(name: str, letter: DeadLetter) -> Safe:
         "<h1>Dead letter {}</h1><dl class=fields id=fields>{}</dl><p>{}</p>"
         "<h2>Payload</h2><pre id=payload>{}</pre>"
         "<h2>Headers</h2><pre id=headers>{}</pre>"
-        "<h2>Error</h2><pre id=error>{}</pre>",
+        "<h2>Error</h2><pre id=error>{}</pre>"
+        "<h2>Cause</h2><dl class=fields id=cause>{}</dl>",
         letter.message_id,
         dl,
         actions,
         _json(as_dict["payload"]),
         _json(as_dict["headers"]),
         mask_url(letter.error) if letter.error else "(none)",
+        cause_dl,
     )
     return page(f"Dead letter {letter.message_id}", body)
 
@@ -453,12 +545,21 @@ def confirm_page(
     letters: list[DeadLetter],
     missing: list[str],
     csrf: str,
+    *,
+    group: Filters | None = None,
+    more: bool = False,
 ) -> Safe:
-    what = {
-        "replay": "sent back to be handled again",
-        "purge": "deleted for good; this cannot be undone",
-    }[action]
+    """What `action` would do to `letters`, and its form. `group`: the dead-letter group
+    (fingerprint) and parked state the form keeps to; `more`: the group has more letters
+    than the form holds."""
+    what = _WHAT[action]
+    group = group or Filters()
     hidden = join(html('<input type=hidden name=id value="{}">', d.message_id) for d in letters)
+    if group.fingerprint is not None:
+        kept_to = html('<input type=hidden name=group value="{}">', group.fingerprint)
+        hidden = join([hidden, kept_to])
+    if group.parked:
+        hidden = join([hidden, html("<input type=hidden name=parked value=1>")])
     parts = [
         html(
             "<h1>{} {} dead letter(s) of {} ({})?</h1><p>They will be {}.</p>",
@@ -470,6 +571,17 @@ def confirm_page(
         ),
         letters_table(name, letters),
     ]
+    if group.fingerprint is not None:
+        parts.insert(1, html("<p id=group>Group: {}</p>", group.fingerprint))
+    if more:
+        parts.append(
+            html(
+                '<p class="note">The group has more than these {}: {} them, then again for '
+                "the rest.</p>",
+                len(letters),
+                action,
+            )
+        )
     if missing:
         parts.append(
             html(
@@ -515,7 +627,7 @@ def result_page(
     missing: list[str],
     error: str | None,
 ) -> Safe:
-    verb = {"replay": "replayed", "purge": "purged"}[action]
+    verb = _DONE[action]
     parts = [
         html(
             "<h1 id=result>{} {} of {} dead letter(s) ({})</h1>",
