@@ -152,7 +152,7 @@ def test_audit_command_writes_summary_and_report_and_exits_4_when_messages_were_
         ((), "nothing to audit"),
         (("/nonexistent/archive",), "is not a directory"),
         ((".", "--conf", "spark.executor.memory"), "is not KEY=VALUE"),
-        ((".", "--db-url", "mysql://u:secret@h/db"), "driver is not installed"),
+        ((".", "--db-url", "mysql://u:secret@h/db"), "mysql:// is not supported"),
     ],
 )
 def test_audit_command_rejects_bad_input_in_one_line(args: tuple[str, ...], message: str) -> None:

@@ -33,8 +33,18 @@ class _Collect(logging.Handler):
 
 
 def _pika_records_at(level: int) -> list[logging.LogRecord]:
+    """pika's records of a failed connection with the root logger at `level`, pika's own
+    loggers left to inherit it (whatever another test set them to)."""
     root = logging.getLogger()
     handler, old_level = _Collect(), root.level
+    pika_loggers = [
+        logging.getLogger(name)
+        for name in list(logging.root.manager.loggerDict)
+        if name == "pika" or name.startswith("pika.")
+    ]
+    old_levels = [logger.level for logger in pika_loggers]
+    for logger in pika_loggers:
+        logger.setLevel(logging.NOTSET)
     root.addHandler(handler)
     root.setLevel(level)
     try:
@@ -42,6 +52,8 @@ def _pika_records_at(level: int) -> list[logging.LogRecord]:
     finally:
         root.removeHandler(handler)
         root.setLevel(old_level)
+        for logger, old in zip(pika_loggers, old_levels, strict=True):
+            logger.setLevel(old)
     return [r for r in handler.records if r.name.startswith("pika")]
 
 

@@ -42,6 +42,6 @@ def test_demo_without_servers_shows_command_event_retry_and_dead_letter(tmp_path
     published = [
         line.split("  ", 2)[-1] for line in result.stdout.splitlines() if "published" in line
     ]
-    assert len(published) == 5 and len(set(published)) == 5, published
+    assert len(published) >= 5 and len(set(published)) == len(published), published
     assert "order 3" not in result.stdout.split("ROLLED BACK")[1]  # the rollback sent nothing
     assert list(tmp_path.iterdir()) == []  # the SQLite files lived in a temporary directory
