@@ -26,6 +26,7 @@ if TYPE_CHECKING:
         TopologyMismatch,
         TopologyMissing,
     )
+    from .faults import Fault
     from .handlers import AsyncBatchContext, AsyncHandlerContext, BatchContext, HandlerContext
     from .listener import Listener, Listeners
     from .messages import Message
@@ -43,6 +44,7 @@ __all__ = [
     "BrokerError",
     "ConfigurationError",
     "DatabaseUnavailable",
+    "Fault",
     "HandlerContext",
     "HandlerExited",
     "InvalidMessage",
@@ -91,6 +93,7 @@ _HOMES = {
             "TopologyMismatch",
             "TopologyMissing",
         ),
+        ".faults": ("Fault",),
         ".handlers": (
             "AsyncBatchContext",
             "AsyncHandlerContext",

@@ -190,6 +190,9 @@ class Settings:
     no_handler_grace: float = 300.0
     worker_poll_interval: float = 0.5
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    #: Send a fault back to an event's publisher when the event ends dead here, as commands'
+    #: senders always get one (outbox_inbox.faults).
+    event_faults: bool = False
 
     #: Declare the topology when the receiver starts. False: declare nothing, only check with
     #: passive declares that the inbox queue exists (`outbox-inbox topology apply` made it),

@@ -17,6 +17,7 @@ from sqlalchemy.util.concurrency import in_greenlet
 
 from .context import handling
 from .errors import ConfigurationError, HandlerExited
+from .faults import FAULT, is_fault, log_unhandled_fault
 from .messages import COMMAND, EVENT, Message
 from .payloads import declared_payload_type, decode
 from .retry import RetryPolicy
@@ -207,6 +208,9 @@ def _takes_context(handler: Callable[..., Any], batch: bool) -> bool:
 @dataclass(frozen=True)
 class Subscription:
     """A handler and what it handles. `pattern` is a full routing key or topic pattern.
+
+    `kind` is ``command``, ``event``, or ``fault`` (a handler of faults, `Service.on_fault`:
+    commands whose routing key matches the topic `pattern` ``<service>.fault.<original>``).
 
     A handler is called as ``handler(message, session)``, or ``handler(ctx)`` when its first
     parameter is a `HandlerContext` (annotated so, or named ``ctx``); either way a parameter
@@ -408,8 +412,13 @@ class Handlers:
         if found is None:
             if kind == COMMAND:
                 every = [
-                    s for s in self._subscriptions if s.kind == COMMAND and s.pattern == routing_key
+                    s
+                    for s in self._subscriptions
+                    if (s.kind == COMMAND and s.pattern == routing_key)
+                    or (s.kind == FAULT and topic_matches(s.pattern, routing_key))
                 ]
+                if not every and is_fault(routing_key):
+                    every = [_UNHANDLED_FAULT]  # logged and processed, not dead
             else:
                 every = [
                     s
@@ -435,5 +444,7 @@ def handled_by(advertised: Sequence[Mapping[str, Any]], kind: str, key: str, ver
     return False
 
 
+#: What handles a fault no `Service.on_fault` handler matches: an INFO line.
+_UNHANDLED_FAULT = Subscription(FAULT, "#", log_unhandled_fault)
 #: A lookup's answer: every subscription, those called per message, the batch handlers.
 _Found = tuple[list[Subscription], list[Subscription], list[Subscription]]

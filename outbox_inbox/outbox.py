@@ -74,6 +74,11 @@ class Outbox:
         self._limit = max_payload_bytes
         self._tracing = tracing or Tracing(self._service)
 
+    @property
+    def service(self) -> str:
+        """The service whose outbox this is (the ``app_id`` of what it writes)."""
+        return self._service
+
     def publish(
         self,
         session: Session | Connection,

@@ -9,6 +9,7 @@ import multiprocessing
 import signal
 import threading
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -32,6 +33,7 @@ from .errors import (
     first_line,
     storage_error,
 )
+from .faults import FAULT, fault_routing_key
 from .handlers import AsyncHandler, Handler, Handlers, Subscription
 from .listener import Listener
 from .logsafe import mask_url
@@ -46,7 +48,7 @@ from .tables import Tables, build_tables
 from .topology import Topology, command_routing_key, inbox_queue, service_topology
 from .tracing import Tracing
 from .waker import Waker, notify_channel, psycopg_conninfo
-from .worker import Worker
+from .worker import Worker, worker_name
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +201,11 @@ class Service:
         worker that has one (docs/migrating.md).
         """
 
+        if command.split(".", 1)[0] == FAULT:
+            raise ConfigurationError(
+                f"command {command!r}: commands named fault.… are faults; use on_fault"
+            )
+
         def register(handler: H) -> H:
             routing_key = command_routing_key(self.name, command)
             self.handlers.add(
@@ -232,6 +239,32 @@ class Service:
                 EVENT, pattern, handler, retry, self.outbox, batch=batch, version=version
             )
             self.handlers.add(subscription)
+            return handler
+
+        return register
+
+    def on_fault(
+        self, pattern: str, *, retry: RetryPolicy | None = None, batch: bool = False
+    ) -> Callable[[H], H]:
+        """Register a handler of the faults of what this service sent: commands (and events,
+        where the receiver opts in) that ended dead at their receiver (outbox_inbox.faults).
+
+        `pattern` is the dead message's routing key (``billing.invoice.create``) or a topic
+        pattern of it (``billing.#``). The fault is a command to this service whose payload
+        is a `Fault`: declare ``payload: Fault`` for it typed. The handler runs exactly once
+        like any handler, in the transaction that marks the fault processed; several handlers
+        matching one fault all run, in registration order. A fault no handler matches is
+        logged at INFO and processed (docs/failures.md). `retry`, `batch`: as in
+        `on_command`.
+        """
+        if not pattern or any(not w for w in pattern.split(".")):
+            raise ConfigurationError(f"invalid fault pattern {pattern!r}")
+
+        def register(handler: H) -> H:
+            routing_key = fault_routing_key(self.name, pattern)
+            self.handlers.add(
+                Subscription(FAULT, routing_key, handler, retry, self.outbox, batch=batch)
+            )
             return handler
 
         return register
@@ -306,6 +339,22 @@ class Service:
                 queries.record_subscriptions(conn, self.tables, self.name, bindings)
         except SQLAlchemyError as exc:
             raise storage_error(exc, "recording the service's subscriptions") from exc
+
+    def _advertise_before_binding(self) -> None:
+        """Advertise this process's handlers in the instances table before its bindings are
+        declared, so that a message the new bindings route finds them before this process's
+        workers advertise their own: an old worker leaves it instead of marking it dead. The
+        row is not refreshed: it stops counting as live after ``no_handler_grace``. Raises
+        StorageError."""
+        grace = timedelta(seconds=self.settings.no_handler_grace)
+        instance = f"{worker_name()} (receiver start)"
+        try:
+            with self.engine.begin() as conn:
+                queries.advertise_instance(
+                    conn, self.tables, self.name, instance, self.handlers.advertised(), 10 * grace
+                )
+        except SQLAlchemyError as exc:
+            raise storage_error(exc, "advertising the service's handlers") from exc
 
     def migrate(self, revision: str = "heads") -> None:
         """Apply the shipped migrations to the service's database (``outbox-inbox db upgrade``)."""
@@ -400,6 +449,7 @@ class Service:
             listener=self.listener,
             tracing=self.tracing,
             liveness_url=self._liveness_url,
+            outbox=self.outbox,
         )
 
     def async_worker(self, name: str | None = None) -> AsyncWorker:
@@ -717,6 +767,7 @@ class Service:
             try:
                 self.check_database()
                 if topology:
+                    self._advertise_before_binding()
                     if s.declare:
                         self.declare_topology()
                     else:

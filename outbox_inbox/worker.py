@@ -28,10 +28,12 @@ from . import queries
 from .config import Settings
 from .context import handling
 from .errors import Reject, Retry, first_line
+from .faults import send_fault
 from .fingerprint import fingerprint
 from .handlers import Handlers, Subscription, handled_by, run_writes
 from .listener import Listener, call
 from .messages import Message, message_from_row
+from .outbox import Outbox
 from .retry import RetryPolicy
 from .role_loop import DRIVER_OUTAGES, RoleLoop
 from .tables import Tables
@@ -131,7 +133,10 @@ class Worker:
         tracing: Tracing | None = None,
         liveness_url: Callable[[], str | None] | None = None,
         service: str | None = None,
+        outbox: Outbox | None = None,
     ) -> None:
+        #: Where the faults of dead rows go (outbox_inbox.faults); None sends none.
+        self._outbox = outbox
         self._listener = listener
         self._tracing = tracing or Tracing("")
         self._engine = engine
@@ -262,8 +267,7 @@ class Worker:
         def recover(_exc: Exception) -> None:
             nonlocal conn
             if conn is not None:
-                conn.invalidate()
-                conn.close()
+                _discard(conn)
                 conn = None
 
         if on_started:
@@ -612,11 +616,17 @@ class Worker:
     ) -> None:
         """Mark `row` dead, in the caller's transaction: the one way every dead end of the
         worker goes (abandoned, expired, no handler, rejected, invalid payload, attempts
-        exhausted). `cause`: the handler's exception, when one ended it."""
+        exhausted). `cause`: the handler's exception, when one ended it.
+
+        The fault back to the row's sender is written after the mark, in the same
+        transaction: neither commits without the other (outbox_inbox.faults)."""
         cause_print = fingerprint(reason, cause)
         queries.mark_dead(
             conn, self._tables, row["id"], reason, error, finished=finished, fingerprint=cause_print
         )
+        if self._outbox is not None:
+            events = self._settings.event_faults
+            send_fault(conn, self._outbox, row, reason, error, cause, events=events)
 
     def _run_handlers(
         self,
@@ -742,6 +752,23 @@ def _limit_each_transaction(lease: float) -> Callable[[Connection], None]:
             ) from exc
 
     return limit
+
+
+def _discard(conn: Connection) -> None:
+    """Close the worker's connection for good: its session, and the liveness lock it holds,
+    end now. `Connection.invalidate()` alone only forgets a detached connection (the one that
+    holds the lock): its session would live on, and keep its claims leased, until the garbage
+    collector closes it."""
+    raw = None
+    with contextlib.suppress(SQLAlchemyError):
+        raw = None if conn.invalidated else conn.connection.dbapi_connection
+    conn.invalidate()
+    conn.close()
+    if raw is not None:
+        try:
+            raw.close()
+        except Exception as exc:  # the driver's error, whichever database it is
+            log.debug("closing a broken worker connection: %s", exc)
 
 
 def _connection_broken(conn: Connection, exc: BaseException) -> bool:

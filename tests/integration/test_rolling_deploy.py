@@ -181,6 +181,24 @@ def test_a_worker_that_stops_is_no_longer_a_live_instance_at_once(db_url: str) -
     assert _row(db_url, cancelled).dead_reason == "no_handler"
 
 
+def test_a_receiver_declaring_new_bindings_advertises_its_handlers_before_its_workers_run(
+    db_url: str, mq_url: str
+) -> None:
+    old = _code(make_service("billing", db_url, mq_url), new=False)
+    new = _code(make_service("billing", db_url, mq_url), new=True)
+    new.start(relay=False, workers=0)  # binds orders.order.cancelled; no worker of its own yet
+    try:
+        cancelled = _store(old.engine, "orders.order.cancelled")
+        old_worker = old.worker()
+        with _connected(old_worker) as conn:
+            assert old_worker.work_once(conn) == 1
+        assert tuple(_row(db_url, cancelled))[:4] == ("pending", 0, 0, None)
+    finally:
+        new.stop()
+        new.close()
+        old.close()
+
+
 def test_on_sqlite_the_same_rule_holds(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'billing.db'}"
     handled: list[int] = []
