@@ -123,7 +123,9 @@ def test_a_forged_or_cross_origin_form_changes_nothing_and_escaping_holds(
     purged = dashboard.request("/act", data={**form, "csrf": token}, headers={"Cookie": cookie})
     assert purged.status == 200 and "Purged 1 of 1" in purged.body
     assert dead_ids(db_url) == []
-    assert scalar(db_url, "SELECT count(*) FROM outbox_inbox.inbox_messages") == 0
+    # (billing sent the command to itself: the fault of its death came back, and stays.)
+    left = "SELECT count(*) FROM outbox_inbox.inbox_messages WHERE routing_key NOT LIKE '%.fault.%'"
+    assert scalar(db_url, left) == 0
     (line,) = dashboard.audit()
     assert line["command"] == "dashboard purge" and line["message_ids"] == [dead]
 
