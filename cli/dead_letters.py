@@ -464,6 +464,13 @@ def _action_options(function: Callable[..., Any]) -> Callable[..., Any]:
     return function
 
 
+def _act_on_selection(action: str, options: dict[str, Any], *, yes: bool = True) -> None:
+    """`_act` with the options of `_action_options` as click gives them."""
+    filter_names = ("types", "older_than", "reason", "error", "ids", "group", "parked")
+    filters = _filters(*(options.pop(name) for name in filter_names))
+    _act(action, filters=filters, yes=yes, **options)
+
+
 def _act(
     action: str,
     *,
@@ -570,27 +577,7 @@ def _print_report(report: ActionReport, selections: list[Selection], as_json: bo
 
 @dead_letters.command(short_help="Send dead letters back to be handled, in order.")
 @_action_options
-def replay(
-    app: str | None,
-    service: str | None,
-    schema: str | None,
-    db_url: str | None,
-    mq_url: str | None,
-    source: str,
-    types: tuple[str, ...],
-    older_than: timedelta | None,
-    reason: str | None,
-    error: str | None,
-    ids: tuple[str, ...],
-    group: str | None,
-    parked: bool,
-    everything: bool,
-    limit: int | None,
-    rate: float | None,
-    dry_run: bool,
-    audit_log: str,
-    as_json: bool,
-) -> None:
+def replay(**options: Any) -> None:
     """Send dead letters back to be handled again, in their original order.
 
     \b
@@ -604,96 +591,24 @@ def replay(
     Choose one (--id), by filter, or --all. Writes one audit line (--audit-log).
     Exit 4 when some selected dead letters were kept where they were.
     """
-    _act(
-        "replay",
-        app=app,
-        service=service,
-        schema=schema,
-        db_url=db_url,
-        mq_url=mq_url,
-        source=source,
-        filters=_filters(types, older_than, reason, error, ids, group, parked),
-        everything=everything,
-        limit=limit,
-        rate=rate,
-        dry_run=dry_run,
-        audit_log=audit_log,
-        as_json=as_json,
-    )
+    _act_on_selection("replay", options)
 
 
 @dead_letters.command(short_help="Delete dead letters for good (asks first).")
 @_action_options
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
-def purge(
-    app: str | None,
-    service: str | None,
-    schema: str | None,
-    db_url: str | None,
-    mq_url: str | None,
-    source: str,
-    types: tuple[str, ...],
-    older_than: timedelta | None,
-    reason: str | None,
-    error: str | None,
-    ids: tuple[str, ...],
-    group: str | None,
-    parked: bool,
-    everything: bool,
-    limit: int | None,
-    rate: float | None,
-    dry_run: bool,
-    audit_log: str,
-    as_json: bool,
-    yes: bool,
-) -> None:
+def purge(yes: bool, **options: Any) -> None:
     """Delete dead letters for good: exactly the ones selected and shown.
 
     Table rows are deleted (only those still dead); queue messages are acknowledged. Asks
     for confirmation unless --yes. Writes one audit line (--audit-log).
     """
-    _act(
-        "purge",
-        app=app,
-        service=service,
-        schema=schema,
-        db_url=db_url,
-        mq_url=mq_url,
-        source=source,
-        filters=_filters(types, older_than, reason, error, ids, group, parked),
-        everything=everything,
-        limit=limit,
-        rate=rate,
-        dry_run=dry_run,
-        audit_log=audit_log,
-        as_json=as_json,
-        yes=yes or dry_run,
-    )
+    _act_on_selection("purge", options, yes=yes or options["dry_run"])
 
 
 @dead_letters.command(short_help="Set dead rows aside: out of the dead letters, kept.")
 @_action_options
-def park(
-    app: str | None,
-    service: str | None,
-    schema: str | None,
-    db_url: str | None,
-    mq_url: str | None,
-    source: str,
-    types: tuple[str, ...],
-    older_than: timedelta | None,
-    reason: str | None,
-    error: str | None,
-    ids: tuple[str, ...],
-    group: str | None,
-    parked: bool,
-    everything: bool,
-    limit: int | None,
-    rate: float | None,
-    dry_run: bool,
-    audit_log: str,
-    as_json: bool,
-) -> None:
+def park(**options: Any) -> None:
     """Set dead rows aside as parked: out of `list`, `count`, `groups` and of every replay
     and purge, kept for inspection. `list --parked` lists them; `replay --parked` and
     `purge --parked` act on them later.
@@ -701,22 +616,7 @@ def park(
     Table and outbox rows only (--source all means these two). Choose by --group, another
     filter or --all. Writes one audit line (--audit-log).
     """
-    _act(
-        PARK,
-        app=app,
-        service=service,
-        schema=schema,
-        db_url=db_url,
-        mq_url=mq_url,
-        source=source,
-        filters=_filters(types, older_than, reason, error, ids, group, parked),
-        everything=everything,
-        limit=limit,
-        rate=rate,
-        dry_run=dry_run,
-        audit_log=audit_log,
-        as_json=as_json,
-    )
+    _act_on_selection(PARK, options)
 
 
 @dead_letters.command(short_help="Dead letters grouped by cause.")
