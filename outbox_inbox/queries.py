@@ -892,33 +892,30 @@ def mark_dead(
     conn.execute(update(i).where(i.c.id == row_id).values(**values))
 
 
-def release_claims(conn: Connection, tables: Tables, ids: Sequence[int], worker: str) -> None:
-    """Give back claims this worker will not run (it is stopping); they do not count."""
-    if ids:
-        i = tables.inbox
-        conn.execute(
-            update(i)
-            .where(
-                _among(i.c.id, conn.dialect.name == "postgresql"),
-                i.c.locked_by == worker,
-                i.c.status == PENDING,
-            )
-            .values(locked_until=None, locked_by=None, attempts=i.c.attempts - 1),
-            {"ids": list(ids)},
-        )
-
-
-def defer_claims(
-    conn: Connection, tables: Tables, ids: Sequence[int], worker: str, delay: timedelta
+def release_claims(
+    conn: Connection,
+    tables: Tables,
+    ids: Sequence[int],
+    worker: str,
+    *,
+    due_in: timedelta | None = None,
 ) -> None:
-    """Give back claims this worker has no handler for, uncounted, due again after `delay`.
+    """Give back claims this worker will not run, uncounted: it is stopping, or (`due_in`)
+    it has no handler for them.
 
-    The rows stay pending, so a later row of the same key is still held behind them; the
-    delay keeps this worker from claiming them again at every poll, while a worker that has a
-    handler takes them once they are due.
+    With `due_in` the rows are due again only after that delay, which keeps this worker from
+    claiming them again at every poll, while a worker that has a handler takes them once they
+    are due. Either way they stay pending, so a later row of the same key is held behind them.
     """
     if ids:
         i = tables.inbox
+        values: dict[str, Any] = {
+            "locked_until": None,
+            "locked_by": None,
+            "attempts": i.c.attempts - 1,
+        }
+        if due_in is not None:
+            values["next_attempt_at"] = db_now_plus(due_in)
         conn.execute(
             update(i)
             .where(
@@ -926,12 +923,7 @@ def defer_claims(
                 i.c.locked_by == worker,
                 i.c.status == PENDING,
             )
-            .values(
-                locked_until=None,
-                locked_by=None,
-                attempts=i.c.attempts - 1,
-                next_attempt_at=db_now_plus(delay),
-            ),
+            .values(**values),
             {"ids": list(ids)},
         )
 

@@ -541,7 +541,7 @@ class Worker:
 
         A row that a live instance of the service advertises a handler for (one seen within
         ``no_handler_grace``: `queries.live_instances`) is given back uncounted and due again
-        in `AWAY_DELAY` seconds (`queries.defer_claims`): still pending, so its key's later
+        in `AWAY_DELAY` seconds (`queries.release_claims`): still pending, so its key's later
         rows stay behind it, and not claimed again by this worker at every poll. One warning
         per routing key and version a minute says so. A row no live instance handles is dead,
         reason ``no_handler``; so is every such row of a worker without a service.
@@ -575,7 +575,9 @@ class Worker:
             error = f"no handler for {key} version {version} on any live instance"
             self._mark_dead(conn, row, NO_HANDLER, error, finished=True)
             batch.marked.append(NO_HANDLER)
-        queries.defer_claims(conn, self._tables, left, self.claimant, timedelta(seconds=AWAY_DELAY))
+        queries.release_claims(
+            conn, self._tables, left, self.claimant, due_in=timedelta(seconds=AWAY_DELAY)
+        )
 
     def _warn_away(self, kind: str, key: str, version: int, others: list[str]) -> None:
         """Log that this worker leaves (kind, key, version) to `others`: once a minute."""
