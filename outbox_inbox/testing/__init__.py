@@ -239,7 +239,7 @@ class ServiceHarness:
         message_id: uuid.UUID | str | None = None,
         correlation_id: str | None = None,
         causation_id: str | None = None,
-        source: str | None = "tests",
+        source: str | None = None,
         priority: int | None = None,
     ) -> uuid.UUID:
         """Send one message to this service through the broker and store it in its inbox.
@@ -250,7 +250,10 @@ class ServiceHarness:
         and taken from ``<service>.inbox`` by the service's receiver, which stores it (a
         `message_id` already stored is dropped as a duplicate, as in production). Handlers do
         not run: call `run_until_idle`. `correlation_id` defaults to the message id, as for a
-        message written outside a handler.
+        message written outside a handler. `source` is the sending service (the message's
+        ``app_id``); None, the default, is a sender that is no service, as a plain AMQP
+        client: a message that dies then sends no fault. Name a service to see the fault its
+        death sends back (`published`, type ``<source>.fault.<type>``).
 
         Returns the id the inbox keys the message on (`message_id` itself when it is a UUID).
         Raises NotDelivered when the broker would not route the message to this service (a

@@ -125,9 +125,11 @@ def test_metrics_count_what_the_database_recorded_and_gauges_match_status(
         )
 
         service.start()
+        # billing sends to itself: each of the three dead commands sends billing a fault,
+        # handled (logged: no on_fault handler) like any message, and counted as one.
         wait_until(
-            lambda: _db(db_url, f"count(*) FROM {inbox} WHERE status <> 'pending'") == 6,
-            what="every message processed or dead",
+            lambda: _db(db_url, f"count(*) FROM {inbox} WHERE status <> 'pending'") == 9,
+            what="every message processed or dead, and the three faults handled",
         )
         # A copy of a stored message, as a broker redelivery or a sender's retry makes.
         publish_raw(mq_url, "commands", "billing.job.run", b"{}", message_id=str(ids[0]))
@@ -141,7 +143,7 @@ def test_metrics_count_what_the_database_recorded_and_gauges_match_status(
         assert scrape(mounted_url) == samples  # the mounted app serves the same registry
         s = "billing"
         processed = _db(db_url, f"count(*) FROM {inbox} WHERE status = 'processed'")
-        assert value(samples, "outbox_inbox_handled_total", service=s) == processed == 3
+        assert value(samples, "outbox_inbox_handled_total", service=s) == processed == 3 + 3
         for reason in ("rejected", "max_attempts"):
             dead = _db(db_url, f"count(*) FROM {inbox} WHERE dead_reason = '{reason}'")
             assert value(samples, "outbox_inbox_dead_total", service=s, reason=reason) == dead
@@ -152,7 +154,7 @@ def test_metrics_count_what_the_database_recorded_and_gauges_match_status(
         assert (
             value(samples, "outbox_inbox_published_total", service=s, kind="command")
             == published
-            == 6
+            == 6 + 3
         )
         assert value(samples, "outbox_inbox_received_total", service=s) == _db(
             db_url, f"count(*) FROM {inbox}"
@@ -160,13 +162,14 @@ def test_metrics_count_what_the_database_recorded_and_gauges_match_status(
         assert value(samples, "outbox_inbox_duplicates_total", service=s) == _db(
             db_url, "sum(duplicates) FROM outbox_inbox.inbox_deliveries"
         )
-        # Handler runs: one per processed or rejected message, two for the one that failed.
+        # Handler runs: one per processed or rejected message, two for the one that failed,
+        # one per fault.
         runs = _db(db_url, f"sum(attempts) FROM {inbox}")
         assert value(samples, "outbox_inbox_handler_duration_seconds_count", service=s) == runs
-        assert runs == 7
-        assert value(samples, "outbox_inbox_publish_lag_seconds_count", service=s) == 6
-        assert value(samples, "outbox_inbox_receive_lag_seconds_count", service=s) == 6
-        assert value(samples, "outbox_inbox_handle_lag_seconds_count", service=s) == 3
+        assert runs == 7 + 3
+        assert value(samples, "outbox_inbox_publish_lag_seconds_count", service=s) == 6 + 3
+        assert value(samples, "outbox_inbox_receive_lag_seconds_count", service=s) == 6 + 3
+        assert value(samples, "outbox_inbox_handle_lag_seconds_count", service=s) == 3 + 3
         assert value(samples, "outbox_inbox_publish_lag_seconds_sum", service=s) > 0
 
         # The gauges are the numbers `outbox-inbox status` shows.
