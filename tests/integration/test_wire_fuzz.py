@@ -219,7 +219,7 @@ _KEPT = (
     "reply_to",
     "cluster_id",
 )
-_ADDED = {"x-dead-reason", "x-dead-queue"}
+_ADDED = {"x-dead-reason", "x-dead-queue", "x-dead-fingerprint"}
 
 
 def _as_received(value: Any) -> Any:
