@@ -23,6 +23,8 @@ pytest.importorskip("pyspark", reason="the audit needs the spark extra")
 
 EVENTS, COMMANDS = 120, 60  # from orders; each command makes billing publish one event back
 REJECTED = 3  # commands billing rejects as bad input: dead letters, not losses
+FAULTS = REJECTED  # each rejected command sends orders a fault (outbox_inbox.faults)
+_FAULTS_HANDLED = "status = 'processed' AND routing_key LIKE 'orders.fault.%'"
 ORDERS_DUPLICATES, BILLING_DUPLICATES = 25, 10
 
 
@@ -71,9 +73,10 @@ def test_two_services_archived_and_audited_lose_nothing_and_report_the_injected_
                 billing_db.count("effects") == EVENTS + COMMANDS
                 and orders_db.count("effects") == COMMANDS
                 and billing_db.count(INBOX, "status = 'dead'") == REJECTED
+                and orders_db.count(INBOX, _FAULTS_HANDLED) == FAULTS
             ),
             timeout=60,
-            what="billing to handle every event and command, and orders every reply",
+            what="billing to handle every event and command, and orders every reply and fault",
         )
         _republish(orders_db, ORDERS_DUPLICATES)
         _republish(billing_db, BILLING_DUPLICATES)
@@ -95,7 +98,7 @@ def test_two_services_archived_and_audited_lose_nothing_and_report_the_injected_
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["rows"] == {
         "outbox": EVENTS + COMMANDS + REJECTED,
-        "inbox": COMMANDS,
+        "inbox": COMMANDS + FAULTS,
     }
 
     # Orders from its archive, billing from its live tables.
@@ -118,7 +121,7 @@ def test_two_services_archived_and_audited_lose_nothing_and_report_the_injected_
     )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["rows"] == {
-        "outbox": COMMANDS,
+        "outbox": COMMANDS + FAULTS,
         "inbox": EVENTS + COMMANDS + REJECTED,
     }
     assert orders_db.count(OUTBOX) == 0 and billing_db.count(OUTBOX) == 0
@@ -154,7 +157,7 @@ def test_two_services_archived_and_audited_lose_nothing_and_report_the_injected_
 def _assert_complete(summary: dict[str, object]) -> None:
     totals = summary["totals"]
     assert isinstance(totals, dict)
-    delivered = EVENTS + COMMANDS + REJECTED + COMMANDS
+    delivered = EVENTS + COMMANDS + REJECTED + COMMANDS + FAULTS
     assert totals["sent"] == delivered
     assert totals["expected_deliveries"] == delivered
     assert totals["delivered"] == delivered
@@ -176,4 +179,9 @@ def _assert_complete(summary: dict[str, object]) -> None:
     assert services["billing"]["duplicates_absorbed"] == ORDERS_DUPLICATES
     assert services["orders"]["duplicates_absorbed"] == BILLING_DUPLICATES
     types = {row["type"] for row in summary["latency"]}  # type: ignore[attr-defined]
-    assert types == {"orders.order.placed", "billing.invoice.create", "billing.invoice.created"}
+    assert types == {
+        "orders.order.placed",
+        "billing.invoice.create",
+        "billing.invoice.created",
+        "orders.fault.billing.invoice.create",
+    }
