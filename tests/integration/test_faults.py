@@ -323,12 +323,10 @@ DEAD_AT_COMMIT = (
 )
 
 
-def test_a_dead_mark_refused_at_commit_sends_no_fault_until_it_commits(
-    db_url: str, mq_url: str
-) -> None:
-    orders, received = _orders(db_url, mq_url)
-    # abandon_after high: the refused commits count as unfinished claims; the row must end
-    # dead as rejected once the mark commits, not as abandoned.
+def _rejecting_billing(db_url: str, mq_url: str) -> tuple[Service, list[int]]:
+    """billing, rejecting every invoice.create; and the list its handler appends a call to.
+    abandon_after is high: refused commits count as unfinished claims, and the row must end
+    dead as rejected once its mark commits, not as abandoned."""
     billing = make_service("billing", db_url, mq_url, schema="billing_box", abandon_after=100)
     calls: list[int] = []
 
@@ -336,6 +334,15 @@ def test_a_dead_mark_refused_at_commit_sends_no_fault_until_it_commits(
     def create(message: Message, session: Any) -> None:
         calls.append(1)
         raise Reject("customer 42 is closed")
+
+    return billing, calls
+
+
+def test_a_dead_mark_refused_at_commit_sends_no_fault_until_it_commits(
+    db_url: str, mq_url: str
+) -> None:
+    orders, received = _orders(db_url, mq_url)
+    billing, calls = _rejecting_billing(db_url, mq_url)
 
     _sql(billing, REFUSE_DEAD, DEAD_AT_COMMIT)
     with _running(orders, billing):
@@ -358,13 +365,7 @@ def test_a_dead_mark_refused_at_commit_sends_no_fault_until_it_commits(
 def test_a_fault_the_database_refuses_leaves_the_row_not_dead(db_url: str, mq_url: str) -> None:
     """No dead mark without the fault: the fault's insert fails, the mark rolls back."""
     orders, received = _orders(db_url, mq_url)
-    billing = make_service("billing", db_url, mq_url, schema="billing_box", abandon_after=100)
-    calls: list[int] = []
-
-    @billing.on_command("invoice.create")
-    def create(message: Message, session: Any) -> None:
-        calls.append(1)
-        raise Reject("customer 42 is closed")
+    billing, calls = _rejecting_billing(db_url, mq_url)
 
     _sql(
         billing,
