@@ -135,7 +135,12 @@ def test_a_worker_process_sigkilled_mid_batch_is_started_again_and_its_rows_hand
     processes.wait_until(lambda: db.count("effects") == 1000, timeout=60, what="1000 effects")
     assert took < 10
     assert sorted(m for (m,) in db.rows("SELECT message_id FROM effects")) == sorted(ids)
-    assert f"(pid {pid}) was killed by SIGKILL" in run.log_path.read_text()
+    # The parent names how the child ended (the line may follow the rows handled by others).
+    processes.wait_until(
+        lambda: f"(pid {pid}) was killed by SIGKILL" in run.log_path.read_text(),
+        timeout=10,
+        what="the parent to log how the child ended",
+    )
     # The killed child's batch was counted once more (claimed, never finished); no row twice.
     states = dict(((s, a, f), n) for s, a, f, n in _states(db))
     assert sum(states.values()) == 1000 and {s for s, _, _ in states} == {"processed"}
