@@ -158,6 +158,7 @@ class ArchiveResult:
     pruned_deliveries: int = 0
     cutoff: datetime | None = None
     interrupted: bool = False
+    partitions: list[str] = field(default_factory=list)  # exported, then dropped whole
 
 
 class Archiver:
@@ -235,6 +236,8 @@ class Archiver:
         with self._engine.connect() as conn:
             cutoff = result.cutoff = self._cutoff(conn)
         self._write_subscriptions()
+        if self._engine.dialect.name == "postgresql":
+            self._retire_partitions(result)
         for source in SOURCES:
             while not stop.is_set():
                 if self._batch(source, cutoff, result) < self.batch_size:
@@ -243,6 +246,22 @@ class Archiver:
         if not result.interrupted:
             with self._engine.begin() as conn:
                 result.pruned_deliveries = queries.prune_deliveries(conn, self._tables, cutoff)
+
+    def _retire_partitions(self, result: ArchiveResult) -> None:
+        """Export and drop the partitions wholly past `older_than` (dead rows included):
+        what the rows path below would move row by row, moved a partition at a time."""
+        from .partitions import Retention, maintain
+
+        done = maintain(
+            self._engine,
+            self._tables,
+            interval=None,
+            retention=Retention(self.older_than, self.older_than),
+            exporter=partition_exporter(self._tables, self.service, self.root),
+        )
+        for source, rows in done.exported.items():
+            result.rows[source] += rows
+        result.partitions = done.dropped
 
     # --- steps ----------------------------------------------------------------------------
 
@@ -334,6 +353,42 @@ class Archiver:
     def _path(self, source: str, day: date, file_id: uuid.UUID) -> Path:
         partition = self.root / source / f"service={self.service}" / f"date={day.isoformat()}"
         return partition / f"part-{file_id}.parquet"
+
+
+def partition_exporter(
+    tables: Tables, service: str, root: str | os.PathLike[str], *, chunk: int = 50_000
+) -> Callable[[Any, str, Any], int]:
+    """What `partitions.maintain` calls to export a detached partition before it drops it.
+
+    The partition's rows are read `chunk` at a time in id order and written to
+    ``<source>/service=<service>/date=<day>/part-<partition>-<n>.parquet``: the names depend
+    only on the partition, which no one writes any more, so a pass that dies part-way and is
+    run again writes the same files again (each replaced atomically), and the partition is
+    dropped only after the last one is durable.
+    """
+    require_pyarrow()
+    base = Path(root).absolute()
+
+    def export(conn: Any, source: str, rows: Any) -> int:
+        archived_at = _utc(queries.database_now(conn))
+        count, after, n = 0, None, 0
+        while True:
+            batch = queries.history_rows(conn, tables, source, limit=chunk, of=rows, after_id=after)
+            if not batch:
+                return count
+            by_date: dict[date, list[Any]] = {}
+            for row in batch:
+                day = (_utc(row[DATE_COLUMN[source]]) or archived_at).date()  # type: ignore[union-attr]
+                by_date.setdefault(day, []).append(row)
+            for day, day_rows in sorted(by_date.items()):
+                folder = base / source / f"service={service}" / f"date={day.isoformat()}"
+                path = folder / f"part-{rows.name}-{n:05d}.parquet"
+                write_parquet(path, source, to_records(source, day_rows, archived_at))
+                n += 1
+            count += len(batch)
+            after = int(batch[-1]["id"])
+
+    return export
 
 
 # --- files --------------------------------------------------------------------------------

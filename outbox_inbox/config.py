@@ -199,6 +199,21 @@ class Settings:
     #: so that the service's RabbitMQ user needs no configure permission (docs/security.md).
     declare: bool = True
 
+    # retention (PostgreSQL: time partitions, outbox_inbox.partitions)
+    #: The length of a partition of the outbox and the inbox: "day" or "hour" (UTC).
+    partition_interval: Literal["day", "hour"] = "day"
+    #: Seconds a partition is kept after its range ended, once every row in it is finished:
+    #: also the inbox's duplicate window, checked at start against `duplicate_horizon`. None
+    #: keeps every partition (then `outbox-inbox archive` is what empties the tables).
+    retention: float | None = 7 * 86400.0
+    #: Seconds a dead or parked row keeps its partition after it died. None: for ever.
+    dead_retention: float | None = 30 * 86400.0
+    #: Where maintenance exports a partition (Parquet, as `outbox-inbox archive`) before it
+    #: drops it; None drops it without an export.
+    archive_to: str | None = None
+    #: Seconds between maintenance passes of a running role (partitions made and dropped).
+    maintenance_interval: float = 300.0
+
     # connections
     reconnect_initial: float = 0.25
     reconnect_max: float = 2.0
@@ -267,6 +282,30 @@ class Settings:
                 raise ConfigurationError("max_priority needs a classic queue")
             if not 1 <= self.max_priority <= 255:
                 raise ConfigurationError("max_priority must be in 1..255")
+        if self.partition_interval not in ("day", "hour"):
+            raise ConfigurationError(
+                f'partition_interval must be "day" or "hour", got {self.partition_interval!r}'
+            )
+        self._check_duplicate_window()
+
+    def _check_duplicate_window(self) -> None:
+        """Refuse a retention shorter than the longest way a copy of a message can still
+        arrive after its first copy was stored (partitions.duplicate_horizon)."""
+        if self.retention is None:
+            return
+        from .partitions import duplicate_horizon
+
+        paths = duplicate_horizon(self)
+        horizon = sum(paths.values())
+        if self.retention < horizon:
+            spelled = " + ".join(f"{name} {_duration(sec)}" for name, sec in paths.items())
+            raise ConfigurationError(
+                f"retention {_duration(self.retention)} is shorter than the inbox's duplicate "
+                f"window needs: a copy of a message can still arrive {_duration(horizon)} after "
+                f"the first one ({spelled}); a shorter retention would store and handle it "
+                "twice. Raise retention, or shorten receive_retry / relay_max_attempts * "
+                "relay_retry_max"
+            )
 
     def __repr__(self) -> str:
         # URLs carry passwords: shown masked, so a logged or printed Settings leaks none.
@@ -286,3 +325,14 @@ class Settings:
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
+
+
+def _duration(seconds: float) -> str:
+    """Seconds as the largest whole units: 90061 -> '1d 1h 1m 1s'."""
+    left = round(seconds)
+    parts = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if left >= size:
+            parts.append(f"{left // size}{unit}")
+            left %= size
+    return " ".join(parts) or "0s"

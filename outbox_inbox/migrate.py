@@ -20,6 +20,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from .config import validate_identifier
 from .errors import StorageError, storage_error
 from .logsafe import mask_url
+from .partitions import is_partition
 from .tables import VERSION_TABLE, build_tables
 
 DEFAULT_SCHEMA = "outbox_inbox"
@@ -170,9 +171,7 @@ def check(connection: Connection, schema: str = DEFAULT_SCHEMA) -> list[str]:
         opts={
             "include_schemas": not sqlite,
             "include_name": lambda name, type_, _parent: type_ != "schema" or name == where,
-            "include_object": lambda _obj, name, type_, _r, _c: (
-                not (type_ == "table" and name == VERSION_TABLE)
-            ),
+            "include_object": lambda obj, name, type_, _r, _c: compared(obj, name, type_, sqlite),
             "compare_type": True,
         },
     )
@@ -181,6 +180,17 @@ def check(connection: Connection, schema: str = DEFAULT_SCHEMA) -> list[str]:
     except SQLAlchemyError as exc:
         raise storage_error(exc, "comparing the schema with the migrations") from exc
     return [_describe(diff) for diff in found]
+
+
+def compared(obj: Any, name: str | None, type_: str, sqlite: bool) -> bool:
+    """What `check` compares: not the version table; on PostgreSQL not the partitions (made
+    and dropped by the library, outbox_inbox.partitions) nor the message id's uniqueness,
+    which a partitioned table keeps per partition (and the receiver across them)."""
+    if type_ == "table" and (name == VERSION_TABLE or is_partition(name or "")):
+        return False
+    if type_ == "index" and is_partition(obj.table.name):
+        return False
+    return sqlite or not (type_ == "unique_constraint" and (name or "").endswith("_message_id"))
 
 
 def _describe(diff: Any) -> str:

@@ -39,6 +39,7 @@ from sqlalchemy import (
     or_,
     select,
     table,
+    text,
     type_coerce,
     union_all,
     update,
@@ -61,10 +62,12 @@ from .tables import DEAD, PARKED, PENDING, PROCESSED, Tables, outbox_unsent
 
 #: Advisory-lock namespaces (the first key of the two-key form). Writers of one ordering key
 #: serialize on WRITER_LOCK; a relay holds RELAY_LOCK on each key it is publishing; a worker
-#: connection holds WORKER_LOCK on its claimant name for as long as it lives (its liveness).
+#: connection holds WORKER_LOCK on its claimant name for as long as it lives (its liveness); a
+#: receiver holds INBOX_LOCK on each message id it is storing, until it commits.
 WRITER_LOCK = 0x0B0C
 RELAY_LOCK = 0x0B0D
 WORKER_LOCK = 0x0B0E
+INBOX_LOCK = 0x0B0F
 #: Ends the claimant name of a worker that holds no liveness lock (behind a pooler in
 #: transaction mode without ``listen_url``): its rows are free only when their lease ends.
 LEASE_ONLY = "+lease-only"
@@ -168,8 +171,8 @@ def _outbox_params(row: Mapping[str, Any]) -> dict[str, Any]:
     """`row` with its payload and headers as JSON text, for `_insert_outbox_statement`."""
     params = dict(row)
     payload = params.pop("payload")
-    text = params.pop("payload_json", None)
-    params["payload"] = _JSON_TEXT(payload) if text is None else text
+    encoded = params.pop("payload_json", None)
+    params["payload"] = _JSON_TEXT(payload) if encoded is None else encoded
     params["headers"] = _JSON_TEXT(params["headers"])
     return params
 
@@ -601,6 +604,13 @@ def insert_inbox(
     """Store received messages once each: a message_id already stored is skipped.
 
     Returns the message ids of the rows that were new.
+
+    On PostgreSQL the inbox is partitioned by time, and a unique index holds in one partition
+    only: two copies received at two times would not collide. So the receiver first takes a
+    transaction-level advisory lock on each message id (in one order, so that two receivers
+    never deadlock), then inserts only the ids no partition holds yet: a second copy being
+    stored at the same moment waits for the first one's commit, and its insert, a new
+    statement, sees that row.
     """
     if not rows:
         return set()
@@ -608,8 +618,9 @@ def insert_inbox(
         # The whole batch as one JSON document, read back by the server into typed columns:
         # the statement's text never changes, and no value is adapted one by one (a text
         # array of JSON documents cost psycopg a regular expression per quote).
-        stmt = _insert_inbox_statement(tables)
         batch = _BATCH_JSON([{name: row[name] for name in RECEIVED_COLUMNS} for row in rows])
+        conn.execute(_LOCK_MESSAGE_IDS, {"rows": batch})
+        stmt = _insert_inbox_statement(tables)
         return {message_id for (message_id,) in conn.execute(stmt, {"rows": batch}).all()}
     stmt = (
         _insert(conn, tables.inbox)
@@ -652,12 +663,20 @@ def _insert_inbox_statement(tables: Tables) -> Any:
         else received.c[n]
         for n in RECEIVED_COLUMNS
     ]
+    stored = exists().where(inbox.c.message_id == received.c.message_id)
     return (
         pg_insert(inbox)
-        .from_select(list(RECEIVED_COLUMNS), select(*values))
-        .on_conflict_do_nothing(index_elements=["message_id"])
+        .from_select(list(RECEIVED_COLUMNS), select(*values).where(~stored))
+        .on_conflict_do_nothing()  # the unique index of the row's partition, belt and braces
         .returning(inbox.c.message_id)
     )
+
+
+#: The receiver's lock on each message id of a batch (a JSON array of rows), in hash order.
+_LOCK_MESSAGE_IDS = text(
+    "SELECT pg_advisory_xact_lock(:namespace, h) FROM (SELECT DISTINCT hashtext(r->>'message_id')"
+    " AS h FROM jsonb_array_elements(CAST(:rows AS jsonb)) AS r ORDER BY h) AS ids"
+).bindparams(namespace=INBOX_LOCK)
 
 
 def count_duplicates(conn: Connection, tables: Tables, counts: Mapping[uuid.UUID, int]) -> None:
@@ -1414,13 +1433,17 @@ def history_rows(
     *,
     cutoff: datetime | None = None,
     limit: int | None = None,
+    of: Any = None,
+    after_id: int | None = None,
 ) -> list[RowMapping]:
     """Rows of `source` ('outbox' or 'inbox'), lowest id first: with a `cutoff`, only those
     finished before it (what the archive moves), else every row (what the audit reads live).
+    `of`: read this table instead (a detached partition, with the same columns); `after_id`:
+    only rows with a greater id (keyset paging).
 
     Inbox rows carry their ``deliveries`` and ``duplicates`` counters from inbox_deliveries.
     """
-    t = _archive_table(tables, source)
+    t = _archive_table(tables, source) if of is None else of
     if source == "outbox":
         stmt = select(t)
     else:
@@ -1432,6 +1455,8 @@ def history_rows(
         ).select_from(t.outerjoin(d, d.c.message_id == t.c.message_id))
     if cutoff is not None:
         stmt = stmt.where(_archivable(tables, source, cutoff))
+    if after_id is not None:
+        stmt = stmt.where(t.c.id > after_id)
     return list(conn.execute(stmt.order_by(t.c.id).limit(limit)).mappings())
 
 

@@ -28,6 +28,7 @@ from .errors import (
     BrokerConnectionError,
     ConfigurationError,
     DatabaseUnavailable,
+    OutboxInboxError,
     SchemaMissing,
     TopologyMissing,
     first_line,
@@ -54,6 +55,7 @@ log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .aio import AsyncWorker
+    from .partitions import MaintenanceResult
 
 H = TypeVar("H", bound=Handler | AsyncHandler)
 
@@ -110,6 +112,8 @@ class Service:
         self._threads: list[threading.Thread] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._lock = threading.Lock()
+        self._maintenance_failures: set[str] = set()
+        self._in_child = False  # a worker process's copy: its parent maintains the partitions
         #: Whether db_url keeps database sessions (see `_liveness_url`); None until probed.
         self._sessions_kept: bool | None = None
 
@@ -364,6 +368,57 @@ class Service:
             )
             conn.commit()
 
+    def maintain(self) -> MaintenanceResult:
+        """One maintenance pass of the time partitions (outbox_inbox.partitions): make them
+        ahead, export to ``archive_to`` and drop those past the ``retention``. What every role
+        runs at its start and every ``maintenance_interval`` seconds; one pass at a time per
+        schema (another one running: this one returns ``busy``). Nothing to do on SQLite.
+        Raises StorageError (a refused DDL statement: the service's role lacks the rights,
+        docs/security.md)."""
+        from .partitions import MaintenanceResult, Retention, maintain
+
+        if self.sqlite:
+            return MaintenanceResult()
+        s = self.settings
+        exporter = None
+        if s.archive_to:
+            from .archive import partition_exporter
+
+            exporter = partition_exporter(self.tables, self.name, s.archive_to)
+        return maintain(
+            self.engine,
+            self.tables,
+            interval=s.partition_interval,
+            retention=Retention(_seconds(s.retention), _seconds(s.dead_retention)),
+            exporter=exporter,
+        )
+
+    def _maintain_quietly(self) -> None:
+        """A maintenance pass of a running role: an unreachable database is the roles' own
+        concern (raised); any other failure is logged once per kind and the roles go on."""
+        try:
+            self.maintain()
+        except DatabaseUnavailable:
+            raise
+        except OutboxInboxError as exc:
+            if type(exc).__name__ + str(exc)[:80] not in self._maintenance_failures:
+                self._maintenance_failures.add(type(exc).__name__ + str(exc)[:80])
+                log.warning(
+                    "service %s: partition maintenance failed (%s); the roles go on, and "
+                    "`outbox-inbox partitions maintain` can run it as the tables' owner",
+                    self.name,
+                    first_line(exc),
+                )
+
+    def _maintenance(self, stop: threading.Event, *, on_started: Callable[[], None]) -> None:
+        """The maintenance role: a pass every ``maintenance_interval`` seconds."""
+        on_started()
+        while not stop.wait(self.settings.maintenance_interval):
+            try:
+                self._maintain_quietly()
+            except DatabaseUnavailable as exc:
+                log.warning("service %s: maintenance waits: %s", self.name, first_line(exc))
+
     # --- roles ----------------------------------------------------------------------------
 
     def _waker(self, table: str) -> Callable[[threading.Event], Waker | None]:
@@ -518,6 +573,8 @@ class Service:
             roles.append((f"worker-{n}", self._worker_role()))
         if not roles:
             return
+        if not self.sqlite and not self._in_child:  # worker processes' parent runs it
+            roles.append(("maintenance", self._maintenance))
         started = threading.Barrier(len(roles) + 1)
         for role, run in roles:
             thread = threading.Thread(
@@ -656,6 +713,7 @@ class Service:
         the parent's), and `metrics` instead of the Prometheus metrics of the parent."""
         self._stop = stop
         self._lock = threading.Lock()
+        self._in_child = True
         self._threads = []
         self._tasks = []
         if self._engine is not None:
@@ -748,6 +806,13 @@ class Service:
         self._stop.clear()
         with _stop_on_signals(self._stop):
             if self._wait_until_ready(topology=topology, fail_fast=fail_fast):
+                if not self.sqlite and not self._in_child:
+                    threading.Thread(
+                        target=self._supervise,
+                        args=("maintenance", self._maintenance, threading.Barrier(1)),
+                        name=f"outbox-inbox-{self.name}-maintenance",
+                        daemon=True,
+                    ).start()
                 self._supervise("role", run, threading.Barrier(1))
 
     def _wait_until_ready(self, *, topology: bool, fail_fast: bool | None) -> bool:
@@ -766,6 +831,7 @@ class Service:
         while True:
             try:
                 self.check_database()
+                self._maintain_quietly()  # partitions ahead before anything is written
                 if topology:
                     self._advertise_before_binding()
                     if s.declare:
@@ -809,3 +875,7 @@ def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def _seconds(value: float | None) -> timedelta | None:
+    return None if value is None else timedelta(seconds=value)

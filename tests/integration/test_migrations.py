@@ -11,7 +11,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, text
 
 from outbox_inbox import ConfigurationError
-from outbox_inbox.migrate import alembic_config, downgrade, upgrade
+from outbox_inbox.migrate import alembic_config, compared, downgrade, upgrade
 from outbox_inbox.tables import VERSION_TABLE, build_tables
 
 
@@ -26,8 +26,8 @@ def _diff(db_url: str, schema: str) -> list[Any]:
                     "include_name": lambda name, type_, _parent: (
                         type_ != "schema" or name == schema
                     ),
-                    "include_object": lambda _obj, name, type_, _r, _c: (
-                        not (type_ == "table" and name == VERSION_TABLE)
+                    "include_object": lambda obj, name, type_, _r, _c: compared(
+                        obj, name, type_, conn.dialect.name == "sqlite"
                     ),
                     "compare_type": True,
                     "compare_server_default": True,

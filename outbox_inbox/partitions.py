@@ -1,0 +1,407 @@
+"""Time partitions of the outbox and the inbox on PostgreSQL: made ahead, dropped after the
+retention, exported to the archive first when it has a target.
+
+``outbox_messages`` is partitioned by range of ``created_at``, ``inbox_messages`` by range of
+``received_at`` (migration 0006), in UTC days or hours (the ``partition_interval`` setting).
+Partitions are named ``<table>_p<YYYYMMDD>`` or ``<table>_p<YYYYMMDDHH>``; the first,
+``<table>_legacy``, holds every time before the migration's bound. There is no DEFAULT
+partition: a row whose time has no partition is refused, so the partitions are made
+`ahead` of time, and a DEFAULT partition would keep a partition from being detached
+concurrently.
+
+`maintain` is one maintenance pass, run by every role at its start and then every
+``maintenance_interval`` seconds; one pass at a time per schema (an advisory lock, held by a
+transaction kept open on a connection of its own, as the archive's), the others skip:
+
+1. finish what a pass that died left: a partition whose detach is pending is finalised, a
+   detached one is handled as in 3;
+2. make the partitions from the newest one's end to ``ahead`` intervals past now, each created
+   alone and attached (``ATTACH`` takes no lock that stops writers);
+3. for each partition whose range ended more than the retention ago: if it holds no
+   unfinished row (pending, unsent, or dead or parked for less than the dead retention), detach
+   it CONCURRENTLY (writers and readers go on; it waits for transactions already using the
+   table), check it again, export it when the archive has a target, then drop it. A partition
+   with an unfinished row is kept whole until that row is finished; a row made unfinished
+   between the check and the detach (a dead letter replayed) puts the partition back.
+
+The retention is the inbox's duplicate window: see `duplicate_horizon`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Connection, Engine, Table, column, exists, func, or_, select, table, text
+from sqlalchemy.exc import SQLAlchemyError
+
+from . import queries
+from .errors import storage_error
+from .tables import DEAD, PARKED, PENDING, Tables, outbox_unsent
+
+log = logging.getLogger(__name__)
+
+#: The lengths of a partition, by the ``partition_interval`` setting.
+INTERVALS = {"day": timedelta(days=1), "hour": timedelta(hours=1)}
+#: Partitions kept made ahead of now, by interval: a week of days, two days of hours.
+AHEAD = {"day": 7, "hour": 48}
+#: The partitioned tables and the time each is partitioned by.
+KEYS = {"outbox_messages": "created_at", "inbox_messages": "received_at"}
+SOURCES = {"outbox_messages": "outbox", "inbox_messages": "inbox"}
+
+_NAME = re.compile(r"^(outbox_messages|inbox_messages)_(legacy|p\d{8}|p\d{10})$")
+_BOUND = re.compile(r"FROM \((MINVALUE|'[^']+')\) TO \((MAXVALUE|'[^']+')\)")
+_LOCK_KEY = "outbox_inbox.partitions.{schema}"
+
+
+def is_partition(name: str) -> bool:
+    """True for the name of a partition this module makes (or the migration's legacy one)."""
+    return _NAME.match(name) is not None
+
+
+@dataclass(frozen=True)
+class Partition:
+    """One partition of a partitioned table: its range [lower, upper) in UTC."""
+
+    parent: str
+    name: str
+    lower: datetime | None  # None: MINVALUE
+    upper: datetime | None  # None: MAXVALUE
+    detach_pending: bool = False
+
+
+@dataclass
+class MaintenanceResult:
+    """What one `maintain` pass did."""
+
+    created: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    #: Partitions past the retention kept, with why (an unfinished row, a busy table).
+    kept: dict[str, str] = field(default_factory=dict)
+    #: Rows exported to the archive, by source ('outbox', 'inbox').
+    exported: dict[str, int] = field(default_factory=dict)
+    pruned_deliveries: int = 0
+    #: Another pass held the lock: this one did nothing.
+    busy: bool = False
+
+
+#: Writes the rows of a detached partition to the archive: (conn, source, partition) -> rows.
+Exporter = Callable[[Connection, str, Table], int]
+
+
+def floor_time(moment: datetime, interval: str) -> datetime:
+    """The start of the UTC day or hour `moment` falls in."""
+    moment = moment.astimezone(UTC)
+    if interval == "hour":
+        return moment.replace(minute=0, second=0, microsecond=0)
+    return moment.replace(hour=0, minute=0, second=0, microsecond=0)
+
+
+def partition_name(parent: str, start: datetime, interval: str) -> str:
+    """``<parent>_pYYYYMMDD`` (a day) or ``<parent>_pYYYYMMDDHH`` (an hour)."""
+    return (
+        f"{parent}_p{start.astimezone(UTC):%Y%m%d%H}"
+        if interval == "hour"
+        else (f"{parent}_p{start.astimezone(UTC):%Y%m%d}")
+    )
+
+
+def partitions(conn: Connection, schema: str, parent: str) -> list[Partition]:
+    """The partitions of `schema`.`parent`, oldest first."""
+    rows = conn.execute(
+        text(
+            "SELECT c.relname, pg_get_expr(c.relpartbound, c.oid), i.inhdetachpending "
+            "FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+            "WHERE i.inhparent = to_regclass(:parent)"
+        ),
+        {"parent": f"{_quote(conn, schema)}.{parent}"},
+    ).all()
+    found = [_partition(parent, name, bound, pending) for name, bound, pending in rows]
+    return sorted(found, key=lambda p: p.lower or datetime.min.replace(tzinfo=UTC))
+
+
+def _partition(parent: str, name: str, bound: str, pending: bool) -> Partition:
+    match = _BOUND.search(bound)
+    if match is None:
+        raise ValueError(f"{name}: not a range partition ({bound})")
+    lower, upper = (_bound_time(v) for v in match.groups())
+    return Partition(parent, name, lower, upper, bool(pending))
+
+
+def _bound_time(value: str) -> datetime | None:
+    if value in ("MINVALUE", "MAXVALUE"):
+        return None
+    return datetime.fromisoformat(value.strip("'")).astimezone(UTC)
+
+
+def _quote(conn: Connection, name: str) -> str:
+    # Names of the library's own schema and tables, validated identifiers: quoted by the
+    # dialect, they are the only names placed into DDL here.
+    return str(conn.dialect.identifier_preparer.quote(name))
+
+
+def _literal(moment: datetime) -> str:
+    # A partition bound this module computed: never input.
+    return f"'{moment.astimezone(UTC):%Y-%m-%d %H:%M:%S}+00'"
+
+
+# --- making ahead -----------------------------------------------------------------------------
+
+
+def make_ahead(conn: Connection, tables: Tables, interval: str | None, now: datetime) -> list[str]:
+    """Create the partitions from the newest one's end to ``AHEAD[interval]`` past `now`
+    (`interval` None: the newest partition's length, an hour or else a day).
+
+    Each new partition is created alone, given its unique index on message_id, and attached:
+    ``ATTACH PARTITION`` takes a lock writers do not wait for. Commits after each partition.
+    """
+    s = _quote(conn, tables.schema)
+    made: list[str] = []
+    for parent in KEYS:
+        existing = partitions(conn, tables.schema, parent)
+        conn.commit()
+        length = interval or _interval_of(existing)
+        step = INTERVALS[length]
+        until = floor_time(now, length) + step * AHEAD[length]
+        start = max((p.upper for p in existing if p.upper is not None), default=None)
+        start = floor_time(now, length) if start is None else start
+        while start < until:
+            end = start + step
+            name = partition_name(parent, start, length)
+            conn.execute(text(f"CREATE TABLE {s}.{name} (LIKE {s}.{parent} INCLUDING DEFAULTS)"))
+            conn.execute(text(f"CREATE UNIQUE INDEX {name}_message_id ON {s}.{name} (message_id)"))
+            conn.execute(
+                text(
+                    f"ALTER TABLE {s}.{parent} ATTACH PARTITION {s}.{name} "
+                    f"FOR VALUES FROM ({_literal(start)}) TO ({_literal(end)})"
+                )
+            )
+            conn.commit()
+            made.append(name)
+            start = end
+    if made:
+        log.info("partitions: made %s", ", ".join(made))
+    return made
+
+
+def _interval_of(existing: list[Partition]) -> str:
+    newest = existing[-1] if existing else None
+    if newest is None or newest.lower is None or newest.upper is None:
+        return "day"
+    return "hour" if newest.upper - newest.lower <= INTERVALS["hour"] else "day"
+
+
+# --- retention -----------------------------------------------------------------------------
+
+
+def _rows_of(tables: Tables, parent: str, name: str) -> Table:
+    """The partition `name` (attached or not) as a table with its parent's columns."""
+    source = tables.outbox if parent == "outbox_messages" else tables.inbox
+    return table(  # type: ignore[return-value]
+        name, *(column(c.name, c.type) for c in source.c), schema=tables.schema
+    )
+
+
+def unfinished(parent: str, rows: Any, dead_cutoff: datetime | None) -> Any:
+    """The rows of `parent` that keep their partition: work still to do, and dead or parked
+    rows that died after `dead_cutoff` (None: dead rows are kept for ever)."""
+    if parent == "outbox_messages":
+        dead = rows.c.dead_at.is_not(None)
+        young = dead if dead_cutoff is None else dead & (rows.c.dead_at >= dead_cutoff)
+        return or_(outbox_unsent(rows), young)
+    dead = rows.c.status.in_([DEAD, PARKED])
+    died = func.coalesce(rows.c.processed_at, rows.c.received_at)
+    young = dead if dead_cutoff is None else dead & (died >= dead_cutoff)
+    return or_(rows.c.status == PENDING, young)
+
+
+def _holds_unfinished(conn: Connection, rows: Any, parent: str, dead_cutoff: Any) -> bool:
+    query = select(exists().where(unfinished(parent, rows, dead_cutoff)))
+    return bool(conn.execute(query).scalar())
+
+
+@dataclass(frozen=True)
+class Retention:
+    """How long partitions are kept: the retention of finished rows (None: for ever), and
+    that of dead and parked rows (None: for ever)."""
+
+    finished: timedelta | None
+    dead: timedelta | None
+
+
+def maintain(
+    engine: Engine,
+    tables: Tables,
+    *,
+    interval: str | None,
+    retention: Retention,
+    exporter: Exporter | None = None,
+) -> MaintenanceResult:
+    """One maintenance pass (see the module documentation); PostgreSQL only. `interval`: of
+    the partitions to make (None: as long as the newest one).
+
+    Uses connections of its own in autocommit mode and never touches a caller's
+    transaction. Raises StorageError when the database fails; what was done stays done.
+    """
+    result = MaintenanceResult()
+    try:
+        with _lock(engine, tables.schema) as held:
+            if not held:
+                result.busy = True
+                return result
+            with engine.connect() as conn:
+                conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+                _maintain(conn, tables, interval, retention, exporter, result)
+    except SQLAlchemyError as exc:
+        raise storage_error(exc, "maintaining the partitions") from exc
+    return result
+
+
+@contextmanager
+def _lock(engine: Engine, schema: str) -> Iterator[bool]:
+    """The maintenance lock of `schema`: a transaction-level advisory lock held by an open
+    transaction on a connection of its own (through a pooler it keeps one server session)."""
+    with engine.connect() as conn:
+        conn.execute(select(func.set_config("idle_in_transaction_session_timeout", "0", True)))
+        key = func.hashtext(_LOCK_KEY.format(schema=schema))
+        held = bool(conn.execute(select(func.pg_try_advisory_xact_lock(key))).scalar_one())
+        try:
+            yield held
+        finally:
+            conn.rollback()
+
+
+def _maintain(
+    conn: Connection,
+    tables: Tables,
+    interval: str | None,
+    retention: Retention,
+    exporter: Exporter | None,
+    result: MaintenanceResult,
+) -> None:
+    now = conn.execute(select(func.now())).scalar_one()
+    s = _quote(conn, tables.schema)
+    for name, parent in _detached(conn, tables.schema):  # left by a pass that died
+        _retire(conn, tables, parent, name, None, retention, now, exporter, result)
+    result.created = make_ahead(conn, tables, interval, now)
+    if retention.finished is None:
+        return
+    cutoff = now - retention.finished
+    dead_cutoff = None if retention.dead is None else now - retention.dead
+    for parent in KEYS:
+        for p in partitions(conn, tables.schema, parent):
+            if p.upper is None or p.upper > cutoff:
+                continue
+            if p.detach_pending:
+                conn.execute(
+                    text(f"ALTER TABLE {s}.{parent} DETACH PARTITION {s}.{p.name} FINALIZE")
+                )
+            else:
+                rows = _rows_of(tables, parent, p.name)
+                if _holds_unfinished(conn, rows, parent, dead_cutoff):
+                    result.kept[p.name] = "holds unfinished or recently dead rows"
+                    continue
+                conn.execute(
+                    text(f"ALTER TABLE {s}.{parent} DETACH PARTITION {s}.{p.name} CONCURRENTLY")
+                )
+            _retire(conn, tables, parent, p.name, p, retention, now, exporter, result)
+    result.pruned_deliveries = queries.prune_deliveries(conn, tables, cutoff)
+
+
+def _retire(
+    conn: Connection,
+    tables: Tables,
+    parent: str,
+    name: str,
+    was: Partition | None,
+    retention: Retention,
+    now: datetime,
+    exporter: Exporter | None,
+    result: MaintenanceResult,
+) -> None:
+    """A detached partition: export and drop it, or attach it again if a row in it is
+    unfinished (`was`: its range; None: read from the CHECK its detach left)."""
+    s = _quote(conn, tables.schema)
+    rows = _rows_of(tables, parent, name)
+    dead_cutoff = None if retention.dead is None else now - retention.dead
+    if _holds_unfinished(conn, rows, parent, dead_cutoff):
+        lower, upper = (was.lower, was.upper) if was else _detached_range(conn, tables.schema, name)
+        low = "MINVALUE" if lower is None else _literal(lower)
+        conn.execute(
+            text(
+                f"ALTER TABLE {s}.{parent} ATTACH PARTITION {s}.{name} "
+                f"FOR VALUES FROM ({low}) TO ({_literal(upper)})"  # type: ignore[arg-type]
+            )
+        )
+        result.kept[name] = "a row in it became unfinished: attached again"
+        log.warning("partitions: %s holds an unfinished row after its detach: attached again", name)
+        return
+    if exporter is not None:
+        count = exporter(conn, SOURCES[parent], rows)
+        result.exported[SOURCES[parent]] = result.exported.get(SOURCES[parent], 0) + count
+    conn.execute(text(f"DROP TABLE {s}.{name}"))
+    result.dropped.append(name)
+    log.info("partitions: dropped %s", name)
+
+
+def _detached(conn: Connection, schema: str) -> list[tuple[str, str]]:
+    """Partitions of the library's tables that a pass detached and did not drop."""
+    rows = conn.execute(
+        text(
+            "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = :schema AND c.relkind = 'r' AND NOT c.relispartition"
+        ),
+        {"schema": schema},
+    ).scalars()
+    found = []
+    for name in rows:
+        match = _NAME.match(name)
+        if match is not None:
+            found.append((name, match.group(1)))
+    return found
+
+
+def _detached_range(
+    conn: Connection, schema: str, name: str
+) -> tuple[datetime | None, datetime | None]:
+    """The range of a detached partition, from the CHECK constraint DETACH CONCURRENTLY adds
+    (or, for the legacy partition, its bound)."""
+    defs = conn.execute(
+        text(
+            "SELECT pg_get_constraintdef(oid) FROM pg_constraint "
+            "WHERE conrelid = to_regclass(:name) AND contype = 'c'"
+        ),
+        {"name": f"{_quote(conn, schema)}.{name}"},
+    ).scalars()
+    times = [_bound_time(t) for d in defs for t in re.findall(r"'(\d{4}-[^']+)'", d)]
+    found = sorted(t for t in times if t is not None)
+    if not found:
+        raise ValueError(f"{name}: no range found to attach it again")
+    if name.endswith("_legacy"):
+        return None, found[-1]
+    return found[0], found[-1]
+
+
+# --- the duplicate window ------------------------------------------------------------------
+
+
+def duplicate_horizon(settings: Any) -> dict[str, float]:
+    """The longest time, in seconds, after a message's first copy is stored by which another
+    copy can still arrive without an operator, by path: the receiver's delay tiers (a copy that
+    could not be stored comes back after them), and the relay's retries (a row published but
+    not marked is published again)."""
+    policy = settings.receive_retry
+    tiers = settings.delay_tiers
+    receive = 0.0
+    attempt = 1
+    while not policy.gives_up_after(attempt) and attempt < 10_000:
+        wanted = min(policy.initial * policy.multiplier ** (attempt - 1), policy.max_interval)
+        receive += next((t for t in tiers if t >= wanted), tiers[-1])
+        attempt += 1
+    relay = settings.relay_max_attempts * settings.relay_retry_max
+    return {"receiver delay tiers": receive, "relay retries": relay}
