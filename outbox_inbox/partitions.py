@@ -16,7 +16,8 @@ transaction kept open on a connection of its own, as the archive's), the others 
 1. finish what a pass that died left: a partition whose detach is pending is finalised, a
    detached one is handled as in 3;
 2. make the partitions from the newest one's end to ``ahead`` intervals past now, each created
-   alone and attached (``ATTACH`` takes no lock that stops writers);
+   alone and attached (``ATTACH`` takes no lock that stops writers), and delete the rows of
+   the instances table not seen for a day (workers that died, of any service);
 3. for each partition whose range ended more than the retention ago: if it holds no
    unfinished row (pending, unsent, or dead or parked for less than the dead retention), detach
    it CONCURRENTLY (writers and readers go on; it waits for transactions already using the
@@ -37,11 +38,23 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Table, column, exists, func, or_, select, table, text
+from sqlalchemy import (
+    Connection,
+    Engine,
+    Table,
+    bindparam,
+    column,
+    exists,
+    func,
+    or_,
+    select,
+    table,
+    text,
+)
 from sqlalchemy.exc import SQLAlchemyError
 
 from . import queries
-from .errors import storage_error
+from .errors import SchemaMissing, storage_error
 from .tables import DEAD, PARKED, PENDING, Tables, outbox_unsent
 
 log = logging.getLogger(__name__)
@@ -57,6 +70,10 @@ SOURCES = {"outbox_messages": "outbox", "inbox_messages": "inbox"}
 _NAME = re.compile(r"^(outbox_messages|inbox_messages)_(legacy|p\d{8}|p\d{10})$")
 _BOUND = re.compile(r"FROM \((MINVALUE|'[^']+')\) TO \((MAXVALUE|'[^']+')\)")
 _LOCK_KEY = "outbox_inbox.partitions.{schema}"
+#: Why a partition past the retention is kept (`maintain`, `survey`).
+KEPT_UNFINISHED = "holds unfinished or recently dead rows"
+#: An instances row not seen for this long is a worker that died: `maintain` deletes it.
+STALE_INSTANCE = timedelta(days=1)
 
 
 def is_partition(name: str) -> bool:
@@ -86,6 +103,8 @@ class MaintenanceResult:
     #: Rows exported to the archive, by source ('outbox', 'inbox').
     exported: dict[str, int] = field(default_factory=dict)
     pruned_deliveries: int = 0
+    #: Rows of the instances table not seen for STALE_INSTANCE (workers that died) deleted.
+    pruned_instances: int = 0
     #: Another pass held the lock: this one did nothing.
     busy: bool = False
 
@@ -289,6 +308,9 @@ def _maintain(
     for name, parent in _detached(conn, tables.schema):  # left by a pass that died
         _retire(conn, tables, parent, name, None, retention, now, exporter, result)
     result.created = make_ahead(conn, tables, interval, now)
+    # A worker that died keeps its row until another worker of its service advertises
+    # (queries.advertise_instance): a service that no longer runs would keep it for ever.
+    result.pruned_instances = queries.prune_instances(conn, tables, now - STALE_INSTANCE)
     if retention.finished is None:
         return
     cutoff = now - retention.finished
@@ -304,7 +326,7 @@ def _maintain(
             else:
                 rows = _rows_of(tables, parent, p.name)
                 if _holds_unfinished(conn, rows, parent, dead_cutoff):
-                    result.kept[p.name] = "holds unfinished or recently dead rows"
+                    result.kept[p.name] = KEPT_UNFINISHED
                     continue
                 conn.execute(
                     text(f"ALTER TABLE {s}.{parent} DETACH PARTITION {s}.{p.name} CONCURRENTLY")
@@ -385,6 +407,99 @@ def _detached_range(
     if name.endswith("_legacy"):
         return None, found[-1]
     return found[0], found[-1]
+
+
+# --- what there is ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PartitionState:
+    """A partition as `survey` finds it: its estimated rows (None: never analysed), its size
+    with indexes and TOAST, and, past the retention, whether a maintenance pass keeps it."""
+
+    partition: Partition
+    rows: int | None
+    size_bytes: int
+    past_retention: bool
+    #: Why a partition past the retention stays (None: the next pass drops it, or not past).
+    kept: str | None
+
+    def as_dict(self) -> dict[str, Any]:
+        p = self.partition
+        return {
+            "table": p.parent,
+            "name": p.name,
+            "from": p.lower.isoformat() if p.lower else None,
+            "to": p.upper.isoformat() if p.upper else None,
+            "detach_pending": p.detach_pending,
+            "rows": self.rows,
+            "size_bytes": self.size_bytes,
+            "past_retention": self.past_retention,
+            "kept": self.kept,
+        }
+
+
+def partitioned(conn: Connection, schema: str) -> list[str]:
+    """The library's tables of `schema` that are partitioned (both, after migration 0006;
+    none on an older revision). SchemaMissing when the tables do not exist."""
+    rows = conn.execute(
+        text(
+            "SELECT c.relname, c.relkind FROM pg_class c "
+            "JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = :schema AND c.relname IN :names"
+        ).bindparams(bindparam("names", expanding=True)),
+        {"schema": schema, "names": list(KEYS)},
+    ).all()
+    kinds = {str(name): str(kind) for name, kind in rows}
+    if len(kinds) < len(KEYS):
+        raise SchemaMissing(
+            f"the outbox/inbox tables do not exist in schema {schema!r}: "
+            "run `outbox-inbox db upgrade`"
+        )
+    return [name for name in KEYS if kinds[name] == "p"]
+
+
+def survey(conn: Connection, tables: Tables, retention: Retention) -> list[PartitionState]:
+    """Every partition of the outbox and the inbox, each table's oldest first, with what
+    `maintain` would do with those past `retention` (judged on the database clock): the
+    read-only view of ``outbox-inbox partitions list``. Empty for plain tables. Reads the
+    catalog, and each partition past the retention once (an EXISTS on its unfinished rows).
+    Raises StorageError when the database fails, SchemaMissing without tables."""
+    try:
+        now = conn.execute(select(func.now())).scalar_one()
+        cutoff = None if retention.finished is None else now - retention.finished
+        dead_cutoff = None if retention.dead is None else now - retention.dead
+        found: list[PartitionState] = []
+        for parent in partitioned(conn, tables.schema):
+            stats = {
+                name: (rows, size)
+                for name, rows, size in conn.execute(
+                    text(
+                        "SELECT c.relname, c.reltuples, pg_total_relation_size(c.oid) "
+                        "FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+                        "WHERE i.inhparent = to_regclass(:parent)"
+                    ),
+                    {"parent": f"{_quote(conn, tables.schema)}.{parent}"},
+                ).all()
+            }
+            for p in partitions(conn, tables.schema, parent):
+                rows, size = stats.get(p.name, (-1, 0))
+                past = cutoff is not None and p.upper is not None and p.upper <= cutoff
+                held = past and _holds_unfinished(
+                    conn, _rows_of(tables, parent, p.name), parent, dead_cutoff
+                )
+                found.append(
+                    PartitionState(
+                        partition=p,
+                        rows=None if rows < 0 else int(rows),  # -1: never vacuumed or analysed
+                        size_bytes=int(size),
+                        past_retention=past,
+                        kept=KEPT_UNFINISHED if held else None,
+                    )
+                )
+        return found
+    except SQLAlchemyError as exc:
+        raise storage_error(exc, "reading the partitions") from exc
 
 
 # --- the duplicate window ------------------------------------------------------------------

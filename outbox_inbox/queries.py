@@ -983,6 +983,13 @@ def forget_instance(conn: Connection, tables: Tables, service: str, instance: st
     conn.execute(delete(n).where(n.c.service == service, n.c.instance == instance))
 
 
+def prune_instances(conn: Connection, tables: Tables, cutoff: datetime) -> int:
+    """Delete the rows of every service's instances last seen before `cutoff`: workers that
+    died, of services no worker of which runs any more to forget them. Returns how many."""
+    n = tables.instances
+    return int(conn.execute(delete(n).where(n.c.seen_at < cutoff)).rowcount or 0)
+
+
 def live_instances(
     conn: Connection, tables: Tables, service: str, grace: timedelta
 ) -> list[RowMapping]:
