@@ -1,4 +1,5 @@
-"""`outbox-inbox`: migrations, topology, dead letters, status, tail, running roles, history.
+"""`outbox-inbox`: migrations, topology, dead letters, status, tail, running roles, history,
+partitions.
 
 Every command prints one ``error: ...`` line on stderr and exits 1 on bad input, an unreachable
 server, missing tables or an unknown app (``-v`` adds the traceback). Passwords are masked in
@@ -40,6 +41,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "db": ("db", "db", "Create, upgrade and inspect the outbox/inbox tables."),
     "dead-letters": ("dead_letters", "dead_letters", "List, show, replay and purge dead letters."),
     "demo": ("demo", "demo", "Run two example services (orders, billing) and print a trace."),
+    "partitions": (
+        "partitions",
+        "partitions",
+        "List the time partitions; make, export and drop them in one pass.",
+    ),
     "run": ("run", "run", "Run the relay, receiver, worker or all of them until SIGTERM."),
     "status": ("status", "status", "Backlog, inbox states and held-back keys; a health check."),
     "tail": ("tail", "tail", "Print messages matching a topic pattern, live."),
