@@ -153,13 +153,18 @@ def _resolved(target: Target, filters: Filters) -> Filters:
 
 
 def _dead_letters(target: Target) -> DeadLetters:
-    """The library's view of the target's dead letters (what it can reach)."""
-    return DeadLetters(
+    """The library's view of the target's dead letters (what it can reach; the app's
+    retention, else the default one)."""
+    letters = DeadLetters(
         engine=target.engine() if target.has_database else None,
         tables=target.tables if target.has_database else None,
         broker=target.broker() if target.has_broker else None,
         service=target.name,
     )
+    if target.service is not None:
+        seconds = target.service.settings.retention
+        letters.retention = None if seconds is None else timedelta(seconds=seconds)
+    return letters
 
 
 def _sources(target: Target, source: str, *, strict: bool, tables_only: bool = False) -> list[str]:
@@ -560,6 +565,7 @@ def _print_report(report: ActionReport, selections: list[Selection], as_json: bo
             shown["selected"] = [d.as_dict() for d in report.selected]
         shown["results"] = [o.as_dict() for o in report.outcomes]
         shown["audit"] = report.audit
+        shown["warnings"] = report.warnings
         echo_json(shown)
     elif report.dry_run:
         echo(f"dry run: nothing {verb}")
@@ -571,6 +577,8 @@ def _print_report(report: ActionReport, selections: list[Selection], as_json: bo
         echo(f"{selection.source}: {verb} {len(outcome.done)} of {outcome.selected}")
         for message_id, why in outcome.kept:
             echo(f"  kept {message_id}: {why}")
+    for warning in report.warnings if not as_json else ():
+        echo(f"warning: {warning}", err=True)
     if report.kept:
         sys.exit(EXIT_UNHEALTHY)
 

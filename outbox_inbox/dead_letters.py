@@ -49,6 +49,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from . import queries
 from .audit_trail import audit_log_path, write_audit
 from .brokers.rabbitmq_admin import QueuedMessage, QueueReader, RabbitMQAdmin
+from .config import Settings
 from .errors import ConfigurationError, StorageError, storage_error
 from .logsafe import mask_url
 from .messages import (
@@ -177,6 +178,8 @@ class DeadLetter:
     fingerprint: str | None = None  # why it died, as DeadLetters.groups groups it
     replays: int = 0  # how many times it was replayed (and died again since, being here)
     replayed_at: datetime | None = None  # its last replay
+    #: Its first send (queue sources: the message's created header or timestamp).
+    created_at: datetime | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -198,6 +201,7 @@ class DeadLetter:
             "group": group_id(self.fingerprint) if self.fingerprint is not None else None,
             "replays": self.replays,
             "replayed_at": self.replayed_at.isoformat() if self.replayed_at else None,
+            "created_at": self.created_at.isoformat() if self.created_at else None,
         }
 
 
@@ -600,6 +604,7 @@ def _queued_letter(message: WireMessage, source: str, position: int, now: dateti
         fingerprint=_text(headers.get(H_DEAD_FINGERPRINT))
         or reason
         or ("unknown" if source == QUEUE else "unroutable"),
+        created_at=created,
     )
 
 
@@ -662,6 +667,10 @@ def reset_redeliveries(engine: Engine, tables: Tables, message_ids: list[str]) -
             queries.forget_deliveries(conn, tables, [inbox_id(m) for m in message_ids])
     except SQLAlchemyError as exc:
         raise storage_error(exc, "resetting redelivery counters") from exc
+
+
+def _seconds(value: float | None) -> timedelta | None:
+    return None if value is None else timedelta(seconds=value)
 
 
 def _aware(value: Any) -> datetime | None:
@@ -761,6 +770,9 @@ class DeadLetters:
     tables: Tables | None = None
     broker: Any = None  # a RabbitMQBroker (anything else has no dead-letter queues to read)
     service: str | None = None
+    #: The service's retention (Settings.retention), its inbox's duplicate window: a replay of
+    #: ``queue`` letters first sent longer ago warns (ActionReport.warnings). None: no warning.
+    retention: timedelta | None = field(default_factory=lambda: _seconds(Settings.retention))
 
     @classmethod
     def of(cls, service: Any) -> DeadLetters:
@@ -773,6 +785,7 @@ class DeadLetters:
             tables=service.tables,
             broker=broker if isinstance(broker, RabbitMQBroker) else None,
             service=service.name,
+            retention=_seconds(service.settings.retention),
         )
 
     def reachable(self, source: str = "all") -> tuple[list[str], list[tuple[str, str]]]:
@@ -962,6 +975,8 @@ class DeadLetters:
             audit_log = audit_log_path()
         selected = [letter for s in selections for letter in s.letters]
         report = ActionReport(action, source, selected, dry_run=dry_run)
+        if action == REPLAY:
+            report.warnings = self._beyond_retention(selected)
         record: dict[str, Any] = {
             "command": command or f"dead-letters {action}",
             "service": self.service,
@@ -1035,6 +1050,24 @@ class DeadLetters:
         with self.select(asked, filters, limit) as selections:
             return self.run(action, selections, filters=filters, source=",".join(asked), **options)
 
+    def _beyond_retention(self, letters: list[DeadLetter]) -> list[str]:
+        """The warning of a replay of ``queue`` letters first sent longer than the retention
+        ago: the inbox may have dropped the partition of a copy it stored, and would store
+        and handle this one again. Judged on this host's clock against each message's own
+        created time (the broker's messages have no database time)."""
+        if self.retention is None:
+            return []
+        cutoff = datetime.now(UTC) - self.retention
+        old = [d for d in letters if d.source == QUEUE and d.created_at and d.created_at < cutoff]
+        if not old:
+            return []
+        days = self.retention.total_seconds() / 86400
+        return [
+            f"{len(old)} queue dead letter{'' if len(old) == 1 else 's'} first sent more than "
+            f"the retention ({days:g} days) ago: a copy stored before may no longer be "
+            "recognized and could be handled twice"
+        ]
+
     def _reset_counters(self, selection: QueueSelection) -> Callable[[list[str]], None] | None:
         engine, tables = self.engine, self.tables
         if selection.source != QUEUE or engine is None or tables is None:
@@ -1059,6 +1092,8 @@ class ActionReport:
     outcomes: list[Outcome] = field(default_factory=list)
     audit: dict[str, Any] | None = None
     dry_run: bool = False
+    #: What the action risks, for the operator (a replay beyond the duplicate window).
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def done(self) -> list[str]:
@@ -1077,4 +1112,5 @@ class ActionReport:
             "selected": len(self.selected),
             "results": [o.as_dict() for o in self.outcomes],
             "audit": self.audit,
+            "warnings": self.warnings,
         }

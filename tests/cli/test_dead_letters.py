@@ -6,6 +6,7 @@ import json
 import signal
 import uuid
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -18,6 +19,7 @@ from helpers import dead_rows_one_refused, inbox_message_ids, rows, scalar, wait
 from outbox_inbox import Reject, Service
 from outbox_inbox.brokers.memory import MemoryBroker
 from outbox_inbox.brokers.rabbitmq import RabbitMQBroker
+from outbox_inbox.dead_letters import DeadLetters, Filters
 from outbox_inbox.messages import H_DEAD_QUEUE, H_DEAD_REASON, H_RECEIVE_ATTEMPT
 
 INVOICE = "billing.invoice.create"
@@ -244,6 +246,54 @@ def test_replayed_broker_dead_letters_are_handled_by_the_service(
     assert types == {INVOICE, "orders.order.placed"}  # routing keys restored
     assert _depth(mq_url, "billing.dead_letter") == 0
     assert _audit(tmp_path)[-1]["counts"] == {"queue": 2}
+
+
+def test_replaying_queue_dead_letters_first_sent_before_the_retention_warns_how_many(
+    cli: Cli, make_service: Callable[..., Service], mq_url: str, tmp_path: Path
+) -> None:
+    service = make_service()
+    service.declare_topology()
+    now = datetime.now(UTC)
+    ten_days_ago = int((now - timedelta(days=10)).timestamp())
+    for n, sent in enumerate([ten_days_ago, ten_days_ago, int(now.timestamp())]):
+        _publish(
+            mq_url,
+            "",
+            "billing.dead_letter",
+            {"n": n},
+            message_id=str(uuid.uuid4()),
+            type=INVOICE,
+            timestamp=sent,
+        )
+    wait_until(lambda: _depth(mq_url, "billing.dead_letter") == 3, what="three dead letters")
+    risk = (
+        "first sent more than the retention (7 days) ago: a copy stored before may no longer "
+        "be recognized and could be handled twice"
+    )
+
+    options = ("--app", "cli_app:billing", "--source", "queue", "--all")
+    dry = cli("dead-letters", "replay", *options, "--dry-run", "--json")
+    assert dry.returncode == 0, dry
+    assert json.loads(dry.stdout)["warnings"] == [f"2 queue dead letters {risk}"]
+    replayed = cli("dead-letters", "replay", *options)
+    assert replayed.returncode == 0, replayed
+    assert "queue: replayed 3 of 3" in replayed.stdout
+    assert f"warning: 2 queue dead letters {risk}" in replayed.stderr
+
+    # The library's result says it too; a letter sent within the retention does not.
+    _publish(mq_url, "", "billing.dead_letter", {"n": 3}, message_id="old", timestamp=ten_days_ago)
+    wait_until(lambda: _depth(mq_url, "billing.dead_letter") == 1, what="one more dead letter")
+    report = DeadLetters.of(service).replay(["queue"], Filters(), audit_log=tmp_path / "a.log")
+    assert report.done == ["old"]
+    assert report.warnings == [f"1 queue dead letter {risk}"]
+    assert report.as_dict()["warnings"] == report.warnings
+    _publish(
+        mq_url, "", "billing.dead_letter", {"n": 4}, message_id="within", timestamp=ten_days_ago
+    )
+    wait_until(lambda: _depth(mq_url, "billing.dead_letter") == 1, what="one more dead letter")
+    longer = DeadLetters.of(service)
+    longer.retention = timedelta(days=11)
+    assert longer.replay(["queue"], Filters(), audit_log=tmp_path / "a.log").warnings == []
 
 
 def test_replayed_unroutable_command_reaches_the_service_once_it_has_a_queue(
