@@ -120,9 +120,24 @@ def storage_error(exc: BaseException, action: str) -> StorageError:
             "(or Service.migrate())"
         )
     first = first_line(original or exc)
+    if missing_partition(exc):
+        return StorageError(
+            f"{action} failed: {first}: no partition covers this time yet; the roles make "
+            "them ahead at start and every maintenance_interval: start a role or run "
+            "`outbox-inbox partitions maintain` (docs/history.md#retention)"
+        )
     if database_unreachable(exc):
         return DatabaseUnavailable(f"{action} failed: {first}")
     return StorageError(f"{action} failed: {first}")
+
+
+def missing_partition(exc: BaseException) -> bool:
+    """True when PostgreSQL refused a row because no partition covers its time (SQLSTATE
+    23514 with its own words): the partitions were not made ahead, not the row's fault."""
+    original = getattr(exc, "orig", None) or exc
+    return getattr(original, "sqlstate", None) == "23514" and "no partition of relation" in str(
+        original
+    )
 
 
 #: SQLSTATEs of a server that is going away or not ready: 57P01 admin_shutdown, 57P02

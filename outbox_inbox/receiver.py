@@ -22,7 +22,7 @@ from sqlalchemy.exc import (
 from . import queries
 from .broker import Broker, Consumer, Delivery
 from .config import Settings
-from .errors import InvalidMessage, first_line
+from .errors import InvalidMessage, first_line, missing_partition
 from .fingerprint import fingerprint
 from .listener import Listener, call
 from .messages import (
@@ -243,8 +243,8 @@ class Receiver:
 
     def _set_aside(self, consumer: Consumer, delivery: Delivery, error: Exception) -> None:
         """A row could not be inserted: dead-letter it if the database refused its values,
-        else delay it."""
-        if isinstance(error, DataError | IntegrityError):
+        else delay it (a missing partition is the database's state, not the row's fault)."""
+        if isinstance(error, DataError | IntegrityError) and not missing_partition(error):
             self._dead(consumer, delivery, INVALID, f"the database refused it: {first_line(error)}")
         else:
             self._delay(consumer, delivery, first_line(error))
