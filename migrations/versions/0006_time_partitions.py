@@ -153,6 +153,9 @@ def _switch(s: str, table: str, key: str, bound: datetime) -> None:
         f"ALTER TABLE {s}.{table} ATTACH PARTITION {s}.{legacy} "
         f"FOR VALUES FROM (MINVALUE) TO ({_literal(bound)})"
     )
+    # The old key on id alone is now one more index to write for nothing: (id, <time>) is
+    # the partition's key.
+    op.execute(f"ALTER TABLE {s}.{legacy} DROP CONSTRAINT pk_{legacy}")
     op.execute(
         sa.text(
             "SELECT setval(pg_get_serial_sequence(:table, 'id'), "
