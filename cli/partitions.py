@@ -281,6 +281,11 @@ def _print_result(result: MaintenanceResult, plain: str | None, as_json: bool) -
     if plain is not None:
         echo(plain)
         return
+    if not (result.created or result.dropped or result.kept or result.exported) and not (
+        result.pruned_deliveries or result.pruned_instances
+    ):
+        echo("nothing to do: the partitions ahead are made, and none is past the retention")
+        return
     echo(f"made: {', '.join(result.created) or 'none'}")
     echo(f"dropped: {', '.join(result.dropped) or 'none'}")
     for name, why in result.kept.items():

@@ -8,13 +8,14 @@ days ago, so the days D-10 .. D-4 (D: today, UTC) have partitions of their own.
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 from cli_support import Cli
-from sqlalchemy import Engine, func, insert, select, text
+from sqlalchemy import Engine, func, insert, make_url, select, text
 
 from history import archived, seed_inbox, seed_outbox
 from outbox_inbox import Service
@@ -216,6 +217,37 @@ def test_maintain_while_another_pass_holds_the_lock_exits_1_and_does_nothing(
         holder.rollback()
     assert result.returncode == 1, result
     assert "another maintenance pass holds the lock of schema outbox_inbox" in result.stderr
+    assert _names(engine, tables) == before
+
+
+def test_maintain_as_a_role_that_may_not_run_ddl_exits_1_naming_the_refusal(
+    cli: Cli, store: tuple[Engine, Tables], db_url: str
+) -> None:
+    engine, tables = store
+    role = f"runtime_{uuid.uuid4().hex[:8]}"  # roles belong to the whole server
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE ROLE {role} LOGIN PASSWORD 'pw'"))
+        conn.execute(text(f"GRANT USAGE ON SCHEMA {tables.schema} TO {role}"))
+        conn.execute(
+            text(
+                "GRANT SELECT, INSERT, UPDATE, DELETE "
+                f"ON ALL TABLES IN SCHEMA {tables.schema} TO {role}"
+            )
+        )
+    before = _names(engine, tables)
+    try:
+        url = make_url(db_url).set(username=role, password="pw")
+        result = cli(
+            "partitions", "maintain", "--db-url", url.render_as_string(hide_password=False)
+        )
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP OWNED BY {role}"))
+            conn.execute(text(f"DROP ROLE {role}"))
+    assert result.returncode == 1, result
+    assert result.stderr.strip() == (
+        f"error: maintaining the partitions failed: permission denied for schema {tables.schema}"
+    )
     assert _names(engine, tables) == before
 
 
