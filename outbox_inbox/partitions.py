@@ -192,7 +192,14 @@ def make_ahead(conn: Connection, tables: Tables, interval: str | None, now: date
         while start < until:
             end = start + step
             name = partition_name(parent, start, length)
-            conn.execute(text(f"CREATE TABLE {s}.{name} (LIKE {s}.{parent} INCLUDING DEFAULTS)"))
+            # INCLUDING CONSTRAINTS: ATTACH refuses a table without the parent's CHECKs (the
+            # outbox's `kind`), and the migration's week of partitions runs out after 7 days.
+            conn.execute(
+                text(
+                    f"CREATE TABLE {s}.{name} "
+                    f"(LIKE {s}.{parent} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
+                )
+            )
             conn.execute(text(f"CREATE UNIQUE INDEX {name}_message_id ON {s}.{name} (message_id)"))
             conn.execute(
                 text(
