@@ -314,6 +314,16 @@ def _maintain(
     s = _quote(conn, tables.schema)
     for name, parent in _detached(conn, tables.schema):  # left by a pass that died
         _retire(conn, tables, parent, name, None, retention, now, exporter, result)
+    # Finalised first, whatever its range: while one partition of a table is pending detach,
+    # PostgreSQL refuses every other DETACH CONCURRENTLY on that table, so an older partition
+    # reached first in the loop below would fail every pass from then on.
+    for parent in KEYS:
+        for p in partitions(conn, tables.schema, parent):
+            if p.detach_pending:
+                conn.execute(
+                    text(f"ALTER TABLE {s}.{parent} DETACH PARTITION {s}.{p.name} FINALIZE")
+                )
+                _retire(conn, tables, parent, p.name, p, retention, now, exporter, result)
     result.created = make_ahead(conn, tables, interval, now)
     # A worker that died keeps its row until another worker of its service advertises
     # (queries.advertise_instance): a service that no longer runs would keep it for ever.
@@ -409,6 +419,13 @@ def _detached_range(
     ).scalars()
     times = [_bound_time(t) for d in defs for t in re.findall(r"'(\d{4}-[^']+)'", d)]
     found = sorted(t for t in times if t is not None)
+    if not found and not name.endswith("_legacy"):
+        # A plain DETACH (by hand) leaves no CHECK: the range is the one its name starts, of
+        # the length its name gives (partition_name).
+        stamp = name.rsplit("_p", 1)[1]
+        hourly = len(stamp) == 10
+        start = datetime.strptime(stamp, "%Y%m%d%H" if hourly else "%Y%m%d").replace(tzinfo=UTC)
+        return start, start + INTERVALS["hour" if hourly else "day"]
     if not found:
         raise ValueError(f"{name}: no range found to attach it again")
     if name.endswith("_legacy"):
