@@ -296,6 +296,11 @@ def _lock(engine: Engine, schema: str) -> Iterator[bool]:
         conn.execute(select(func.set_config("idle_in_transaction_session_timeout", "0", True)))
         key = func.hashtext(_LOCK_KEY.format(schema=schema))
         held = bool(conn.execute(select(func.pg_try_advisory_xact_lock(key))).scalar_one())
+        # A statement with parameters leaves its portal open, and with it a snapshot, until
+        # the next statement; one without goes by the simple protocol and closes it. Kept,
+        # that snapshot would make the pass's own DETACH … FINALIZE, which waits for every
+        # older snapshot, wait for ever (and hold back vacuum for the whole pass).
+        conn.exec_driver_sql("SELECT 1")
         try:
             yield held
         finally:
