@@ -315,6 +315,10 @@ def _maintain(
     exporter: Exporter | None,
     result: MaintenanceResult,
 ) -> None:
+    if not partitioned(conn, tables.schema):
+        # Migration 0006 not applied yet: a service started before it (a rolling upgrade)
+        # has nothing to maintain, and a partition made here could not be attached.
+        return
     now = conn.execute(select(func.now())).scalar_one()
     s = _quote(conn, tables.schema)
     for name, parent in _detached(conn, tables.schema):  # left by a pass that died
