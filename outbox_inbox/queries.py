@@ -1300,24 +1300,34 @@ def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
             func.max(_age_seconds(claimable_since)).label("oldest"),
         ).where(_claimable(i, liveness=False))
     ).one()
-    last_handled = conn.execute(
-        select(func.min(_age_seconds(i.c.processed_at))).where(i.c.processed_at.is_not(None))
-    ).scalar_one()
+    # Each statement reads the partial indexes of its rows, never every finished row: the
+    # newest processed_at of the processed rows (one index entry per partition) and of the
+    # dead ones; the pending and dead rows through their indexes (an OR, which the planner
+    # splits over both, where IN would read the table); the processed rows counted on their
+    # narrow index.
+    handled = [
+        conn.execute(
+            select(_age_seconds(func.max(i.c.processed_at))).where(i.c.status == state)
+        ).scalar_one()
+        for state in (PROCESSED, DEAD)
+    ]
+    last_handled = min((age for age in handled if age is not None), default=None)
     leased = and_(i.c.status == PENDING, i.c.locked_until > func.now())
     waiting = and_(
         i.c.status == PENDING, or_(i.c.locked_until.is_(None), i.c.locked_until <= func.now())
     )
+    unfinished = or_(i.c.status == PENDING, i.c.status == DEAD)
     totals = conn.execute(
         select(
             func.count().filter(waiting).label("pending"),
             func.count().filter(leased).label("in_progress"),
             func.count().filter(i.c.status == DEAD).label("dead"),
-            func.count().filter(i.c.status == PROCESSED).label("processed"),
             func.max(_age_seconds(i.c.received_at))
             .filter(i.c.status == PENDING)
             .label("oldest_pending_age_seconds"),
-        )
+        ).where(unfinished)
     ).one()
+    processed = conn.execute(select(func.count()).where(i.c.status == PROCESSED)).scalar_one()
     per_type = conn.execute(
         select(
             i.c.routing_key,
@@ -1325,7 +1335,7 @@ def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
             func.count().filter(leased).label("in_progress"),
             func.count().filter(i.c.status == DEAD).label("dead"),
         )
-        .where(i.c.status.in_([PENDING, DEAD]))
+        .where(unfinished)
         .group_by(i.c.routing_key)
         .order_by(i.c.routing_key)
     ).all()
@@ -1333,7 +1343,7 @@ def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
         "pending": int(totals.pending),
         "in_progress": int(totals.in_progress),
         "dead": int(totals.dead),
-        "processed": int(totals.processed),
+        "processed": int(processed),
         "oldest_pending_age_seconds": _float(totals.oldest_pending_age_seconds),
         "claimable": int(claimable.claimable),
         "oldest_claimable_age_seconds": _float(claimable.oldest),
