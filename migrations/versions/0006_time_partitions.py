@@ -18,6 +18,10 @@ Writers are never refused and wait at most for a few catalogue changes:
    indexes match the new ones and are adopted, not rebuilt); ids continue after the legacy
    table's; the NOTIFY trigger moves to the new table; the week's partitions are made.
 
+The inbox gains an index of its processed rows by processed_at (``status`` reads the newest
+one, and their count, from it): built CONCURRENTLY on the existing table in step 1, adopted by
+the attach in step 2; on SQLite simply created.
+
 A message id stays unique in each partition (a unique index per partition); the receiver
 keeps it unique across partitions (queries.insert_inbox). SQLite keeps plain tables.
 
@@ -82,6 +86,13 @@ _INDEXES = {
     ],
 }
 
+#: The partial indexes this revision adds: (name, column, where), built on the existing
+#: table before the switch so that the attach adopts them instead of building them in it.
+_ADDED = {
+    "inbox_messages": [("ix_inbox_messages_processed", "processed_at", "status = 'processed'")],
+    "outbox_messages": [],
+}
+
 _WEEK = 7
 
 
@@ -98,6 +109,9 @@ def _literal(moment: datetime) -> str:
 
 def upgrade() -> None:
     if op.get_bind().dialect.name != "postgresql":
+        for table, added in _ADDED.items():
+            for name, column, where in added:
+                op.create_index(name, table, [column], sqlite_where=sa.text(where))
         return
     schema = context.config.attributes["outbox_inbox_schema"]
     s = op.get_bind().dialect.identifier_preparer.quote_schema(schema)
@@ -116,6 +130,11 @@ def _prepare_legacy(s: str, table: str, key: str, bound: datetime) -> None:
     index = f"{table}_legacy_id_time"
     if not conn.execute(exists, {"name": f"{s}.{index}"}).scalar_one():
         op.execute(f"CREATE UNIQUE INDEX CONCURRENTLY {index} ON {s}.{table} (id, {key})")
+    for name, column, where in _ADDED[table]:
+        if not conn.execute(exists, {"name": f"{s}.{name}_legacy"}).scalar_one():
+            op.execute(
+                f"CREATE INDEX CONCURRENTLY {name}_legacy ON {s}.{table} ({column}) WHERE {where}"
+            )
     op.execute(f"ALTER TABLE {s}.{table} DROP CONSTRAINT IF EXISTS {table}_legacy_bound")
     op.execute(
         f"ALTER TABLE {s}.{table} ADD CONSTRAINT {table}_legacy_bound "
@@ -145,6 +164,8 @@ def _switch(s: str, table: str, key: str, bound: datetime) -> None:
     for name, columns, where, include in _INDEXES[table]:
         covering = f" INCLUDE ({include})" if include else ""
         op.execute(f"CREATE INDEX {name} ON {s}.{table} ({columns}){covering} WHERE {where}")
+    for name, column, where in _ADDED[table]:
+        op.execute(f"CREATE INDEX {name} ON {s}.{table} ({column}) WHERE {where}")
     op.execute(
         f"ALTER TABLE {s}.{legacy} ADD CONSTRAINT {legacy}_id_time "
         f"UNIQUE USING INDEX {legacy}_id_time"
@@ -180,6 +201,9 @@ def _switch(s: str, table: str, key: str, bound: datetime) -> None:
 def downgrade() -> None:
     """Plain tables again: every row copied into a new table (offline: writers wait)."""
     if op.get_bind().dialect.name != "postgresql":
+        for table, added in _ADDED.items():
+            for name, *_ in added:
+                op.drop_index(name, table_name=table)
         return
     schema = context.config.attributes["outbox_inbox_schema"]
     s = op.get_bind().dialect.identifier_preparer.quote_schema(schema)
