@@ -345,18 +345,12 @@ def _maintain(
         for p in partitions(conn, tables.schema, parent):
             if p.upper is None or p.upper > cutoff:
                 continue
-            if p.detach_pending:
-                conn.execute(
-                    text(f"ALTER TABLE {s}.{parent} DETACH PARTITION {s}.{p.name} FINALIZE")
-                )
-            else:
-                rows = _rows_of(tables, parent, p.name)
-                if _holds_unfinished(conn, rows, parent, dead_cutoff):
-                    result.kept[p.name] = KEPT_UNFINISHED
-                    continue
-                conn.execute(
-                    text(f"ALTER TABLE {s}.{parent} DETACH PARTITION {s}.{p.name} CONCURRENTLY")
-                )
+            if _holds_unfinished(conn, _rows_of(tables, parent, p.name), parent, dead_cutoff):
+                result.kept[p.name] = KEPT_UNFINISHED
+                continue
+            conn.execute(
+                text(f"ALTER TABLE {s}.{parent} DETACH PARTITION {s}.{p.name} CONCURRENTLY")
+            )
             _retire(conn, tables, parent, p.name, p, retention, now, exporter, result)
     result.pruned_deliveries = queries.prune_deliveries(conn, tables, cutoff)
 
