@@ -619,7 +619,7 @@ def insert_inbox(
         # the statement's text never changes, and no value is adapted one by one (a text
         # array of JSON documents cost psycopg a regular expression per quote).
         batch = _BATCH_JSON([{name: row[name] for name in RECEIVED_COLUMNS} for row in rows])
-        conn.execute(_LOCK_MESSAGE_IDS, {"rows": batch})
+        conn.execute(_LOCK_MESSAGE_IDS, {"ids": [str(row["message_id"]) for row in rows]})
         stmt = _insert_inbox_statement(tables)
         return {message_id for (message_id,) in conn.execute(stmt, {"rows": batch}).all()}
     stmt = (
@@ -672,10 +672,10 @@ def _insert_inbox_statement(tables: Tables) -> Any:
     )
 
 
-#: The receiver's lock on each message id of a batch (a JSON array of rows), in hash order.
+#: The receiver's lock on each message id of a batch, in hash order.
 _LOCK_MESSAGE_IDS = text(
-    "SELECT pg_advisory_xact_lock(:namespace, h) FROM (SELECT DISTINCT hashtext(r->>'message_id')"
-    " AS h FROM jsonb_array_elements(CAST(:rows AS jsonb)) AS r ORDER BY h) AS ids"
+    "SELECT pg_advisory_xact_lock(:namespace, h) FROM (SELECT DISTINCT hashtext(m) AS h"
+    " FROM unnest(CAST(:ids AS text[])) AS m ORDER BY h) AS ids"
 ).bindparams(namespace=INBOX_LOCK)
 
 
