@@ -200,7 +200,8 @@ def _print_targets(ctx: Context) -> None:
         print(f"{row['what']:<56} {measured:>9} {target:>14} {_yes(row['met'])}")
 
 
-def write_json(ctx: Context, path: str) -> None:
+def write_json(ctx: Context, path: str, targets: list[dict[str, Any]] | None = None) -> None:
+    """Write the figures, `ctx.results` and the targets (default: `target_rows`) to `path`."""
     finish_figures(ctx)
     data = {
         "messages": ctx.n,
@@ -208,7 +209,7 @@ def write_json(ctx: Context, path: str) -> None:
         "environment": ctx.environment,
         "figures": [f.as_dict() for f in ctx.figures.values()],
         **ctx.results,
-        "targets": target_rows(ctx),
+        "targets": target_rows(ctx) if targets is None else targets,
     }
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -129,10 +129,11 @@ def build_service_b(
     return svc, effects
 
 
-def build_service_m(tag: str, db_url: str, mq_url: str) -> tuple[Service, Table]:
-    """Service M: handles its own events ``<M>.order.placed`` (backlogs seeded in SQL)."""
+def build_service_m(tag: str, db_url: str, mq_url: str, **settings: Any) -> tuple[Service, Table]:
+    """Service M: handles its own events ``<M>.order.placed`` (backlogs seeded in SQL);
+    `settings`: more keyword settings of its `Service`."""
     name = memory_service_name(tag)
-    svc = Service(name, db_url=db_url, mq_url=mq_url, schema=f"bench_{tag}_m")
+    svc = Service(name, db_url=db_url, mq_url=mq_url, schema=f"bench_{tag}_m", **settings)
     effects = effects_table(svc.settings.schema)
     _subscribe(svc, f"{name}.{EVENT_NAME}", effects)
     return svc, effects
