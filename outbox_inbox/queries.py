@@ -237,7 +237,7 @@ def _claim_outbox_statement(tables: Tables, postgres: bool) -> Any:
             or_(o.c.key.is_(None), key_free),
         )
         .order_by(o.c.id)
-        .limit(bindparam("limit", type_=Integer))
+        .limit(bindparam("limit", type_=Integer, literal_execute=True))
         .with_for_update(skip_locked=True, of=o)
     )
 
@@ -728,7 +728,7 @@ def _claim_statement(tables: Tables, liveness: bool) -> Any:
         select(i.c.id)
         .where(_claimable(i, liveness=liveness))
         .order_by(i.c.priority.desc(), i.c.id)
-        .limit(bindparam("limit", type_=Integer))
+        .limit(bindparam("limit", type_=Integer, literal_execute=True))
         .with_for_update(skip_locked=True)
         .scalar_subquery()
     )
@@ -756,18 +756,26 @@ def _claimable(i: Any, *, liveness: bool) -> ColumnElement[bool]:
             )
         )
     return and_(
-        i.c.status == PENDING,
+        i.c.status == _inline(PENDING),
         i.c.next_attempt_at <= db_now(),
         or_(*free),
         or_(
             i.c.key.is_(None),
             ~exists().where(
                 earlier.c.key == i.c.key,
-                earlier.c.status == PENDING,
+                earlier.c.status == _inline(PENDING),
                 earlier.c.id < i.c.id,
             ),
         ),
     )
+
+
+def _inline(value: Any) -> Any:
+    """`value` written into the statement's text, not sent as a parameter: a statement the
+    server prepares then has a generic plan that can use the partial indexes whose predicate
+    names that value (``status = 'pending'``). With the value a parameter, PostgreSQL plans the
+    statement again at every execution, once per partition of the table."""
+    return literal(value, literal_execute=True)
 
 
 def _claimant_key(claimant: Any) -> Any:
