@@ -25,6 +25,7 @@ from outbox_inbox import (
     Service,
     TopologyMismatch,
 )
+from outbox_inbox.partitions import partitions
 
 
 def test_retries_follow_the_backoff_within_tolerance(db_url: str, mq_url: str) -> None:
@@ -264,6 +265,46 @@ def test_a_message_that_can_never_be_stored_is_dead_lettered_after_max_attempts(
     assert props.headers["x-dead-reason"].startswith("store_failed: not stored after 3 attempts")
     assert props.headers["x-original-routing-key"] == "billing.job.run"
     assert json.loads(body) == {"bad": 1}
+    svc.close()
+
+
+def test_a_missing_partition_delays_messages_instead_of_dead_lettering_them_until_one_exists(
+    db_url: str, mq_url: str
+) -> None:
+    svc = make_service(
+        "billing",
+        db_url,
+        mq_url,
+        delay_tiers=(1,),
+        receive_retry=RetryPolicy(initial=1, max_interval=1, max_attempts=100),
+    )
+    svc.declare_topology()
+    # The partition holding "now" goes away (a maintenance pass that never ran): the
+    # database refuses every row, with the same IntegrityError class as a bad value.
+    with svc.engine.begin() as conn:
+        conn.execute(text("DROP TABLE outbox_inbox.inbox_messages_legacy"))
+    receiver = svc.receiver()
+    ids = [str(uuid.uuid4()) for _ in range(5)]
+    with running(receiver):
+        for message_id in ids:
+            publish_raw(mq_url, "commands", "billing.job.run", b'{"n": 1}', message_id=message_id)
+        wait_until(lambda: receiver.delayed >= 5, timeout=30, what="messages delayed")
+        assert receiver.dead == 0
+        with svc.engine.begin() as conn:
+            first = partitions(conn, "outbox_inbox", "inbox_messages")[0].lower
+            assert first is not None
+            conn.execute(
+                text(
+                    "CREATE TABLE outbox_inbox.inbox_messages_now PARTITION OF "
+                    "outbox_inbox.inbox_messages FOR VALUES FROM (MINVALUE) TO "
+                    f"('{first.isoformat()}')"
+                )
+            )
+        wait_until(lambda: receiver.stored == 5, timeout=30, what="all stored")
+    assert receiver.dead == 0
+    assert drain(mq_url, "billing.dead_letter") == []
+    stored = rows(db_url, "SELECT message_id::text FROM outbox_inbox.inbox_messages")
+    assert sorted(m for (m,) in stored) == sorted(ids)
     svc.close()
 
 
