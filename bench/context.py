@@ -305,6 +305,9 @@ class Context:
         self.sql(
             sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(self.raw_schema)),
             sql.SQL("CREATE TABLE {} (LIKE {} INCLUDING ALL)").format(self.t("inbox"), b_in),
+            # A plain table (LIKE of the partitioned inbox), unique by message_id as the raw
+            # insert's ON CONFLICT needs: the limit without partitions to keep ids unique across.
+            sql.SQL("ALTER TABLE {} ADD UNIQUE (message_id)").format(self.t("inbox")),
             sql.SQL("CREATE TABLE {} (LIKE {} INCLUDING ALL)").format(self.t("outbox"), a_out),
             # The same columns as the handler's table of service B (services.effects_table).
             sql.SQL(
