@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +17,7 @@ from sqlalchemy import (
     ARRAY,
     BigInteger,
     Connection,
+    DateTime,
     Engine,
     Float,
     Integer,
@@ -828,13 +829,21 @@ def _among(column: ColumnElement[Any], postgres: bool) -> ColumnElement[bool]:
     return column.in_(bindparam("ids", expanding=True))
 
 
-def lock_claimed(conn: Connection, tables: Tables, ids: Sequence[int], worker: str) -> set[int]:
+def lock_claimed(
+    conn: Connection,
+    tables: Tables,
+    ids: Sequence[int],
+    worker: str,
+    since: datetime | None = None,
+) -> set[int]:
     """Row-lock the claimed rows that are still leased to `worker` and pending.
 
     The row lock keeps any other worker away while the handlers run, even if the lease runs out.
+    `since`: no row of `ids` was received before it (see `_received_since`).
     """
     stmt = _lock_claimed_statement(tables, conn.dialect.name == "postgresql")
-    return set(conn.execute(stmt, {"ids": list(ids), "claimant": worker}).scalars().all())
+    params = {"ids": list(ids), "claimant": worker, "since": since or _LONG_AGO}
+    return set(conn.execute(stmt, params).scalars().all())
 
 
 @cache
@@ -845,17 +854,34 @@ def _lock_claimed_statement(tables: Tables, postgres: bool) -> Any:
         .where(
             _among(i.c.id, postgres),
             i.c.locked_by == bindparam("claimant", type_=String),
-            i.c.status == PENDING,
+            i.c.status == _inline(PENDING),
+            *_received_since(i, postgres),
         )
         .with_for_update()
     )
 
 
-def mark_processed(conn: Connection, tables: Tables, ids: Sequence[int]) -> None:
-    """Mark rows processed and release their lease."""
+#: `since` when the caller gives none: every partition may hold the rows.
+_LONG_AGO = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def _received_since(i: Any, postgres: bool) -> list[ColumnElement[bool]]:
+    """On PostgreSQL, ``received_at >= :since``: the server then reads only the partitions
+    from the one holding `since` on (pruned when the statement starts), not a probe of every
+    partition's key index per id."""
+    return (
+        [i.c.received_at >= bindparam("since", type_=DateTime(timezone=True))] if postgres else []
+    )
+
+
+def mark_processed(
+    conn: Connection, tables: Tables, ids: Sequence[int], since: datetime | None = None
+) -> None:
+    """Mark rows processed and release their lease. `since`: no row of `ids` was received
+    before it."""
     if ids:
         stmt = _mark_processed_statement(tables, conn.dialect.name == "postgresql")
-        conn.execute(stmt, {"ids": list(ids)})
+        conn.execute(stmt, {"ids": list(ids), "since": since or _LONG_AGO})
 
 
 @cache
@@ -863,7 +889,7 @@ def _mark_processed_statement(tables: Tables, postgres: bool) -> Any:
     i = tables.inbox
     return (
         update(i)
-        .where(_among(i.c.id, postgres))
+        .where(_among(i.c.id, postgres), *_received_since(i, postgres))
         .values(
             status=PROCESSED,
             processed_at=db_now(),

@@ -14,7 +14,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import psycopg
 from opentelemetry.trace import Tracer
@@ -96,6 +96,12 @@ class _Batch:
     @property
     def away_ids(self) -> list[int]:
         return [r["id"] for r in self.away]
+
+    @property
+    def since(self) -> datetime | None:
+        """The earliest receipt of the batch's rows: their partitions start there."""
+        rows = [*self.run, *(d[0] for d in self.dead), *self.away]
+        return min((r["received_at"] for r in rows), default=None)
 
 
 class Worker:
@@ -448,7 +454,7 @@ class Worker:
         handled: list[Message] = []
         claimed: list[RowMapping] = []
         with conn.begin():
-            mine = queries.lock_claimed(conn, self._tables, batch.ids, self.claimant)
+            mine = queries.lock_claimed(conn, self._tables, batch.ids, self.claimant, batch.since)
             self._mark_dead_rows(conn, batch, mine)
             # join_transaction_mode="rollback_only": a handler's session.commit() only flushes;
             # this transaction is the worker's to commit.
@@ -461,7 +467,7 @@ class Worker:
                 run_writes(session)
             finally:
                 session.close()
-            queries.mark_processed(conn, self._tables, processed)
+            queries.mark_processed(conn, self._tables, processed, batch.since)
             queries.release_claims(conn, self._tables, unrun, self.claimant)
             if claim_next and not self._stop.is_set():
                 claimed = self._claim(conn)
@@ -515,7 +521,7 @@ class Worker:
         """
         handled: list[Message] = []
         with conn.begin():
-            mine = queries.lock_claimed(conn, self._tables, batch.ids, self.claimant)
+            mine = queries.lock_claimed(conn, self._tables, batch.ids, self.claimant, batch.since)
             self._mark_dead_rows(conn, batch, mine)
             processed: list[int] = []
             unrun: list[int] = []
@@ -532,7 +538,7 @@ class Worker:
                 if message is not None:
                     handled.append(message)
                     processed.append(row["id"])
-            queries.mark_processed(conn, self._tables, processed)
+            queries.mark_processed(conn, self._tables, processed, batch.since)
             queries.release_claims(conn, self._tables, unrun, self.claimant)
         return handled
 
