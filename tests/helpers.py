@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -163,3 +164,24 @@ def dead_rows_one_refused(service: Service, count: int, refused: int) -> list[st
             )
         )
     return ids
+
+
+def received_row(**values: Any) -> dict[str, Any]:
+    """An inbox row as the receiver hands it to `queries.insert_inbox` (a command to billing
+    from orders, a new message id), with `values` instead of the defaults."""
+    return {
+        "message_id": uuid.uuid4(),
+        "source": "orders",
+        "kind": "command",
+        "routing_key": "billing.invoice.create",
+        "payload": {"order": 1},
+        "headers": {},
+        "version": 1,
+        "correlation_id": None,
+        "causation_id": None,
+        "key": None,
+        "priority": 0,
+        "created_at": None,
+        "expires_at": None,
+        **values,
+    }

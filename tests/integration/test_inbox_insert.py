@@ -16,28 +16,13 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
+from helpers import received_row
 from outbox_inbox import MemoryBroker, Service
 from outbox_inbox.queries import insert_inbox
 
 
 def _row(**values: Any) -> dict[str, Any]:
-    row: dict[str, Any] = {
-        "message_id": uuid.uuid4(),
-        "source": None,
-        "kind": "command",
-        "routing_key": "billing.invoice.create",
-        "payload": {"order": 1},
-        "headers": {},
-        "version": 1,
-        "correlation_id": None,
-        "causation_id": None,
-        "key": None,
-        "priority": 0,
-        "created_at": None,
-        "expires_at": None,
-    }
-    row.update(values)
-    return row
+    return received_row(**{"source": None, **values})
 
 
 ROWS = [

@@ -24,6 +24,7 @@ import pytest
 from sqlalchemy import Connection, Engine, func, insert, select, text
 from sqlalchemy.exc import OperationalError
 
+from helpers import received_row
 from history import REPO_ROOT, archived
 from outbox_inbox import MemoryBroker, Message, Service, queries
 from outbox_inbox.archive import Archiver, partition_exporter
@@ -137,22 +138,7 @@ def _outbox(engine: Engine, tables: Tables, created_at: datetime, **values: Any)
 
 def _received(message_id: uuid.UUID, **values: Any) -> dict[str, Any]:
     """An inbox row as the receiver hands it to `insert_inbox`."""
-    return {
-        "message_id": message_id,
-        "source": "orders",
-        "kind": "command",
-        "routing_key": "billing.invoice.create",
-        "payload": {"copy": 2},
-        "headers": {},
-        "version": 1,
-        "correlation_id": None,
-        "causation_id": None,
-        "key": None,
-        "priority": 0,
-        "created_at": None,
-        "expires_at": None,
-        **values,
-    }
+    return received_row(message_id=message_id, **{"payload": {"copy": 2}, **values})
 
 
 def _where(engine: Engine, tables: Tables, parent: str, message_id: uuid.UUID) -> list[str]:

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Connection, create_engine, event, text
 
+from helpers import received_row
 from outbox_inbox import queries
 from outbox_inbox.migrate import alembic_config, upgrade
 from outbox_inbox.partitions import partitions
@@ -294,21 +295,7 @@ def test_the_receivers_insert_probes_each_partitions_message_id_index(
             text(f"SELECT message_id FROM {SCHEMA}.inbox_messages ORDER BY id DESC LIMIT 1")
         ).scalar_one()
     batch = [
-        {
-            "message_id": message_id,
-            "source": "orders",
-            "kind": "command",
-            "routing_key": "billing.invoice.create",
-            "payload": {"n": n},
-            "headers": {},
-            "version": 1,
-            "correlation_id": None,
-            "causation_id": None,
-            "key": None,
-            "priority": 0,
-            "created_at": None,
-            "expires_at": None,
-        }
+        received_row(message_id=message_id, payload={"n": n})
         for n, message_id in enumerate([stored, uuid.uuid4(), uuid.uuid4()])
     ]
     plans = _assert_no_scan_of_a_large_relation(
