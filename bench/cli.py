@@ -17,7 +17,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 
 from psycopg import sql
@@ -211,15 +211,13 @@ def _add_latency_and_memory_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    ctx = Context(args)
+def guarded(ctx: Context, body: Callable[[Context], None]) -> int:
+    """Run `body(ctx)`, then clean up whatever happened (SIGTERM and Ctrl-C included); return
+    the exit status: 0, 1 when the bench failed, 130 when interrupted."""
     status = 0
-    started = time.monotonic()
     with _interrupt_on_sigterm():
         try:
-            run(ctx)
+            body(ctx)
         except KeyboardInterrupt:
             print("\ninterrupted; cleaning up", file=sys.stderr)
             status = 130
@@ -237,6 +235,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ctx.cleanup()
             finally:
                 signal.signal(signal.SIGINT, previous)
+    return status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    ctx = Context(args)
+    started = time.monotonic()
+    status = guarded(ctx, run)
     if ctx.figures or ctx.results:
         report.print_table(ctx)
         if args.json:

@@ -29,11 +29,9 @@ if __name__ == "__main__":
 import argparse
 import logging
 import os
-import signal
 import statistics
 import threading
 import time
-import traceback
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from datetime import UTC, datetime, timedelta
@@ -44,7 +42,7 @@ from psycopg import sql
 from sqlalchemy import Engine, event, text
 
 from bench import report
-from bench.cli import _interrupt_on_sigterm
+from bench.cli import guarded
 from bench.context import Context
 from bench.latency import percentile
 from bench.roles import write_outbox
@@ -981,27 +979,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     ctx = Context(args)
-    status = 0
     began = time.monotonic()
-    with _interrupt_on_sigterm():
-        try:
-            run(ctx)
-        except KeyboardInterrupt:
-            print("\ninterrupted; cleaning up", file=sys.stderr)
-            status = 130
-        except BenchError as exc:
-            print(f"\nbenchmark failed: {exc}", file=sys.stderr)
-            status = 1
-        except Exception:
-            traceback.print_exc()
-            print("\nbenchmark failed", file=sys.stderr)
-            status = 1
-        finally:
-            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-            try:
-                ctx.cleanup()
-            finally:
-                signal.signal(signal.SIGINT, previous)
+    status = guarded(ctx, run)
     print_summary(ctx)
     if args.json:
         report.write_json(ctx, args.json, targets(ctx))
