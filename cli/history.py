@@ -7,10 +7,10 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from sqlalchemy import Engine
@@ -22,8 +22,19 @@ from outbox_inbox.status import subscribed_services
 from outbox_inbox.tables import Tables, build_tables
 
 from .output import EXIT_UNHEALTHY, echo, echo_json, progress, render_table
-from .target import Target, checked_db_url, fail, json_option, parse_duration, resolve
+from .target import (
+    Target,
+    checked_db_url,
+    fail,
+    json_option,
+    parse_duration,
+    parse_time,
+    resolve,
+)
 from .target import target_options as _target_options
+
+if TYPE_CHECKING:
+    from outbox_inbox.analytics.audit import Window
 
 DEFAULT_RETENTION = "7d"
 
@@ -225,6 +236,34 @@ def _print_result(name: str, root: Path, result: ArchiveResult, as_json: bool) -
     help="A delivery missing for less than this since its publication is in flight, not lost.",
 )
 @click.option(
+    "--since",
+    metavar="TIME",
+    callback=parse_time,
+    help="Audit only the messages published from TIME on (2026-11-25 or an ISO 8601 time; "
+    "UTC unless it says otherwise), reading only the archive days that can hold them.",
+)
+@click.option(
+    "--until",
+    metavar="TIME",
+    callback=parse_time,
+    help="... and before TIME [default: now]. Needs --since.",
+)
+@click.option(
+    "--day",
+    metavar="YYYY-MM-DD",
+    callback=parse_time,
+    help="Audit the messages published on this UTC day: --since DAY --until the next day.",
+)
+@click.option(
+    "--margin",
+    default="1d",
+    show_default=True,
+    metavar="DURATION",
+    callback=parse_duration,
+    help="With a window: how much earlier and later to read (the longest a message waits in "
+    "its outbox, or between its publication and its receipt).",
+)
+@click.option(
     "--driver-memory",
     default="2g",
     show_default=True,
@@ -246,6 +285,10 @@ def audit(
     master: str | None,
     out_dir: str,
     grace: timedelta,
+    since: datetime | None,
+    until: datetime | None,
+    day: datetime | None,
+    margin: timedelta,
     driver_memory: str,
     confs: tuple[str, ...],
     as_json: bool,
@@ -261,6 +304,11 @@ def audit(
     type, retries, dead letters by type and cause, and throughput over time.
 
     \b
+    With --day, or --since (and --until), it audits the messages published in that window
+    only, reading only the archive days that can hold them (and --margin around them): the
+    numbers are the whole audit's, restricted to those messages.
+
+    \b
     Writes OUT/summary.json and OUT/report.html (self-contained, charts inline).
     Exit 0 when nothing was lost or handled twice, 4 otherwise.
     """
@@ -268,6 +316,7 @@ def audit(
     from outbox_inbox.analytics.report import render_html
 
     config = _audit_inputs(archives, db_urls, confs)
+    window = _window(since, until, day, margin)
     live = [read_live(url, schema) for url in db_urls]
     spark = spark_session(master, driver_memory=driver_memory, config=config)
     try:
@@ -277,7 +326,10 @@ def audit(
             live=live,
             grace=grace,
             inputs={"live_databases": [mask_url(u) for u in db_urls]},
+            window=window,
         )
+    except AuditError:
+        raise
     except Exception as exc:  # Spark's failures come as py4j and pyspark errors of many kinds
         lines = (str(exc).strip() or type(exc).__name__).splitlines()
         raise AuditError(f"the Spark job failed: {type(exc).__name__}: {lines[0][:500]}") from exc
@@ -293,6 +345,27 @@ def audit(
         _print_summary(summary, out)
     if not summary["ok"]:
         raise SystemExit(EXIT_UNHEALTHY)
+
+
+def _window(
+    since: datetime | None, until: datetime | None, day: datetime | None, margin: timedelta
+) -> Window | None:
+    """The audit's window from its options, or None for the whole history."""
+    from outbox_inbox.analytics.audit import Window
+    from outbox_inbox.errors import ConfigurationError
+
+    if day is not None:
+        if since is not None or until is not None:
+            fail("--day cannot be combined with --since or --until")
+        since, until = day, day + timedelta(days=1)
+    if since is None:
+        if until is not None:
+            fail("--until needs --since")
+        return None
+    try:
+        return Window(since, until or datetime.now(UTC), margin)
+    except ConfigurationError as exc:
+        fail(str(exc))
 
 
 def _audit_inputs(

@@ -8,7 +8,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, NoReturn, TypeVar
 
 import click
@@ -296,3 +296,18 @@ def parse_duration(
     if not match:
         raise click.BadParameter(f"{value!r} is not a duration like 30s, 10m, 2h or 7d")
     return timedelta(seconds=float(match[1]) * _DURATION_UNITS[match[2] or "s"])
+
+
+def parse_time(ctx: click.Context, param: click.Parameter, value: str | None) -> datetime | None:
+    """Option callback: a date or an ISO 8601 time, UTC unless it names its zone."""
+    if value is None:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value.strip())
+    except ValueError:
+        raise click.BadParameter(
+            f"{value!r} is not a date or time like 2026-11-25 or 2026-11-25T06:00:00Z"
+        ) from None
+    if param.name == "day" and (parsed.hour, parsed.minute, parsed.second) != (0, 0, 0):
+        raise click.BadParameter(f"{value!r} is not a day like 2026-11-25")
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)

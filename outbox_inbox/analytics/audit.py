@@ -18,23 +18,37 @@ What is expected where:
   **duplicates absorbed**: the at-least-once wire doing its job.
 
 The job uses DataFrame operations only (no Python UDFs), so executors need nothing but Spark:
-the same code runs on ``local[*]`` and on a cluster. Topic patterns are matched on the driver
-against the distinct routing keys, with the matcher the in-memory broker uses.
+the same code runs on ``local[*]`` and on a cluster. Topic patterns become regular expressions
+that match exactly what the broker's topic matching matches (`topic_regex`).
+
+How it runs (`run_audit`): the archives are read once, only the columns the audit uses (and,
+for a `Window`, only the date partitions that can hold it); the sent messages are expanded to
+their expected deliveries and joined with the receipts, both sides spread by message id once;
+the joined rows are kept in memory for two jobs: one aggregation that yields every count,
+histogram bucket and percentile, then one query for the examples and the throughput, whose
+buckets depend on the window the first job found.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from ..archive import COLUMNS, INBOX, OUTBOX, SUBSCRIPTIONS, subscription_record, to_records
+from ..archive import (
+    COLUMNS,
+    DATE_COLUMN,
+    INBOX,
+    OUTBOX,
+    SUBSCRIPTIONS,
+    subscription_record,
+    to_records,
+)
 from ..errors import ConfigurationError, OutboxInboxError
 from ..messages import EVENTS_EXCHANGE
-from ..topology import topic_matches
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, Row, SparkSession
@@ -109,8 +123,13 @@ def spark_session(
         )
         if driver_memory:
             builder = builder.config("spark.driver.memory", driver_memory)
-    builder = builder.config("spark.sql.session.timeZone", "UTC").config(
-        "spark.sql.sources.partitionColumnTypeInference.enabled", "false"
+    builder = (
+        builder.config("spark.sql.session.timeZone", "UTC")
+        .config("spark.sql.sources.partitionColumnTypeInference.enabled", "false")
+        .config("spark.sql.adaptive.enabled", "true")
+        # The receipts are spread by message id alone; the join on (message id, consumer)
+        # may reuse that spreading rather than spread them again.
+        .config("spark.sql.requireAllClusterKeysForCoPartition", "false")
     )
     for key, value in (config or {}).items():
         builder = builder.config(key, value)
@@ -150,25 +169,6 @@ def spark_schema(source: str, *, partitioned: bool) -> StructType:
         if source != SUBSCRIPTIONS:
             fields.append(T.StructField("date", T.StringType(), True))
     return T.StructType(fields)
-
-
-def read_archives(spark: SparkSession, roots: Sequence[str], source: str) -> DataFrame:
-    """Every archive root's `source` files as one DataFrame (empty when there are none)."""
-    from pyspark.errors import AnalysisException
-
-    schema = spark_schema(source, partitioned=True)
-    frames = []
-    for root in roots:
-        path = f"{root.rstrip('/')}/{source}"
-        try:
-            frames.append(spark.read.schema(schema).parquet(path))
-        except AnalysisException as exc:
-            if "PATH_NOT_FOUND" not in str(exc) and "does not exist" not in str(exc):
-                raise
-    frame = spark.createDataFrame([], schema)
-    for other in frames:
-        frame = frame.unionByName(other)
-    return frame
 
 
 def live_frame(spark: SparkSession, source: str, live: Sequence[LiveRows]) -> DataFrame | None:
@@ -219,6 +219,59 @@ def read_live(db_url: str, schema: str | None = None) -> LiveRows:
 # --- the audit ----------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Window:
+    """The messages an incremental audit covers: those published in ``[since, until)`` (an
+    unpublished one by its creation, a receipt nobody sent by its receipt).
+
+    Only the archive's date partitions that can hold them are read: outbox days from
+    ``since - margin`` (a message waits in its outbox before it is published), inbox days
+    from ``since - margin`` to ``until + margin`` (receipts come after publication, late ones
+    after retries and redeliveries; earlier ones by clock skew). A receipt further than
+    `margin` from its publication is not joined: outside the margin, the incremental audit
+    can report lost what the full audit reports delivered.
+    """
+
+    since: datetime
+    until: datetime
+    margin: timedelta = timedelta(days=1)
+
+    def __post_init__(self) -> None:
+        if self.since.tzinfo is None or self.until.tzinfo is None:
+            raise ConfigurationError("the audit window's times must be timezone-aware")
+        if self.until <= self.since:
+            raise ConfigurationError(
+                f"the audit window is empty: --until {self.until.isoformat()} is not after "
+                f"--since {self.since.isoformat()}"
+            )
+        if self.margin < timedelta(0):
+            raise ConfigurationError("the audit window's margin cannot be negative")
+
+    def days(self, source: str) -> list[str]:
+        """The date partitions (``YYYY-MM-DD``, UTC) of `source` that are read."""
+        first = (self.since - self.margin).astimezone(UTC).date()
+        end = self.until if source == OUTBOX else self.until + self.margin
+        last = (end - timedelta(microseconds=1)).astimezone(UTC).date()
+        return [(first + timedelta(days=n)).isoformat() for n in range((last - first).days + 1)]
+
+    def read(self, source: str) -> Column:
+        """The rows of `source` read: those the days hold, within the margin."""
+        from pyspark.sql import functions as F
+
+        column = F.col(DATE_COLUMN[source])
+        end = self.until if source == OUTBOX else self.until + self.margin
+        return column.isNull() | (
+            (column >= F.lit(self.since - self.margin)) & (column < F.lit(end))
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "since": _iso(self.since),
+            "until": _iso(self.until),
+            "margin_seconds": self.margin.total_seconds(),
+        }
+
+
 def run_audit(
     spark: SparkSession,
     archives: Sequence[str],
@@ -227,45 +280,66 @@ def run_audit(
     grace: timedelta = timedelta(minutes=5),
     now: datetime | None = None,
     inputs: Mapping[str, Any] | None = None,
+    window: Window | None = None,
 ) -> dict[str, Any]:
     """Reconcile the message history; return the summary (see the module docstring).
 
-    Reads but never writes the archives. Raises pyspark's errors when Spark fails.
-    """
-    from pyspark.sql import functions as F
+    With `window`, audit only the messages of that window (see `Window`): the result is the
+    full audit's restricted to those messages, as long as every receipt is within the window's
+    margin of its publication. Raises AuditError when a window's days are in no archive and
+    no live rows were given. Reads but never writes the archives. Raises pyspark's errors
+    when Spark fails.
 
+    One pass: the archives are read once, the sent messages expanded to their expected
+    deliveries and joined with the receipts (one shuffle of each side), and every figure
+    but the throughput and the examples comes out of one aggregation of the joined rows;
+    those three are small jobs over the joined rows kept in memory.
+    """
     now = now or datetime.now(UTC)
     horizon = now - grace
-    outbox, inbox, subscriptions = _read_inputs(spark, archives, live)
-    published = outbox.where(F.col("published_at").isNotNull())
-    expected = _expected_deliveries(spark, published, subscriptions)
-    joined = _reconcile(expected, _received(inbox))
-    totals_out, totals_in = _outbox_totals(outbox), _delivery_totals(joined, horizon)
-    totals = {k: int(totals_out[k] or 0) for k in _OUT_COUNTS} | {
-        k: int(totals_in[k] or 0) for k in _IN_COUNTS
-    }
-    is_expected, is_received, _, lost = _delivery_states(horizon)
-    summary: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION,
-        "generated_at": _iso(now),
-        "ok": totals["lost"] == 0 and totals["handled_more_than_once"] == 0,
-        "inputs": _inputs(spark, archives, grace, horizon, inputs or {}),
-        "window": {
-            "first_created_at": _iso(totals_out["first_created_at"]),
-            "last_processed_at": _iso(totals_in["last_processed_at"]),
-        },
-        "totals": totals,
-        "services": _services(outbox, joined, is_expected, is_received, lost),
-        **_examples(joined, lost),
-        "latency": _latency(joined),
-        "latency_histogram": _histogram(joined),
-        "retries": _retries(joined),
-        **_dead_letters(joined),
-        "throughput": _throughput(outbox, joined, *_throughput_window(totals_out, totals_in)),
-    }
-    joined.unpersist()
-    outbox.unpersist()
+    outbox, inbox, subscriptions = _read_inputs(spark, archives, live, window)
+    rows = _reconcile(_expected(outbox, subscriptions), _received(inbox), window)
+    rows = _kept(spark, rows)
+    try:
+        figures = _Figures(_aggregate(rows, horizon))
+        details = _Details(rows, horizon, figures.first_published_at, figures.last_at())
+        summary: dict[str, Any] = {
+            "schema_version": SCHEMA_VERSION,
+            "generated_at": _iso(now),
+            "ok": figures.totals["lost"] == 0 and figures.totals["handled_more_than_once"] == 0,
+            "inputs": _inputs(spark, archives, grace, horizon, window, inputs or {}),
+            "window": {
+                "first_created_at": _iso(figures.first_created_at),
+                "last_processed_at": _iso(figures.last_processed_at),
+            },
+            "totals": figures.totals,
+            "services": figures.services(),
+            "lost": details.lost(),
+            "handled_more_than_once": details.handled_more_than_once(),
+            "latency": figures.latency(),
+            "latency_histogram": figures.histogram(),
+            "retries": figures.retries(),
+            **figures.dead_letters(),
+            "throughput": details.throughput(),
+        }
+    finally:
+        rows.unpersist()
     return summary
+
+
+def _kept(spark: SparkSession, rows: DataFrame) -> DataFrame:
+    """`rows` kept in memory (spilling to disk) for the jobs after the first, uncompressed:
+    compressing the columns costs more than reading them back saves."""
+    setting = "spark.sql.inMemoryColumnarStorage.compressed"
+    before = spark.conf.get(setting, None)
+    spark.conf.set(setting, "false")
+    try:
+        return rows.persist()
+    finally:
+        if before is None:
+            spark.conf.unset(setting)
+        else:
+            spark.conf.set(setting, before)
 
 
 def _inputs(
@@ -273,6 +347,7 @@ def _inputs(
     archives: Sequence[str],
     grace: timedelta,
     horizon: datetime,
+    window: Window | None,
     inputs: Mapping[str, Any],
 ) -> dict[str, Any]:
     """The summary's ``inputs``: what was read, where, and the grace; `inputs` adds to it."""
@@ -282,26 +357,35 @@ def _inputs(
         "master": spark.sparkContext.master,
         "grace_seconds": grace.total_seconds(),
         "horizon": _iso(horizon),
+        **({"window": window.describe()} if window is not None else {}),
         **inputs,
     }
 
 
 def _read_inputs(
-    spark: SparkSession, archives: Sequence[str], live: Sequence[LiveRows]
+    spark: SparkSession, archives: Sequence[str], live: Sequence[LiveRows], window: Window | None
 ) -> tuple[DataFrame, DataFrame, list[tuple[str, str, str, datetime | None]]]:
-    """The sent messages (persisted: the caller unpersists them), the inbox rows, and every
-    subscription as (service, exchange, pattern, subscribed_at), from archives and live rows."""
-    from pyspark import StorageLevel
-
-    # Only the columns the audit uses: payloads and headers never enter a shuffle.
-    outbox = read_archives(spark, archives, OUTBOX).select(*_OUTBOX_USED)
-    inbox = read_archives(spark, archives, INBOX).select(*_INBOX_USED)
+    """The sent messages, the inbox rows, and every subscription as (service, exchange,
+    pattern, subscribed_at), from archives and live rows."""
+    # Only the columns the audit uses: payloads and headers are never read.
+    found = {}
+    frames = {}
+    for source, used in ((OUTBOX, _OUTBOX_USED), (INBOX, _INBOX_USED)):
+        days = window.days(source) if window is not None else None
+        frame, found[source] = _read(spark, archives, source, days)
+        extra = live_frame(spark, source, live)
+        if extra is not None:
+            frame = frame.unionByName(extra)
+        frames[source] = frame.select(*used)
+        if window is not None:
+            frames[source] = frames[source].where(window.read(source))
+    if window is not None and not any(found.values()) and not live:
+        raise AuditError(
+            f"no archive partition holds the days {window.days(INBOX)[0]} to "
+            f"{window.days(INBOX)[-1]} in {', '.join(archives)}: has that time been archived "
+            "(outbox-inbox archive)?"
+        )
     subs = read_archives(spark, archives, SUBSCRIPTIONS)
-    live_outbox, live_inbox = live_frame(spark, OUTBOX, live), live_frame(spark, INBOX, live)
-    if live_outbox is not None:
-        outbox = outbox.unionByName(live_outbox.select(*_OUTBOX_USED))
-    if live_inbox is not None:
-        inbox = inbox.unionByName(live_inbox.select(*_INBOX_USED))
     subscriptions = [
         (row["service"], row["exchange"], row["pattern"], _aware(row["subscribed_at"]))
         for row in subs.collect()
@@ -310,72 +394,150 @@ def _read_inputs(
         for part in live
         for s in part.subscriptions
     ]
-
+    outbox = frames[OUTBOX]
     # One row per sent message. The archive writes a row once; only a row archived while the
     # audit read the live tables can be in both.
-    if live_outbox is not None:
+    if any(part.outbox for part in live):
         outbox = outbox.dropDuplicates(["service", "message_id"])
-    outbox = outbox.withColumnRenamed("service", "producer").persist(StorageLevel.MEMORY_AND_DISK)
-    return outbox, inbox, subscriptions
+    return outbox.withColumnRenamed("service", "producer"), frames[INBOX], subscriptions
 
 
-def _expected_deliveries(
-    spark: SparkSession,
-    published: DataFrame,
-    subscriptions: Iterable[tuple[str, str, str, datetime | None]],
+def _read(
+    spark: SparkSession, roots: Sequence[str], source: str, days: Sequence[str] | None
+) -> tuple[DataFrame, bool]:
+    """`source`'s files of every root (only the date partitions `days`, when given), and
+    whether any root had any."""
+    from pyspark.errors import AnalysisException
+
+    schema = spark_schema(source, partitioned=True)
+    frames = []
+    for root in roots:
+        base = f"{root.rstrip('/')}/{source}"
+        path = base if days is None else f"{base}/service=*/date={{{','.join(days)}}}"
+        try:
+            reader = spark.read.schema(schema).option("basePath", base)
+            frames.append(reader.parquet(path))
+        except AnalysisException as exc:
+            if "PATH_NOT_FOUND" not in str(exc) and "does not exist" not in str(exc):
+                raise
+    if not frames:
+        return spark.createDataFrame([], schema), False
+    frame = frames[0]
+    for other in frames[1:]:
+        frame = frame.unionByName(other)
+    return frame, True
+
+
+def read_archives(spark: SparkSession, roots: Sequence[str], source: str) -> DataFrame:
+    """Every archive root's `source` files as one DataFrame (empty when there are none)."""
+    return _read(spark, roots, source, None)[0]
+
+
+def topic_regex(pattern: str) -> str:
+    """A Java regular expression that matches ``"." + routing_key`` exactly when the AMQP topic
+    `pattern` matches ``routing_key`` (as `topic_matches` decides)."""
+    parts: list[str] = []
+    for word in pattern.split("."):
+        if word == "#":
+            if parts and parts[-1] == r"(\.[^.]*)*":
+                continue  # "#.#" matches what "#" matches
+            parts.append(r"(\.[^.]*)*")
+        elif word == "*":
+            parts.append(r"\.[^.]*")
+        else:
+            literal = "".join("\\" + c if c.isascii() and not c.isalnum() else c for c in word)
+            parts.append(r"\." + literal)
+    return "^" + "".join(parts) + "$"
+
+
+def _expected(
+    sent: DataFrame, subscriptions: Iterable[tuple[str, str, str, datetime | None]]
 ) -> DataFrame:
-    """One row per (consumer, message) the published messages were expected at."""
+    """The sent messages expanded to one row per expected delivery, with a ``consumer``: a
+    published command at the service its routing key names, a published event at every
+    service one of whose patterns matches it and which subscribed by its publication. A
+    message expected nowhere keeps one row with no consumer; the first row of each message
+    is its ``sent_row``, which carries the outbox's figures."""
     from pyspark.sql import functions as F
 
-    # Expected deliveries: commands at the service their routing key names, events at every
-    # subscriber whose pattern matches and who subscribed before the publication.
-    commands = published.where(F.col("kind") == "command").withColumn(
-        "consumer", F.substring_index("routing_key", ".", 1)
-    )
-    event_keys = [
-        r["routing_key"]
-        for r in published.where(F.col("kind") == "event")
-        .select("routing_key")
-        .distinct()
-        .collect()
+    key = F.concat(F.lit("."), F.col("routing_key"))
+    published_at = F.col("published_at")
+    by_service: dict[str, list[Column]] = {}
+    for service, exchange, pattern, since in subscriptions:
+        if exchange == EVENTS_EXCHANGE:
+            condition = key.rlike(topic_regex(pattern))
+            if since is not None:
+                condition = condition & (published_at >= F.lit(since))
+            by_service.setdefault(service, []).append(condition)
+    matching = [
+        F.when(_any(conditions), F.lit(service))
+        for service, conditions in sorted(by_service.items())
     ]
-    matches = _event_matches(event_keys, subscriptions)
-    match_schema = "routing_key string, consumer string, subscribed_at timestamp"
-    events = (
-        published.where(F.col("kind") == "event")
-        .join(F.broadcast(spark.createDataFrame(matches, match_schema)), "routing_key")
-        .where(F.col("published_at") >= F.col("subscribed_at"))
-        .drop("subscribed_at")
+    # Arrays with a null where a service is not expected: a message keeps its first row (its
+    # sent row) and the rows of its consumers. No lambdas: they would stop code generation.
+    nobody = F.array(F.lit(None).cast("string"))
+    consumers = (
+        F.when(published_at.isNull(), nobody)
+        .when(F.col("kind") == "command", F.array(F.substring_index("routing_key", ".", 1)))
+        .when(F.col("kind") == "event", F.array(*matching) if matching else nobody)
+        .otherwise(nobody)
     )
-    expected_columns = [
-        "message_id",
-        "routing_key",
-        "kind",
-        "producer",
-        "consumer",
-        "created_at",
-        "published_at",
-    ]
-    return commands.select(*expected_columns).unionByName(events.select(*expected_columns))
+    return (
+        sent.select(
+            _hash().alias("h"),
+            "message_id",
+            "routing_key",
+            "kind",
+            "producer",
+            "created_at",
+            "published_at",
+            "expired_at",
+            F.col("attempts").alias("publish_attempts"),
+            F.posexplode(consumers).alias("pos", "consumer"),
+        )
+        .where(F.col("consumer").isNotNull() | (F.col("pos") == 0))
+        .select(
+            "*",
+            (F.col("pos") == 0).alias("sent_row"),
+            F.col("consumer").isNotNull().alias("expected"),
+        )
+    )
+
+
+def _hash() -> Column:
+    """A 64-bit hash of the message id, sorted on first: the ids of one history often share
+    a long prefix, which a sort would compare byte by byte."""
+    from pyspark.sql import functions as F
+
+    return F.xxhash64("message_id")
+
+
+def _any(conditions: Sequence[Column]) -> Column:
+    out = conditions[0]
+    for condition in conditions[1:]:
+        out = out | condition
+    return out
 
 
 def _received(inbox: DataFrame) -> DataFrame:
     """One row per (consumer, message_id) received, with how its handling went."""
     from pyspark.sql import functions as F
 
-    # Received: one row per (consumer, message_id). Copies of one inbox row (a replayed dead
-    # row archived twice) collapse to the latest; two inbox rows are two handlings.
-    # Partitioned once by (service, message_id): both aggregations below reuse it.
+    # Copies of one inbox row (a replayed dead row archived twice) collapse to the latest;
+    # two inbox rows are two handlings. Spread by message id once: both aggregations (one
+    # sort serves both) and the join with the expected deliveries reuse that spreading.
+    keys = ("h", "message_id", "service", "id")
+    values = [c for c in inbox.columns if c not in keys]
     latest = (
-        inbox.repartition("service", "message_id")
-        .groupBy("service", "message_id", "id")
-        .agg(F.max_by(F.struct(*[c for c in inbox.columns]), "archived_at").alias("r"))
-        .select("r.*")
+        inbox.repartition("message_id")
+        .select(_hash().alias("h"), *inbox.columns)
+        .groupBy(*keys)
+        .agg(F.max_by(F.struct(*values), "archived_at").alias("r"))
+        .select(*keys, *(f"r.{c}" for c in values))
     )
-    return latest.groupBy(F.col("service").alias("consumer"), "message_id").agg(
+    return latest.groupBy("h", "message_id", F.col("service").alias("consumer")).agg(
         F.count("*").alias("copies"),
         F.first("routing_key").alias("r_type"),
-        F.first("source").alias("r_source"),
         F.max("status").alias("status"),  # "processed" > "pending" > "dead"
         F.min("received_at").alias("received_at"),
         F.min("processed_at").alias("processed_at"),  # the first handling's
@@ -383,130 +545,309 @@ def _received(inbox: DataFrame) -> DataFrame:
         F.max("dead_reason").alias("dead_reason"),
         F.max("last_error").alias("last_error"),
         F.sum("duplicates").alias("duplicates"),
-        F.max("deliveries").alias("deliveries"),
+        F.lit(True).alias("got"),
     )
 
 
-def _reconcile(expected: DataFrame, received: DataFrame) -> DataFrame:
-    """Expected and received deliveries side by side, persisted (the caller unpersists)."""
-    from pyspark import StorageLevel
+def _reconcile(expected: DataFrame, received: DataFrame, window: Window | None) -> DataFrame:
+    """Expected and received deliveries side by side (with the sent rows expected nowhere),
+    restricted to `window`'s messages."""
     from pyspark.sql import functions as F
 
-    return (
-        expected.withColumn("expected", F.lit(True))
-        .join(received.withColumn("got", F.lit(True)), ["consumer", "message_id"], "full_outer")
-        .withColumn("type", F.coalesce("routing_key", "r_type"))
-        .persist(StorageLevel.MEMORY_AND_DISK)
+    # Both sides spread by message id; the receipts come sorted from their aggregation.
+    joined = expected.join(received, ["h", "message_id", "consumer"], "full_outer")
+    rows = joined.select(
+        *_KEPT,
+        F.coalesce("routing_key", "r_type").alias("type"),
+        F.coalesce("expected", F.lit(False)).alias("is_expected"),
+        F.coalesce("got", F.lit(False)).alias("is_received"),
+        F.coalesce("sent_row", F.lit(False)).alias("is_sent"),
     )
+    if window is not None:
+        at = F.coalesce("published_at", "created_at", "received_at")
+        rows = rows.where((at >= F.lit(window.since)) & (at < F.lit(window.until)))
+    return rows
 
 
-def _delivery_states(horizon: datetime) -> tuple[Column, Column, Column, Column]:
-    """Conditions on a reconciled row: expected, received, missing, lost (missing and
-    published before the horizon; a missing delivery published after it is in flight)."""
+# The columns of a reconciled row that the figures read.
+_KEPT = (
+    "message_id",
+    "consumer",
+    "producer",
+    "kind",
+    "created_at",
+    "published_at",
+    "expired_at",
+    "publish_attempts",
+    "received_at",
+    "processed_at",
+    "status",
+    "attempts",
+    "copies",
+    "duplicates",
+    "dead_reason",
+    "last_error",
+)
+
+
+def _states(horizon: datetime) -> dict[str, Column]:
+    """Conditions on a reconciled row."""
     from pyspark.sql import functions as F
 
-    is_expected = F.col("expected").isNotNull()
-    is_received = F.col("got").isNotNull()
-    missing = is_expected & ~is_received
+    expected, received = F.col("is_expected"), F.col("is_received")
+    missing = expected & ~received
     lost = missing & (F.col("published_at") < F.lit(horizon))
-    return is_expected, is_received, missing, lost
-
-
-def _outbox_totals(outbox: DataFrame) -> Row:
-    """The counts of sent messages, and the first and last times of the window."""
-    from pyspark.sql import functions as F
-
-    totals_out = outbox.agg(
-        F.count("*").alias("sent"),
-        F.sum(_flag(F.col("kind") == "command")).alias("commands"),
-        F.sum(_flag(F.col("kind") == "event")).alias("events"),
-        F.sum(_flag(F.col("published_at").isNotNull())).alias("published"),
-        F.sum(_flag(F.col("expired_at").isNotNull())).alias("expired"),
-        F.sum(_flag(F.col("published_at").isNull() & F.col("expired_at").isNull())).alias(
-            "unpublished"
-        ),
-        F.sum(F.when(F.col("published_at").isNotNull(), F.col("attempts"))).alias(
-            "publish_retries"
-        ),
-        F.min("created_at").alias("first_created_at"),
-        F.min("published_at").alias("first_published_at"),
-        F.max("published_at").alias("last_published_at"),
-    ).first()
-    assert totals_out is not None
-    return totals_out
-
-
-def _delivery_totals(joined: DataFrame, horizon: datetime) -> Row:
-    """The counts of deliveries and handlings, and the last time anything was processed."""
-    from pyspark.sql import functions as F
-
-    is_expected, is_received, missing, lost = _delivery_states(horizon)
-    totals_in = joined.agg(
-        F.sum(_flag(is_expected)).alias("expected_deliveries"),
-        F.sum(_flag(is_expected & is_received)).alias("delivered"),
-        F.sum(_flag(lost)).alias("lost"),
-        F.sum(_flag(missing & ~lost)).alias("in_flight"),
-        F.sum(F.coalesce("duplicates", F.lit(0))).alias("duplicates_absorbed"),
-        F.sum(_flag(F.col("copies") > 1)).alias("handled_more_than_once"),
-        F.sum(_flag(~is_expected & is_received)).alias("unexpected"),
-        F.sum(_flag(F.col("status") == "processed")).alias("processed"),
-        F.sum(_flag(F.col("status") == "pending")).alias("pending"),
-        F.sum(_flag(F.col("status") == "dead")).alias("dead"),
-        F.sum(_flag(F.col("attempts") > 1)).alias("retried_messages"),
-        F.sum(F.greatest(F.col("attempts") - 1, F.lit(0))).alias("retries"),
-        F.max("processed_at").alias("last_processed_at"),
-    ).first()
-    assert totals_in is not None
-    return totals_in
-
-
-def _examples(joined: DataFrame, lost: Column) -> dict[str, list[dict[str, Any]]]:
-    """The summary's ``lost`` and ``handled_more_than_once`` lists, EXAMPLES of each."""
-    from pyspark.sql import functions as F
-
     return {
-        "lost": [
-            {
-                "message_id": r["message_id"],
-                "type": r["type"],
-                "producer": r["producer"],
-                "consumer": r["consumer"],
-                "published_at": _iso(r["published_at"]),
-            }
-            for r in joined.where(lost)
-            .orderBy("published_at", "message_id")
-            .limit(EXAMPLES)
-            .collect()
-        ],
-        "handled_more_than_once": [
-            {
-                "message_id": r["message_id"],
-                "type": r["type"],
-                "consumer": r["consumer"],
-                "copies": int(r["copies"]),
-            }
-            for r in joined.where(F.col("copies") > 1)
-            .orderBy(F.desc("copies"), "message_id")
-            .limit(EXAMPLES)
-            .collect()
-        ],
+        "expected": expected,
+        "received": received,
+        "lost": lost,
+        "in_flight": missing & ~lost,
+        "sent": F.col("is_sent"),
+        "dead": F.col("status") == "dead",
+        "done": expected & (F.col("status") == "processed"),
     }
 
 
-def _throughput_window(totals_out: Row, totals_in: Row) -> tuple[datetime | None, datetime | None]:
-    """From the first publication to the last publication or processing, whichever is later."""
-    last = max(
-        (
-            t
-            for t in (
-                _aware(totals_out["last_published_at"]),
-                _aware(totals_in["last_processed_at"]),
-            )
-            if t is not None
-        ),
-        default=None,
+# Every figure but the throughput and the examples comes from one job of two aggregations.
+# The counts: every row once ("a"), grouped by what the figures tell apart (its consumer, the
+# producer of a sent row, its type, status and states, its latency bucket...), which makes a
+# few thousand groups at most, summed up on the driver; and the dead rows again ("c") by type,
+# reason and error. The percentiles ("b"): the processed expected deliveries by type.
+_SET = "g"
+_DIMENSIONS = (
+    "consumer",
+    "producer",
+    "type",
+    "status",
+    "kind",
+    "expected",
+    "received",
+    "sent",
+    "lost",
+    "published",
+    "expired",
+    "twice",
+    "retried",
+    "bucket",
+    "reason",
+    "error",
+)
+
+
+def _aggregate(rows: DataFrame, horizon: datetime) -> list[Row]:
+    """Every figure but the throughput and the examples, from one job over `rows`."""
+    from pyspark.sql import functions as F
+
+    s = _states(horizon)
+    g = F.col(_SET)
+    in_a, sent = g == "a", s["sent"]
+    error = F.substring(
+        F.element_at(F.split(F.trim(F.coalesce("last_error", F.lit(""))), "\n"), -1), 1, 200
     )
-    return _aware(totals_out["first_published_at"]), last
+    published = sent & F.col("published_at").isNotNull()
+    dimensions = {
+        "consumer": F.when(in_a, F.col("consumer")),
+        "producer": F.when(in_a & sent, F.col("producer")),
+        "type": F.col("type"),
+        "status": F.when(in_a, F.col("status")),
+        "kind": F.when(in_a & sent, F.col("kind")),
+        "expected": in_a & s["expected"],
+        "received": in_a & s["received"],
+        "sent": in_a & sent,
+        "lost": in_a & s["lost"],
+        "published": in_a & published,
+        "expired": in_a & sent & F.col("expired_at").isNotNull(),
+        "twice": in_a & (F.col("copies") > 1),
+        "retried": in_a & s["received"] & (F.col("attempts") > 1),
+        "bucket": F.when(in_a & s["done"], _e2e_bucket()),
+        "reason": F.when(~in_a, F.coalesce("dead_reason", F.lit("unknown"))),
+        "error": F.when(~in_a, error),
+    }
+    sets = F.when(s["dead"], F.array(F.lit("a"), F.lit("c"))).otherwise(F.array(F.lit("a")))
+    counts = (
+        rows.select("*", F.explode(sets).alias(_SET))
+        .groupBy(g, *(column.alias(name) for name, column in dimensions.items()))
+        .agg(
+            F.count("*").alias("n"),
+            F.sum(F.when(in_a & published, F.col("publish_attempts"))).alias("publish_retries"),
+            F.sum(F.when(in_a, F.col("duplicates"))).alias("duplicates_absorbed"),
+            F.sum(F.when(in_a, F.greatest(F.col("attempts") - 1, F.lit(0)))).alias("retries"),
+            F.max(F.when(in_a, F.col("attempts"))).alias("max_attempts"),
+            F.min(F.when(in_a & sent, F.col("created_at"))).alias("first_created_at"),
+            F.min(F.when(in_a & published, F.col("published_at"))).alias("first_published_at"),
+            F.max(F.when(in_a & published, F.col("published_at"))).alias("last_published_at"),
+            F.max(F.when(in_a, F.col("processed_at"))).alias("last_processed_at"),
+        )
+    )
+    latencies = []
+    for stage, column in _stage_seconds().items():
+        latencies.append(F.percentile_approx(column, [0.5, 0.9, 0.99], 10000).alias(f"{stage}_p"))
+        latencies.append(F.max(column).alias(f"{stage}_max"))
+    percentiles = (
+        rows.where(s["done"]).groupBy(F.lit("b").alias(_SET), F.col("type")).agg(*latencies)
+    )
+    return counts.unionByName(percentiles, allowMissingColumns=True).collect()
+
+
+def _stage_seconds() -> dict[str, Column]:
+    return {
+        "publish": _seconds("published_at", "created_at"),
+        "transit": _seconds("received_at", "published_at"),
+        "processing": _seconds("processed_at", "received_at"),
+        "end_to_end": _seconds("processed_at", "created_at"),
+    }
+
+
+def _e2e_bucket() -> Column:
+    """The latency histogram's bucket of a row's end-to-end time (null when unknown)."""
+    from pyspark.sql import functions as F
+
+    seconds = _seconds("processed_at", "created_at")
+    return F.when(
+        seconds <= 10.0 ** (HISTOGRAM_LOW / HISTOGRAM_PER_DECADE), HISTOGRAM_LOW
+    ).otherwise(F.least(F.ceil(F.log10(seconds) * HISTOGRAM_PER_DECADE), F.lit(HISTOGRAM_HIGH + 1)))
+
+
+class _Figures:
+    """The summary's figures, summed up from the groups of `_aggregate`."""
+
+    def __init__(self, groups: list[Row]) -> None:
+        self.a = [r for r in groups if r[_SET] == "a"]
+        self.b = sorted((r for r in groups if r[_SET] == "b"), key=lambda r: r["type"])
+        self.c = [r for r in groups if r[_SET] == "c"]
+        states = {
+            "sent": lambda r: r["sent"],
+            "commands": lambda r: r["kind"] == "command",
+            "events": lambda r: r["kind"] == "event",
+            "published": lambda r: r["published"],
+            "expired": lambda r: r["expired"],
+            "unpublished": lambda r: r["sent"] and not r["published"] and not r["expired"],
+            "expected_deliveries": lambda r: r["expected"],
+            "delivered": lambda r: r["expected"] and r["received"],
+            "lost": lambda r: r["lost"],
+            "in_flight": lambda r: r["expected"] and not r["received"] and not r["lost"],
+            "handled_more_than_once": lambda r: r["twice"],
+            "unexpected": lambda r: r["received"] and not r["expected"],
+            "processed": lambda r: r["status"] == "processed",
+            "pending": lambda r: r["status"] == "pending",
+            "dead": lambda r: r["status"] == "dead",
+            "retried_messages": lambda r: r["retried"],
+        }
+        self.totals = {
+            name: self._count(states[name])
+            if name in states
+            else sum(int(r[name] or 0) for r in self.a)
+            for name in TOTALS
+        }
+        self.first_created_at = _least(r["first_created_at"] for r in self.a)
+        self.first_published_at = _least(r["first_published_at"] for r in self.a)
+        self.last_processed_at = _greatest(r["last_processed_at"] for r in self.a)
+        self.last_published_at = _greatest(r["last_published_at"] for r in self.a)
+
+    def _count(self, state: Callable[[Row], Any], rows: Iterable[Row] | None = None) -> int:
+        """The number of rows in the groups of `rows` (default: every "a" group) in `state`."""
+        return sum(int(r["n"]) for r in (self.a if rows is None else rows) if state(r))
+
+    def _by(self, dimension: str, state: Callable[[Row], Any]) -> dict[str, list[Row]]:
+        out: dict[str, list[Row]] = {}
+        for r in self.a:
+            if r[dimension] is not None and state(r):
+                out.setdefault(r[dimension], []).append(r)
+        return out
+
+    def last_at(self) -> datetime | None:
+        """The throughput's end: the last publication or processing, whichever is later."""
+        return _greatest([self.last_published_at, self.last_processed_at])
+
+    def services(self) -> list[dict[str, Any]]:
+        sent = self._by("producer", lambda r: r["sent"])
+        got = self._by("consumer", lambda r: True)
+        return [
+            {
+                "service": service,
+                "sent": self._count(lambda r: True, sent.get(service, [])),
+                "received": self._count(lambda r: r["received"], got.get(service, [])),
+                "processed": self._count(
+                    lambda r: r["status"] == "processed", got.get(service, [])
+                ),
+                "dead": self._count(lambda r: r["status"] == "dead", got.get(service, [])),
+                "lost": self._count(lambda r: r["lost"], got.get(service, [])),
+                "duplicates_absorbed": sum(
+                    int(r["duplicates_absorbed"] or 0) for r in got.get(service, [])
+                ),
+            }
+            for service in sorted(set(sent) | set(got))
+        ]
+
+    def latency(self) -> list[dict[str, Any]]:
+        done = self._by("type", lambda r: r["expected"] and r["status"] == "processed")
+        out = []
+        for r in self.b:
+            stages = {}
+            for stage in STAGES:
+                p = r[f"{stage}_p"] or [None, None, None]
+                stages[stage] = {
+                    "p50": _float(p[0]),
+                    "p90": _float(p[1]),
+                    "p99": _float(p[2]),
+                    "max": _float(r[f"{stage}_max"]),
+                }
+            count = self._count(lambda _: True, done.get(r["type"], []))
+            out.append({"type": r["type"], "count": count, "stages": stages})
+        return out
+
+    def histogram(self) -> list[dict[str, Any]]:
+        counts: dict[int, int] = {}
+        for r in self.a:
+            if r["bucket"] is not None:
+                counts[int(r["bucket"])] = counts.get(int(r["bucket"]), 0) + int(r["n"])
+        if not counts:
+            return []
+        return [
+            {
+                "le_seconds": None
+                if b > HISTOGRAM_HIGH
+                else round(10 ** (b / HISTOGRAM_PER_DECADE), 6),
+                "count": counts.get(b, 0),
+            }
+            for b in range(min(counts), max(counts) + 1)
+        ]
+
+    def retries(self) -> list[dict[str, Any]]:
+        out = [
+            {
+                "type": t,
+                "messages": self._count(lambda _: True, rows),
+                "retried_messages": self._count(lambda r: r["retried"], rows),
+                "retries": sum(int(r["retries"] or 0) for r in rows),
+                "max_attempts": max(int(r["max_attempts"] or 0) for r in rows),
+            }
+            for t, rows in self._by("type", lambda r: r["received"]).items()
+        ]
+        return sorted(out, key=lambda r: (-r["retries"], r["type"]))
+
+    def dead_letters(self) -> dict[str, list[dict[str, Any]]]:
+        by_type: dict[tuple[str, str], list[Row]] = {}
+        causes: dict[tuple[str, str], int] = {}
+        for r in self.c:
+            by_type.setdefault((r["type"], r["reason"]), []).append(r)
+            causes[(r["reason"], r["error"])] = causes.get((r["reason"], r["error"]), 0) + r["n"]
+        letters = [
+            {
+                "type": t,
+                "reason": reason,
+                "count": self._count(lambda _: True, rows),
+                "example_error": min(r["error"] for r in rows) or "",
+            }
+            for (t, reason), rows in by_type.items()
+        ]
+        top = sorted(causes.items(), key=lambda item: (-item[1], item[0][0], item[0][1]))[:10]
+        return {
+            "dead_letters": sorted(letters, key=lambda d: (-d["count"], d["type"], d["reason"])),
+            "dead_letter_causes": [
+                {"reason": reason, "error": error or "", "count": n} for (reason, error), n in top
+            ],
+        }
 
 
 _OUTBOX_USED = (
@@ -523,7 +864,6 @@ _INBOX_USED = (
     "service",
     "message_id",
     "id",
-    "source",
     "routing_key",
     "status",
     "received_at",
@@ -532,10 +872,10 @@ _INBOX_USED = (
     "dead_reason",
     "last_error",
     "duplicates",
-    "deliveries",
     "archived_at",
 )
-_OUT_COUNTS = (
+#: Every count of the summary's ``totals``.
+TOTALS = (
     "sent",
     "commands",
     "events",
@@ -543,8 +883,6 @@ _OUT_COUNTS = (
     "expired",
     "unpublished",
     "publish_retries",
-)
-_IN_COUNTS = (
     "expected_deliveries",
     "delivered",
     "lost",
@@ -558,63 +896,6 @@ _IN_COUNTS = (
     "retried_messages",
     "retries",
 )
-#: Every count of the summary's ``totals``.
-TOTALS = _OUT_COUNTS + _IN_COUNTS
-
-
-def _event_matches(
-    routing_keys: Iterable[str], subscriptions: Iterable[tuple[str, str, str, datetime | None]]
-) -> list[tuple[str, str, datetime]]:
-    """(routing_key, consumer, subscribed_at) for each event key and each matching subscriber.
-
-    A service subscribed through several matching patterns counts once, from its earliest.
-    """
-    event_subs = [
-        (service, pattern, since)
-        for service, exchange, pattern, since in subscriptions
-        if exchange == EVENTS_EXCHANGE
-    ]
-    out: list[tuple[str, str, datetime]] = []
-    for key in sorted(set(routing_keys)):
-        earliest: dict[str, datetime] = {}
-        for service, pattern, since in event_subs:
-            if topic_matches(pattern, key):
-                start = since or datetime.min.replace(tzinfo=UTC)
-                earliest[service] = min(start, earliest.get(service, start))
-        out.extend((key, service, since) for service, since in sorted(earliest.items()))
-    return out
-
-
-def _services(
-    outbox: DataFrame, joined: DataFrame, is_expected: Column, is_received: Column, lost: Column
-) -> list[dict[str, Any]]:
-    from pyspark.sql import functions as F
-
-    sent = {
-        r["producer"]: int(r["n"])
-        for r in outbox.groupBy("producer").agg(F.count("*").alias("n")).collect()
-    }
-    rows = (
-        joined.groupBy("consumer")
-        .agg(
-            F.sum(_flag(is_received)).alias("received"),
-            F.sum(_flag(F.col("status") == "processed")).alias("processed"),
-            F.sum(_flag(F.col("status") == "dead")).alias("dead"),
-            F.sum(_flag(lost)).alias("lost"),
-            F.sum(F.coalesce("duplicates", F.lit(0))).alias("duplicates_absorbed"),
-        )
-        .collect()
-    )
-    by_service = {r["consumer"]: r for r in rows}
-    out = []
-    for service in sorted(set(sent) | set(by_service)):
-        r = by_service.get(service)
-        counts = {
-            k: int(r[k] or 0) if r is not None else 0
-            for k in ("received", "processed", "dead", "lost", "duplicates_absorbed")
-        }
-        out.append({"service": service, "sent": sent.get(service, 0), **counts})
-    return out
 
 
 def _seconds(later: str, earlier: str) -> Column:
@@ -623,177 +904,119 @@ def _seconds(later: str, earlier: str) -> Column:
     return (F.unix_micros(F.col(later)) - F.unix_micros(F.col(earlier))) / 1e6
 
 
-def _latency(joined: DataFrame) -> list[dict[str, Any]]:
-    from pyspark.sql import functions as F
+class _Details:
+    """The examples of lost and doubly handled messages, and the throughput over time: the
+    second job over the reconciled rows, once the first has told the throughput's window."""
 
-    done = joined.where(F.col("expected").isNotNull() & (F.col("status") == "processed"))
-    stage_columns = {
-        "publish": _seconds("published_at", "created_at"),
-        "transit": _seconds("received_at", "published_at"),
-        "processing": _seconds("processed_at", "received_at"),
-        "end_to_end": _seconds("processed_at", "created_at"),
-    }
-    aggregates = [F.count("*").alias("count")]
-    for stage, column in stage_columns.items():
-        aggregates.append(F.percentile_approx(column, [0.5, 0.9, 0.99], 10000).alias(f"{stage}_p"))
-        aggregates.append(F.max(column).alias(f"{stage}_max"))
-    out = []
-    for r in done.groupBy("type").agg(*aggregates).orderBy("type").collect():
-        stages = {}
-        for stage in STAGES:
-            p = r[f"{stage}_p"] or [None, None, None]
-            stages[stage] = {
-                "p50": _float(p[0]),
-                "p90": _float(p[1]),
-                "p99": _float(p[2]),
-                "max": _float(r[f"{stage}_max"]),
-            }
-        out.append({"type": r["type"], "count": int(r["count"]), "stages": stages})
-    return out
+    def __init__(
+        self, rows: DataFrame, horizon: datetime, start: datetime | None, end: datetime | None
+    ) -> None:
+        from pyspark.sql import functions as F
 
-
-def _histogram(joined: DataFrame) -> list[dict[str, Any]]:
-    from pyspark.sql import functions as F
-
-    seconds = _seconds("processed_at", "created_at")
-    bucket = F.when(
-        seconds <= 10.0 ** (HISTOGRAM_LOW / HISTOGRAM_PER_DECADE), HISTOGRAM_LOW
-    ).otherwise(
-        F.least(
-            F.ceil(F.log10(seconds) * HISTOGRAM_PER_DECADE),
-            F.lit(HISTOGRAM_HIGH + 1),
+        span = max((end - start).total_seconds(), 1.0) if start and end else None
+        self.step = next(
+            (s for s in BUCKET_STEPS if span is not None and span / s <= MAX_BUCKETS),
+            BUCKET_STEPS[-1] if span is not None else None,
         )
-    )
-    counts = {
-        int(r["b"]): int(r["n"])
-        for r in joined.where(F.col("expected").isNotNull() & (F.col("status") == "processed"))
-        .where(seconds.isNotNull())
-        .groupBy(bucket.alias("b"))
-        .agg(F.count("*").alias("n"))
-        .collect()
-    }
-    if not counts:
-        return []
-    low, high = min(counts), max(counts)
-    return [
-        {
-            "le_seconds": None
-            if b > HISTOGRAM_HIGH
-            else round(10 ** (b / HISTOGRAM_PER_DECADE), 6),
-            "count": counts.get(b, 0),
-        }
-        for b in range(low, high + 1)
-    ]
-
-
-def _retries(joined: DataFrame) -> list[dict[str, Any]]:
-    from pyspark.sql import functions as F
-
-    rows = (
-        joined.where(F.col("got").isNotNull())
-        .groupBy("type")
-        .agg(
-            F.count("*").alias("messages"),
-            F.sum(_flag(F.col("attempts") > 1)).alias("retried_messages"),
-            F.sum(F.greatest(F.col("attempts") - 1, F.lit(0))).alias("retries"),
-            F.max("attempts").alias("max_attempts"),
+        lost = (
+            rows.where(_states(horizon)["lost"])
+            .select(
+                F.lit("l").alias(_SET), "message_id", "type", "producer", "consumer", "published_at"
+            )
+            .orderBy("published_at", "message_id")
+            .limit(EXAMPLES)
         )
-        .orderBy(F.desc("retries"), "type")
-        .collect()
-    )
-    return [
-        {
-            "type": r["type"],
-            "messages": int(r["messages"]),
-            "retried_messages": int(r["retried_messages"] or 0),
-            "retries": int(r["retries"] or 0),
-            "max_attempts": int(r["max_attempts"] or 0),
-        }
-        for r in rows
-    ]
+        twice = (
+            rows.where(F.col("copies") > 1)
+            .select(F.lit("w").alias(_SET), "message_id", "type", "consumer", "copies")
+            .orderBy(F.desc("copies"), "message_id")
+            .limit(EXAMPLES)
+        )
+        query = lost.unionByName(twice, allowMissingColumns=True)
+        if self.step is not None:
+            query = query.unionByName(_buckets(rows, self.step), allowMissingColumns=True)
+        self.rows = query.collect()
 
-
-def _dead_letters(joined: DataFrame) -> dict[str, list[dict[str, Any]]]:
-    from pyspark.sql import functions as F
-
-    # The last line of a stored traceback is the exception itself ("ValueError: bad").
-    error = F.substring(
-        F.element_at(F.split(F.trim(F.coalesce("last_error", F.lit(""))), "\n"), -1), 1, 200
-    )
-    dead = joined.where(F.col("status") == "dead").withColumn("error", error)
-    by_type = (
-        dead.groupBy("type", F.coalesce("dead_reason", F.lit("unknown")).alias("reason"))
-        .agg(F.count("*").alias("count"), F.min("error").alias("example_error"))
-        .orderBy(F.desc("count"), "type", "reason")
-        .collect()
-    )
-    causes = (
-        dead.groupBy(F.coalesce("dead_reason", F.lit("unknown")).alias("reason"), "error")
-        .agg(F.count("*").alias("count"))
-        .orderBy(F.desc("count"), "reason", "error")
-        .limit(10)
-        .collect()
-    )
-    return {
-        "dead_letters": [
+    def lost(self) -> list[dict[str, Any]]:
+        found = sorted(
+            (r for r in self.rows if r[_SET] == "l"),
+            key=lambda r: (r["published_at"], r["message_id"]),
+        )
+        return [
             {
+                "message_id": r["message_id"],
                 "type": r["type"],
-                "reason": r["reason"],
-                "count": int(r["count"]),
-                "example_error": r["example_error"] or "",
+                "producer": r["producer"],
+                "consumer": r["consumer"],
+                "published_at": _iso(r["published_at"]),
             }
-            for r in by_type
-        ],
-        "dead_letter_causes": [
-            {"reason": r["reason"], "error": r["error"] or "", "count": int(r["count"])}
-            for r in causes
-        ],
-    }
+            for r in found
+        ]
+
+    def handled_more_than_once(self) -> list[dict[str, Any]]:
+        found = sorted(
+            (r for r in self.rows if r[_SET] == "w"), key=lambda r: (-r["copies"], r["message_id"])
+        )
+        return [
+            {
+                "message_id": r["message_id"],
+                "type": r["type"],
+                "consumer": r["consumer"],
+                "copies": int(r["copies"]),
+            }
+            for r in found
+        ]
+
+    def throughput(self) -> dict[str, Any]:
+        """Published and processed per time bucket, from the first publication on."""
+        counted = [r for r in self.rows if r[_SET] == "t"]
+        if self.step is None or not counted:
+            return {"bucket_seconds": self.step, "series": []}
+        sent = {int(r["b"]): int(r["sent"]) for r in counted}
+        done = {int(r["b"]): int(r["done"]) for r in counted}
+        return {
+            "bucket_seconds": self.step,
+            "series": [
+                {
+                    "start": _iso(datetime.fromtimestamp(b, UTC)),
+                    "published": sent.get(b, 0),
+                    "processed": done.get(b, 0),
+                }
+                for b in range(min(sent), max(sent) + 1, self.step)
+            ],
+        }
 
 
-def _throughput(
-    outbox: DataFrame, joined: DataFrame, start: datetime | None, end: datetime | None
-) -> dict[str, Any]:
+def _buckets(rows: DataFrame, step: int) -> DataFrame:
+    """Published and processed rows counted per bucket of `step` seconds."""
     from pyspark.sql import functions as F
 
-    if start is None or end is None:
-        return {"bucket_seconds": None, "series": []}
-    span = max((end - start).total_seconds(), 1.0)
-    step = next((s for s in BUCKET_STEPS if span / s <= MAX_BUCKETS), BUCKET_STEPS[-1])
+    def bucket(column: str) -> Column:
+        return (F.floor(F.unix_seconds(F.col(column)) / step) * step).cast("long")
 
-    def per_bucket(frame: DataFrame, column: str) -> dict[int, int]:
-        b = (F.floor(F.unix_seconds(F.col(column)) / step) * step).cast("long")
-        rows = (
-            frame.where(F.col(column).isNotNull())
-            .groupBy(b.alias("b"))
-            .agg(F.count("*").alias("n"))
-            .collect()
-        )
-        return {int(r["b"]): int(r["n"]) for r in rows}
-
-    sent = per_bucket(outbox, "published_at")
-    done = per_bucket(joined.where(F.col("status") == "processed"), "processed_at")
-    if not sent and not done:
-        return {"bucket_seconds": step, "series": []}
-    first, last = min(sent.keys() | done.keys()), max(sent.keys() | done.keys())
-    series = [
-        {
-            "start": _iso(datetime.fromtimestamp(b, UTC)),
-            "published": sent.get(b, 0),
-            "processed": done.get(b, 0),
-        }
-        for b in range(first, last + 1, step)
-    ]
-    return {"bucket_seconds": step, "series": series}
+    published = F.col("is_sent") & F.col("published_at").isNotNull()
+    processed = (F.col("status") == "processed") & F.col("processed_at").isNotNull()
+    marks = F.array(
+        F.struct(F.when(published, bucket("published_at")).alias("b"), F.lit(0).alias("k")),
+        F.struct(F.when(processed, bucket("processed_at")).alias("b"), F.lit(1).alias("k")),
+    )
+    return (
+        rows.select(F.inline(marks))
+        .where(F.col("b").isNotNull())
+        .groupBy(F.lit("t").alias(_SET), "b")
+        .agg(F.sum(1 - F.col("k")).alias("sent"), F.sum("k").alias("done"))
+    )
 
 
 # --- small conversions --------------------------------------------------------------------
 
 
-def _flag(condition: Column) -> Column:
-    from pyspark.sql import functions as F
+def _least(values: Iterable[Any]) -> datetime | None:
+    return min((v for v in map(_aware, values) if v is not None), default=None)
 
-    return F.when(condition, 1).otherwise(0)
+
+def _greatest(values: Iterable[Any]) -> datetime | None:
+    return max((v for v in map(_aware, values) if v is not None), default=None)
 
 
 def _aware(value: Any) -> datetime | None:
@@ -817,6 +1040,7 @@ def _float(value: Any) -> float | None:
 __all__ = [
     "AuditError",
     "LiveRows",
+    "Window",
     "read_archives",
     "read_live",
     "run_audit",

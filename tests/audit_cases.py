@@ -4,7 +4,7 @@ time (seeded), so an audit's summary of them can be compared with a recorded one
 ``audit_golden/<case>.json`` holds the summaries the two-pass audit (before the one-pass
 rewrite) wrote for these cases; `tests/unit/test_audit_one_pass.py` holds the rewrite to them
 field by field. Run this module to record them again:
-``python tests/unit/audit_cases.py DIRECTORY``.
+``python tests/audit_cases.py DIRECTORY``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,302 @@
+"""The one-pass audit against the summaries the audit wrote before it was rewritten, and the
+incremental audit against the whole audit restricted to its window.
+
+The recorded summaries are in ``audit_golden/`` (see `audit_cases`). Percentiles are Spark's
+``percentile_approx``: over at most 10,000 values per type it is exact and must match to the
+microsecond; over more, its answer depends on the order the rows reach it (the old audit's
+answer changes with the number of shuffle partitions too), within its documented error.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from audit_cases import CASES, GOLDEN, Case, comparable
+
+from history import cli
+from outbox_inbox.topology import topic_matches
+
+pyspark = pytest.importorskip("pyspark", reason="the audit needs the spark extra")
+
+EXACT_UP_TO = 10_000  # values per type over which percentile_approx is exact
+ADDITIVE = (
+    "sent",
+    "commands",
+    "events",
+    "published",
+    "expired",
+    "unpublished",
+    "publish_retries",
+    "expected_deliveries",
+    "delivered",
+    "lost",
+    "in_flight",
+    "duplicates_absorbed",
+    "handled_more_than_once",
+    "unexpected",
+    "processed",
+    "pending",
+    "dead",
+    "retried_messages",
+    "retries",
+)
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[Any]:
+    from outbox_inbox.analytics.audit import spark_session
+
+    session = spark_session("local[2]", driver_memory="1g")
+    yield session
+    session.stop()
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
+    base = tmp_path_factory.mktemp("cases")
+    return {name: build(base / name) for name, build in CASES.items()}
+
+
+def _audit(spark: Any, case: Case, **options: Any) -> dict[str, Any]:
+    from outbox_inbox.analytics.audit import run_audit
+
+    summary = run_audit(
+        spark, case.roots, live=case.live, now=case.now, grace=case.grace, **options
+    )
+    return json.loads(json.dumps(summary))  # as summary.json holds it
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_one_pass_audit_reports_what_the_recorded_audit_reported_field_by_field(
+    spark: Any, cases: dict[str, Case], name: str
+) -> None:
+    got = comparable(_audit(spark, cases[name]))
+    want = json.loads((GOLDEN / f"{name}.json").read_text())
+    got_latency, want_latency = got.pop("latency"), want.pop("latency")
+    assert got == want
+    assert [(r["type"], r["count"]) for r in got_latency] == [
+        (r["type"], r["count"]) for r in want_latency
+    ]
+    for mine, theirs in zip(got_latency, want_latency, strict=True):
+        for stage, figures in theirs["stages"].items():
+            assert mine["stages"][stage]["max"] == figures["max"]
+            for p in ("p50", "p90", "p99"):
+                if theirs["count"] <= EXACT_UP_TO:
+                    assert mine["stages"][stage][p] == figures[p], (theirs["type"], stage, p)
+                else:
+                    assert mine["stages"][stage][p] == pytest.approx(figures[p], rel=0.01)
+
+
+def test_topic_patterns_match_in_spark_exactly_as_the_broker_matches_them(spark: Any) -> None:
+    from pyspark.sql import functions as F
+
+    from outbox_inbox.analytics.audit import topic_regex
+
+    rng = random.Random(5)
+    words = ["a", "b", "orders", "", "*", "#", "a+b", "x(y)", "$", "ä", "\\", "^", "[c]", "d|e"]
+    literal = [w for w in words if w not in ("*", "#")]
+    pairs = set()
+    for _ in range(3000):
+        pattern = ".".join(rng.choice(words) for _ in range(rng.randint(1, 4)))
+        key = ".".join(rng.choice(literal) for _ in range(rng.randint(1, 4)))
+        pairs.add((pattern, key))
+        # Keys built from the pattern, so that many pairs match.
+        fill = ".".join(
+            rng.choice(literal) if w in ("*", "#") else w
+            for w in pattern.split(".")
+            if not (w == "#" and rng.random() < 0.5)
+        )
+        pairs.add((pattern, fill))
+    frame = spark.createDataFrame(
+        [(p, topic_regex(p), k) for p, k in sorted(pairs)],
+        "pattern string, regex string, key string",
+    )
+    got = {
+        (r["pattern"], r["key"]): r["m"]
+        for r in frame.select(
+            "pattern", "key", F.expr("concat('.', key) rlike regex").alias("m")
+        ).collect()
+    }
+    wrong = [pair for pair, matched in got.items() if matched != topic_matches(*pair)]
+    assert not wrong, wrong[:10]
+    assert sum(got.values()) > len(got) // 4  # the sample holds matches, not only misses
+
+
+def _days(case: Case) -> list[datetime]:
+    assert case.expected is not None and case.now is not None
+    first = datetime(2026, 11, 1, tzinfo=UTC)
+    return [first + timedelta(days=n) for n in range((case.now - first).days + 1)]
+
+
+@pytest.mark.parametrize("day", [0, 13, 29])
+def test_a_day_audit_reads_only_its_days_and_equals_the_whole_audit_restricted_to_that_day(
+    spark: Any, cases: dict[str, Case], day: int
+) -> None:
+    from outbox_inbox.analytics.audit import Window
+
+    case = cases["month"]
+    since = _days(case)[day]
+    pruned = _audit(spark, case, window=Window(since, since + timedelta(days=1)))
+    # The same window with a margin that reads every partition: nothing is left unread.
+    everything = _audit(
+        spark, case, window=Window(since, since + timedelta(days=1), timedelta(days=400))
+    )
+    for summary in (pruned, everything):
+        summary["inputs"].pop("window")
+    assert comparable(pruned) == comparable(everything)
+    assert pruned["totals"]["sent"] > 0
+
+
+def test_day_audits_add_up_to_the_whole_audit(spark: Any, cases: dict[str, Case]) -> None:
+    from outbox_inbox.analytics.audit import Window
+
+    case = cases["month"]
+    whole = _audit(spark, case)["totals"]
+    days = _days(case)
+    sums = dict.fromkeys(ADDITIVE, 0)
+    # Ten-day windows, and the days after the last message.
+    for start in range(0, len(days), 10):
+        window = Window(days[start], days[start] + timedelta(days=10))
+        totals = _audit(spark, case, window=window)["totals"]
+        for name in ADDITIVE:
+            sums[name] += totals[name]
+    assert sums == {name: whole[name] for name in ADDITIVE}
+    assert whole["handled_more_than_once"] == 2 and whole["lost"] == 7
+
+
+def _write(root: Path, source: str, service: str, rows: list[dict[str, Any]]) -> None:
+    """Archive `rows` of `source` as `outbox-inbox archive` lays them out, one file per day."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from outbox_inbox.archive import DATE_COLUMN, arrow_schema
+
+    by_day: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_day.setdefault(row[DATE_COLUMN[source]].date().isoformat(), []).append(row)
+    for day, day_rows in by_day.items():
+        folder = root / source / f"service={service}" / f"date={day}"
+        folder.mkdir(parents=True, exist_ok=True)
+        table = pa.Table.from_pylist(day_rows, schema=arrow_schema(source))
+        pq.write_table(table, folder / "part-0.parquet")
+
+
+@pytest.fixture(scope="module")
+def midnight(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three commands to billing around the midnight that starts 2026-11-10: one published
+    the second before it (received after), one the second before the next midnight (received
+    after that), one at noon; each received two seconds after its publication."""
+    root = tmp_path_factory.mktemp("midnight")
+    day = datetime(2026, 11, 10, tzinfo=UTC)
+    published = {
+        "before": day - timedelta(seconds=1),
+        "late": day + timedelta(days=1, seconds=-1),
+        "noon": day + timedelta(hours=12),
+    }
+    archived = datetime(2026, 12, 1, tzinfo=UTC)
+    outbox = [
+        {
+            "id": n,
+            "message_id": f"00000000-0000-4000-8000-00000000000{n}",
+            "kind": "command",
+            "exchange": "commands",
+            "routing_key": "billing.invoice.create",
+            "created_at": at - timedelta(milliseconds=5),
+            "published_at": at,
+            "attempts": 0,
+            "archived_at": archived,
+        }
+        for n, at in enumerate(published.values(), start=1)
+    ]
+    inbox = [
+        dict(
+            row,
+            source="orders",
+            received_at=row["published_at"] + timedelta(seconds=2),
+            processed_at=row["published_at"] + timedelta(seconds=3),
+            status="processed",
+            attempts=1,
+            duplicates=0,
+        )
+        for row in outbox
+    ]
+    _write(root / "orders", "outbox", "orders", outbox)
+    _write(root / "billing", "inbox", "billing", inbox)
+    return root
+
+
+def test_receipts_just_outside_the_window_belong_to_their_messages(
+    spark: Any, midnight: Path
+) -> None:
+    from outbox_inbox.analytics.audit import Window, run_audit
+
+    day = datetime(2026, 11, 10, tzinfo=UTC)
+    roots = [str(midnight / "orders"), str(midnight / "billing")]
+    now = datetime(2026, 11, 20, tzinfo=UTC)
+    summary = run_audit(spark, roots, now=now, window=Window(day, day + timedelta(days=1)))
+    t = summary["totals"]
+    # "late" was received after the window: delivered. "before" was received inside it but
+    # published before it: it belongs to the day before, not an unexpected receipt here.
+    assert (t["sent"], t["delivered"], t["lost"], t["unexpected"]) == (2, 2, 0, 0)
+    assert [s["received"] for s in summary["services"] if s["service"] == "billing"] == [2]
+    # With no margin, "late"'s receipt is not read: the audit says so by calling it lost.
+    tight = run_audit(
+        spark, roots, now=now, window=Window(day, day + timedelta(days=1), timedelta(0))
+    )
+    assert (tight["totals"]["delivered"], tight["totals"]["lost"]) == (1, 1)
+    assert tight["lost"][0]["published_at"] == "2026-11-10T23:59:59+00:00"
+
+
+def test_a_window_the_archive_does_not_hold_is_an_error_not_an_empty_report(
+    spark: Any, midnight: Path
+) -> None:
+    from outbox_inbox.analytics.audit import AuditError, Window, run_audit
+
+    since = datetime(2025, 1, 1, tzinfo=UTC)
+    with pytest.raises(AuditError, match="no archive partition holds the days 2024-12-31"):
+        run_audit(spark, [str(midnight / "orders")], window=Window(since, since + timedelta(1)))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--day", "2026-11-10", "--since", "2026-11-09"), "--day cannot be combined"),
+        (("--until", "2026-11-09"), "--until needs --since"),
+        (("--since", "2026-11-10", "--until", "2026-11-10"), "the audit window is empty"),
+        (("--day", "2026-11-10T05:00"), "is not a day like 2026-11-25"),
+        (("--since", "yesterday"), "is not a date or time"),
+        (("--day", "2026-11-10", "--margin", "-1d"), "is not a duration"),
+    ],
+)
+def test_audit_window_options_refuse_bad_input_in_one_line(
+    args: tuple[str, ...], message: str, midnight: Path
+) -> None:
+    result = cli("audit", str(midnight / "orders"), *args)
+    assert result.returncode in (1, 2), result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_audit_command_audits_one_day_and_fails_on_a_day_never_archived(
+    midnight: Path, tmp_path: Path
+) -> None:
+    roots = [str(midnight / "orders"), str(midnight / "billing")]
+    done = cli("audit", *roots, "--day", "2026-11-10", "--out", str(tmp_path), "--json")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert summary["inputs"]["window"] == {
+        "since": "2026-11-10T00:00:00+00:00",
+        "until": "2026-11-11T00:00:00+00:00",
+        "margin_seconds": 86400.0,
+    }
+    assert (summary["totals"]["sent"], summary["totals"]["delivered"]) == (2, 2)
+    missing = cli("audit", *roots, "--day", "2026-12-24", "--out", str(tmp_path / "x"))
+    assert missing.returncode == 1
+    assert "no archive partition holds the days 2026-12-23 to 2026-12-25" in missing.stderr
+    assert not (tmp_path / "x" / "summary.json").exists()
