@@ -193,6 +193,16 @@ def _header(summary: Mapping[str, Any], totals: Mapping[str, Any]) -> str:
         ),
         ("Generated", _fmt_time(summary.get("generated_at"))),
     ]
+    audited: Mapping[str, Any] = inputs.get("window") or {}
+    if audited:
+        rows.insert(
+            2,
+            (
+                "Messages published",
+                f"{_fmt_time(audited.get('since'))} → {_fmt_time(audited.get('until'))} "
+                f"(margin {_fmt_duration(audited.get('margin_seconds'))})",
+            ),
+        )
     items = "".join(f"<dt>{label}</dt><dd>{value}</dd>" for label, value in rows)
     return f'<header>{verdict}<dl class="inputs">{items}</dl></header>'
 

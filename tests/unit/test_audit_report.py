@@ -8,6 +8,7 @@ in their colours, where the layout puts them).
 from __future__ import annotations
 
 import math
+import re
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -370,6 +371,21 @@ def test_tables_show_human_durations_dashes_for_unknown_and_thousands_separators
     assert "1,234,567" in page  # totals.sent
     assert "12ms" in page and "30ms" in page  # p50 of processing and end to end, first type
     assert '<td class="num">\N{EN DASH}</td>' in page  # the unknown publish stage of one type
+
+
+def test_an_incremental_audit_says_which_messages_it_covered() -> None:
+    summary = realistic_summary()
+    assert "Messages published" not in render_html(summary)
+    summary["inputs"]["window"] = {
+        "since": "2026-11-25T00:00:00+00:00",
+        "until": "2026-11-26T00:00:00+00:00",
+        "margin_seconds": 86400.0,
+    }
+
+    shown = re.search(r"<dt>Messages published</dt><dd>(.*?)</dd>", render_html(summary))
+
+    assert shown is not None
+    assert shown[1] == "2026-11-25 00:00:00 UTC → 2026-11-26 00:00:00 UTC (margin 24h)"
 
 
 def test_lost_examples_say_how_many_of_the_total_they_show() -> None:
