@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -312,22 +311,41 @@ def audit(
     Writes OUT/summary.json and OUT/report.html (self-contained, charts inline).
     Exit 0 when nothing was lost or handled twice, 4 otherwise.
     """
-    from outbox_inbox.analytics.audit import AuditError, read_live, run_audit, spark_session
-    from outbox_inbox.analytics.report import render_html
+    from outbox_inbox.analytics.audit import read_live
+    from outbox_inbox.analytics.report import write_report
 
     config = _audit_inputs(archives, db_urls, confs)
     window = _window(since, until, day, margin)
     live = [read_live(url, schema) for url in db_urls]
+    summary = _on_spark(
+        master,
+        driver_memory,
+        config,
+        archives=[p if "://" in p else str(Path(p).absolute()) for p in archives],
+        live=live,
+        grace=grace,
+        inputs={"live_databases": [mask_url(u) for u in db_urls]},
+        window=window,
+    )
+    out = write_report(summary, out_dir)
+    if as_json:
+        echo_json(summary)
+    else:
+        _print_summary(summary, out)
+    if not summary["ok"]:
+        raise SystemExit(EXIT_UNHEALTHY)
+
+
+def _on_spark(
+    master: str | None, driver_memory: str, config: dict[str, str], **audit: Any
+) -> dict[str, Any]:
+    """`run_audit` with `audit`'s arguments on a Spark session started for it, then stopped;
+    Spark's own failures as one AuditError line."""
+    from outbox_inbox.analytics.audit import AuditError, run_audit, spark_session
+
     spark = spark_session(master, driver_memory=driver_memory, config=config)
     try:
-        summary = run_audit(
-            spark,
-            [p if "://" in p else str(Path(p).absolute()) for p in archives],
-            live=live,
-            grace=grace,
-            inputs={"live_databases": [mask_url(u) for u in db_urls]},
-            window=window,
-        )
+        return run_audit(spark, audit.pop("archives"), **audit)
     except AuditError:
         raise
     except Exception as exc:  # Spark's failures come as py4j and pyspark errors of many kinds
@@ -335,16 +353,6 @@ def audit(
         raise AuditError(f"the Spark job failed: {type(exc).__name__}: {lines[0][:500]}") from exc
     finally:
         spark.stop()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out / "report.html").write_text(render_html(summary), encoding="utf-8")
-    if as_json:
-        echo_json(summary)
-    else:
-        _print_summary(summary, out)
-    if not summary["ok"]:
-        raise SystemExit(EXIT_UNHEALTHY)
 
 
 def _window(

@@ -8,9 +8,11 @@ string taken from the summary is user data (message types, error texts) and is e
 from __future__ import annotations
 
 import html
+import json
 import math
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from ..logsafe import mask_url
@@ -89,6 +91,16 @@ p.none {{ color: #6b7280; margin: 0; }}
 p.note {{ color: #6b7280; margin: 8px 0 0; }}
 """
 _STYLE += CHART_CSS
+
+
+def write_report(summary: Mapping[str, Any], directory: str | Path) -> Path:
+    """Write `summary` as ``summary.json`` and ``report.html`` into `directory` (created when
+    missing); return the directory. Raises OSError when it cannot be written."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "report.html").write_text(render_html(summary), encoding="utf-8")
+    return out
 
 
 def render_html(summary: Mapping[str, Any]) -> str:
