@@ -292,8 +292,8 @@ def run_audit(
 
     One pass: the archives are read once, the sent messages expanded to their expected
     deliveries and joined with the receipts (one shuffle of each side), and every figure
-    but the throughput and the examples comes out of one aggregation of the joined rows;
-    those three are small jobs over the joined rows kept in memory.
+    but the throughput and the examples comes out of one job over the joined rows, kept in
+    memory for a second, small query that gives those two.
     """
     now = now or datetime.now(UTC)
     horizon = now - grace
