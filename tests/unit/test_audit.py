@@ -8,36 +8,18 @@ are in the history too: were they expected there, the audit would report them lo
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from audit_cases import EVERY_FAULT
 
 from history import cli
-from outbox_inbox.analytics.synthetic import Expected, Faults, generate
+from outbox_inbox.analytics.synthetic import Expected, generate
 
 pyspark = pytest.importorskip("pyspark", reason="the audit needs the spark extra")
 
-FAULTS = Faults(
-    lost=7,
-    in_flight=3,
-    handled_twice=2,
-    expired=4,
-    unexpected=5,
-    duplicates=11,
-    retried=13,
-    dead=9,
-)
-
-
-@pytest.fixture(scope="module")
-def spark() -> Iterator[Any]:
-    from outbox_inbox.analytics.audit import spark_session
-
-    session = spark_session("local[2]", driver_memory="1g")
-    yield session
-    session.stop()
+FAULTS = EVERY_FAULT
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -20,41 +19,12 @@ import pytest
 from audit_cases import CASES, GOLDEN, Case, comparable
 
 from history import cli
+from outbox_inbox.analytics.audit import TOTALS
 from outbox_inbox.topology import topic_matches
 
 pyspark = pytest.importorskip("pyspark", reason="the audit needs the spark extra")
 
 EXACT_UP_TO = 10_000  # values per type over which percentile_approx is exact
-ADDITIVE = (
-    "sent",
-    "commands",
-    "events",
-    "published",
-    "expired",
-    "unpublished",
-    "publish_retries",
-    "expected_deliveries",
-    "delivered",
-    "lost",
-    "in_flight",
-    "duplicates_absorbed",
-    "handled_more_than_once",
-    "unexpected",
-    "processed",
-    "pending",
-    "dead",
-    "retried_messages",
-    "retries",
-)
-
-
-@pytest.fixture(scope="module")
-def spark() -> Iterator[Any]:
-    from outbox_inbox.analytics.audit import spark_session
-
-    session = spark_session("local[2]", driver_memory="1g")
-    yield session
-    session.stop()
 
 
 @pytest.fixture(scope="module")
@@ -159,14 +129,14 @@ def test_day_audits_add_up_to_the_whole_audit(spark: Any, cases: dict[str, Case]
     case = cases["month"]
     whole = _audit(spark, case)["totals"]
     days = _days(case)
-    sums = dict.fromkeys(ADDITIVE, 0)
+    sums = dict.fromkeys(TOTALS, 0)
     # Ten-day windows, and the days after the last message.
     for start in range(0, len(days), 10):
         window = Window(days[start], days[start] + timedelta(days=10))
         totals = _audit(spark, case, window=window)["totals"]
-        for name in ADDITIVE:
+        for name in TOTALS:
             sums[name] += totals[name]
-    assert sums == {name: whole[name] for name in ADDITIVE}
+    assert sums == {name: whole[name] for name in TOTALS}
     assert whole["handled_more_than_once"] == 2 and whole["lost"] == 7
 
 
