@@ -60,6 +60,8 @@ STAGES = ("publish", "transit", "processing", "end_to_end")
 # Throughput buckets: the smallest that gives at most MAX_BUCKETS points over the window.
 BUCKET_STEPS = (1, 5, 10, 30, 60, 300, 600, 1800, 3600, 10800, 21600, 43200, 86400, 604800)
 MAX_BUCKETS = 240
+# Spark's estimate of the compressed columns read, per part the receipts are spread into.
+PART_BYTES = 8 * 1024 * 1024
 # End-to-end latency histogram: four buckets per decade, from 1 ms to about 3 hours.
 HISTOGRAM_PER_DECADE = 4
 HISTOGRAM_LOW, HISTOGRAM_HIGH = -3 * HISTOGRAM_PER_DECADE, 4 * HISTOGRAM_PER_DECADE
@@ -298,7 +300,8 @@ def run_audit(
     now = now or datetime.now(UTC)
     horizon = now - grace
     outbox, inbox, subscriptions = _read_inputs(spark, archives, live, window)
-    rows = _reconcile(_expected(outbox, subscriptions), _received(inbox), window)
+    parts = _parts(spark, outbox, inbox)
+    rows = _reconcile(_expected(outbox, subscriptions), _received(inbox, parts), window)
     rows = _kept(spark, rows)
     try:
         figures = _Figures(_aggregate(rows, horizon))
@@ -519,7 +522,27 @@ def _any(conditions: Sequence[Column]) -> Column:
     return out
 
 
-def _received(inbox: DataFrame) -> DataFrame:
+def _parts(spark: SparkSession, *inputs: DataFrame) -> int:
+    """How many parts to spread the history into by message id: one per PART_BYTES of what
+    Spark estimates it reads, at least the parallelism, at most ``spark.sql.shuffle.partitions``.
+
+    Chosen here, not by adaptive execution: the joined rows are kept in memory, and Spark
+    keeps the number of parts of a plan it caches as it was planned.
+    """
+    try:
+        size = sum(
+            int(str(f._jdf.queryExecution().optimizedPlan().stats().sizeInBytes())) for f in inputs
+        )
+    except Exception:  # an estimate is an optimisation: without one, Spark's setting rules
+        size = None
+    most = int(spark.conf.get("spark.sql.shuffle.partitions") or 200)
+    if size is None:
+        return most
+    least = spark.sparkContext.defaultParallelism
+    return max(least, min(most, math.ceil(size / PART_BYTES)))
+
+
+def _received(inbox: DataFrame, parts: int) -> DataFrame:
     """One row per (consumer, message_id) received, with how its handling went."""
     from pyspark.sql import functions as F
 
@@ -529,7 +552,7 @@ def _received(inbox: DataFrame) -> DataFrame:
     keys = ("h", "message_id", "service", "id")
     values = [c for c in inbox.columns if c not in keys]
     latest = (
-        inbox.repartition("message_id")
+        inbox.repartition(parts, "message_id")
         .select(_hash().alias("h"), *inbox.columns)
         .groupBy(*keys)
         .agg(F.max_by(F.struct(*values), "archived_at").alias("r"))
