@@ -3,8 +3,9 @@ incremental by day, and on a standalone cluster of one and two workers.
 
     .venv/bin/python bench/audit.py [--only cold,warm,incremental,cluster] [--json FILE]
         [--cold-sizes 100000 1000000] [--sizes 1000000 10000000] [--repeat 3]
-        [--month-messages 3000000] [--cluster-size 10000000] [--worker-memory 2g]
-        [--cluster-conf KEY=VALUE ...] [--dir DIR] [--master local[*]] [--driver-memory 6g]
+        [--month-messages 3000000] [--margin-hours 24] [--cluster-size 10000000]
+        [--worker-memory 2g] [--cluster-conf KEY=VALUE ...] [--dir DIR] [--master local[*]]
+        [--driver-memory 6g]
 
 Every figure is taken on synthetic histories (`outbox_inbox.analytics.synthetic`: three
 services over 3 days, about 2.2 archived rows per message, a few hundred faults of each kind),
@@ -46,7 +47,7 @@ warm         on one local SparkSession (--master, --driver-memory), after an unt
              during the fastest run, and the audit's CPU microseconds per archived row. The
              audit's totals must equal the generator's.
 incremental  a 30-day history of --month-messages: the full audit, and the audit of its last
-             full day (`Window(day, day + 1 day)`, the default 1-day margin), each the best of
+             full day (`Window(day, day + 1 day)`, margin --margin-hours, default 24), best of
              --repeat on the warm session; day / full (target <= 0.10). The day's totals must
              not all be zero.
 
@@ -350,7 +351,7 @@ def incremental(bench: AuditBench) -> None:
     assert expected.now is not None
     now = expected.now
     day = datetime(now.year, now.month, now.day, tzinfo=UTC) - timedelta(days=1)
-    window = Window(day, day + timedelta(days=1))
+    window = Window(day, day + timedelta(days=1), timedelta(hours=args.margin_hours))
     full, summary = _best(
         spark,
         "full",
@@ -372,6 +373,7 @@ def incremental(bench: AuditBench) -> None:
         "days": MONTH.days,
         "rows": rows,
         "day": day.date().isoformat(),
+        "margin_hours": args.margin_hours,
         "days_read": {source: window.days(source) for source in (OUTBOX, INBOX)},
         "full": full,
         "one_day": one_day,
@@ -824,6 +826,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=3_000_000,
         metavar="N",
         help="incremental: messages of the 30-day history (default 3000000)",
+    )
+    parser.add_argument(
+        "--margin-hours",
+        type=float,
+        default=24.0,
+        metavar="H",
+        help="incremental: the day audit's margin in hours (default 24, the CLI's --margin 1d)",
     )
     parser.add_argument(
         "--cluster-size",
