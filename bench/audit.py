@@ -85,7 +85,7 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from bench.cli import guarded
+from bench.cli import group_list, guarded
 from bench.timing import BenchError, machine_busy_seconds, tree_cpu_seconds
 from outbox_inbox.analytics.audit import Window, read_archives, run_audit, spark_session
 from outbox_inbox.analytics.synthetic import Expected, Faults, generate
@@ -771,16 +771,6 @@ def machine(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _group_list(value: str) -> list[str]:
-    names = [v.strip() for v in value.split(",") if v.strip()]
-    unknown = [v for v in names if v not in GROUPS]
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown {', '.join(unknown)}; choose from {', '.join(GROUPS)}"
-        )
-    return names
-
-
 def _setting(value: str) -> tuple[str, str]:
     key, sep, setting = value.partition("=")
     if not sep or not key.strip():
@@ -793,7 +783,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench/audit.py", description=doc.split("\n\n")[0])
     parser.add_argument(
         "--only",
-        type=_group_list,
+        type=functools.partial(group_list, groups=GROUPS),
         default=list(GROUPS),
         metavar="GROUP[,GROUP]",
         help=f"run only these groups (default all: {','.join(GROUPS)}, in that order)",

@@ -105,12 +105,13 @@ def _interrupt_on_sigterm() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _group_list(value: str) -> list[str]:
+def group_list(value: str, groups: Sequence[str] = GROUPS) -> list[str]:
+    """An argparse type: comma-separated names, each one of `groups`."""
     names = [v.strip() for v in value.split(",") if v.strip()]
-    unknown = [v for v in names if v not in GROUPS]
+    unknown = [v for v in names if v not in groups]
     if unknown:
         raise argparse.ArgumentTypeError(
-            f"unknown {', '.join(unknown)}; choose from {', '.join(GROUPS)}"
+            f"unknown {', '.join(unknown)}; choose from {', '.join(groups)}"
         )
     return names
 
@@ -163,7 +164,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--skip",
-        type=_group_list,
+        type=group_list,
         action="extend",
         default=[],
         metavar="GROUP[,GROUP]",
@@ -171,7 +172,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--only",
-        type=_group_list,
+        type=group_list,
         action="extend",
         default=[],
         metavar="GROUP[,GROUP]",
