@@ -249,22 +249,26 @@ class Window:
         if self.margin < timedelta(0):
             raise ConfigurationError("the audit window's margin cannot be negative")
 
+    def span(self, source: str) -> tuple[datetime, datetime]:
+        """The times of `source`'s date column that are read: from ``since - margin`` to
+        ``until`` (the outbox) or ``until + margin`` (the inbox)."""
+        end = self.until if source == OUTBOX else self.until + self.margin
+        return self.since - self.margin, end
+
     def days(self, source: str) -> list[str]:
         """The date partitions (``YYYY-MM-DD``, UTC) of `source` that are read."""
-        first = (self.since - self.margin).astimezone(UTC).date()
-        end = self.until if source == OUTBOX else self.until + self.margin
+        start, end = self.span(source)
+        first = start.astimezone(UTC).date()
         last = (end - timedelta(microseconds=1)).astimezone(UTC).date()
         return [(first + timedelta(days=n)).isoformat() for n in range((last - first).days + 1)]
 
     def read(self, source: str) -> Column:
-        """The rows of `source` read: those the days hold, within the margin."""
+        """The rows of `source` read: those of its span (and any without a time)."""
         from pyspark.sql import functions as F
 
+        start, end = self.span(source)
         column = F.col(DATE_COLUMN[source])
-        end = self.until if source == OUTBOX else self.until + self.margin
-        return column.isNull() | (
-            (column >= F.lit(self.since - self.margin)) & (column < F.lit(end))
-        )
+        return column.isNull() | ((column >= F.lit(start)) & (column < F.lit(end)))
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -1,10 +1,10 @@
 """The one-pass audit against the summaries the audit wrote before it was rewritten, and the
 incremental audit against the whole audit restricted to its window.
 
-The recorded summaries are in ``audit_golden/`` (see `audit_cases`). Percentiles are Spark's
-``percentile_approx``: over at most 10,000 values per type it is exact and must match to the
-microsecond; over more, its answer depends on the order the rows reach it (the old audit's
-answer changes with the number of shuffle partitions too), within its documented error.
+The recorded summaries are in ``tests/audit_golden/`` (see `audit_cases`). Every field must be
+equal but the latency percentiles: Spark's ``percentile_approx`` merges the sketches of the
+parts in the order they arrive, so its answer moves within its error (a rank or two) from run
+to run, the old audit's too; they are held to 1%, which any wrong column misses by far.
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ from outbox_inbox.analytics.audit import TOTALS
 from outbox_inbox.topology import topic_matches
 
 pyspark = pytest.importorskip("pyspark", reason="the audit needs the spark extra")
-
-EXACT_UP_TO = 10_000  # values per type over which percentile_approx is exact
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +55,11 @@ def test_one_pass_audit_reports_what_the_recorded_audit_reported_field_by_field(
         for stage, figures in theirs["stages"].items():
             assert mine["stages"][stage]["max"] == figures["max"]
             for p in ("p50", "p90", "p99"):
-                if theirs["count"] <= EXACT_UP_TO:
-                    assert mine["stages"][stage][p] == figures[p], (theirs["type"], stage, p)
-                else:
-                    assert mine["stages"][stage][p] == pytest.approx(figures[p], rel=0.01)
+                assert mine["stages"][stage][p] == pytest.approx(figures[p], rel=0.01), (
+                    theirs["type"],
+                    stage,
+                    p,
+                )
 
 
 def test_topic_patterns_match_in_spark_exactly_as_the_broker_matches_them(spark: Any) -> None:
