@@ -27,6 +27,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import argparse
+import functools
 import logging
 import os
 import statistics
@@ -42,7 +43,7 @@ from psycopg import sql
 from sqlalchemy import Engine, event, text
 
 from bench import report
-from bench.cli import guarded
+from bench.cli import group_list, guarded
 from bench.context import Context
 from bench.latency import percentile
 from bench.roles import write_outbox
@@ -933,14 +934,6 @@ def run(ctx: Context) -> None:
         size(ctx)
 
 
-def _groups(value: str) -> list[str]:
-    names = [v.strip() for v in value.split(",") if v.strip()]
-    unknown = [v for v in names if v not in GROUPS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}; choose from {GROUPS}")
-    return names
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     doc = __doc__ or ""
     p = argparse.ArgumentParser(prog="bench/partitions.py", description=doc.split("\n")[0])
@@ -969,7 +962,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--json", help="also write the figures to this JSON file")
     p.add_argument("--phase-timeout", type=float, default=600.0, help="give up on a phase (s)")
     p.add_argument(
-        "--only", type=_groups, action="extend", default=[], help=f"groups: {', '.join(GROUPS)}"
+        "--only",
+        type=functools.partial(group_list, groups=GROUPS),
+        action="extend",
+        default=[],
+        help=f"groups: {', '.join(GROUPS)}",
     )
     p.set_defaults(raw_repeats=1, profile=None, skip=[])
     return p.parse_args(argv)
