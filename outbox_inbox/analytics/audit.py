@@ -641,24 +641,6 @@ def _states(horizon: datetime) -> dict[str, Column]:
 # few thousand groups at most, summed up on the driver; and the dead rows again ("c") by type,
 # reason and error. The percentiles ("b"): the processed expected deliveries by type.
 _SET = "g"
-_DIMENSIONS = (
-    "consumer",
-    "producer",
-    "type",
-    "status",
-    "kind",
-    "expected",
-    "received",
-    "sent",
-    "lost",
-    "published",
-    "expired",
-    "twice",
-    "retried",
-    "bucket",
-    "reason",
-    "error",
-)
 
 
 def _aggregate(rows: DataFrame, horizon: datetime) -> list[Row]:
