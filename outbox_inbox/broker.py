@@ -1,19 +1,24 @@
-"""The broker interface. `brokers.rabbitmq` implements it on RabbitMQ (pika).
+"""The broker interface. `brokers.rabbitmq` implements it on RabbitMQ (pika), `brokers.memory`
+in this process's memory.
 
-Thread safety: a `Publisher` or `Consumer` belongs to the thread that opened it; open one per
-thread. `Broker` objects themselves only hold settings and may be shared.
+Two ports: `Broker` is what the relay, receiver and worker use (declare, publish, consume);
+`Operator` is what an operator uses, through `Broker.operator` (check what is declared, queue
+depths, read, ack and requeue a dead-letter queue, tail an exchange).
+
+Thread safety: a `Publisher`, `Consumer` or `Operator` belongs to the thread that opened it;
+open one per thread. `Broker` objects themselves only hold settings and may be shared.
 """
 
 from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .messages import WireMessage
-from .topology import Topology
+from .topology import Exchange, Queue, Topology
 
 
 class PublishOutcome(enum.Enum):
@@ -162,6 +167,13 @@ class Broker(Protocol):
         """
         ...
 
+    def operator(self) -> Operator:
+        """A new operator session on this broker; close it (or use ``with``).
+
+        Raises BrokerConnectionError when the broker cannot be reached.
+        """
+        ...
+
     def close(self) -> None:
         """Release what the broker object holds (connections are per publisher/consumer)."""
         ...
@@ -169,4 +181,131 @@ class Broker(Protocol):
     @property
     def description(self) -> str:
         """Where the broker is, with any password masked."""
+        ...
+
+
+#: What a check found: the object exists as declared, does not exist, or exists otherwise.
+PRESENT, MISSING, DIFFERS = "present", "missing", "differs"
+
+
+@dataclass(frozen=True)
+class Found:
+    """The outcome of checking one exchange or queue."""
+
+    state: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class QueuedMessage:
+    """A message taken from a queue by a `QueueReader` and not acknowledged (yet).
+
+    `properties` is what the broker's adapter keeps for a faithful republish (RabbitMQ: the
+    delivery's properties); callers pass it back untouched.
+    """
+
+    tag: int
+    message: WireMessage
+    redelivered: bool
+    properties: Any = None
+
+
+class QueueReader(Protocol):
+    """Takes messages from one queue without acknowledging them, then acks or republishes.
+
+    A message taken and never acknowledged goes back to the queue, at its place, flagged
+    redelivered, when the reader closes. A message is acked only after its copy was confirmed.
+    """
+
+    @property
+    def queue(self) -> str: ...
+
+    def depth(self) -> int:
+        """Messages ready in the queue now (not counting those this reader holds)."""
+        ...
+
+    def get(self) -> QueuedMessage | None:
+        """The next ready message, unacknowledged; None when the queue has no more."""
+        ...
+
+    def ack(self, message: QueuedMessage) -> None:
+        """Remove `message` from the queue for good."""
+        ...
+
+    def republish(
+        self, message: QueuedMessage, exchange: str, routing_key: str, headers: Mapping[str, Any]
+    ) -> bool:
+        """Publish a copy of `message` (its body and properties, these `headers`), mandatory
+        and confirmed. False when the broker returned it as unroutable; raises BrokerError when
+        the broker refused it. The original is not acknowledged here."""
+        ...
+
+    def close(self) -> None:
+        """Every message taken and not acknowledged returns to the queue."""
+        ...
+
+
+class Operator(Protocol):
+    """One operator session on a broker (`Broker.operator`): checks, queue depths, dead-letter
+    queues read and moved, tails. Used from one thread; close it, or use it with ``with``.
+
+    Raises BrokerConnectionError when the broker is lost, BrokerError when it refuses.
+    """
+
+    def __enter__(self) -> Operator: ...
+
+    def __exit__(self, *exc_info: object) -> None: ...
+
+    @property
+    def description(self) -> str:
+        """Where the broker is, with any password masked."""
+        ...
+
+    def flow_control(self, timeout: float = 1.0) -> str | None:
+        """The broker's reason if it blocks publishers now (a memory or disk alarm), else None."""
+        ...
+
+    def check_exchange(self, exchange: Exchange) -> Found:
+        """Whether `exchange` exists with the declared type, durability and arguments."""
+        ...
+
+    def check_queue(self, queue: Queue) -> Found:
+        """Whether `queue` exists with the declared durability and arguments."""
+        ...
+
+    def queue_info(self, name: str) -> tuple[int, int] | None:
+        """(ready messages, consumers) of queue `name`, or None if it does not exist."""
+        ...
+
+    def purge_queue(self, name: str) -> int:
+        """Drop every ready message of queue `name`; return how many (0 if it is missing)."""
+        ...
+
+    def delete_queue(self, name: str) -> int:
+        """Delete queue `name` and its messages; return how many it held (0 if missing)."""
+        ...
+
+    def reader(self, queue: str) -> QueueReader:
+        """A reader of `queue`. Raises BrokerError if it is missing."""
+        ...
+
+    def tail(
+        self,
+        exchange: str,
+        patterns: list[str],
+        *,
+        on_ready: Callable[[str], None],
+        on_message: Callable[[WireMessage], bool],
+        should_stop: Callable[[], bool],
+    ) -> None:
+        """Copy messages routed by `exchange` with any of `patterns` to `on_message`.
+
+        The copies go through a private queue the broker deletes when the session ends;
+        `on_ready(queue)` is called once it is bound. Ends when `should_stop()` is true
+        (checked at least every 0.2 s) or `on_message` returns False.
+        """
+        ...
+
+    def close(self) -> None:
+        """End the session; messages read and not acknowledged return to their queues."""
         ...

@@ -8,7 +8,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pika
 import pika.data
@@ -30,6 +30,9 @@ from ..logsafe import mask_text, mask_url
 from ..messages import WireMessage
 from ..topology import Topology
 from .amqp_fields import decode_leniently, forward_properties, kept_properties
+
+if TYPE_CHECKING:
+    from .rabbitmq_admin import RabbitMQAdmin
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +229,12 @@ class RabbitMQBroker:
 
     def consumer(self, queue: str, *, prefetch: int) -> RabbitMQConsumer:
         return RabbitMQConsumer(self.connect(), queue, prefetch=prefetch)
+
+    def operator(self) -> RabbitMQAdmin:
+        """An operator session on one connection of its own (opened at first use)."""
+        from .rabbitmq_admin import RabbitMQAdmin
+
+        return RabbitMQAdmin(self)
 
     def queue_depth(self, queue: str) -> int | None:
         """Messages ready in `queue`, or None if it does not exist."""

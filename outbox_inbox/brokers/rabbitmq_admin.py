@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import pika
@@ -17,6 +16,7 @@ import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel
 from pika.spec import BasicProperties
 
+from ..broker import DIFFERS, MISSING, PRESENT, Found, QueuedMessage
 from ..errors import BrokerConnectionError, BrokerError
 from ..messages import WireMessage
 from ..topology import Exchange, Queue
@@ -25,29 +25,8 @@ from .rabbitmq import CONNECTION_ERRORS, RabbitMQBroker, close_quietly, wire_mes
 
 log = logging.getLogger(__name__)
 
-#: What a check found: the object exists as declared, does not exist, or exists otherwise.
-PRESENT, MISSING, DIFFERS = "present", "missing", "differs"
-
 #: The routing key of `flow_control`'s probes on the default exchange: no queue has this name.
 FLOW_CONTROL_PROBE = "outbox-inbox.flow-control-probe"
-
-
-@dataclass(frozen=True)
-class Found:
-    """The outcome of checking one exchange or queue."""
-
-    state: str
-    detail: str = ""
-
-
-@dataclass(frozen=True)
-class QueuedMessage:
-    """A message taken from a queue with basic.get and not acknowledged (yet)."""
-
-    tag: int
-    message: WireMessage
-    redelivered: bool
-    properties: Any  # the delivery's pika BasicProperties, kept whole for a faithful republish
 
 
 def _broker_error(what: str, exc: BaseException) -> BrokerError:
