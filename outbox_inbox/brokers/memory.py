@@ -46,13 +46,22 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any
 
-from ..broker import Delivery, PublishOutcome, Refusal
+from ..broker import (
+    DIFFERS,
+    MISSING,
+    PRESENT,
+    Delivery,
+    Found,
+    PublishOutcome,
+    QueuedMessage,
+    Refusal,
+)
 from ..errors import (
     BrokerConnectionError,
     BrokerError,
@@ -356,6 +365,12 @@ class MemoryBroker:
             self._check_open()
         return MemoryConsumer(self, queue, prefetch=prefetch)
 
+    def operator(self) -> MemoryOperator:
+        """An operator session on this broker. Raises BrokerConnectionError once it is closed."""
+        with self._lock:
+            self._check_open()
+        return MemoryOperator(self)
+
     def queue_depth(self, queue: str) -> int | None:
         """Messages ready in `queue` (not those delivered and unacknowledged), None if no queue."""
         with self._lock:
@@ -413,18 +428,9 @@ class MemoryBroker:
         if existing is None:
             self._exchanges[spec.name] = _ExchangeState(_frozen_exchange(spec))
             return
-        old = existing.spec
-        # RabbitMQ compares type, durability and, among the arguments, only the alternate.
-        for prop, before, now in (
-            ("type", old.type, spec.type),
-            ("durable", old.durable, spec.durable),
-            ("alternate-exchange", existing.alternate, alternate),
-        ):
-            if not _same(before, now):
-                raise TopologyMismatch(
-                    f"{what} exists with other arguments: {prop} is {before!r}, "
-                    f"declared now as {now!r}"
-                )
+        difference = _exchange_difference(existing, spec)
+        if difference:
+            raise TopologyMismatch(difference)
 
     def _declare_queue(self, spec: Queue) -> None:
         what = f"queue {spec.name!r}"
@@ -437,7 +443,9 @@ class MemoryBroker:
         settings = _queue_settings(spec)
         existing = self._queues.get(spec.name)
         if existing is not None:
-            _check_equivalent(existing.spec, spec, existing.settings.kind)
+            difference = _queue_difference(existing.spec, spec, existing.settings.kind)
+            if difference:
+                raise TopologyMismatch(difference)
             return
         ignored = sorted(IGNORED_ARGUMENTS.intersection(spec.arguments))
         if ignored:
@@ -633,6 +641,10 @@ class MemoryBroker:
             return
         if consumer in state.consumers:
             state.consumers.remove(consumer)
+        self._return(state, entries)
+
+    def _return(self, state: _QueueState, entries: list[_Entry]) -> None:
+        """Put unacknowledged `entries` (in delivery order) back, flagged redelivered."""
         back: list[_Entry] = []
         for entry in entries:
             entry.redelivered = True
@@ -965,6 +977,229 @@ class MemoryConsumer:
 
 
 # --------------------------------------------------------------------------------------------
+# The operator session
+# --------------------------------------------------------------------------------------------
+
+
+class MemoryOperator:
+    """An operator session on a `MemoryBroker` (the `Operator` protocol).
+
+    Checks judge as a redeclare does; a reader takes messages like ``basic.get`` without ack;
+    a tail consumes a private queue the session deletes when it closes. The memory broker
+    never blocks publishers, so `flow_control` is always None.
+    """
+
+    def __init__(self, broker: MemoryBroker) -> None:
+        self._broker = broker
+        self._readers: list[MemoryQueueReader] = []
+        self._tail_queues: list[str] = []
+
+    def __enter__(self) -> MemoryOperator:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def description(self) -> str:
+        return self._broker.description
+
+    def flow_control(self, timeout: float = 1.0) -> str | None:
+        """None: nothing blocks publishers in memory. Raises BrokerConnectionError if closed."""
+        with self._broker._lock:
+            self._broker._check_open()
+        return None
+
+    def check_exchange(self, exchange: Exchange) -> Found:
+        """Whether `exchange` exists as declared, judged as a redeclare is."""
+        with self._broker._lock:
+            self._broker._check_open()
+            existing = self._broker._exchanges.get(exchange.name)
+            if existing is None:
+                return Found(MISSING)
+            difference = _exchange_difference(existing, exchange)
+        return Found(DIFFERS, difference) if difference else Found(PRESENT)
+
+    def check_queue(self, queue: Queue) -> Found:
+        """Whether `queue` exists as declared, judged as a redeclare is."""
+        with self._broker._lock:
+            self._broker._check_open()
+            existing = self._broker._queues.get(queue.name)
+            if existing is None:
+                return Found(MISSING)
+            try:
+                _queue_settings(queue)
+            except TopologyMismatch as exc:  # RabbitMQ answers an invalid argument with 406 too
+                return Found(DIFFERS, str(exc))
+            difference = _queue_difference(existing.spec, queue, existing.settings.kind)
+        return Found(DIFFERS, difference) if difference else Found(PRESENT)
+
+    def queue_info(self, name: str) -> tuple[int, int] | None:
+        """(ready messages, consumers) of queue `name`, or None if it does not exist."""
+        with self._broker._lock:
+            ready = self._broker.queue_depth(name)
+            state = self._broker._queues.get(name)
+            return None if ready is None or state is None else (ready, len(state.consumers))
+
+    def purge_queue(self, name: str) -> int:
+        """Drop every ready message of queue `name`; return how many (0 if it is missing)."""
+        with self._broker._lock:
+            self._broker._check_open()
+            state = self._broker._queues.get(name)
+            if state is None:
+                return 0
+            count = state.ready()
+            for ready in state.deques():
+                ready.clear()
+            return count
+
+    def delete_queue(self, name: str) -> int:
+        """Delete queue `name`, its bindings and messages; return how many were ready."""
+        broker = self._broker
+        with broker._lock:
+            broker._check_open()
+            state = broker._queues.pop(name, None)
+            if state is None:
+                return 0
+            for exchange in broker._exchanges.values():
+                for binding in [b for b in exchange.bindings if b[1] == name]:
+                    del exchange.bindings[binding]
+            for consumer in state.consumers:
+                consumer.arrived.notify_all()
+            broker._dirty.pop(name, None)
+            return state.ready()
+
+    def reader(self, queue: str) -> MemoryQueueReader:
+        """A reader of `queue`. Raises BrokerError if it is missing."""
+        with self._broker._lock:
+            self._broker._check_open()
+            if queue not in self._broker._queues:
+                raise BrokerError(f"queue {queue!r} does not exist: declare the topology")
+        reader = MemoryQueueReader(self._broker, queue)
+        self._readers.append(reader)
+        return reader
+
+    def tail(
+        self,
+        exchange: str,
+        patterns: list[str],
+        *,
+        on_ready: Callable[[str], None],
+        on_message: Callable[[WireMessage], bool],
+        should_stop: Callable[[], bool],
+    ) -> None:
+        """Copy messages routed by `exchange` with any of `patterns` to `on_message`.
+
+        The copies go through a private queue, deleted when this session closes. Raises
+        BrokerError if `exchange` does not exist.
+        """
+        broker = self._broker
+        name = f"amq.gen-{uuid.uuid4().hex}"
+        with broker._lock:
+            broker._check_open()
+            if exchange not in broker._exchanges:
+                raise BrokerError(f"cannot bind a tail queue: no exchange {exchange!r}")
+            broker._queues[name] = _QueueState(Queue(name, durable=False), _QueueSettings())
+            self._tail_queues.append(name)
+            for pattern in patterns:
+                broker._exchanges[exchange].bindings[(pattern, name)] = None
+        on_ready(name)
+        consumer = MemoryConsumer(broker, name, prefetch=0)
+        try:
+            while not should_stop():
+                deliveries = consumer.fetch(100, 0.2)
+                if deliveries:
+                    consumer.ack_through(deliveries[-1].tag)
+                for delivery in deliveries:
+                    if not on_message(delivery.message):
+                        return
+        finally:
+            consumer.close()
+
+    def close(self) -> None:
+        """Return what the readers hold to their queues and delete the tail queues."""
+        for reader in self._readers:
+            reader.close()
+        self._readers.clear()
+        with self._broker._lock:
+            if not self._broker.closed:
+                for name in self._tail_queues:
+                    self.delete_queue(name)
+        self._tail_queues.clear()
+
+
+class MemoryQueueReader:
+    """Takes messages from one queue of a `MemoryBroker` without acknowledging them (the
+    `QueueReader` protocol). A republish is a mandatory, confirmed publish through the
+    broker's exchanges; `QueuedMessage.properties` is unused (the message carries them)."""
+
+    def __init__(self, broker: MemoryBroker, queue: str) -> None:
+        self._broker = broker
+        self._queue = queue
+        self._taken: dict[int, _Entry] = {}
+        self._tags = itertools.count(1)
+
+    @property
+    def queue(self) -> str:
+        return self._queue
+
+    def depth(self) -> int:
+        """Messages ready in the queue now. Raises BrokerError if it was deleted."""
+        depth = self._broker.queue_depth(self._queue)
+        if depth is None:
+            raise BrokerError(f"queue {self._queue!r} does not exist")
+        return depth
+
+    def get(self) -> QueuedMessage | None:
+        """The next ready message, unacknowledged; None when the queue has no more."""
+        broker = self._broker
+        with broker._lock:
+            self.depth()  # expires what is due, raises if the queue is gone
+            entry = broker._queues[self._queue].pop()
+            if entry is None:
+                return None
+            tag = next(self._tags)
+            self._taken[tag] = entry
+            return QueuedMessage(tag, broker._delivered(self._queue, entry), entry.redelivered)
+
+    def ack(self, message: QueuedMessage) -> None:
+        """Remove `message` from the queue for good. Raises BrokerError for an unknown one."""
+        with self._broker._lock:
+            if self._taken.pop(message.tag, None) is None:
+                raise BrokerError(f"unknown delivery tag {message.tag} on {self._queue!r}")
+
+    def republish(
+        self, message: QueuedMessage, exchange: str, routing_key: str, headers: Mapping[str, Any]
+    ) -> bool:
+        """Publish a copy of `message` with these `headers`, mandatory and confirmed.
+
+        False when no queue is bound for it; raises BrokerError when the exchange is missing
+        or a full queue refuses it. The original is not acknowledged here.
+        """
+        copied = replace(
+            message.message, exchange=exchange, routing_key=routing_key, headers=dict(headers)
+        )
+        with self._broker._lock:
+            try:
+                outcome = self._broker._publish(copied)
+            except _Refused as exc:
+                raise BrokerError(f"republishing to {exchange or '(default)'!r}: {exc}") from exc
+        if outcome is PublishOutcome.NACKED:
+            raise BrokerError(f"the broker refused the copy sent to {exchange!r}")
+        return outcome is PublishOutcome.CONFIRMED
+
+    def close(self) -> None:
+        """Every message taken and not acknowledged returns to its place, redelivered."""
+        broker = self._broker
+        with broker._lock:
+            entries = [self._taken[tag] for tag in sorted(self._taken)]
+            self._taken.clear()
+            state = broker._queues.get(self._queue)
+            if entries and state is not None and not broker.closed:
+                broker._return(state, entries)
+
+
+# --------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------
 
@@ -1060,18 +1295,36 @@ def _text_argument(queue: Queue, name: str) -> str | None:
     return value
 
 
-def _check_equivalent(old: Queue, new: Queue, kind: str) -> None:
-    """Raise TopologyMismatch if `new` differs from the declared `old` where RabbitMQ looks."""
+def _exchange_difference(existing: _ExchangeState, spec: Exchange) -> str | None:
+    """How `spec` differs from the declared exchange where RabbitMQ looks (type, durability
+    and, among the arguments, only the alternate), or None."""
+    alternate = spec.arguments.get("alternate-exchange")
+    for prop, before, now in (
+        ("type", existing.spec.type, spec.type),
+        ("durable", existing.spec.durable, spec.durable),
+        ("alternate-exchange", existing.alternate, alternate),
+    ):
+        if not _same(before, now):
+            return (
+                f"exchange {spec.name!r} exists with other arguments: {prop} is {before!r}, "
+                f"declared now as {now!r}"
+            )
+    return None
+
+
+def _queue_difference(old: Queue, new: Queue, kind: str) -> str | None:
+    """How `new` differs from the declared `old` where RabbitMQ looks, or None."""
     what = f"queue {old.name!r} exists with other arguments"
     if old.durable != new.durable:
-        raise TopologyMismatch(f"{what}: durable is {old.durable}, declared now as {new.durable}")
+        return f"{what}: durable is {old.durable}, declared now as {new.durable}"
     names = QUORUM_EQUIVALENCE_ARGUMENTS if kind == "quorum" else EQUIVALENCE_ARGUMENTS
     for name in names:
         before, now = old.arguments.get(name), new.arguments.get(name)
         if name == "x-queue-type":  # no type means classic
             before, now = before or "classic", now or "classic"
         if not _same(before, now):
-            raise TopologyMismatch(f"{what}: {name} is {before!r}, declared now as {now!r}")
+            return f"{what}: {name} is {before!r}, declared now as {now!r}"
+    return None
 
 
 def _private_copy(message: WireMessage) -> WireMessage:
