@@ -26,11 +26,23 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any, Protocol, TypeVar
 
 import pytest
 
-from ..broker import Broker, Consumer, Delivery, PublishOutcome
+from ..broker import (
+    DIFFERS,
+    MISSING,
+    PRESENT,
+    Broker,
+    Consumer,
+    Delivery,
+    Found,
+    Operator,
+    PublishOutcome,
+    QueuedMessage,
+)
 from ..errors import BrokerConnectionError, BrokerError, TopologyMismatch
 from ..messages import (
     COMMANDS_EXCHANGE,
@@ -157,8 +169,12 @@ def take(consumer: Consumer, count: int, timeout: float = 5.0) -> list[Delivery]
     return got
 
 
-def numbers(deliveries: Sequence[Delivery]) -> list[int]:
-    return [d.message.headers["n"] for d in deliveries]
+def numbers(deliveries: Sequence[Delivery | QueuedMessage | None]) -> list[int]:
+    return [d.message.headers["n"] if d else -1 for d in deliveries]
+
+
+def _missing(operator: Operator, queue: str) -> bool:
+    return operator.queue_info(queue) is None
 
 
 def depth_becomes(broker: ContractBroker, queue: str, expected: int) -> None:
@@ -765,3 +781,140 @@ class BrokerContract:
         assert numbers(take(consumer, 1)) == [0]
         assert numbers(take(opened(broker.consumer(missed, prefetch=10)), 1)) == [1]
         assert broker.queue_depth(now_or_never) == 0
+
+    # --------------------------------------------------------------------------------------------
+    # The operator port (Broker.operator)
+    # --------------------------------------------------------------------------------------------
+
+    def test_operator_checks_find_declared_objects_present_and_others_missing_or_differing(
+        self, broker: ContractBroker, svc: str
+    ) -> None:
+        topology = service_topology(svc, ["src.thing.*"], delay_tiers=(5,))
+        broker.declare(topology)
+        assert publish(broker, [command(svc)]) == [CONFIRMED]
+        with broker.operator() as operator:
+            assert operator.flow_control(timeout=0.5) is None
+            assert operator.description == broker.description
+            assert {operator.check_exchange(e).state for e in topology.exchanges} == {PRESENT}
+            assert {operator.check_queue(q).state for q in topology.queues} == {PRESENT}
+            assert operator.check_queue(Queue(f"{svc}.missing")) == Found(MISSING)
+            assert operator.check_exchange(Exchange(f"{svc}.missing", "topic")) == Found(MISSING)
+            inbox = topology.queues[0]
+            other = Queue(inbox.name, arguments={**inbox.arguments, "x-max-priority": 3})
+            assert operator.check_queue(other).state == DIFFERS
+            assert operator.check_queue(Queue(inbox.name, False, inbox.arguments)).state == DIFFERS
+            commands = topology.exchanges[0]
+            assert operator.check_exchange(Exchange(commands.name, "direct")).state == DIFFERS
+            assert operator.check_exchange(Exchange(commands.name, "topic")).state == DIFFERS
+            assert operator.check_queue(inbox).state == PRESENT  # checking changed nothing
+        assert broker.queue_depth(inbox.name) == 1
+
+    def test_operator_queue_info_counts_ready_messages_and_consumers_purge_and_delete_drop_them(
+        self, broker: ContractBroker, svc: str
+    ) -> None:
+        broker.declare(service_topology(svc, []))
+        inbox = inbox_queue(svc)
+        publish(broker, [command(svc, n) for n in range(4)])
+        consumer = broker.consumer(inbox, prefetch=1)
+        with broker.operator() as operator:
+            assert numbers(take(consumer, 1)) == [0]
+            assert operator.queue_info(inbox) == (3, 1)
+            assert operator.purge_queue(inbox) == 3  # the unacknowledged delivery stays
+            assert operator.queue_info(inbox) == (0, 1)
+            consumer.close()
+            wait_until(lambda: operator.queue_info(inbox) == (1, 0), what="the requeue")
+            assert operator.delete_queue(inbox) == 1
+            assert operator.queue_info(inbox) is None
+            assert operator.purge_queue(inbox) == 0
+            assert operator.delete_queue(inbox) == 0
+        assert broker.queue_depth(inbox) is None
+        assert publish(broker, [wire(RETRY_EXCHANGE, svc)]) == [RETURNED]  # its bindings went too
+
+    def test_a_reader_takes_without_ack_and_its_close_returns_the_rest_in_place_redelivered(
+        self, broker: ContractBroker, svc: str
+    ) -> None:
+        broker.declare(service_topology(svc, []))
+        letters = dead_letter_queue(svc)
+        publish(broker, [wire(DEAD_LETTER_EXCHANGE, svc, n=n) for n in range(3)])
+        with broker.operator() as operator:
+            reader = operator.reader(letters)
+            assert reader.queue == letters and reader.depth() == 3
+            first, second = reader.get(), reader.get()
+            assert first is not None and second is not None
+            assert numbers([first, second]) == [0, 1] and not first.redelivered
+            assert reader.depth() == 1  # taken messages are not ready
+            reader.ack(first)
+            reader.close()
+            wait_until(lambda: broker.queue_depth(letters) == 2, what="the return")
+            again = operator.reader(letters)
+            back = [again.get(), again.get()]
+            assert again.get() is None
+            assert numbers(back) == [1, 2]
+            assert [m.redelivered for m in back if m is not None] == [True, False]
+        wait_until(lambda: broker.queue_depth(letters) == 2, what="the close of the session")
+        with broker.operator() as operator, pytest.raises(BrokerError):
+            operator.reader(f"{svc}.missing").get()
+
+    def test_a_reader_republishes_a_copy_with_its_properties_and_new_headers_then_acks(
+        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+    ) -> None:
+        broker.declare(service_topology(svc, []))
+        letters = dead_letter_queue(svc)
+        original = wire(DEAD_LETTER_EXCHANGE, svc, n=5, priority=4, headers={"dropped": True})
+        publish(broker, [original])
+        with broker.operator() as operator:
+            reader = operator.reader(letters)
+            taken = reader.get()
+            assert taken is not None
+            assert not reader.republish(taken, RETRY_EXCHANGE, f"{svc}.nobody", {"n": 5})
+            assert reader.republish(taken, RETRY_EXCHANGE, svc, {"n": 5, "replayed": 1})
+            reader.ack(taken)
+            with pytest.raises(BrokerError):
+                reader.republish(taken, f"{svc}.no-such-exchange", svc, {})
+        wait_until(lambda: broker.queue_depth(letters) == 0, what="the ack")
+        copy = take(opened(broker.consumer(inbox_queue(svc), prefetch=10)), 1)[0].message
+        assert (copy.exchange, copy.routing_key) == (RETRY_EXCHANGE, svc)
+        assert copy.headers == {"n": 5, "replayed": 1}
+        for kept in ("message_id", "body", "type", "correlation_id", "timestamp", "priority"):
+            assert getattr(copy, kept) == getattr(original, kept), kept
+        assert (copy.app_id, copy.content_type) == (original.app_id, original.content_type)
+
+    def test_tail_copies_what_the_exchange_routes_by_pattern_until_told_to_stop(
+        self, broker: ContractBroker, svc: str
+    ) -> None:
+        broker.declare(service_topology(svc, ["src.thing.*"]))
+        seen: list[str] = []
+        queues: list[str] = []
+
+        def ready(queue: str) -> None:
+            queues.append(queue)
+            keys = ["src.thing.made", "src.other.made", "src.thing.sold", "src.thing.kept"]
+            publish(broker, [wire(EVENTS_EXCHANGE, k) for k in keys])
+
+        def copied(message: WireMessage) -> bool:
+            seen.append(message.routing_key)
+            return len(seen) < 2
+
+        with broker.operator() as operator:
+            operator.tail(
+                EVENTS_EXCHANGE,
+                ["src.thing.*", "nothing.#"],
+                on_ready=ready,
+                on_message=copied,
+                should_stop=lambda: False,
+            )
+            assert seen == ["src.thing.made", "src.thing.sold"]  # until on_message said no
+            started = time.monotonic()
+            operator.tail(
+                EVENTS_EXCHANGE,
+                ["src.#"],
+                on_ready=queues.append,
+                on_message=copied,
+                should_stop=lambda: time.monotonic() - started > 0.3,
+            )
+            assert 0.3 < time.monotonic() - started < 2
+            assert seen == ["src.thing.made", "src.thing.sold"]
+        assert broker.queue_depth(inbox_queue(svc)) == 3  # the inbox got its own copies
+        with broker.operator() as operator:  # the session's end deleted its tail queues
+            for queue in queues:
+                wait_until(partial(_missing, operator, queue), what=f"{queue} deleted")
