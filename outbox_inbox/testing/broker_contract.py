@@ -1,5 +1,10 @@
 """The broker contract: what a `Broker` must do for the relay, receiver and worker to keep
-their guarantees, as a pytest suite that ships with the library.
+their guarantees, and what its `Operator` (`Broker.operator`) must do for the operator's
+commands, as a pytest suite that ships with the library.
+
+It asks for what the library's topology (`outbox_inbox.topology.service_topology`) declares and
+nothing more: a broker that implements exactly that passes it whole. How faithfully a broker
+copies RabbitMQ elsewhere (drop-head overflow, dead-letter cycles) is not part of it.
 
 Subclass `BrokerContract` in a test module of your own, give it a ``broker`` fixture (a fresh
 broker, or a fresh virtual host, per test), and list what your broker cannot do in
@@ -74,16 +79,18 @@ RETURNED = PublishOutcome.RETURNED
 NACKED = PublishOutcome.NACKED
 SKIPPED = PublishOutcome.SKIPPED
 
-#: What a broker may lack; each case of the suite that needs one says so with `requires`.
+#: What a broker may lack, named after what the library's topology (`service_topology`)
+#: declares; each case of the suite that needs one says so with `requires`.
 CAPABILITIES = frozenset(
     {
-        "alternate_exchange",  # an exchange's alternate-exchange (commands -> unroutable)
-        "dead_lettering",  # x-dead-letter-exchange / -routing-key, x-death records
-        "max_length",  # x-max-length with x-overflow reject-publish or drop-head
-        "message_ttl",  # x-message-ttl (the delay tiers)
-        "priority",  # x-max-priority queues
-        "quorum",  # x-queue-type quorum with x-delivery-limit
-        "single_active_consumer",  # x-single-active-consumer
+        "alternate_exchange",  # commands no service routes are kept in `unroutable`
+        "reject_publish",  # a full inbox (x-max-length, x-overflow reject-publish) nacks
+        "delay_tiers",  # x-message-ttl tiers whose expired messages return through `retry`
+        "dead_letter_routing",  # a queue lets a message go to its x-dead-letter-exchange and
+        # -routing-key with x-death records (expired tiers, the quorum delivery limit)
+        "delivery_limit",  # quorum queues with x-delivery-limit
+        "priority",  # x-max-priority on the inbox
+        "single_active_consumer",  # x-single-active-consumer on the inbox
     }
 )
 
@@ -333,7 +340,7 @@ class BrokerContract:
     # Publishing
     # --------------------------------------------------------------------------------------------
 
-    @requires("max_length")
+    @requires("reject_publish")
     def test_publish_batch_reports_confirmed_returned_nacked_and_skips_the_rest_of_a_failed_key(
         self, broker: ContractBroker, svc: str
     ) -> None:
@@ -358,7 +365,7 @@ class BrokerContract:
         ]
         assert broker.queue_depth(inbox_queue(svc)) == 2
 
-    @requires("max_length")
+    @requires("reject_publish")
     def test_inbox_max_length_counts_ready_messages_not_unacknowledged_ones(
         self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
     ) -> None:
@@ -562,7 +569,7 @@ class BrokerContract:
     # Forwarding: delay tiers and dead letters
     # --------------------------------------------------------------------------------------------
 
-    @requires("message_ttl", "dead_lettering")
+    @requires("delay_tiers", "dead_letter_routing")
     def test_forward_to_a_delay_tier_returns_to_the_inbox_through_retry_after_the_ttl(
         self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
     ) -> None:
@@ -623,7 +630,6 @@ class BrokerContract:
         assert headers[H_ORIGINAL_ROUTING_KEY] == f"{svc}.job.run"
         assert [d["count"] for d in headers["x-death"]] == [2]
 
-    @requires("dead_lettering")
     def test_forward_to_the_dead_letter_exchange_lands_in_the_services_dead_letter_queue(
         self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
     ) -> None:
@@ -651,6 +657,23 @@ class BrokerContract:
         self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
     ) -> None:
         broker.declare(service_topology(svc, []))
+        publish(broker, [command(svc, 0)])
+        consumer = broker.consumer(inbox_queue(svc), prefetch=10)
+        delivery = take(consumer, 1)[0]
+        with pytest.raises(BrokerError, match="no queue"):
+            consumer.forward(delivery, "", f"{svc}.no-such-queue", {})
+        with pytest.raises(BrokerConnectionError):  # RabbitMQ closes the channel: 404
+            consumer.forward(delivery, f"{svc}.no-such-exchange", "x", {})
+        consumer.close()
+        depth_becomes(broker, inbox_queue(svc), 1)  # never acknowledged
+        again = take(opened(broker.consumer(inbox_queue(svc), prefetch=10)), 1)[0]
+        assert again.redelivered and again.message.message_id == delivery.message.message_id
+
+    @requires("reject_publish")
+    def test_forward_refused_by_a_full_queue_raises_broker_error_and_keeps_the_delivery(
+        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+    ) -> None:
+        broker.declare(service_topology(svc, []))
         full = f"{svc}.full"
         broker.declare(
             Topology(
@@ -662,19 +685,15 @@ class BrokerContract:
         publish(broker, [command(svc, 0)])
         consumer = broker.consumer(inbox_queue(svc), prefetch=10)
         delivery = take(consumer, 1)[0]
-        with pytest.raises(BrokerError, match="no queue"):
-            consumer.forward(delivery, "", f"{svc}.no-such-queue", {})
         with pytest.raises(BrokerError, match="refused"):
             consumer.forward(delivery, "", full, {})
-        with pytest.raises(BrokerConnectionError):  # RabbitMQ closes the channel: 404
-            consumer.forward(delivery, f"{svc}.no-such-exchange", "x", {})
         consumer.close()
         depth_becomes(broker, inbox_queue(svc), 1)  # never acknowledged
         assert broker.queue_depth(full) == 0
         again = take(opened(broker.consumer(inbox_queue(svc), prefetch=10)), 1)[0]
         assert again.redelivered and again.message.message_id == delivery.message.message_id
 
-    @requires("quorum", "dead_lettering")
+    @requires("delivery_limit", "dead_letter_routing")
     def test_quorum_inbox_dead_letters_a_message_returned_more_often_than_its_delivery_limit(
         self, broker: ContractBroker, svc: str
     ) -> None:
@@ -700,87 +719,6 @@ class BrokerContract:
         assert (death["reason"], death["queue"]) == ("delivery_limit", inbox_queue(svc))
         assert dead.headers["x-first-death-reason"] == "delivery_limit"
         assert broker.queue_depth(inbox_queue(svc)) == 0
-
-    # --------------------------------------------------------------------------------------------
-    # Dead-lettering by the broker itself
-    # --------------------------------------------------------------------------------------------
-
-    @requires("max_length", "dead_lettering")
-    def test_a_full_drop_head_queue_dead_letters_its_oldest_messages(
-        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
-    ) -> None:
-        capped, overflow = f"{svc}.capped", f"{svc}.overflow"
-        broker.declare(
-            Topology(
-                (),
-                (
-                    Queue(
-                        capped,
-                        arguments={
-                            "x-max-length": 2,
-                            "x-dead-letter-exchange": "",
-                            "x-dead-letter-routing-key": overflow,
-                        },
-                    ),
-                    Queue(overflow),
-                ),
-                (),
-            )
-        )
-        assert publish(broker, [wire("", capped, n=n) for n in range(4)]) == [CONFIRMED] * 4
-        kept = take(opened(broker.consumer(capped, prefetch=10)), 2)
-        assert numbers(kept) == [2, 3]
-        dropped = take(opened(broker.consumer(overflow, prefetch=10)), 2)
-        assert numbers(dropped) == [0, 1]
-        assert [d.message.headers["x-death"][0]["reason"] for d in dropped] == ["maxlen"] * 2
-        assert dropped[0].message.routing_key == overflow
-
-    @requires("message_ttl", "dead_lettering")
-    def test_a_message_dead_lettered_back_into_the_queue_it_expired_in_is_dropped_as_a_cycle(
-        self, broker: ContractBroker, svc: str
-    ) -> None:
-        looping, onward, target = f"{svc}.looping", f"{svc}.onward", f"{svc}.target"
-
-        def expiring_into(name: str, destination: str) -> Queue:
-            return Queue(
-                name,
-                arguments={
-                    "x-message-ttl": 50,
-                    "x-dead-letter-exchange": "",
-                    "x-dead-letter-routing-key": destination,
-                },
-            )
-
-        broker.declare(
-            Topology(
-                (),
-                (expiring_into(looping, looping), expiring_into(onward, target), Queue(target)),
-                (),
-            )
-        )
-        publish(broker, [wire("", looping), wire("", onward)])
-        depth_becomes(broker, target, 1)  # dead-lettering works...
-        depth_becomes(broker, looping, 0)  # ...but not round a cycle with no consumer in it
-        time.sleep(0.2)
-        assert broker.queue_depth(looping) == 0
-
-    @requires("message_ttl", "dead_lettering")
-    def test_a_zero_ttl_message_reaches_a_waiting_consumer_or_is_dead_lettered_at_once(
-        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
-    ) -> None:
-        now_or_never, missed = f"{svc}.now", f"{svc}.missed"
-        ttl_zero = {
-            "x-message-ttl": 0,
-            "x-dead-letter-exchange": "",
-            "x-dead-letter-routing-key": missed,
-        }
-        broker.declare(Topology((), (Queue(now_or_never, arguments=ttl_zero), Queue(missed)), ()))
-        consumer = opened(broker.consumer(now_or_never, prefetch=1))
-        assert consumer.fetch(1, 0.1) == []  # consuming, with room for one
-        publish(broker, [wire("", now_or_never, n=0), wire("", now_or_never, n=1)], window=1)
-        assert numbers(take(consumer, 1)) == [0]
-        assert numbers(take(opened(broker.consumer(missed, prefetch=10)), 1)) == [1]
-        assert broker.queue_depth(now_or_never) == 0
 
     # --------------------------------------------------------------------------------------------
     # The operator port (Broker.operator)
