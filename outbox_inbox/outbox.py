@@ -5,8 +5,9 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
@@ -41,6 +42,41 @@ def _check_name(value: str, what: str) -> str:
             f"invalid {what} {value!r}: use dot-separated words of letters, digits, _ and -"
         )
     return value
+
+
+class WriteKeywords(TypedDict, total=False):
+    """The keywords of `Outbox.publish` and `send` and their async twins: the fields of
+    `WriteOptions` (for type checkers; tests/unit/test_outbox_options.py holds them equal)."""
+
+    key: str | None
+    headers: Mapping[str, Any] | None
+    correlation_id: str | None
+    message_id: uuid.UUID | None
+    priority: int | None
+    ttl: float | timedelta | None
+    version: int
+    delay: float | timedelta | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class WriteOptions:
+    """How one message is written, besides its name and payload; `Outbox._row` checks them.
+
+    `key`: the ordering key (at most 255 characters). `headers`: the sender's, JSON values,
+    none reserved. `correlation_id`: else the handled message's, else the new message id.
+    `message_id`: else a new UUID. `priority`: 0..255. `ttl`: seconds (or a timedelta) after
+    which it expires unhandled. `version`: the payload version, >= 1. `delay`: seconds (or a
+    timedelta) before it is sent.
+    """
+
+    key: str | None = None
+    headers: Mapping[str, Any] | None = None
+    correlation_id: str | None = None
+    message_id: uuid.UUID | None = None
+    priority: int | None = None
+    ttl: float | timedelta | None = None
+    version: int = 1
+    delay: float | timedelta | None = None
 
 
 class Outbox:
@@ -84,33 +120,13 @@ class Outbox:
         session: Session | Connection,
         event: str,
         payload: Any,
-        *,
-        key: str | None = None,
-        headers: Mapping[str, Any] | None = None,
-        correlation_id: str | None = None,
-        message_id: uuid.UUID | None = None,
-        priority: int | None = None,
-        ttl: float | timedelta | None = None,
-        version: int = 1,
-        delay: float | timedelta | None = None,
+        **options: Unpack[WriteKeywords],
     ) -> uuid.UUID:
-        """Publish event `event` (``entity.happened``) as ``<service>.<event>`` on `events`."""
+        """Publish event `event` (``entity.happened``) as ``<service>.<event>`` on `events`,
+        written as `options` say (`WriteOptions`)."""
         _check_name(event, "event name")
-        return self._write(
-            _sync(session),
-            kind=EVENT,
-            exchange=EVENTS_EXCHANGE,
-            routing_key=f"{self._service}.{event}",
-            payload=payload,
-            key=key,
-            headers=headers,
-            correlation_id=correlation_id,
-            message_id=message_id,
-            priority=priority,
-            ttl=ttl,
-            version=version,
-            delay=delay,
-        )
+        row = self._row(EVENT, EVENTS_EXCHANGE, f"{self._service}.{event}", payload, options)
+        return self._insert(_sync(session), row)
 
     def send(
         self,
@@ -118,49 +134,21 @@ class Outbox:
         to_service: str,
         command: str,
         payload: Any,
-        *,
-        key: str | None = None,
-        headers: Mapping[str, Any] | None = None,
-        correlation_id: str | None = None,
-        message_id: uuid.UUID | None = None,
-        priority: int | None = None,
-        ttl: float | timedelta | None = None,
-        version: int = 1,
-        delay: float | timedelta | None = None,
+        **options: Unpack[WriteKeywords],
     ) -> uuid.UUID:
-        """Send `command` (``entity.verb``) to `to_service` as ``<to_service>.<command>``."""
+        """Send `command` (``entity.verb``) to `to_service` as ``<to_service>.<command>``,
+        written as `options` say (`WriteOptions`)."""
         validate_service_name(to_service)
         _check_name(command, "command name")
-        return self._write(
-            _sync(session),
-            kind=COMMAND,
-            exchange=COMMANDS_EXCHANGE,
-            routing_key=f"{to_service}.{command}",
-            payload=payload,
-            key=key,
-            headers=headers,
-            correlation_id=correlation_id,
-            message_id=message_id,
-            priority=priority,
-            ttl=ttl,
-            version=version,
-            delay=delay,
-        )
+        row = self._row(COMMAND, COMMANDS_EXCHANGE, f"{to_service}.{command}", payload, options)
+        return self._insert(_sync(session), row)
 
     async def publish_async(
         self,
         session: AsyncSession | AsyncConnection,
         event: str,
         payload: Any,
-        *,
-        key: str | None = None,
-        headers: Mapping[str, Any] | None = None,
-        correlation_id: str | None = None,
-        message_id: uuid.UUID | None = None,
-        priority: int | None = None,
-        ttl: float | timedelta | None = None,
-        version: int = 1,
-        delay: float | timedelta | None = None,
+        **options: Unpack[WriteKeywords],
     ) -> uuid.UUID:
         """`publish`, awaited in the caller's `AsyncSession` or `AsyncConnection`.
 
@@ -168,20 +156,7 @@ class Outbox:
         statement does) and never commits it. Raises what `publish` raises.
         """
         _check_name(event, "event name")
-        row = self._row(
-            kind=EVENT,
-            exchange=EVENTS_EXCHANGE,
-            routing_key=f"{self._service}.{event}",
-            payload=payload,
-            key=key,
-            headers=headers,
-            correlation_id=correlation_id,
-            message_id=message_id,
-            priority=priority,
-            ttl=ttl,
-            version=version,
-            delay=delay,
-        )
+        row = self._row(EVENT, EVENTS_EXCHANGE, f"{self._service}.{event}", payload, options)
         return await self._insert_async(_async(session), row)
 
     async def send_async(
@@ -190,15 +165,7 @@ class Outbox:
         to_service: str,
         command: str,
         payload: Any,
-        *,
-        key: str | None = None,
-        headers: Mapping[str, Any] | None = None,
-        correlation_id: str | None = None,
-        message_id: uuid.UUID | None = None,
-        priority: int | None = None,
-        ttl: float | timedelta | None = None,
-        version: int = 1,
-        delay: float | timedelta | None = None,
+        **options: Unpack[WriteKeywords],
     ) -> uuid.UUID:
         """`send`, awaited in the caller's `AsyncSession` or `AsyncConnection`.
 
@@ -207,20 +174,7 @@ class Outbox:
         """
         validate_service_name(to_service)
         _check_name(command, "command name")
-        row = self._row(
-            kind=COMMAND,
-            exchange=COMMANDS_EXCHANGE,
-            routing_key=f"{to_service}.{command}",
-            payload=payload,
-            key=key,
-            headers=headers,
-            correlation_id=correlation_id,
-            message_id=message_id,
-            priority=priority,
-            ttl=ttl,
-            version=version,
-            delay=delay,
-        )
+        row = self._row(COMMAND, COMMANDS_EXCHANGE, f"{to_service}.{command}", payload, options)
         return await self._insert_async(_async(session), row)
 
     async def _insert_async(
@@ -235,8 +189,7 @@ class Outbox:
             raise storage_error(exc, "writing to the outbox") from exc
         return row["message_id"]  # type: ignore[no-any-return]
 
-    def _write(self, session: Session | Connection, **fields: Any) -> uuid.UUID:
-        row = self._row(**fields)
+    def _insert(self, session: Session | Connection, row: dict[str, Any]) -> uuid.UUID:
         try:
             with creating(self._tracing, row):  # nothing at all when tracing is off
                 queries.insert_outbox(session, self._tables, [row])
@@ -245,54 +198,42 @@ class Outbox:
         return row["message_id"]  # type: ignore[no-any-return]
 
     def _row(
-        self,
-        *,
-        kind: str,
-        exchange: str,
-        routing_key: str,
-        payload: Any,
-        key: str | None,
-        headers: Mapping[str, Any] | None,
-        correlation_id: str | None,
-        message_id: uuid.UUID | None,
-        priority: int | None,
-        ttl: float | timedelta | None,
-        version: int,
-        delay: float | timedelta | None,
+        self, kind: str, exchange: str, routing_key: str, payload: Any, options: WriteKeywords
     ) -> dict[str, Any]:
         """The checked outbox row of one message, with the ids of the message being handled."""
         payload = plain(payload)  # a dataclass or pydantic model: its fields
         encoded = payload_json(payload, limit=self._limit)
-        clean_headers = check_headers(headers)
-        if key is not None and (not isinstance(key, str) or not key or len(key) > 255):
+        o = WriteOptions(**options)
+        clean_headers = check_headers(o.headers)
+        if o.key is not None and (not isinstance(o.key, str) or not o.key or len(o.key) > 255):
             raise MessageError("key must be a non-empty string of at most 255 characters")
-        if priority is not None and (isinstance(priority, bool) or not 0 <= priority <= 255):
+        if o.priority is not None and (isinstance(o.priority, bool) or not 0 <= o.priority <= 255):
             raise MessageError("priority must be an int in 0..255")
-        if not isinstance(version, int) or version < 1:
+        if not isinstance(o.version, int) or o.version < 1:
             raise MessageError("version must be an int >= 1")
         row: dict[str, Any] = {
-            "message_id": message_id or uuid.uuid4(),
+            "message_id": o.message_id or uuid.uuid4(),
             "kind": kind,
             "exchange": exchange,
             "routing_key": routing_key,
             "payload": payload,
             "payload_json": encoded,  # inserted as it is (queries.insert_outbox)
             "headers": clean_headers,
-            "version": version,
-            "key": key,
-            "priority": priority,
+            "version": o.version,
+            "key": o.key,
+            "priority": o.priority,
             # Seconds, not times: the database adds them to its own clock (insert_outbox).
-            "ttl": _seconds(ttl, "ttl") if ttl is not None else None,
-            "delay": _seconds(delay, "delay") if delay is not None else None,
+            "ttl": _seconds(o.ttl, "ttl") if o.ttl is not None else None,
+            "delay": _seconds(o.delay, "delay") if o.delay is not None else None,
         }
         parent = current_message()
         if parent is not None:
             # The id its sender wrote (not the UUID the inbox derives from a foreign id), so
             # that a sender can match what a handler sends to the message it handled.
-            row["correlation_id"] = correlation_id or parent.correlation_id or parent.original_id
+            row["correlation_id"] = o.correlation_id or parent.correlation_id or parent.original_id
             row["causation_id"] = parent.original_id
         else:  # a message written outside a handler starts a conversation
-            row["correlation_id"] = correlation_id or str(row["message_id"])
+            row["correlation_id"] = o.correlation_id or str(row["message_id"])
             row["causation_id"] = None
         return row
 
