@@ -6,7 +6,7 @@ import inspect
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from opentelemetry.trace import Span
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -19,6 +19,7 @@ from .context import handling
 from .errors import ConfigurationError, HandlerExited
 from .faults import FAULT, is_fault, log_unhandled_fault
 from .messages import COMMAND, EVENT, Message
+from .outbox import WriteKeywords
 from .payloads import declared_payload_type, decode
 from .retry import RetryPolicy
 from .topology import topic_matches
@@ -54,14 +55,16 @@ class HandlerContext:
     #: The message's ``process`` span where it is not the current one (in a batch handler).
     span: Span | None = None
 
-    def publish(self, event: str, payload: Any, **options: Any) -> uuid.UUID:
+    def publish(self, event: str, payload: Any, **options: Unpack[WriteKeywords]) -> uuid.UUID:
         """`Outbox.publish` in this handler's transaction."""
         # The message's ids and span, in a batch handler too.
         with handling(self.message), current(self.span):
             message_id: uuid.UUID = self.outbox.publish(self.session, event, payload, **options)
         return message_id
 
-    def send(self, *, to: str, command: str, payload: Any, **options: Any) -> uuid.UUID:
+    def send(
+        self, *, to: str, command: str, payload: Any, **options: Unpack[WriteKeywords]
+    ) -> uuid.UUID:
         """`Outbox.send` in this handler's transaction; keywords only, so that the service
         and the command cannot be swapped."""
         with handling(self.message), current(self.span):
@@ -92,7 +95,9 @@ class AsyncHandlerContext:
     outbox: Any
     span: Span | None = None
 
-    async def publish(self, event: str, payload: Any, **options: Any) -> uuid.UUID:
+    async def publish(
+        self, event: str, payload: Any, **options: Unpack[WriteKeywords]
+    ) -> uuid.UUID:
         """`Outbox.publish_async` in this handler's transaction."""
         with handling(self.message), current(self.span):
             message_id: uuid.UUID = await self.outbox.publish_async(
@@ -100,7 +105,9 @@ class AsyncHandlerContext:
             )
         return message_id
 
-    async def send(self, *, to: str, command: str, payload: Any, **options: Any) -> uuid.UUID:
+    async def send(
+        self, *, to: str, command: str, payload: Any, **options: Unpack[WriteKeywords]
+    ) -> uuid.UUID:
         """`Outbox.send_async` in this handler's transaction (keywords only)."""
         with handling(self.message), current(self.span):
             message_id: uuid.UUID = await self.outbox.send_async(
@@ -205,6 +212,32 @@ def _takes_context(handler: Callable[..., Any], batch: bool) -> bool:
     )
 
 
+class HandlerKeywords(TypedDict, total=False):
+    """The keywords of `Service.on_command` and `on_event`: the fields of `HandlerOptions`
+    (for type checkers; tests/unit/test_handler_options.py holds the two equal)."""
+
+    retry: RetryPolicy | None
+    batch: bool
+    version: int | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class HandlerOptions:
+    """How one handler is run, validated once. `retry`: its policy (None: the service's).
+    `batch`: called once for many messages (`Subscription`). `version`: the one payload
+    version (``message.version``) it handles; None: every version."""
+
+    retry: RetryPolicy | None = None
+    batch: bool = False
+    version: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.version is not None and (
+            isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 1
+        ):
+            raise ConfigurationError(f"version must be an int >= 1, got {self.version!r}")
+
+
 @dataclass(frozen=True)
 class Subscription:
     """A handler and what it handles. `pattern` is a full routing key or topic pattern.
@@ -219,32 +252,24 @@ class Subscription:
 
     A `batch` handler is called once for many messages: ``handler(messages, session)`` with
     the list of messages, or ``handler(batch)`` with a `BatchContext`; a parameter named
-    ``payloads`` annotated ``list[T]`` gets the decoded payloads.
-
-    `version`: the one payload version (``message.version``) it handles; None: every version.
+    ``payloads`` annotated ``list[T]`` gets the decoded payloads (`options` says which).
     """
 
     kind: str
     pattern: str
     handler: Handler | AsyncHandler
-    retry: RetryPolicy | None = None
     outbox: Any = None
-    batch: bool = False
-    version: int | None = None
+    options: HandlerOptions = HandlerOptions()
     payload_type: type | None = field(init=False, default=None)
     takes_context: bool = field(init=False, default=False)
     #: An ``async def`` handler (read once: the worker asks for every message).
     is_async: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
-        payload_type = declared_payload_type(self.handler, batch=self.batch)
-        object.__setattr__(self, "payload_type", payload_type)
-        object.__setattr__(self, "takes_context", _takes_context(self.handler, self.batch))
+        batch = self.options.batch
+        object.__setattr__(self, "payload_type", declared_payload_type(self.handler, batch=batch))
+        object.__setattr__(self, "takes_context", _takes_context(self.handler, batch))
         object.__setattr__(self, "is_async", is_async_handler(self.handler))
-        if self.version is not None and (
-            isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 1
-        ):
-            raise ConfigurationError(f"version must be an int >= 1, got {self.version!r}")
         if self.takes_context and self.outbox is None:
             raise ConfigurationError(
                 f"handler {self.name} takes a context: register it with the service's "
@@ -257,7 +282,7 @@ class Subscription:
 
     def handles(self, version: int) -> bool:
         """True when this subscription handles payload `version`."""
-        return self.version is None or self.version == version
+        return self.options.version in (None, version)
 
     def call(self, message: Message, session: Session) -> Any:
         """Run the handler with `session`, the worker's Session in the marking transaction.
@@ -269,7 +294,7 @@ class Subscription:
         its transaction. Outside that worker an async handler cannot run on the transaction:
         `ConfigurationError`, which the worker records as a handler failure.
         """
-        if self.batch:
+        if self.options.batch:
             return self.call_batch([message], session)
         try:
             return self._call(message, session)
@@ -346,17 +371,15 @@ class Handlers:
     def add(self, subscription: Subscription) -> None:
         if not callable(subscription.handler):
             raise ConfigurationError(f"handler for {subscription.pattern!r} is not callable")
+        version = subscription.options.version
         for existing in self._subscriptions:
+            other = existing.options.version
             if (
                 existing.kind == COMMAND == subscription.kind
                 and existing.pattern == subscription.pattern
-                and (
-                    existing.version is None
-                    or subscription.version is None
-                    or existing.version == subscription.version
-                )
+                and (other is None or version is None or other == version)
             ):
-                which = "" if subscription.version is None else f" version {subscription.version}"
+                which = "" if version is None else f" version {version}"
                 raise ConfigurationError(
                     f"command {subscription.pattern!r}{which} already has a handler"
                 )
@@ -398,10 +421,10 @@ class Handlers:
         for s in self._subscriptions:
             key = (s.kind, s.pattern)
             known = versions.setdefault(key, set())
-            if s.version is None or known is None:
+            if s.options.version is None or known is None:
                 versions[key] = None
             else:
-                known.add(s.version)
+                known.add(s.options.version)
         return [
             {"kind": k, "pattern": p, "versions": None if v is None else sorted(v)}
             for (k, p), v in versions.items()
@@ -426,7 +449,11 @@ class Handlers:
                     if s.kind == EVENT and topic_matches(s.pattern, routing_key)
                 ]
             every = [s for s in every if s.handles(version)]
-            found = (every, [s for s in every if not s.batch], [s for s in every if s.batch])
+            found = (
+                every,
+                [s for s in every if not s.options.batch],
+                [s for s in every if s.options.batch],
+            )
             if len(self._found) < 10_000:  # routing keys come from senders: keep it bounded
                 self._found[(kind, routing_key, version)] = found
         return found

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from types import FrameType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
 from opentelemetry.trace import TracerProvider
 from sqlalchemy import Engine, create_engine
@@ -35,7 +35,14 @@ from .errors import (
     storage_error,
 )
 from .faults import FAULT, fault_routing_key
-from .handlers import AsyncHandler, Handler, Handlers, Subscription
+from .handlers import (
+    AsyncHandler,
+    Handler,
+    HandlerKeywords,
+    HandlerOptions,
+    Handlers,
+    Subscription,
+)
 from .listener import Listener
 from .logsafe import mask_url
 from .messages import COMMAND, COMMANDS_EXCHANGE, EVENT, EVENTS_EXCHANGE
@@ -176,14 +183,7 @@ class Service:
 
     # --- handlers -------------------------------------------------------------------------
 
-    def on_command(
-        self,
-        command: str,
-        *,
-        retry: RetryPolicy | None = None,
-        batch: bool = False,
-        version: int | None = None,
-    ) -> Callable[[H], H]:
+    def on_command(self, command: str, **options: Unpack[HandlerKeywords]) -> Callable[[H], H]:
         """Register the handler of command ``<this service>.<command>``.
 
         The handler is called as ``handler(message, session)`` inside the transaction that
@@ -191,7 +191,7 @@ class Service:
         `AsyncSession` in that transaction and is awaited by the asyncio worker, which the
         service then runs instead of the thread worker (docs/async-services.md). Raise
         `Retry` or `Reject` to choose what happens to the message; any other exception is
-        retried by `retry` (or the service's policy).
+        retried by `retry` (or the service's policy). `options` are `HandlerOptions`.
 
         With `batch`, the handler is called once for all the messages of this command in a
         claimed batch, as ``handler(messages, session)`` (or ``handler(batch:
@@ -209,26 +209,9 @@ class Service:
             raise ConfigurationError(
                 f"command {command!r}: commands named fault.… are faults; use on_fault"
             )
+        return self._register(COMMAND, command_routing_key(self.name, command), options)
 
-        def register(handler: H) -> H:
-            routing_key = command_routing_key(self.name, command)
-            self.handlers.add(
-                Subscription(
-                    COMMAND, routing_key, handler, retry, self.outbox, batch=batch, version=version
-                )
-            )
-            return handler
-
-        return register
-
-    def on_event(
-        self,
-        pattern: str,
-        *,
-        retry: RetryPolicy | None = None,
-        batch: bool = False,
-        version: int | None = None,
-    ) -> Callable[[H], H]:
+    def on_event(self, pattern: str, **options: Unpack[HandlerKeywords]) -> Callable[[H], H]:
         """Register a handler of events matching topic `pattern` (e.g. ``orders.order.*``).
 
         A message matching several event handlers runs them all, in registration order, in
@@ -237,15 +220,7 @@ class Service:
         """
         if not pattern or any(not w for w in pattern.split(".")):
             raise ConfigurationError(f"invalid event pattern {pattern!r}")
-
-        def register(handler: H) -> H:
-            subscription = Subscription(
-                EVENT, pattern, handler, retry, self.outbox, batch=batch, version=version
-            )
-            self.handlers.add(subscription)
-            return handler
-
-        return register
+        return self._register(EVENT, pattern, options)
 
     def on_fault(
         self, pattern: str, *, retry: RetryPolicy | None = None, batch: bool = False
@@ -263,12 +238,15 @@ class Service:
         """
         if not pattern or any(not w for w in pattern.split(".")):
             raise ConfigurationError(f"invalid fault pattern {pattern!r}")
+        options: HandlerKeywords = {"retry": retry, "batch": batch}
+        return self._register(FAULT, fault_routing_key(self.name, pattern), options)
+
+    def _register(self, kind: str, pattern: str, options: HandlerKeywords) -> Callable[[H], H]:
+        """The decorator adding a handler of `kind` and `pattern` run with `options`."""
+        checked = HandlerOptions(**options)  # at once: a wrong option fails before the def
 
         def register(handler: H) -> H:
-            routing_key = fault_routing_key(self.name, pattern)
-            self.handlers.add(
-                Subscription(FAULT, routing_key, handler, retry, self.outbox, batch=batch)
-            )
+            self.handlers.add(Subscription(kind, pattern, handler, self.outbox, checked))
             return handler
 
         return register

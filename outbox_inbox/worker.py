@@ -788,6 +788,6 @@ def _connection_broken(conn: Connection, exc: BaseException) -> bool:
 
 def _policy(subscriptions: Sequence[Subscription], default: RetryPolicy) -> RetryPolicy:
     for subscription in subscriptions:
-        if subscription.retry is not None:
-            return subscription.retry
+        if subscription.options.retry is not None:
+            return subscription.options.retry
     return default

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from outbox_inbox import ConfigurationError
-from outbox_inbox.handlers import Handlers, Subscription, handled_by
+from outbox_inbox.handlers import HandlerOptions, Handlers, Subscription, handled_by
 
 
 def _handler(message: Any, session: Any) -> None:
@@ -27,9 +27,15 @@ def test_a_handler_without_version_takes_every_version_and_one_with_a_version_on
 ):
     handlers = Handlers()
     handlers.add(Subscription("event", "orders.order.*", _handler))
-    handlers.add(Subscription("event", "orders.order.placed", _v1, version=1))
-    handlers.add(Subscription("event", "orders.order.placed", _v2, version=2))
-    handlers.add(Subscription("command", "billing.invoice.create", _v2, version=2))
+    handlers.add(
+        Subscription("event", "orders.order.placed", _v1, options=HandlerOptions(version=1))
+    )
+    handlers.add(
+        Subscription("event", "orders.order.placed", _v2, options=HandlerOptions(version=2))
+    )
+    handlers.add(
+        Subscription("command", "billing.invoice.create", _v2, options=HandlerOptions(version=2))
+    )
 
     def found(kind: str, key: str, version: int) -> list[Any]:
         return [s.handler for s in handlers.find(kind, key, version)]
@@ -47,22 +53,36 @@ def test_a_handler_without_version_takes_every_version_and_one_with_a_version_on
 
 def test_a_command_takes_one_handler_per_version() -> None:
     handlers = Handlers()
-    handlers.add(Subscription("command", "billing.invoice.create", _v1, version=1))
-    handlers.add(Subscription("command", "billing.invoice.create", _v2, version=2))
+    handlers.add(
+        Subscription("command", "billing.invoice.create", _v1, options=HandlerOptions(version=1))
+    )
+    handlers.add(
+        Subscription("command", "billing.invoice.create", _v2, options=HandlerOptions(version=2))
+    )
     with pytest.raises(ConfigurationError, match="version 2 already has a handler"):
-        handlers.add(Subscription("command", "billing.invoice.create", _handler, version=2))
+        handlers.add(
+            Subscription(
+                "command", "billing.invoice.create", _handler, options=HandlerOptions(version=2)
+            )
+        )
     with pytest.raises(ConfigurationError, match="already has a handler"):
         handlers.add(Subscription("command", "billing.invoice.create", _handler))
     with pytest.raises(ConfigurationError, match="version must be an int >= 1"):
-        Subscription("command", "billing.invoice.void", _handler, version=0)
+        Subscription("command", "billing.invoice.void", _handler, options=HandlerOptions(version=0))
 
 
 def test_what_an_instance_advertises_answers_which_messages_it_takes() -> None:
     handlers = Handlers()
-    handlers.add(Subscription("event", "orders.order.placed", _v1, version=1))
-    handlers.add(Subscription("event", "orders.order.placed", _v2, version=2))
+    handlers.add(
+        Subscription("event", "orders.order.placed", _v1, options=HandlerOptions(version=1))
+    )
+    handlers.add(
+        Subscription("event", "orders.order.placed", _v2, options=HandlerOptions(version=2))
+    )
     handlers.add(Subscription("event", "orders.#", _handler))
-    handlers.add(Subscription("command", "billing.invoice.create", _v2, version=2))
+    handlers.add(
+        Subscription("command", "billing.invoice.create", _v2, options=HandlerOptions(version=2))
+    )
     advertised = handlers.advertised()
 
     assert advertised == [
