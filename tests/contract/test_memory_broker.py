@@ -14,9 +14,9 @@ import pytest
 
 from outbox_inbox.broker import Delivery, PublishOutcome
 from outbox_inbox.brokers.memory import MemoryBroker
-from outbox_inbox.errors import BrokerConnectionError, TopologyMismatch
+from outbox_inbox.errors import BrokerConnectionError
 from outbox_inbox.messages import COMMANDS_EXCHANGE, WireMessage
-from outbox_inbox.topology import Queue, Topology, delay_queue, inbox_queue, service_topology
+from outbox_inbox.topology import delay_queue, inbox_queue, service_topology
 
 SERVICE = "billing"
 
@@ -164,24 +164,3 @@ def test_publishers_in_many_threads_lose_nothing_and_keep_each_keys_order(
         by_key.setdefault(delivery.message.headers["key"], []).append(delivery.message.headers["n"])
     assert by_key == {f"k{i}": list(range(per_thread)) for i in range(threads)}
     assert broker.queue_depth(inbox_queue(SERVICE)) == 0
-
-
-def test_invalid_queue_arguments_are_refused_like_rabbitmq_refuses_them(
-    broker: MemoryBroker,
-) -> None:
-    for arguments in (
-        {"x-message-ttl": -1},
-        {"x-message-ttl": "5"},
-        {"x-message-ttl": True},
-        {"x-overflow": "drop-tail"},
-        {"x-max-priority": 256},
-        {"x-single-active-consumer": "true"},
-        {"x-dead-letter-routing-key": "no-exchange"},
-        {"x-queue-type": "lazy"},
-        {"x-queue-type": "quorum", "x-max-priority": 5},
-    ):
-        with pytest.raises(TopologyMismatch):
-            broker.declare(Topology((), (Queue("q", arguments=arguments),), ()))
-    with pytest.raises(TopologyMismatch):  # a quorum queue must be durable
-        broker.declare(Topology((), (Queue("q", False, {"x-queue-type": "quorum"}),), ()))
-    assert broker.queue_depth("q") is None

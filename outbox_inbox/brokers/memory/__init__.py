@@ -1,0 +1,39 @@
+"""An in-memory message broker that behaves like RabbitMQ 3.10 in what the library declares.
+
+One `MemoryBroker` object is one broker: the services of one process given the same object
+talk to each other through it, as through one RabbitMQ server. It needs no server, which makes
+it right for development, demos and users' own tests, and wrong for anything else: **nothing
+is durable**. Every message lives in this process's memory and is gone when the process ends or
+the broker is closed, so the outbox/inbox guarantees stop at the broker.
+
+It keeps what `outbox_inbox.topology.service_topology` declares, as RabbitMQ does it (the
+shipped broker contract runs the same cases on both): ``direct``, ``fanout`` and ``topic``
+exchanges, the default exchange and an ``alternate-exchange``; queues with ``x-message-ttl``
+(expired at the head, on time, by a timer thread), ``x-dead-letter-exchange`` / ``-routing-key``
+with ``x-death`` records, ``x-max-length`` with ``x-overflow`` ``reject-publish``,
+``x-max-priority``, ``x-single-active-consumer``, ``x-queue-type`` ``quorum`` with
+``x-delivery-limit``; redeclares judged on the arguments RabbitMQ compares; confirms, returns,
+prefetch windows, requeues at the original place; the operator port (`MemoryBroker.operator`).
+Beyond that only ``max_message_bytes``, a user's setting: a larger body is refused as RabbitMQ
+refuses it. Other exchange types, overflow modes and queue types raise BrokerError when
+declared; other arguments are ignored.
+
+Modules: ``_state`` (exchanges, queues, the redeclare rules), ``_broker`` (routing, expiry,
+dead-lettering), ``_clients`` (publisher, consumer), ``_operator`` (the operator session).
+
+Thread safety: a `MemoryBroker` may be shared by any number of threads; its state sits behind
+one lock. One daemon timer thread per broker expires TTL messages; `MemoryBroker.close` stops
+it. Publishers, consumers and operators follow the `outbox_inbox.broker` rule (one per thread).
+"""
+
+from ._broker import MemoryBroker
+from ._clients import MemoryConsumer, MemoryPublisher
+from ._operator import MemoryOperator, MemoryQueueReader
+
+__all__ = [
+    "MemoryBroker",
+    "MemoryConsumer",
+    "MemoryOperator",
+    "MemoryPublisher",
+    "MemoryQueueReader",
+]

@@ -1,0 +1,237 @@
+"""The memory broker's publisher and consumer (the `Publisher` and `Consumer` protocols)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from ...broker import Delivery, PublishOutcome, Refusal
+from ...errors import BrokerConnectionError, BrokerError
+from ...messages import H_ORIGINAL_EXCHANGE, H_ORIGINAL_ROUTING_KEY, WireMessage
+from ._state import Entry, Refused
+
+if TYPE_CHECKING:
+    from ._broker import MemoryBroker
+
+log = logging.getLogger(__name__)
+
+
+class MemoryPublisher:
+    """Publishes into a `MemoryBroker` (the `Publisher` protocol): every message is confirmed,
+    returned or nacked at once. A missing exchange or a body over `max_message_bytes` is
+    REFUSED and breaks the publisher, as RabbitMQ closes the channel."""
+
+    def __init__(self, broker: MemoryBroker) -> None:
+        self._broker = broker
+        self._broken = False
+        self._refusal: Refusal | None = None
+
+    @property
+    def broken(self) -> bool:
+        return self._broken or self._broker.closed
+
+    @property
+    def refusal(self) -> Refusal | None:
+        return self._refusal
+
+    def idle(self) -> None:
+        """Nothing to service: there is no connection."""
+
+    def publish_batch(
+        self, messages: Sequence[WireMessage], *, window: int, timeout: float
+    ) -> list[PublishOutcome]:
+        """Publish in order; `timeout` does not matter, since confirms are immediate."""
+        if self.broken:
+            return [PublishOutcome.FAILED] * len(messages)
+        outcomes: list[PublishOutcome] = []
+        failed_keys: set[str] = set()
+        for index, message in enumerate(messages):
+            key = message.key
+            if key is not None and key in failed_keys:
+                outcomes.append(PublishOutcome.SKIPPED)
+                continue
+            try:
+                with self._broker._lock:
+                    outcome = self._broker._publish(message)
+            except Refused as exc:
+                log.warning("in-memory publishing channel closed: %s", exc.refusal)
+                self._broken = True
+                self._refusal = exc.refusal
+                outcomes.append(PublishOutcome.REFUSED)
+                outcomes.extend([PublishOutcome.SKIPPED] * (len(messages) - index - 1))
+                break
+            except BrokerConnectionError as exc:
+                log.warning("in-memory publisher broken: %s", exc)
+                self._broken = True
+                outcomes.extend([PublishOutcome.FAILED] * (len(messages) - index))
+                break
+            outcomes.append(outcome)
+            if key is not None and outcome is PublishOutcome.NACKED:
+                failed_keys.add(key)
+        return outcomes
+
+    def close(self) -> None:
+        """Later batches are FAILED, like a publisher whose connection is closed."""
+        self._broken = True
+
+
+class MemoryConsumer:
+    """Consumes one queue of a `MemoryBroker` with a prefetch window.
+
+    The broker hands it messages as a RabbitMQ server pushes them to a consumer: up to
+    `prefetch` unacknowledged at a time, from its first `fetch` on. Delivery tags start at 1.
+    Each delivery is a deep copy, so what one consumer does to a message no one else sees.
+    """
+
+    def __init__(self, broker: MemoryBroker, queue: str, *, prefetch: int) -> None:
+        self._broker = broker
+        self.queue = queue
+        self._prefetch = prefetch
+        self._registered = False
+        self._closed = False
+        self._next_tag = 1
+        self._unacked: dict[int, Entry] = {}  # delivered, not acknowledged; in tag order
+        self._unfetched: deque[int] = deque()  # tags handed over that `fetch` has not returned
+        self.arrived = threading.Condition(broker._lock)
+
+    # Called by the broker with its lock held.
+
+    def has_capacity(self) -> bool:
+        return self._prefetch == 0 or len(self._unacked) < self._prefetch
+
+    def push(self, entry: Entry) -> None:
+        tag = self._next_tag
+        self._next_tag += 1
+        self._unacked[tag] = entry
+        self._unfetched.append(tag)
+        self.arrived.notify_all()
+
+    # The Consumer protocol.
+
+    def fetch(self, max_count: int, wait: float) -> list[Delivery]:
+        """As the protocol says; also returns once the prefetch window is full (no more can come
+        before an ack). Raises BrokerError if the queue does not exist."""
+        broker = self._broker
+        with broker._lock:
+            self._check_usable()
+            if not self._registered:
+                broker._register(self)
+                self._registered = True
+            start = time.monotonic()
+            first_at = 0.0
+            batch: list[Delivery] = []
+            while True:
+                if self._unfetched:
+                    tag = self._unfetched.popleft()
+                    entry = self._unacked[tag]
+                    batch.append(Delivery(entry.delivered(), tag, entry.redelivered))
+                    now = time.monotonic()
+                    if len(batch) == 1:
+                        first_at = now
+                    if len(batch) >= max_count or now - first_at >= wait:
+                        break
+                    continue
+                if batch and not self.has_capacity():
+                    break
+                remaining = (first_at if batch else start) + wait - time.monotonic()
+                if remaining <= 0:
+                    break
+                self.arrived.wait(remaining)
+                self._check_usable()
+            return batch
+
+    def ack_through(self, tag: int) -> None:
+        """Acknowledge every delivery up to and including `tag`. An unknown tag closes the
+        consumer, its deliveries requeued, and raises BrokerConnectionError, as RabbitMQ closes
+        the channel (PRECONDITION_FAILED)."""
+        with self._broker._lock:
+            self._settle_tags(tag, [t for t in self._unacked if t <= tag])
+
+    def ack(self, tag: int) -> None:
+        """Acknowledge one delivery; an unknown tag is handled as by `ack_through`."""
+        with self._broker._lock:
+            self._settle_tags(tag, [tag])
+
+    def forward(
+        self, delivery: Delivery, exchange: str, routing_key: str, headers: Mapping[str, Any]
+    ) -> None:
+        """As the protocol says; a missing exchange raises BrokerConnectionError (RabbitMQ
+        closes the channel), a full queue BrokerError."""
+        broker = self._broker
+        with broker._lock:
+            self._settle_tags(delivery.tag, [])  # checks the tag
+            message = delivery.message
+            merged = dict(message.headers)
+            merged.setdefault(H_ORIGINAL_EXCHANGE, message.exchange)
+            merged.setdefault(H_ORIGINAL_ROUTING_KEY, message.routing_key)
+            merged.update(headers)
+            outgoing = replace(
+                message, exchange=exchange, routing_key=routing_key, headers=merged, key=None
+            )
+            try:
+                outcome = broker._publish(outgoing)
+            except Refused as exc:
+                raise BrokerConnectionError(f"forwarding failed: {exc}") from exc
+            if outcome is PublishOutcome.RETURNED:
+                raise BrokerError(
+                    f"cannot forward to {exchange or '(default)'}/{routing_key}: no queue; "
+                    "declare the topology"
+                )
+            if outcome is PublishOutcome.NACKED:
+                raise BrokerError(
+                    f"the broker refused a forwarded message to {exchange or '(default)'}/"
+                    f"{routing_key} (a full queue with reject-publish)"
+                )
+            self._settle_tags(delivery.tag, [delivery.tag])
+
+    def close(self) -> None:
+        """Stop consuming; unacknowledged deliveries go back to their place in the queue, flagged
+        redelivered (`MemoryBroker._return`). Never raises."""
+        with self._broker._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._release()
+
+    # Internals, lock held.
+
+    def _check_usable(self) -> None:
+        self._broker._check_open()
+        if self._closed:
+            raise BrokerConnectionError(f"the consumer of {self.queue!r} is closed")
+
+    def _settle_tags(self, tag: int, tags: list[int]) -> None:
+        """Acknowledge `tags` once `tag` is known to be unacknowledged (see `ack_through`)."""
+        self._check_usable()
+        if tag not in self._unacked:
+            self._channel_error(f"unknown delivery tag {tag}")
+        if not tags:
+            return
+        for acked in tags:
+            del self._unacked[acked]
+        if self._unfetched:
+            self._unfetched = deque(t for t in self._unfetched if t in self._unacked)
+        state = self._broker._queues.get(self.queue)
+        if state is not None:
+            self._broker._touch(state)
+
+    def _release(self) -> None:
+        entries = [self._unacked[tag] for tag in sorted(self._unacked)]
+        self._unacked.clear()
+        self._unfetched.clear()
+        if self._registered:
+            self._broker._return(self.queue, entries, self)
+        self.arrived.notify_all()
+
+    def _channel_error(self, reason: str) -> None:
+        self._closed = True
+        self._release()
+        raise BrokerConnectionError(
+            f"{reason} on the consumer of {self.queue!r}: the channel is closed, its deliveries "
+            "requeued (RabbitMQ: PRECONDITION_FAILED)"
+        )
