@@ -11,7 +11,6 @@ from typing import Any
 
 import click
 
-from outbox_inbox.brokers.rabbitmq_admin import RabbitMQAdmin
 from outbox_inbox.messages import COMMANDS_EXCHANGE, EVENTS_EXCHANGE, WireMessage
 from outbox_inbox.topology import topic_matches
 
@@ -99,7 +98,7 @@ def tail(
         echo(_render(message, as_json))
         return count is None or seen < count
 
-    with RabbitMQAdmin(target.broker()) as admin:
+    with target.broker().operator() as admin:
         admin.tail(
             exchange,
             list(patterns),

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from outbox_inbox.brokers.rabbitmq_admin import DIFFERS, MISSING, PRESENT, RabbitMQAdmin
+from outbox_inbox.broker import DIFFERS, MISSING, PRESENT
 from outbox_inbox.management import ManagementAPI, default_management_url, vhost_of
 from outbox_inbox.topology_check import EXTRA, UNVERIFIED, Plan, apply_topology, check_topology
 
@@ -60,7 +60,14 @@ def _api(target: Target, management_url: str | None) -> ManagementAPI | None:
     return ManagementAPI(url, vhost_of(target.mq_url or "amqp:///"))
 
 
-def _print_plan(target: Target, plan: Plan, *, apply_hint: bool) -> None:
+def _show_plan(app: str, mq_url: str | None, management_url: str | None, as_json: bool) -> Plan:
+    """Check the topology of the service `app` on its broker and print the plan."""
+    target = resolve(app=app, mq_url=mq_url)
+    with target.broker().operator() as admin:
+        plan = check_topology(target.topology(), admin, _api(target, management_url))
+    if as_json:
+        echo_json({"service": target.name, **plan.as_dict()})
+        return plan
     echo(f"service {target.name} on {target.broker().description}")
     if plan.management_problem:
         echo(f"management API not used: {plan.management_problem}", err=True)
@@ -72,12 +79,11 @@ def _print_plan(target: Target, plan: Plan, *, apply_hint: bool) -> None:
         f"{len(plan.having(PRESENT))} present, {len(missing)} missing, {len(differs)} differ, "
         f"{len(unverified)} unverified, {len(extra)} extra"
     )
-    if apply_hint and missing:
+    if missing:
         echo("run `outbox-inbox topology apply` to declare what is missing")
     if differs:
-        echo(
-            "objects that differ cannot be changed in place: drain and delete them, then apply",
-        )
+        echo("objects that differ cannot be changed in place: drain and delete them, then apply")
+    return plan
 
 
 @topology.command()
@@ -92,13 +98,7 @@ def plan(app: str, mq_url: str | None, management_url: str | None, as_json: bool
     unverified (a binding, without the management API), extra (a binding on the service's
     queues that it does not declare: it still routes messages there).
     """
-    target = resolve(app=app, mq_url=mq_url)
-    with RabbitMQAdmin(target.broker()) as admin:
-        result = check_topology(target.topology(), admin, _api(target, management_url))
-    if as_json:
-        echo_json({"service": target.name, **result.as_dict()})
-    else:
-        _print_plan(target, result, apply_hint=True)
+    _show_plan(app, mq_url, management_url, as_json)
 
 
 @topology.command()
@@ -113,7 +113,7 @@ def apply(app: str, mq_url: str | None, management_url: str | None, as_json: boo
     RabbitMQ cannot change them in place. Extra bindings are left alone.
     """
     target = resolve(app=app, mq_url=mq_url)
-    with RabbitMQAdmin(target.broker()) as admin:
+    with target.broker().operator() as admin:
         before, after = apply_topology(
             target.topology(), target.broker(), admin, _api(target, management_url)
         )
@@ -167,13 +167,7 @@ def verify(app: str, mq_url: str | None, management_url: str | None, as_json: bo
          (management API unreachable)
       1  error (broker unreachable, bad URL, unknown app)
     """
-    target = resolve(app=app, mq_url=mq_url)
-    with RabbitMQAdmin(target.broker()) as admin:
-        result = check_topology(target.topology(), admin, _api(target, management_url))
-    if as_json:
-        echo_json({"service": target.name, **result.as_dict()})
-    else:
-        _print_plan(target, result, apply_hint=True)
+    result = _show_plan(app, mq_url, management_url, as_json)
     if not result.complete:
         if not as_json:
             echo("verify failed: the topology is incomplete", err=True)

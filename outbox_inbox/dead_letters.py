@@ -48,7 +48,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from . import queries
 from .audit_trail import audit_log_path, write_audit
-from .brokers.rabbitmq_admin import QueuedMessage, QueueReader, RabbitMQAdmin
+from .broker import Broker, Operator, QueuedMessage, QueueReader
 from .config import Settings
 from .errors import ConfigurationError, StorageError, storage_error
 from .logsafe import mask_url
@@ -431,7 +431,7 @@ class QueueSelection:
 
     def __init__(
         self,
-        admin: RabbitMQAdmin,
+        admin: Operator,
         source: str,
         filters: Filters,
         *,
@@ -747,8 +747,8 @@ class DeadLetters:
 
     The one implementation of what `outbox-inbox dead-letters` and the dashboard do; build it
     with `of(service)` or from the parts (`engine` and `tables` for the table and outbox
-    sources, `broker` for the broker queues, `service` for ``<service>.dead_letter``). Reading
-    queues needs RabbitMQ: an in-memory broker has no operator access.
+    sources, `broker` for the broker queues, `service` for ``<service>.dead_letter``). The
+    queues are read through the broker's `Operator`: RabbitMQ's and the in-memory broker's.
 
     Typical use (each call appends its audit record to the file the CLI writes,
     outbox_inbox.audit_trail.audit_log_path(), unless `audit_log=` names another)::
@@ -768,7 +768,7 @@ class DeadLetters:
 
     engine: Engine | None = None
     tables: Tables | None = None
-    broker: Any = None  # a RabbitMQBroker (anything else has no dead-letter queues to read)
+    broker: Broker | None = None
     service: str | None = None
     #: The service's retention (Settings.retention), its inbox's duplicate window: a replay of
     #: ``queue`` letters first sent longer ago warns (ActionReport.warnings). None: no warning.
@@ -776,14 +776,11 @@ class DeadLetters:
 
     @classmethod
     def of(cls, service: Any) -> DeadLetters:
-        """The dead letters of a `Service` (its database, its broker if RabbitMQ, its name)."""
-        from .brokers.rabbitmq import RabbitMQBroker
-
-        broker = service.broker if service.settings.mq_url else None
+        """The dead letters of a `Service` (its database, its broker, its name)."""
         return cls(
             engine=service.engine,
             tables=service.tables,
-            broker=broker if isinstance(broker, RabbitMQBroker) else None,
+            broker=service.broker,
             service=service.name,
             retention=_seconds(service.settings.retention),
         )
@@ -814,7 +811,7 @@ class DeadLetters:
         """One selection per source, at most `limit` letters each; all closed at the end (the
         queue messages read and not acted on go back to their queue, in their place)."""
         with contextlib.ExitStack() as stack:
-            admin: RabbitMQAdmin | None = None
+            admin: Operator | None = None
             selections: list[Selection] = []
             for source in sources:
                 selection: Selection
@@ -829,9 +826,9 @@ class DeadLetters:
                     selection = rows(self.engine, self.tables, filters, limit)
                 else:
                     if self.broker is None:
-                        raise ConfigurationError(f"the {source} source needs a RabbitMQ broker")
+                        raise ConfigurationError(f"the {source} source needs a broker")
                     if admin is None:
-                        admin = stack.enter_context(RabbitMQAdmin(self.broker))
+                        admin = stack.enter_context(self.broker.operator())
                     selection = QueueSelection(
                         admin, source, filters, service=self.service, limit=limit
                     )

@@ -1,20 +1,21 @@
 """Compare the topology a service needs with what the broker holds (`outbox-inbox topology`).
 
 Exchanges and queues are checked through the management API when it answers (it shows their
-arguments), else over AMQP (a passive declare tells existence; a declare with the expected
-arguments succeeds exactly when the broker holds the object with those arguments). Bindings
-cannot be listed over AMQP 0-9-1: without the management API they stay ``unverified``, unless
-their exchange or queue is missing, which settles it.
+arguments), else through the broker's `Operator` (on RabbitMQ over AMQP: a passive declare
+tells existence; a declare with the expected arguments succeeds exactly when the broker holds
+the object with those arguments). Bindings cannot be listed over AMQP 0-9-1: without the
+management API (always, on the in-memory broker) they stay ``unverified``, unless their
+exchange or queue is missing, which settles it.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .brokers.rabbitmq import RabbitMQBroker
-from .brokers.rabbitmq_admin import DIFFERS, MISSING, PRESENT, Found, RabbitMQAdmin
+from .broker import DIFFERS, MISSING, PRESENT, Broker, Found, Operator
 from .errors import TopologyMismatch
 from .management import ManagementAPI, ManagementUnavailable
 from .topology import UNROUTABLE_QUEUE, Binding, Exchange, Queue, Topology
@@ -54,12 +55,9 @@ class Plan:
         return not self.having(MISSING, DIFFERS)
 
     def as_dict(self) -> dict[str, Any]:
-        counts: dict[str, int] = {}
-        for item in self.items:
-            counts[item.state] = counts.get(item.state, 0) + 1
         return {
             "items": [item.as_dict() for item in self.items],
-            "counts": counts,
+            "counts": dict(Counter(item.state for item in self.items)),
             "management_api": self.management_problem or "used",
         }
 
@@ -68,10 +66,10 @@ def binding_name(binding: Binding) -> str:
     return f"{binding.exchange} -> {binding.queue} ({binding.routing_key or 'no key'})"
 
 
-def check_topology(topology: Topology, admin: RabbitMQAdmin, api: ManagementAPI | None) -> Plan:
-    """Check every object of `topology` against the broker; read-only.
+def check_topology(topology: Topology, admin: Operator, api: ManagementAPI | None) -> Plan:
+    """Check every object of `topology` against the broker of `admin`; read-only.
 
-    Raises BrokerError when the broker cannot be reached over AMQP.
+    Raises BrokerError when the broker cannot be reached.
     """
     api, problem = _usable_api(api)
     items, states = _check_declared(topology, admin, api)
@@ -97,17 +95,21 @@ def _usable_api(api: ManagementAPI | None) -> tuple[ManagementAPI | None, str | 
 
 
 def _check_declared(
-    topology: Topology, admin: RabbitMQAdmin, api: ManagementAPI | None
+    topology: Topology, admin: Operator, api: ManagementAPI | None
 ) -> tuple[list[Item], dict[tuple[str, str], str]]:
     """The items of the exchanges and queues, and the state of each by (kind, name)."""
     items: list[Item] = []
     states: dict[tuple[str, str], str] = {}
     for exchange in topology.exchanges:
-        found = _exchange_by_api(exchange, api) if api else admin.check_exchange(exchange)
+        found = (
+            _by_api(exchange, api.exchange(exchange.name))
+            if api
+            else admin.check_exchange(exchange)
+        )
         states["exchange", exchange.name] = found.state
         items.append(Item("exchange", exchange.name, found.state, found.detail))
     for queue in topology.queues:
-        found = _queue_by_api(queue, api) if api else admin.check_queue(queue)
+        found = _by_api(queue, api.queue(queue.name)) if api else admin.check_queue(queue)
         states["queue", queue.name] = found.state
         items.append(Item("queue", queue.name, found.state, found.detail))
     return items, states
@@ -164,7 +166,7 @@ def _extra_bindings(topology: Topology, actual: Mapping[str, set[tuple[str, str]
 
 
 def apply_topology(
-    topology: Topology, broker: RabbitMQBroker, admin: RabbitMQAdmin, api: ManagementAPI | None
+    topology: Topology, broker: Broker, admin: Operator, api: ManagementAPI | None
 ) -> tuple[Plan, Plan]:
     """Declare what is missing; return the plans before and after.
 
@@ -205,29 +207,16 @@ def _show(value: Any) -> str:
     return "none" if value is None else repr(value)
 
 
-def _exchange_by_api(exchange: Exchange, api: ManagementAPI) -> Found:
-    found = api.exchange(exchange.name)
+def _by_api(declared: Exchange | Queue, found: Mapping[str, Any] | None) -> Found:
+    """`declared` against `found`, what the management API shows of it (None: absent)."""
     if found is None:
         return Found(MISSING)
     problems = []
-    if found.get("type") != exchange.type:
-        problems.append(f"type: expected {exchange.type}, broker has {found.get('type')}")
-    if bool(found.get("durable")) != exchange.durable:
-        problems.append(f"durable: expected {exchange.durable}, broker has {found.get('durable')}")
+    if isinstance(declared, Exchange) and found.get("type") != declared.type:
+        problems.append(f"type: expected {declared.type}, broker has {found.get('type')}")
+    if bool(found.get("durable")) != declared.durable:
+        problems.append(f"durable: expected {declared.durable}, broker has {found.get('durable')}")
     problems += _argument_differences(
-        exchange.arguments, _normalized(found.get("arguments"), exchange.arguments)
-    )
-    return Found(DIFFERS, "; ".join(problems)) if problems else Found(PRESENT)
-
-
-def _queue_by_api(queue: Queue, api: ManagementAPI) -> Found:
-    found = api.queue(queue.name)
-    if found is None:
-        return Found(MISSING)
-    problems = []
-    if bool(found.get("durable")) != queue.durable:
-        problems.append(f"durable: expected {queue.durable}, broker has {found.get('durable')}")
-    problems += _argument_differences(
-        queue.arguments, _normalized(found.get("arguments"), queue.arguments)
+        declared.arguments, _normalized(found.get("arguments"), declared.arguments)
     )
     return Found(DIFFERS, "; ".join(problems)) if problems else Found(PRESENT)

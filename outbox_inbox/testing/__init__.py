@@ -187,13 +187,8 @@ class ServiceHarness:
         """Empty the service's queues on a real broker (or `delete` them): a test starts from
         nothing, whatever an earlier test on the same virtual host left behind, and leaves
         nothing behind."""
-        from ..brokers.rabbitmq import RabbitMQBroker
-        from ..brokers.rabbitmq_admin import RabbitMQAdmin
-
-        if not isinstance(self.broker, RabbitMQBroker):
-            return
         name = self.service.name
-        with RabbitMQAdmin(self.broker) as admin:
+        with self.broker.operator() as admin:
             for queue in (inbox_queue(name), dead_letter_queue(name), *self._delay_queues):
                 if delete:
                     admin.delete_queue(queue)
