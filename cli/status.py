@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from datetime import timedelta
 from typing import Any
 
 import click
 
-from outbox_inbox.brokers.rabbitmq_admin import RabbitMQAdmin
-from outbox_inbox.status import collect_status, problems, wakeup_status
+from outbox_inbox.status import health
 
 from .output import EXIT_UNHEALTHY, echo, echo_json, format_age, one_line, render_table
 from .target import json_option, parse_duration, resolve, target_options
@@ -31,7 +29,7 @@ from .target import json_option, parse_duration, resolve, target_options
     metavar="N",
     help="Unhealthy when there are more dead letters (dead rows + <service>.dead_letter).",
 )
-@click.option("--no-broker", is_flag=True, help="Do not ask RabbitMQ for the queue depths.")
+@click.option("--no-broker", is_flag=True, help="Do not ask the broker for the queue depths.")
 @click.option(
     "--keys",
     "keys_limit",
@@ -75,32 +73,26 @@ def status(
     """
     target = resolve(app=app, service=service, schema=schema, db_url=db_url, mq_url=mq_url)
     try:
-        with contextlib.ExitStack() as stack:
-            admin = None
-            if not no_broker and target.has_broker:
-                admin = stack.enter_context(RabbitMQAdmin(target.broker()))
-            report = collect_status(
-                target.engine(),
-                target.tables,
-                service=target.name,
-                admin=admin,
-                held_keys_limit=keys_limit,
-            )
-            listen_url = target.service.settings.listen_url if target.service else None
-            report["wakeups"] = wakeup_status(target.engine(), target.tables, listen_url)
+        checked = health(
+            target.engine(),
+            target.tables,
+            service=target.name,
+            broker=target.broker() if not no_broker and target.has_broker else None,
+            listen_url=target.service.settings.listen_url if target.service else None,
+            held_keys_limit=keys_limit,
+            max_lag=max_lag.total_seconds() if max_lag is not None else None,
+            max_dead=max_dead,
+        )
     finally:
         target.close()
-    lag = max_lag.total_seconds() if max_lag is not None else None
-    found = problems(report, max_lag=lag, max_dead=max_dead)
-    report["healthy"] = not found
-    report["problems"] = found
+    report = checked.as_dict()
     if as_json:
         echo_json(report)
     else:
         _print(report)
-    if found:
-        for problem in found:
-            echo(f"unhealthy: {problem}", err=True)
+    for problem in checked.problems:
+        echo(f"unhealthy: {problem}", err=True)
+    if checked.problems:
         sys.exit(EXIT_UNHEALTHY)
 
 

@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 if TYPE_CHECKING:
     from .aio import AsyncWorker
     from .partitions import MaintenanceResult
+    from .status import Health
 
 H = TypeVar("H", bound=Handler | AsyncHandler)
 
@@ -425,6 +426,22 @@ class Service:
             return waker.check()
         finally:
             waker.close()
+
+    def health(self, *, max_lag: float | None = None, max_dead: int | None = None) -> Health:
+        """What `outbox-inbox status` reports of this service now, its queues read on its broker
+        (RabbitMQ or in memory), problems under `max_lag` (seconds) and `max_dead`: see
+        outbox_inbox.status.health, whose errors it raises."""
+        from .status import health
+
+        return health(
+            self.engine,
+            self.tables,
+            service=self.name,
+            broker=self.broker,
+            listen_url=self.settings.listen_url,
+            max_lag=max_lag,
+            max_dead=max_dead,
+        )
 
     def _liveness_url(self) -> str | None:
         """Where workers hold their liveness locks: ``listen_url``, else db_url once a probe

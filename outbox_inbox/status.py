@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from typing import Any
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from . import migrate, queries
-from .brokers.rabbitmq_admin import RabbitMQAdmin
+from .broker import Broker, Operator
 from .dead_letters import error_summary
 from .errors import BrokerError, SchemaMissing, storage_error
 from .tables import Tables
@@ -17,12 +20,63 @@ from .topology import UNROUTABLE_QUEUE, dead_letter_queue, inbox_queue
 from .waker import Waker, notify_channel, psycopg_conninfo
 
 
+@dataclass(frozen=True)
+class Health:
+    """One service's messaging health now, as `outbox-inbox status` prints it (`as_dict`: its
+    --json) and the dashboard shows it; `problems` is empty when healthy. The sections are those
+    of `collect_status`; `broker` is None when the broker was not asked, `wakeups` (see
+    `wakeup_status`) when they were not probed. All ages are on the database clock."""
+
+    service: str | None
+    schema: str | None
+    database_time: str
+    outbox: Mapping[str, Any]
+    inbox: Mapping[str, Any]
+    held_keys: Mapping[str, Any]
+    broker: Mapping[str, Any] | None
+    wakeups: Mapping[str, Any] | None
+    problems: tuple[str, ...]
+
+    @property
+    def healthy(self) -> bool:
+        return not self.problems
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every field, and ``healthy``, as `outbox-inbox status --json` prints them."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "problems"}
+        return {**out, "healthy": self.healthy, "problems": list(self.problems)}
+
+
+def health(
+    engine: Engine,
+    tables: Tables,
+    *,
+    service: str | None,
+    broker: Broker | None = None,
+    listen_url: str | None = None,
+    wakeups: bool = True,
+    held_keys_limit: int = 20,
+    max_lag: float | None = None,
+    max_dead: int | None = None,
+) -> Health:
+    """`collect_status` of `service` (with its queues through `broker.operator()` when a
+    `broker` is given), the `wakeup_status` of `listen_url` unless not `wakeups`, and the
+    `problems` under `max_lag` (seconds) and `max_dead`. Raises what `collect_status` raises;
+    a broker that cannot be asked is one of the problems."""
+    with broker.operator() if broker is not None else contextlib.nullcontext() as admin:
+        report = collect_status(
+            engine, tables, service=service, admin=admin, held_keys_limit=held_keys_limit
+        )
+    report["wakeups"] = wakeup_status(engine, tables, listen_url) if wakeups else None
+    return Health(**report, problems=tuple(problems(report, max_lag=max_lag, max_dead=max_dead)))
+
+
 def collect_status(
     engine: Engine,
     tables: Tables,
     *,
     service: str | None,
-    admin: RabbitMQAdmin | None,
+    admin: Operator | None,
     held_keys_limit: int = 20,
 ) -> dict[str, Any]:
     """Outbox backlog, inbox states, held-back ordering keys and, with `admin`, queue depths.
@@ -101,7 +155,7 @@ def wakeup_status(engine: Engine, tables: Tables, listen_url: str | None) -> dic
     return {"mode": mode, "via": "listen_url" if listen_url else "db_url"}
 
 
-def _broker_status(admin: RabbitMQAdmin, service: str | None) -> dict[str, Any]:
+def _broker_status(admin: Operator, service: str | None) -> dict[str, Any]:
     names = [inbox_queue(service), dead_letter_queue(service)] if service else []
     names.append(UNROUTABLE_QUEUE)
     queues: dict[str, Any] = {}

@@ -29,7 +29,6 @@ from urllib.parse import parse_qs
 from ..dead_letters import OUTBOX, PARK, TABLE, Filters, parse_message_id
 from ..errors import OutboxInboxError
 from ..logsafe import mask_url
-from ..status import problems
 from . import views
 from .charts import charts
 from .letters import ACTIONS, AuditWriter, WatchedService, act
@@ -228,14 +227,12 @@ class Dashboard:
     def _status(self, service: WatchedService) -> views.Shown:
         """The service's status, its snapshot taken for the rates and charts, its health."""
         try:
-            status = service.status()
+            found = service.health(max_lag=self.max_lag)
         except OutboxInboxError as exc:
             return views.Shown(service.name, None, error=str(exc))
+        status = found.as_dict()
         return views.Shown(
-            service.name,
-            status,
-            self.rates.add(service.name, status),
-            problems(status, max_lag=self.max_lag),
+            service.name, status, self.rates.add(service.name, status), list(found.problems)
         )
 
     def _charts(self, names: Iterable[str]) -> Safe:
@@ -257,7 +254,7 @@ class Dashboard:
             views.filter_form(service.name, service.sources(), {**query, "source": wanted})
         )
         try:
-            with service.selections(sources, filters, LIST_LIMIT) as selections:
+            with service.dead_letters.select(sources, filters, LIST_LIMIT) as selections:
                 letters = [d for s in selections for d in s.letters]
                 cut = [s.source for s in selections if s.more]
                 counts = ", ".join(f"{s.source} {len(s.letters)}" for s in selections)
@@ -301,7 +298,7 @@ class Dashboard:
         chosen = Filters(
             message_ids=tuple(message_ids), fingerprint=filters.fingerprint, parked=filters.parked
         )
-        with service.selections([source], chosen, None) as (selection,):
+        with service.dead_letters.select([source], chosen) as (selection,):
             letters = list(selection.letters)
         found = {d.message_id for d in letters}
         return letters, [m for m in message_ids if m not in found]
@@ -350,7 +347,7 @@ class Dashboard:
         if ids:
             letters, missing = self._find(service, source, ids, group)
         else:  # a whole group: its first MAX_IDS letters, confirmed by id like any others
-            with service.selections([source], group, MAX_IDS) as (selection,):
+            with service.dead_letters.select([source], group, MAX_IDS) as (selection,):
                 letters, missing, more = list(selection.letters), [], selection.more
         return views.confirm_page(
             service.name,

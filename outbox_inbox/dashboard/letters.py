@@ -1,25 +1,22 @@
 """The services the dashboard shows, and the dead-letter work it does on them.
 
-Everything here goes through outbox_inbox.status.collect_status and
-outbox_inbox.dead_letters.DeadLetters, the functions behind `outbox-inbox status` and
-`dead-letters`:
-the dashboard shows the same numbers and acts the same way. An action selects by message id,
-so exactly the dead letters the operator confirmed are replayed, purged or parked (a group's
-action confirms the group's letters by id as well, and keeps to the group).
+Everything here goes through outbox_inbox.status.health and outbox_inbox.dead_letters.DeadLetters,
+the functions behind `outbox-inbox status` and `dead-letters`: the dashboard shows the same
+numbers and acts the same way. An action selects by message id, so exactly the dead letters the
+operator confirmed are replayed, purged or parked (a group's action confirms the group's letters
+by id as well, and keeps to the group).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Engine
 
-from ..brokers.rabbitmq import RabbitMQBroker
-from ..brokers.rabbitmq_admin import RabbitMQAdmin
+from ..broker import Broker
 from ..dead_letters import (
     PARK,
     PURGE,
@@ -30,7 +27,7 @@ from ..dead_letters import (
     Selection,
 )
 from ..errors import OutboxInboxError
-from ..status import collect_status
+from ..status import Health, health
 from ..tables import Tables
 
 log = logging.getLogger(__name__)
@@ -46,7 +43,7 @@ class WatchedService:
     name: str
     engine: Engine
     tables: Tables
-    broker: RabbitMQBroker | None = None
+    broker: Broker | None = None
 
     @property
     def dead_letters(self) -> DeadLetters:
@@ -59,27 +56,16 @@ class WatchedService:
         """The dead-letter sources this service can read, in the CLI's order."""
         return self.dead_letters.reachable()[0]
 
-    def status(self, *, held_keys_limit: int = 20) -> dict[str, Any]:
-        """`collect_status` of this service, with its queue depths when it has a broker."""
-        with contextlib.ExitStack() as stack:
-            admin = None
-            if self.broker is not None:
-                admin = stack.enter_context(RabbitMQAdmin(self.broker))
-            return collect_status(
-                self.engine,
-                self.tables,
-                service=self.name,
-                admin=admin,
-                held_keys_limit=held_keys_limit,
-            )
-
-    @contextlib.contextmanager
-    def selections(
-        self, sources: list[str], filters: Filters, limit: int | None
-    ) -> Iterator[list[Selection]]:
-        """One open selection per source; closed (queue messages released) at the end."""
-        with self.dead_letters.select(sources, filters, limit) as opened:
-            yield opened
+    def health(self, *, max_lag: float | None = None) -> Health:
+        """Its `health`, with its queues when it has a broker (no wake-ups: a page shows none)."""
+        return health(
+            self.engine,
+            self.tables,
+            service=self.name,
+            broker=self.broker,
+            wakeups=False,
+            max_lag=max_lag,
+        )
 
 
 #: Writes the audit line of an action: keyword arguments of outbox_inbox.cli.audit.write_audit
@@ -142,8 +128,8 @@ def act(
     selection: Selection | None = None
     error: str | None = None
     try:
-        with service.selections([source], filters, None) as (selection,):
-            outcome = _run(service, action, selection)
+        with service.dead_letters.select([source], filters) as (selection,):
+            outcome = service.dead_letters.act(action, selection)
     except OutboxInboxError as exc:
         error = str(exc)
         log.warning("dashboard %s failed", action, extra={"service": service.name, "error": error})
@@ -165,7 +151,3 @@ def act(
             client=client,
         )
     return ActionResult(action, source, list(message_ids), outcome, error)
-
-
-def _run(service: WatchedService, action: str, selection: Selection) -> Outcome:
-    return service.dead_letters.act(action, selection)

@@ -16,7 +16,7 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from helpers import dead_rows_one_refused, inbox_message_ids, make_service, scalar, wait_until
-from outbox_inbox import Message, Reject
+from outbox_inbox import MemoryBroker, Message, Reject
 from outbox_inbox.audit_trail import AUDIT_LOG_ENV
 from outbox_inbox.dashboard.letters import WatchedService, act
 from outbox_inbox.dead_letters import OUTBOX, QUEUE, TABLE, DeadLetters, Filters
@@ -116,6 +116,50 @@ def test_replay_and_purge_through_the_library_with_filters_write_their_audit_rec
             ("dead-letters purge", QUEUE, 1, False),
         ]
         assert records[3]["message_ids"] == [queued[1]]
+    finally:
+        svc.stop()
+        svc.close()
+
+
+def test_on_the_memory_broker_health_counts_a_queued_dead_letter_and_replay_gets_it_handled(
+    db_url: str, tmp_path: Path
+) -> None:
+    """The operator port on the in-memory broker: a command over max_message_bytes is
+    dead-lettered by the receiver; `health` shows it in billing.dead_letter, `DeadLetters.of`
+    lists it from the queue source; with the limit raised a replay gets it handled."""
+    broker = MemoryBroker()
+    small = make_service("billing", db_url, None, broker=broker, max_message_bytes=300)
+    small.start()
+    try:
+        with small.session() as session, session.begin():
+            sent = str(small.outbox.send(session, "billing", "invoice.create", {"x": "y" * 400}))
+        dead_letter = "billing.dead_letter"
+        wait_until(lambda: broker.queue_depth(dead_letter) == 1, what="a queued dead letter")
+        health = small.health(max_dead=0)
+        assert health.broker is not None and health.broker["error"] is None
+        assert health.broker["queues"][dead_letter] == {"messages": 1, "consumers": 0}
+        assert health.broker["queues"]["billing.inbox"] == {"messages": 0, "consumers": 1}
+        assert health.problems == ("1 dead letter exceeds --max-dead 0",)
+        with DeadLetters.of(small).select([QUEUE], Filters()) as [selection]:
+            assert [letter.message_id for letter in selection.letters] == [sent]
+    finally:
+        small.stop()
+        small.close()
+    svc = make_service("billing", db_url, None, broker=broker)
+
+    @svc.on_command("invoice.create")
+    def create(message: Message, session: Session) -> None:
+        session.execute(
+            text("INSERT INTO effects (message_id, type) VALUES (:m, :t)"),
+            {"m": str(message.message_id), "t": message.type},
+        )
+
+    svc.start()
+    try:
+        letters = DeadLetters.of(svc)
+        assert letters.replay([QUEUE], Filters(), audit_log=tmp_path / "a.log").done == [sent]
+        wait_until(lambda: scalar(db_url, "SELECT message_id FROM effects") == sent)
+        assert letters.count([QUEUE]) == {QUEUE: 0} and svc.health().healthy
     finally:
         svc.stop()
         svc.close()
