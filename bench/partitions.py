@@ -179,7 +179,7 @@ class ClaimTimes:
     @staticmethod
     def role_of(statement: str) -> str | None:
         head = statement.lstrip()[:7].upper()
-        # queries._claim_outbox_statement and queries._claim_statement
+        # queries.roles._claim_outbox_statement and _claim_statement
         if "SKIP LOCKED" not in statement:
             return None
         if head.startswith("SELECT") and "outbox_messages" in statement:

@@ -28,8 +28,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
-from . import queries
 from .errors import ConfigurationError
+from .queries import roles
 from .waker import Waker
 from .worker import Worker
 
@@ -60,10 +60,10 @@ def worker_engine(url: str | URL, *, prepare_threshold: int | str | None = "auto
     connection, and an engine's pooled connections belong to the loop that made them.
     `prepare_threshold`: the setting of that name ("auto": not behind a pooler)."""
     engine = create_async_engine(
-        async_url(url), poolclass=NullPool, connect_args=queries.prepare_args(prepare_threshold)
+        async_url(url), poolclass=NullPool, connect_args=roles.prepare_args(prepare_threshold)
     )
     if prepare_threshold == "auto":
-        queries.unprepared_behind_pooler(engine)
+        roles.unprepared_behind_pooler(engine)
     return engine
 
 

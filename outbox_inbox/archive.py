@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import queries
 from .errors import ConfigurationError, OutboxInboxError, storage_error
+from .queries import archive, operations
 from .tables import Tables
 
 if TYPE_CHECKING:
@@ -197,7 +197,7 @@ class Archiver:
         """How many rows of each source the next run would archive (a point-in-time count)."""
         with self._engine.connect() as conn:
             cutoff = self._cutoff(conn)
-            return {s: queries.count_archivable(conn, self._tables, s, cutoff) for s in SOURCES}
+            return {s: archive.count_archivable(conn, self._tables, s, cutoff) for s in SOURCES}
 
     def run(self, stop: threading.Event | None = None) -> ArchiveResult:
         """Finish a crashed run's files, archive every qualifying row, prune stale counters.
@@ -210,7 +210,7 @@ class Archiver:
         result = ArchiveResult()
         try:
             with self._engine.connect() as lock_conn:
-                if not queries.try_archive_lock(lock_conn, self._tables.schema):
+                if not archive.try_archive_lock(lock_conn, self._tables.schema):
                     raise ArchiveBusy(
                         f"another archive run holds the lock of schema {self._tables.schema!r}"
                     )
@@ -221,7 +221,7 @@ class Archiver:
                     self._archive(stop, result)
                 finally:
                     try:
-                        queries.release_archive_lock(lock_conn, self._tables.schema)
+                        archive.release_archive_lock(lock_conn, self._tables.schema)
                     except SQLAlchemyError:
                         # Closing the connection ends the transaction and its lock.
                         log.warning("archive: could not release its lock; closing the connection")
@@ -245,7 +245,7 @@ class Archiver:
         result.interrupted = stop.is_set()
         if not result.interrupted:
             with self._engine.begin() as conn:
-                result.pruned_deliveries = queries.prune_deliveries(conn, self._tables, cutoff)
+                result.pruned_deliveries = archive.prune_deliveries(conn, self._tables, cutoff)
 
     def _retire_partitions(self, result: ArchiveResult) -> None:
         """Export and drop the partitions wholly past `older_than` (dead rows included):
@@ -266,17 +266,17 @@ class Archiver:
     # --- steps ----------------------------------------------------------------------------
 
     def _cutoff(self, conn: Any) -> datetime:
-        now = _utc(queries.database_now(conn))
+        now = _utc(operations.database_now(conn))
         assert now is not None
         return now - self.older_than
 
     def _batch(self, source: str, cutoff: datetime, result: ArchiveResult) -> int:
         """Archive one batch of `source`; return how many rows were read."""
         with self._engine.begin() as conn:
-            rows = queries.history_rows(
+            rows = archive.history_rows(
                 conn, self._tables, source, cutoff=cutoff, limit=self.batch_size
             )
-            archived_at = _utc(queries.database_now(conn))
+            archived_at = _utc(operations.database_now(conn))
         if not rows:
             return 0
         by_date: dict[date, list[Any]] = {}
@@ -286,15 +286,15 @@ class Archiver:
         files = [(uuid.uuid4(), day, day_rows) for day, day_rows in sorted(by_date.items())]
         paths = {file_id: self._path(source, day, file_id) for file_id, day, _ in files}
         with self._engine.begin() as conn:
-            queries.journal_archive_files(
+            archive.journal_archive_files(
                 conn, self._tables, [(f, source, str(paths[f])) for f, _, _ in files]
             )
         for file_id, _, day_rows in files:
             write_parquet(paths[file_id], source, to_records(source, day_rows, archived_at))
         ids = [int(row["id"]) for row in rows]
         with self._engine.begin() as conn:
-            deleted = queries.delete_archived(conn, self._tables, source, cutoff, ids)
-            queries.forget_archive_files(conn, self._tables, [f for f, _, _ in files])
+            deleted = archive.delete_archived(conn, self._tables, source, cutoff, ids)
+            archive.forget_archive_files(conn, self._tables, [f for f, _, _ in files])
         result.rows[source] += deleted
         result.kept_rows += len(ids) - deleted
         result.files += len(files)
@@ -313,7 +313,7 @@ class Archiver:
     def _recover(self, result: ArchiveResult) -> None:
         """Finish the journaled files of a run that did not end."""
         with self._engine.connect() as conn:
-            unfinished = queries.unfinished_archive_files(conn, self._tables)
+            unfinished = archive.unfinished_archive_files(conn, self._tables)
         for entry in unfinished:
             path = Path(entry["path"])
             source = entry["source_table"]
@@ -321,10 +321,10 @@ class Archiver:
                 ids = read_ids(path)
                 # The cutoff of that run is unknown; "finished at all" still guards replays.
                 with self._engine.begin() as conn:
-                    deleted = queries.delete_archived(
+                    deleted = archive.delete_archived(
                         conn, self._tables, source, datetime.max.replace(tzinfo=UTC), ids
                     )
-                    queries.forget_archive_files(conn, self._tables, [entry["id"]])
+                    archive.forget_archive_files(conn, self._tables, [entry["id"]])
                 result.recovered_files += 1
                 result.rows[source] += deleted
                 result.kept_rows += len(ids) - deleted
@@ -336,7 +336,7 @@ class Archiver:
             else:
                 _temporary(path).unlink(missing_ok=True)
                 with self._engine.begin() as conn:
-                    queries.forget_archive_files(conn, self._tables, [entry["id"]])
+                    archive.forget_archive_files(conn, self._tables, [entry["id"]])
                 result.abandoned_files += 1
                 log.warning("archive: %s of an interrupted run was never written", path)
 
@@ -344,7 +344,7 @@ class Archiver:
         with self._engine.connect() as conn:
             rows = [
                 r
-                for r in queries.subscriptions_of(conn, self._tables)
+                for r in operations.subscriptions_of(conn, self._tables)
                 if r["service"] == self.service
             ]
         path = self.root / SUBSCRIPTIONS / f"service={self.service}" / "subscriptions.parquet"
@@ -370,10 +370,10 @@ def partition_exporter(
     base = Path(root).absolute()
 
     def export(conn: Any, source: str, rows: Any) -> int:
-        archived_at = _utc(queries.database_now(conn))
+        archived_at = _utc(operations.database_now(conn))
         count, after, n = 0, None, 0
         while True:
-            batch = queries.history_rows(conn, tables, source, limit=chunk, of=rows, after_id=after)
+            batch = archive.history_rows(conn, tables, source, limit=chunk, of=rows, after_id=after)
             if not batch:
                 return count
             by_date: dict[date, list[Any]] = {}

@@ -136,7 +136,7 @@ class Settings:
     #: service's engine, which `Service.session()` uses too, and the workers'): the executions
     #: of a statement after which it is prepared on the server. "auto": 5 on a direct
     #: connection, and never on a connection that goes through a pooler (each connection is
-    #: checked once when it opens: `queries.unprepared_behind_pooler`). None never prepares; a
+    #: checked once when it opens: `queries.roles.unprepared_behind_pooler`). None never prepares; a
     #: number always prepares after that many, which a pooler must then support (PgBouncer 1.21
     #: and later with max_prepared_statements > 0).
     prepare_threshold: int | Literal["auto"] | None = "auto"

@@ -46,7 +46,6 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import queries
 from .audit_trail import audit_log_path, write_audit
 from .broker import Broker, Operator, QueuedMessage, QueueReader
 from .config import Settings
@@ -68,6 +67,7 @@ from .messages import (
     inbox_id,
     jsonable,
 )
+from .queries import operations
 from .tables import Tables
 from .topology import (
     DEAD_LETTER_EXCHANGE,
@@ -296,16 +296,16 @@ class TableSelection:
 
     @staticmethod
     def _rows(conn: Any, tables: Tables, **filters: Any) -> Iterable[Any]:
-        return queries.dead_inbox_rows(conn, tables, **filters)
+        return operations.dead_inbox_rows(conn, tables, **filters)
 
     @staticmethod
     def _message_ids(message_ids: Iterable[str]) -> list[uuid.UUID]:
         # Inbox rows of a message id that is not a UUID are stored under its uuid5.
         return [inbox_id(m) for m in message_ids]
 
-    _replay = staticmethod(queries.replay_dead_inbox)
-    _purge = staticmethod(queries.purge_dead_inbox)
-    _park = staticmethod(queries.park_dead_inbox)
+    _replay = staticmethod(operations.replay_dead_inbox)
+    _purge = staticmethod(operations.purge_dead_inbox)
+    _park = staticmethod(operations.park_dead_inbox)
 
     def _each_batch(
         self,
@@ -372,7 +372,7 @@ class OutboxSelection(TableSelection):
 
     @staticmethod
     def _rows(conn: Any, tables: Tables, **filters: Any) -> Iterable[Any]:
-        return queries.dead_outbox_rows(conn, tables, **filters)
+        return operations.dead_outbox_rows(conn, tables, **filters)
 
     @staticmethod
     def _message_ids(message_ids: Iterable[str]) -> list[uuid.UUID]:
@@ -386,9 +386,9 @@ class OutboxSelection(TableSelection):
             return [uuid.UUID(int=0)]  # ids were given and none can match: select nothing
         return found
 
-    _replay = staticmethod(queries.replay_dead_outbox)
-    _purge = staticmethod(queries.purge_dead_outbox)
-    _park = staticmethod(queries.park_dead_outbox)
+    _replay = staticmethod(operations.replay_dead_outbox)
+    _purge = staticmethod(operations.purge_dead_outbox)
+    _park = staticmethod(operations.park_dead_outbox)
 
 
 def _row_letter(row: Mapping[Any, Any], source: str) -> DeadLetter:
@@ -664,7 +664,7 @@ def reset_redeliveries(engine: Engine, tables: Tables, message_ids: list[str]) -
     """Forget the broker-redelivery counts of `message_ids`, so replayed copies start at 0."""
     try:
         with engine.begin() as conn:
-            queries.forget_deliveries(conn, tables, [inbox_id(m) for m in message_ids])
+            operations.forget_deliveries(conn, tables, [inbox_id(m) for m in message_ids])
     except SQLAlchemyError as exc:
         raise storage_error(exc, "resetting redelivery counters") from exc
 
@@ -863,7 +863,7 @@ class DeadLetters:
         selector = TableSelection if source == TABLE else OutboxSelection
         try:
             with self.engine.connect() as conn:
-                return queries.count_dead(
+                return operations.count_dead(
                     conn,
                     self.tables,
                     "inbox" if source == TABLE else "outbox",
@@ -888,7 +888,7 @@ class DeadLetters:
             raise ConfigurationError("dead-letter groups need a database")
         try:
             with self.engine.connect() as conn:
-                rows = queries.dead_groups(conn, self.tables, parked=parked)
+                rows = operations.dead_groups(conn, self.tables, parked=parked)
         except SQLAlchemyError as exc:
             raise storage_error(exc, "grouping the dead letters") from exc
         return [

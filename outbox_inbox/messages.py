@@ -23,11 +23,17 @@ import math
 import re
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from functools import cache
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import InvalidMessage, MessageError
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+_M = TypeVar("_M", bound="DataclassInstance")
 
 COMMAND, EVENT = "command", "event"
 COMMANDS_EXCHANGE, EVENTS_EXCHANGE = "commands", "events"
@@ -494,6 +500,27 @@ RECEIVED_COLUMNS = (
 RECEIVED_JSON_COLUMNS = ("payload", "headers")
 
 
+@cache
+def _row_columns(cls: type[DataclassInstance]) -> tuple[tuple[str, str], ...]:
+    """(field, column) for each field of `cls`: the column of its name; ``type`` is the
+    routing key."""
+    return tuple((f.name, "routing_key" if f.name == "type" else f.name) for f in fields(cls))
+
+
+def from_row(cls: type[_M], row: Mapping[Any, Any], **given: Any) -> _M:
+    """The message dataclass `cls` (`Message`, `OutgoingMessage`, a test's view) of a table row:
+    the one mapping of outbox and inbox columns to message fields.
+
+    Each field takes the row's column of its name (``type`` the ``routing_key``; ``headers``
+    None as ``{}``) unless `given` sets it; a field whose column the row lacks keeps its
+    default (a decoded delivery has no ``received_at``).
+    """
+    values = {f: row[c] for f, c in _row_columns(cls) if f not in given and c in row}
+    if "headers" in values:
+        values["headers"] = dict(values["headers"] or {})
+    return cls(**values, **given)
+
+
 def from_wire(wire: WireMessage, *, max_bytes: int | None = None) -> dict[str, Any]:
     """Decode a delivery into inbox column values; raise InvalidMessage with the reason.
 
@@ -595,21 +622,5 @@ def jsonable(value: Any) -> Any:
 
 
 def message_from_row(row: Mapping[Any, Any]) -> Message:
-    """Build the handler's view of an inbox row."""
-    return Message(
-        message_id=row["message_id"],
-        type=row["routing_key"],
-        payload=row["payload"],
-        kind=row["kind"],
-        headers=dict(row["headers"] or {}),
-        source=row["source"],
-        version=row["version"],
-        correlation_id=row["correlation_id"],
-        causation_id=row["causation_id"],
-        key=row["key"],
-        priority=row["priority"],
-        attempt=row["attempts"],
-        created_at=row["created_at"],
-        expires_at=row["expires_at"],
-        received_at=row.get("received_at"),
-    )
+    """Build the handler's view of a claimed inbox row."""
+    return from_row(Message, row, attempt=row["attempts"])

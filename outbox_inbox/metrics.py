@@ -36,12 +36,12 @@ from prometheus_client.registry import Collector
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import queries
 from .broker import PublishOutcome
 from .errors import ConfigurationError
 from .listener import Listener, combine
 from .logsafe import mask_text, mask_url
 from .messages import COMMAND, Message, OutgoingMessage
+from .queries import operations
 from .service import Service
 from .tables import Tables
 
@@ -291,7 +291,7 @@ _GAUGES = (
     ),
     ("inbox_dead", "Dead inbox rows.", "inbox"),
 )
-#: Gauge name -> the field of queries.outbox_status / inbox_status it shows.
+#: Gauge name -> the field of operations.outbox_status / inbox_status it shows.
 _FIELDS = {
     "outbox_backlog": "unpublished",
     "outbox_retrying": "retrying",
@@ -307,8 +307,8 @@ _FIELDS = {
 class _StateCollector(Collector):
     """Reads the backlog gauges of each watched service at scrape time.
 
-    One snapshot per service (repeatable read on PostgreSQL), with `queries.outbox_status` and
-    `queries.inbox_status`: the numbers `outbox-inbox status` shows. A database that cannot be
+    One snapshot per service (repeatable read on PostgreSQL), with `operations.outbox_status` and
+    `operations.inbox_status`: the numbers `outbox-inbox status` shows. A database that cannot be
     read gives ``outbox_inbox_state_up 0`` and no gauges for that service, and a warning.
     """
 
@@ -365,8 +365,8 @@ def _read_state(engine: Engine, tables: Tables) -> dict[str, Any] | None:
             )
             with conn.execution_options(**options).begin():
                 return {
-                    "outbox": queries.outbox_status(conn, tables),
-                    "inbox": queries.inbox_status(conn, tables),
+                    "outbox": operations.outbox_status(conn, tables),
+                    "inbox": operations.inbox_status(conn, tables),
                 }
     except SQLAlchemyError as exc:
         url = engine.url.render_as_string(hide_password=False)

@@ -14,7 +14,6 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
-from . import queries
 from .config import validate_service_name
 from .context import current_message
 from .errors import MessageError, storage_error
@@ -27,6 +26,7 @@ from .messages import (
     payload_json,
 )
 from .payloads import plain
+from .queries import roles
 from .tables import Tables
 from .tracing import Tracing, creating
 
@@ -184,7 +184,7 @@ class Outbox:
         # on the caller's async connection: each statement is awaited on the async driver.
         try:
             with creating(self._tracing, row):  # the span is current in the caller's task
-                await session.run_sync(queries.insert_outbox, self._tables, [row])
+                await session.run_sync(roles.insert_outbox, self._tables, [row])
         except SQLAlchemyError as exc:
             raise storage_error(exc, "writing to the outbox") from exc
         return row["message_id"]  # type: ignore[no-any-return]
@@ -192,7 +192,7 @@ class Outbox:
     def _insert(self, session: Session | Connection, row: dict[str, Any]) -> uuid.UUID:
         try:
             with creating(self._tracing, row):  # nothing at all when tracing is off
-                queries.insert_outbox(session, self._tables, [row])
+                roles.insert_outbox(session, self._tables, [row])
         except SQLAlchemyError as exc:
             raise storage_error(exc, "writing to the outbox") from exc
         return row["message_id"]  # type: ignore[no-any-return]
@@ -217,7 +217,7 @@ class Outbox:
             "exchange": exchange,
             "routing_key": routing_key,
             "payload": payload,
-            "payload_json": encoded,  # inserted as it is (queries.insert_outbox)
+            "payload_json": encoded,  # inserted as it is (roles.insert_outbox)
             "headers": clean_headers,
             "version": o.version,
             "key": o.key,

@@ -53,8 +53,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import queries
 from .errors import SchemaMissing, storage_error
+from .queries import archive
 from .tables import DEAD, PARKED, PENDING, Tables, outbox_unsent
 
 log = logging.getLogger(__name__)
@@ -335,8 +335,8 @@ def _maintain(
                 _retire(conn, tables, parent, p.name, p, retention, now, exporter, result)
     result.created = make_ahead(conn, tables, interval, now)
     # A worker that died keeps its row until another worker of its service advertises
-    # (queries.advertise_instance): a service that no longer runs would keep it for ever.
-    result.pruned_instances = queries.prune_instances(conn, tables, now - STALE_INSTANCE)
+    # (queries.roles.advertise_instance): a service that no longer runs would keep it for ever.
+    result.pruned_instances = archive.prune_instances(conn, tables, now - STALE_INSTANCE)
     if retention.finished is None:
         return
     cutoff = now - retention.finished
@@ -352,7 +352,7 @@ def _maintain(
                 text(f"ALTER TABLE {s}.{parent} DETACH PARTITION {s}.{p.name} CONCURRENTLY")
             )
             _retire(conn, tables, parent, p.name, p, retention, now, exporter, result)
-    result.pruned_deliveries = queries.prune_deliveries(conn, tables, cutoff)
+    result.pruned_deliveries = archive.prune_deliveries(conn, tables, cutoff)
 
 
 def _retire(

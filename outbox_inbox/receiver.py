@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine
 from sqlalchemy.exc import (
     DataError,
     DBAPIError,
@@ -19,7 +19,6 @@ from sqlalchemy.exc import (
     SQLAlchemyError,
 )
 
-from . import queries
 from .broker import Broker, Consumer, Delivery
 from .config import Settings
 from .errors import InvalidMessage, first_line, missing_partition
@@ -34,9 +33,11 @@ from .messages import (
     H_RETRY_DELAY,
     Message,
     WireMessage,
+    from_row,
     from_wire,
     inbox_id,
 )
+from .queries import roles
 from .role_loop import RoleLoop
 from .tables import Tables
 from .topology import DEAD_LETTER_EXCHANGE, delay_queue, inbox_queue
@@ -164,7 +165,7 @@ class Receiver:
         if counted is not None:
             try:
                 with self._engine.begin() as conn:
-                    counts = queries.count_deliveries(conn, self._tables, [counted])
+                    counts = roles.count_deliveries(conn, self._tables, [counted])
                 count, limit = counts.get(counted, 0), self._settings.max_redeliveries
                 stored = count > limit and self._is_stored(counted)
             except SQLAlchemyError as exc:
@@ -186,10 +187,8 @@ class Receiver:
         return self._store_together(consumer, [delivery])
 
     def _is_stored(self, message_id: uuid.UUID) -> bool:
-        inbox = self._tables.inbox
         with self._engine.connect() as conn:
-            query = select(inbox.c.id).where(inbox.c.message_id == message_id)
-            return conn.execute(query).first() is not None
+            return roles.is_stored(conn, self._tables, message_id)
 
     def _store_together(self, consumer: Consumer, batch: list[Delivery]) -> list[Delivery]:
         """Decode and insert `batch` in one transaction; return the deliveries to ack.
@@ -262,21 +261,20 @@ class Receiver:
         tracer = self._tracing.tracer()
         started = time.time_ns() if tracer is not None else 0
         with self._engine.begin() as conn:
-            new = queries.insert_inbox(conn, self._tables, [row for _, row in items])
+            new = roles.insert_inbox(conn, self._tables, [row for _, row in items])
             if repeats or len(new) < len(items):  # the common batch has no duplicate
                 dropped = {
                     mid: repeats.get(mid, 0) + (0 if mid in new else 1)
                     for mid in (row["message_id"] for _, row in items)
                 }
-                queries.count_duplicates(
-                    conn, self._tables, {m: n for m, n in dropped.items() if n}
-                )
+                roles.count_duplicates(conn, self._tables, {m: n for m, n in dropped.items() if n})
         duplicates = len(items) - len(new)
         self.stored += len(new)
         self.duplicates += duplicates
         call(self._listener, "received", len(new), duplicates)
         if self._listener is not None and new:
-            stored = [_message(row) for _, row in items if row["message_id"] in new]
+            # Not handled yet: attempt 0.
+            stored = [from_row(Message, r, attempt=0) for _, r in items if r["message_id"] in new]
             call(self._listener, "stored", stored)
         if tracer is not None:
             rows = [(row, row["message_id"] not in new) for _, row in items]
@@ -331,26 +329,6 @@ class Receiver:
         )
         self.dead += 1
         call(self._listener, "dead", reason, 1)
-
-
-def _message(row: Mapping[str, Any]) -> Message:
-    """A stored row's message as the listener sees it (not handled yet: attempt 0)."""
-    return Message(
-        message_id=row["message_id"],
-        type=row["routing_key"],
-        payload=row["payload"],
-        kind=row["kind"],
-        headers=row["headers"],
-        source=row["source"],
-        version=row["version"],
-        correlation_id=row["correlation_id"],
-        causation_id=row["causation_id"],
-        key=row["key"],
-        priority=row["priority"],
-        attempt=0,
-        created_at=row["created_at"],
-        expires_at=row["expires_at"],
-    )
 
 
 def _counted_id(message: WireMessage) -> uuid.UUID | None:

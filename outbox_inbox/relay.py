@@ -14,13 +14,13 @@ from sqlalchemy import Connection, Engine, RootTransaction
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import queries
 from .broker import Broker, Publisher, PublishOutcome, Refusal
 from .config import Settings
 from .errors import BrokerError, first_line
 from .fingerprint import refusal_fingerprint
 from .listener import Listener, call
-from .messages import COMMAND, OutgoingMessage, WireMessage, to_wire
+from .messages import COMMAND, OutgoingMessage, WireMessage, from_row, to_wire
+from .queries import roles
 from .role_loop import RoleLoop
 from .tables import Tables
 from .tracing import Tracing, record_sends
@@ -39,24 +39,7 @@ REFUSED_REASON = "refused"
 
 def outgoing(row: RowMapping, source: str) -> OutgoingMessage:
     """The message an outbox row carries."""
-    return OutgoingMessage(
-        id=row["id"],
-        message_id=row["message_id"],
-        kind=row["kind"],
-        exchange=row["exchange"],
-        routing_key=row["routing_key"],
-        payload=row["payload"],
-        headers=row["headers"] or {},
-        source=source,
-        version=row["version"],
-        correlation_id=row["correlation_id"],
-        causation_id=row["causation_id"],
-        key=row["key"],
-        priority=row["priority"],
-        created_at=row["created_at"],
-        expires_at=row["expires_at"],
-        attempt=row["attempts"] + 1,
-    )
+    return from_row(OutgoingMessage, row, source=source, attempt=row["attempts"] + 1)
 
 
 class Relay:
@@ -301,7 +284,7 @@ class Relay:
         Rows whose time to live ran out are marked expired instead.
         """
         s = self._settings
-        rows = queries.claim_outbox(conn, self._tables, s.relay_batch_size)
+        rows = roles.claim_outbox(conn, self._tables, s.relay_batch_size)
         if not rows:
             return [], 0
         rows = self._key_prefixes(conn, rows)
@@ -309,7 +292,7 @@ class Relay:
             return [], 0
         expired = [r["id"] for r in rows if _expired(r)]
         if expired:
-            queries.mark_expired(conn, self._tables, expired)
+            roles.mark_expired(conn, self._tables, expired)
             log.warning("relay: %d messages expired before they were published", len(expired))
             self.expired += len(expired)
             rows = [r for r in rows if not _expired(r)]
@@ -366,7 +349,7 @@ class Relay:
         log.warning(
             "relay: %s; publishing the %d messages in doubt one by one", refusal, len(doubt)
         )
-        rows = queries.claimed_outbox_rows(conn, self._tables, [marking.ids[i] for i in doubt])
+        rows = roles.claimed_outbox_rows(conn, self._tables, [marking.ids[i] for i in doubt])
         failed_keys: set[str] = set()
         closed: dict[str, Refusal] = {}  # exchanges refused as a destination
         lost = False  # the connection failed: the rest stay unsent
@@ -534,14 +517,14 @@ class Relay:
                     else f"publish {outcome.value}"
                 )
                 failed.setdefault(reason, []).append((row_id, attempts))
-        queries.mark_published(conn, self._tables, published)
+        roles.mark_published(conn, self._tables, published)
         for reason, items in failed.items():
             for attempts, ids in _group_by_attempts(items).items():
-                queries.mark_publish_failed(
+                roles.mark_publish_failed(
                     conn, self._tables, ids, reason, self._retry_delay(attempts)
                 )
         for (error, cause), ids in dead.items():
-            queries.mark_outbox_dead(
+            roles.mark_outbox_dead(
                 conn, self._tables, ids, REFUSED_REASON, error, fingerprint=cause
             )
             self.dead += len(ids)
@@ -584,7 +567,7 @@ class Relay:
     def _key_prefixes(self, conn: Connection, rows: list[RowMapping]) -> list[RowMapping]:
         """Drop the claimed rows of any key whose earliest unsent row this claim does not hold.
 
-        See `queries.claim_outbox`: the rows of a key are published only from the first one on;
+        See `roles.claim_outbox`: the rows of a key are published only from the first one on;
         otherwise they stay for a later claim, and this relay's key lock keeps others away
         until it commits.
         """
@@ -595,7 +578,7 @@ class Relay:
                 first[key] = row["id"]
         if not first:
             return rows
-        earliest = queries.earliest_unsent(conn, self._tables, list(first))
+        earliest = roles.earliest_unsent(conn, self._tables, list(first))
         skipped = {key for key, row_id in first.items() if earliest.get(key) != row_id}
         if not skipped:
             return rows

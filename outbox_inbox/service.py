@@ -19,7 +19,6 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from . import migrate as migrations
-from . import queries
 from .backoff import Backoff
 from .broker import Broker
 from .config import Settings, validate_service_name
@@ -47,6 +46,7 @@ from .listener import Listener
 from .logsafe import mask_url
 from .messages import COMMAND, COMMANDS_EXCHANGE, EVENT, EVENTS_EXCHANGE
 from .outbox import Outbox
+from .queries import roles
 from .receiver import Receiver
 from .relay import Relay
 from .retry import RetryPolicy
@@ -146,10 +146,10 @@ class Service:
                         pool_pre_ping=True,
                         pool_size=extra,
                         max_overflow=10,
-                        connect_args=queries.prepare_args(prepare),
+                        connect_args=roles.prepare_args(prepare),
                     )
                     if prepare == "auto":
-                        queries.unprepared_behind_pooler(self._engine)
+                        roles.unprepared_behind_pooler(self._engine)
             return self._engine
 
     @property
@@ -319,7 +319,7 @@ class Service:
         ]
         try:
             with self.engine.begin() as conn:
-                queries.record_subscriptions(conn, self.tables, self.name, bindings)
+                roles.record_subscriptions(conn, self.tables, self.name, bindings)
         except SQLAlchemyError as exc:
             raise storage_error(exc, "recording the service's subscriptions") from exc
 
@@ -333,7 +333,7 @@ class Service:
         instance = f"{worker_name()} (receiver start)"
         try:
             with self.engine.begin() as conn:
-                queries.advertise_instance(
+                roles.advertise_instance(
                     conn, self.tables, self.name, instance, self.handlers.advertised(), 10 * grace
                 )
         except SQLAlchemyError as exc:

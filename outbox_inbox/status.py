@@ -11,10 +11,11 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import migrate, queries
+from . import migrate
 from .broker import Broker, Operator
 from .dead_letters import error_summary
 from .errors import BrokerError, SchemaMissing, storage_error
+from .queries import operations
 from .tables import Tables
 from .topology import UNROUTABLE_QUEUE, dead_letter_queue, inbox_queue
 from .waker import Waker, notify_channel, psycopg_conninfo
@@ -96,10 +97,10 @@ def collect_status(
             # SQLite's transactions are serializable already and it knows no REPEATABLE READ.
             snapshot = "REPEATABLE READ" if engine.dialect.name == "postgresql" else "SERIALIZABLE"
             with conn.execution_options(isolation_level=snapshot).begin():
-                now = queries.database_now(conn)
-                outbox = queries.outbox_status(conn, tables)
-                inbox = queries.inbox_status(conn, tables)
-                total, keys = queries.held_keys(conn, tables, held_keys_limit)
+                now = operations.database_now(conn)
+                outbox = operations.outbox_status(conn, tables)
+                inbox = operations.inbox_status(conn, tables)
+                total, keys = operations.held_keys(conn, tables, held_keys_limit)
     except SQLAlchemyError as exc:
         where = engine.url.render_as_string(hide_password=True)
         raise storage_error(exc, f"reading the status from {where}") from exc
@@ -244,6 +245,6 @@ def subscribed_services(engine: Engine, tables: Tables) -> list[str]:
     """The services the subscriptions table names (each records its own at topology time)."""
     try:
         with engine.connect() as conn:
-            return sorted({str(row["service"]) for row in queries.subscriptions_of(conn, tables)})
+            return sorted({str(r["service"]) for r in operations.subscriptions_of(conn, tables)})
     except SQLAlchemyError as exc:
         raise storage_error(exc, "reading the subscriptions") from exc

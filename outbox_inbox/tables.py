@@ -99,7 +99,7 @@ def _outbox_table(metadata: MetaData) -> Table:
         "outbox_messages",
         metadata,
         # The identity orders rows of one ordering key; writers of one key are serialized
-        # (see queries.insert_outbox), so for them it is also the commit order.
+        # (see queries.roles.insert_outbox), so for them it is also the commit order.
         Column("id", _BigId, Identity(always=False), primary_key=True),
         Column("message_id", Uuid(as_uuid=True), nullable=False, unique=True),
         Column("kind", String(16), nullable=False),
@@ -294,7 +294,7 @@ def _archive_files_table(metadata: MetaData) -> Table:
 
 def _instances_table(metadata: MetaData) -> Table:
     """The running workers of each service and what they handle (rolling deploys)."""
-    # One row per worker, upserted while it runs (`queries.advertise_instance`) and deleted
+    # One row per worker, upserted while it runs (`queries.roles.advertise_instance`) and deleted
     # when it stops. `handlers`: a JSON list of {"kind", "pattern", "versions"} (versions
     # null: every version). A row whose `seen_at` is older than `no_handler_grace` is a
     # worker that died: not live.

@@ -25,7 +25,7 @@ from psycopg import pq, sql
 from sqlalchemy import Engine
 from sqlalchemy.engine import URL, make_url
 
-from . import queries
+from .queries import roles
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class Waker:
             for _ in range(5):
                 mine = _pid(conn)
                 with self._probe.connect() as other, other.begin():
-                    if queries.backend_pid(other) != mine:
+                    if roles.backend_pid(other) != mine:
                         continue
                     return _pid(conn) == mine
         except Exception as exc:  # the database is away: no verdict yet
@@ -179,7 +179,7 @@ class Waker:
         payload = f"{PROBE_PREFIX}{uuid.uuid4()}"
         try:
             with self._probe.begin() as other:
-                queries.notify(other, self._channel, payload)
+                roles.notify(other, self._channel, payload)
         except Exception as exc:  # the database is away: no verdict yet
             log.debug("wake-up probe on %s not sent: %s", self._channel, exc)
             return True
@@ -360,7 +360,7 @@ def release_listen(conninfo: str, channel: str, pid: int, *, probe: Engine | Non
 def _backend_exists(engine: Engine, pid: int) -> bool:
     try:
         with engine.begin() as conn:
-            return queries.backend_exists(conn, pid)
+            return roles.backend_exists(conn, pid)
     except Exception as exc:  # no verdict: go on looking
         log.debug("backend %d not looked up: %s", pid, exc)
         return True

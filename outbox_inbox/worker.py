@@ -24,7 +24,6 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
-from . import queries
 from .config import Settings
 from .context import handling
 from .errors import Reject, Retry, first_line
@@ -34,6 +33,7 @@ from .handlers import Handlers, Subscription, handled_by, run_writes
 from .listener import Listener, call
 from .messages import Message, message_from_row
 from .outbox import Outbox
+from .queries import roles
 from .retry import RetryPolicy
 from .role_loop import DRIVER_OUTAGES, RoleLoop
 from .tables import Tables
@@ -182,7 +182,7 @@ class Worker:
         `opened`: a connection to prepare instead of a new one from the engine (the asyncio
         worker passes the sync face of its AsyncConnection); it is closed if this fails.
 
-        The hang limit (`queries.limit_worker`) is set once on a session that is the worker's
+        The hang limit (`roles.limit_worker`) is set once on a session that is the worker's
         own (it holds the liveness lock and never goes back to a pool); otherwise each
         transaction sets it (``SET LOCAL``), so that a pooler in transaction mode passes
         nothing on to its other clients. Each call gets a new `claimant` name whose liveness
@@ -203,7 +203,7 @@ class Worker:
                     # The session is this worker's alone (never back in a pool): its limits
                     # are set once, not at each transaction's start (a round trip saved).
                     with conn.begin():
-                        queries.limit_worker(conn.connection.dbapi_connection, lease, local=False)
+                        roles.limit_worker(conn.connection.dbapi_connection, lease, local=False)
                 else:
                     event.listen(conn, "begin", _limit_each_transaction(lease))
         except BaseException:
@@ -229,7 +229,7 @@ class Worker:
                 return claimant, False  # SQLite: one process, claims judge leases only
             # No session to hold a lock: say so in the name, or claims would take this
             # worker's leased rows for a dead worker's.
-            return claimant + queries.LEASE_ONLY, False
+            return claimant + roles.LEASE_ONLY, False
         holder = conn
         if make_url(url) == self._engine.url:
             conn.detach()  # the session's lock must not reach another user of the pool
@@ -239,8 +239,8 @@ class Worker:
                 self._liveness_engine = create_engine(url, poolclass=NullPool)
             holder = self._liveness_engine.connect()
             self._liveness_conn = holder
-        queries.keep_liveness_session_alive(holder)
-        while not queries.hold_claimant_lock(holder, claimant):
+        roles.keep_liveness_session_alive(holder)
+        while not roles.hold_claimant_lock(holder, claimant):
             claimant = f"{self.name}/{next(self._connections)}"
         holder.commit()
         return claimant, holder is conn
@@ -330,7 +330,7 @@ class Worker:
             # rows given back are due now: claim again at once, not after a poll.
             alone = suspects[0]
             with conn.begin():
-                queries.release_claims(
+                roles.release_claims(
                     conn, self._tables, [r["id"] for r in rows if r is not alone], self.claimant
                 )
             self._work(conn, [alone], claim_next=False)
@@ -341,7 +341,7 @@ class Worker:
     def _claim(self, conn: Connection) -> list[RowMapping]:
         s = self._settings
         lease = timedelta(seconds=s.lease)
-        return queries.claim_inbox(conn, self._tables, self.claimant, s.worker_batch_size, lease)
+        return roles.claim_inbox(conn, self._tables, self.claimant, s.worker_batch_size, lease)
 
     @property
     def claimed_next(self) -> bool:
@@ -358,7 +358,7 @@ class Worker:
             return
         try:
             with conn.begin():
-                queries.release_claims(conn, self._tables, [r["id"] for r in rows], self.claimant)
+                roles.release_claims(conn, self._tables, [r["id"] for r in rows], self.claimant)
         except SQLAlchemyError as exc:
             log.debug("worker %s: giving back %d claims failed: %s", self.name, len(rows), exc)
 
@@ -372,7 +372,7 @@ class Worker:
         if time.monotonic() - self._advertised_at < grace / 4:
             return
         with conn.begin():
-            queries.advertise_instance(
+            roles.advertise_instance(
                 conn,
                 self._tables,
                 self._service,
@@ -390,7 +390,7 @@ class Worker:
             return
         try:
             with conn.begin():
-                queries.forget_instance(conn, self._tables, self._service, self.name)
+                roles.forget_instance(conn, self._tables, self._service, self.name)
         except SQLAlchemyError as exc:
             log.debug("worker %s: forgetting its instance row failed: %s", self.name, exc)
         self._advertised_at = -float("inf")
@@ -454,7 +454,7 @@ class Worker:
         handled: list[Message] = []
         claimed: list[RowMapping] = []
         with conn.begin():
-            mine = queries.lock_claimed(conn, self._tables, batch.ids, self.claimant, batch.since)
+            mine = roles.lock_claimed(conn, self._tables, batch.ids, self.claimant, batch.since)
             self._mark_dead_rows(conn, batch, mine)
             # join_transaction_mode="rollback_only": a handler's session.commit() only flushes;
             # this transaction is the worker's to commit.
@@ -467,8 +467,8 @@ class Worker:
                 run_writes(session)
             finally:
                 session.close()
-            queries.mark_processed(conn, self._tables, processed, batch.since)
-            queries.release_claims(conn, self._tables, unrun, self.claimant)
+            roles.mark_processed(conn, self._tables, processed, batch.since)
+            roles.release_claims(conn, self._tables, unrun, self.claimant)
             if claim_next and not self._stop.is_set():
                 claimed = self._claim(conn)
         self._next = claimed
@@ -521,7 +521,7 @@ class Worker:
         """
         handled: list[Message] = []
         with conn.begin():
-            mine = queries.lock_claimed(conn, self._tables, batch.ids, self.claimant, batch.since)
+            mine = roles.lock_claimed(conn, self._tables, batch.ids, self.claimant, batch.since)
             self._mark_dead_rows(conn, batch, mine)
             processed: list[int] = []
             unrun: list[int] = []
@@ -538,16 +538,16 @@ class Worker:
                 if message is not None:
                     handled.append(message)
                     processed.append(row["id"])
-            queries.mark_processed(conn, self._tables, processed, batch.since)
-            queries.release_claims(conn, self._tables, unrun, self.claimant)
+            roles.mark_processed(conn, self._tables, processed, batch.since)
+            roles.release_claims(conn, self._tables, unrun, self.claimant)
         return handled
 
     def _leave_away_rows(self, conn: Connection, batch: _Batch, mine: set[int]) -> None:
         """Decide the rows no handler of this worker takes, in the batch's transaction.
 
         A row that a live instance of the service advertises a handler for (one seen within
-        ``no_handler_grace``: `queries.live_instances`) is given back uncounted and due again
-        in `AWAY_DELAY` seconds (`queries.release_claims`): still pending, so its key's later
+        ``no_handler_grace``: `roles.live_instances`) is given back uncounted and due again
+        in `AWAY_DELAY` seconds (`roles.release_claims`): still pending, so its key's later
         rows stay behind it, and not claimed again by this worker at every poll. One warning
         per routing key and version a minute says so. A row no live instance handles is dead,
         reason ``no_handler``; so is every such row of a worker without a service.
@@ -559,7 +559,7 @@ class Worker:
         live = (
             []
             if self._service is None
-            else queries.live_instances(conn, self._tables, self._service, timedelta(seconds=grace))
+            else roles.live_instances(conn, self._tables, self._service, timedelta(seconds=grace))
         )
         left: list[int] = []
         for row in rows:
@@ -581,7 +581,7 @@ class Worker:
             error = f"no handler for {key} version {version} on any live instance"
             self._mark_dead(conn, row, NO_HANDLER, error, finished=True)
             batch.marked.append(NO_HANDLER)
-        queries.release_claims(
+        roles.release_claims(
             conn, self._tables, left, self.claimant, due_in=timedelta(seconds=AWAY_DELAY)
         )
 
@@ -629,7 +629,7 @@ class Worker:
         The fault back to the row's sender is written after the mark, in the same
         transaction: neither commits without the other (outbox_inbox.faults)."""
         cause_print = fingerprint(reason, cause)
-        queries.mark_dead(
+        roles.mark_dead(
             conn, self._tables, row["id"], reason, error, finished=finished, fingerprint=cause_print
         )
         if self._outbox is not None:
@@ -737,7 +737,7 @@ class Worker:
             delay,
             exc,
         )
-        queries.mark_retry(conn, self._tables, row["id"], error, timedelta(seconds=delay))
+        roles.mark_retry(conn, self._tables, row["id"], error, timedelta(seconds=delay))
         return False
 
 
@@ -752,7 +752,7 @@ def _limit_each_transaction(lease: float) -> Callable[[Connection], None]:
     def limit(conn: Connection) -> None:
         dbapi = conn.connection.dbapi_connection
         try:
-            queries.limit_worker(dbapi, lease, local=True)
+            roles.limit_worker(dbapi, lease, local=True)
         except DRIVER_OUTAGES as exc:
             gone = conn.dialect.is_disconnect(exc, dbapi, None)  # type: ignore[arg-type]
             raise DBAPIError.instance(

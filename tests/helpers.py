@@ -167,7 +167,7 @@ def dead_rows_one_refused(service: Service, count: int, refused: int) -> list[st
 
 
 def received_row(**values: Any) -> dict[str, Any]:
-    """An inbox row as the receiver hands it to `queries.insert_inbox` (a command to billing
+    """An inbox row as the receiver hands it to `queries.roles.insert_inbox` (a command to billing
     from orders, a new message id), with `values` instead of the defaults."""
     return {
         "message_id": uuid.uuid4(),

@@ -23,7 +23,7 @@ one, and their count, from it): built CONCURRENTLY on the existing table in step
 the attach in step 2; on SQLite simply created.
 
 A message id stays unique in each partition (a unique index per partition); the receiver
-keeps it unique across partitions (queries.insert_inbox). SQLite keeps plain tables.
+keeps it unique across partitions (queries.roles.insert_inbox). SQLite keeps plain tables.
 
 Revision ID: 0006
 Revises: 0005

@@ -190,8 +190,8 @@ def read_live(db_url: str, schema: str | None = None) -> LiveRows:
     subscriptions name). Raises ConfigurationError when that is not exactly one service."""
     from sqlalchemy import create_engine
 
-    from .. import queries
     from ..logsafe import mask_url
+    from ..queries import archive, operations
     from ..sqlite import is_sqlite
     from ..tables import build_tables
 
@@ -200,7 +200,7 @@ def read_live(db_url: str, schema: str | None = None) -> LiveRows:
     read_at = datetime.now(UTC)
     try:
         with engine.connect() as conn:
-            subscriptions = queries.subscriptions_of(conn, tables)
+            subscriptions = operations.subscriptions_of(conn, tables)
             services = sorted({row["service"] for row in subscriptions})
             if len(services) != 1:
                 raise ConfigurationError(
@@ -210,8 +210,8 @@ def read_live(db_url: str, schema: str | None = None) -> LiveRows:
             return LiveRows(
                 service=services[0],
                 # Stamped as archived now: newer than any archived copy of the same row.
-                outbox=to_records(OUTBOX, queries.history_rows(conn, tables, OUTBOX), read_at),
-                inbox=to_records(INBOX, queries.history_rows(conn, tables, INBOX), read_at),
+                outbox=to_records(OUTBOX, archive.history_rows(conn, tables, OUTBOX), read_at),
+                inbox=to_records(INBOX, archive.history_rows(conn, tables, INBOX), read_at),
                 subscriptions=[subscription_record(row) for row in subscriptions],
             )
     finally:

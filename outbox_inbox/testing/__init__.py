@@ -50,9 +50,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy.engine import RowMapping
+from sqlalchemy import Connection, select, update
 
-from .. import queries
 from ..broker import Broker, Consumer, PublishOutcome
 from ..brokers.memory import MemoryBroker
 from ..errors import ConfigurationError, OutboxInboxError
@@ -63,11 +62,12 @@ from ..messages import (
     EVENTS_EXCHANGE,
     OutgoingMessage,
     check_headers,
+    from_row,
     inbox_id,
     to_wire,
 )
 from ..service import Service
-from ..tables import DEAD, PROCESSED
+from ..tables import DEAD, PENDING, PROCESSED, Tables, outbox_unsent
 from ..topology import dead_letter_queue, delay_queue, inbox_queue, topic_matches
 
 __all__ = [
@@ -413,8 +413,8 @@ class ServiceHarness:
         backoff, so a refusing broker cannot make `run_until_idle` spin).
         """
         with self.service.engine.begin() as conn:
-            moved = queries.make_retries_due(conn, self.service.tables)
-            moved += queries.make_delayed_outbox_due(conn, self.service.tables)
+            moved = make_retries_due(conn, self.service.tables)
+            moved += make_delayed_outbox_due(conn, self.service.tables)
         return int(moved or 0)
 
     def waiting_in_broker(self) -> int:
@@ -446,24 +446,10 @@ class ServiceHarness:
         `type` filters by routing key (``orders.order.placed``; topic patterns such as
         ``orders.#`` work too); `kind` by ``command`` / ``event``.
         """
+        o = self.service.tables.outbox
         with self.service.engine.connect() as conn:
-            rows = queries.outbox_rows(conn, self.service.tables)
-        found = [
-            PublishedMessage(
-                message_id=r["message_id"],
-                kind=r["kind"],
-                type=r["routing_key"],
-                payload=r["payload"],
-                key=r["key"],
-                headers=dict(r["headers"] or {}),
-                correlation_id=r["correlation_id"],
-                causation_id=r["causation_id"],
-                priority=r["priority"],
-                version=r["version"],
-                sent=r["published_at"] is not None,
-            )
-            for r in rows
-        ]
+            rows = conn.execute(select(o).order_by(o.c.id)).mappings().all()
+        found = [from_row(PublishedMessage, r, sent=r["published_at"] is not None) for r in rows]
         return [
             m
             for m in found
@@ -472,9 +458,13 @@ class ServiceHarness:
 
     def inbox_rows(self, status: str | None = None) -> list[InboxRow]:
         """Messages in the service's inbox in the order received, optionally of one `status`."""
+        i = self.service.tables.inbox
+        stmt = select(i).order_by(i.c.id)
+        if status is not None:
+            stmt = stmt.where(i.c.status == status)
         with self.service.engine.connect() as conn:
-            rows = queries.inbox_rows(conn, self.service.tables, status)
-        return [_inbox_row(r) for r in rows]
+            rows = conn.execute(stmt).mappings().all()
+        return [from_row(InboxRow, r) for r in rows]
 
     def processed(self) -> list[InboxRow]:
         """Inbox messages whose handlers succeeded."""
@@ -492,9 +482,10 @@ class ServiceHarness:
         return row
 
     def _find_inbox(self, message_id: uuid.UUID) -> InboxRow | None:
+        i = self.service.tables.inbox
         with self.service.engine.connect() as conn:
-            found = queries.inbox_row(conn, self.service.tables, message_id)
-        return _inbox_row(found) if found is not None else None
+            found = conn.execute(select(i).where(i.c.message_id == message_id)).mappings().first()
+        return from_row(InboxRow, found) if found is not None else None
 
     def describe(self) -> str:
         """A one-line summary of the service's inbox and outbox, for failure messages."""
@@ -540,22 +531,33 @@ def run_all_until_idle(
             raise HarnessTimeout(f"not idle after {timeout:g} s: {state}")
 
 
-def _inbox_row(r: RowMapping) -> InboxRow:
-    return InboxRow(
-        message_id=r["message_id"],
-        kind=r["kind"],
-        type=r["routing_key"],
-        payload=r["payload"],
-        status=r["status"],
-        attempts=r["attempts"],
-        last_error=r["last_error"],
-        dead_reason=r["dead_reason"],
-        key=r["key"],
-        headers=dict(r["headers"] or {}),
-        source=r["source"],
-        correlation_id=r["correlation_id"],
-        causation_id=r["causation_id"],
+def make_retries_due(conn: Connection, tables: Tables) -> int:
+    """Make pending inbox rows that wait for a retry due now; return how many changed.
+
+    The new time is the row's own receipt time: in the past by the database's clock on every
+    dialect, and the call is idempotent (its condition is false afterwards).
+    """
+    i = tables.inbox
+    stmt = (
+        update(i)
+        .where(i.c.status == PENDING, i.c.next_attempt_at > i.c.received_at)
+        .values(next_attempt_at=i.c.received_at)
     )
+    return int(conn.execute(stmt).rowcount or 0)
+
+
+def make_delayed_outbox_due(conn: Connection, tables: Tables) -> int:
+    """Make outbox rows written with ``delay=`` and not tried yet due now.
+
+    Rows the broker refused keep their backoff, so a refusing broker cannot make a caller spin.
+    """
+    o = tables.outbox
+    stmt = (
+        update(o)
+        .where(outbox_unsent(o), o.c.attempts == 0, o.c.available_at > o.c.created_at)
+        .values(available_at=o.c.created_at)
+    )
+    return int(conn.execute(stmt).rowcount or 0)
 
 
 # --- pytest fixtures (registered by the ``pytest11`` entry point ``outbox_inbox``) --------------

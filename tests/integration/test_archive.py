@@ -34,8 +34,9 @@ from history import (
     seed_inbox,
     seed_outbox,
 )
-from outbox_inbox import Service, queries
+from outbox_inbox import Service
 from outbox_inbox.archive import ArchiveBusy, Archiver
+from outbox_inbox.queries import archive, roles
 from outbox_inbox.tables import Tables
 
 OLD, RECENT = timedelta(days=10), timedelta(hours=1)
@@ -88,8 +89,8 @@ def test_archive_moves_only_finished_rows_older_than_the_retention_into_partitio
     assert not [p for p in tmp_path.rglob(".*") if p.is_file()]
 
     with engine.connect() as conn:
-        left_out = {r["message_id"] for r in queries.history_rows(conn, tables, "outbox")}
-        left_in = {r["message_id"] for r in queries.history_rows(conn, tables, "inbox")}
+        left_out = {r["message_id"] for r in archive.history_rows(conn, tables, "outbox")}
+        left_in = {r["message_id"] for r in archive.history_rows(conn, tables, "inbox")}
     assert left_out == set(unpublished + recent)
     assert left_in == set(pending + recent_in)
     assert _count(engine, tables.deliveries) == 0  # the counters left with their rows
@@ -118,17 +119,17 @@ _KILL_AFTER_FILE = textwrap.dedent(
     import os, signal, sys
     from sqlalchemy import create_engine
     from datetime import timedelta
-    from outbox_inbox import Service, queries
     from outbox_inbox.archive import Archiver
+    from outbox_inbox.queries import archive
     from outbox_inbox.tables import build_tables
 
-    real_delete = queries.delete_archived
+    real_delete = archive.delete_archived
 
     def die_before_delete(*args, **kwargs):
         # The batch's files are written and synced: the process dies before deleting rows.
         os.kill(os.getpid(), signal.SIGKILL)
 
-    queries.delete_archived = die_before_delete
+    archive.delete_archived = die_before_delete
     engine = create_engine(sys.argv[1])
     Archiver(engine, build_tables("outbox_inbox"), "orders", sys.argv[2],
              older_than=timedelta(days=7), batch_size=1000).run()
@@ -154,7 +155,7 @@ def test_archive_killed_after_a_file_is_synced_completes_that_batch_when_run_aga
     assert archived_ids(tmp_path, "outbox") == {str(m): 1 for m in ids}
     assert _count(engine, tables.outbox) == 50
     with engine.connect() as conn:
-        journal = queries.unfinished_archive_files(conn, tables)
+        journal = archive.unfinished_archive_files(conn, tables)
     assert [Path(j["path"]).exists() for j in journal] == [True]
 
     result = Archiver(engine, tables, "orders", tmp_path, older_than=timedelta(days=7)).run()
@@ -221,18 +222,18 @@ def test_a_dead_row_replayed_after_its_file_was_written_stays_in_the_table(
 ) -> None:
     engine, tables = store
     dead = seed_inbox(engine, tables, 3, age=OLD, status="dead")
-    journal = queries.journal_archive_files
+    journal = archive.journal_archive_files
 
     def journal_then_replay(conn: Any, tables_: Tables, files: Any) -> None:
         # An operator replays one dead row while the archive writes the batch's file.
         journal(conn, tables_, files)
         make_dead_pending(engine, tables, dead[:1])
 
-    monkeypatch.setattr(queries, "journal_archive_files", journal_then_replay)
+    monkeypatch.setattr(archive, "journal_archive_files", journal_then_replay)
     result = Archiver(engine, tables, "orders", tmp_path, older_than=timedelta(days=7)).run()
     assert result.rows["inbox"] == 2 and result.kept_rows == 1
     with engine.connect() as conn:
-        left = queries.history_rows(conn, tables, "inbox")
+        left = archive.history_rows(conn, tables, "inbox")
     assert [(r["message_id"], r["status"]) for r in left] == [(dead[0], "pending")]
 
 
@@ -242,14 +243,14 @@ def test_a_second_run_is_refused_while_one_holds_the_schema_lock(
     engine, tables = store
     seed_outbox(engine, tables, 2, age=OLD)
     with engine.connect() as holder:
-        assert queries.try_archive_lock(holder, "outbox_inbox")
+        assert archive.try_archive_lock(holder, "outbox_inbox")
         with pytest.raises(ArchiveBusy):
             Archiver(engine, tables, "orders", tmp_path, older_than=timedelta(0)).run()
         result = archive_cli(db_url, tmp_path)
         assert result.returncode == 1
         assert "another archive run holds the lock" in result.stderr
         assert "Traceback" not in result.stderr
-        queries.release_archive_lock(holder, "outbox_inbox")
+        archive.release_archive_lock(holder, "outbox_inbox")
     assert _count(engine, tables.outbox) == 2
     assert not list(tmp_path.rglob("*.parquet"))
 
@@ -258,10 +259,10 @@ def test_a_second_run_is_refused_while_one_holds_the_schema_lock(
     for _ in range(3):
         Archiver(engine, tables, "orders", tmp_path, older_than=timedelta(0)).run()
     with engine.connect() as other, engine.connect() as another:
-        assert queries.try_archive_lock(other, "outbox_inbox")
-        queries.release_archive_lock(other, "outbox_inbox")
-        assert queries.try_archive_lock(another, "outbox_inbox")
-        queries.release_archive_lock(another, "outbox_inbox")
+        assert archive.try_archive_lock(other, "outbox_inbox")
+        archive.release_archive_lock(other, "outbox_inbox")
+        assert archive.try_archive_lock(another, "outbox_inbox")
+        archive.release_archive_lock(another, "outbox_inbox")
     assert _count(engine, tables.outbox) == 0
 
 
@@ -274,7 +275,7 @@ def test_archive_without_a_service_name_uses_the_one_its_subscriptions_name(
     assert nameless.returncode == 1
     assert "pass --service NAME or --app" in nameless.stderr
     with engine.begin() as conn:
-        queries.record_subscriptions(conn, tables, "orders", [("commands", "orders.#")])
+        roles.record_subscriptions(conn, tables, "orders", [("commands", "orders.#")])
     result = archive_cli(db_url, tmp_path, "--json", service=None)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["service"] == "orders"

@@ -1,4 +1,4 @@
-"""`queries.insert_inbox` on PostgreSQL and SQLite: every value is stored as decoded, once.
+"""`queries.roles.insert_inbox` on PostgreSQL and SQLite: every value is stored as decoded, once.
 
 On PostgreSQL a batch goes in as one array per column (``unnest``); on SQLite as rows. Both
 must store the same values, skip a message_id stored before or twice in the batch, and return
@@ -18,7 +18,7 @@ from sqlalchemy import select
 
 from helpers import received_row
 from outbox_inbox import MemoryBroker, Service
-from outbox_inbox.queries import insert_inbox
+from outbox_inbox.queries.roles import insert_inbox
 
 
 def _row(**values: Any) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from sqlalchemy.exc import OperationalError
 
 from helpers import received_row
 from history import REPO_ROOT, archived
-from outbox_inbox import MemoryBroker, Message, Service, queries
+from outbox_inbox import MemoryBroker, Message, Service
 from outbox_inbox.archive import Archiver, partition_exporter
 from outbox_inbox.config import Settings
 from outbox_inbox.errors import ConfigurationError
@@ -41,7 +41,8 @@ from outbox_inbox.partitions import (
     partition_name,
     partitions,
 )
-from outbox_inbox.queries import insert_inbox
+from outbox_inbox.queries import operations, roles
+from outbox_inbox.queries.roles import insert_inbox
 from outbox_inbox.status import collect_status
 from outbox_inbox.tables import DEAD, PARKED, PENDING, PROCESSED, Tables
 from outbox_inbox.testing import ServiceHarness
@@ -65,7 +66,7 @@ def billing(db_url: str) -> Iterator[Service]:
 
 def _db_now(engine: Engine) -> datetime:
     with engine.connect() as conn:
-        now: datetime = queries.database_now(conn)
+        now: datetime = operations.database_now(conn)
     return now
 
 
@@ -84,7 +85,7 @@ def _partitions_since(engine: Engine, tables: Tables, since: datetime) -> None:
                 conn.execute(text(f"DROP TABLE {_q(conn, tables.schema)}.{_q(conn, p.name)}"))
         conn.commit()
         make_ahead(conn, tables, "day", since)
-        make_ahead(conn, tables, "day", queries.database_now(conn))
+        make_ahead(conn, tables, "day", operations.database_now(conn))
 
 
 def _names(engine: Engine, tables: Tables, parent: str) -> list[str]:
@@ -216,7 +217,7 @@ def _boundary_in_two_seconds(engine: Engine, tables: Tables) -> datetime:
         s = _q(conn, tables.schema)
         for p in partitions(conn, tables.schema, "inbox_messages"):
             conn.execute(text(f"DROP TABLE {s}.{_q(conn, p.name)}"))
-        now: datetime = queries.database_now(conn)
+        now: datetime = operations.database_now(conn)
         boundary = now.replace(microsecond=0) + timedelta(seconds=3)
         bounds = [(now - DAY, boundary), (boundary, now + DAY)]
         for n, (lower, upper) in enumerate(bounds):
@@ -474,7 +475,7 @@ def test_a_partition_left_detached_with_a_pending_row_is_attached_again_and_the_
         (now - 14 * DAY).replace(hour=0, minute=0, second=0, microsecond=0),
     )
     with engine.begin() as conn:
-        claimed = queries.claim_inbox(conn, tables, "worker-1", 10, timedelta(seconds=30))
+        claimed = roles.claim_inbox(conn, tables, "worker-1", 10, timedelta(seconds=30))
     assert [r["message_id"] for r in claimed] == [pending]
 
 

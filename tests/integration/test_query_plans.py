@@ -19,9 +19,9 @@ import pytest
 from sqlalchemy import Connection, create_engine, event, text
 
 from helpers import received_row
-from outbox_inbox import queries
 from outbox_inbox.migrate import alembic_config, upgrade
 from outbox_inbox.partitions import partitions
+from outbox_inbox.queries import operations, roles
 from outbox_inbox.tables import Tables, build_tables
 from outbox_inbox.testing.servers import PostgresHandle
 
@@ -151,7 +151,7 @@ def _scans(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 
 #: Indexes that may be read whole (by their name on the partitioned table): the count of
-#: processed rows in `status` (queries.inbox_status) reads their narrow index, not the table.
+#: processed rows in `status` (operations.inbox_status) reads their narrow index, not the table.
 READ_WHOLE = {"ix_inbox_messages_processed"}
 
 
@@ -237,34 +237,34 @@ def test_the_fill_spreads_finished_rows_over_three_partitions(engine: Any) -> No
 
 def test_the_workers_claim_uses_the_index_of_pending_rows(engine: Any, tables: Tables) -> None:
     _assert_no_scan_of_a_large_relation(
-        engine, lambda conn: queries.claim_inbox(conn, tables, "w-1", 10, timedelta(seconds=30))
+        engine, lambda conn: roles.claim_inbox(conn, tables, "w-1", 10, timedelta(seconds=30))
     )
 
 
 def test_the_workers_mark_reads_rows_by_id(engine: Any, tables: Tables) -> None:
     ids = _pending_ids(engine, "inbox_messages")
     _assert_no_scan_of_a_large_relation(
-        engine, lambda conn: queries.mark_processed(conn, tables, ids)
+        engine, lambda conn: roles.mark_processed(conn, tables, ids)
     )
 
 
 def test_the_relays_claim_uses_the_index_of_unsent_rows(engine: Any, tables: Tables) -> None:
-    _assert_no_scan_of_a_large_relation(engine, lambda conn: queries.claim_outbox(conn, tables, 10))
+    _assert_no_scan_of_a_large_relation(engine, lambda conn: roles.claim_outbox(conn, tables, 10))
 
 
 def test_the_relays_mark_reads_rows_by_id(engine: Any, tables: Tables) -> None:
     ids = _pending_ids(engine, "outbox_messages")
     _assert_no_scan_of_a_large_relation(
-        engine, lambda conn: queries.mark_published(conn, tables, ids)
+        engine, lambda conn: roles.mark_published(conn, tables, ids)
     )
 
 
 @pytest.mark.parametrize(
     "query",
     [
-        lambda conn, tables: queries.outbox_status(conn, tables),
-        lambda conn, tables: queries.inbox_status(conn, tables),
-        lambda conn, tables: queries.held_keys(conn, tables, 20),
+        lambda conn, tables: operations.outbox_status(conn, tables),
+        lambda conn, tables: operations.inbox_status(conn, tables),
+        lambda conn, tables: operations.held_keys(conn, tables, 20),
     ],
     ids=["outbox_status", "inbox_status", "held_keys"],
 )
@@ -275,9 +275,9 @@ def test_status_reads_no_finished_row(engine: Any, tables: Tables, query: Any) -
 @pytest.mark.parametrize(
     "query",
     [
-        lambda conn, tables: queries.dead_inbox_rows(conn, tables),
-        lambda conn, tables: queries.dead_outbox_rows(conn, tables),
-        lambda conn, tables: queries.dead_groups(conn, tables),
+        lambda conn, tables: operations.dead_inbox_rows(conn, tables),
+        lambda conn, tables: operations.dead_outbox_rows(conn, tables),
+        lambda conn, tables: operations.dead_groups(conn, tables),
     ],
     ids=["dead_inbox_rows", "dead_outbox_rows", "dead_groups"],
 )
@@ -299,7 +299,7 @@ def test_the_receivers_insert_probes_each_partitions_message_id_index(
         for n, message_id in enumerate([stored, uuid.uuid4(), uuid.uuid4()])
     ]
     plans = _assert_no_scan_of_a_large_relation(
-        engine, lambda conn: queries.insert_inbox(conn, tables, batch)
+        engine, lambda conn: roles.insert_inbox(conn, tables, batch)
     )
     probed = {
         node["Relation Name"]

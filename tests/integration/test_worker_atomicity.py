@@ -26,8 +26,10 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import NullPool
 
 from helpers import make_service, rows, running, scalar, wait_until
-from outbox_inbox import Message, Service, queries
+from outbox_inbox import Message, Service
 from outbox_inbox.listener import Listener
+from outbox_inbox.queries import roles
+from outbox_inbox.testing import make_retries_due
 from outbox_inbox.worker import Worker
 
 INBOX = "outbox_inbox.inbox_messages"
@@ -166,7 +168,7 @@ def _check_refused_mark_rolls_back_the_effect(db_url: str, mq_url: str, trigger:
 
     with billing.engine.begin() as conn:
         conn.execute(text(f"DROP TRIGGER refuse_processed ON {INBOX}"))
-        queries.make_retries_due(conn, billing.tables)  # in case it was counted as a failure
+        make_retries_due(conn, billing.tables)  # in case it was counted as a failure
     calls.clear()
     worker = billing.worker()
     with _connected(worker) as conn:
@@ -214,9 +216,9 @@ def test_two_workers_claiming_on_two_open_connections_get_disjoint_rows(
     # Both claims inside transactions that stay open until both have claimed.
     with _connected(a) as conn_a, _connected(b) as conn_b:
         claim_a = conn_a.begin()
-        claimed_a = queries.claim_inbox(conn_a, billing.tables, a.claimant, 10, lease)
+        claimed_a = roles.claim_inbox(conn_a, billing.tables, a.claimant, 10, lease)
         claim_b = conn_b.begin()
-        claimed_b = queries.claim_inbox(conn_b, billing.tables, b.claimant, 10, lease)
+        claimed_b = roles.claim_inbox(conn_b, billing.tables, b.claimant, 10, lease)
         ids_a, ids_b = {r["id"] for r in claimed_a}, {r["id"] for r in claimed_b}
         claim_b.rollback()
         claim_a.rollback()
@@ -257,7 +259,7 @@ def _claim_and_hold(billing: Service, worker: Worker, conn: Connection) -> list[
     """Claim every due row for `worker` on its connection and commit, without handling them."""
     lease = timedelta(seconds=billing.settings.lease)
     with conn.begin():
-        claimed = queries.claim_inbox(conn, billing.tables, worker.claimant, 50, lease)
+        claimed = roles.claim_inbox(conn, billing.tables, worker.claimant, 50, lease)
     return [r["id"] for r in claimed]
 
 

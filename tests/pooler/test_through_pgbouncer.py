@@ -27,9 +27,10 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
 from helpers import make_service, rows, scalar, wait_until
-from outbox_inbox import Service, queries
+from outbox_inbox import Service
 from outbox_inbox.archive import Archiver
 from outbox_inbox.messages import Message
+from outbox_inbox.queries import roles
 
 from .bouncer import PgBouncerServer
 from .conftest import POOL_SIZE
@@ -312,13 +313,14 @@ def test_a_fresh_client_of_the_transaction_pool_sees_the_server_defaults(
 _CLAIMER = """
 import sys, time
 from datetime import timedelta
-from outbox_inbox import Service, queries
+from outbox_inbox import Service
+from outbox_inbox.queries import roles
 settings = {} if sys.argv[3] == "-" else {"listen_url": sys.argv[3]}
 service = Service("orders", db_url=sys.argv[1], prepare_threshold=None, **settings)
 worker = service.worker()
 conn = worker.connect()
 with conn.begin():
-    rows = queries.claim_inbox(conn, service.tables, worker.claimant, 50, timedelta(seconds=60))
+    rows = roles.claim_inbox(conn, service.tables, worker.claimant, 50, timedelta(seconds=60))
 print(len(rows), flush=True)
 time.sleep(600)
 """
@@ -366,7 +368,7 @@ def test_a_killed_workers_rows_are_free_at_the_next_claim_where_a_session_holds_
     try:
         with conn.begin():
             lease = timedelta(seconds=60)
-            free = len(queries.claim_inbox(conn, other.tables, worker.claimant, 50, lease))
+            free = len(roles.claim_inbox(conn, other.tables, worker.claimant, 50, lease))
     finally:
         conn.close()
         worker.close_liveness()

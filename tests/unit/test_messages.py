@@ -150,7 +150,7 @@ def test_reserved_headers_are_refused() -> None:
 
 
 def test_the_outbox_insert_sent_on_the_db_api_cursor_takes_the_row_as_it_is() -> None:
-    """queries.insert_outbox runs its compiled INSERT on psycopg's cursor with the row's values
+    """roles.insert_outbox runs its compiled INSERT on psycopg's cursor with the row's values
     as they are, by their names: psycopg adapts every column type itself. A type that needed
     SQLAlchemy's bind processing, or a parameter SQLAlchemy renamed, would be sent wrong, so
     it must fail here first."""
@@ -158,14 +158,14 @@ def test_the_outbox_insert_sent_on_the_db_api_cursor_takes_the_row_as_it_is() ->
 
     from sqlalchemy.dialects.postgresql import psycopg as pg_psycopg
 
-    from outbox_inbox import queries
+    from outbox_inbox.queries import roles
     from outbox_inbox.tables import build_tables
 
     keys = (
         "message_id", "kind", "exchange", "routing_key", "payload", "headers", "version",
         "correlation_id", "causation_id", "key", "priority", "ttl", "delay",
     )  # fmt: skip
-    compiled = queries._insert_outbox_compiled(
+    compiled = roles._insert_outbox_compiled(
         build_tables("outbox_inbox"), pg_psycopg.dialect(), keys
     )
     assert compiled._bind_processors == {}  # type: ignore[attr-defined]

@@ -1,14 +1,12 @@
-"""Every SQL statement the library runs, named, built with SQLAlchemy Core.
-
-Each function takes the connection to run on as its first argument and never commits it: the
-caller decides the transaction. Values always travel as bound parameters.
+"""The statements of the roles: what the outbox writer, the relay, the receiver, the worker and
+the waker run, and what a service sets up on its connections.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from functools import cache
 from typing import TYPE_CHECKING, Any
@@ -22,7 +20,6 @@ from sqlalchemy import (
     Float,
     Integer,
     String,
-    Table,
     Text,
     and_,
     any_,
@@ -34,7 +31,6 @@ from sqlalchemy import (
     event,
     exists,
     func,
-    insert,
     literal,
     null,
     or_,
@@ -42,7 +38,6 @@ from sqlalchemy import (
     table,
     text,
     type_coerce,
-    union_all,
     update,
 )
 from sqlalchemy.dialects.postgresql import JSONB, OID
@@ -57,9 +52,9 @@ from sqlalchemy.sql.elements import ColumnElement
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-from .clock import db_now, db_now_plus
-from .messages import RECEIVED_COLUMNS, RECEIVED_JSON_COLUMNS
-from .tables import DEAD, PARKED, PENDING, PROCESSED, Tables, outbox_unsent
+from ..clock import db_now, db_now_plus
+from ..messages import RECEIVED_COLUMNS, RECEIVED_JSON_COLUMNS
+from ..tables import DEAD, PENDING, PROCESSED, Tables, outbox_unsent
 
 #: Advisory-lock namespaces (the first key of the two-key form). Writers of one ordering key
 #: serialize on WRITER_LOCK; a relay holds RELAY_LOCK on each key it is publishing; a worker
@@ -94,12 +89,13 @@ def _insert(conn: Connection, table: Any) -> Any:
     return sqlite_insert(table) if conn.dialect.name == "sqlite" else pg_insert(table)
 
 
-def _is_postgres(executor: Executor) -> bool:
+def is_postgres(executor: Executor) -> bool:
+    """Whether `executor` runs on PostgreSQL (else SQLite)."""
     bind = executor.get_bind() if isinstance(executor, Session) else executor
     return bind.dialect.name == "postgresql"
 
 
-# --- outbox -------------------------------------------------------------------------------
+# --- outbox and relay -----------------------------------------------------------------------------
 
 
 def insert_outbox(executor: Executor, tables: Tables, rows: Sequence[Mapping[str, Any]]) -> None:
@@ -208,7 +204,7 @@ def claim_outbox(conn: Connection, tables: Tables, limit: int) -> list[RowMappin
     The rows carry the columns a relay publishes from (not ``available_at``, ``published_at``,
     ``expired_at`` nor ``last_error``) and ``claimed_at``, the database's time of the claim.
     """
-    stmt = _claim_outbox_statement(tables, _is_postgres(conn))
+    stmt = _claim_outbox_statement(tables, is_postgres(conn))
     return list(conn.execute(stmt, {"limit": limit}).mappings().all())
 
 
@@ -272,7 +268,7 @@ def claimed_outbox_rows(
     """The rows of `ids` as `claim_outbox` returns them, by id: rows this transaction claimed."""
     if not ids:
         return {}
-    postgres = _is_postgres(conn)
+    postgres = is_postgres(conn)
     o = tables.outbox
     stmt = select(*_relayed_columns(tables, postgres)).where(_among(o.c.id, postgres))
     return {row["id"]: row for row in conn.execute(stmt, {"ids": list(ids)}).mappings()}
@@ -286,7 +282,7 @@ def earliest_unsent(conn: Connection, tables: Tables, keys: Sequence[str]) -> di
     """
     if not keys:
         return {}
-    stmt = _earliest_unsent_statement(tables, _is_postgres(conn))
+    stmt = _earliest_unsent_statement(tables, is_postgres(conn))
     return {key: int(first) for key, first in conn.execute(stmt, {"keys": list(keys)}).all()}
 
 
@@ -304,14 +300,14 @@ def _earliest_unsent_statement(tables: Tables, postgres: bool) -> Any:
 def mark_published(conn: Connection, tables: Tables, ids: Sequence[int]) -> None:
     """Set published_at on confirmed rows."""
     if ids:
-        stmt = _mark_outbox_statement(tables, _is_postgres(conn), "published_at")
+        stmt = _mark_outbox_statement(tables, is_postgres(conn), "published_at")
         conn.execute(stmt, {"ids": list(ids)})
 
 
 def mark_expired(conn: Connection, tables: Tables, ids: Sequence[int]) -> None:
     """Set expired_at on rows whose time to live ran out before they were published."""
     if ids:
-        stmt = _mark_outbox_statement(tables, _is_postgres(conn), "expired_at")
+        stmt = _mark_outbox_statement(tables, is_postgres(conn), "expired_at")
         conn.execute(stmt, {"ids": list(ids)})
 
 
@@ -326,7 +322,7 @@ def mark_publish_failed(
 ) -> None:
     """Count a failed attempt on rows that stay unpublished, and hold them back for `delay`."""
     if ids:
-        stmt = _mark_publish_failed_statement(tables, _is_postgres(conn))
+        stmt = _mark_publish_failed_statement(tables, is_postgres(conn))
         params = {"ids": list(ids), "error": error[:2000], "delay": delay.total_seconds()}
         conn.execute(stmt, params)
 
@@ -357,7 +353,7 @@ def mark_outbox_dead(
     """Count a last failed attempt on rows and take them out of the relay's way as dead,
     with the `fingerprint` of why (default: the reason)."""
     if ids:
-        stmt = _mark_outbox_dead_statement(tables, _is_postgres(conn))
+        stmt = _mark_outbox_dead_statement(tables, is_postgres(conn))
         params = {"ids": list(ids), "reason": reason[:255], "error": error[:2000]}
         conn.execute(stmt, {**params, "fingerprint": (fingerprint or reason)[:255]})
 
@@ -378,225 +374,7 @@ def _mark_outbox_dead_statement(tables: Tables, postgres: bool) -> Any:
     )
 
 
-def dead_outbox_rows(
-    conn: Connection,
-    tables: Tables,
-    *,
-    routing_keys: Sequence[str] = (),
-    older_than: timedelta | None = None,
-    reason: str | None = None,
-    error: str | None = None,
-    message_ids: Sequence[uuid.UUID] = (),
-    fingerprint: str | None = None,
-    parked: bool = False,
-) -> Iterator[RowMapping]:
-    """Dead outbox rows matching every given filter, in id order, streamed.
-
-    The filters mean what they mean for `dead_inbox_rows`; each row carries ``age_seconds``.
-    """
-    o = tables.outbox
-    stmt = select(o, _age_seconds(o.c.dead_at).label("age_seconds")).where(
-        *_dead_filters(o, o.c.dead_at, routing_keys, older_than, reason, error, message_ids),
-        *_group_filters(o, fingerprint, parked),
-    )
-    result = conn.execute(stmt.order_by(o.c.id).execution_options(yield_per=500))
-    yield from result.mappings()
-
-
-def count_dead(
-    conn: Connection,
-    tables: Tables,
-    table: str,
-    *,
-    routing_keys: Sequence[str] = (),
-    older_than: timedelta | None = None,
-    reason: str | None = None,
-    error: str | None = None,
-    message_ids: Sequence[uuid.UUID] = (),
-    fingerprint: str | None = None,
-    parked: bool = False,
-) -> int:
-    """How many dead rows of `table` ("inbox" or "outbox") match every given filter.
-
-    The filters mean what they mean for `dead_inbox_rows`; one count query, no row is loaded.
-    """
-    t = tables.inbox if table == "inbox" else tables.outbox
-    dead_at = _dead_since(t) if table == "inbox" else t.c.dead_at
-    where = _dead_filters(t, dead_at, routing_keys, older_than, reason, error, message_ids)
-    where.extend(_group_filters(t, fingerprint, parked))
-    return int(conn.execute(select(func.count()).select_from(t).where(*where)).scalar_one())
-
-
-def _dead_filters(
-    t: Any,
-    dead_at: Any,
-    routing_keys: Sequence[str],
-    older_than: timedelta | None,
-    reason: str | None,
-    error: str | None,
-    message_ids: Sequence[uuid.UUID],
-) -> list[ColumnElement[bool]]:
-    """The conditions of a dead-row selection: every filter given (with `_group_filters`,
-    which says dead or parked)."""
-    where: list[ColumnElement[bool]] = []
-    if routing_keys:
-        where.append(t.c.routing_key.in_(list(routing_keys)))
-    if older_than is not None:
-        where.append(dead_at <= func.now() - older_than)
-    if reason is not None:
-        where.append(t.c.dead_reason == reason)
-    if error is not None:
-        where.append(t.c.last_error.icontains(error, autoescape=True))
-    if message_ids:
-        where.append(t.c.message_id.in_(list(message_ids)))
-    return where
-
-
-def _group_filters(
-    t: Any, fingerprint: str | None, parked: bool = False
-) -> list[ColumnElement[bool]]:
-    """Dead rows (`parked`: parked rows instead) of table `t`, of `fingerprint` if given."""
-    where = [_dead_or_parked(t, parked)]
-    if fingerprint is not None:
-        where.append(t.c.fingerprint == fingerprint)
-    return where
-
-
-def _dead_or_parked(t: Any, parked: bool) -> ColumnElement[bool]:
-    """The dead rows of table `t` (an operator's parked rows are not among them), or the
-    parked rows."""
-    if "status" in t.c:
-        state: ColumnElement[bool] = t.c.status == (PARKED if parked else DEAD)
-        return state
-    set_aside = t.c.parked_at.is_not(None) if parked else t.c.parked_at.is_(None)
-    return and_(t.c.dead_at.is_not(None), set_aside)
-
-
-def _replayed(t: Any) -> dict[str, Any]:
-    """What a replay records on a row: one more replay, and when."""
-    return {"replays": t.c.replays + 1, "replayed_at": func.now()}
-
-
-def replay_dead_outbox(
-    conn: Connection, tables: Tables, ids: Sequence[int], *, parked: bool = False
-) -> list[int]:
-    """Make dead (`parked`: parked) outbox rows unsent again, due now, with their attempts
-    reset and the replay counted; return the ids.
-
-    Only rows still dead (parked) are touched. last_error and the fingerprint stay until the
-    next attempt ends.
-    """
-    if not ids:
-        return []
-    o = tables.outbox
-    stmt = (
-        update(o)
-        .where(o.c.id.in_(list(ids)), _dead_or_parked(o, parked))
-        .values(
-            dead_at=None,
-            dead_reason=None,
-            parked_at=None,
-            attempts=0,
-            available_at=func.now(),
-            **_replayed(o),
-        )
-        .returning(o.c.id)
-    )
-    return sorted(conn.execute(stmt).scalars())
-
-
-def purge_dead_outbox(
-    conn: Connection, tables: Tables, ids: Sequence[int], *, parked: bool = False
-) -> list[int]:
-    """Delete the outbox rows of `ids` that are still dead (`parked`: parked); return the ids
-    deleted."""
-    o = tables.outbox
-    return _delete_dead(conn, o, _dead_or_parked(o, parked), ids)
-
-
-def park_dead_outbox(conn: Connection, tables: Tables, ids: Sequence[int]) -> list[int]:
-    """Set the outbox rows of `ids` that are still dead aside as parked; return their ids."""
-    if not ids:
-        return []
-    o = tables.outbox
-    stmt = (
-        update(o)
-        .where(o.c.id.in_(list(ids)), _dead_or_parked(o, False))
-        .values(parked_at=func.now())
-        .returning(o.c.id)
-    )
-    return sorted(conn.execute(stmt).scalars())
-
-
-def park_dead_inbox(conn: Connection, tables: Tables, ids: Sequence[int]) -> list[int]:
-    """Set the inbox rows of `ids` that are still dead aside as parked; return their ids."""
-    if not ids:
-        return []
-    i = tables.inbox
-    stmt = (
-        update(i)
-        .where(i.c.id.in_(list(ids)), i.c.status == DEAD)
-        .values(status=PARKED)
-        .returning(i.c.id)
-    )
-    return sorted(conn.execute(stmt).scalars())
-
-
-def dead_groups(conn: Connection, tables: Tables, *, parked: bool = False) -> list[RowMapping]:
-    """The dead (`parked`: parked) rows of the inbox and the outbox grouped by fingerprint,
-    largest group first: each with ``fingerprint``, ``count``, ``types``, ``sources``
-    ("table", "outbox"), ``first_seen`` and ``last_seen`` (when they died) and ``replayed``
-    (how many died again after a replay).
-
-    Each table is first grouped by fingerprint and type (a hash aggregate, no sort, over the
-    partial index of its dead rows by fingerprint on PostgreSQL); the few rows that gives are
-    then grouped by fingerprint. 10^6 dead rows take well under a second."""
-    i, o = tables.inbox, tables.outbox
-    parts = []
-    for t, source, dead_at in ((i, "table", _dead_since(i)), (o, "outbox", o.c.dead_at)):
-        parts.append(
-            select(
-                t.c.fingerprint,
-                t.c.routing_key,
-                literal(source).label("source"),
-                func.count().label("count"),
-                func.min(dead_at).label("first_seen"),
-                func.max(dead_at).label("last_seen"),
-                func.count().filter(t.c.replays > 0).label("replayed"),
-            )
-            .where(_dead_or_parked(t, parked))
-            .group_by(t.c.fingerprint, t.c.routing_key)
-        )
-    rows = union_all(*parts).subquery()
-    listed = func.array_agg if _is_postgres(conn) else func.json_group_array
-    count = func.sum(rows.c.count)
-    stmt = (
-        select(
-            rows.c.fingerprint,
-            count.label("count"),
-            listed(rows.c.routing_key.distinct()).label("types"),
-            listed(rows.c.source.distinct()).label("sources"),
-            func.min(rows.c.first_seen).label("first_seen"),
-            func.max(rows.c.last_seen).label("last_seen"),
-            func.sum(rows.c.replayed).label("replayed"),
-        )
-        .group_by(rows.c.fingerprint)
-        .order_by(count.desc(), rows.c.fingerprint)
-    )
-    return list(conn.execute(stmt).mappings())
-
-
-def _delete_dead(
-    conn: Connection, table: Table, dead: ColumnElement[bool], ids: Sequence[int]
-) -> list[int]:
-    """Delete the rows of `ids` still `dead`; return the ids deleted."""
-    if not ids:
-        return []
-    stmt = delete(table).where(table.c.id.in_(list(ids)), dead).returning(table.c.id)
-    return sorted(conn.execute(stmt).scalars())
-
-
-# --- inbox --------------------------------------------------------------------------------
+# --- receiver and worker --------------------------------------------------------------------------
 
 
 def insert_inbox(
@@ -680,6 +458,12 @@ _LOCK_MESSAGE_IDS = text(
 ).bindparams(namespace=INBOX_LOCK)
 
 
+def is_stored(conn: Connection, tables: Tables, message_id: uuid.UUID) -> bool:
+    """Whether the inbox holds `message_id`."""
+    i = tables.inbox
+    return conn.execute(select(i.c.id).where(i.c.message_id == message_id)).first() is not None
+
+
 def count_duplicates(conn: Connection, tables: Tables, counts: Mapping[uuid.UUID, int]) -> None:
     """Add deliveries dropped as already stored to each message id's duplicate counter."""
     if not counts:
@@ -694,6 +478,21 @@ def count_duplicates(conn: Connection, tables: Tables, counts: Mapping[uuid.UUID
             set_={"duplicates": d.c.duplicates + insert.excluded.duplicates},
         )
     )
+
+
+def count_deliveries(
+    conn: Connection, tables: Tables, message_ids: Sequence[uuid.UUID]
+) -> dict[uuid.UUID, int]:
+    """Add one delivery to each message id (upsert) and return the new counts."""
+    if not message_ids:
+        return {}
+    d = tables.deliveries
+    insert = _insert(conn, d).values([{"message_id": m, "deliveries": 1} for m in message_ids])
+    stmt = insert.on_conflict_do_update(
+        index_elements=[d.c.message_id],
+        set_={"deliveries": d.c.deliveries + 1, "last_seen_at": db_now()},
+    ).returning(d.c.message_id, d.c.deliveries)
+    return {m: int(n) for m, n in conn.execute(stmt).all()}
 
 
 #: The columns a claim returns: what the worker needs to build the message and decide its
@@ -727,7 +526,7 @@ def _claim_statement(tables: Tables, liveness: bool) -> Any:
     i = tables.inbox
     due = (
         select(i.c.id)
-        .where(_claimable(i, liveness=liveness))
+        .where(claimable(i, liveness=liveness))
         .order_by(i.c.priority.desc(), i.c.id)
         .limit(bindparam("limit", type_=Integer, literal_execute=True))
         .with_for_update(skip_locked=True)
@@ -745,7 +544,7 @@ def _claim_statement(tables: Tables, liveness: bool) -> Any:
     )
 
 
-def _claimable(i: Any, *, liveness: bool) -> ColumnElement[bool]:
+def claimable(i: Any, *, liveness: bool) -> ColumnElement[bool]:
     """The rows a claim may take now: pending, due, not leased (its lease ran out, or with
     `liveness` its claimant holds no liveness lock), and no earlier pending row of its key."""
     earlier = i.alias("earlier")
@@ -981,7 +780,7 @@ def release_claims(
         )
 
 
-# --- instances (rolling deploys) -----------------------------------------------------------
+# --- instances and subscriptions (rolling deploys) ------------------------------------------------
 
 
 def advertise_instance(
@@ -1017,13 +816,6 @@ def forget_instance(conn: Connection, tables: Tables, service: str, instance: st
     conn.execute(delete(n).where(n.c.service == service, n.c.instance == instance))
 
 
-def prune_instances(conn: Connection, tables: Tables, cutoff: datetime) -> int:
-    """Delete the rows of every service's instances last seen before `cutoff`: workers that
-    died, of services no worker of which runs any more to forget them. Returns how many."""
-    n = tables.instances
-    return int(conn.execute(delete(n).where(n.c.seen_at < cutoff)).rowcount or 0)
-
-
 def live_instances(
     conn: Connection, tables: Tables, service: str, grace: timedelta
 ) -> list[RowMapping]:
@@ -1036,19 +828,25 @@ def live_instances(
     return list(conn.execute(stmt).mappings().all())
 
 
-def count_deliveries(
-    conn: Connection, tables: Tables, message_ids: Sequence[uuid.UUID]
-) -> dict[uuid.UUID, int]:
-    """Add one delivery to each message id (upsert) and return the new counts."""
-    if not message_ids:
-        return {}
-    d = tables.deliveries
-    insert = _insert(conn, d).values([{"message_id": m, "deliveries": 1} for m in message_ids])
-    stmt = insert.on_conflict_do_update(
-        index_elements=[d.c.message_id],
-        set_={"deliveries": d.c.deliveries + 1, "last_seen_at": db_now()},
-    ).returning(d.c.message_id, d.c.deliveries)
-    return {m: int(n) for m, n in conn.execute(stmt).all()}
+def record_subscriptions(
+    conn: Connection, tables: Tables, service: str, bindings: Sequence[tuple[str, str]]
+) -> None:
+    """Remember the (exchange, pattern) bindings of `service`'s inbox queue.
+
+    A binding declared before keeps its first `subscribed_at`: re-declaring changes nothing.
+    """
+    if not bindings:
+        return
+    s = tables.subscriptions
+    insert = _insert(conn, s).values(
+        [{"service": service, "exchange": e, "pattern": p} for e, p in sorted(set(bindings))]
+    )
+    conn.execute(
+        insert.on_conflict_do_nothing(index_elements=[s.c.service, s.c.exchange, s.c.pattern])
+    )
+
+
+# --- connections (waker, pooler, worker limits) ---------------------------------------------------
 
 
 def notify(conn: Connection, channel: str, payload: str) -> None:
@@ -1059,6 +857,13 @@ def notify(conn: Connection, channel: str, payload: str) -> None:
 def backend_pid(conn: Connection) -> int:
     """The process id of the server session `conn` runs on (the pooler probe compares them)."""
     return int(conn.execute(select(func.pg_backend_pid())).scalar_one())
+
+
+def backend_exists(conn: Connection, pid: int) -> bool:
+    """Whether server process `pid` still runs (a pooler may have closed its connection)."""
+    activity = table("pg_stat_activity", column("pid"))
+    found = select(activity.c.pid).where(activity.c.pid == bindparam("pid"))
+    return bool(conn.execute(select(exists(found)), {"pid": pid}).scalar_one())
 
 
 #: psycopg's ``prepare_threshold`` where ``prepare_threshold="auto"`` prepares (no pooler).
@@ -1098,33 +903,10 @@ def unprepared_behind_pooler(engine: Engine | AsyncEngine) -> None:
             driver.prepare_threshold = None
 
 
-def backend_exists(conn: Connection, pid: int) -> bool:
-    """Whether server process `pid` still runs (a pooler may have closed its connection)."""
-    activity = table("pg_stat_activity", column("pid"))
-    found = select(activity.c.pid).where(activity.c.pid == bindparam("pid"))
-    return bool(conn.execute(select(exists(found)), {"pid": pid}).scalar_one())
-
-
-def database_now(conn: Connection) -> Any:
-    """The database clock: leases and delays are judged by it, never by the host's."""
-    return conn.execute(select(db_now())).scalar_one()
-
-
 #: Server-side TCP keepalive of a worker's transactions (idle, interval, count): the server ends
 #: the session of a worker whose host vanished mid-transaction after about 25 s, and its row
 #: locks with it. (Over a Unix socket PostgreSQL ignores them.)
 WORKER_KEEPALIVE = (10, 5, 3)
-
-
-def worker_transaction_settings(lease: float) -> dict[str, str]:
-    """The settings `limit_worker` gives a worker's transactions."""
-    idle, interval, count = WORKER_KEEPALIVE
-    return {
-        "idle_in_transaction_session_timeout": str(int(lease * 1000)),
-        "tcp_keepalives_idle": str(idle),
-        "tcp_keepalives_interval": str(interval),
-        "tcp_keepalives_count": str(count),
-    }
 
 
 def limit_worker(dbapi_connection: Any, lease: float, *, local: bool) -> None:
@@ -1142,13 +924,17 @@ def limit_worker(dbapi_connection: Any, lease: float, *, local: bool) -> None:
     execute yet, and the statement opens the transaction. Otherwise for the session, once:
     only on a session that is the worker's own for as long as it lives.
     """
-    settings = worker_transaction_settings(lease)
+    idle, interval, count = WORKER_KEEPALIVE
+    settings = {
+        "idle_in_transaction_session_timeout": str(int(lease * 1000)),
+        "tcp_keepalives_idle": str(idle),
+        "tcp_keepalives_interval": str(interval),
+        "tcp_keepalives_count": str(count),
+    }
     # The DB-API face only (no psycopg keywords): the asyncio worker's adapter has no more.
     cursor = dbapi_connection.cursor()
     try:
-        cursor.execute(
-            _LIMIT_SQL[local], [v for name, value in settings.items() for v in (name, value)]
-        )
+        cursor.execute(_LIMIT_SQL[local], [v for item in settings.items() for v in item])
     finally:
         cursor.close()
 
@@ -1176,482 +962,3 @@ _LIMIT_SQL = {
     local: "SELECT " + ", ".join([f"set_config(%s, %s, {str(local).lower()})"] * 4)
     for local in (True, False)
 }
-
-
-def record_subscriptions(
-    conn: Connection, tables: Tables, service: str, bindings: Sequence[tuple[str, str]]
-) -> None:
-    """Remember the (exchange, pattern) bindings of `service`'s inbox queue.
-
-    A binding declared before keeps its first `subscribed_at`: re-declaring changes nothing.
-    """
-    if not bindings:
-        return
-    s = tables.subscriptions
-    insert = _insert(conn, s).values(
-        [{"service": service, "exchange": e, "pattern": p} for e, p in sorted(set(bindings))]
-    )
-    conn.execute(
-        insert.on_conflict_do_nothing(index_elements=[s.c.service, s.c.exchange, s.c.pattern])
-    )
-
-
-# --- operations (CLI) ---------------------------------------------------------------------
-
-
-def _age_seconds(column: Any) -> Any:
-    """Seconds between `column` and the database clock, as a float SQL expression."""
-    return func.extract("epoch", func.now() - column)
-
-
-def _dead_since(inbox: Any) -> Any:
-    """When a dead row died: mark_dead sets processed_at; older rows fall back to receipt."""
-    return func.coalesce(inbox.c.processed_at, inbox.c.received_at)
-
-
-def dead_inbox_rows(
-    conn: Connection,
-    tables: Tables,
-    *,
-    routing_keys: Sequence[str] = (),
-    older_than: timedelta | None = None,
-    reason: str | None = None,
-    error: str | None = None,
-    message_ids: Sequence[uuid.UUID] = (),
-    ids: Sequence[int] = (),
-    fingerprint: str | None = None,
-    parked: bool = False,
-) -> Iterator[RowMapping]:
-    """Dead inbox rows matching every given filter, in id order, streamed.
-
-    `routing_keys` are exact routing keys (topic patterns are matched by the caller);
-    `error` is a case-insensitive substring of last_error; `older_than` compares the time the
-    row died (processed_at) with the database clock. Each row carries ``dead_at`` and
-    ``age_seconds``.
-    """
-    i = tables.inbox
-    dead_at = _dead_since(i)
-    columns = (i, dead_at.label("dead_at"), _age_seconds(dead_at).label("age_seconds"))
-    stmt = select(*columns).where(
-        *_dead_filters(i, dead_at, routing_keys, older_than, reason, error, message_ids),
-        *_group_filters(i, fingerprint, parked),
-    )
-    if ids:
-        stmt = stmt.where(i.c.id.in_(list(ids)))
-    result = conn.execute(stmt.order_by(i.c.id).execution_options(yield_per=500))
-    yield from result.mappings()
-
-
-def replay_dead_inbox(
-    conn: Connection, tables: Tables, ids: Sequence[int], *, parked: bool = False
-) -> list[int]:
-    """Make dead (`parked`: parked) rows pending again, due now, with fresh counters and the
-    replay counted; return the ids changed.
-
-    Only rows still dead (parked) are touched (another operator may have replayed or purged
-    some). last_error and the fingerprint stay as the history of the earlier failure until
-    the next attempt ends.
-    """
-    if not ids:
-        return []
-    i = tables.inbox
-    stmt = (
-        update(i)
-        .where(i.c.id.in_(list(ids)), i.c.status == (PARKED if parked else DEAD))
-        .values(
-            status=PENDING,
-            next_attempt_at=func.now(),
-            attempts=0,
-            finished=0,
-            dead_reason=None,
-            processed_at=None,
-            locked_until=None,
-            locked_by=None,
-            **_replayed(i),
-        )
-        .returning(i.c.id)
-    )
-    return sorted(conn.execute(stmt).scalars())
-
-
-def purge_dead_inbox(
-    conn: Connection, tables: Tables, ids: Sequence[int], *, parked: bool = False
-) -> list[int]:
-    """Delete the rows of `ids` that are still dead (`parked`: parked); return the ids
-    deleted."""
-    i = tables.inbox
-    return _delete_dead(conn, i, i.c.status == (PARKED if parked else DEAD), ids)
-
-
-def forget_deliveries(conn: Connection, tables: Tables, message_ids: Sequence[uuid.UUID]) -> int:
-    """Reset the broker-redelivery counters of `message_ids` (a replayed message starts over)."""
-    if not message_ids:
-        return 0
-    d = tables.deliveries
-    result = conn.execute(delete(d).where(d.c.message_id.in_(list(message_ids))))
-    return int(result.rowcount or 0)
-
-
-def outbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
-    """Unsent outbox rows, how many of them failed at least once, the oldest one's age, and
-    the dead rows (refused by the broker on every attempt)."""
-    o = tables.outbox
-    unsent = outbox_unsent(o)
-    row = conn.execute(
-        select(
-            func.count().label("unpublished"),
-            func.count().filter(o.c.attempts > 0).label("retrying"),
-            func.max(_age_seconds(o.c.created_at)).label("oldest_age_seconds"),
-        ).where(unsent)
-    ).one()
-    dead = conn.execute(select(func.count()).where(_dead_or_parked(o, False))).scalar_one()
-    return {
-        "unpublished": int(row.unpublished),
-        "retrying": int(row.retrying),
-        "oldest_age_seconds": _float(row.oldest_age_seconds),
-        "dead": int(dead),
-    }
-
-
-def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
-    """Inbox rows by state, the age of the oldest pending row, and the counts per type.
-
-    ``pending`` rows wait for a worker (due or scheduled for a retry); ``in_progress`` rows are
-    pending rows a worker holds a lease on (database clock). ``claimable`` rows are those a
-    worker's claim would take now (due, not leased, not held behind an earlier row of their
-    key); ``oldest_claimable_age_seconds`` is how long the longest-waiting of them has been
-    claimable (since its retry came due or its lease ran out); ``last_handled_age_seconds``
-    the age of the newest processed or dead row's ``processed_at`` (None without one): how
-    long ago a worker last finished a row.
-    """
-    i = tables.inbox
-    claimable_since = case(
-        (i.c.locked_until > i.c.next_attempt_at, i.c.locked_until), else_=i.c.next_attempt_at
-    )
-    claimable = conn.execute(
-        select(
-            func.count().label("claimable"),
-            func.max(_age_seconds(claimable_since)).label("oldest"),
-        ).where(_claimable(i, liveness=False))
-    ).one()
-    # Each statement reads the partial indexes of its rows, never every finished row: the
-    # newest processed_at of the processed rows (one index entry per partition) and of the
-    # dead ones; the pending and dead rows through their indexes (an OR, which the planner
-    # splits over both, where IN would read the table); the processed rows counted on their
-    # narrow index.
-    handled = [
-        conn.execute(
-            select(_age_seconds(func.max(i.c.processed_at))).where(i.c.status == state)
-        ).scalar_one()
-        for state in (PROCESSED, DEAD)
-    ]
-    last_handled = min((age for age in handled if age is not None), default=None)
-    leased = and_(i.c.status == PENDING, i.c.locked_until > func.now())
-    waiting = and_(
-        i.c.status == PENDING, or_(i.c.locked_until.is_(None), i.c.locked_until <= func.now())
-    )
-    unfinished = or_(i.c.status == PENDING, i.c.status == DEAD)
-    totals = conn.execute(
-        select(
-            func.count().filter(waiting).label("pending"),
-            func.count().filter(leased).label("in_progress"),
-            func.count().filter(i.c.status == DEAD).label("dead"),
-            func.max(_age_seconds(i.c.received_at))
-            .filter(i.c.status == PENDING)
-            .label("oldest_pending_age_seconds"),
-        ).where(unfinished)
-    ).one()
-    processed = conn.execute(select(func.count()).where(i.c.status == PROCESSED)).scalar_one()
-    per_type = conn.execute(
-        select(
-            i.c.routing_key,
-            func.count().filter(waiting).label("pending"),
-            func.count().filter(leased).label("in_progress"),
-            func.count().filter(i.c.status == DEAD).label("dead"),
-        )
-        .where(unfinished)
-        .group_by(i.c.routing_key)
-        .order_by(i.c.routing_key)
-    ).all()
-    return {
-        "pending": int(totals.pending),
-        "in_progress": int(totals.in_progress),
-        "dead": int(totals.dead),
-        "processed": int(processed),
-        "oldest_pending_age_seconds": _float(totals.oldest_pending_age_seconds),
-        "claimable": int(claimable.claimable),
-        "oldest_claimable_age_seconds": _float(claimable.oldest),
-        "last_handled_age_seconds": _float(last_handled),
-        "by_type": [
-            {
-                "type": r.routing_key,
-                "pending": int(r.pending),
-                "in_progress": int(r.in_progress),
-                "dead": int(r.dead),
-            }
-            for r in per_type
-        ],
-    }
-
-
-def held_keys(conn: Connection, tables: Tables, limit: int) -> tuple[int, list[RowMapping]]:
-    """Ordering keys whose head message (earliest pending row) has failed and waits for a retry.
-
-    While the head is pending the worker claims none of the later rows of its key (see
-    claim_inbox). Returns the number of such keys and up to `limit` of them, most messages
-    waiting behind first: key, the head's id, message_id, type, attempts, next_attempt_at,
-    last_error, and ``waiting`` (pending rows behind the head).
-    """
-    i = tables.inbox
-    heads = (
-        select(
-            i.c.key,
-            i.c.id,
-            i.c.message_id,
-            i.c.routing_key,
-            i.c.attempts,
-            i.c.finished,
-            i.c.next_attempt_at,
-            i.c.last_error,
-        )
-        .where(i.c.status == PENDING, i.c.key.is_not(None))
-        .order_by(i.c.key, i.c.id)
-        .distinct(i.c.key)
-        .subquery("heads")
-    )
-    counts = (
-        select(i.c.key, func.count().label("pending_rows"))
-        .where(i.c.status == PENDING, i.c.key.is_not(None))
-        .group_by(i.c.key)
-        .subquery("counts")
-    )
-    failing = heads.c.last_error.is_not(None)
-    total = conn.execute(select(func.count()).select_from(heads).where(failing)).scalar_one()
-    stmt = (
-        select(
-            heads.c.key,
-            heads.c.id,
-            heads.c.message_id,
-            heads.c.routing_key.label("type"),
-            heads.c.finished.label("failures"),
-            heads.c.next_attempt_at,
-            heads.c.last_error,
-            (counts.c.pending_rows - 1).label("waiting"),
-        )
-        .join_from(heads, counts, heads.c.key == counts.c.key)
-        .where(failing)
-        .order_by((counts.c.pending_rows - 1).desc(), heads.c.key)
-        .limit(limit)
-    )
-    return int(total), list(conn.execute(stmt).mappings())
-
-
-def _float(value: Any) -> float | None:
-    return float(value) if value is not None else None
-
-
-# --- archive (message history) -----------------------------------------------------------
-
-
-def _archivable(tables: Tables, source: str, cutoff: datetime) -> ColumnElement[bool]:
-    """Rows finished before `cutoff`: published or expired outbox rows, processed or dead inbox
-    rows. Pending and unpublished rows never qualify."""
-    if source == "outbox":
-        o = tables.outbox
-        return or_(
-            and_(o.c.published_at.is_not(None), o.c.published_at < cutoff),
-            and_(o.c.expired_at.is_not(None), o.c.expired_at < cutoff),
-        )
-    i = tables.inbox
-    return and_(i.c.status.in_([PROCESSED, DEAD]), _dead_since(i) < cutoff)
-
-
-def _archive_table(tables: Tables, source: str) -> Table:
-    return tables.outbox if source == "outbox" else tables.inbox
-
-
-def count_archivable(conn: Connection, tables: Tables, source: str, cutoff: datetime) -> int:
-    """How many rows of `source` ('outbox' or 'inbox') finished before `cutoff`."""
-    t = _archive_table(tables, source)
-    stmt = select(func.count()).select_from(t).where(_archivable(tables, source, cutoff))
-    return int(conn.execute(stmt).scalar_one())
-
-
-def history_rows(
-    conn: Connection,
-    tables: Tables,
-    source: str,
-    *,
-    cutoff: datetime | None = None,
-    limit: int | None = None,
-    of: Any = None,
-    after_id: int | None = None,
-) -> list[RowMapping]:
-    """Rows of `source` ('outbox' or 'inbox'), lowest id first: with a `cutoff`, only those
-    finished before it (what the archive moves), else every row (what the audit reads live).
-    `of`: read this table instead (a detached partition, with the same columns); `after_id`:
-    only rows with a greater id (keyset paging).
-
-    Inbox rows carry their ``deliveries`` and ``duplicates`` counters from inbox_deliveries.
-    """
-    t = _archive_table(tables, source) if of is None else of
-    if source == "outbox":
-        stmt = select(t)
-    else:
-        d = tables.deliveries
-        stmt = select(
-            t,
-            func.coalesce(d.c.deliveries, 0).label("deliveries"),
-            func.coalesce(d.c.duplicates, 0).label("duplicates"),
-        ).select_from(t.outerjoin(d, d.c.message_id == t.c.message_id))
-    if cutoff is not None:
-        stmt = stmt.where(_archivable(tables, source, cutoff))
-    if after_id is not None:
-        stmt = stmt.where(t.c.id > after_id)
-    return list(conn.execute(stmt.order_by(t.c.id).limit(limit)).mappings())
-
-
-def delete_archived(
-    conn: Connection, tables: Tables, source: str, cutoff: datetime, ids: Sequence[int]
-) -> int:
-    """Delete the archived rows `ids` of `source` that still qualify; return how many.
-
-    A row changed since it was written (a dead row replayed) no longer qualifies and stays.
-    The inbox rows' delivery counters go with them.
-    """
-    if not ids:
-        return 0
-    t = _archive_table(tables, source)
-    deleted = conn.execute(
-        delete(t)
-        .where(t.c.id.in_(list(ids)), _archivable(tables, source, cutoff))
-        .returning(t.c.message_id)
-    ).all()
-    if source == "inbox" and deleted:
-        forget_deliveries(conn, tables, [m for (m,) in deleted])
-    return len(deleted)
-
-
-def prune_deliveries(conn: Connection, tables: Tables, cutoff: datetime) -> int:
-    """Delete delivery counters last seen before `cutoff` whose message has no inbox row.
-
-    They belong to messages the receiver dead-lettered or already archived.
-    """
-    d, i = tables.deliveries, tables.inbox
-    stmt = delete(d).where(
-        d.c.last_seen_at < cutoff, ~exists().where(i.c.message_id == d.c.message_id)
-    )
-    return int(conn.execute(stmt).rowcount or 0)
-
-
-def journal_archive_files(
-    conn: Connection, tables: Tables, files: Sequence[tuple[uuid.UUID, str, str]]
-) -> None:
-    """Record (id, source, path) of Parquet files about to be written."""
-    if files:
-        a = tables.archive_files
-        conn.execute(
-            insert(a), [{"id": f, "source_table": src, "path": path} for f, src, path in files]
-        )
-
-
-def unfinished_archive_files(conn: Connection, tables: Tables) -> list[RowMapping]:
-    """Journaled files whose batch did not finish: (id, source_table, path), oldest first."""
-    a = tables.archive_files
-    return list(conn.execute(select(a).order_by(a.c.created_at, a.c.id)).mappings())
-
-
-def forget_archive_files(conn: Connection, tables: Tables, ids: Sequence[uuid.UUID]) -> None:
-    """Drop journal rows: their batch finished or wrote nothing."""
-    if ids:
-        a = tables.archive_files
-        conn.execute(delete(a).where(a.c.id.in_(list(ids))))
-
-
-def subscriptions_of(conn: Connection, tables: Tables) -> list[RowMapping]:
-    """Every recorded subscription: service, exchange, pattern, subscribed_at."""
-    s = tables.subscriptions
-    return list(conn.execute(select(s).order_by(s.c.service, s.c.exchange, s.c.pattern)).mappings())
-
-
-def try_archive_lock(conn: Connection, schema: str) -> bool:
-    """Take the lock that lets one archive run per schema; False when it is held.
-
-    A transaction-level lock: it lives until `conn`'s transaction ends (commit, rollback, or
-    the connection closing), so the caller keeps that transaction open for the whole run and a
-    connection pooler can never hand the lock to another client. The transaction also turns
-    off ``idle_in_transaction_session_timeout`` for itself (``SET LOCAL``), so that a
-    server-wide limit does not end the lock while the run works on other connections.
-
-    SQLite has no such lock: one process writes it at a time anyway, and the archive of a
-    development database is run by hand.
-    """
-    if conn.dialect.name != "postgresql":
-        return True
-    conn.execute(select(func.set_config("idle_in_transaction_session_timeout", "0", True)))
-    stmt = select(func.pg_try_advisory_xact_lock(_archive_key(schema)))
-    return bool(conn.execute(stmt).scalar_one())
-
-
-def release_archive_lock(conn: Connection, schema: str) -> None:
-    """Release the lock of `try_archive_lock` on `schema`: end the transaction that holds it
-    (it wrote nothing). Leaves no state on the connection, which may go back to a pool."""
-    del schema  # the lock is the transaction's: ending it releases every such lock
-    conn.rollback()
-
-
-def _archive_key(schema: str) -> Any:
-    return func.hashtext(literal(f"outbox_inbox.archive.{schema}", String()))
-
-
-# --- test helpers (outbox_inbox.testing) ------------------------------------------------------
-
-
-def make_retries_due(conn: Connection, tables: Tables) -> int:
-    """Make pending inbox rows that wait for a retry due now; return how many changed.
-
-    The new time is the row's own receipt time: in the past by the database's clock on every
-    dialect, and the call is idempotent (its condition is false afterwards).
-    """
-    i = tables.inbox
-    stmt = (
-        update(i)
-        .where(i.c.status == PENDING, i.c.next_attempt_at > i.c.received_at)
-        .values(next_attempt_at=i.c.received_at)
-    )
-    return int(conn.execute(stmt).rowcount or 0)
-
-
-def make_delayed_outbox_due(conn: Connection, tables: Tables) -> int:
-    """Make outbox rows written with ``delay=`` and not tried yet due now.
-
-    Rows the broker refused keep their backoff, so a refusing broker cannot make a caller spin.
-    """
-    o = tables.outbox
-    stmt = (
-        update(o)
-        .where(outbox_unsent(o), o.c.attempts == 0, o.c.available_at > o.c.created_at)
-        .values(available_at=o.c.created_at)
-    )
-    return int(conn.execute(stmt).rowcount or 0)
-
-
-def outbox_rows(conn: Connection, tables: Tables) -> list[RowMapping]:
-    """Every outbox row in the order written."""
-    o = tables.outbox
-    return list(conn.execute(select(o).order_by(o.c.id)).mappings())
-
-
-def inbox_rows(conn: Connection, tables: Tables, status: str | None = None) -> list[RowMapping]:
-    """Inbox rows in the order received, optionally only those of one `status`."""
-    i = tables.inbox
-    stmt = select(i).order_by(i.c.id)
-    if status is not None:
-        stmt = stmt.where(i.c.status == status)
-    return list(conn.execute(stmt).mappings())
-
-
-def inbox_row(conn: Connection, tables: Tables, message_id: uuid.UUID) -> RowMapping | None:
-    """The inbox row of one message, or None."""
-    i = tables.inbox
-    return conn.execute(select(i).where(i.c.message_id == message_id)).mappings().first()

@@ -1,0 +1,516 @@
+"""The statements of the operators' tools: dead letters (list, count, group, replay, park,
+purge), status and metrics.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import (
+    Connection,
+    Table,
+    and_,
+    case,
+    delete,
+    func,
+    literal,
+    or_,
+    select,
+    union_all,
+    update,
+)
+from sqlalchemy.engine import RowMapping
+from sqlalchemy.sql.elements import ColumnElement
+
+from ..clock import db_now
+from ..tables import DEAD, PARKED, PENDING, PROCESSED, Tables, outbox_unsent
+from .roles import claimable, is_postgres
+
+
+def database_now(conn: Connection) -> Any:
+    """The database clock: leases and delays are judged by it, never by the host's."""
+    return conn.execute(select(db_now())).scalar_one()
+
+
+def _age_seconds(column: Any) -> Any:
+    """Seconds between `column` and the database clock, as a float SQL expression."""
+    return func.extract("epoch", func.now() - column)
+
+
+def dead_since(inbox: Any) -> Any:
+    """When a dead row died: mark_dead sets processed_at; older rows fall back to receipt."""
+    return func.coalesce(inbox.c.processed_at, inbox.c.received_at)
+
+
+def _float(value: Any) -> float | None:
+    return float(value) if value is not None else None
+
+
+# --- dead letters ---------------------------------------------------------------------------------
+
+
+def dead_outbox_rows(
+    conn: Connection,
+    tables: Tables,
+    *,
+    routing_keys: Sequence[str] = (),
+    older_than: timedelta | None = None,
+    reason: str | None = None,
+    error: str | None = None,
+    message_ids: Sequence[uuid.UUID] = (),
+    fingerprint: str | None = None,
+    parked: bool = False,
+) -> Iterator[RowMapping]:
+    """Dead outbox rows matching every given filter, in id order, streamed.
+
+    The filters mean what they mean for `dead_inbox_rows`; each row carries ``age_seconds``.
+    """
+    o = tables.outbox
+    stmt = select(o, _age_seconds(o.c.dead_at).label("age_seconds")).where(
+        *_dead_filters(o, o.c.dead_at, routing_keys, older_than, reason, error, message_ids),
+        *_group_filters(o, fingerprint, parked),
+    )
+    result = conn.execute(stmt.order_by(o.c.id).execution_options(yield_per=500))
+    yield from result.mappings()
+
+
+def dead_inbox_rows(
+    conn: Connection,
+    tables: Tables,
+    *,
+    routing_keys: Sequence[str] = (),
+    older_than: timedelta | None = None,
+    reason: str | None = None,
+    error: str | None = None,
+    message_ids: Sequence[uuid.UUID] = (),
+    ids: Sequence[int] = (),
+    fingerprint: str | None = None,
+    parked: bool = False,
+) -> Iterator[RowMapping]:
+    """Dead inbox rows matching every given filter, in id order, streamed.
+
+    `routing_keys` are exact routing keys (topic patterns are matched by the caller);
+    `error` is a case-insensitive substring of last_error; `older_than` compares the time the
+    row died (processed_at) with the database clock. Each row carries ``dead_at`` and
+    ``age_seconds``.
+    """
+    i = tables.inbox
+    dead_at = dead_since(i)
+    columns = (i, dead_at.label("dead_at"), _age_seconds(dead_at).label("age_seconds"))
+    stmt = select(*columns).where(
+        *_dead_filters(i, dead_at, routing_keys, older_than, reason, error, message_ids),
+        *_group_filters(i, fingerprint, parked),
+    )
+    if ids:
+        stmt = stmt.where(i.c.id.in_(list(ids)))
+    result = conn.execute(stmt.order_by(i.c.id).execution_options(yield_per=500))
+    yield from result.mappings()
+
+
+def count_dead(
+    conn: Connection,
+    tables: Tables,
+    table: str,
+    *,
+    routing_keys: Sequence[str] = (),
+    older_than: timedelta | None = None,
+    reason: str | None = None,
+    error: str | None = None,
+    message_ids: Sequence[uuid.UUID] = (),
+    fingerprint: str | None = None,
+    parked: bool = False,
+) -> int:
+    """How many dead rows of `table` ("inbox" or "outbox") match every given filter.
+
+    The filters mean what they mean for `dead_inbox_rows`; one count query, no row is loaded.
+    """
+    t = tables.inbox if table == "inbox" else tables.outbox
+    dead_at = dead_since(t) if table == "inbox" else t.c.dead_at
+    where = _dead_filters(t, dead_at, routing_keys, older_than, reason, error, message_ids)
+    where.extend(_group_filters(t, fingerprint, parked))
+    return int(conn.execute(select(func.count()).select_from(t).where(*where)).scalar_one())
+
+
+def _dead_filters(
+    t: Any,
+    dead_at: Any,
+    routing_keys: Sequence[str],
+    older_than: timedelta | None,
+    reason: str | None,
+    error: str | None,
+    message_ids: Sequence[uuid.UUID],
+) -> list[ColumnElement[bool]]:
+    """The conditions of a dead-row selection: every filter given (with `_group_filters`,
+    which says dead or parked)."""
+    where: list[ColumnElement[bool]] = []
+    if routing_keys:
+        where.append(t.c.routing_key.in_(list(routing_keys)))
+    if older_than is not None:
+        where.append(dead_at <= func.now() - older_than)
+    if reason is not None:
+        where.append(t.c.dead_reason == reason)
+    if error is not None:
+        where.append(t.c.last_error.icontains(error, autoescape=True))
+    if message_ids:
+        where.append(t.c.message_id.in_(list(message_ids)))
+    return where
+
+
+def _group_filters(
+    t: Any, fingerprint: str | None, parked: bool = False
+) -> list[ColumnElement[bool]]:
+    """Dead rows (`parked`: parked rows instead) of table `t`, of `fingerprint` if given."""
+    where = [_dead_or_parked(t, parked)]
+    if fingerprint is not None:
+        where.append(t.c.fingerprint == fingerprint)
+    return where
+
+
+def _dead_or_parked(t: Any, parked: bool) -> ColumnElement[bool]:
+    """The dead rows of table `t` (an operator's parked rows are not among them), or the
+    parked rows."""
+    if "status" in t.c:
+        state: ColumnElement[bool] = t.c.status == (PARKED if parked else DEAD)
+        return state
+    set_aside = t.c.parked_at.is_not(None) if parked else t.c.parked_at.is_(None)
+    return and_(t.c.dead_at.is_not(None), set_aside)
+
+
+def _replayed(t: Any) -> dict[str, Any]:
+    """What a replay records on a row: one more replay, and when."""
+    return {"replays": t.c.replays + 1, "replayed_at": func.now()}
+
+
+def replay_dead_outbox(
+    conn: Connection, tables: Tables, ids: Sequence[int], *, parked: bool = False
+) -> list[int]:
+    """Make dead (`parked`: parked) outbox rows unsent again, due now, with their attempts
+    reset and the replay counted; return the ids.
+
+    Only rows still dead (parked) are touched. last_error and the fingerprint stay until the
+    next attempt ends.
+    """
+    if not ids:
+        return []
+    o = tables.outbox
+    stmt = (
+        update(o)
+        .where(o.c.id.in_(list(ids)), _dead_or_parked(o, parked))
+        .values(
+            dead_at=None,
+            dead_reason=None,
+            parked_at=None,
+            attempts=0,
+            available_at=func.now(),
+            **_replayed(o),
+        )
+        .returning(o.c.id)
+    )
+    return sorted(conn.execute(stmt).scalars())
+
+
+def replay_dead_inbox(
+    conn: Connection, tables: Tables, ids: Sequence[int], *, parked: bool = False
+) -> list[int]:
+    """Make dead (`parked`: parked) rows pending again, due now, with fresh counters and the
+    replay counted; return the ids changed.
+
+    Only rows still dead (parked) are touched (another operator may have replayed or purged
+    some). last_error and the fingerprint stay as the history of the earlier failure until
+    the next attempt ends.
+    """
+    if not ids:
+        return []
+    i = tables.inbox
+    stmt = (
+        update(i)
+        .where(i.c.id.in_(list(ids)), i.c.status == (PARKED if parked else DEAD))
+        .values(
+            status=PENDING,
+            next_attempt_at=func.now(),
+            attempts=0,
+            finished=0,
+            dead_reason=None,
+            processed_at=None,
+            locked_until=None,
+            locked_by=None,
+            **_replayed(i),
+        )
+        .returning(i.c.id)
+    )
+    return sorted(conn.execute(stmt).scalars())
+
+
+def purge_dead_outbox(
+    conn: Connection, tables: Tables, ids: Sequence[int], *, parked: bool = False
+) -> list[int]:
+    """Delete the outbox rows of `ids` that are still dead (`parked`: parked); return the ids
+    deleted."""
+    o = tables.outbox
+    return _delete_dead(conn, o, _dead_or_parked(o, parked), ids)
+
+
+def purge_dead_inbox(
+    conn: Connection, tables: Tables, ids: Sequence[int], *, parked: bool = False
+) -> list[int]:
+    """Delete the rows of `ids` that are still dead (`parked`: parked); return the ids
+    deleted."""
+    i = tables.inbox
+    return _delete_dead(conn, i, i.c.status == (PARKED if parked else DEAD), ids)
+
+
+def _delete_dead(
+    conn: Connection, table: Table, dead: ColumnElement[bool], ids: Sequence[int]
+) -> list[int]:
+    """Delete the rows of `ids` still `dead`; return the ids deleted."""
+    if not ids:
+        return []
+    stmt = delete(table).where(table.c.id.in_(list(ids)), dead).returning(table.c.id)
+    return sorted(conn.execute(stmt).scalars())
+
+
+def park_dead_outbox(conn: Connection, tables: Tables, ids: Sequence[int]) -> list[int]:
+    """Set the outbox rows of `ids` that are still dead aside as parked; return their ids."""
+    if not ids:
+        return []
+    o = tables.outbox
+    stmt = (
+        update(o)
+        .where(o.c.id.in_(list(ids)), _dead_or_parked(o, False))
+        .values(parked_at=func.now())
+        .returning(o.c.id)
+    )
+    return sorted(conn.execute(stmt).scalars())
+
+
+def park_dead_inbox(conn: Connection, tables: Tables, ids: Sequence[int]) -> list[int]:
+    """Set the inbox rows of `ids` that are still dead aside as parked; return their ids."""
+    if not ids:
+        return []
+    i = tables.inbox
+    stmt = (
+        update(i)
+        .where(i.c.id.in_(list(ids)), i.c.status == DEAD)
+        .values(status=PARKED)
+        .returning(i.c.id)
+    )
+    return sorted(conn.execute(stmt).scalars())
+
+
+def dead_groups(conn: Connection, tables: Tables, *, parked: bool = False) -> list[RowMapping]:
+    """The dead (`parked`: parked) rows of the inbox and the outbox grouped by fingerprint,
+    largest group first: each with ``fingerprint``, ``count``, ``types``, ``sources``
+    ("table", "outbox"), ``first_seen`` and ``last_seen`` (when they died) and ``replayed``
+    (how many died again after a replay).
+
+    Each table is first grouped by fingerprint and type (a hash aggregate, no sort, over the
+    partial index of its dead rows by fingerprint on PostgreSQL); the few rows that gives are
+    then grouped by fingerprint. 10^6 dead rows take well under a second."""
+    i, o = tables.inbox, tables.outbox
+    parts = []
+    for t, source, dead_at in ((i, "table", dead_since(i)), (o, "outbox", o.c.dead_at)):
+        parts.append(
+            select(
+                t.c.fingerprint,
+                t.c.routing_key,
+                literal(source).label("source"),
+                func.count().label("count"),
+                func.min(dead_at).label("first_seen"),
+                func.max(dead_at).label("last_seen"),
+                func.count().filter(t.c.replays > 0).label("replayed"),
+            )
+            .where(_dead_or_parked(t, parked))
+            .group_by(t.c.fingerprint, t.c.routing_key)
+        )
+    rows = union_all(*parts).subquery()
+    listed = func.array_agg if is_postgres(conn) else func.json_group_array
+    count = func.sum(rows.c.count)
+    stmt = (
+        select(
+            rows.c.fingerprint,
+            count.label("count"),
+            listed(rows.c.routing_key.distinct()).label("types"),
+            listed(rows.c.source.distinct()).label("sources"),
+            func.min(rows.c.first_seen).label("first_seen"),
+            func.max(rows.c.last_seen).label("last_seen"),
+            func.sum(rows.c.replayed).label("replayed"),
+        )
+        .group_by(rows.c.fingerprint)
+        .order_by(count.desc(), rows.c.fingerprint)
+    )
+    return list(conn.execute(stmt).mappings())
+
+
+def forget_deliveries(conn: Connection, tables: Tables, message_ids: Sequence[uuid.UUID]) -> int:
+    """Reset the broker-redelivery counters of `message_ids` (a replayed message starts over)."""
+    if not message_ids:
+        return 0
+    d = tables.deliveries
+    result = conn.execute(delete(d).where(d.c.message_id.in_(list(message_ids))))
+    return int(result.rowcount or 0)
+
+
+# --- status and metrics ---------------------------------------------------------------------------
+
+
+def outbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
+    """Unsent outbox rows, how many of them failed at least once, the oldest one's age, and
+    the dead rows (refused by the broker on every attempt)."""
+    o = tables.outbox
+    unsent = outbox_unsent(o)
+    row = conn.execute(
+        select(
+            func.count().label("unpublished"),
+            func.count().filter(o.c.attempts > 0).label("retrying"),
+            func.max(_age_seconds(o.c.created_at)).label("oldest_age_seconds"),
+        ).where(unsent)
+    ).one()
+    dead = conn.execute(select(func.count()).where(_dead_or_parked(o, False))).scalar_one()
+    return {
+        "unpublished": int(row.unpublished),
+        "retrying": int(row.retrying),
+        "oldest_age_seconds": _float(row.oldest_age_seconds),
+        "dead": int(dead),
+    }
+
+
+def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
+    """Inbox rows by state, the age of the oldest pending row, and the counts per type.
+
+    ``pending`` rows wait for a worker (due or scheduled for a retry); ``in_progress`` rows are
+    pending rows a worker holds a lease on (database clock). ``claimable`` rows are those a
+    worker's claim would take now (due, not leased, not held behind an earlier row of their
+    key); ``oldest_claimable_age_seconds`` is how long the longest-waiting of them has been
+    claimable (since its retry came due or its lease ran out); ``last_handled_age_seconds``
+    the age of the newest processed or dead row's ``processed_at`` (None without one): how
+    long ago a worker last finished a row.
+    """
+    i = tables.inbox
+    claimable_since = case(
+        (i.c.locked_until > i.c.next_attempt_at, i.c.locked_until), else_=i.c.next_attempt_at
+    )
+    ready = conn.execute(
+        select(
+            func.count().label("claimable"),
+            func.max(_age_seconds(claimable_since)).label("oldest"),
+        ).where(claimable(i, liveness=False))
+    ).one()
+    # Each statement reads the partial indexes of its rows, never every finished row: the
+    # newest processed_at of the processed rows (one index entry per partition) and of the
+    # dead ones; the pending and dead rows through their indexes (an OR, which the planner
+    # splits over both, where IN would read the table); the processed rows counted on their
+    # narrow index.
+    handled = [
+        conn.execute(
+            select(_age_seconds(func.max(i.c.processed_at))).where(i.c.status == state)
+        ).scalar_one()
+        for state in (PROCESSED, DEAD)
+    ]
+    last_handled = min((age for age in handled if age is not None), default=None)
+    leased = and_(i.c.status == PENDING, i.c.locked_until > func.now())
+    waiting = and_(
+        i.c.status == PENDING, or_(i.c.locked_until.is_(None), i.c.locked_until <= func.now())
+    )
+    unfinished = or_(i.c.status == PENDING, i.c.status == DEAD)
+    totals = conn.execute(
+        select(
+            func.count().filter(waiting).label("pending"),
+            func.count().filter(leased).label("in_progress"),
+            func.count().filter(i.c.status == DEAD).label("dead"),
+            func.max(_age_seconds(i.c.received_at))
+            .filter(i.c.status == PENDING)
+            .label("oldest_pending_age_seconds"),
+        ).where(unfinished)
+    ).one()
+    processed = conn.execute(select(func.count()).where(i.c.status == PROCESSED)).scalar_one()
+    per_type = conn.execute(
+        select(
+            i.c.routing_key,
+            func.count().filter(waiting).label("pending"),
+            func.count().filter(leased).label("in_progress"),
+            func.count().filter(i.c.status == DEAD).label("dead"),
+        )
+        .where(unfinished)
+        .group_by(i.c.routing_key)
+        .order_by(i.c.routing_key)
+    ).all()
+    return {
+        "pending": int(totals.pending),
+        "in_progress": int(totals.in_progress),
+        "dead": int(totals.dead),
+        "processed": int(processed),
+        "oldest_pending_age_seconds": _float(totals.oldest_pending_age_seconds),
+        "claimable": int(ready.claimable),
+        "oldest_claimable_age_seconds": _float(ready.oldest),
+        "last_handled_age_seconds": _float(last_handled),
+        "by_type": [
+            {
+                "type": r.routing_key,
+                "pending": int(r.pending),
+                "in_progress": int(r.in_progress),
+                "dead": int(r.dead),
+            }
+            for r in per_type
+        ],
+    }
+
+
+def held_keys(conn: Connection, tables: Tables, limit: int) -> tuple[int, list[RowMapping]]:
+    """Ordering keys whose head message (earliest pending row) has failed and waits for a retry.
+
+    While the head is pending the worker claims none of the later rows of its key (see
+    claim_inbox). Returns the number of such keys and up to `limit` of them, most messages
+    waiting behind first: key, the head's id, message_id, type, attempts, next_attempt_at,
+    last_error, and ``waiting`` (pending rows behind the head).
+    """
+    i = tables.inbox
+    heads = (
+        select(
+            i.c.key,
+            i.c.id,
+            i.c.message_id,
+            i.c.routing_key,
+            i.c.attempts,
+            i.c.finished,
+            i.c.next_attempt_at,
+            i.c.last_error,
+        )
+        .where(i.c.status == PENDING, i.c.key.is_not(None))
+        .order_by(i.c.key, i.c.id)
+        .distinct(i.c.key)
+        .subquery("heads")
+    )
+    counts = (
+        select(i.c.key, func.count().label("pending_rows"))
+        .where(i.c.status == PENDING, i.c.key.is_not(None))
+        .group_by(i.c.key)
+        .subquery("counts")
+    )
+    failing = heads.c.last_error.is_not(None)
+    total = conn.execute(select(func.count()).select_from(heads).where(failing)).scalar_one()
+    stmt = (
+        select(
+            heads.c.key,
+            heads.c.id,
+            heads.c.message_id,
+            heads.c.routing_key.label("type"),
+            heads.c.finished.label("failures"),
+            heads.c.next_attempt_at,
+            heads.c.last_error,
+            (counts.c.pending_rows - 1).label("waiting"),
+        )
+        .join_from(heads, counts, heads.c.key == counts.c.key)
+        .where(failing)
+        .order_by((counts.c.pending_rows - 1).desc(), heads.c.key)
+        .limit(limit)
+    )
+    return int(total), list(conn.execute(stmt).mappings())
+
+
+def subscriptions_of(conn: Connection, tables: Tables) -> list[RowMapping]:
+    """Every recorded subscription: service, exchange, pattern, subscribed_at."""
+    s = tables.subscriptions
+    return list(conn.execute(select(s).order_by(s.c.service, s.c.exchange, s.c.pattern)).mappings())
