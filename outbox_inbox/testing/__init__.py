@@ -567,37 +567,6 @@ HARNESS_DB_URL_ENV = "OUTBOX_INBOX_HARNESS_DB_URL"
 HARNESS_MQ_URL_ENV = "OUTBOX_INBOX_HARNESS_MQ_URL"
 
 
-class _Databases:
-    """Fresh PostgreSQL databases on the server of `url`, for the harness's tests."""
-
-    def __init__(self, url: str) -> None:
-        from sqlalchemy import create_engine
-        from sqlalchemy.engine import make_url
-
-        self._url = make_url(url)
-        self._engine = create_engine(self._url, isolation_level="AUTOCOMMIT")
-        self._made: list[str] = []
-
-    def create(self) -> str:
-        from sqlalchemy import text
-
-        name = f"oi_test_{uuid.uuid4().hex[:12]}"  # generated, so safe to quote as is
-        with self._engine.connect() as conn:
-            conn.execute(text(f'CREATE DATABASE "{name}"'))
-        self._made.append(name)
-        return self._url.set(database=name).render_as_string(hide_password=False)
-
-    def drop_all(self) -> None:
-        from sqlalchemy import text
-
-        try:
-            with self._engine.connect() as conn:
-                for name in reversed(self._made):
-                    conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        finally:
-            self._engine.dispose()
-
-
 #: What ``outbox_inbox_harness`` accepts: a service, or a function building one from
 #: ``db_url=`` and ``broker=`` keyword arguments.
 ServiceOrBuilder = Service | Callable[..., Service]
@@ -636,11 +605,23 @@ if TYPE_CHECKING or importlib.util.find_spec("pytest") is not None:
             numbers = itertools.count(1)
             yield lambda: f"sqlite:///{tmp_path / f'outbox-inbox-{next(numbers)}.db'}"
             return
-        databases = _Databases(url)
+        from sqlalchemy.engine import make_url
+
+        from .servers import ExternalPostgres
+
+        server, made = ExternalPostgres(url), list[str]()
+
+        def create() -> str:
+            name = f"oi_test_{uuid.uuid4().hex[:12]}"
+            server.create_database(name)
+            made.append(name)
+            return make_url(url).set(database=name).render_as_string(hide_password=False)
+
         try:
-            yield databases.create
+            yield create
         finally:
-            databases.drop_all()
+            for name in reversed(made):
+                server.drop_database(name)
 
     @pytest.fixture
     def outbox_inbox_harness(

@@ -459,7 +459,27 @@ class RabbitMQHandle(Protocol):
 # --------------------------------------------------------------------------------------------
 
 
-class PostgresServer:
+class _Databases:
+    """CREATE / DROP DATABASE on the server `connect()` reaches (autocommit), the name quoted as
+    an identifier: the one way the tests make and remove databases."""
+
+    def connect(
+        self, dbname: str = "postgres", *, autocommit: bool = True
+    ) -> psycopg.Connection[Any]:
+        raise NotImplementedError
+
+    def create_database(self, name: str) -> None:
+        with self.connect() as conn:
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+
+    def drop_database(self, name: str) -> None:
+        with self.connect() as conn:
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+
+
+class PostgresServer(_Databases):
     """A private PostgreSQL 15 server on 127.0.0.1 for tests and benchmarks.
 
     >>> server = PostgresServer()
@@ -748,21 +768,11 @@ class PostgresServer:
     ) -> psycopg.Connection[Any]:
         return psycopg.connect(self.conninfo(dbname), autocommit=autocommit, connect_timeout=10)
 
-    def create_database(self, name: str) -> None:
-        with self.connect() as conn:
-            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-
-    def drop_database(self, name: str) -> None:
-        with self.connect() as conn:
-            conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            )
-
     def __repr__(self) -> str:
         return f"<PostgresServer port={self.port} dir={self.temp_dir} running={self.running}>"
 
 
-class ExternalPostgres:
+class ExternalPostgres(_Databases):
     """A PostgreSQL server run by someone else, given by an SQLAlchemy URL of a database whose
     user may ``CREATE DATABASE``. Cannot be stopped or restarted from here."""
 
@@ -785,16 +795,6 @@ class ExternalPostgres:
         return psycopg.connect(
             sqlalchemy_url_to_conninfo(url), autocommit=autocommit, connect_timeout=10
         )
-
-    def create_database(self, name: str) -> None:
-        with self.connect() as conn:
-            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-
-    def drop_database(self, name: str) -> None:
-        with self.connect() as conn:
-            conn.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
-            )
 
     def cleanup(self) -> None:
         if self._on_cleanup is not None:
