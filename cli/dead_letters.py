@@ -17,6 +17,7 @@ from typing import Any
 
 import click
 
+from outbox_inbox.dashboard.views import format_age
 from outbox_inbox.dead_letters import (
     OUTBOX,
     PARK,
@@ -37,7 +38,6 @@ from .output import (
     EXIT_UNHEALTHY,
     echo,
     echo_json,
-    format_age,
     mask,
     one_line,
     plural,

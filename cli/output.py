@@ -84,20 +84,6 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
-def format_age(seconds: float | None) -> str:
-    """A short duration: ``45s``, ``12m03s``, ``5h07m``, ``3d04h``; ``-`` for none."""
-    if seconds is None:
-        return "-"
-    s = max(0, int(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
-
-
 @contextlib.contextmanager
 def progress(total: int, label: str) -> Iterator[Callable[[int], None]]:
     """A progress bar on stderr for more than PROGRESS_THRESHOLD items; yields `advance(n)`."""

@@ -14,6 +14,7 @@ import click
 from sqlalchemy import Engine
 
 from outbox_inbox.config import Settings
+from outbox_inbox.dashboard.views import format_age
 from outbox_inbox.partitions import (
     INTERVALS,
     MaintenanceResult,
@@ -25,7 +26,7 @@ from outbox_inbox.partitions import (
 )
 
 from .history import _service_name
-from .output import echo, echo_json, format_age, plural, render_table
+from .output import echo, echo_json, plural, render_table
 from .target import (
     Target,
     app_option,

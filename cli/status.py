@@ -8,9 +8,10 @@ from typing import Any
 
 import click
 
+from outbox_inbox.dashboard.views import format_age
 from outbox_inbox.status import health
 
-from .output import EXIT_UNHEALTHY, echo, echo_json, format_age, one_line, render_table
+from .output import EXIT_UNHEALTHY, echo, echo_json, one_line, render_table
 from .target import json_option, parse_duration, resolve, target_options
 
 

@@ -73,7 +73,7 @@ TRACEPARENT = "traceparent"
 _TRACEPARENT_RE = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
 
 
-def age(seconds: float | None) -> str:
+def format_age(seconds: float | None) -> str:
     """A short duration: ``45s``, ``12m03s``, ``5h07m``, ``3d04h``; ``-`` for none."""
     if seconds is None:
         return "-"
@@ -195,10 +195,10 @@ def overview(entries: Sequence[Shown], charts: Safe, refresh: int | None) -> Saf
         cells: list[Any] = [
             health_badge(entry.problems),
             outbox["unpublished"],
-            age(outbox["oldest_age_seconds"]),
+            format_age(outbox["oldest_age_seconds"]),
             inbox["pending"],
             inbox["in_progress"],
-            age(inbox["oldest_pending_age_seconds"]),
+            format_age(inbox["oldest_pending_age_seconds"]),
             inbox["processed"],
             html(
                 '<a href="{}">{}</a>',
@@ -257,12 +257,12 @@ def service_status(entry: Shown, charts: Safe) -> Safe:
         outbox["unpublished"],
         outbox["retrying"],
         outbox.get("dead", 0),
-        age(outbox["oldest_age_seconds"]),
+        format_age(outbox["oldest_age_seconds"]),
         inbox["pending"],
         inbox["in_progress"],
         inbox["dead"],
         inbox["processed"],
-        age(inbox["oldest_pending_age_seconds"]),
+        format_age(inbox["oldest_pending_age_seconds"]),
         per_second(rates.processed if rates else None),
         per_second(rates.dead if rates else None),
         per_second(rates.backlog if rates else None),
@@ -359,7 +359,7 @@ def letters_table(name: str, letters: list[DeadLetter]) -> Safe:
                 d.message_id or "(no message id)",
                 d.type,
                 d.reason or "",
-                age(d.age_seconds),
+                format_age(d.age_seconds),
                 "" if d.attempts is None else d.attempts,
                 error_summary(mask_url(d.error) if d.error else None) or "",
             )
@@ -497,7 +497,7 @@ def letter_page(name: str, letter: DeadLetter) -> Safe:
         ("trace id", trace or "-"),
         ("reason", letter.reason),
         ("dead at", letter.dead_at.isoformat() if letter.dead_at else None),
-        ("age", age(letter.age_seconds)),
+        ("age", format_age(letter.age_seconds)),
         ("attempts", letter.attempts),
     ]
     dl = join(html("<dt>{}</dt><dd>{}</dd>", k, "" if v is None else v) for k, v in fields)
