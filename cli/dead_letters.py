@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -32,6 +33,7 @@ from outbox_inbox.dead_letters import (
     error_summary,
     parse_message_id,
 )
+from outbox_inbox.errors import ConfigurationError
 
 from .audit import audit_log_option
 from .output import (
@@ -75,72 +77,78 @@ def dead_letters() -> None:
 DONE = {"replay": "replayed", "purge": "purged", PARK: "parked"}
 
 
-def filter_options(function: Callable[..., Any]) -> Callable[..., Any]:
-    options = [
-        click.option(
-            "--type",
-            "types",
-            multiple=True,
-            metavar="PATTERN",
-            help="Message type: a routing key or topic pattern (orders.#). Repeatable.",
-        ),
-        click.option(
-            "--older-than",
-            metavar="DURATION",
-            callback=parse_duration,
-            help="Dead for at least this long (30m, 2h, 7d).",
-        ),
-        click.option(
-            "--reason",
-            metavar="REASON",
-            help="Dead reason: max_attempts, rejected, invalid_payload, no_handler, expired, "
-            "abandoned (table); refused (outbox); invalid, store_failed, redelivered, or the "
-            "broker's rejected / expired / delivery_limit (queue).",
-        ),
-        click.option("--error", metavar="TEXT", help="Text in the error (case-insensitive)."),
-        click.option(
-            "--id", "ids", multiple=True, metavar="MESSAGE_ID", help="A message id. Repeatable."
-        ),
-        click.option(
-            "--group",
-            metavar="GROUP",
-            help="One dead-letter group: its ID as `groups` prints it, or its fingerprint.",
-        ),
-        click.option(
-            "--parked",
-            is_flag=True,
-            help="The parked rows instead of the dead ones (table and outbox sources).",
-        ),
-    ]
-    for option in reversed(options):
-        function = option(function)
-    return function
+_FILTER_OPTIONS = (
+    click.option(
+        "--type",
+        "types",
+        multiple=True,
+        metavar="PATTERN",
+        help="Message type: a routing key or topic pattern (orders.#). Repeatable.",
+    ),
+    click.option(
+        "--older-than",
+        metavar="DURATION",
+        callback=parse_duration,
+        help="Dead for at least this long (30m, 2h, 7d).",
+    ),
+    click.option(
+        "--reason",
+        metavar="REASON",
+        help="Dead reason: max_attempts, rejected, invalid_payload, no_handler, expired, "
+        "abandoned (table); refused (outbox); invalid, store_failed, redelivered, or the "
+        "broker's rejected / expired / delivery_limit (queue).",
+    ),
+    click.option("--error", metavar="TEXT", help="Text in the error (case-insensitive)."),
+    click.option(
+        "--id", "ids", multiple=True, metavar="MESSAGE_ID", help="A message id. Repeatable."
+    ),
+    click.option(
+        "--group",
+        metavar="GROUP",
+        help="One dead-letter group: its ID as `groups` prints it, or its fingerprint.",
+    ),
+    click.option(
+        "--parked",
+        is_flag=True,
+        help="The parked rows instead of the dead ones (table and outbox sources).",
+    ),
+)
 
 
-def _filters(
-    types: tuple[str, ...],
-    older_than: timedelta | None,
-    reason: str | None,
-    error: str | None,
-    ids: tuple[str, ...],
-    group: str | None = None,
-    parked: bool = False,
-) -> Filters:
-    """The filters given. `group` is resolved to its fingerprint by `_resolved`."""
-    for pattern in types:
-        if not pattern or any(not word for word in pattern.split(".")):
-            raise click.BadParameter(
-                f"{pattern!r} is not a routing key or pattern", param_hint="--type"
+def filter_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Add the filter options to `command`, which gets them as one `Filters`, its ``filters``
+    argument (--group as given: `_resolved` reads its fingerprint). A --type that Filters
+    refuses is a usage error (exit 2) before the command runs."""
+
+    @functools.wraps(command)
+    def with_filters(
+        *,
+        types: tuple[str, ...],
+        older_than: timedelta | None,
+        reason: str | None,
+        error: str | None,
+        ids: tuple[str, ...],
+        group: str | None,
+        parked: bool,
+        **options: Any,
+    ) -> Any:
+        try:
+            filters = Filters(
+                types=types,
+                older_than=older_than,
+                reason=reason,
+                error=error,
+                message_ids=tuple(parse_message_id(i) for i in ids),
+                fingerprint=group,
+                parked=parked,
             )
-    return Filters(
-        types=tuple(types),
-        older_than=older_than,
-        reason=reason,
-        error=error,
-        message_ids=tuple(parse_message_id(i) for i in ids),
-        fingerprint=group,
-        parked=parked,
-    )
+        except ConfigurationError as exc:
+            raise click.BadParameter(str(exc), param_hint="--type") from exc
+        return command(filters=filters, **options)
+
+    for option in reversed(_FILTER_OPTIONS):
+        with_filters = option(with_filters)
+    return with_filters
 
 
 def _resolved(target: Target, filters: Filters) -> Filters:
@@ -238,15 +246,19 @@ def _more_note(selections: list[Selection], limit: int | None) -> None:
             )
 
 
-@dead_letters.command("list", short_help="List dead letters matching the filters.")
-@target_options
-@click.option(
+#: --source of the commands that read (list, count, show).
+source_option = click.option(
     "--source",
     type=click.Choice([*SOURCES, "all"]),
     default="all",
     show_default=True,
     help="Where to look.",
 )
+
+
+@dead_letters.command("list", short_help="List dead letters matching the filters.")
+@target_options
+@source_option
 @filter_options
 @click.option(
     "--limit",
@@ -258,27 +270,12 @@ def _more_note(selections: list[Selection], limit: int | None) -> None:
 )
 @json_option
 def list_command(
-    app: str | None,
-    service: str | None,
-    schema: str | None,
-    db_url: str | None,
-    mq_url: str | None,
-    source: str,
-    types: tuple[str, ...],
-    older_than: timedelta | None,
-    reason: str | None,
-    error: str | None,
-    ids: tuple[str, ...],
-    group: str | None,
-    parked: bool,
-    limit: int,
-    as_json: bool,
+    source: str, filters: Filters, limit: int, as_json: bool, **target_options: str | None
 ) -> None:
     """List dead letters matching the filters, oldest first within each source (--parked:
     the parked rows)."""
-    filters = _filters(types, older_than, reason, error, ids, group, parked)
-    target = resolve(app=app, service=service, schema=schema, db_url=db_url, mq_url=mq_url)
-    sources = _sources(target, source, strict=False, tables_only=parked)
+    target = resolve(**target_options)
+    sources = _sources(target, source, strict=False, tables_only=filters.parked)
     filters = _resolved(target, filters)
     with _selections(target, sources, filters, limit) as selections:
         letters = [d for s in selections for d in s.letters]
@@ -301,40 +298,18 @@ def list_command(
 
 @dead_letters.command(short_help="Count dead letters matching the filters.")
 @target_options
-@click.option(
-    "--source",
-    type=click.Choice([*SOURCES, "all"]),
-    default="all",
-    show_default=True,
-    help="Where to look.",
-)
+@source_option
 @filter_options
 @json_option
-def count(
-    app: str | None,
-    service: str | None,
-    schema: str | None,
-    db_url: str | None,
-    mq_url: str | None,
-    source: str,
-    types: tuple[str, ...],
-    older_than: timedelta | None,
-    reason: str | None,
-    error: str | None,
-    ids: tuple[str, ...],
-    group: str | None,
-    parked: bool,
-    as_json: bool,
-) -> None:
+def count(source: str, filters: Filters, as_json: bool, **target_options: str | None) -> None:
     """Count dead letters per source without loading them (tables: one query each).
 
     A broker queue is counted by its depth, or, with a filter, by reading it (its messages
     are given back, flagged redelivered).
     """
-    filters = _filters(types, older_than, reason, error, ids, group, parked)
-    target = resolve(app=app, service=service, schema=schema, db_url=db_url, mq_url=mq_url)
+    target = resolve(**target_options)
     try:
-        sources = _sources(target, source, strict=False, tables_only=parked)
+        sources = _sources(target, source, strict=False, tables_only=filters.parked)
         filters = _resolved(target, filters)
         counts = _dead_letters(target).count(sources, filters)
     finally:
@@ -349,13 +324,7 @@ def count(
 @dead_letters.command(short_help="Show one dead letter in full.")
 @click.argument("message_id")
 @target_options
-@click.option(
-    "--source",
-    type=click.Choice([*SOURCES, "all"]),
-    default="all",
-    show_default=True,
-    help="Where to look.",
-)
+@source_option
 @click.option(
     "--limit",
     default=1000,
@@ -366,19 +335,11 @@ def count(
 )
 @json_option
 def show(
-    message_id: str,
-    app: str | None,
-    service: str | None,
-    schema: str | None,
-    db_url: str | None,
-    mq_url: str | None,
-    source: str,
-    limit: int,
-    as_json: bool,
+    message_id: str, source: str, limit: int, as_json: bool, **target_options: str | None
 ) -> None:
     """Show everything about the dead letter MESSAGE_ID: payload, headers, full error."""
     filters = Filters(message_ids=(parse_message_id(message_id),))
-    target = resolve(app=app, service=service, schema=schema, db_url=db_url, mq_url=mq_url)
+    target = resolve(**target_options)
     sources = _sources(target, source, strict=False)
     with _selections(target, sources, filters, limit) as selections:
         letters = [d for s in selections for d in s.letters]
@@ -469,21 +430,9 @@ def _action_options(function: Callable[..., Any]) -> Callable[..., Any]:
     return function
 
 
-def _act_on_selection(action: str, options: dict[str, Any], *, yes: bool = True) -> None:
-    """`_act` with the options of `_action_options` as click gives them."""
-    filter_names = ("types", "older_than", "reason", "error", "ids", "group", "parked")
-    filters = _filters(*(options.pop(name) for name in filter_names))
-    _act(action, filters=filters, yes=yes, **options)
-
-
 def _act(
     action: str,
     *,
-    app: str | None,
-    service: str | None,
-    schema: str | None,
-    db_url: str | None,
-    mq_url: str | None,
     source: str,
     filters: Filters,
     everything: bool,
@@ -493,14 +442,16 @@ def _act(
     audit_log: str,
     as_json: bool,
     yes: bool = True,
+    **target_options: str | None,
 ) -> None:
-    """Select, show, (confirm,) act and audit (DeadLetters.run): replay's and purge's body."""
+    """Select, show, (confirm,) act and audit (DeadLetters.run): replay's and purge's body,
+    with the options of `_action_options` as click gives them."""
     if filters.empty and not everything:
         raise click.UsageError(
             f"choose what to {action}: --id, a filter (--type, --older-than, --reason, "
             "--error, --group, --parked), or --all"
         )
-    target = resolve(app=app, service=service, schema=schema, db_url=db_url, mq_url=mq_url)
+    target = resolve(**target_options)
     tables_only = filters.parked or action == PARK
     sources = _sources(target, source, strict=True, tables_only=tables_only)
     filters = _resolved(target, filters)
@@ -599,7 +550,7 @@ def replay(**options: Any) -> None:
     Choose one (--id), by filter, or --all. Writes one audit line (--audit-log).
     Exit 4 when some selected dead letters were kept where they were.
     """
-    _act_on_selection("replay", options)
+    _act("replay", **options)
 
 
 @dead_letters.command(short_help="Delete dead letters for good (asks first).")
@@ -611,7 +562,7 @@ def purge(yes: bool, **options: Any) -> None:
     Table rows are deleted (only those still dead); queue messages are acknowledged. Asks
     for confirmation unless --yes. Writes one audit line (--audit-log).
     """
-    _act_on_selection("purge", options, yes=yes or options["dry_run"])
+    _act("purge", yes=yes or options["dry_run"], **options)
 
 
 @dead_letters.command(short_help="Set dead rows aside: out of the dead letters, kept.")
@@ -624,29 +575,21 @@ def park(**options: Any) -> None:
     Table and outbox rows only (--source all means these two). Choose by --group, another
     filter or --all. Writes one audit line (--audit-log).
     """
-    _act_on_selection(PARK, options)
+    _act(PARK, **options)
 
 
 @dead_letters.command(short_help="Dead letters grouped by cause.")
 @target_options
 @click.option("--parked", is_flag=True, help="Group the parked rows instead.")
 @json_option
-def groups(
-    app: str | None,
-    service: str | None,
-    schema: str | None,
-    db_url: str | None,
-    mq_url: str | None,
-    parked: bool,
-    as_json: bool,
-) -> None:
+def groups(parked: bool, as_json: bool, **target_options: str | None) -> None:
     """The dead rows of the table and outbox sources grouped by the fingerprint of their
     cause (the exception's type and the handler's function, or the reason), largest first,
     counted by the database: ID (for --group), count, types, sources, when the first and
     last died, and how many died again after a replay. The broker queues are not counted:
     `list --source queue --json` shows each message's fingerprint.
     """
-    target = resolve(app=app, service=service, schema=schema, db_url=db_url, mq_url=mq_url)
+    target = resolve(**target_options)
     try:
         if not target.has_database:
             fail("groups needs a database (--db-url)")

@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from outbox_inbox.dead_letters import Filters
 from outbox_inbox.messages import COMMANDS_EXCHANGE, EVENTS_EXCHANGE, WireMessage
 from outbox_inbox.topology import topic_matches
 
@@ -69,7 +70,7 @@ def tail(
     instead of going to `unroutable`. Tail commands only for services that have a queue.
     """
     for pattern in patterns:
-        if not pattern or any(not word for word in pattern.split(".")):
+        if not Filters.is_pattern(pattern):
             raise click.BadParameter(f"{pattern!r} is not a topic pattern", param_hint="PATTERN")
     target = resolve(app=app, mq_url=mq_url)
     stop = _stop_on_signals()

@@ -94,7 +94,8 @@ Progress = Callable[[int], None]
 
 @dataclass(frozen=True)
 class Filters:
-    """What to select. Every given filter must match; none given selects everything."""
+    """What to select. Every given filter must match; none given selects everything.
+    ConfigurationError for a type that is not a routing key or pattern (`is_pattern`)."""
 
     types: tuple[str, ...] = ()  # topic patterns (`orders.#`) or exact routing keys
     older_than: timedelta | None = None  # dead for at least this long
@@ -104,6 +105,16 @@ class Filters:
     fingerprint: str | None = None  # one dead-letter group: see DeadLetters.groups
     #: Select the parked rows instead of the dead ones (table and outbox sources only).
     parked: bool = False
+
+    def __post_init__(self) -> None:
+        for pattern in self.types:
+            if not self.is_pattern(pattern):
+                raise ConfigurationError(f"{pattern!r} is not a routing key or pattern")
+
+    @staticmethod
+    def is_pattern(pattern: str) -> bool:
+        """True for dot-separated words: a routing key or a topic pattern (``orders.#``)."""
+        return bool(pattern) and all(pattern.split("."))
 
     @property
     def empty(self) -> bool:
