@@ -14,9 +14,16 @@ import pytest
 
 from outbox_inbox.broker import Delivery, PublishOutcome
 from outbox_inbox.brokers.memory import MemoryBroker
-from outbox_inbox.errors import BrokerConnectionError
+from outbox_inbox.errors import BrokerConnectionError, BrokerError
 from outbox_inbox.messages import COMMANDS_EXCHANGE, WireMessage
-from outbox_inbox.topology import delay_queue, inbox_queue, service_topology
+from outbox_inbox.topology import (
+    Exchange,
+    Queue,
+    Topology,
+    delay_queue,
+    inbox_queue,
+    service_topology,
+)
 
 SERVICE = "billing"
 
@@ -164,3 +171,19 @@ def test_publishers_in_many_threads_lose_nothing_and_keep_each_keys_order(
         by_key.setdefault(delivery.message.headers["key"], []).append(delivery.message.headers["n"])
     assert by_key == {f"k{i}": list(range(per_thread)) for i in range(threads)}
     assert broker.queue_depth(inbox_queue(SERVICE)) == 0
+
+
+def test_modes_the_topology_never_declares_are_refused_and_unknown_arguments_ignored(
+    broker: MemoryBroker,
+) -> None:
+    for topology in (
+        Topology((Exchange("matcher", "headers"),), (), ()),
+        Topology((), (Queue("capped", arguments={"x-max-length": 2}),), ()),  # drop-head
+        Topology((), (Queue("capped", arguments={"x-max-length": 2, "x-overflow": "x"}),), ()),
+        Topology((), (Queue("log", arguments={"x-queue-type": "stream"}),), ()),
+    ):
+        with pytest.raises(BrokerError):
+            broker.declare(topology)
+    assert broker.queue_depth("capped") is None and broker.queue_depth("log") is None
+    broker.declare(Topology((), (Queue("q", arguments={"x-expires": 1000}),), ()))
+    assert broker.queue_depth("q") == 0
