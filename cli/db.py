@@ -10,7 +10,7 @@ from outbox_inbox import migrate as migrations
 from outbox_inbox.logsafe import mask_url
 
 from .output import EXIT_UNHEALTHY, echo, echo_json, render_table
-from .target import Target, app_option, db_url_option, fail, json_option, resolve, schema_option
+from .target import app_option, db_url_option, json_option, resolve, schema_option
 
 
 @click.group()
@@ -22,15 +22,8 @@ def db() -> None:
     """
 
 
-def _db_target(app: str | None, db_url: str | None, schema: str | None) -> Target:
-    target = resolve(app=app, db_url=db_url, schema=schema)
-    if not target.has_database:
-        fail("no database: pass --db-url, set OUTBOX_INBOX_DB_URL, or --app")
-    return target
-
-
 def _migrate(action: str, app: str | None, db_url: str | None, schema: str | None, rev: str) -> str:
-    target = _db_target(app, db_url, schema)
+    target = resolve(app=app, db_url=db_url, schema=schema)
     run = migrations.upgrade if action == "upgrade" else migrations.downgrade
     try:
         if target.db_url:
@@ -72,7 +65,7 @@ def downgrade(app: str | None, db_url: str | None, schema: str | None, revision:
 @json_option
 def current(app: str | None, db_url: str | None, schema: str | None, as_json: bool) -> None:
     """Show the revision the database is at (changes nothing)."""
-    target = _db_target(app, db_url, schema)
+    target = resolve(app=app, db_url=db_url, schema=schema)
     try:
         with target.engine().connect() as conn:
             state = migrations.current(conn, target.schema)
@@ -94,7 +87,7 @@ def current(app: str | None, db_url: str | None, schema: str | None, as_json: bo
 @json_option
 def check(app: str | None, db_url: str | None, schema: str | None, as_json: bool) -> None:
     """Check that the tables equal the newest migration; exit 4 when they differ."""
-    target = _db_target(app, db_url, schema)
+    target = resolve(app=app, db_url=db_url, schema=schema)
     try:
         with target.engine().connect() as conn:
             differences = migrations.check(conn, target.schema)

@@ -12,13 +12,10 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import click
-from sqlalchemy import Engine
 
 from outbox_inbox.archive import SOURCES, Archiver, ArchiveResult
 from outbox_inbox.config import DB_URL_ENV
-from outbox_inbox.logsafe import mask_url
 from outbox_inbox.status import subscribed_services
-from outbox_inbox.tables import Tables, build_tables
 
 from .output import EXIT_UNHEALTHY, echo, echo_json, progress, render_table
 from .target import (
@@ -58,15 +55,11 @@ def _stop_on_signals() -> Iterator[threading.Event]:
 # --- archive ------------------------------------------------------------------------------
 
 
-def _tables(target: Target, engine: Engine) -> Tables:
-    return build_tables(None if engine.dialect.name == "sqlite" else target.schema)
-
-
-def _service_name(target: Target, engine: Engine, tables: Tables) -> str:
+def _service_name(target: Target) -> str:
     """--app's or --service's name, else the one service the subscriptions table names."""
     if target.name is not None:
         return target.name
-    services = subscribed_services(engine, tables)
+    services = subscribed_services(target.engine(), target.tables)
     if len(services) != 1:
         fail(
             "cannot tell which service's rows these are "
@@ -131,13 +124,11 @@ def archive(
     """
     target = resolve(app=app, service=service, schema=schema, db_url=db_url, mq_url=mq_url)
     try:
-        engine = target.engine()
-        tables = _tables(target, engine)
-        name = _service_name(target, engine, tables)
+        name = _service_name(target)
         bar: list[Callable[[int], None]] = []  # the progress bar's advance(n), once it shows
         archiver = Archiver(
-            engine,
-            tables,
+            target.engine(),
+            target.tables,
             name,
             root,
             older_than=older_than,
@@ -311,48 +302,27 @@ def audit(
     Writes OUT/summary.json and OUT/report.html (self-contained, charts inline).
     Exit 0 when nothing was lost or handled twice, 4 otherwise.
     """
-    from outbox_inbox.analytics.audit import read_live
-    from outbox_inbox.analytics.report import write_report
+    from outbox_inbox.analytics.report import write_audit
 
     config = _audit_inputs(archives, db_urls, confs)
     window = _window(since, until, day, margin)
-    live = [read_live(url, schema) for url in db_urls]
-    summary = _on_spark(
-        master,
-        driver_memory,
-        config,
-        archives=[p if "://" in p else str(Path(p).absolute()) for p in archives],
-        live=live,
+    summary, out = write_audit(
+        out_dir,
+        archives,
+        db_urls=db_urls,
+        schema=schema,
+        master=master,
+        driver_memory=driver_memory,
+        config=config,
         grace=grace,
-        inputs={"live_databases": [mask_url(u) for u in db_urls]},
         window=window,
     )
-    out = write_report(summary, out_dir)
     if as_json:
         echo_json(summary)
     else:
         _print_summary(summary, out)
     if not summary["ok"]:
         raise SystemExit(EXIT_UNHEALTHY)
-
-
-def _on_spark(
-    master: str | None, driver_memory: str, config: dict[str, str], **audit: Any
-) -> dict[str, Any]:
-    """`run_audit` with `audit`'s arguments on a Spark session started for it, then stopped;
-    Spark's own failures as one AuditError line."""
-    from outbox_inbox.analytics.audit import AuditError, run_audit, spark_session
-
-    spark = spark_session(master, driver_memory=driver_memory, config=config)
-    try:
-        return run_audit(spark, audit.pop("archives"), **audit)
-    except AuditError:
-        raise
-    except Exception as exc:  # Spark's failures come as py4j and pyspark errors of many kinds
-        lines = (str(exc).strip() or type(exc).__name__).splitlines()
-        raise AuditError(f"the Spark job failed: {type(exc).__name__}: {lines[0][:500]}") from exc
-    finally:
-        spark.stop()
 
 
 def _window(

@@ -11,7 +11,6 @@ from datetime import timedelta
 from typing import Any
 
 import click
-from sqlalchemy import Engine
 
 from outbox_inbox.config import Settings
 from outbox_inbox.dashboard.views import format_age
@@ -98,12 +97,9 @@ def _retention(settings: Settings) -> Retention:
     return Retention(seconds(settings.retention), seconds(settings.dead_retention))
 
 
-def _engine(target: Target) -> Engine | None:
-    """The target's engine on PostgreSQL; None on SQLite (plain tables)."""
-    if not target.has_database:
-        fail("no database: pass --db-url, set OUTBOX_INBOX_DB_URL, or --app")
-    engine = target.engine()
-    return None if engine.dialect.name == "sqlite" else engine
+def _postgres(target: Target) -> bool:
+    """Whether the target's database is PostgreSQL; SQLite keeps plain tables."""
+    return target.engine().dialect.name != "sqlite"
 
 
 def _size(n: int) -> str:
@@ -148,10 +144,10 @@ def list_command(
     target = resolve(app=app, db_url=db_url, schema=schema)
     try:
         settings = _settings(target, retention, dead_retention)
-        engine = _engine(target)
+        postgres = _postgres(target)
         found: list[PartitionState] = []
-        if engine is not None:
-            with engine.connect() as conn:
+        if postgres:
+            with target.engine().connect() as conn:
                 found = survey(conn, target.tables, _retention(settings))
     finally:
         target.close()
@@ -166,7 +162,7 @@ def list_command(
         )
         return
     if not found:
-        echo(_plain_note(engine))
+        echo(_plain_note(postgres))
         return
     rows = [
         (
@@ -234,39 +230,36 @@ def maintain_command(
         settings = _settings(
             target, retention, dead_retention, partition_interval=interval, archive_to=archive_to
         )
-        engine = _engine(target)
-        plain = engine is None or not _partitioned(engine, target)
+        postgres = _postgres(target)
+        plain = not postgres or not _partitioned(target)
         result = MaintenanceResult()
-        if engine is not None and not plain:
-            result = _maintain(target, engine, settings, interval)
+        if not plain:
+            result = _maintain(target, settings, interval)
     finally:
         target.close()
     if result.busy:
         fail(f"another maintenance pass holds the lock of schema {target.schema}: nothing done")
-    _print_result(result, _plain_note(engine) if plain else None, as_json)
+    _print_result(result, _plain_note(postgres) if plain else None, as_json)
 
 
-def _partitioned(engine: Engine, target: Target) -> bool:
-    with engine.connect() as conn:
+def _partitioned(target: Target) -> bool:
+    with target.engine().connect() as conn:
         return bool(partitioned(conn, target.schema))
 
 
-def _plain_note(engine: Engine | None) -> str:
+def _plain_note(postgres: bool) -> str:
     """What to say of plain tables: SQLite's, or PostgreSQL's before migration 0006."""
-    return PLAIN if engine is None else f"{PLAIN} (run `outbox-inbox db upgrade`)"
+    return f"{PLAIN} (run `outbox-inbox db upgrade`)" if postgres else PLAIN
 
 
-def _maintain(
-    target: Target, engine: Engine, settings: Settings, interval: str | None
-) -> MaintenanceResult:
+def _maintain(target: Target, settings: Settings, interval: str | None) -> MaintenanceResult:
     exporter = None
     if settings.archive_to:
         from outbox_inbox.archive import partition_exporter
 
-        name = _service_name(target, engine, target.tables)
-        exporter = partition_exporter(target.tables, name, settings.archive_to)
+        exporter = partition_exporter(target.tables, _service_name(target), settings.archive_to)
     return maintain(
-        engine,
+        target.engine(),
         target.tables,
         # Without --interval or an app, partitions as long as the newest one.
         interval=interval or (settings.partition_interval if target.service else None),

@@ -3,44 +3,13 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import fields, replace
+from dataclasses import replace
 
 import click
 
-from outbox_inbox.config import Settings
-from outbox_inbox.errors import ConfigurationError
 from outbox_inbox.metrics import MetricsServer, instrument
-from outbox_inbox.service import Service
 
 from .target import db_url_option, fail, load_app, mq_url_option, resolve
-
-
-def with_urls(app: Service, db_url: str | None, mq_url: str | None) -> Service:
-    """`app`, or a copy of it on other servers: same name, settings, handlers and listener.
-
-    Handlers that use the original Service object's engine or session directly keep its
-    database; those that write through the session they are given follow --db-url.
-    """
-    settings = app.settings
-    if (not db_url or db_url == settings.db_url) and (not mq_url or mq_url == settings.mq_url):
-        return app
-    values = {f.name: getattr(settings, f.name) for f in fields(Settings)}
-    values["db_url"] = db_url or settings.db_url
-    values["mq_url"] = mq_url or settings.mq_url
-    try:
-        broker = None if values["mq_url"] else app.broker
-    except ConfigurationError:
-        broker = None
-    copy = Service(
-        app.name,
-        engine=None if values["db_url"] else app.engine,
-        broker=broker,
-        listener=app.listener,
-        tracer_provider=app.tracing.provider,
-        **values,
-    )
-    copy.handlers = app.handlers
-    return copy
 
 
 @click.command()
@@ -104,7 +73,7 @@ def run(
     are served on 127.0.0.1 (--metrics-host to change); a port that cannot be bound exits 1.
     """
     resolve(db_url=db_url, mq_url=mq_url)  # checks the URLs before anything starts
-    service = with_urls(load_app(app_spec), db_url, mq_url)
+    service = load_app(app_spec).with_urls(db_url=db_url, mq_url=mq_url)
     if processes is not None:
         service.settings = replace(service.settings, processes=processes)
     wait = {"fail_fast": True} if fail_fast else {}

@@ -12,10 +12,9 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, NoReturn, TypeVar
 
 import click
-from sqlalchemy import Engine, create_engine
-from sqlalchemy.exc import ArgumentError
 
-from outbox_inbox.brokers.rabbitmq import RabbitMQBroker
+from outbox_inbox.broker import Broker
+from outbox_inbox.brokers import broker_at
 from outbox_inbox.config import (
     DB_URL_ENV,
     MQ_URL_ENV,
@@ -23,12 +22,11 @@ from outbox_inbox.config import (
     validate_identifier,
     validate_service_name,
 )
+from outbox_inbox.database import DEFAULT_SCHEMA, Engine, connect, tables_for
 from outbox_inbox.errors import ConfigurationError
-from outbox_inbox.logsafe import mask_text, mask_url
-from outbox_inbox.migrate import DEFAULT_SCHEMA
+from outbox_inbox.logsafe import mask_url
 from outbox_inbox.service import Service
-from outbox_inbox.sqlite import create_sqlite_engine, is_sqlite
-from outbox_inbox.tables import Tables, build_tables
+from outbox_inbox.tables import Tables
 from outbox_inbox.topology import Topology
 
 from .output import EXIT_ERROR, echo, remember_secret, verbosity
@@ -96,24 +94,10 @@ def load_app(spec: str) -> Service:
 
 
 def checked_db_url(url: str) -> str:
-    """`url` if SQLAlchemy can use it; ConfigurationError otherwise (never echoing a password)."""
+    """`url` if the library can use it; ConfigurationError otherwise (never echoing a
+    password)."""
     remember_secret(url)
-    url = validate_db_url(url)
-    try:
-        create_engine(url).dispose()  # loads the dialect and driver, connects to nothing
-    # The parser's own error quotes the URL or its parts: reported masked, and not chained
-    # (a -v traceback would print it whole).
-    except ImportError as exc:
-        raise ConfigurationError(
-            f"database URL {mask_url(url)}: its driver is not installed "
-            f"({mask_text(exc, url)}); use a URL like postgresql+psycopg://user@host:5432/dbname"
-        ) from None
-    except (ArgumentError, ValueError, TypeError) as exc:
-        raise ConfigurationError(
-            f"malformed database URL {mask_url(url)}: {mask_text(exc, url)}; "
-            "expected a URL like postgresql+psycopg://user@host:5432/dbname"
-        ) from None
-    return url
+    return validate_db_url(url)
 
 
 def checked_mq_url(url: str) -> str:
@@ -123,7 +107,7 @@ def checked_mq_url(url: str) -> str:
         raise ConfigurationError(
             f"malformed broker URL {mask_url(url)}: expected a URL like amqp://user@host:5672/vhost"
         )
-    RabbitMQBroker(url)  # pika parses it here and raises ConfigurationError
+    broker_at(url)  # parses it here and raises ConfigurationError
     return url
 
 
@@ -144,12 +128,7 @@ class Target:
 
     @property
     def tables(self) -> Tables:
-        # SQLite has no schemas: the tables are in the database file itself.
-        if self.db_url:
-            sqlite = is_sqlite(self.db_url)
-        else:
-            sqlite = self.service is not None and self.service.sqlite
-        return build_tables(None if sqlite else self.schema)
+        return tables_for(self.db_url or self.engine().url, self.schema)
 
     @property
     def has_database(self) -> bool:
@@ -159,15 +138,15 @@ class Target:
     def has_broker(self) -> bool:
         return bool(self.mq_url) or self._app_broker() is not None
 
-    def _app_broker(self) -> RabbitMQBroker | None:
-        """The app's own broker object, when it was given one instead of an mq_url."""
+    def _app_broker(self) -> Broker | None:
+        """The app's own broker object, when it was given one instead of an mq_url; not an
+        in-memory broker, which lives in the app's process, not in this one."""
+        from outbox_inbox.brokers.memory import MemoryBroker
+
         if self.service is None:
             return None
-        try:
-            broker = self.service.broker
-        except ConfigurationError:  # neither mq_url nor broker: the in-memory development mode
-            return None
-        return broker if isinstance(broker, RabbitMQBroker) else None
+        broker = self.service.broker
+        return None if isinstance(broker, MemoryBroker) else broker
 
     def require_name(self) -> str:
         if self.name is None:
@@ -176,24 +155,17 @@ class Target:
 
     def engine(self) -> Engine:
         if self._engine is None:
-            if self.db_url and is_sqlite(self.db_url):
-                self._engine = create_sqlite_engine(self.db_url)
-            elif self.db_url:
-                # No prepared statements: a command repeats a statement batch after batch, and
-                # behind a pooler in transaction mode the next batch may run on a server
-                # connection that never saw it prepared. Commands gain nothing from them.
-                self._engine = create_engine(
-                    self.db_url, pool_pre_ping=True, connect_args={"prepare_threshold": None}
-                )
+            if self.db_url:
+                self._engine = connect(self.db_url, self.schema).engine
             elif self.service is not None:
                 return self.service.engine
             else:
                 fail(f"no database: pass --db-url, set {DB_URL_ENV}, or --app")
         return self._engine
 
-    def broker(self) -> RabbitMQBroker:
+    def broker(self) -> Broker:
         if self.mq_url:
-            return RabbitMQBroker(self.mq_url)
+            return broker_at(self.mq_url)
         broker = self._app_broker()
         if broker is not None:
             return broker

@@ -18,12 +18,11 @@ from sqlalchemy import Connection, inspect
 from sqlalchemy.exc import SQLAlchemyError
 
 from .config import validate_identifier
+from .database import DEFAULT_SCHEMA, tables_for
 from .errors import StorageError, storage_error
 from .logsafe import mask_url
 from .partitions import is_partition
 from .tables import VERSION_TABLE, build_tables
-
-DEFAULT_SCHEMA = "outbox_inbox"
 
 
 def script_location() -> str:
@@ -143,7 +142,7 @@ def current(connection: Connection, schema: str = DEFAULT_SCHEMA) -> Current:
     On SQLite the schema is the database file itself; `schema` names the version table's
     owner elsewhere. Raises StorageError when the database cannot be read.
     """
-    where = None if connection.dialect.name == "sqlite" else validate_identifier(schema)
+    where = tables_for(connection.engine.url, schema).metadata.schema
     try:
         context = MigrationContext.configure(
             connection, opts={"version_table": VERSION_TABLE, "version_table_schema": where}
@@ -164,8 +163,9 @@ def check(connection: Connection, schema: str = DEFAULT_SCHEMA) -> list[str]:
     if not state.up_to_date:
         at = ", ".join(state.revisions) or "no revision"
         return [f"schema {schema} is at {at}, the newest is {', '.join(state.heads)}"]
-    sqlite = connection.dialect.name == "sqlite"
-    where = None if sqlite else schema
+    tables = tables_for(connection.engine.url, schema)
+    where = tables.metadata.schema
+    sqlite = where is None
     context = MigrationContext.configure(
         connection,
         opts={
@@ -176,7 +176,7 @@ def check(connection: Connection, schema: str = DEFAULT_SCHEMA) -> list[str]:
         },
     )
     try:
-        found = compare_metadata(context, build_tables(where).metadata)
+        found = compare_metadata(context, tables.metadata)
     except SQLAlchemyError as exc:
         raise storage_error(exc, "comparing the schema with the migrations") from exc
     return [_describe(diff) for diff in found]

@@ -9,12 +9,13 @@ import multiprocessing
 import signal
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import fields
 from datetime import timedelta
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
 from opentelemetry.trace import TracerProvider
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -22,6 +23,7 @@ from . import migrate as migrations
 from .backoff import Backoff
 from .broker import Broker
 from .config import Settings, validate_service_name
+from .database import connect, is_sqlite, tables_for
 from .errors import (
     BrokerAccessRefused,
     BrokerConnectionError,
@@ -50,9 +52,8 @@ from .queries import roles
 from .receiver import Receiver
 from .relay import Relay
 from .retry import RetryPolicy
-from .sqlite import create_sqlite_engine, is_sqlite
 from .supervisor import WorkerProcesses, available_cpus, without_metrics
-from .tables import Tables, build_tables
+from .tables import Tables
 from .topology import Topology, command_routing_key, inbox_queue, service_topology
 from .tracing import Tracing
 from .waker import Waker, notify_channel, psycopg_conninfo
@@ -102,8 +103,7 @@ class Service:
             raise ConfigurationError(f"service {name!r} needs db_url or engine")
         url = db_url or (engine.url if engine is not None else "")
         self.sqlite = bool(url) and is_sqlite(url)
-        # SQLite has no schemas: its tables live in the database file itself.
-        self.tables: Tables = build_tables(None if self.sqlite else self.settings.schema)
+        self.tables: Tables = tables_for(url, self.settings.schema)
         self.handlers = Handlers()
         self.tracing = Tracing(self.name, tracer_provider)
         self.outbox = Outbox(
@@ -136,20 +136,12 @@ class Service:
         with self._lock:
             if self._engine is None:
                 assert self.settings.db_url is not None
-                if self.sqlite:
-                    self._engine = create_sqlite_engine(self.settings.db_url)
-                else:
-                    extra = 3 + self.settings.worker_threads
-                    prepare = self.settings.prepare_threshold
-                    self._engine = create_engine(
-                        self.settings.db_url,
-                        pool_pre_ping=True,
-                        pool_size=extra,
-                        max_overflow=10,
-                        connect_args=roles.prepare_args(prepare),
-                    )
-                    if prepare == "auto":
-                        roles.unprepared_behind_pooler(self._engine)
+                self._engine = connect(
+                    self.settings.db_url,
+                    self.settings.schema,
+                    pool_size=3 + self.settings.worker_threads,
+                    prepare_threshold=self.settings.prepare_threshold,
+                ).engine
             return self._engine
 
     @property
@@ -167,9 +159,9 @@ class Service:
                     )
                     self._broker = MemoryBroker.shared()
                 else:
-                    from .brokers.rabbitmq import RabbitMQBroker
+                    from .brokers import broker_at
 
-                    self._broker = RabbitMQBroker(
+                    self._broker = broker_at(
                         self.settings.mq_url,
                         heartbeat=self.settings.heartbeat,
                         blocked_connection_timeout=self.settings.blocked_connection_timeout,
@@ -181,6 +173,33 @@ class Service:
         if self._sessionmaker is None:
             self._sessionmaker = sessionmaker(self.engine)
         return self._sessionmaker()
+
+    def with_urls(self, *, db_url: str | None = None, mq_url: str | None = None) -> Service:
+        """This service on other servers: itself when each URL given is its own already, else
+        a new Service on the URLs given (its own for the other), running no role.
+
+        The copy shares the name, the other settings, the handlers (the same `Handlers`), the
+        listener, the tracer provider, and the engine or broker object this one was given
+        instead of a URL unless a URL replaces it; from a URL it makes its own. Handlers that
+        use this Service object's engine or session directly keep its database; those that
+        write through the session they are given follow `db_url`. Connects to nothing; raises
+        ConfigurationError for an invalid URL."""
+        settings = self.settings
+        if (not db_url or db_url == settings.db_url) and (not mq_url or mq_url == settings.mq_url):
+            return self
+        values = {f.name: getattr(settings, f.name) for f in fields(Settings)}
+        values["db_url"] = db_url or settings.db_url
+        values["mq_url"] = mq_url or settings.mq_url
+        copy = Service(
+            self.name,
+            engine=None if values["db_url"] else self.engine,
+            broker=None if values["mq_url"] else self.broker,
+            listener=self.listener,
+            tracer_provider=self.tracing.provider,
+            **values,
+        )
+        copy.handlers = self.handlers
+        return copy
 
     # --- handlers -------------------------------------------------------------------------
 
@@ -272,9 +291,7 @@ class Service:
         """Raise StorageError if the database cannot be reached, SchemaMissing without tables."""
         try:
             with self.engine.connect() as conn:
-                present = migrations.tables_exist(
-                    conn, None if self.sqlite else self.settings.schema
-                )
+                present = migrations.tables_exist(conn, self.tables.metadata.schema)
         except SQLAlchemyError as exc:
             raise storage_error(exc, f"connecting to {mask_url(self.settings.db_url)}") from exc
         if not present:

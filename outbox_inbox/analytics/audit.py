@@ -188,15 +188,12 @@ def live_frame(spark: SparkSession, source: str, live: Sequence[LiveRows]) -> Da
 def read_live(db_url: str, schema: str | None = None) -> LiveRows:
     """Read one service's live outbox, inbox and subscriptions (the service is the one its
     subscriptions name). Raises ConfigurationError when that is not exactly one service."""
-    from sqlalchemy import create_engine
-
+    from ..database import DEFAULT_SCHEMA, connect
     from ..logsafe import mask_url
     from ..queries import archive, operations
-    from ..sqlite import is_sqlite
-    from ..tables import build_tables
 
-    tables = build_tables(None if is_sqlite(db_url) else (schema or "outbox_inbox"))
-    engine = create_engine(db_url)
+    database = connect(db_url, schema or DEFAULT_SCHEMA)
+    engine, tables = database.engine, database.tables
     read_at = datetime.now(UTC)
     try:
         with engine.connect() as conn:

@@ -1,4 +1,5 @@
-"""The audit summary (JSON, schema version 1) as one self-contained HTML page.
+"""The audit summary (JSON, schema version 1) as one self-contained HTML page; `write_audit`
+runs the audit and writes both into a directory.
 
 The page is meant to be read at a glance and passed around as a single file: one inline
 ``<style>``, charts drawn here as inline ``<svg>``, no scripts, fonts, images or network. Every
@@ -11,9 +12,9 @@ import html
 import json
 import math
 from collections.abc import Mapping, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..logsafe import mask_url
 from ..svgchart import (
@@ -29,6 +30,9 @@ from ..svgchart import (
     x_axis_label,
     y_axis,
 )
+
+if TYPE_CHECKING:
+    from .audit import Window
 
 SCHEMA_VERSION = 1
 
@@ -101,6 +105,48 @@ def write_report(summary: Mapping[str, Any], directory: str | Path) -> Path:
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "report.html").write_text(render_html(summary), encoding="utf-8")
     return out
+
+
+def write_audit(
+    directory: str | Path,
+    archives: Sequence[str],
+    *,
+    db_urls: Sequence[str] = (),
+    schema: str | None = None,
+    master: str | None = None,
+    driver_memory: str | None = None,
+    config: Mapping[str, str] | None = None,
+    grace: timedelta = timedelta(minutes=5),
+    window: Window | None = None,
+) -> tuple[dict[str, Any], Path]:
+    """`audit.run_audit` of `archives` (relative paths from the current directory) and of
+    the live tables of `db_urls` (`audit.read_live`), on a Spark session started for it
+    (`audit.spark_session`) and stopped after; `write_report` into `directory`. Returns the
+    summary and the directory. Raises ConfigurationError (no PySpark; a live database whose
+    subscriptions name other than one service), AuditError (the job failed: Spark's error
+    in one line), OSError (the directory cannot be written); a live database that cannot be
+    read raises SQLAlchemy's error."""
+    from .audit import AuditError, read_live, run_audit, spark_session
+
+    live = [read_live(url, schema) for url in db_urls]
+    spark = spark_session(master, driver_memory=driver_memory, config=config)
+    try:
+        summary = run_audit(
+            spark,
+            [p if "://" in p else str(Path(p).absolute()) for p in archives],
+            live=live,
+            grace=grace,
+            inputs={"live_databases": [mask_url(u) for u in db_urls]},
+            window=window,
+        )
+    except AuditError:
+        raise
+    except Exception as exc:  # Spark's failures come as py4j and pyspark errors of many kinds
+        lines = (str(exc).strip() or type(exc).__name__).splitlines()
+        raise AuditError(f"the Spark job failed: {type(exc).__name__}: {lines[0][:500]}") from exc
+    finally:
+        spark.stop()
+    return summary, write_report(summary, directory)
 
 
 def render_html(summary: Mapping[str, Any]) -> str:

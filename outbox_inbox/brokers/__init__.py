@@ -1,1 +1,17 @@
-"""Broker implementations."""
+"""Broker implementations, and the broker at a URL (`broker_at`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..broker import Broker
+
+
+def broker_at(url: str, **options: float) -> Broker:
+    """The broker at AMQP `url` (a cluster's nodes: `config.broker_urls`): RabbitMQ, with
+    `options` (`brokers.rabbitmq.RabbitMQBroker`'s keywords). Connects to nothing; raises
+    ConfigurationError (password masked) for a malformed URL."""
+    from .rabbitmq import RabbitMQBroker
+
+    return RabbitMQBroker(url, **options)

@@ -13,11 +13,15 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from sqlalchemy import create_engine, text
 
 from helpers import make_service, scalar
+from outbox_inbox import Service
+from outbox_inbox.cli.target import resolve
+from outbox_inbox.database import connect
 
 from .bouncer import PgBouncerServer
 from .conftest import churn
@@ -71,3 +75,25 @@ def test_dead_letter_replay_in_many_batches_through_the_transaction_pool_replays
     assert scalar(db_url, statuses, s="dead") == 0
     (line,) = [json.loads(x) for x in audit.read_text().splitlines()]
     assert line["count"] == DEAD_ROWS and "error" not in line
+
+
+def test_the_commands_engine_is_the_services_it_prepares_directly_and_never_through_the_pool(
+    db_url: str, mq_url: str, pooled: Callable[[str, str], str]
+) -> None:
+    """One engine policy (outbox_inbox.database.connect) for the service, a command given
+    --db-url and the audit's live reads: each connection checks once whether it goes through
+    a pooler; directly it prepares after 5 executions, through the transaction pool never."""
+    make_service("orders", db_url, mq_url).engine.dispose()
+    for way, threshold in (("direct", 5), ("transaction", None)):
+        url = pooled(db_url, way)
+        target = resolve(service="orders", db_url=url)
+        service = Service("orders", db_url=url, mq_url=mq_url)
+        audit = connect(url).engine  # analytics.audit.read_live's
+        try:
+            for engine in (target.engine(), service.engine, audit):
+                with engine.connect() as conn:
+                    assert conn.connection.driver_connection.prepare_threshold == threshold, way
+        finally:
+            target.close()
+            service.close()
+            audit.dispose()
