@@ -59,35 +59,25 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 _VERBOSE_HELP = "More log output (-vv for debug); tracebacks."
 
 
-def _expected_errors() -> tuple[type[BaseException], ...]:
-    """Errors that end a command with one line instead of a traceback (imported when one
-    happens: the command that raised it has imported them already)."""
+def _expected(exc: Exception) -> BaseException | None:
+    """`exc` if it ends a command with one line instead of a traceback, as the library's own
+    error where it is a database or broker error the library let through; else None.
+    (Imported when one happens: the command that raised it has imported them already.)"""
     from alembic.util.exc import CommandError
-    from sqlalchemy.exc import SQLAlchemyError
 
-    from outbox_inbox.brokers.rabbitmq import CONNECTION_ERRORS
-    from outbox_inbox.errors import OutboxInboxError
+    from outbox_inbox.errors import OutboxInboxError, escaped_error
 
-    return (OutboxInboxError, SQLAlchemyError, *CONNECTION_ERRORS, CommandError, OSError)
+    if isinstance(exc, OutboxInboxError | CommandError | OSError):
+        return exc
+    return escaped_error(exc)
 
 
 def describe(exc: BaseException) -> str:
     """One line saying what went wrong (masked by the caller's echo)."""
     from alembic.util.exc import CommandError
-    from sqlalchemy.exc import SQLAlchemyError
 
-    from outbox_inbox.errors import (
-        BrokerAccessRefused,
-        OutboxInboxError,
-        SchemaMissing,
-        storage_error,
-    )
+    from outbox_inbox.errors import BrokerAccessRefused, OutboxInboxError
 
-    if isinstance(exc, SQLAlchemyError):
-        translated = storage_error(exc, "database")
-        if isinstance(translated, SchemaMissing):
-            return str(translated)
-        return "database error: " + str(translated).removeprefix("database failed: ")
     if isinstance(exc, BrokerAccessRefused):
         refused = _vhost_refused(exc)
         if refused:
@@ -190,11 +180,12 @@ class _Commands(click.Group):
         except click.ClickException as exc:  # usage errors quote what was typed
             raise _masked(exc) from None
         except Exception as exc:
-            if not isinstance(exc, _expected_errors()):
+            error = _expected(exc)
+            if error is None:
                 raise
             if verbosity(ctx):
                 echo("".join(traceback.format_exception(exc)).rstrip(), err=True)
-            echo(f"error: {describe(exc)}", err=True)
+            echo(f"error: {describe(error)}", err=True)
             sys.exit(EXIT_ERROR)
 
 

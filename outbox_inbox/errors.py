@@ -131,6 +131,24 @@ def storage_error(exc: BaseException, action: str) -> StorageError:
     return StorageError(f"{action} failed: {first}")
 
 
+def escaped_error(exc: BaseException) -> OutboxInboxError | None:
+    """This library's error for a database (SQLAlchemy) or broker (pika) error that reached
+    the caller untranslated: `storage_error`'s, as ``database error: <first line>``, or a
+    BrokerError naming the pika error; None for any other exception."""
+    import pika.exceptions
+    from sqlalchemy.exc import SQLAlchemyError
+
+    if isinstance(exc, SQLAlchemyError):
+        error = storage_error(exc, "database")
+        if isinstance(error, SchemaMissing):
+            return error
+        return type(error)(str(error).replace("database failed: ", "database error: ", 1))
+    if isinstance(exc, pika.exceptions.AMQPError):
+        text = str(exc).strip() or repr(exc)
+        return BrokerError(f"{type(exc).__name__}: {text.splitlines()[0]}")
+    return None
+
+
 def missing_partition(exc: BaseException) -> bool:
     """True when PostgreSQL refused a row because no partition covers its time (SQLSTATE
     23514 with its own words): the partitions were not made ahead, not the row's fault."""
