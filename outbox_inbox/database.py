@@ -5,13 +5,12 @@ prepared (the ``prepare_threshold`` setting, "auto") on a direct connection, nev
 pooler in transaction mode, where the next execution may land on a server connection that
 never saw them prepared (`queries.roles.unprepared_behind_pooler`, docs/runbook.md).
 
-SQLite is the development store: one process, the tables in one file, no server, no schemas.
-SQLite has no row locks, so `SKIP LOCKED` claims cannot keep two claimers apart. Instead every
-transaction on its engine starts with ``BEGIN IMMEDIATE``, which takes the database's write
-lock at once: claims, handler transactions and outbox writes run one at a time, and a claim
-can never see a row another claim is about to take. Waiting transactions retry for
-`busy_timeout` seconds. This is correct for the roles of one process (threads), and slow by
-design; PostgreSQL is the production store.
+SQLite, the development store (one process, one file, no schemas), has no row locks, so
+`SKIP LOCKED` claims cannot keep two claimers apart. Instead every transaction on its engine
+starts with ``BEGIN IMMEDIATE``, which takes the database's write lock at once: claims,
+handler transactions and outbox writes run one at a time, and a claim never sees a row
+another claim is about to take. Waiting transactions retry for `busy_timeout` seconds:
+correct for the roles of one process (threads), and slow by design.
 """
 
 from __future__ import annotations

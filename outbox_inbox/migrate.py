@@ -19,7 +19,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from .config import validate_identifier
 from .database import DEFAULT_SCHEMA, tables_for
-from .errors import StorageError, storage_error
+from .errors import StorageError, first_line, storage_error
 from .logsafe import mask_url
 from .partitions import is_partition
 from .tables import VERSION_TABLE, build_tables
@@ -63,8 +63,8 @@ def _run(action: str, config: Config, *args: Any) -> None:
         getattr(command, action)(config, *args)
     except SQLAlchemyError as exc:
         url = config.get_main_option("sqlalchemy.url") or ""
-        first = str(exc).splitlines()[0] if str(exc) else repr(exc)
-        raise StorageError(f"migration {action} on {mask_url(url)} failed: {first}") from exc
+        failed = f"migration {action} on {mask_url(url)} failed"
+        raise StorageError(f"{failed}: {first_line(exc)}") from exc
 
 
 def upgrade(config: Config, revision: str = "heads") -> None:

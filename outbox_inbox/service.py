@@ -175,15 +175,12 @@ class Service:
         return self._sessionmaker()
 
     def with_urls(self, *, db_url: str | None = None, mq_url: str | None = None) -> Service:
-        """This service on other servers: itself when each URL given is its own already, else
-        a new Service on the URLs given (its own for the other), running no role.
-
-        The copy shares the name, the other settings, the handlers (the same `Handlers`), the
-        listener, the tracer provider, and the engine or broker object this one was given
-        instead of a URL unless a URL replaces it; from a URL it makes its own. Handlers that
-        use this Service object's engine or session directly keep its database; those that
-        write through the session they are given follow `db_url`. Connects to nothing; raises
-        ConfigurationError for an invalid URL."""
+        """This service on the servers at `db_url` / `mq_url` (its own where one is not given):
+        itself when neither is another, else a new Service, running no role, that shares the
+        name, other settings, `handlers`, listener, tracer provider, and the engine or broker
+        object this one was given unless a URL replaces it. Handlers that use this object's
+        engine or session keep its database; those writing through the session they are given
+        follow `db_url`. Connects to nothing; raises ConfigurationError for an invalid URL."""
         settings = self.settings
         if (not db_url or db_url == settings.db_url) and (not mq_url or mq_url == settings.mq_url):
             return self

@@ -9,9 +9,8 @@ if TYPE_CHECKING:
 
 
 def broker_at(url: str, **options: float) -> Broker:
-    """The broker at AMQP `url` (a cluster's nodes: `config.broker_urls`): RabbitMQ, with
-    `options` (`brokers.rabbitmq.RabbitMQBroker`'s keywords). Connects to nothing; raises
-    ConfigurationError (password masked) for a malformed URL."""
+    """RabbitMQ at AMQP `url` (`config.broker_urls`) with `RabbitMQBroker`'s keyword `options`.
+    Connects to nothing; raises ConfigurationError (password masked) for a malformed URL."""
     from .rabbitmq import RabbitMQBroker
 
     return RabbitMQBroker(url, **options)
