@@ -222,7 +222,7 @@ def _claim_outbox_statement(tables: Tables, postgres: bool) -> Any:
     key_free: Any = ~held_back
     if postgres:
         # SQLite has no such locks and needs none: its transactions take the database's write
-        # lock at BEGIN (see outbox_inbox.sqlite), so one claim runs at a time.
+        # lock at BEGIN (see outbox_inbox.database), so one claim runs at a time.
         key_free = and_(
             key_free, func.pg_try_advisory_xact_lock(RELAY_LOCK, func.hashtext(o.c.key))
         )
