@@ -7,7 +7,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from sqlalchemy import (
     Connection,
@@ -40,9 +40,12 @@ def _age_seconds(column: Any) -> Any:
     return func.extract("epoch", func.now() - column)
 
 
-def dead_since(inbox: Any) -> Any:
-    """When a dead row died: mark_dead sets processed_at; older rows fall back to receipt."""
-    return func.coalesce(inbox.c.processed_at, inbox.c.received_at)
+def dead_since(t: Any) -> Any:
+    """When a dead row of table `t` died: the outbox's dead_at; on the inbox mark_dead sets
+    processed_at, and older rows fall back to receipt."""
+    if "status" not in t.c:
+        return t.c.dead_at
+    return func.coalesce(t.c.processed_at, t.c.received_at)
 
 
 def _float(value: Any) -> float | None:
@@ -52,119 +55,75 @@ def _float(value: Any) -> float | None:
 # --- dead letters ---------------------------------------------------------------------------------
 
 
-def dead_outbox_rows(
-    conn: Connection,
-    tables: Tables,
-    *,
-    routing_keys: Sequence[str] = (),
-    older_than: timedelta | None = None,
-    reason: str | None = None,
-    error: str | None = None,
-    message_ids: Sequence[uuid.UUID] = (),
-    fingerprint: str | None = None,
-    parked: bool = False,
-) -> Iterator[RowMapping]:
-    """Dead outbox rows matching every given filter, in id order, streamed.
+class DeadFilters(TypedDict, total=False):
+    """The filters of a dead-row selection; a row matches every one given.
 
-    The filters mean what they mean for `dead_inbox_rows`; each row carries ``age_seconds``.
+    ``routing_keys``: exact routing keys (topic patterns are matched by the caller);
+    ``older_than``: the time the row died (the inbox's processed_at) is at least this long ago
+    on the database clock; ``reason``: its dead_reason; ``error``: a case-insensitive substring
+    of last_error; ``message_ids``; ``fingerprint``; ``parked``: parked rows instead of dead.
     """
+
+    routing_keys: Sequence[str]
+    older_than: timedelta | None
+    reason: str | None
+    error: str | None
+    message_ids: Sequence[uuid.UUID]
+    fingerprint: str | None
+    parked: bool
+
+
+def dead_outbox_rows(
+    conn: Connection, tables: Tables, **filters: Unpack[DeadFilters]
+) -> Iterator[RowMapping]:
+    """Dead outbox rows matching every given filter, in id order, streamed; each row carries
+    ``age_seconds``."""
     o = tables.outbox
-    stmt = select(o, _age_seconds(o.c.dead_at).label("age_seconds")).where(
-        *_dead_filters(o, o.c.dead_at, routing_keys, older_than, reason, error, message_ids),
-        *_group_filters(o, fingerprint, parked),
-    )
-    result = conn.execute(stmt.order_by(o.c.id).execution_options(yield_per=500))
-    yield from result.mappings()
+    stmt = select(o, _age_seconds(o.c.dead_at).label("age_seconds"))
+    yield from _stream(conn, o, stmt, filters)
 
 
 def dead_inbox_rows(
-    conn: Connection,
-    tables: Tables,
-    *,
-    routing_keys: Sequence[str] = (),
-    older_than: timedelta | None = None,
-    reason: str | None = None,
-    error: str | None = None,
-    message_ids: Sequence[uuid.UUID] = (),
-    ids: Sequence[int] = (),
-    fingerprint: str | None = None,
-    parked: bool = False,
+    conn: Connection, tables: Tables, **filters: Unpack[DeadFilters]
 ) -> Iterator[RowMapping]:
-    """Dead inbox rows matching every given filter, in id order, streamed.
-
-    `routing_keys` are exact routing keys (topic patterns are matched by the caller);
-    `error` is a case-insensitive substring of last_error; `older_than` compares the time the
-    row died (processed_at) with the database clock. Each row carries ``dead_at`` and
-    ``age_seconds``.
-    """
+    """Dead inbox rows matching every given filter, in id order, streamed; each row carries
+    ``dead_at`` (when it died) and ``age_seconds``."""
     i = tables.inbox
     dead_at = dead_since(i)
-    columns = (i, dead_at.label("dead_at"), _age_seconds(dead_at).label("age_seconds"))
-    stmt = select(*columns).where(
-        *_dead_filters(i, dead_at, routing_keys, older_than, reason, error, message_ids),
-        *_group_filters(i, fingerprint, parked),
-    )
-    if ids:
-        stmt = stmt.where(i.c.id.in_(list(ids)))
-    result = conn.execute(stmt.order_by(i.c.id).execution_options(yield_per=500))
-    yield from result.mappings()
+    stmt = select(i, dead_at.label("dead_at"), _age_seconds(dead_at).label("age_seconds"))
+    yield from _stream(conn, i, stmt, filters)
 
 
-def count_dead(
-    conn: Connection,
-    tables: Tables,
-    table: str,
-    *,
-    routing_keys: Sequence[str] = (),
-    older_than: timedelta | None = None,
-    reason: str | None = None,
-    error: str | None = None,
-    message_ids: Sequence[uuid.UUID] = (),
-    fingerprint: str | None = None,
-    parked: bool = False,
-) -> int:
-    """How many dead rows of `table` ("inbox" or "outbox") match every given filter.
+def _stream(conn: Connection, t: Table, stmt: Any, filters: DeadFilters) -> Iterator[RowMapping]:
+    """The rows of `stmt` over table `t` that match `filters`, in id order, 500 at a time."""
+    stmt = stmt.where(*_dead_where(t, filters)).order_by(t.c.id)
+    yield from conn.execute(stmt.execution_options(yield_per=500)).mappings()
 
-    The filters mean what they mean for `dead_inbox_rows`; one count query, no row is loaded.
-    """
+
+def count_dead(conn: Connection, tables: Tables, table: str, **filters: Unpack[DeadFilters]) -> int:
+    """How many dead rows of `table` ("inbox" or "outbox") match every given filter; one count
+    query, no row is loaded."""
     t = tables.inbox if table == "inbox" else tables.outbox
-    dead_at = dead_since(t) if table == "inbox" else t.c.dead_at
-    where = _dead_filters(t, dead_at, routing_keys, older_than, reason, error, message_ids)
-    where.extend(_group_filters(t, fingerprint, parked))
-    return int(conn.execute(select(func.count()).select_from(t).where(*where)).scalar_one())
+    stmt = select(func.count()).select_from(t).where(*_dead_where(t, filters))
+    return int(conn.execute(stmt).scalar_one())
 
 
-def _dead_filters(
-    t: Any,
-    dead_at: Any,
-    routing_keys: Sequence[str],
-    older_than: timedelta | None,
-    reason: str | None,
-    error: str | None,
-    message_ids: Sequence[uuid.UUID],
-) -> list[ColumnElement[bool]]:
-    """The conditions of a dead-row selection: every filter given (with `_group_filters`,
-    which says dead or parked)."""
+def _dead_where(t: Any, filters: DeadFilters) -> list[ColumnElement[bool]]:
+    """The conditions of a dead-row selection of table `t`: dead (or parked) and every filter
+    given."""
     where: list[ColumnElement[bool]] = []
-    if routing_keys:
+    if routing_keys := filters.get("routing_keys"):
         where.append(t.c.routing_key.in_(list(routing_keys)))
-    if older_than is not None:
-        where.append(dead_at <= func.now() - older_than)
-    if reason is not None:
+    if (older_than := filters.get("older_than")) is not None:
+        where.append(dead_since(t) <= func.now() - older_than)
+    if (reason := filters.get("reason")) is not None:
         where.append(t.c.dead_reason == reason)
-    if error is not None:
+    if (error := filters.get("error")) is not None:
         where.append(t.c.last_error.icontains(error, autoescape=True))
-    if message_ids:
+    if message_ids := filters.get("message_ids"):
         where.append(t.c.message_id.in_(list(message_ids)))
-    return where
-
-
-def _group_filters(
-    t: Any, fingerprint: str | None, parked: bool = False
-) -> list[ColumnElement[bool]]:
-    """Dead rows (`parked`: parked rows instead) of table `t`, of `fingerprint` if given."""
-    where = [_dead_or_parked(t, parked)]
-    if fingerprint is not None:
+    where.append(_dead_or_parked(t, filters.get("parked", False)))
+    if (fingerprint := filters.get("fingerprint")) is not None:
         where.append(t.c.fingerprint == fingerprint)
     return where
 
@@ -184,6 +143,16 @@ def _replayed(t: Any) -> dict[str, Any]:
     return {"replays": t.c.replays + 1, "replayed_at": func.now()}
 
 
+def _change_dead(
+    conn: Connection, t: Table, ids: Sequence[int], parked: bool, **values: Any
+) -> list[int]:
+    """Set `values` on the rows of `ids` still dead (`parked`: parked); return the ids changed."""
+    if not ids:
+        return []
+    stmt = update(t).where(t.c.id.in_(list(ids)), _dead_or_parked(t, parked)).values(**values)
+    return sorted(conn.execute(stmt.returning(t.c.id)).scalars())
+
+
 def replay_dead_outbox(
     conn: Connection, tables: Tables, ids: Sequence[int], *, parked: bool = False
 ) -> list[int]:
@@ -193,23 +162,19 @@ def replay_dead_outbox(
     Only rows still dead (parked) are touched. last_error and the fingerprint stay until the
     next attempt ends.
     """
-    if not ids:
-        return []
     o = tables.outbox
-    stmt = (
-        update(o)
-        .where(o.c.id.in_(list(ids)), _dead_or_parked(o, parked))
-        .values(
-            dead_at=None,
-            dead_reason=None,
-            parked_at=None,
-            attempts=0,
-            available_at=func.now(),
-            **_replayed(o),
-        )
-        .returning(o.c.id)
+    return _change_dead(
+        conn,
+        o,
+        ids,
+        parked,
+        dead_at=None,
+        dead_reason=None,
+        parked_at=None,
+        attempts=0,
+        available_at=func.now(),
+        **_replayed(o),
     )
-    return sorted(conn.execute(stmt).scalars())
 
 
 def replay_dead_inbox(
@@ -222,26 +187,22 @@ def replay_dead_inbox(
     some). last_error and the fingerprint stay as the history of the earlier failure until
     the next attempt ends.
     """
-    if not ids:
-        return []
     i = tables.inbox
-    stmt = (
-        update(i)
-        .where(i.c.id.in_(list(ids)), i.c.status == (PARKED if parked else DEAD))
-        .values(
-            status=PENDING,
-            next_attempt_at=func.now(),
-            attempts=0,
-            finished=0,
-            dead_reason=None,
-            processed_at=None,
-            locked_until=None,
-            locked_by=None,
-            **_replayed(i),
-        )
-        .returning(i.c.id)
+    return _change_dead(
+        conn,
+        i,
+        ids,
+        parked,
+        status=PENDING,
+        next_attempt_at=func.now(),
+        attempts=0,
+        finished=0,
+        dead_reason=None,
+        processed_at=None,
+        locked_until=None,
+        locked_by=None,
+        **_replayed(i),
     )
-    return sorted(conn.execute(stmt).scalars())
 
 
 def purge_dead_outbox(
@@ -249,8 +210,7 @@ def purge_dead_outbox(
 ) -> list[int]:
     """Delete the outbox rows of `ids` that are still dead (`parked`: parked); return the ids
     deleted."""
-    o = tables.outbox
-    return _delete_dead(conn, o, _dead_or_parked(o, parked), ids)
+    return _delete_dead(conn, tables.outbox, ids, parked)
 
 
 def purge_dead_inbox(
@@ -258,46 +218,25 @@ def purge_dead_inbox(
 ) -> list[int]:
     """Delete the rows of `ids` that are still dead (`parked`: parked); return the ids
     deleted."""
-    i = tables.inbox
-    return _delete_dead(conn, i, i.c.status == (PARKED if parked else DEAD), ids)
+    return _delete_dead(conn, tables.inbox, ids, parked)
 
 
-def _delete_dead(
-    conn: Connection, table: Table, dead: ColumnElement[bool], ids: Sequence[int]
-) -> list[int]:
-    """Delete the rows of `ids` still `dead`; return the ids deleted."""
+def _delete_dead(conn: Connection, t: Table, ids: Sequence[int], parked: bool) -> list[int]:
+    """Delete the rows of `ids` still dead (`parked`: parked); return the ids deleted."""
     if not ids:
         return []
-    stmt = delete(table).where(table.c.id.in_(list(ids)), dead).returning(table.c.id)
+    stmt = delete(t).where(t.c.id.in_(list(ids)), _dead_or_parked(t, parked)).returning(t.c.id)
     return sorted(conn.execute(stmt).scalars())
 
 
 def park_dead_outbox(conn: Connection, tables: Tables, ids: Sequence[int]) -> list[int]:
     """Set the outbox rows of `ids` that are still dead aside as parked; return their ids."""
-    if not ids:
-        return []
-    o = tables.outbox
-    stmt = (
-        update(o)
-        .where(o.c.id.in_(list(ids)), _dead_or_parked(o, False))
-        .values(parked_at=func.now())
-        .returning(o.c.id)
-    )
-    return sorted(conn.execute(stmt).scalars())
+    return _change_dead(conn, tables.outbox, ids, False, parked_at=func.now())
 
 
 def park_dead_inbox(conn: Connection, tables: Tables, ids: Sequence[int]) -> list[int]:
     """Set the inbox rows of `ids` that are still dead aside as parked; return their ids."""
-    if not ids:
-        return []
-    i = tables.inbox
-    stmt = (
-        update(i)
-        .where(i.c.id.in_(list(ids)), i.c.status == DEAD)
-        .values(status=PARKED)
-        .returning(i.c.id)
-    )
-    return sorted(conn.execute(stmt).scalars())
+    return _change_dead(conn, tables.inbox, ids, False, status=PARKED)
 
 
 def dead_groups(conn: Connection, tables: Tables, *, parked: bool = False) -> list[RowMapping]:
@@ -311,7 +250,8 @@ def dead_groups(conn: Connection, tables: Tables, *, parked: bool = False) -> li
     then grouped by fingerprint. 10^6 dead rows take well under a second."""
     i, o = tables.inbox, tables.outbox
     parts = []
-    for t, source, dead_at in ((i, "table", dead_since(i)), (o, "outbox", o.c.dead_at)):
+    for t, source in ((i, "table"), (o, "outbox")):
+        dead_at = dead_since(t)
         parts.append(
             select(
                 t.c.fingerprint,
