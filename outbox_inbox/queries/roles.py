@@ -289,11 +289,7 @@ def earliest_unsent(conn: Connection, tables: Tables, keys: Sequence[str]) -> di
 @cache
 def _earliest_unsent_statement(tables: Tables, postgres: bool) -> Any:
     o = tables.outbox
-    among = (
-        o.c.key == any_(bindparam("keys", type_=ARRAY(String)))
-        if postgres
-        else o.c.key.in_(bindparam("keys", expanding=True))
-    )
+    among = _among(o.c.key, postgres, "keys", String)
     return select(o.c.key, func.min(o.c.id)).where(outbox_unsent(o), among).group_by(o.c.key)
 
 
@@ -322,23 +318,9 @@ def mark_publish_failed(
 ) -> None:
     """Count a failed attempt on rows that stay unpublished, and hold them back for `delay`."""
     if ids:
-        stmt = _mark_publish_failed_statement(tables, is_postgres(conn))
+        stmt = _outbox_failed_statement(tables, is_postgres(conn), dead=False)
         params = {"ids": list(ids), "error": error[:2000], "delay": delay.total_seconds()}
         conn.execute(stmt, params)
-
-
-@cache
-def _mark_publish_failed_statement(tables: Tables, postgres: bool) -> Any:
-    o = tables.outbox
-    return (
-        update(o)
-        .where(_among(o.c.id, postgres))
-        .values(
-            attempts=o.c.attempts + 1,
-            last_error=bindparam("error", type_=String),
-            available_at=db_now_plus(bindparam("delay", type_=Float)),
-        )
-    )
 
 
 def mark_outbox_dead(
@@ -353,25 +335,29 @@ def mark_outbox_dead(
     """Count a last failed attempt on rows and take them out of the relay's way as dead,
     with the `fingerprint` of why (default: the reason)."""
     if ids:
-        stmt = _mark_outbox_dead_statement(tables, is_postgres(conn))
+        stmt = _outbox_failed_statement(tables, is_postgres(conn), dead=True)
         params = {"ids": list(ids), "reason": reason[:255], "error": error[:2000]}
         conn.execute(stmt, {**params, "fingerprint": (fingerprint or reason)[:255]})
 
 
 @cache
-def _mark_outbox_dead_statement(tables: Tables, postgres: bool) -> Any:
+def _outbox_failed_statement(tables: Tables, postgres: bool, *, dead: bool) -> Any:
+    """A failed attempt counted on the rows of ``ids``, with its ``error``: held back for
+    ``delay`` seconds, or (`dead`) dead for ``reason`` with its ``fingerprint``."""
     o = tables.outbox
-    return (
-        update(o)
-        .where(_among(o.c.id, postgres))
-        .values(
-            attempts=o.c.attempts + 1,
-            last_error=bindparam("error", type_=String),
+    values: dict[str, Any] = {
+        "attempts": o.c.attempts + 1,
+        "last_error": bindparam("error", type_=String),
+    }
+    if dead:
+        values.update(
             dead_reason=bindparam("reason", type_=String),
             fingerprint=bindparam("fingerprint", type_=String),
             dead_at=db_now(),
         )
-    )
+    else:
+        values["available_at"] = db_now_plus(bindparam("delay", type_=Float))
+    return update(o).where(_among(o.c.id, postgres)).values(**values)
 
 
 # --- receiver and worker --------------------------------------------------------------------------
@@ -617,15 +603,18 @@ def hold_claimant_lock(conn: Connection, claimant: str) -> bool:
     return bool(taken)
 
 
-def _among(column: ColumnElement[Any], postgres: bool) -> ColumnElement[bool]:
-    """``column`` is one of the ``ids`` parameter's values (a list given at execution).
+def _among(
+    column: ColumnElement[Any], postgres: bool, name: str = "ids", of: Any = BigInteger
+) -> ColumnElement[bool]:
+    """``column`` is one of the values (of type `of`) of the parameter `name`, a list given at
+    execution.
 
     On PostgreSQL one array parameter keeps the statement's text the same whatever the number
     of ids, so the server prepares it once; elsewhere an expanding IN list.
     """
     if postgres:
-        return column == any_(bindparam("ids", type_=ARRAY(BigInteger)))
-    return column.in_(bindparam("ids", expanding=True))
+        return column == any_(bindparam(name, type_=ARRAY(of)))
+    return column.in_(bindparam(name, expanding=True))
 
 
 def lock_claimed(
