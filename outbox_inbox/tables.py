@@ -40,7 +40,6 @@ NAMING_CONVENTION = {
 #: Inbox row states. A row is `pending` until it is `processed` or `dead`; an operator may
 #: set a dead row aside as `parked` (out of the dead letters, kept, replayable later).
 PENDING, PROCESSED, DEAD, PARKED = "pending", "processed", "dead", "parked"
-INBOX_STATUSES = (PENDING, PROCESSED, DEAD, PARKED)
 
 #: Name of the alembic version table, kept in the library's schema so that it never collides
 #: with the service's own `alembic_version`.
@@ -137,34 +136,22 @@ def _outbox_indexes(outbox: Table) -> None:
     """The partial indexes of the rows still to publish (all, and those with a key) and of
     the dead rows."""
     unsent = outbox_unsent(outbox)
-    Index(
-        "ix_outbox_messages_unpublished",
-        outbox.c.id,
-        postgresql_where=unsent,
-        sqlite_where=unsent,
-    )
-    Index(
-        "ix_outbox_messages_unpublished_key",
-        outbox.c.key,
-        outbox.c.id,
-        postgresql_where=unsent & outbox.c.key.is_not(None),
-        sqlite_where=unsent & outbox.c.key.is_not(None),
-    )
-    Index(
-        "ix_outbox_messages_dead",
-        outbox.c.id,
-        postgresql_where=outbox.c.dead_at.is_not(None),
-        sqlite_where=outbox.c.dead_at.is_not(None),
-    )
+    _partial_index("ix_outbox_messages_unpublished", unsent, outbox.c.id)
+    has_key = unsent & outbox.c.key.is_not(None)
+    _partial_index("ix_outbox_messages_unpublished_key", has_key, outbox.c.key, outbox.c.id)
+    _partial_index("ix_outbox_messages_dead", outbox.c.dead_at.is_not(None), outbox.c.id)
     # Dead-letter groups: GROUP BY fingerprint reads this index alone on PostgreSQL.
-    dead = outbox.c.dead_at.is_not(None) & outbox.c.parked_at.is_(None)
-    Index(
+    _partial_index(
         "ix_outbox_messages_dead_fingerprint",
+        outbox.c.dead_at.is_not(None) & outbox.c.parked_at.is_(None),
         outbox.c.fingerprint,
         postgresql_include=["routing_key", "dead_at", "replays"],
-        postgresql_where=dead,
-        sqlite_where=dead,
     )
+
+
+def _partial_index(name: str, where: Any, *columns: Any, **options: Any) -> Index:
+    """An index of the rows `where` selects, partial alike on PostgreSQL and SQLite."""
+    return Index(name, *columns, postgresql_where=where, sqlite_where=where, **options)
 
 
 def _dead_letter_columns() -> list[Column[Any]]:
@@ -210,42 +197,27 @@ def _inbox_table(metadata: MetaData) -> Table:
         CheckConstraint("status IN ('pending', 'processed', 'dead', 'parked')", name="status"),
         CheckConstraint("kind IN ('command', 'event')", name="kind"),
     )
-    Index(
-        "ix_inbox_messages_pending",
-        inbox.c.priority.desc(),
-        inbox.c.id,
-        postgresql_where=inbox.c.status == PENDING,
-        sqlite_where=inbox.c.status == PENDING,
-    )
-    Index(
-        "ix_inbox_messages_pending_key",
-        inbox.c.key,
-        inbox.c.id,
-        postgresql_where=(inbox.c.status == PENDING) & inbox.c.key.is_not(None),
-        sqlite_where=(inbox.c.status == PENDING) & inbox.c.key.is_not(None),
-    )
+    pending = inbox.c.status == PENDING
+    _partial_index("ix_inbox_messages_pending", pending, inbox.c.priority.desc(), inbox.c.id)
+    has_key = pending & inbox.c.key.is_not(None)
+    _partial_index("ix_inbox_messages_pending_key", has_key, inbox.c.key, inbox.c.id)
     # `status`: the newest processed row, and the count of processed rows, read from this
     # narrow index (the newest: one entry per partition) instead of from every finished row.
-    Index(
-        "ix_inbox_messages_processed",
-        inbox.c.processed_at,
-        postgresql_where=inbox.c.status == PROCESSED,
-        sqlite_where=inbox.c.status == PROCESSED,
-    )
+    processed = inbox.c.status == PROCESSED
+    _partial_index("ix_inbox_messages_processed", processed, inbox.c.processed_at)
     # Dead-letter groups: GROUP BY fingerprint reads this index alone on PostgreSQL.
-    Index(
+    _partial_index(
         "ix_inbox_messages_dead_fingerprint",
+        inbox.c.status == DEAD,
         inbox.c.fingerprint,
         postgresql_include=["routing_key", "processed_at", "received_at", "replays"],
-        postgresql_where=inbox.c.status == DEAD,
-        sqlite_where=inbox.c.status == DEAD,
     )
     return inbox
 
 
 def _deliveries_table(metadata: MetaData) -> Table:
     """The count of deliveries of each received message."""
-    deliveries = Table(
+    return Table(
         "inbox_deliveries",
         metadata,
         Column("message_id", Uuid(as_uuid=True), primary_key=True),
@@ -256,7 +228,6 @@ def _deliveries_table(metadata: MetaData) -> Table:
         # inbox absorbed. The audit reports them.
         Column("duplicates", Integer, nullable=False, server_default=text("0")),
     )
-    return deliveries
 
 
 def _subscriptions_table(metadata: MetaData) -> Table:
@@ -264,7 +235,7 @@ def _subscriptions_table(metadata: MetaData) -> Table:
     # What the service's inbox queue is bound to, and since when (the database clock at its
     # first declaration). The audit expects an event at a service only if it was published
     # after the service subscribed to it.
-    subscriptions = Table(
+    return Table(
         "subscriptions",
         metadata,
         Column("service", String(255), primary_key=True),
@@ -272,7 +243,6 @@ def _subscriptions_table(metadata: MetaData) -> Table:
         Column("pattern", String(255), primary_key=True),
         Column("subscribed_at", _Time, nullable=False, server_default=func.now()),
     )
-    return subscriptions
 
 
 def _archive_files_table(metadata: MetaData) -> Table:
@@ -280,7 +250,7 @@ def _archive_files_table(metadata: MetaData) -> Table:
     # Parquet files being written by `outbox-inbox archive`. A row is committed before its file
     # is written and deleted in the transaction that deletes the file's rows from the hot
     # table, so a row left behind names a file whose batch did not finish (archive.py).
-    archive_files = Table(
+    return Table(
         "archive_files",
         metadata,
         Column("id", Uuid(as_uuid=True), primary_key=True),
@@ -289,7 +259,6 @@ def _archive_files_table(metadata: MetaData) -> Table:
         Column("created_at", _Time, nullable=False, server_default=func.now()),
         CheckConstraint("source_table IN ('outbox', 'inbox')", name="source_table"),
     )
-    return archive_files
 
 
 def _instances_table(metadata: MetaData) -> Table:
