@@ -40,7 +40,6 @@ from outbox_inbox.testing.servers import (
     _tail,
     _watchdog,
     free_port,
-    sqlalchemy_url_to_conninfo,
 )
 
 __all__ = [
@@ -64,7 +63,6 @@ __all__ = [
     "ensure_postgres_installed",
     "ensure_rabbitmq_installed",
     "free_port",
-    "sqlalchemy_url_to_conninfo",
 ]
 
 

@@ -59,16 +59,17 @@ import tempfile
 import threading
 import time
 import weakref
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import IO, Any, Protocol, runtime_checkable
+from typing import IO, Any, Protocol, Self, runtime_checkable
 from urllib.parse import quote
 
 import pika
 import pika.exceptions
 import psycopg
 from psycopg import sql
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine import make_url
 
 __all__ = [
     "PG_BIN_DIR",
@@ -81,7 +82,6 @@ __all__ = [
     "RabbitMQServer",
     "ServerError",
     "free_port",
-    "sqlalchemy_url_to_conninfo",
 ]
 
 log = logging.getLogger("outbox_inbox.testing.servers")
@@ -209,11 +209,6 @@ def _signal_pid(pid: int, sig: signal.Signals) -> None:
         os.kill(pid, sig)
 
 
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
 def _world_traversable(path: Path) -> bool:
     """True when every directory from / down to ``path`` may be entered by any user."""
     path = path.resolve()
@@ -228,25 +223,6 @@ def _world_traversable(path: Path) -> bool:
 
 def _is_root() -> bool:
     return os.geteuid() == 0
-
-
-def sqlalchemy_url_to_conninfo(url: str | URL) -> str:
-    """Turn an SQLAlchemy PostgreSQL URL into a libpq conninfo string for psycopg."""
-    parsed = make_url(url) if isinstance(url, str) else url
-    params: dict[str, Any] = {}
-    if parsed.host:
-        params["host"] = parsed.host
-    if parsed.port:
-        params["port"] = parsed.port
-    if parsed.username:
-        params["user"] = parsed.username
-    if parsed.password:
-        params["password"] = parsed.password
-    if parsed.database:
-        params["dbname"] = parsed.database
-    for key, value in parsed.query.items():
-        params[key] = value if isinstance(value, str) else value[-1]
-    return psycopg.conninfo.make_conninfo(**params)
 
 
 @contextlib.contextmanager
@@ -387,7 +363,8 @@ class _Process:
             _signal_pid(self.pid, sig)
 
     def signal_group(self, sig: signal.Signals) -> None:
-        _signal_group(self.pgid, sig)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pgid, sig)
 
     def wait(self, timeout: float | None) -> bool:
         try:
@@ -409,7 +386,7 @@ class _Process:
         _watchdog.remove(self.pgid)
 
 
-_live_servers: weakref.WeakSet[PostgresServer | RabbitMQServer] = weakref.WeakSet()
+_live_servers: weakref.WeakSet[_LocalServer] = weakref.WeakSet()
 
 
 @atexit.register
@@ -455,6 +432,110 @@ class RabbitMQHandle(Protocol):
 
 
 # --------------------------------------------------------------------------------------------
+# What the local servers share
+# --------------------------------------------------------------------------------------------
+
+
+class _LocalServer(ABC):
+    """A server started here: its files in one temporary directory, made by the first `start`
+    and removed by `cleanup`, and one main process (`_proc`) listening on `port`."""
+
+    can_restart = True
+    host = LOCALHOST
+    #: The server's name in log lines.
+    _kind = ""
+    port: int
+    temp_dir: Path | None = None
+    _proc: _Process | None = None
+    last_start_seconds: float | None = None
+    last_stop_seconds: float | None = None
+
+    def _require_temp_dir(self) -> Path:
+        if self.temp_dir is None:
+            raise ServerError(f"{type(self).__name__} was not started")
+        return self.temp_dir
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.alive
+
+    @abstractmethod
+    def _make_temp_dir(self) -> Path: ...
+
+    @abstractmethod
+    def _launch(self) -> _Process:
+        """Start the server's processes (the temporary directory exists); return the main one."""
+
+    @abstractmethod
+    def _wait_ready(self) -> None: ...
+
+    @abstractmethod
+    def _kill_processes(self) -> None:
+        """SIGKILL every process this object started."""
+
+    @abstractmethod
+    def stop(self, timeout: float = 60.0) -> None: ...
+
+    def start(self) -> None:
+        """Start the server (the first time: in a fresh temporary directory) and wait until it
+        answers. Idempotent while running. Raises :class:`ServerError` with the tail of its log,
+        after killing what it started."""
+        if self.running:
+            return
+        started = time.monotonic()
+        try:
+            if self.temp_dir is None:
+                self.temp_dir = self._make_temp_dir()
+                _watchdog.add_dir(self.temp_dir)
+                _live_servers.add(self)
+            self._proc = self._launch()
+            self._wait_ready()
+        except BaseException:
+            self._kill_processes()
+            raise
+        self.last_start_seconds = time.monotonic() - started
+        log.info("%s on port %s ready in %.2fs", self._kind, self.port, self.last_start_seconds)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def cleanup(self) -> None:
+        """Stop the server, kill what is left of it and remove its temporary directory."""
+        try:
+            self.stop(timeout=30)
+        finally:
+            self._kill_processes()
+            if self.temp_dir is not None:
+                shutil.rmtree(self.temp_dir, ignore_errors=True)
+                _watchdog.remove_dir(self.temp_dir)
+                self.temp_dir = None
+            _live_servers.discard(self)
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.cleanup()
+
+
+class _External:
+    """A server someone else runs: it cannot be stopped or restarted from here; `cleanup` calls
+    ``on_cleanup`` (say, stopping its container) once."""
+
+    can_restart = False
+
+    def __init__(self, on_cleanup: Callable[[], None] | None) -> None:
+        self._on_cleanup = on_cleanup
+
+    def cleanup(self) -> None:
+        if self._on_cleanup is not None:
+            callback, self._on_cleanup = self._on_cleanup, None
+            callback()
+
+
+# --------------------------------------------------------------------------------------------
 # PostgreSQL
 # --------------------------------------------------------------------------------------------
 
@@ -479,7 +560,7 @@ class _Databases:
             )
 
 
-class PostgresServer(_Databases):
+class PostgresServer(_LocalServer, _Databases):
     """A private PostgreSQL 15 server on 127.0.0.1 for tests and benchmarks.
 
     >>> server = PostgresServer()
@@ -490,9 +571,8 @@ class PostgresServer(_Databases):
     >>> server.cleanup()
     """
 
-    can_restart = True
+    _kind = "PostgreSQL"
     user = "postgres"
-    host = LOCALHOST
 
     def __init__(
         self,
@@ -516,10 +596,6 @@ class PostgresServer(_Databases):
         self.settings.update(settings or {})
         self.startup_timeout = startup_timeout
         self._base_dir = Path(base_dir) if base_dir is not None else None
-        self.temp_dir: Path | None = None
-        self._proc: _Process | None = None
-        self.last_start_seconds: float | None = None
-        self.last_stop_seconds: float | None = None
         self.last_initdb_seconds: float | None = None
 
     # -- paths ---------------------------------------------------------------------------------
@@ -536,16 +612,7 @@ class PostgresServer(_Databases):
     def log_path(self) -> Path:
         return self._require_temp_dir() / "postgres.log"
 
-    def _require_temp_dir(self) -> Path:
-        if self.temp_dir is None:
-            raise ServerError("PostgresServer was not started")
-        return self.temp_dir
-
     # -- process control -----------------------------------------------------------------------
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.alive
 
     @property
     def pids(self) -> frozenset[int]:
@@ -620,31 +687,15 @@ class PostgresServer(_Databases):
             conf.write("\n# written by outbox_inbox.testing.servers\n" + "\n".join(lines) + "\n")
         self.last_initdb_seconds = time.monotonic() - started
 
-    def start(self) -> None:
-        """Create the cluster on first use, start the server and wait until it accepts
-        connections. Idempotent while running. Raises :class:`ServerError` with the server log."""
-        if self.running:
-            return
-        started = time.monotonic()
-        try:
-            if self.temp_dir is None:
-                self.temp_dir = self._make_temp_dir()
-                _watchdog.add_dir(self.temp_dir)
-                _live_servers.add(self)
-            if not (self.data_dir / "PG_VERSION").exists():
-                self._initdb()
-            postgres = self.bin_dir / "postgres"
-            self._proc = _Process(
-                self._as_postgres([str(postgres), "-D", str(self.data_dir)]),
-                log_path=self.log_path,
-                cwd=self.temp_dir,
-            )
-            self._wait_ready()
-        except BaseException:
-            self._kill_processes()
-            raise
-        self.last_start_seconds = time.monotonic() - started
-        log.info("PostgreSQL on port %s ready in %.2fs", self.port, self.last_start_seconds)
+    def _launch(self) -> _Process:
+        """The cluster is created on first use (``initdb``), then ``postgres`` started."""
+        if not (self.data_dir / "PG_VERSION").exists():
+            self._initdb()
+        return _Process(
+            self._as_postgres([str(self.bin_dir / "postgres"), "-D", str(self.data_dir)]),
+            log_path=self.log_path,
+            cwd=self.temp_dir,
+        )
 
     def _wait_ready(self) -> None:
         assert self._proc is not None
@@ -728,29 +779,6 @@ class PostgresServer(_Databases):
             # Only a zombie nobody reaped could still hold it; PostgreSQL would take it for live.
             (self.data_dir / "postmaster.pid").unlink(missing_ok=True)
 
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
-    def cleanup(self) -> None:
-        """Stop the server (fast) and remove its temporary directory."""
-        try:
-            self.stop(timeout=30)
-        finally:
-            self._kill_processes()
-            if self.temp_dir is not None:
-                shutil.rmtree(self.temp_dir, ignore_errors=True)
-                _watchdog.remove_dir(self.temp_dir)
-                self.temp_dir = None
-            _live_servers.discard(self)
-
-    def __enter__(self) -> PostgresServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.cleanup()
-
     # -- clients ------------------------------------------------------------------------------
 
     def url(self, dbname: str = "postgres") -> str:
@@ -772,18 +800,16 @@ class PostgresServer(_Databases):
         return f"<PostgresServer port={self.port} dir={self.temp_dir} running={self.running}>"
 
 
-class ExternalPostgres(_Databases):
+class ExternalPostgres(_External, _Databases):
     """A PostgreSQL server run by someone else, given by an SQLAlchemy URL of a database whose
-    user may ``CREATE DATABASE``. Cannot be stopped or restarted from here."""
-
-    can_restart = False
+    user may ``CREATE DATABASE``."""
 
     def __init__(self, admin_url: str, on_cleanup: Callable[[], None] | None = None) -> None:
         parsed = make_url(admin_url)
         if parsed.get_backend_name() != "postgresql":
             raise ValueError(f"not a PostgreSQL URL: {parsed.render_as_string()}")
         self.admin_url = parsed.set(drivername="postgresql+psycopg")
-        self._on_cleanup = on_cleanup
+        super().__init__(on_cleanup)
 
     def url(self, dbname: str = "postgres") -> str:
         return self.admin_url.set(database=dbname).render_as_string(hide_password=False)
@@ -792,14 +818,9 @@ class ExternalPostgres(_Databases):
         self, dbname: str | None = None, *, autocommit: bool = True
     ) -> psycopg.Connection[Any]:
         url = self.admin_url if dbname is None else self.admin_url.set(database=dbname)
-        return psycopg.connect(
-            sqlalchemy_url_to_conninfo(url), autocommit=autocommit, connect_timeout=10
-        )
-
-    def cleanup(self) -> None:
-        if self._on_cleanup is not None:
-            callback, self._on_cleanup = self._on_cleanup, None
-            callback()
+        params: dict[str, Any] = url.translate_connect_args(username="user", database="dbname")
+        params.update((key, v if isinstance(v, str) else v[-1]) for key, v in url.query.items())
+        return psycopg.connect(**params, autocommit=autocommit, connect_timeout=10)
 
     def __repr__(self) -> str:
         return f"<ExternalPostgres {self.admin_url.render_as_string()}>"
@@ -810,7 +831,7 @@ class ExternalPostgres(_Databases):
 # --------------------------------------------------------------------------------------------
 
 
-class RabbitMQServer:
+class RabbitMQServer(_LocalServer):
     """A private RabbitMQ node (Debian's ``rabbitmq-server``) on 127.0.0.1 and free ports.
 
     Everything of the node lives in one temporary directory: ``HOME`` (with the Erlang cookie),
@@ -820,9 +841,8 @@ class RabbitMQServer:
     management plugin listens on 127.0.0.1 and a free port: ``management_url``.
     """
 
-    can_restart = True
+    _kind = "RabbitMQ"
     supports_vhosts = True
-    host = LOCALHOST
     username = "guest"
     password = "guest"  # noqa: S105 - RabbitMQ's default user; it may log in from loopback only
 
@@ -845,18 +865,9 @@ class RabbitMQServer:
         self.epmd_port = free_port()
         self.management_port: int | None = free_port() if management else None
         self.cookie = "".join(secrets.choice(string.ascii_uppercase) for _ in range(20))
-        self.temp_dir: Path | None = None
-        self._proc: _Process | None = None
         self._epmd: _Process | None = None
-        self.last_start_seconds: float | None = None
-        self.last_stop_seconds: float | None = None
 
     # -- paths and environment -----------------------------------------------------------------
-
-    def _require_temp_dir(self) -> Path:
-        if self.temp_dir is None:
-            raise ServerError("RabbitMQServer was not started")
-        return self.temp_dir
 
     @property
     def log_dir(self) -> Path:
@@ -904,7 +915,7 @@ class RabbitMQServer:
         )
         return env
 
-    def _prepare_temp_dir(self) -> Path:
+    def _make_temp_dir(self) -> Path:
         base = Path(tempfile.mkdtemp(prefix="oi-rmq-", dir=self._base_dir))
         (base / "log").mkdir()
         (base / "mnesia").mkdir()
@@ -932,10 +943,6 @@ class RabbitMQServer:
     # -- process control -----------------------------------------------------------------------
 
     @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.alive
-
-    @property
     def pids(self) -> frozenset[int]:
         """Process ids of the processes this object started (the node and its epmd; the Erlang
         VM's helpers are their children), e.g. to measure the server's CPU time."""
@@ -959,33 +966,18 @@ class RabbitMQServer:
             time.sleep(0.02)
 
     def start(self) -> None:
-        """Start the node (first time: on a fresh data directory) and wait until AMQP answers.
-        Idempotent while running. Raises :class:`ServerError` with the tail of the logs."""
-        if self.running:
-            return
         server = self.sbin_dir / "rabbitmq-server"
-        if not server.exists():
+        if not self.running and not server.exists():
             raise ServerError(
                 f"{server} not found: install Debian's rabbitmq-server package "
                 "(or point OUTBOX_INBOX_RABBITMQ_SBIN_DIR at the directory that holds it)"
             )
-        started = time.monotonic()
-        try:
-            if self.temp_dir is None:
-                self.temp_dir = self._prepare_temp_dir()
-                _watchdog.add_dir(self.temp_dir)
-                _live_servers.add(self)
-            self._start_epmd()
-            self._proc = _Process(
-                [str(server)], log_path=self.output_path, env=self.env, cwd=self.temp_dir
-            )
-            self._wait_ready()
-        except BaseException:
-            self._kill_node()
-            self._kill_epmd()
-            raise
-        self.last_start_seconds = time.monotonic() - started
-        log.info("RabbitMQ on port %s ready in %.2fs", self.port, self.last_start_seconds)
+        super().start()
+
+    def _launch(self) -> _Process:
+        self._start_epmd()
+        server = self.sbin_dir / "rabbitmq-server"
+        return _Process([str(server)], log_path=self.output_path, env=self.env, cwd=self.temp_dir)
 
     def _failure(self, message: str) -> ServerError:
         parts = [message, f"--- {self.output_path}:", _tail(self.output_path, 30)]
@@ -1043,14 +1035,14 @@ class RabbitMQServer:
         """Crash the node: SIGKILL the start script and the Erlang VM at once."""
         self._kill_node()
 
+    def _kill_processes(self) -> None:
+        self._kill_node()
+        self._kill_epmd()
+
     def _kill_node(self) -> None:
         if self._proc is not None:
             self._proc.kill()
             self._proc = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
 
     def _kill_epmd(self) -> None:
         if self._epmd is not None:
@@ -1069,26 +1061,6 @@ class RabbitMQServer:
                     timeout=5,
                     check=False,
                 )
-
-    def cleanup(self) -> None:
-        """Stop the node, kill its epmd and remove the temporary directory."""
-        try:
-            self.stop(timeout=30)
-        finally:
-            self._kill_node()
-            self._kill_epmd()
-            if self.temp_dir is not None:
-                shutil.rmtree(self.temp_dir, ignore_errors=True)
-                _watchdog.remove_dir(self.temp_dir)
-                self.temp_dir = None
-            _live_servers.discard(self)
-
-    def __enter__(self) -> RabbitMQServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.cleanup()
 
     # -- clients ------------------------------------------------------------------------------
 
@@ -1208,15 +1180,14 @@ class RabbitMQServer:
         )
 
 
-class ExternalRabbitMQ:
+class ExternalRabbitMQ(_External):
     """A RabbitMQ server run by someone else, given by its AMQP URL. Tests share its vhost."""
 
-    can_restart = False
     supports_vhosts = False
 
     def __init__(self, amqp_url: str, on_cleanup: Callable[[], None] | None = None) -> None:
         self._url = amqp_url
-        self._on_cleanup = on_cleanup
+        super().__init__(on_cleanup)
 
     @property
     def url(self) -> str:
@@ -1224,11 +1195,6 @@ class ExternalRabbitMQ:
 
     def url_for_vhost(self, vhost: str) -> str:
         raise ServerError("vhosts cannot be created on an external RabbitMQ server")
-
-    def cleanup(self) -> None:
-        if self._on_cleanup is not None:
-            callback, self._on_cleanup = self._on_cleanup, None
-            callback()
 
     def __repr__(self) -> str:
         return f"<ExternalRabbitMQ {re.sub(r':[^:@/]*@', ':***@', self._url)}>"
