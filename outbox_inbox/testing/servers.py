@@ -447,8 +447,6 @@ class _LocalServer(ABC):
     port: int
     temp_dir: Path | None = None
     _proc: _Process | None = None
-    last_start_seconds: float | None = None
-    last_stop_seconds: float | None = None
 
     def _require_temp_dir(self) -> Path:
         if self.temp_dir is None:
@@ -493,8 +491,7 @@ class _LocalServer(ABC):
         except BaseException:
             self._kill_processes()
             raise
-        self.last_start_seconds = time.monotonic() - started
-        log.info("%s on port %s ready in %.2fs", self._kind, self.port, self.last_start_seconds)
+        log.info("%s on port %s ready in %.2fs", self._kind, self.port, time.monotonic() - started)
 
     def restart(self) -> None:
         self.stop()
@@ -596,7 +593,6 @@ class PostgresServer(_LocalServer, _Databases):
         self.settings.update(settings or {})
         self.startup_timeout = startup_timeout
         self._base_dir = Path(base_dir) if base_dir is not None else None
-        self.last_initdb_seconds: float | None = None
 
     # -- paths ---------------------------------------------------------------------------------
 
@@ -649,7 +645,6 @@ class PostgresServer(_LocalServer, _Databases):
         initdb = self.bin_dir / "initdb"
         if not initdb.exists():
             raise ServerError(f"{initdb} not found: install Debian's postgresql-15 package")
-        started = time.monotonic()
         log_path = self.temp_dir / "initdb.log"
         with open(log_path, "wb") as log_file:
             result = subprocess.run(
@@ -685,7 +680,6 @@ class PostgresServer(_LocalServer, _Databases):
         lines = [f"{key} = {value}" for key, value in settings.items()]
         with open(self.data_dir / "postgresql.conf", "a") as conf:
             conf.write("\n# written by outbox_inbox.testing.servers\n" + "\n".join(lines) + "\n")
-        self.last_initdb_seconds = time.monotonic() - started
 
     def _launch(self) -> _Process:
         """The cluster is created on first use (``initdb``), then ``postgres`` started."""
@@ -750,8 +744,7 @@ class PostgresServer(_LocalServer, _Databases):
                     return
         proc.finished()
         self._proc = None
-        self.last_stop_seconds = time.monotonic() - started
-        log.info("PostgreSQL on port %s stopped in %.2fs", self.port, self.last_stop_seconds)
+        log.info("PostgreSQL on port %s stopped in %.2fs", self.port, time.monotonic() - started)
 
     def kill(self) -> None:
         """Crash the server: SIGKILL the postmaster and all its children at once."""
@@ -1024,25 +1017,21 @@ class RabbitMQServer(_LocalServer):
         proc.send_signal(signal.SIGTERM)
         if not proc.wait(timeout):
             log.warning("RabbitMQ did not stop within %ss; killing it", timeout)
-            self._kill_node()
+            self.kill()
             return
         proc.finished()
         self._proc = None
-        self.last_stop_seconds = time.monotonic() - started
-        log.info("RabbitMQ on port %s stopped in %.2fs", self.port, self.last_stop_seconds)
+        log.info("RabbitMQ on port %s stopped in %.2fs", self.port, time.monotonic() - started)
 
     def kill(self) -> None:
         """Crash the node: SIGKILL the start script and the Erlang VM at once."""
-        self._kill_node()
-
-    def _kill_processes(self) -> None:
-        self._kill_node()
-        self._kill_epmd()
-
-    def _kill_node(self) -> None:
         if self._proc is not None:
             self._proc.kill()
             self._proc = None
+
+    def _kill_processes(self) -> None:
+        self.kill()
+        self._kill_epmd()
 
     def _kill_epmd(self) -> None:
         if self._epmd is not None:
