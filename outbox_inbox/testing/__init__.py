@@ -42,12 +42,12 @@ import itertools
 import os
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, select, update
@@ -201,12 +201,7 @@ class ServiceHarness:
     def __enter__(self) -> ServiceHarness:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -401,10 +396,6 @@ class ServiceHarness:
         with ThreadPoolExecutor(1, thread_name_prefix="outbox-inbox-harness") as pool:
             return pool.submit(asyncio.run, drain()).result()
 
-    def step(self) -> int:
-        """One round of relay, receive and work; returns how much each found to do, summed."""
-        return self.relay() + self.receive() + self.work()
-
     def skip_delays(self) -> int:
         """Make waiting work due now, as if the time had passed; return the rows changed.
 
@@ -412,10 +403,15 @@ class ServiceHarness:
         with ``delay=`` that the relay has not tried yet (rows the broker refused keep their
         backoff, so a refusing broker cannot make `run_until_idle` spin).
         """
+        o = self.service.tables.outbox
+        delayed = (
+            update(o)
+            .where(outbox_unsent(o), o.c.attempts == 0, o.c.available_at > o.c.created_at)
+            .values(available_at=o.c.created_at)
+        )
         with self.service.engine.begin() as conn:
             moved = make_retries_due(conn, self.service.tables)
-            moved += make_delayed_outbox_due(conn, self.service.tables)
-        return int(moved or 0)
+            return moved + int(conn.execute(delayed).rowcount or 0)
 
     def waiting_in_broker(self) -> int:
         """Messages in this service's delay tier queues: the receiver's own retries, which
@@ -489,9 +485,7 @@ class ServiceHarness:
 
     def describe(self) -> str:
         """A one-line summary of the service's inbox and outbox, for failure messages."""
-        counts: dict[str, int] = {}
-        for row in self.inbox_rows():
-            counts[row.status] = counts.get(row.status, 0) + 1
+        counts = dict(Counter(row.status for row in self.inbox_rows()))
         unsent = sum(1 for m in self.published() if not m.sent)
         return f"{self.service.name}: inbox {counts or '{}'}, unsent outbox rows {unsent}"
 
@@ -542,20 +536,6 @@ def make_retries_due(conn: Connection, tables: Tables) -> int:
         update(i)
         .where(i.c.status == PENDING, i.c.next_attempt_at > i.c.received_at)
         .values(next_attempt_at=i.c.received_at)
-    )
-    return int(conn.execute(stmt).rowcount or 0)
-
-
-def make_delayed_outbox_due(conn: Connection, tables: Tables) -> int:
-    """Make outbox rows written with ``delay=`` and not tried yet due now.
-
-    Rows the broker refused keep their backoff, so a refusing broker cannot make a caller spin.
-    """
-    o = tables.outbox
-    stmt = (
-        update(o)
-        .where(outbox_unsent(o), o.c.attempts == 0, o.c.available_at > o.c.created_at)
-        .values(available_at=o.c.created_at)
     )
     return int(conn.execute(stmt).rowcount or 0)
 
