@@ -20,7 +20,6 @@ from typing import Any
 
 from sqlalchemy import Column, Integer, MetaData, String, Table, insert, select, update
 
-from .broker import PublishOutcome
 from .errors import Reject
 from .listener import Listener
 from .messages import Message, OutgoingMessage
@@ -53,11 +52,6 @@ class _Tracer(Listener):
                 f"{_of_order(message.payload)} (message {str(message.message_id)[:8]})",
             )
 
-    def relay_confirmed(
-        self, messages: Sequence[OutgoingMessage], outcomes: Sequence[PublishOutcome]
-    ) -> None:
-        """Confirms are traced once committed (relay_committed)."""
-
     def failed(self, message: Message, error: BaseException, *, dead: bool) -> None:
         if dead:
             self._trace(self._service, f"{message.type} is DEAD: {error} (a dead letter)")
@@ -73,34 +67,27 @@ class Demo:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if db_url is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="outbox-inbox-demo-")
-            orders_url = f"sqlite:///{Path(self._tmp.name) / 'orders.db'}"
-            billing_url = f"sqlite:///{Path(self._tmp.name) / 'billing.db'}"
-        else:
-            orders_url = billing_url = db_url
-        fast: dict[str, Any] = {
-            "relay_poll_interval": 0.1,
-            "worker_poll_interval": 0.1,
-            "receive_batch_wait": 0.02,
-        }
-        self.orders = Service(
-            "orders",
-            db_url=orders_url,
-            mq_url=mq_url,
-            schema="demo_orders",
-            listener=_Tracer("orders", trace),
-            **fast,
-        )
-        self.billing = Service(
-            "billing",
-            db_url=billing_url,
-            mq_url=mq_url,
-            schema="demo_billing",
-            listener=_Tracer("billing", trace),
-            retry=RetryPolicy(initial=0.5, multiplier=2, max_attempts=3),
-            **fast,
+        files = Path(self._tmp.name) if self._tmp is not None else None
+
+        def service(name: str, **options: Any) -> Service:
+            """A service with its own SQLite file or schema, traced, polling fast."""
+            return Service(
+                name,
+                db_url=db_url if files is None else f"sqlite:///{files / f'{name}.db'}",
+                mq_url=mq_url,
+                schema=f"demo_{name}",
+                listener=_Tracer(name, trace),
+                relay_poll_interval=0.1,
+                worker_poll_interval=0.1,
+                receive_batch_wait=0.02,
+                **options,
+            )
+
+        self.orders = service("orders")
+        self.billing = service(
+            "billing", retry=RetryPolicy(initial=0.5, multiplier=2, max_attempts=3)
         )
         self.invoiced = threading.Event()
-        self.rejected = threading.Event()
         self._failed_once = False
         self.orders_table, self.invoices_table = self._business_tables()
         self._register()
