@@ -97,16 +97,6 @@ p.note {{ color: #6b7280; margin: 8px 0 0; }}
 _STYLE += CHART_CSS
 
 
-def write_report(summary: Mapping[str, Any], directory: str | Path) -> Path:
-    """Write `summary` as ``summary.json`` and ``report.html`` into `directory` (created when
-    missing); return the directory. Raises OSError when it cannot be written."""
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out / "report.html").write_text(render_html(summary), encoding="utf-8")
-    return out
-
-
 def write_audit(
     directory: str | Path,
     archives: Sequence[str],
@@ -121,7 +111,8 @@ def write_audit(
 ) -> tuple[dict[str, Any], Path]:
     """`audit.run_audit` of `archives` (relative paths from the current directory) and of
     the live tables of `db_urls` (`audit.read_live`), on a Spark session started for it
-    (`audit.spark_session`) and stopped after; `write_report` into `directory`. Returns the
+    (`audit.spark_session`) and stopped after; the summary written as ``summary.json`` and
+    ``report.html`` (`render_html`) into `directory`, created when missing. Returns the
     summary and the directory. Raises ConfigurationError (no PySpark; a live database whose
     subscriptions name other than one service), AuditError (the job failed: Spark's error
     in one line), OSError (the directory cannot be written); a live database that cannot be
@@ -146,7 +137,11 @@ def write_audit(
         raise AuditError(f"the Spark job failed: {type(exc).__name__}: {lines[0][:500]}") from exc
     finally:
         spark.stop()
-    return summary, write_report(summary, directory)
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "report.html").write_text(render_html(summary), encoding="utf-8")
+    return summary, out
 
 
 def render_html(summary: Mapping[str, Any]) -> str:
