@@ -37,7 +37,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from .broker import PublishOutcome
-from .errors import ConfigurationError
+from .errors import ConfigurationError, first_line
 from .listener import Listener, combine
 from .logsafe import mask_text, mask_url
 from .messages import COMMAND, Message, OutgoingMessage
@@ -273,35 +273,30 @@ def instrument(service: Service, *, registry: CollectorRegistry | None = None) -
 
 # --- the gauges, read at scrape time ------------------------------------------------------
 
+#: Each gauge: its name, its help, and the field of operations.outbox_status or inbox_status
+#: it shows.
 _GAUGES = (
-    ("outbox_backlog", "Outbox rows not yet published (and not dead or expired).", "outbox"),
-    ("outbox_retrying", "Unpublished outbox rows that failed at least once.", "outbox"),
+    ("outbox_backlog", "Outbox rows not yet published (and not dead or expired).", "unpublished"),
+    ("outbox_retrying", "Unpublished outbox rows that failed at least once.", "retrying"),
     (
         "outbox_oldest_age_seconds",
         "Age of the oldest unpublished outbox row (database clock); 0 when none.",
-        "outbox",
+        "oldest_age_seconds",
     ),
-    ("outbox_dead", "Outbox rows the broker refused on every attempt.", "outbox"),
-    ("inbox_pending", "Inbox rows waiting for a worker (due, or scheduled for a retry).", "inbox"),
-    ("inbox_in_progress", "Pending inbox rows a worker holds a lease on.", "inbox"),
+    ("outbox_dead", "Outbox rows the broker refused on every attempt.", "dead"),
+    (
+        "inbox_pending",
+        "Inbox rows waiting for a worker (due, or scheduled for a retry).",
+        "pending",
+    ),
+    ("inbox_in_progress", "Pending inbox rows a worker holds a lease on.", "in_progress"),
     (
         "inbox_oldest_pending_age_seconds",
         "Age of the oldest pending inbox row (database clock); 0 when none.",
-        "inbox",
+        "oldest_pending_age_seconds",
     ),
-    ("inbox_dead", "Dead inbox rows.", "inbox"),
+    ("inbox_dead", "Dead inbox rows.", "dead"),
 )
-#: Gauge name -> the field of operations.outbox_status / inbox_status it shows.
-_FIELDS = {
-    "outbox_backlog": "unpublished",
-    "outbox_retrying": "retrying",
-    "outbox_oldest_age_seconds": "oldest_age_seconds",
-    "outbox_dead": "dead",
-    "inbox_pending": "pending",
-    "inbox_in_progress": "in_progress",
-    "inbox_oldest_pending_age_seconds": "oldest_pending_age_seconds",
-    "inbox_dead": "dead",
-}
 
 
 class _StateCollector(Collector):
@@ -336,8 +331,8 @@ class _StateCollector(Collector):
             families["state_up"].add_metric([service], 0 if state is None else 1)
             if state is None:
                 continue
-            for name, _doc, part in _GAUGES:
-                value = state[part][_FIELDS[name]]
+            for name, _doc, field in _GAUGES:
+                value = state[name.split("_", 1)[0]][field]  # "outbox" or "inbox"
                 families[name].add_metric([service], float(value or 0))
         return list(families.values())
 
@@ -350,7 +345,7 @@ class _StateCollector(Collector):
                 labels=["service"],
             )
         }
-        for name, doc, _part in _GAUGES:
+        for name, doc, _field in _GAUGES:
             families[name] = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["service"])
         return families
 
@@ -370,11 +365,10 @@ def _read_state(engine: Engine, tables: Tables) -> dict[str, Any] | None:
                 }
     except SQLAlchemyError as exc:
         url = engine.url.render_as_string(hide_password=False)
-        first = str(exc).splitlines()[0] if str(exc) else repr(exc)
         log.warning(
             "metrics: cannot read the outbox/inbox state from %s: %s",
             mask_url(url),
-            mask_text(first, url),
+            mask_text(first_line(exc), url),
         )
         return None
 
