@@ -456,11 +456,7 @@ def to_records(
 
 def subscription_record(row: Any) -> dict[str, Any]:
     """A subscriptions row as archived: exchange, pattern, subscribed_at in UTC."""
-    return {
-        "exchange": row["exchange"],
-        "pattern": row["pattern"],
-        "subscribed_at": _utc(row["subscribed_at"]),
-    }
+    return to_records(SUBSCRIPTIONS, [row], None)[0]
 
 
 def _utc(value: Any) -> datetime | None:
