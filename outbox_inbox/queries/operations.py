@@ -355,11 +355,14 @@ def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
         i.c.status == PENDING, or_(i.c.locked_until.is_(None), i.c.locked_until <= func.now())
     )
     unfinished = or_(i.c.status == PENDING, i.c.status == DEAD)
+    counts = (
+        func.count().filter(waiting).label("pending"),
+        func.count().filter(leased).label("in_progress"),
+        func.count().filter(i.c.status == DEAD).label("dead"),
+    )
     totals = conn.execute(
         select(
-            func.count().filter(waiting).label("pending"),
-            func.count().filter(leased).label("in_progress"),
-            func.count().filter(i.c.status == DEAD).label("dead"),
+            *counts,
             func.max(_age_seconds(i.c.received_at))
             .filter(i.c.status == PENDING)
             .label("oldest_pending_age_seconds"),
@@ -367,12 +370,7 @@ def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
     ).one()
     processed = conn.execute(select(func.count()).where(i.c.status == PROCESSED)).scalar_one()
     per_type = conn.execute(
-        select(
-            i.c.routing_key,
-            func.count().filter(waiting).label("pending"),
-            func.count().filter(leased).label("in_progress"),
-            func.count().filter(i.c.status == DEAD).label("dead"),
-        )
+        select(i.c.routing_key, *counts)
         .where(unfinished)
         .group_by(i.c.routing_key)
         .order_by(i.c.routing_key)
