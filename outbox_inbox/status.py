@@ -104,7 +104,7 @@ def collect_status(
     except SQLAlchemyError as exc:
         where = engine.url.render_as_string(hide_password=True)
         raise storage_error(exc, f"reading the status from {where}") from exc
-    status: dict[str, Any] = {
+    return {
         "service": service,
         "schema": tables.schema,
         "database_time": now.isoformat(),
@@ -125,11 +125,8 @@ def collect_status(
                 for k in keys
             ],
         },
-        "broker": None,
+        "broker": None if admin is None else _broker_status(admin, service),
     }
-    if admin is not None:
-        status["broker"] = _broker_status(admin, service)
-    return status
 
 
 def wakeup_status(engine: Engine, tables: Tables, listen_url: str | None) -> dict[str, Any]:
