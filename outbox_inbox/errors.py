@@ -153,9 +153,8 @@ def missing_partition(exc: BaseException) -> bool:
     """True when PostgreSQL refused a row because no partition covers its time (SQLSTATE
     23514 with its own words): the partitions were not made ahead, not the row's fault."""
     original = getattr(exc, "orig", None) or exc
-    return getattr(original, "sqlstate", None) == "23514" and "no partition of relation" in str(
-        original
-    )
+    refused = getattr(original, "sqlstate", None) == "23514"
+    return refused and "no partition of relation" in str(original)
 
 
 #: SQLSTATEs of a server that is going away or not ready: 57P01 admin_shutdown, 57P02
