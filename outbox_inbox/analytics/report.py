@@ -423,13 +423,8 @@ def _dead_letter_chart(causes: Sequence[Mapping[str, Any]]) -> str:
     causes = list(causes)[:10]  # the spec promises the top 10; more would not fit anyway
     if not causes:
         height = 200
-        return "".join(
-            [
-                svg_open("chart-dead-letters", height, "Dead letters by cause"),
-                no_data(height),
-                "</svg>",
-            ]
-        )
+        empty = svg_open("chart-dead-letters", height, "Dead letters by cause")
+        return f"{empty}{no_data(height)}</svg>"
 
     top = PLOT_TOP + 6
     bottom = top + DEAD_LETTER_ROW_HEIGHT * len(causes)
