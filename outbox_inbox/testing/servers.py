@@ -110,15 +110,13 @@ _ports_lock = threading.Lock()
 _LOWEST_PORT = 10000
 
 
-def _ephemeral_ports() -> tuple[int, int]:
-    """The kernel's range of ports for outgoing connections (Linux; its default elsewhere)."""
+def _ephemeral_low() -> int:
+    """The first of the kernel's ports for outgoing connections (Linux; its default elsewhere)."""
     try:
-        low, high = (
-            int(n) for n in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        )
+        low, _ = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low)
     except (OSError, ValueError):
-        return 32768, 60999
-    return low, high
+        return 32768
 
 
 def free_port(host: str = LOCALHOST) -> int:
@@ -129,7 +127,7 @@ def free_port(host: str = LOCALHOST) -> int:
     may become the local port of any outgoing connection of the machine, and the restart then
     fails with "address in use". Ports handed out by this process are never handed out again.
     """
-    low, _ = _ephemeral_ports()
+    low = _ephemeral_low()
     with _ports_lock:
         if low - _LOWEST_PORT >= 1000:
             for _ in range(200):
