@@ -24,7 +24,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from outbox_inbox.testing.servers import (
-    LOCALHOST,
     PG_BIN_DIR,
     RABBITMQ_SBIN_DIR,
     ExternalPostgres,
@@ -35,15 +34,11 @@ from outbox_inbox.testing.servers import (
     RabbitMQServer,
     ServerError,
     _is_root,
-    _Process,
     _signal_pid,
-    _tail,
-    _watchdog,
     free_port,
 )
 
 __all__ = [
-    "LOCALHOST",
     "PGBOUNCER_BIN",
     "PG_BIN_DIR",
     "RABBITMQ_SBIN_DIR",
@@ -54,10 +49,6 @@ __all__ = [
     "RabbitMQHandle",
     "RabbitMQServer",
     "ServerError",
-    "_Process",
-    "_is_root",
-    "_tail",
-    "_watchdog",
     "ensure_chromium_installed",
     "ensure_pgbouncer_installed",
     "ensure_postgres_installed",

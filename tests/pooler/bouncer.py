@@ -7,7 +7,6 @@ so every database of the PostgreSQL server is reachable through it under its own
 
 from __future__ import annotations
 
-import logging
 import shutil
 import signal
 import tempfile
@@ -17,24 +16,22 @@ from pathlib import Path
 import psycopg
 from sqlalchemy.engine import make_url
 
-from servers import (
+from outbox_inbox.testing.servers import (
     LOCALHOST,
-    PGBOUNCER_BIN,
     ServerError,
     _is_root,
+    _LocalServer,
     _Process,
     _tail,
-    _watchdog,
     free_port,
 )
-
-log = logging.getLogger("outbox_inbox.tests.pooler")
+from servers import PGBOUNCER_BIN
 
 #: The user PgBouncer runs as when we are root (it refuses to run as root).
 RUN_AS = "postgres"
 
 
-class PgBouncerServer:
+class PgBouncerServer(_LocalServer):
     """PgBouncer in `pool_mode` ('session' or 'transaction') in front of `server_url`'s server.
 
     `pool_size` server connections per database and user (``default_pool_size``); clients
@@ -46,10 +43,9 @@ class PgBouncerServer:
             raise ValueError(f"pool_mode {pool_mode!r}")
         self.server = make_url(server_url)
         self.pool_mode = pool_mode
+        self._kind = f"PgBouncer ({pool_mode} pooling)"
         self.pool_size = pool_size
         self.port = free_port()
-        self.temp_dir: Path | None = None
-        self._proc: _Process | None = None
 
     def _config(self, temp_dir: Path) -> str:
         s = self.server
@@ -83,30 +79,35 @@ class PgBouncerServer:
                 f"{PGBOUNCER_BIN} not found: install Debian's pgbouncer "
                 "(python tests/servers.py install-pgbouncer)"
             )
+        super().start()
+
+    def _make_temp_dir(self) -> Path:
         temp_dir = Path(tempfile.mkdtemp(prefix="oi-pgbouncer-", dir="/tmp"))
-        self.temp_dir = temp_dir
-        _watchdog.add_dir(temp_dir)
+        if _is_root():
+            shutil.chown(temp_dir, RUN_AS, RUN_AS)
+        return temp_dir
+
+    def _launch(self) -> _Process:
+        temp_dir = self._require_temp_dir()
         config = temp_dir / "pgbouncer.ini"
         config.write_text(self._config(temp_dir))
         args = [str(PGBOUNCER_BIN), str(config)]
         if _is_root():
-            shutil.chown(temp_dir, RUN_AS, RUN_AS)
             shutil.chown(config, RUN_AS, RUN_AS)
             args = ["runuser", "-u", RUN_AS, "--", *args]
-        self._proc = _Process(args, log_path=temp_dir / "output.log", cwd=temp_dir)
+        return _Process(args, log_path=temp_dir / "output.log", cwd=temp_dir)
+
+    def _wait_ready(self) -> None:
         deadline = time.monotonic() + 20
         while True:
             try:
                 self.admin("SHOW VERSION")
-                break
+                return
             except psycopg.Error as exc:
-                if not self._proc.alive or time.monotonic() > deadline:
-                    self.cleanup()
-                    raise ServerError(
-                        f"PgBouncer did not start ({exc}):\n{_tail(temp_dir / 'output.log')}"
-                    ) from exc
+                if not self.running or time.monotonic() > deadline:
+                    output = self._require_temp_dir() / "output.log"
+                    raise ServerError(f"PgBouncer did not start ({exc}):\n{_tail(output)}") from exc
                 time.sleep(0.05)
-        log.info("PgBouncer (%s pooling) on port %s", self.pool_mode, self.port)
 
     def url(self, db_url: str) -> str:
         """`db_url` (a database of the server behind) through this PgBouncer."""
@@ -123,16 +124,16 @@ class PgBouncerServer:
             cursor.execute(command)
             return list(cursor.fetchall()) if cursor.description else []
 
-    def cleanup(self) -> None:
-        """Stop PgBouncer (SIGINT: at once) and remove its directory."""
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGINT: PgBouncer stops at once (SIGKILL after at most 10 s)."""
         if self._proc is not None:
             self._proc.send_signal(signal.SIGINT)
-            if not self._proc.wait(10):
-                self._proc.kill()
-            else:
+            if self._proc.wait(min(timeout, 10)):
                 self._proc.finished()
+                self._proc = None
+        self._kill_processes()
+
+    def _kill_processes(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
             self._proc = None
-        if self.temp_dir is not None:
-            shutil.rmtree(self.temp_dir, ignore_errors=True)
-            _watchdog.remove_dir(self.temp_dir)
-            self.temp_dir = None
