@@ -401,7 +401,7 @@ def held_keys(conn: Connection, tables: Tables, limit: int) -> tuple[int, list[R
 
     While the head is pending the worker claims none of the later rows of its key (see
     claim_inbox). Returns the number of such keys and up to `limit` of them, most messages
-    waiting behind first: key, the head's id, message_id, type, attempts, next_attempt_at,
+    waiting behind first: key, the head's id, message_id, type, failures, next_attempt_at,
     last_error, and ``waiting`` (pending rows behind the head).
     """
     i = tables.inbox
@@ -410,9 +410,8 @@ def held_keys(conn: Connection, tables: Tables, limit: int) -> tuple[int, list[R
             i.c.key,
             i.c.id,
             i.c.message_id,
-            i.c.routing_key,
-            i.c.attempts,
-            i.c.finished,
+            i.c.routing_key.label("type"),
+            i.c.finished.label("failures"),
             i.c.next_attempt_at,
             i.c.last_error,
         )
@@ -430,16 +429,7 @@ def held_keys(conn: Connection, tables: Tables, limit: int) -> tuple[int, list[R
     failing = heads.c.last_error.is_not(None)
     total = conn.execute(select(func.count()).select_from(heads).where(failing)).scalar_one()
     stmt = (
-        select(
-            heads.c.key,
-            heads.c.id,
-            heads.c.message_id,
-            heads.c.routing_key.label("type"),
-            heads.c.finished.label("failures"),
-            heads.c.next_attempt_at,
-            heads.c.last_error,
-            (counts.c.pending_rows - 1).label("waiting"),
-        )
+        select(heads, (counts.c.pending_rows - 1).label("waiting"))
         .join_from(heads, counts, heads.c.key == counts.c.key)
         .where(failing)
         .order_by((counts.c.pending_rows - 1).desc(), heads.c.key)
