@@ -31,7 +31,7 @@ Example::
   survive); ``kill()`` is a SIGKILL.
 * :class:`ExternalPostgres` / :class:`ExternalRabbitMQ` wrap servers that someone else runs
   (``OUTBOX_INBOX_TEST_DB_URL`` / ``OUTBOX_INBOX_TEST_MQ_URL``, or testcontainers): the same
-  interface, but they cannot be stopped and restarted (``can_restart`` is False).
+  interface, but they cannot be stopped and restarted.
 
 Every process started here is killed by ``cleanup()`` (also when ``start()`` fails halfway), by an
 ``atexit`` hook for servers nobody cleaned up, and, should the Python process itself die without
@@ -403,8 +403,6 @@ def _cleanup_live_servers() -> None:
 class PostgresHandle(Protocol):
     """What the fixtures need from a PostgreSQL server, local or external."""
 
-    can_restart: bool
-
     def url(self, dbname: str = ...) -> str: ...
 
     def create_database(self, name: str) -> None: ...
@@ -418,7 +416,6 @@ class PostgresHandle(Protocol):
 class RabbitMQHandle(Protocol):
     """What the fixtures need from a RabbitMQ server, local or external."""
 
-    can_restart: bool
     supports_vhosts: bool
 
     @property
@@ -438,7 +435,6 @@ class _LocalServer(ABC):
     """A server started here: its files in one temporary directory, made by the first `start`
     and removed by `cleanup`, and one main process (`_proc`) listening on `port`."""
 
-    can_restart = True
     host = LOCALHOST
     #: The server's name in log lines.
     _kind = ""
@@ -491,10 +487,6 @@ class _LocalServer(ABC):
             raise
         log.info("%s on port %s ready in %.2fs", self._kind, self.port, time.monotonic() - started)
 
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
     def cleanup(self) -> None:
         """Stop the server, kill what is left of it and remove its temporary directory."""
         try:
@@ -518,8 +510,6 @@ class _LocalServer(ABC):
 class _External:
     """A server someone else runs: it cannot be stopped or restarted from here; `cleanup` calls
     ``on_cleanup`` (say, stopping its container) once."""
-
-    can_restart = False
 
     def __init__(self, on_cleanup: Callable[[], None] | None) -> None:
         self._on_cleanup = on_cleanup
@@ -861,17 +851,13 @@ class RabbitMQServer(_LocalServer):
     # -- paths and environment -----------------------------------------------------------------
 
     @property
-    def log_dir(self) -> Path:
-        return self._require_temp_dir() / "log"
-
-    @property
     def output_path(self) -> Path:
         """stdout and stderr of the ``rabbitmq-server`` script."""
         return self._require_temp_dir() / "rabbitmq-server.out"
 
     @property
     def node_log_path(self) -> Path:
-        return self.log_dir / f"{self.nodename}.log"
+        return self._require_temp_dir() / "log" / f"{self.nodename}.log"
 
     @property
     def env(self) -> dict[str, str]:
