@@ -62,6 +62,19 @@ def test_without_skip_delays_a_failed_message_waits_for_its_retry(
     assert calls == [1, 2]
 
 
+def test_skip_delays_makes_an_outbox_message_written_with_a_delay_leave_now(
+    outbox_inbox_harness: HarnessFactory,
+) -> None:
+    demo = outbox_inbox_harness(build_demo)
+    with demo.service.session() as session, session.begin():
+        demo.service.outbox.publish(session, "job.scheduled", {"n": 1}, delay=3600)
+
+    assert demo.relay() == 0  # due in an hour
+    assert demo.skip_delays() == 1
+    assert demo.relay() == 1
+    assert [m.sent for m in demo.published("demo.job.scheduled")] == [True]
+
+
 def test_handlers_registered_after_the_harness_receive_their_events(
     outbox_inbox_harness: HarnessFactory,
 ) -> None:
