@@ -15,7 +15,7 @@ import enum
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 from .messages import WireMessage
 from .topology import Exchange, Queue, Topology
@@ -250,11 +250,14 @@ class Operator(Protocol):
     queues read and moved, tails. Used from one thread; close it, or use it with ``with``.
 
     Raises BrokerConnectionError when the broker is lost, BrokerError when it refuses.
+    An implementation that subclasses it inherits ``with`` (which closes the session).
     """
 
-    def __enter__(self) -> Operator: ...
+    def __enter__(self) -> Self:
+        return self
 
-    def __exit__(self, *exc_info: object) -> None: ...
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     @property
     def description(self) -> str:

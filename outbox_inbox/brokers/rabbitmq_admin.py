@@ -1,7 +1,6 @@
-"""Operator work on RabbitMQ over AMQP: checking objects, reading and moving messages, tailing.
-
-What the `outbox-inbox` command needs beyond the `Broker` interface. A `RabbitMQAdmin` owns one
-connection and is used from one thread. pika errors are translated here, like in `rabbitmq`.
+"""The `Operator` port on RabbitMQ over AMQP (`RabbitMQBroker.operator`): checking objects,
+reading and moving messages, tailing. A `RabbitMQAdmin` owns one connection and is used from
+one thread. pika errors are translated here, like in `rabbitmq`.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel
 from pika.spec import BasicProperties
 
-from ..broker import DIFFERS, MISSING, PRESENT, Found, QueuedMessage
+from ..broker import DIFFERS, MISSING, PRESENT, Found, Operator, QueuedMessage
 from ..errors import BrokerConnectionError, BrokerError
 from ..messages import WireMessage
 from ..topology import Exchange, Queue
@@ -37,18 +36,12 @@ def _broker_error(what: str, exc: BaseException) -> BrokerError:
     return BrokerConnectionError(f"{what}: {exc!r}")
 
 
-class RabbitMQAdmin:
+class RabbitMQAdmin(Operator):
     """One connection to RabbitMQ for checks and operator actions. Close it (or use `with`)."""
 
     def __init__(self, broker: RabbitMQBroker) -> None:
         self._broker = broker
         self._connection: pika.BlockingConnection | None = None
-
-    def __enter__(self) -> RabbitMQAdmin:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     @property
     def description(self) -> str:
@@ -64,7 +57,6 @@ class RabbitMQAdmin:
             raise BrokerConnectionError(f"cannot open a channel: {exc!r}") from exc
 
     def close(self) -> None:
-        """Close the connection; unacknowledged messages go back to their queues."""
         if self._connection is not None:
             close_quietly(self._connection)
             self._connection = None
@@ -72,9 +64,7 @@ class RabbitMQAdmin:
     # --- checks ---------------------------------------------------------------------------
 
     def flow_control(self, timeout: float = 1.0) -> str | None:
-        """The broker's reason if it blocks publishers now (a memory or disk alarm), else None.
-
-        RabbitMQ blocks a connection only once it publishes, and then reads nothing more from
+        """RabbitMQ blocks a connection only once it publishes, and then reads nothing more from
         it. So this publishes, on a connection of its own, one empty message to the default
         exchange (dropped: no queue has the probe's name), then a second, mandatory one: the
         broker returns the second (``basic.return``, no route) only if it read on after the
@@ -102,6 +92,24 @@ class RabbitMQAdmin:
             close_quietly(connection)
         return (blocked[0] or "blocked") if blocked else None
 
+    def _on_channel(
+        self,
+        what: str,
+        action: Callable[[BlockingChannel], Any],
+        answers: Mapping[int, Callable[[pika.exceptions.ChannelClosedByBroker], Any]],
+    ) -> Any:
+        """What `action` returns on a new channel, or what `answers` gives for the reply code
+        the broker closed the channel with; any other failure raises BrokerError."""
+        channel = self._channel()
+        try:
+            result = action(channel)
+        except CONNECTION_ERRORS as exc:
+            if isinstance(exc, pika.exceptions.ChannelClosedByBroker) and exc.reply_code in answers:
+                return answers[exc.reply_code](exc)
+            raise _broker_error(what, exc) from exc
+        _close_channel(channel)
+        return result
+
     def _check(
         self,
         what: str,
@@ -110,28 +118,14 @@ class RabbitMQAdmin:
     ) -> Found:
         """Passive declare tells existence; a declare with the expected arguments succeeds
         exactly when the broker holds the object with those arguments (else 406)."""
-        channel = self._channel()
-        try:
-            passive(channel)
-        except pika.exceptions.ChannelClosedByBroker as exc:
-            if exc.reply_code == 404:
-                return Found(MISSING)
-            raise _broker_error(f"checking {what}", exc) from exc
-        except CONNECTION_ERRORS as exc:
-            raise _broker_error(f"checking {what}", exc) from exc
-        try:
-            declare(channel)
-        except pika.exceptions.ChannelClosedByBroker as exc:
-            if exc.reply_code == 406:  # PRECONDITION_FAILED: exists with other arguments
-                return Found(DIFFERS, str(exc.reply_text))
-            raise _broker_error(f"checking {what}", exc) from exc
-        except CONNECTION_ERRORS as exc:
-            raise _broker_error(f"checking {what}", exc) from exc
-        _close_channel(channel)
-        return Found(PRESENT)
+        if self._on_channel(f"checking {what}", passive, _NOT_FOUND) is None:
+            return Found(MISSING)
+        # 406 PRECONDITION_FAILED: it exists with other arguments.
+        differs = {406: lambda exc: Found(DIFFERS, str(exc.reply_text))}
+        found = self._on_channel(f"checking {what}", declare, differs)
+        return found if isinstance(found, Found) else Found(PRESENT)
 
     def check_exchange(self, exchange: Exchange) -> Found:
-        """Whether `exchange` exists with the declared type, durability and arguments."""
         return self._check(
             f"exchange {exchange.name!r}",
             lambda ch: ch.exchange_declare(exchange.name, passive=True),
@@ -144,7 +138,6 @@ class RabbitMQAdmin:
         )
 
     def check_queue(self, queue: Queue) -> Found:
-        """Whether `queue` exists with the declared durability and arguments."""
         return self._check(
             f"queue {queue.name!r}",
             lambda ch: ch.queue_declare(queue.name, passive=True),
@@ -154,41 +147,23 @@ class RabbitMQAdmin:
         )
 
     def queue_info(self, name: str) -> tuple[int, int] | None:
-        """(ready messages, consumers) of queue `name`, or None if it does not exist."""
-        channel = self._channel()
-        try:
-            result = channel.queue_declare(name, passive=True)
-        except pika.exceptions.ChannelClosedByBroker as exc:
-            if exc.reply_code == 404:
-                return None
-            raise _broker_error(f"inspecting queue {name!r}", exc) from exc
-        except CONNECTION_ERRORS as exc:
-            raise _broker_error(f"inspecting queue {name!r}", exc) from exc
-        _close_channel(channel)
+        result = self._on_channel(
+            f"inspecting queue {name!r}",
+            lambda ch: ch.queue_declare(name, passive=True),
+            _NOT_FOUND,
+        )
+        if result is None:
+            return None
         return int(result.method.message_count), int(result.method.consumer_count)
 
     def purge_queue(self, name: str) -> int:
-        """Drop every ready message of queue `name`; return how many (0 if it is missing)."""
-        channel = self._channel()
-        try:
-            result = channel.queue_purge(name)
-        except pika.exceptions.ChannelClosedByBroker as exc:
-            if exc.reply_code == 404:
-                return 0
-            raise _broker_error(f"purging queue {name!r}", exc) from exc
-        except CONNECTION_ERRORS as exc:
-            raise _broker_error(f"purging queue {name!r}", exc) from exc
-        _close_channel(channel)
-        return int(result.method.message_count)
+        result = self._on_channel(
+            f"purging queue {name!r}", lambda ch: ch.queue_purge(name), _NOT_FOUND
+        )
+        return 0 if result is None else int(result.method.message_count)
 
     def delete_queue(self, name: str) -> int:
-        """Delete queue `name` and its messages; return how many it held (0 if missing)."""
-        channel = self._channel()
-        try:
-            result = channel.queue_delete(name)
-        except CONNECTION_ERRORS as exc:
-            raise _broker_error(f"deleting queue {name!r}", exc) from exc
-        _close_channel(channel)
+        result = self._on_channel(f"deleting queue {name!r}", lambda ch: ch.queue_delete(name), {})
         return int(result.method.message_count)
 
     # --- reading and moving messages ------------------------------------------------------
@@ -208,13 +183,8 @@ class RabbitMQAdmin:
         on_message: Callable[[WireMessage], bool],
         should_stop: Callable[[], bool],
     ) -> None:
-        """Copy messages routed by `exchange` with any of `patterns` to `on_message`.
-
-        The copies go through a server-named, exclusive, auto-delete queue: the broker deletes
-        it when this connection closes, however the process ends. `on_ready(queue)` is called
-        once it is bound. Ends when `should_stop()` is true (checked at least every 0.2 s) or
-        `on_message` returns False.
-        """
+        """The private queue is server-named, exclusive and auto-delete: the broker deletes it
+        when this connection closes, however the process ends."""
         channel = self._channel()
         try:
             declared = channel.queue_declare("", exclusive=True, auto_delete=True)
@@ -237,12 +207,8 @@ class RabbitMQAdmin:
 
 
 class QueueReader:
-    """Takes messages from one queue without acknowledging them, then acks or republishes.
-
-    A message taken and never acknowledged goes back to the queue, at its place, when the
-    reader's channel closes (it is then flagged redelivered). Republishing uses a second
-    channel in confirm mode, so a message is acked only after the broker confirmed its copy.
-    """
+    """The `QueueReader` protocol on a channel; taken messages return when it closes.
+    Republishing uses a second channel in confirm mode."""
 
     def __init__(self, channel: BlockingChannel, publish_channel: BlockingChannel, queue: str):
         self._channel = channel
@@ -255,7 +221,6 @@ class QueueReader:
         return self._queue
 
     def depth(self) -> int:
-        """Messages ready in the queue now (not counting those this reader holds)."""
         try:
             result = self._publish.queue_declare(self._queue, passive=True)
         except (pika.exceptions.ChannelClosedByBroker, *CONNECTION_ERRORS) as exc:
@@ -263,7 +228,6 @@ class QueueReader:
         return int(result.method.message_count)
 
     def get(self) -> QueuedMessage | None:
-        """The next ready message, unacknowledged; None when the queue has no more."""
         try:
             method, props, body = self._channel.basic_get(self._queue, auto_ack=False)
         except (pika.exceptions.ChannelClosedByBroker, *CONNECTION_ERRORS) as exc:
@@ -278,24 +242,14 @@ class QueueReader:
         )
 
     def ack(self, message: QueuedMessage) -> None:
-        """Remove `message` from the queue for good."""
         try:
             self._channel.basic_ack(delivery_tag=message.tag, multiple=False)
         except CONNECTION_ERRORS as exc:
             raise _broker_error(f"acknowledging a message of {self._queue!r}", exc) from exc
 
     def republish(
-        self,
-        message: QueuedMessage,
-        exchange: str,
-        routing_key: str,
-        headers: Mapping[str, Any],
+        self, message: QueuedMessage, exchange: str, routing_key: str, headers: Mapping[str, Any]
     ) -> bool:
-        """Publish a copy of `message` (its properties, these `headers`), mandatory, confirmed.
-
-        Returns False when the broker returned the copy as unroutable. Raises BrokerError
-        when the broker refused it. The original is not acknowledged here.
-        """
         original: BasicProperties = message.properties
         # Lenient: what a lenient connection read (floats, raw fields) encodes back unchanged.
         properties = LenientProperties(
@@ -331,9 +285,12 @@ class QueueReader:
         return True
 
     def close(self) -> None:
-        """Close the channels: every message taken and not acknowledged returns to the queue."""
         _close_channel(self._channel)
         _close_channel(self._publish)
+
+
+#: `RabbitMQAdmin._on_channel`'s answer to 404 NOT_FOUND: None (no such object).
+_NOT_FOUND = {404: lambda _exc: None}
 
 
 def _close_channel(channel: BlockingChannel) -> None:
