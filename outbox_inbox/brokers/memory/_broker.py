@@ -3,11 +3,13 @@ the quorum delivery limit) and the timer thread that expires them on time."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import replace
 
 from ...broker import PublishOutcome, Refusal
@@ -36,13 +38,10 @@ _shared: MemoryBroker | None = None
 
 
 class MemoryBroker:
-    """A RabbitMQ-like broker held in this process's memory. Nothing in it is durable.
-
-    Share one instance between the services that should talk to each other. Thread-safe: every
-    method may be called from any thread. `close()` stops the TTL timer thread and drops every
-    message; afterwards every operation raises BrokerConnectionError, like a broker that went
-    away. Usable as a context manager that closes it.
-    """
+    """A RabbitMQ-like broker held in this process's memory; nothing in it is durable. The
+    package's documentation says what it keeps and how threads share it. Once closed, every
+    operation raises BrokerConnectionError, like a broker that went away; usable as a context
+    manager that closes it."""
 
     def __init__(self, *, name: str | None = None, max_message_bytes: int | None = None) -> None:
         self._name = name or uuid.uuid4().hex[:12]
@@ -93,8 +92,7 @@ class MemoryBroker:
         """As the protocol says; BrokerError for an exchange type or queue mode left out here
         and for a binding to a missing exchange or queue. What was declared before an error
         stays declared, as on RabbitMQ."""
-        with self._lock:
-            self._check_open()
+        with self._open():
             for exchange in topology.exchanges:
                 self._declare_exchange(exchange)
             for queue in topology.queues:
@@ -104,9 +102,8 @@ class MemoryBroker:
 
     def publisher(self) -> MemoryPublisher:
         """A new publisher. Raises BrokerConnectionError once the broker is closed."""
-        with self._lock:
-            self._check_open()
-        return MemoryPublisher(self)
+        with self._open():
+            return MemoryPublisher(self)
 
     def consumer(self, queue: str, *, prefetch: int) -> MemoryConsumer:
         """A consumer of `queue` with at most `prefetch` unacknowledged deliveries (0: no limit).
@@ -114,20 +111,15 @@ class MemoryBroker:
         Like a RabbitMQ consumer it starts consuming at its first `fetch`, which raises
         BrokerError if the queue does not exist.
         """
-        with self._lock:
-            self._check_open()
-        return MemoryConsumer(self, queue, prefetch=prefetch)
+        with self._open():
+            return MemoryConsumer(self, queue, prefetch=prefetch)
 
     def operator(self) -> MemoryOperator:
-        """An operator session on this broker. Raises BrokerConnectionError once it is closed."""
-        with self._lock:
-            self._check_open()
-        return MemoryOperator(self)
+        with self._open():
+            return MemoryOperator(self)
 
     def queue_depth(self, queue: str) -> int | None:
-        """Messages ready in `queue` (not those delivered and unacknowledged), None if no queue."""
-        with self._lock:
-            self._check_open()
+        with self._open():
             state = self._queues.get(queue)
             if state is None:
                 return None
@@ -136,10 +128,9 @@ class MemoryBroker:
 
     def body_limit(self, size: int) -> int | None:
         """`max_message_bytes` if it is below `size`, else None."""
-        with self._lock:
-            self._check_open()
-        if self._max_body is not None and size > self._max_body:
-            return self._max_body
+        with self._open():
+            if self._max_body is not None and size > self._max_body:
+                return self._max_body
         return None
 
     def close(self) -> None:
@@ -160,6 +151,13 @@ class MemoryBroker:
             timer.join(timeout=5)
 
     # -- declarations (lock held) --------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _open(self) -> Iterator[None]:
+        """Hold the lock, once the broker is known to be open (else BrokerConnectionError)."""
+        with self._lock:
+            self._check_open()
+            yield
 
     def _check_open(self) -> None:
         if self._closed:

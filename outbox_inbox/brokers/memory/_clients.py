@@ -146,9 +146,8 @@ class MemoryConsumer:
             return batch
 
     def ack_through(self, tag: int) -> None:
-        """Acknowledge every delivery up to and including `tag`. An unknown tag closes the
-        consumer, its deliveries requeued, and raises BrokerConnectionError, as RabbitMQ closes
-        the channel (PRECONDITION_FAILED)."""
+        """An unknown tag closes the consumer, its deliveries requeued, and raises
+        BrokerConnectionError, as RabbitMQ closes the channel (PRECONDITION_FAILED)."""
         with self._broker._lock:
             self._settle_tags(tag, [t for t in self._unacked if t <= tag])
 

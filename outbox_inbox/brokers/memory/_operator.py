@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from ...broker import DIFFERS, MISSING, PRESENT, Found, PublishOutcome, QueuedMessage
+from ...broker import DIFFERS, MISSING, PRESENT, Found, Operator, PublishOutcome, QueuedMessage
 from ...errors import BrokerError
 from ...messages import WireMessage
 from ...topology import Exchange, Queue
@@ -19,12 +19,11 @@ if TYPE_CHECKING:
     from ._broker import MemoryBroker
 
 
-class MemoryOperator:
+class MemoryOperator(Operator):
     """An operator session on a `MemoryBroker` (the `Operator` protocol).
 
     Checks judge as a redeclare does; a reader takes messages like ``basic.get`` without ack;
-    a tail consumes a private queue the session deletes when it closes. The memory broker
-    never blocks publishers, so `flow_control` is always None.
+    a tail consumes a private queue the session deletes when it closes.
     """
 
     def __init__(self, broker: MemoryBroker) -> None:
@@ -32,45 +31,31 @@ class MemoryOperator:
         self._readers: list[MemoryQueueReader] = []
         self._tail_queues: list[str] = []
 
-    def __enter__(self) -> MemoryOperator:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
     @property
     def description(self) -> str:
         return self._broker.description
 
     def flow_control(self, timeout: float = 1.0) -> str | None:
         """None: nothing blocks publishers in memory. Raises BrokerConnectionError if closed."""
-        with self._broker._lock:
-            self._broker._check_open()
-        return None
+        with self._broker._open():
+            return None
 
     def check_exchange(self, exchange: Exchange) -> Found:
-        """Whether `exchange` exists as declared, judged as a redeclare is."""
-        with self._broker._lock:
-            self._broker._check_open()
+        with self._broker._open():
             return _found(self._broker._exchanges.get(exchange.name), exchange)
 
     def check_queue(self, queue: Queue) -> Found:
-        """Whether `queue` exists as declared, judged as a redeclare is."""
-        with self._broker._lock:
-            self._broker._check_open()
+        with self._broker._open():
             return _found(self._broker._queues.get(queue.name), queue)
 
     def queue_info(self, name: str) -> tuple[int, int] | None:
-        """(ready messages, consumers) of queue `name`, or None if it does not exist."""
         with self._broker._lock:
             ready = self._broker.queue_depth(name)
             state = self._broker._queues.get(name)
             return None if ready is None or state is None else (ready, len(state.consumers))
 
     def purge_queue(self, name: str) -> int:
-        """Drop every ready message of queue `name`; return how many (0 if it is missing)."""
-        with self._broker._lock:
-            self._broker._check_open()
+        with self._broker._open():
             state = self._broker._queues.get(name)
             if state is None:
                 return 0
@@ -80,10 +65,9 @@ class MemoryOperator:
             return count
 
     def delete_queue(self, name: str) -> int:
-        """Delete queue `name`, its bindings and messages; return how many were ready."""
+        """Its bindings go too; returns how many messages were ready."""
         broker = self._broker
-        with broker._lock:
-            broker._check_open()
+        with broker._open():
             state = broker._queues.pop(name, None)
             if state is None:
                 return 0
@@ -96,9 +80,7 @@ class MemoryOperator:
             return state.ready()
 
     def reader(self, queue: str) -> MemoryQueueReader:
-        """A reader of `queue`. Raises BrokerError if it is missing."""
-        with self._broker._lock:
-            self._broker._check_open()
+        with self._broker._open():
             if queue not in self._broker._queues:
                 raise BrokerError(f"queue {queue!r} does not exist: declare the topology")
         reader = MemoryQueueReader(self._broker, queue)
@@ -114,12 +96,10 @@ class MemoryOperator:
         on_message: Callable[[WireMessage], bool],
         should_stop: Callable[[], bool],
     ) -> None:
-        """As the protocol says; the private queue is deleted when this session closes. Raises
-        BrokerError if `exchange` does not exist."""
+        """Raises BrokerError if `exchange` does not exist."""
         broker = self._broker
         name = f"amq.gen-{uuid.uuid4().hex}"
-        with broker._lock:
-            broker._check_open()
+        with broker._open():
             if exchange not in broker._exchanges:
                 raise BrokerError(f"cannot bind a tail queue: no exchange {exchange!r}")
             broker._queues[name] = QueueState(Queue(name, durable=False), QueueSettings())
@@ -181,7 +161,6 @@ class MemoryQueueReader:
         return depth
 
     def get(self) -> QueuedMessage | None:
-        """The next ready message, unacknowledged; None when the queue has no more."""
         broker = self._broker
         with broker._lock:
             self.depth()  # expires what is due, raises if the queue is gone
@@ -201,11 +180,7 @@ class MemoryQueueReader:
     def republish(
         self, message: QueuedMessage, exchange: str, routing_key: str, headers: Mapping[str, Any]
     ) -> bool:
-        """Publish a copy of `message` with these `headers`, mandatory and confirmed.
-
-        False when no queue is bound for it; raises BrokerError when the exchange is missing
-        or a full queue refuses it. The original is not acknowledged here.
-        """
+        """Also raises BrokerError when the exchange is missing or a full queue refuses it."""
         copied = replace(
             message.message, exchange=exchange, routing_key=routing_key, headers=dict(headers)
         )
@@ -219,7 +194,6 @@ class MemoryQueueReader:
         return outcome is PublishOutcome.CONFIRMED
 
     def close(self) -> None:
-        """Every message taken and not acknowledged returns to its place, redelivered."""
         broker = self._broker
         with broker._lock:
             entries = [self._taken[tag] for tag in sorted(self._taken)]
