@@ -27,13 +27,5 @@ it. Publishers, consumers and operators follow the `outbox_inbox.broker` rule (o
 """
 
 from ._broker import MemoryBroker
-from ._clients import MemoryConsumer, MemoryPublisher
-from ._operator import MemoryOperator, MemoryQueueReader
 
-__all__ = [
-    "MemoryBroker",
-    "MemoryConsumer",
-    "MemoryOperator",
-    "MemoryPublisher",
-    "MemoryQueueReader",
-]
+__all__ = ["MemoryBroker"]
