@@ -31,8 +31,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from functools import partial
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -44,7 +43,6 @@ from ..broker import (
     Consumer,
     Delivery,
     Found,
-    Operator,
     PublishOutcome,
     QueuedMessage,
 )
@@ -96,10 +94,6 @@ CAPABILITIES = frozenset(
 
 T = TypeVar("T")
 Case = TypeVar("Case", bound=Callable[..., Any])
-
-
-class ContractBroker(Broker, Protocol):
-    def queue_depth(self, queue: str) -> int | None: ...
 
 
 def requires(*capabilities: str) -> Callable[[Case], Case]:
@@ -156,7 +150,7 @@ def command(service: str, n: int = 0, **kwargs: Any) -> WireMessage:
 
 
 def publish(
-    broker: ContractBroker, messages: Sequence[WireMessage], *, window: int = 10
+    broker: Broker, messages: Sequence[WireMessage], *, window: int = 10
 ) -> list[PublishOutcome]:
     publisher = broker.publisher()
     try:
@@ -180,11 +174,7 @@ def numbers(deliveries: Sequence[Delivery | QueuedMessage | None]) -> list[int]:
     return [d.message.headers["n"] if d else -1 for d in deliveries]
 
 
-def _missing(operator: Operator, queue: str) -> bool:
-    return operator.queue_info(queue) is None
-
-
-def depth_becomes(broker: ContractBroker, queue: str, expected: int) -> None:
+def depth_becomes(broker: Broker, queue: str, expected: int) -> None:
     """RabbitMQ requeues a closed consumer's deliveries a moment after the close returns."""
     wait_until(lambda: broker.queue_depth(queue) == expected, timeout=5, what=f"{queue} depth")
 
@@ -206,11 +196,11 @@ class BrokerContract:
             pytest.skip(f"the broker does not support {', '.join(lacking)}")
 
     @pytest.fixture
-    def broker(self) -> Iterator[ContractBroker]:
+    def broker(self) -> Iterator[Broker]:
         raise NotImplementedError("a BrokerContract subclass defines the `broker` fixture")
 
     @pytest.fixture
-    def opened(self, broker: ContractBroker) -> Iterator[Callable[[T], T]]:
+    def opened(self, broker: Broker) -> Iterator[Callable[[T], T]]:
         """Register a publisher or consumer to be closed after the case, before the broker."""
         things: list[Any] = []
 
@@ -231,7 +221,7 @@ class BrokerContract:
     # --------------------------------------------------------------------------------------------
 
     def test_declaring_twice_changes_nothing_and_a_conflicting_redeclare_raises_topology_mismatch(
-        self, broker: ContractBroker, svc: str
+        self, broker: Broker, svc: str
     ) -> None:
         topology = service_topology(svc, ["orders.order.*"])
         broker.declare(topology)
@@ -262,7 +252,7 @@ class BrokerContract:
         assert broker.queue_depth(inbox_queue(svc)) == 1
 
     def test_topic_exchange_matches_star_as_one_word_and_hash_as_zero_or_more_words(
-        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+        self, broker: Broker, opened: Callable[[Any], Any], svc: str
     ) -> None:
         exchange = f"{svc}.topic"
         patterns = {"star": "a.*", "hash": "a.#", "tail": "#.z", "exact": "a.b"}
@@ -292,7 +282,7 @@ class BrokerContract:
         }
 
     def test_default_exchange_routes_by_queue_name_and_direct_retry_exchange_by_service(
-        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+        self, broker: Broker, opened: Callable[[Any], Any], svc: str
     ) -> None:
         broker.declare(service_topology(svc, []))
         outcomes = publish(
@@ -314,7 +304,7 @@ class BrokerContract:
 
     @requires("alternate_exchange")
     def test_command_to_a_service_without_a_queue_is_kept_in_unroutable(
-        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+        self, broker: Broker, opened: Callable[[Any], Any], svc: str
     ) -> None:
         broker.declare(service_topology(svc, []))
         lost = wire(COMMANDS_EXCHANGE, f"ghost{svc}.parcel.ship", n=7)
@@ -341,7 +331,7 @@ class BrokerContract:
 
     @requires("reject_publish")
     def test_publish_batch_reports_confirmed_returned_nacked_and_skips_the_rest_of_a_failed_key(
-        self, broker: ContractBroker, svc: str
+        self, broker: Broker, svc: str
     ) -> None:
         broker.declare(service_topology(svc, ["src.thing.*"], max_length=2))
         batch = [
@@ -366,7 +356,7 @@ class BrokerContract:
 
     @requires("reject_publish")
     def test_inbox_max_length_counts_ready_messages_not_unacknowledged_ones(
-        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+        self, broker: Broker, opened: Callable[[Any], Any], svc: str
     ) -> None:
         broker.declare(service_topology(svc, [], max_length=1))
         assert publish(broker, [command(svc, 0)]) == [CONFIRMED]
@@ -376,7 +366,7 @@ class BrokerContract:
         assert broker.queue_depth(inbox_queue(svc)) == 1
 
     def test_publish_to_a_missing_exchange_breaks_the_publisher(
-        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+        self, broker: Broker, opened: Callable[[Any], Any], svc: str
     ) -> None:
         broker.declare(service_topology(svc, []))
         publisher = opened(broker.publisher())
@@ -399,7 +389,7 @@ class BrokerContract:
     # --------------------------------------------------------------------------------------------
 
     def test_fetch_stops_at_the_prefetch_window_until_an_ack_and_tags_start_at_one(
-        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+        self, broker: Broker, opened: Callable[[Any], Any], svc: str
     ) -> None:
         broker.declare(service_topology(svc, []))
         assert publish(broker, [command(svc, n) for n in range(5)]) == [CONFIRMED] * 5
@@ -416,7 +406,7 @@ class BrokerContract:
         assert numbers(second) == [2, 3]
 
     def test_fetch_on_an_empty_queue_returns_nothing_after_wait(
-        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+        self, broker: Broker, opened: Callable[[Any], Any], svc: str
     ) -> None:
         broker.declare(service_topology(svc, []))
         consumer = opened(broker.consumer(inbox_queue(svc), prefetch=10))
@@ -425,7 +415,7 @@ class BrokerContract:
         assert 0.25 <= time.monotonic() - started < 2.0
 
     def test_fetch_from_a_missing_queue_raises_broker_error(
-        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+        self, broker: Broker, opened: Callable[[Any], Any], svc: str
     ) -> None:
         consumer = opened(broker.consumer(f"{svc}.missing", prefetch=10))
         with pytest.raises(BrokerError, match="does not exist"):
@@ -433,7 +423,7 @@ class BrokerContract:
         assert broker.queue_depth(f"{svc}.missing") is None
 
     def test_ack_through_acknowledges_every_delivery_up_to_the_tag(
-        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+        self, broker: Broker, opened: Callable[[Any], Any], svc: str
     ) -> None:
         broker.declare(service_topology(svc, []))
         publish(broker, [command(svc, n) for n in range(4)])
@@ -447,7 +437,7 @@ class BrokerContract:
         assert again[0].redelivered
 
     def test_ack_acknowledges_only_that_delivery(
-        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+        self, broker: Broker, opened: Callable[[Any], Any], svc: str
     ) -> None:
         broker.declare(service_topology(svc, []))
         publish(broker, [command(svc, n) for n in range(3)])
@@ -459,7 +449,7 @@ class BrokerContract:
         assert numbers(take(opened(broker.consumer(inbox_queue(svc), prefetch=10)), 2)) == [0, 2]
 
     def test_acking_an_unknown_tag_closes_the_channel_and_requeues_its_deliveries(
-        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+        self, broker: Broker, opened: Callable[[Any], Any], svc: str
     ) -> None:
         broker.declare(service_topology(svc, []))
         publish(broker, [command(svc, n) for n in range(2)])
@@ -472,7 +462,7 @@ class BrokerContract:
         depth_becomes(broker, inbox_queue(svc), 2)
 
     def test_close_without_ack_requeues_deliveries_at_the_front_in_order_flagged_redelivered(
-        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+        self, broker: Broker, opened: Callable[[Any], Any], svc: str
     ) -> None:
         broker.declare(service_topology(svc, []))
         publish(broker, [command(svc, n) for n in range(5)])
@@ -486,7 +476,7 @@ class BrokerContract:
         assert [d.tag for d in again] == [1, 2, 3, 4, 5]  # tags are per consumer
 
     def test_consumers_without_single_active_consumer_share_the_queue(
-        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+        self, broker: Broker, opened: Callable[[Any], Any], svc: str
     ) -> None:
         work = f"{svc}.work"
         broker.declare(Topology((), (Queue(work),), ()))
@@ -500,7 +490,7 @@ class BrokerContract:
 
     @requires("single_active_consumer")
     def test_single_active_consumer_a_second_consumer_gets_nothing_until_the_first_closes(
-        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+        self, broker: Broker, opened: Callable[[Any], Any], svc: str
     ) -> None:
         broker.declare(service_topology(svc, []))  # the inbox has x-single-active-consumer
         publish(broker, [command(svc, n) for n in range(3)])
@@ -519,7 +509,7 @@ class BrokerContract:
 
     @requires("priority")
     def test_priority_queue_delivers_higher_priority_first(
-        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+        self, broker: Broker, opened: Callable[[Any], Any], svc: str
     ) -> None:
         broker.declare(service_topology(svc, [], max_priority=5))
         priorities = [None, 1, 9, 3, 0, 5]  # 9 counts as the maximum, 5; None as 0
@@ -529,7 +519,7 @@ class BrokerContract:
         assert [d.message.priority for d in got] == [9, 5, 3, 1, None, 0]  # the property is kept
 
     def test_queue_depth_counts_ready_messages_and_is_none_for_a_missing_queue(
-        self, broker: ContractBroker, svc: str
+        self, broker: Broker, svc: str
     ) -> None:
         broker.declare(service_topology(svc, []))
         assert broker.queue_depth(inbox_queue(svc)) == 0
@@ -539,7 +529,7 @@ class BrokerContract:
         assert broker.queue_depth(f"{svc}.missing") is None
 
     def test_a_consumer_changing_its_delivery_changes_nothing_anyone_else_sees(
-        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+        self, broker: Broker, opened: Callable[[Any], Any], svc: str
     ) -> None:
         fanout = f"{svc}.fanout"
         broker.declare(
@@ -570,7 +560,7 @@ class BrokerContract:
 
     @requires("delay_tiers", "dead_letter_routing")
     def test_forward_to_a_delay_tier_returns_to_the_inbox_through_retry_after_the_ttl(
-        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+        self, broker: Broker, opened: Callable[[Any], Any], svc: str
     ) -> None:
         broker.declare(service_topology(svc, [], delay_tiers=(0.3,)))
         original = command(svc, 1, headers={"own": "kept"}, priority=2)
@@ -630,7 +620,7 @@ class BrokerContract:
         assert [d["count"] for d in headers["x-death"]] == [2]
 
     def test_forward_to_the_dead_letter_exchange_lands_in_the_services_dead_letter_queue(
-        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+        self, broker: Broker, opened: Callable[[Any], Any], svc: str
     ) -> None:
         broker.declare(service_topology(svc, []))
         original = command(svc, 4)
@@ -653,7 +643,7 @@ class BrokerContract:
         depth_becomes(broker, inbox_queue(svc), 0)  # forward acknowledged the delivery
 
     def test_forward_that_cannot_route_raises_broker_error_and_keeps_the_delivery(
-        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+        self, broker: Broker, opened: Callable[[Any], Any], svc: str
     ) -> None:
         broker.declare(service_topology(svc, []))
         publish(broker, [command(svc, 0)])
@@ -670,7 +660,7 @@ class BrokerContract:
 
     @requires("reject_publish")
     def test_forward_refused_by_a_full_queue_raises_broker_error_and_keeps_the_delivery(
-        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+        self, broker: Broker, opened: Callable[[Any], Any], svc: str
     ) -> None:
         broker.declare(service_topology(svc, []))
         full = f"{svc}.full"
@@ -694,7 +684,7 @@ class BrokerContract:
 
     @requires("delivery_limit", "dead_letter_routing")
     def test_quorum_inbox_dead_letters_a_message_returned_more_often_than_its_delivery_limit(
-        self, broker: ContractBroker, svc: str
+        self, broker: Broker, svc: str
     ) -> None:
         broker.declare(service_topology(svc, [], queue_type="quorum", delivery_limit=1))
         publish(broker, [command(svc, 0)])
@@ -724,7 +714,7 @@ class BrokerContract:
     # --------------------------------------------------------------------------------------------
 
     def test_operator_checks_find_declared_objects_present_and_others_missing_or_differing(
-        self, broker: ContractBroker, svc: str
+        self, broker: Broker, svc: str
     ) -> None:
         topology = service_topology(svc, ["src.thing.*"], delay_tiers=(5,))
         broker.declare(topology)
@@ -747,7 +737,7 @@ class BrokerContract:
         assert broker.queue_depth(inbox.name) == 1
 
     def test_operator_queue_info_counts_ready_messages_and_consumers_purge_and_delete_drop_them(
-        self, broker: ContractBroker, svc: str
+        self, broker: Broker, svc: str
     ) -> None:
         broker.declare(service_topology(svc, []))
         inbox = inbox_queue(svc)
@@ -768,7 +758,7 @@ class BrokerContract:
         assert publish(broker, [wire(RETRY_EXCHANGE, svc)]) == [RETURNED]  # its bindings went too
 
     def test_a_reader_takes_without_ack_and_its_close_returns_the_rest_in_place_redelivered(
-        self, broker: ContractBroker, svc: str
+        self, broker: Broker, svc: str
     ) -> None:
         broker.declare(service_topology(svc, []))
         letters = dead_letter_queue(svc)
@@ -793,7 +783,7 @@ class BrokerContract:
             operator.reader(f"{svc}.missing").get()
 
     def test_a_reader_republishes_a_copy_with_its_properties_and_new_headers_then_acks(
-        self, broker: ContractBroker, opened: Callable[[Any], Any], svc: str
+        self, broker: Broker, opened: Callable[[Any], Any], svc: str
     ) -> None:
         broker.declare(service_topology(svc, []))
         letters = dead_letter_queue(svc)
@@ -817,7 +807,7 @@ class BrokerContract:
         assert (copy.app_id, copy.content_type) == (original.app_id, original.content_type)
 
     def test_tail_copies_what_the_exchange_routes_by_pattern_until_told_to_stop(
-        self, broker: ContractBroker, svc: str
+        self, broker: Broker, svc: str
     ) -> None:
         broker.declare(service_topology(svc, ["src.thing.*"]))
         seen: list[str] = []
@@ -853,5 +843,7 @@ class BrokerContract:
             assert seen == ["src.thing.made", "src.thing.sold"]
         assert broker.queue_depth(inbox_queue(svc)) == 3  # the inbox got its own copies
         with broker.operator() as operator:  # the session's end deleted its tail queues
-            for queue in queues:
-                wait_until(partial(_missing, operator, queue), what=f"{queue} deleted")
+            wait_until(
+                lambda: all(operator.queue_info(q) is None for q in queues),
+                what=f"{queues} deleted",
+            )
