@@ -30,7 +30,6 @@ from sqlalchemy.pool import NullPool
 
 from .errors import ConfigurationError
 from .queries import roles
-from .waker import Waker
 from .worker import Worker
 
 log = logging.getLogger(__name__)
@@ -81,16 +80,9 @@ class AsyncWorker:
     session after ``lease`` idle in transaction, as in `Worker`.
     """
 
-    def __init__(
-        self,
-        worker: Worker,
-        engine: AsyncEngine,
-        *,
-        waker_factory: Callable[[threading.Event], Waker | None] | None = None,
-    ) -> None:
+    def __init__(self, worker: Worker, engine: AsyncEngine) -> None:
         self.worker = worker
         self._engine = engine
-        self._waker_factory = waker_factory
 
     @property
     def processed(self) -> int:
@@ -133,8 +125,7 @@ class AsyncWorker:
         # The batch loop checks its stop flag between the messages of a batch.
         self.worker._stop = stop
         conn: AsyncConnection | None = None
-        loop = self.worker.role_loop("asyncio worker")
-        loop.waker_factory = self._waker_factory
+        loop = self.worker.role_loop("asyncio worker")  # woken as the worker is
 
         async def step() -> int:
             nonlocal conn
@@ -181,11 +172,8 @@ class AsyncWorker:
 
 async def _discard(conn: AsyncConnection) -> None:
     """Close the worker's connection for good: its session (and liveness lock) ends."""
-    try:
-        await conn.invalidate()
-    except SQLAlchemyError as exc:
-        log.debug("closing a broken worker connection: %s", exc)
-    try:
-        await conn.close()
-    except SQLAlchemyError as exc:
-        log.debug("closing a broken worker connection: %s", exc)
+    for end in (conn.invalidate, conn.close):
+        try:
+            await end()
+        except SQLAlchemyError as exc:
+            log.debug("closing a broken worker connection: %s", exc)

@@ -522,10 +522,7 @@ class Service:
         from .aio import AsyncWorker, worker_engine
 
         engine = worker_engine(self.engine.url, prepare_threshold=self.settings.prepare_threshold)
-        return AsyncWorker(self.worker(name), engine, waker_factory=self._waker_factory())
-
-    def _waker_factory(self) -> Callable[[threading.Event], Waker | None]:
-        return self._waker(self.tables.inbox.name)
+        return AsyncWorker(self.worker(name), engine)
 
     def _worker_role(self) -> Callable[..., None]:
         """The run function of one worker: in a thread, or in a loop of its own if a handler
