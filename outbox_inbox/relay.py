@@ -7,6 +7,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol, runtime_checkable
 
@@ -641,15 +642,13 @@ class _Pipelined(Protocol):
     def pump(self, wait: float) -> None: ...
 
 
+@dataclass(slots=True, eq=False)
 class _Marking:
     """What marking a batch needs of its rows, in their order: id, kind, attempts so far."""
 
-    __slots__ = ("attempts", "ids", "kinds")
-
-    def __init__(self, ids: list[int], kinds: list[str], attempts: list[int]) -> None:
-        self.ids = ids
-        self.kinds = kinds
-        self.attempts = attempts
+    ids: list[int]
+    kinds: list[str]
+    attempts: list[int]
 
     @classmethod
     def of(cls, rows: Sequence[RowMapping]) -> _Marking:
@@ -660,26 +659,16 @@ class _Marking:
         )
 
 
+@dataclass(slots=True, eq=False)
 class _Batch:
     """Claimed rows being published, with the transaction that holds them."""
 
-    __slots__ = ("conn", "marking", "messages", "publishing", "started", "transaction")
-
-    def __init__(
-        self,
-        conn: Connection,
-        transaction: RootTransaction,
-        marking: _Marking,
-        messages: list[OutgoingMessage],
-        publishing: _Publishing,
-        started: int,
-    ) -> None:
-        self.conn = conn
-        self.transaction = transaction
-        self.marking = marking
-        self.messages = messages  # for the listener and the tracer; empty without them
-        self.publishing = publishing
-        self.started = started  # time.time_ns() when it went out, if traced; else 0
+    conn: Connection
+    transaction: RootTransaction
+    marking: _Marking
+    messages: list[OutgoingMessage]  # for the listener and the tracer; empty without them
+    publishing: _Publishing
+    started: int  # time.time_ns() when it went out, if traced; else 0
 
     def abort(self) -> None:
         """Roll the claim back: the rows stay unpublished for a later claim."""
