@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field, fields
 from typing import Literal
@@ -315,16 +314,6 @@ class Settings:
             text = repr(mask_url(value)) if f.name.endswith("_url") and value else repr(value)
             shown.append(f"{f.name}={text}")
         return f"Settings({', '.join(shown)})"
-
-    @classmethod
-    def from_env(cls, **overrides: object) -> Settings:
-        """Settings where db_url / mq_url default to OUTBOX_INBOX_DB_URL / OUTBOX_INBOX_MQ_URL."""
-        values: dict[str, object] = {
-            "db_url": os.environ.get(DB_URL_ENV),
-            "mq_url": os.environ.get(MQ_URL_ENV),
-        }
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)  # type: ignore[arg-type]
 
 
 def _duration(seconds: float) -> str:
