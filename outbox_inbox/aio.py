@@ -89,10 +89,6 @@ class AsyncWorker:
         """Messages handled so far."""
         return self.worker.processed
 
-    @property
-    def claimant(self) -> str:
-        return self.worker.claimant
-
     async def connect(self) -> AsyncConnection:
         """Open the worker's connection: `Worker.connect` (liveness lock, session limits) on
         the async driver. Raises SQLAlchemyError if the database cannot be reached."""
