@@ -57,39 +57,35 @@ class Listeners(Listener):
     def __init__(self, *listeners: Listener) -> None:
         self.listeners = tuple(listeners)
 
+    def _each(self, hook: str, *args: object, **kwargs: object) -> None:
+        for listener in self.listeners:
+            call(listener, hook, *args, **kwargs)
+
     def relay_confirmed(
         self, messages: Sequence[OutgoingMessage], outcomes: Sequence[PublishOutcome]
     ) -> None:
-        for listener in self.listeners:
-            call(listener, "relay_confirmed", messages, outcomes)
+        self._each("relay_confirmed", messages, outcomes)
 
     def relay_committed(self, messages: Sequence[OutgoingMessage]) -> None:
-        for listener in self.listeners:
-            call(listener, "relay_committed", messages)
+        self._each("relay_committed", messages)
 
     def received(self, stored: int, duplicates: int) -> None:
-        for listener in self.listeners:
-            call(listener, "received", stored, duplicates)
+        self._each("received", stored, duplicates)
 
     def handled(self, message: Message) -> None:
-        for listener in self.listeners:
-            call(listener, "handled", message)
+        self._each("handled", message)
 
     def failed(self, message: Message, error: BaseException, *, dead: bool) -> None:
-        for listener in self.listeners:
-            call(listener, "failed", message, error, dead=dead)
+        self._each("failed", message, error, dead=dead)
 
     def stored(self, messages: Sequence[Message]) -> None:
-        for listener in self.listeners:
-            call(listener, "stored", messages)
+        self._each("stored", messages)
 
     def handler_ran(self, message: Message, seconds: float, error: BaseException | None) -> None:
-        for listener in self.listeners:
-            call(listener, "handler_ran", message, seconds, error)
+        self._each("handler_ran", message, seconds, error)
 
     def dead(self, reason: str, count: int) -> None:
-        for listener in self.listeners:
-            call(listener, "dead", reason, count)
+        self._each("dead", reason, count)
 
 
 def combine(*listeners: Listener | None) -> Listener | None:
