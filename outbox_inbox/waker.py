@@ -70,6 +70,15 @@ def _pid(conn: psycopg.Connection[tuple[object, ...]]) -> int:
     return int(str(row[0])) if row is not None else 0
 
 
+def _pid_after(conn: psycopg.Connection[tuple[object, ...]], statement: sql.Composed) -> int | None:
+    """Run `statement`, then say which server connection (backend pid) it ran on: one query
+    string runs on one server connection, pooled or not. Raises psycopg.Error."""
+    cursor = conn.execute(sql.SQL("{}; SELECT pg_backend_pid()").format(statement))
+    cursor.nextset()
+    row = cursor.fetchone()
+    return int(str(row[0])) if row is not None else None
+
+
 def _where(conninfo: str) -> str:
     """host:port/dbname of a libpq URL, for log lines (never the password)."""
     try:
@@ -134,14 +143,8 @@ class Waker:
             self._polling(conn)
             return None
         try:
-            # One query string runs on one server connection, pooled or not: the pid says
-            # which server holds the registration, should it have to be taken back.
-            cursor = conn.execute(
-                sql.SQL("LISTEN {}; SELECT pg_backend_pid()").format(sql.Identifier(self._channel))
-            )
-            cursor.nextset()
-            row = cursor.fetchone()
-            self._pid = int(str(row[0])) if row is not None else None
+            # The pid says which server holds the registration, should it have to be taken back.
+            self._pid = _pid_after(conn, sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
         except psycopg.Error as exc:
             log.warning("cannot LISTEN on %s, polling instead: %s", self._channel, exc)
             conn.close()
@@ -240,17 +243,12 @@ class Waker:
         `release_listen` goes and finds the registration's server connection.
         """
         pid, self._pid = self._pid, None
-        query = sql.SQL("UNLISTEN {}; SELECT pg_backend_pid()").format(
-            sql.Identifier(self._channel)
-        )
         try:
-            cursor = conn.execute(query)
-            cursor.nextset()
-            row = cursor.fetchone()
+            ran_on = _pid_after(conn, sql.SQL("UNLISTEN {}").format(sql.Identifier(self._channel)))
         except psycopg.Error as exc:  # the session, and with it a direct registration, is gone
             log.debug("UNLISTEN %s not sent: %s", self._channel, exc)
             return
-        if pid is None or row is None or int(str(row[0])) == pid:
+        if pid is None or ran_on is None or ran_on == pid:
             return
         release_listen(self._conninfo, self._channel, pid, probe=self._probe)
 
