@@ -64,6 +64,7 @@ from .messages import (
     H_RETRY_DELAY,
     TRANSPORT_HEADERS,
     WireMessage,
+    _text,
     inbox_id,
     jsonable,
 )
@@ -645,14 +646,6 @@ def _payload(body: bytes) -> Any:
         return json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
         return body.decode("utf-8", "replace")
-
-
-def _text(value: Any) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    return str(value)
 
 
 def _int(value: Any) -> int | None:
