@@ -12,7 +12,7 @@ import time
 import traceback
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -34,7 +34,6 @@ from .listener import Listener, call
 from .messages import Message, message_from_row
 from .outbox import Outbox
 from .queries import roles
-from .retry import RetryPolicy
 from .role_loop import DRIVER_OUTAGES, RoleLoop
 from .tables import Tables
 from .tracing import Tracing, processing, processing_batch
@@ -91,11 +90,7 @@ class _Batch:
 
     @property
     def ids(self) -> list[int]:
-        return [r["id"] for r in self.run] + [d[0]["id"] for d in self.dead] + self.away_ids
-
-    @property
-    def away_ids(self) -> list[int]:
-        return [r["id"] for r in self.away]
+        return [r["id"] for r in (*self.run, *(d[0] for d in self.dead), *self.away)]
 
     @property
     def since(self) -> datetime | None:
@@ -717,7 +712,10 @@ class Worker:
         self, conn: Connection, row: RowMapping, subscriptions: list[Subscription], exc: Exception
     ) -> bool:
         """Record a handler failure: retry later, or dead past the policy. True if dead."""
-        policy = _policy(subscriptions, self._settings.retry)
+        policy = next(  # the first subscription's own, else the service's
+            (s.options.retry for s in subscriptions if s.options.retry is not None),
+            self._settings.retry,
+        )
         attempt = row["finished"] + 1
         error = "".join(traceback.format_exception(exc))[-8000:]
         if isinstance(exc, Retry) and exc.delay is not None:
@@ -784,10 +782,3 @@ def _connection_broken(conn: Connection, exc: BaseException) -> bool:
     if conn.invalidated or conn.closed:
         return True
     return isinstance(exc, DBAPIError) and exc.connection_invalidated
-
-
-def _policy(subscriptions: Sequence[Subscription], default: RetryPolicy) -> RetryPolicy:
-    for subscription in subscriptions:
-        if subscription.options.retry is not None:
-            return subscription.options.retry
-    return default
