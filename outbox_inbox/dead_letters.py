@@ -280,21 +280,9 @@ class TableSelection:
         #: What the action under way has done so far (kept when it fails half-way).
         self.outcome: Outcome | None = None
         self._parked = filters.parked
-        exact = () if any(_is_pattern(t) for t in filters.types) else filters.types
         try:
             with engine.connect() as conn:
-                rows = self._rows(
-                    conn,
-                    tables,
-                    routing_keys=exact,
-                    older_than=filters.older_than,
-                    reason=filters.reason,
-                    error=filters.error,
-                    message_ids=self._message_ids(filters.message_ids),
-                    fingerprint=filters.fingerprint,
-                    parked=filters.parked,
-                )
-                for row in rows:
+                for row in self._rows(conn, tables, **self._query(filters)):
                     if not filters.matches_type(row["routing_key"]):
                         continue
                     if limit is not None and len(self.letters) >= limit:
@@ -306,15 +294,27 @@ class TableSelection:
             where = engine.url.render_as_string(hide_password=True)
             raise storage_error(exc, f"reading the {self.what} from {where}") from exc
 
-    @staticmethod
-    def _rows(conn: Any, tables: Tables, **filters: Any) -> Iterable[Any]:
-        return operations.dead_inbox_rows(conn, tables, **filters)
+    @classmethod
+    def _query(cls, filters: Filters) -> operations.DeadFilters:
+        """`filters` as the keywords of the dead-row queries. A topic pattern among the types
+        selects every type there: the rows are matched to it one by one."""
+        exact = () if any(_is_pattern(t) for t in filters.types) else filters.types
+        return operations.DeadFilters(
+            routing_keys=exact,
+            older_than=filters.older_than,
+            reason=filters.reason,
+            error=filters.error,
+            message_ids=cls._message_ids(filters.message_ids),
+            fingerprint=filters.fingerprint,
+            parked=filters.parked,
+        )
 
     @staticmethod
     def _message_ids(message_ids: Iterable[str]) -> list[uuid.UUID]:
         # Inbox rows of a message id that is not a UUID are stored under its uuid5.
         return [inbox_id(m) for m in message_ids]
 
+    _rows = staticmethod(operations.dead_inbox_rows)
     _replay = staticmethod(operations.replay_dead_inbox)
     _purge = staticmethod(operations.purge_dead_inbox)
     _park = staticmethod(operations.park_dead_inbox)
@@ -383,10 +383,6 @@ class OutboxSelection(TableSelection):
     what = "dead outbox rows"
 
     @staticmethod
-    def _rows(conn: Any, tables: Tables, **filters: Any) -> Iterable[Any]:
-        return operations.dead_outbox_rows(conn, tables, **filters)
-
-    @staticmethod
     def _message_ids(message_ids: Iterable[str]) -> list[uuid.UUID]:
         # The outbox writes UUIDs only: a message id that is not one matches no row.
         wanted = list(message_ids)
@@ -398,6 +394,7 @@ class OutboxSelection(TableSelection):
             return [uuid.UUID(int=0)]  # ids were given and none can match: select nothing
         return found
 
+    _rows = staticmethod(operations.dead_outbox_rows)
     _replay = staticmethod(operations.replay_dead_outbox)
     _purge = staticmethod(operations.purge_dead_outbox)
     _park = staticmethod(operations.park_dead_outbox)
@@ -867,18 +864,8 @@ class DeadLetters:
         selector = TableSelection if source == TABLE else OutboxSelection
         try:
             with self.engine.connect() as conn:
-                return operations.count_dead(
-                    conn,
-                    self.tables,
-                    "inbox" if source == TABLE else "outbox",
-                    routing_keys=filters.types,
-                    older_than=filters.older_than,
-                    reason=filters.reason,
-                    error=filters.error,
-                    message_ids=selector._message_ids(filters.message_ids),
-                    fingerprint=filters.fingerprint,
-                    parked=filters.parked,
-                )
+                table = "inbox" if source == TABLE else "outbox"
+                return operations.count_dead(conn, self.tables, table, **selector._query(filters))
         except SQLAlchemyError as exc:
             raise storage_error(exc, f"counting the {selector.what}") from exc
 
