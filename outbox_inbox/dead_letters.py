@@ -561,10 +561,8 @@ def replay_headers(message: WireMessage) -> dict[str, Any]:
             exchange = message.exchange
         if exchange is not None:
             headers[H_ORIGINAL_EXCHANGE] = exchange
-    if H_ORIGINAL_ROUTING_KEY not in headers:
-        keys = death.get("routing-keys") if death else None
-        if isinstance(keys, list | tuple) and keys:
-            headers[H_ORIGINAL_ROUTING_KEY] = _text(keys[0])
+    if H_ORIGINAL_ROUTING_KEY not in headers and (key := _first_key(death)) is not None:
+        headers[H_ORIGINAL_ROUTING_KEY] = key
     return headers
 
 
