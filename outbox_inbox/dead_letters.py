@@ -49,7 +49,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from .audit_trail import audit_log_path, write_audit
 from .broker import Broker, Operator, QueuedMessage, QueueReader
 from .config import Settings
-from .errors import ConfigurationError, StorageError, storage_error
+from .errors import ConfigurationError, storage_error
 from .logsafe import mask_url
 from .messages import (
     COMMANDS_EXCHANGE,
@@ -659,15 +659,6 @@ def error_summary(text: str | None, width: int = 200) -> str | None:
     return line[:width]
 
 
-def reset_redeliveries(engine: Engine, tables: Tables, message_ids: list[str]) -> None:
-    """Forget the broker-redelivery counts of `message_ids`, so replayed copies start at 0."""
-    try:
-        with engine.begin() as conn:
-            operations.forget_deliveries(conn, tables, [inbox_id(m) for m in message_ids])
-    except SQLAlchemyError as exc:
-        raise storage_error(exc, "resetting redelivery counters") from exc
-
-
 def _seconds(value: float | None) -> timedelta | None:
     return None if value is None else timedelta(seconds=value)
 
@@ -1060,10 +1051,14 @@ class DeadLetters:
             return None
 
         def reset(message_ids: list[str]) -> None:
+            """Forget the broker-redelivery counts of `message_ids`: replayed copies start
+            at 0."""
             try:
-                reset_redeliveries(engine, tables, message_ids)
-            except StorageError as exc:
-                log.warning("redelivery counters not reset before the replay: %s", exc)
+                with engine.begin() as conn:
+                    operations.forget_deliveries(conn, tables, [inbox_id(m) for m in message_ids])
+            except SQLAlchemyError as exc:
+                error = storage_error(exc, "resetting redelivery counters")
+                log.warning("redelivery counters not reset before the replay: %s", error)
 
         return reset
 
