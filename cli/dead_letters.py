@@ -20,6 +20,7 @@ import click
 
 from outbox_inbox.dashboard.views import format_age
 from outbox_inbox.dead_letters import (
+    DONE,
     OUTBOX,
     PARK,
     SOURCES,
@@ -71,10 +72,6 @@ def dead_letters() -> None:
     selects one group (by its fingerprint or the ID `groups` prints). `park` sets dead rows
     aside (table and outbox): --parked selects them again.
     """
-
-
-#: What each action did, as its report says it.
-DONE = {"replay": "replayed", "purge": "purged", PARK: "parked"}
 
 
 _FILTER_OPTIONS = (

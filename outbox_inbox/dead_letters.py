@@ -687,6 +687,8 @@ Selection = TableSelection | QueueSelection
 #: The actions on a selection (park: table and outbox sources only).
 REPLAY, PURGE, PARK = "replay", "purge", "park"
 ACTIONS = (REPLAY, PURGE, PARK)
+#: What each action did, as its report says it.
+DONE = {REPLAY: "replayed", PURGE: "purged", PARK: "parked"}
 
 
 def group_id(fingerprint: str) -> str:

@@ -26,12 +26,12 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qs
 
-from ..dead_letters import OUTBOX, PARK, TABLE, Filters, parse_message_id
+from ..dead_letters import ACTIONS, OUTBOX, PARK, TABLE, Filters, parse_message_id
 from ..errors import OutboxInboxError
 from ..logsafe import mask_url
 from . import views
 from .charts import charts
-from .letters import ACTIONS, AuditWriter, WatchedService, act
+from .letters import AuditWriter, WatchedService, act
 from .markup import Safe, html, join
 from .rates import RateTracker
 from .security import CSRF_FIELD, Guard

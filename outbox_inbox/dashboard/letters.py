@@ -17,22 +17,12 @@ from typing import Any
 from sqlalchemy import Engine
 
 from ..broker import Broker
-from ..dead_letters import (
-    PARK,
-    PURGE,
-    REPLAY,
-    DeadLetters,
-    Filters,
-    Outcome,
-    Selection,
-)
+from ..dead_letters import ACTIONS, DeadLetters, Filters, Outcome, Selection
 from ..errors import OutboxInboxError
 from ..status import Health, health
 from ..tables import Tables
 
 log = logging.getLogger(__name__)
-
-ACTIONS = (REPLAY, PURGE, PARK)
 
 
 @dataclass(frozen=True)

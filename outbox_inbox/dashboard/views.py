@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode
 
-from ..dead_letters import DeadLetter, Filters, Group, error_summary
+from ..dead_letters import DONE, DeadLetter, Filters, Group, error_summary
 from ..logsafe import mask_url
 from ..status import dead_count
 from ..svgchart import CHART_CSS
@@ -379,7 +379,6 @@ _WHAT = {
     "purge": "deleted for good; this cannot be undone",
     "park": "set aside as parked: out of the dead letters, kept, replayable later",
 }
-_DONE = {"replay": "replayed", "purge": "purged", "park": "parked"}
 
 
 def groups_section(name: str, dead: list[Group], parked: list[Group]) -> Safe:
@@ -627,7 +626,7 @@ def result_page(
     missing: list[str],
     error: str | None,
 ) -> Safe:
-    verb = _DONE[action]
+    verb = DONE[action]
     parts = [
         html(
             "<h1 id=result>{} {} of {} dead letter(s) ({})</h1>",
