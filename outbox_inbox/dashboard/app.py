@@ -27,7 +27,7 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from ..dead_letters import ACTIONS, OUTBOX, PARK, TABLE, Filters, parse_message_id
-from ..errors import OutboxInboxError
+from ..errors import ConfigurationError, OutboxInboxError
 from ..logsafe import mask_url
 from . import views
 from .charts import charts
@@ -72,22 +72,21 @@ class NotFound(Exception):
 
 def parse_filters(query: dict[str, str]) -> Filters:
     """The filters of a service page's form (the CLI's `--type`, `--reason`, ...)."""
-    types = tuple(t.strip() for t in query.get("type", "").split(",") if t.strip())
-    for pattern in types:
-        if any(not word for word in pattern.split(".")):
-            raise BadRequest(f"{pattern!r} is not a routing key or pattern")
     older_than = None
     if query.get("older_than", "").strip():
         match = _DURATION.fullmatch(query["older_than"])
         if not match:
             raise BadRequest(f"{query['older_than']!r} is not a duration like 30s, 10m, 2h or 7d")
         older_than = timedelta(seconds=float(match[1]) * _UNITS[match[2] or "s"])
-    return Filters(
-        types=types,
-        older_than=older_than,
-        reason=query.get("reason", "").strip() or None,
-        error=query.get("error", "").strip() or None,
-    )
+    try:
+        return Filters(
+            types=tuple(t.strip() for t in query.get("type", "").split(",") if t.strip()),
+            older_than=older_than,
+            reason=query.get("reason", "").strip() or None,
+            error=query.get("error", "").strip() or None,
+        )
+    except ConfigurationError as exc:  # a type that is not a routing key or pattern
+        raise BadRequest(str(exc)) from exc
 
 
 class Dashboard:
