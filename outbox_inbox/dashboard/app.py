@@ -70,6 +70,15 @@ class NotFound(Exception):
     """No such page, service or dead letter: status 404."""
 
 
+#: The answer to each error a request may end in: its status and its page's title.
+_ERROR_PAGES: dict[type[Exception], tuple[str, str]] = {
+    BadRequest: ("400 Bad Request", "Bad request"),
+    NotFound: ("404 Not Found", "Not found"),
+    PermissionError: ("403 Forbidden", "Refused"),
+    OutboxInboxError: ("503 Service Unavailable", "Server unavailable"),
+}
+
+
 def parse_filters(query: dict[str, str]) -> Filters:
     """The filters of a service page's form (the CLI's `--type`, `--reason`, ...)."""
     older_than = None
@@ -158,28 +167,12 @@ class Dashboard:
             else:
                 raise NotFound(f"no page {method} {path}")
             return self._respond(start_response, "200 OK", headers, body)
-        except BadRequest as exc:
+        except tuple(_ERROR_PAGES) as exc:
+            if isinstance(exc, OutboxInboxError):
+                log.warning("dashboard: %s", mask_url(str(exc)))
+            status, title = next(p for e, p in _ERROR_PAGES.items() if isinstance(exc, e))
             return self._respond(
-                start_response,
-                "400 Bad Request",
-                headers,
-                views.message_page("Bad request", str(exc)),
-            )
-        except NotFound as exc:
-            return self._respond(
-                start_response, "404 Not Found", headers, views.message_page("Not found", str(exc))
-            )
-        except PermissionError as exc:
-            return self._respond(
-                start_response, "403 Forbidden", headers, views.message_page("Refused", str(exc))
-            )
-        except OutboxInboxError as exc:
-            log.warning("dashboard: %s", mask_url(str(exc)))
-            return self._respond(
-                start_response,
-                "503 Service Unavailable",
-                headers,
-                views.message_page("Server unavailable", str(exc)),
+                start_response, status, headers, views.message_page(title, str(exc))
             )
 
     @staticmethod
