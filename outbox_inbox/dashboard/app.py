@@ -250,6 +250,9 @@ class Dashboard:
                 letters = [d for s in selections for d in s.letters]
                 cut = [s.source for s in selections if s.more]
                 counts = ", ".join(f"{s.source} {len(s.letters)}" for s in selections)
+                by_source = {
+                    s.source: [d.message_id for d in s.letters if d.message_id] for s in selections
+                }
         except OutboxInboxError as exc:
             parts.append(views.error_text(str(exc)))
         else:
@@ -266,10 +269,6 @@ class Dashboard:
             if letters:
                 parts.append(views.letters_table(service.name, letters))
                 if not filters.empty or wanted != "all":
-                    by_source: dict[str, list[str]] = {}
-                    for d in letters:
-                        if d.message_id:
-                            by_source.setdefault(d.source, []).append(d.message_id)
                     parts.append(views.bulk_links(service.name, by_source))
         return views.page(service.name, join(parts))
 
