@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode
@@ -129,19 +129,23 @@ def page(title: str, body: Safe, *, refresh: int | None = None) -> Safe:
     )
 
 
-def table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, numeric: set[int]) -> Safe:
-    head = join(html("<th>{}</th>", h) for h in headers)
-    body = join(
-        html(
-            "<tr>{}</tr>",
-            join(
-                html('<td class="num">{}</td>', cell) if i in numeric else html("<td>{}</td>", cell)
-                for i, cell in enumerate(row)
-            ),
-        )
-        for row in rows
+def row(cells: Sequence[Any], numeric: Collection[int] = (), *, row_id: str = "") -> Safe:
+    """A table row; the cells of the `numeric` columns are aligned right."""
+    tds = join(
+        html('<td class="num">{}</td>', cell) if i in numeric else html("<td>{}</td>", cell)
+        for i, cell in enumerate(cells)
     )
-    return html("<table><thead><tr>{}</tr></thead><tbody>{}</tbody></table>", head, body)
+    return html('<tr id="{}">{}</tr>', row_id, tds) if row_id else html("<tr>{}</tr>", tds)
+
+
+def table(headers: Sequence[str], rows: Iterable[Safe], table_id: str = "") -> Safe:
+    """A table of `rows` (`row`) under `headers`."""
+    return html(
+        "<table{}><thead><tr>{}</tr></thead><tbody>{}</tbody></table>",
+        html(' id="{}"', table_id) if table_id else Safe(""),
+        join(html("<th>{}</th>", h) for h in headers),
+        join(rows),
+    )
 
 
 def error_text(message: str) -> Safe:
@@ -193,6 +197,7 @@ def overview(entries: Sequence[Shown], charts: Safe, refresh: int | None) -> Saf
         outbox, inbox = status["outbox"], status["inbox"]
         queue = ((status.get("broker") or {}).get("queues") or {}).get(f"{name}.inbox")
         cells: list[Any] = [
+            name_cell,
             health_badge(entry.problems),
             outbox["unpublished"],
             format_age(outbox["oldest_age_seconds"]),
@@ -210,24 +215,13 @@ def overview(entries: Sequence[Shown], charts: Safe, refresh: int | None) -> Saf
             per_second(rates.backlog if rates else None),
             "-" if queue is None else queue["messages"],
         ]
-        rows.append(
-            html(
-                "<tr><td>{}</td>{}</tr>",
-                name_cell,
-                join(
-                    html("<td>{}</td>", c) if i == 0 else html('<td class="num">{}</td>', c)
-                    for i, c in enumerate(cells)
-                ),
-            )
-        )
-    head = join(html("<th>{}</th>", h) for h in OVERVIEW_HEADERS)
+        rows.append(row(cells, range(2, len(cells))))
     body = html(
-        "<h1>Services</h1><table id=services><thead><tr>{}</tr></thead><tbody>{}</tbody></table>"
+        "<h1>Services</h1>{}"
         '<p class="note">Lag: age of the oldest unpublished outbox row and of the oldest pending '
         "inbox row (database clock). Rates: change per second since the oldest snapshot of the "
         "last five minutes (one is taken each time a page shows the service{}).</p>{}",
-        head,
-        join(rows),
+        table(OVERVIEW_HEADERS, rows, "services"),
         f"; this page reloads every {refresh}s" if refresh else "",
         charts,
     )
@@ -279,29 +273,23 @@ def service_status(entry: Shown, charts: Safe) -> Safe:
         parts.append(
             table(
                 ["type", "pending", "in progress", "dead"],
-                [(t["type"], t["pending"], t["in_progress"], t["dead"]) for t in inbox["by_type"]],
-                numeric={1, 2, 3},
+                (
+                    row((t["type"], t["pending"], t["in_progress"], t["dead"]), {1, 2, 3})
+                    for t in inbox["by_type"]
+                ),
             )
         )
     held = status["held_keys"]
     parts.append(html("<h2>Held-back keys: {}</h2>", held["count"]))
     if held["keys"]:
+        columns = ("key", "message_id", "type", "failures", "waiting", "next_attempt_at")
         parts.append(
             table(
                 ["key", "head message", "type", "failures", "waiting", "next attempt", "error"],
-                [
-                    (
-                        k["key"],
-                        k["message_id"],
-                        k["type"],
-                        k["failures"],
-                        k["waiting"],
-                        k["next_attempt_at"],
-                        k["last_error"] or "",
-                    )
+                (
+                    row([*(k[c] for c in columns), k["last_error"] or ""], {3, 4})
                     for k in held["keys"]
-                ],
-                numeric={3, 4},
+                ),
             )
         )
     broker = status.get("broker")
@@ -311,7 +299,9 @@ def service_status(entry: Shown, charts: Safe) -> Safe:
             (q, "missing", "") if info is None else (q, info["messages"], info["consumers"])
             for q, info in broker["queues"].items()
         ]
-        parts.append(table(["queue", "messages", "consumers"], queue_rows, numeric={1, 2}))
+        parts.append(
+            table(["queue", "messages", "consumers"], (row(r, {1, 2}) for r in queue_rows))
+        )
         if broker.get("error"):
             parts.append(error_text(f"broker: {broker['error']}"))
     return join(parts)
@@ -347,30 +337,27 @@ def filter_form(name: str, sources: list[str], values: dict[str, str]) -> Safe:
 
 
 def letters_table(name: str, letters: list[DeadLetter]) -> Safe:
-    rows = []
-    for d in letters:
-        target = link("/letter", service=name, source=d.source, id=d.message_id)
-        rows.append(
-            html(
-                '<tr><td>{}</td><td><a class=letter href="{}">{}</a></td><td>{}</td><td>{}</td>'
-                '<td class="num">{}</td><td class="num">{}</td><td>{}</td></tr>',
+    rows = [
+        row(
+            (
                 d.source,
-                target,
-                d.message_id or "(no message id)",
+                html(
+                    '<a class=letter href="{}">{}</a>',
+                    link("/letter", service=name, source=d.source, id=d.message_id),
+                    d.message_id or "(no message id)",
+                ),
                 d.type,
                 d.reason or "",
                 format_age(d.age_seconds),
                 "" if d.attempts is None else d.attempts,
                 error_summary(mask_url(d.error) if d.error else None) or "",
-            )
+            ),
+            {4, 5},
         )
-    head = join(
-        html("<th>{}</th>", h)
-        for h in ("source", "message id", "type", "reason", "age", "attempts", "error")
-    )
-    return html(
-        "<table id=letters><thead><tr>{}</tr></thead><tbody>{}</tbody></table>", head, join(rows)
-    )
+        for d in letters
+    ]
+    headers = ("source", "message id", "type", "reason", "age", "attempts", "error")
+    return table(headers, rows, "letters")
 
 
 #: What each action does to the letters, on its confirmation page; and what it did.
@@ -416,42 +403,25 @@ def _groups_table(name: str, groups: list[Group], parked: bool) -> Safe:
             for action in actions
         )
         rows.append(
-            html(
-                '<tr id="group-{}"><td>{}</td><td class="num">{}</td><td>{}</td><td>{}</td>'
-                '<td>{}</td><td>{}</td><td class="num">{}</td><td>{}</td><td>{}</td></tr>',
-                g.id,
-                g.id,
-                g.count,
-                ", ".join(g.types),
-                ", ".join(g.sources),
-                g.first_seen.isoformat(timespec="seconds") if g.first_seen else "",
-                g.last_seen.isoformat(timespec="seconds") if g.last_seen else "",
-                g.replayed,
-                g.fingerprint,
-                links,
+            row(
+                (
+                    g.id,
+                    g.count,
+                    ", ".join(g.types),
+                    ", ".join(g.sources),
+                    g.first_seen.isoformat(timespec="seconds") if g.first_seen else "",
+                    g.last_seen.isoformat(timespec="seconds") if g.last_seen else "",
+                    g.replayed,
+                    g.fingerprint,
+                    links,
+                ),
+                {1, 6},
+                row_id=f"group-{g.id}",
             )
         )
-    head = join(
-        html("<th>{}</th>", h)
-        for h in (
-            "group",
-            "count",
-            "types",
-            "sources",
-            "first seen",
-            "last seen",
-            "dead again after a replay",
-            "cause",
-            "",
-        )
-    )
-    table_id = "parked-groups" if parked else "dead-groups"
-    return html(
-        '<table id="{}"><thead><tr>{}</tr></thead><tbody>{}</tbody></table>',
-        table_id,
-        head,
-        join(rows),
-    )
+    headers = ["group", "count", "types", "sources", "first seen", "last seen"]
+    headers += ["dead again after a replay", "cause", ""]
+    return table(headers, rows, "parked-groups" if parked else "dead-groups")
 
 
 def bulk_links(name: str, by_source: dict[str, list[str]]) -> Safe:
