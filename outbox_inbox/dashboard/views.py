@@ -608,28 +608,15 @@ def result_page(
     ]
     if error:
         parts.append(error_text(f"stopped by an error: {error}"))
-    if done:
-        parts.append(
-            html(
-                "<h2>{}</h2><ul id=done>{}</ul>",
-                verb.capitalize(),
-                join(html("<li>{}</li>", m) for m in done),
-            )
-        )
-    if kept:
-        parts.append(
-            html(
-                "<h2>Kept</h2><ul id=kept>{}</ul>",
-                join(html("<li>{}: {}</li>", m, why) for m, why in kept),
-            )
-        )
-    if missing:
-        parts.append(
-            html(
-                "<h2>Not found</h2><ul id=missing>{}</ul>",
-                join(html("<li>{}</li>", m) for m in missing),
-            )
-        )
+    listed = (
+        (verb.capitalize(), "done", done),
+        ("Kept", "kept", [f"{m}: {why}" for m, why in kept]),
+        ("Not found", "missing", missing),
+    )
+    for title, list_id, items in listed:
+        if items:
+            lines = join(html("<li>{}</li>", item) for item in items)
+            parts.append(html("<h2>{}</h2><ul id={}>{}</ul>", title, list_id, lines))
     parts.append(html('<p><a href="{}">Back to {}</a></p>', link("/service", name=name), name))
     return page(f"{verb.capitalize()} dead letters", join(parts))
 
