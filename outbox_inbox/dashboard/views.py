@@ -521,14 +521,14 @@ def confirm_page(
     """What `action` would do to `letters`, and its form. `group`: the dead-letter group
     (fingerprint) and parked state the form keeps to; `more`: the group has more letters
     than the form holds."""
-    what = _WHAT[action]
     group = group or Filters()
-    hidden = join(html('<input type=hidden name=id value="{}">', d.message_id) for d in letters)
+    hidden = [("csrf", csrf), ("service", name), ("source", source), ("action", action)]
+    hidden += [("id", d.message_id) for d in letters]
     if group.fingerprint is not None:
-        kept_to = html('<input type=hidden name=group value="{}">', group.fingerprint)
-        hidden = join([hidden, kept_to])
+        hidden.append(("group", group.fingerprint))
+    inputs = join(html('<input type=hidden name={} value="{}">', k, v) for k, v in hidden)
     if group.parked:
-        hidden = join([hidden, html("<input type=hidden name=parked value=1>")])
+        inputs = join([inputs, html("<input type=hidden name=parked value=1>")])
     parts = [
         html(
             "<h1>{} {} dead letter(s) of {} ({})?</h1><p>They will be {}.</p>",
@@ -536,7 +536,7 @@ def confirm_page(
             len(letters),
             name,
             source,
-            what,
+            _WHAT[action],
         ),
         letters_table(name, letters),
     ]
@@ -564,18 +564,10 @@ def confirm_page(
     if letters:
         parts.append(
             html(
-                '<form method=post action="/act" id=confirm>'
-                '<input type=hidden name=csrf value="{}">'
-                '<input type=hidden name=service value="{}">'
-                '<input type=hidden name=source value="{}">'
-                '<input type=hidden name=action value="{}">{}'
+                '<form method=post action="/act" id=confirm>{}'
                 '<button class="button {}" type=submit id=confirm-button>{} {}</button>'
                 '<a class="button cancel" href="{}">Cancel</a></form>',
-                csrf,
-                name,
-                source,
-                action,
-                hidden,
+                inputs,
                 action,
                 action.capitalize(),
                 f"{len(letters)} dead letter(s)",
