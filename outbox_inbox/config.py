@@ -71,17 +71,6 @@ def validate_db_url(url: str) -> str:
     return url
 
 
-def validate_mq_url(url: str) -> str:
-    """Return `url` if it is an AMQP URL (``amqp://`` or ``amqps://``), else ConfigurationError.
-
-    Several nodes of a cluster are given as hosts separated by commas
-    (``amqp://user:password@node1:5672,node2:5672/vhost``) or as whole URLs separated by
-    commas; see `broker_urls`.
-    """
-    broker_urls(url)
-    return url
-
-
 _AMQP_URL = re.compile(r"^(amqps?://)([^/?#]*)(.*)$", re.IGNORECASE | re.DOTALL)
 
 
@@ -239,7 +228,7 @@ class Settings:
             # Several nodes given as a list: the comma-separated form `broker_urls` reads.
             object.__setattr__(self, "mq_url", ",".join(str(u).strip() for u in self.mq_url))
         if self.mq_url:
-            validate_mq_url(self.mq_url)
+            broker_urls(self.mq_url)  # raises ConfigurationError unless AMQP URLs
         for f in fields(self):
             value = getattr(self, f.name)
             if (
