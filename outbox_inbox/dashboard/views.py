@@ -14,6 +14,7 @@ from ..dead_letters import DONE, DeadLetter, Filters, Group, error_summary
 from ..logsafe import mask_url
 from ..status import dead_count
 from ..svgchart import CHART_CSS
+from ..tracing import TRACEPARENT
 from .markup import Safe, html, join
 from .rates import Rates
 
@@ -68,8 +69,6 @@ class Shown:
     error: str | None = None
 
 
-#: The W3C trace context header, when the sender traced the message.
-TRACEPARENT = "traceparent"
 _TRACEPARENT_RE = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
 
 
