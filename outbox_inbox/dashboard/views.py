@@ -384,19 +384,13 @@ def _groups_table(name: str, groups: list[Group], parked: bool) -> Safe:
     rows = []
     for g in groups:
         links = join(
-            html(
-                '<a class="button {}" href="{}">{} ({})</a>',
-                action,
-                link(
-                    "/confirm",
-                    service=name,
-                    source=source,
-                    action=action,
-                    group=g.id,
-                    parked="1" if parked else None,
-                ),
-                action.capitalize(),
+            _confirm_button(
+                f"{action.capitalize()} ({source})",
+                name,
                 source,
+                action,
+                group=g.id,
+                parked="1" if parked else None,
             )
             for source in g.sources
             for action in actions
@@ -430,17 +424,15 @@ def bulk_links(name: str, by_source: dict[str, list[str]]) -> Safe:
         if not ids:
             continue
         for action in ("replay", "purge"):
-            links.append(
-                html(
-                    '<a class="button {}" href="{}">{} these {} ({})</a>',
-                    action,
-                    link("/confirm", service=name, source=source, action=action, id=ids),
-                    action.capitalize(),
-                    len(ids),
-                    source,
-                )
-            )
+            label = f"{action.capitalize()} these {len(ids)} ({source})"
+            links.append(_confirm_button(label, name, source, action, id=ids))
     return html("<p>{}</p>", join(links)) if links else Safe("")
+
+
+def _confirm_button(label: str, name: str, source: str, action: str, **params: Any) -> Safe:
+    """A button to the confirmation page of `action` on the letters of `source` `params` pick."""
+    target = link("/confirm", service=name, source=source, action=action, **params)
+    return html('<a class="button {}" href="{}">{}</a>', action, target, label)
 
 
 # --- one dead letter -------------------------------------------------------------------------
