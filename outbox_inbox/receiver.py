@@ -256,8 +256,6 @@ class Receiver:
         In the same transaction, every delivery dropped as a duplicate (the message was stored
         before, or came twice in this batch) is counted in ``inbox_deliveries.duplicates``.
         """
-        if not items:
-            return []
         tracer = self._tracing.tracer()
         started = time.time_ns() if tracer is not None else 0
         with self._engine.begin() as conn:
