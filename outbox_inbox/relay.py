@@ -284,13 +284,8 @@ class Relay:
 
         Rows whose time to live ran out are marked expired instead.
         """
-        s = self._settings
-        rows = roles.claim_outbox(conn, self._tables, s.relay_batch_size)
-        if not rows:
-            return [], 0
-        rows = self._key_prefixes(conn, rows)
-        if not rows:
-            return [], 0
+        claimed = roles.claim_outbox(conn, self._tables, self._settings.relay_batch_size)
+        rows = self._key_prefixes(conn, claimed)  # no statement for a claim without keys
         expired = [r["id"] for r in rows if _expired(r)]
         if expired:
             roles.mark_expired(conn, self._tables, expired)
