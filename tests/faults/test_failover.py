@@ -7,13 +7,15 @@ replica (`failover_pair`), through a db_url that names both servers
 mode, and then:
 
 1. with ``target_session_attrs=read-write``, the replica is promoted (``pg_ctl promote``): the
-   roles find it through the host list, and every message committed before the failover, and
-   until the promotion, is handled within 15 s of it;
+   roles find it through the host list, every message committed before the failover, and
+   until the promotion, is handled within 15 s of it, and so is one committed after it (the
+   flow is back: ``flowing_again_s``);
 2. with no ``target_session_attrs`` (libpq takes the first server that answers), the roles'
    sessions land on the replica while it is still a standby, where every write fails with
    SQLSTATE 25006 ("cannot execute ... in a read-only transaction"); the primary is then
    started again, and not the replica but it must be found: a read-only session is an outage
-   that drops the pool's connections, or the roles would stay on the standby for good.
+   that drops the pool's connections, or the writer and the relay would stay on the standby
+   for good (seen so with `errors.read_only_session` broken).
 
 Both assert what the other fault tests assert: 0 messages lost, 0 effects of messages never
 committed, 0 duplicate effects (a publish whose mark the failover took is sent again, and the
