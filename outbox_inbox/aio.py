@@ -28,6 +28,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
+from .database import read_only_drops_the_pool
 from .errors import ConfigurationError
 from .queries import roles
 from .worker import Worker
@@ -63,6 +64,7 @@ def worker_engine(url: str | URL, *, prepare_threshold: int | str | None = "auto
     )
     if prepare_threshold == "auto":
         roles.unprepared_behind_pooler(engine)
+    read_only_drops_the_pool(engine)
     return engine
 
 

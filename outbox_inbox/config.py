@@ -61,14 +61,43 @@ def validate_db_url(url: str) -> str:
             f"malformed database URL {mask_url(url)}: an '@' in the password must be written %40"
         )
     if parsed.drivername in _POSTGRES_ALIASES:
-        return "postgresql+psycopg:" + url.split(":", 1)[1]  # the rest exactly as written
-    if parsed.drivername not in _DRIVERS:
+        url = "postgresql+psycopg:" + url.split(":", 1)[1]  # the rest exactly as written
+    elif parsed.drivername not in _DRIVERS:
         raise ConfigurationError(
             f"database URL {mask_url(url)}: {parsed.drivername}:// is not supported; the library"
             " runs on PostgreSQL through psycopg 3 (postgresql+psycopg://user@host:5432/dbname)"
             " or on SQLite (sqlite:///path.db)"
         )
+    if "host" in parsed.query and "port" not in parsed.query:
+        return _host_list(url)
     return url
+
+
+#: One ``host:port`` of a host list (an IPv6 address in brackets).
+_HOST_PORT = re.compile(r"^(\[[^\]]*\]|[^:]*):(\d+)$")
+
+
+def _host_list(url: str) -> str:
+    """`url` with the hosts of its query (``?host=a:5432,b:5433`` as libpq's URIs write them,
+    or ``?host=a:5432&host=b:5433`` as SQLAlchemy's do) as ``?host=a,b&port=5432,5433``.
+
+    The one form both read alike: SQLAlchemy takes the first for a single host named
+    "a:5432,b:5433", and libpq (the LISTEN connection, `waker.psycopg_conninfo`) keeps the last
+    host of the second. A failover URL (docs/failures.md) names every server this way."""
+    parsed = make_url(url)
+    given = parsed.query["host"]
+    values = [given] if isinstance(given, str) else list(given)
+    pairs = [
+        m.groups() if (m := _HOST_PORT.match(entry)) else (entry, "")
+        for value in values
+        for entry in value.split(",")
+    ]
+    if len(values) == 1 and not any(port for _, port in pairs):
+        return url  # hosts without ports, or a socket directory: read alike already
+    query = {"host": ",".join(host.strip("[]") for host, _ in pairs)}
+    if any(port for _, port in pairs):
+        query["port"] = ",".join(port for _, port in pairs)
+    return parsed.update_query_dict(query).render_as_string(hide_password=False)
 
 
 _AMQP_URL = re.compile(r"^(amqps?://)([^/?#]*)(.*)$", re.IGNORECASE | re.DOTALL)

@@ -16,14 +16,19 @@ correct for the roles of one process (threads), and slow by design.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from sqlalchemy import Engine as Engine  # re-exported: the type of `Database.engine`
 from sqlalchemy import create_engine, event
 from sqlalchemy.engine import URL, make_url
 
+from .errors import read_only_session
 from .queries import roles
 from .tables import Tables, build_tables
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import ExceptionContext
+    from sqlalchemy.ext.asyncio import AsyncEngine
 
 #: The schema of the tables when none is named.
 DEFAULT_SCHEMA = "outbox_inbox"
@@ -74,7 +79,25 @@ def connect(
     )
     if prepare_threshold == "auto":
         roles.unprepared_behind_pooler(engine)
+    read_only_drops_the_pool(engine)
     return Database(engine, tables_for(url, schema))
+
+
+def read_only_drops_the_pool(engine: Engine | AsyncEngine) -> None:
+    """Make a read-only session (`errors.read_only_session`) a lost connection on `engine`.
+
+    A session on a standby stays there: ``pool_pre_ping``'s ``SELECT 1`` works on it, and
+    every write fails, after the failover too, if the standby is not the server promoted.
+    Taken for a disconnect, the error invalidates the pool: the next connection resolves the
+    address, or walks the host list (``target_session_attrs``), again; the roles back off as
+    from any outage, since the error is raised with ``connection_invalidated`` set.
+    """
+    sync_engine = getattr(engine, "sync_engine", engine)
+
+    @event.listens_for(sync_engine, "handle_error")
+    def _read_only(context: ExceptionContext) -> None:
+        if read_only_session(context.original_exception):
+            context.is_disconnect = True
 
 
 def _sqlite_engine(url: str | URL, *, busy_timeout: float = 30.0) -> Engine:

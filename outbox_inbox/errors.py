@@ -164,13 +164,24 @@ _TRANSIENT_STATES = {"57P01", "57P02", "57P03", "53300"}
 _REFUSALS = ("password authentication failed", "does not exist", "no pg_hba.conf entry")
 
 
+def read_only_session(exc: BaseException) -> bool:
+    """True when `exc` (a SQLAlchemy or psycopg error) is SQLSTATE 25006 ("cannot execute ...
+    in a read-only transaction"): the session is on a standby, as it is during a failover
+    (an address or a host list that reached the replica before its promotion, or the old
+    primary back as a standby). No write can work there: an outage, not the statement's fault.
+    """
+    original = getattr(exc, "orig", None) or exc
+    return getattr(original, "sqlstate", None) == "25006"
+
+
 def database_unreachable(exc: BaseException) -> bool:
     """True when `exc` (a SQLAlchemy or psycopg error) means the database cannot be reached now.
 
-    A refused, reset or timed-out connection, or a server shutting down or starting up: worth
-    waiting for. Wrong credentials, a missing database or role, and every SQL error are not.
+    A refused, reset or timed-out connection, a server shutting down or starting up, or a
+    session on a standby (`read_only_session`): worth waiting for. Wrong credentials, a missing
+    database or role, and every other SQL error are not.
     """
-    if getattr(exc, "connection_invalidated", False):
+    if getattr(exc, "connection_invalidated", False) or read_only_session(exc):
         return True
     original = getattr(exc, "orig", None) or exc
     if not isinstance(original, psycopg.OperationalError):

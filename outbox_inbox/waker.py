@@ -85,6 +85,8 @@ def _where(conninfo: str) -> str:
         url = make_url(conninfo)
     except Exception:  # a description only; the URL was valid to connect
         return "the database"
+    if url.host is None:  # a host list (a failover URL, docs/failures.md): hosts and ports
+        return f"{url.query.get('host')}:{url.query.get('port') or 5432}/{url.database}"
     return f"{url.host}:{url.port or 5432}/{url.database}"
 
 

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..clock import db_now, db_now_plus
+from ..errors import read_only_session
 from ..messages import RECEIVED_COLUMNS, RECEIVED_JSON_COLUMNS
 from ..tables import DEAD, PENDING, PROCESSED, Tables, outbox_unsent
 
@@ -139,8 +140,19 @@ def insert_outbox(executor: Executor, tables: Tables, rows: Sequence[Mapping[str
             sql_text = _insert_outbox_compiled(tables, conn.dialect, tuple(values)).string
             cursor.execute(sql_text, values)
     except conn.dialect.loaded_dbapi.Error as exc:
+        # Past SQLAlchemy's execution, its invalidation is done here: a lost connection, or a
+        # session on a standby (database.read_only_drops_the_pool), which the pool's ping
+        # would keep for good, leaves the pool, and the caller's next transaction reconnects.
+        dbapi = conn.connection.dbapi_connection
+        gone = read_only_session(exc) or conn.dialect.is_disconnect(exc, dbapi, cursor)
+        if gone:
+            conn.invalidate(exc)
         raise DBAPIError.instance(
-            "INSERT INTO outbox_messages", None, exc, conn.dialect.loaded_dbapi.Error
+            "INSERT INTO outbox_messages",
+            None,
+            exc,
+            conn.dialect.loaded_dbapi.Error,
+            connection_invalidated=gone,
         ) from exc
 
 

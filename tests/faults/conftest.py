@@ -20,12 +20,14 @@ from e2e.conftest import (  # noqa: F401
     processes,
     pytest_runtest_makereport,
 )
-from e2e.harness import Database, Processes
+from e2e.harness import Database, Processes, wait_until
+from psycopg import sql
 
 from outbox_inbox import Service
+from servers import PostgresServer
 
 from .flow import RECOVERY_BOUND, TwoServices
-from .injection import iptables_problem
+from .injection import StreamingReplica, iptables_problem
 
 _RECORDED: list[dict[str, Any]] = []
 
@@ -52,6 +54,34 @@ def two_services(
         yield flow
     finally:
         flow.stop_writer()
+
+
+@pytest.fixture
+def failover_pair(
+    local_postgres_server: PostgresServer,
+) -> Iterator[tuple[PostgresServer, StreamingReplica]]:
+    """A primary of this test's own and its synchronous streaming replica, both running.
+
+    Not the session's server (`local_postgres_server` is asked for its skip alone: a local
+    server is needed): a failover leaves the primary stopped for good. Commits wait for the
+    replica's flush (``synchronous_standby_names``, ``synchronous_commit = on``): a commit
+    that returned survives the failover (docs/failures.md). Both are removed afterwards."""
+    primary = PostgresServer()
+    replica = StreamingReplica(primary)
+    try:
+        primary.start()
+        replica.start()
+        with primary.connect() as conn:
+            names = sql.SQL("ALTER SYSTEM SET synchronous_standby_names = {}")
+            conn.execute(names.format(sql.Literal(replica.name)))
+            conn.execute("SELECT pg_reload_conf()")
+        wait_until(lambda: replica.streaming("sync"), timeout=30, what="a synchronous standby")
+        yield primary, replica
+    finally:
+        try:
+            replica.cleanup()
+        finally:
+            primary.cleanup()
 
 
 @pytest.fixture

@@ -212,7 +212,7 @@ class TwoServices:
         orders.declare_topology()
         billing.declare_topology()
         settings = {**DEFAULT_ROLE_SETTINGS, **self.settings}
-        self.processes.start("relay", service="orders", settings=settings)
+        self.processes.start("relay", service="orders", db_url=self.orders_url, settings=settings)
         for role in ("receiver", "worker"):
             self.processes.start(
                 role, service="billing", db_url=self.billing_url, settings=settings

@@ -2,6 +2,8 @@
 
 * :func:`stop_postgres_immediately`: ``pg_ctl stop -m immediate`` (the postmaster SIGQUITs its
   backends and exits without a checkpoint: the next start runs crash recovery);
+* :class:`StreamingReplica`: a hot standby of a local server, which ``promote()`` makes the
+  primary (a failover);
 * :func:`terminate_backends`: ``pg_terminate_backend`` on every other session of some databases;
 * :func:`memory_alarm`: RabbitMQ's memory high watermark set near zero, so the node raises its
   memory alarm and blocks every publishing connection, then set back to 0.4;
@@ -38,17 +40,14 @@ def stop_postgres_immediately(server: PostgresServer) -> None:
     """``pg_ctl stop -m immediate`` on the local server, then let `server` reap its process.
 
     `server.start()` brings it back (crash recovery, same data directory and port)."""
-    command = [
-        str(server.bin_dir / "pg_ctl"),
-        "stop",
-        "-m",
-        "immediate",
-        "-w",
-        "-t",
-        "30",
-        "-D",
-        str(server.data_dir),
-    ]
+    _pg_ctl(server, "stop", "-m", "immediate")
+    wait_until(lambda: not server.running, timeout=10, what="the postmaster to exit")
+    server.stop()  # nothing left to stop: reaps the exited process and forgets it
+
+
+def _pg_ctl(server: PostgresServer, *args: str) -> None:
+    """``pg_ctl ARGS -w -t 30 -D <data>`` as the cluster's owner; AssertionError if it fails."""
+    command = [str(server.bin_dir / "pg_ctl"), *args, "-w", "-t", "30", "-D", str(server.data_dir)]
     if os.geteuid() == 0:  # the cluster belongs to the postgres user (see tests/servers.py)
         command = ["runuser", "-u", server.user, "--", *command]
     result = subprocess.run(
@@ -61,9 +60,60 @@ def stop_postgres_immediately(server: PostgresServer) -> None:
         check=False,
     )
     if result.returncode != 0:
-        raise AssertionError(f"pg_ctl stop -m immediate failed: {result.stdout}{result.stderr}")
-    wait_until(lambda: not server.running, timeout=10, what="the postmaster to exit")
-    server.stop()  # nothing left to stop: reaps the exited process and forgets it
+        raise AssertionError(f"pg_ctl {' '.join(args)} failed: {result.stdout}{result.stderr}")
+
+
+class StreamingReplica(PostgresServer):
+    """A hot standby of `primary` (a running local server), on a port and directory of its own.
+
+    Its first `start()` copies the primary with ``pg_basebackup -R`` (which writes
+    ``standby.signal`` and ``primary_conninfo``) as the server's user, then streams the
+    primary's WAL as walreceiver ``cluster_name`` `name` (what ``synchronous_standby_names``
+    names). `promote()` fails over to it; `cleanup()` removes it like any PostgresServer.
+    """
+
+    def __init__(self, primary: PostgresServer, name: str = "replica") -> None:
+        # Reconnect to a primary back from a restart in 0.2 s, not 5: commits wait for it.
+        settings = {"cluster_name": f"'{name}'", "wal_retrieve_retry_interval": "'200ms'"}
+        super().__init__(bin_dir=primary.bin_dir, settings=settings)
+        self.primary = primary
+        self.name = name
+
+    def _initdb(self) -> None:  # the copy stands for initdb: `_launch` runs it on first start
+        backup = [
+            str(self.bin_dir / "pg_basebackup"),
+            *("-h", self.primary.host, "-p", str(self.primary.port), "-U", self.user),
+            *("-D", str(self.data_dir), "-R", "-X", "stream", "--checkpoint=fast", "--no-sync"),
+        ]
+        result = subprocess.run(
+            self._as_postgres(backup),
+            cwd=self.temp_dir,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise AssertionError(f"pg_basebackup failed: {result.stdout}{result.stderr}")
+        settings = {**self.settings, "port": str(self.port)}
+        settings["unix_socket_directories"] = f"'{self.socket_dir}'"
+        with open(self.data_dir / "postgresql.conf", "a") as conf:  # later lines win
+            conf.write("".join(f"{key} = {value}\n" for key, value in settings.items()))
+
+    def streaming(self, state: str = "streaming") -> bool:
+        """True when the primary reports this standby's walsender in `state` (``sync_state``
+        "sync" also counts for "sync")."""
+        with self.primary.connect() as conn:
+            row = conn.execute(
+                "SELECT state, sync_state FROM pg_stat_replication WHERE application_name = %s",
+                [self.name],
+            ).fetchone()
+        return row is not None and state in row
+
+    def promote(self) -> None:
+        """``pg_ctl promote -w``: returns once the standby has become a primary."""
+        _pg_ctl(self, "promote")
 
 
 def terminate_backends(server: PostgresHandle, databases: Sequence[str]) -> list[Any]:

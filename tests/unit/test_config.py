@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+import psycopg
 import pytest
+from sqlalchemy import create_engine
 
 from outbox_inbox import ConfigurationError, MessageError, Service
 from outbox_inbox.logsafe import mask_url
 from outbox_inbox.tables import build_tables
+from outbox_inbox.waker import psycopg_conninfo
 
 
 @pytest.mark.parametrize(
@@ -91,6 +94,33 @@ def test_a_postgres_url_without_the_driver_runs_on_psycopg_3(given: str, used: s
     service = Service("orders", db_url=given, listen_url=given)
     assert service.settings.db_url == used
     assert service.settings.listen_url == used
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://app:s%40cret@/orders?host=db1:5432,db2:5433&target_session_attrs=read-write",
+        "postgresql+psycopg://app:s%40cret@/orders?host=db1:5432&host=db2:5433"
+        "&target_session_attrs=read-write",
+        "postgresql+psycopg://app:s%40cret@/orders?host=db1,db2&port=5432,5433"
+        "&target_session_attrs=read-write",
+    ],
+)
+def test_a_failover_url_names_each_server_alike_for_sqlalchemy_and_libpq(url: str) -> None:
+    # The pool's connections (SQLAlchemy) and the LISTEN connection (a libpq conninfo) must
+    # walk the same host list, with its ports, to find the primary after a failover.
+    used = Service("orders", db_url=url).settings.db_url
+    engine = create_engine(used)
+    args = engine.dialect.create_connect_args(engine.url)[1]
+    wanted = {
+        "host": "db1,db2",
+        "port": "5432,5433",
+        "target_session_attrs": "read-write",
+        "password": "s@cret",
+    }
+    assert {key: str(args[key]) for key in wanted} == wanted
+    libpq = psycopg.conninfo.conninfo_to_dict(psycopg_conninfo(used))
+    assert {key: libpq[key] for key in wanted} == wanted
 
 
 @pytest.mark.parametrize(
