@@ -151,7 +151,9 @@ class AsyncWorker:
             self.worker.close_liveness()
 
     async def close(self) -> None:
-        """Release the worker's engine (after `run` returned)."""
+        """Release the worker's engine and its liveness session (after `run` returned, or
+        after `connect` and `work_once` used without `run`): its claims are free at once."""
+        self.worker.close_liveness()
         await self._engine.dispose()
 
     def run_in_thread(
