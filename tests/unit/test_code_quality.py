@@ -35,3 +35,20 @@ def test_mypy_passes() -> None:
     result = _run("mypy")
     if result.returncode != 0:
         pytest.fail(f"mypy failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+
+
+def test_every_package_directory_ships_in_the_wheel() -> None:
+    """`pip install .` (not editable) installs only the packages pyproject lists: a package
+    directory left out is missing from every installed copy, though an editable install and
+    the tests still import it."""
+    import tomllib
+
+    config = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    roots = {path: package for package, path in config["package-dir"].items()}
+    found = set()
+    for path, package in roots.items():
+        for init in (REPO_ROOT / path).rglob("__init__.py"):
+            parts = init.parent.relative_to(REPO_ROOT / path).parts
+            found.add(".".join((package, *parts)))
+    assert found - listed == set(), "package directories pyproject.toml does not ship"
