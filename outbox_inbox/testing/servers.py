@@ -184,6 +184,19 @@ def _children_of(pid: int) -> list[int]:
     return children
 
 
+def wait_until(
+    condition: Callable[[], Any], *, timeout: float, what: str, interval: float = 0.1
+) -> Any:
+    """Call `condition` until it returns something truthy, and return that; AssertionError
+    naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+    return value
+
+
 def _pid_gone(pid: int) -> bool:
     """True when ``pid`` no longer runs: it does not exist or is a zombie waiting to be reaped."""
     try:
@@ -404,6 +417,8 @@ class PostgresHandle(Protocol):
     """What the fixtures need from a PostgreSQL server, local or external."""
 
     def url(self, dbname: str = ...) -> str: ...
+
+    def connect(self, dbname: str = ..., *, autocommit: bool = ...) -> psycopg.Connection[Any]: ...
 
     def create_database(self, name: str) -> None: ...
 

@@ -13,7 +13,6 @@ from typing import Any
 import cli_app
 import pytest
 from click.testing import CliRunner
-from faults.injection import memory_alarm
 from sqlalchemy import func, text
 
 from helpers import wait_until
@@ -23,6 +22,7 @@ from outbox_inbox.brokers.rabbitmq_admin import RabbitMQAdmin
 from outbox_inbox.cli.main import main
 from outbox_inbox.dashboard import Dashboard, WatchedService
 from outbox_inbox.status import collect_status, problems
+from outbox_inbox.testing.injection import memory_alarm
 from outbox_inbox.testing.servers import RabbitMQServer
 
 NAMES = ("billing", "shipping", "orders")

@@ -24,10 +24,10 @@ from e2e.harness import Database, Processes, wait_until
 from psycopg import sql
 
 from outbox_inbox import Service
+from outbox_inbox.testing.injection import StreamingReplica, iptables_problem
 from servers import PostgresServer
 
 from .flow import RECOVERY_BOUND, TwoServices
-from .injection import StreamingReplica, iptables_problem
 
 _RECORDED: list[dict[str, Any]] = []
 

@@ -12,9 +12,8 @@ import pytest
 from helpers import make_service, wait_until
 from outbox_inbox import BrokerAccessRefused, Message
 from outbox_inbox.brokers.rabbitmq import close_quietly
+from outbox_inbox.testing.injection import blackhole
 from servers import RabbitMQServer
-
-from .injection import blackhole
 
 pytestmark = pytest.mark.faults
 

@@ -34,10 +34,10 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from outbox_inbox import Service
 from outbox_inbox.config import validate_db_url
+from outbox_inbox.testing.injection import StreamingReplica, stop_postgres_immediately
 from servers import PostgresServer
 
 from .flow import RECOVERY_BOUND, TwoServices
-from .injection import StreamingReplica, stop_postgres_immediately
 
 pytestmark = pytest.mark.faults
 

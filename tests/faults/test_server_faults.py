@@ -34,15 +34,15 @@ import pytest
 
 from outbox_inbox.brokers.rabbitmq import RabbitMQBroker
 from outbox_inbox.brokers.rabbitmq_admin import RabbitMQAdmin
-from servers import PostgresHandle, PostgresServer, RabbitMQServer
-
-from .flow import Recovery, TwoServices
-from .injection import (
+from outbox_inbox.testing.injection import (
     blackhole,
     memory_alarm,
     stop_postgres_immediately,
     terminate_backends,
 )
+from servers import PostgresHandle, PostgresServer, RabbitMQServer
+
+from .flow import Recovery, TwoServices
 
 pytestmark = pytest.mark.faults
 

@@ -1,4 +1,7 @@
-"""The faults themselves, each undone in a ``finally`` however the test ends.
+"""Faults to inject into private servers, each undone in a ``finally`` however the block ends.
+
+The fault kit (`outbox_inbox.testing.faultkit`) injects them by name; the library's own fault
+tests call them directly.
 
 * :func:`stop_postgres_immediately`: ``pg_ctl stop -m immediate`` (the postmaster SIGQUITs its
   backends and exits without a checkpoint: the next start runs crash recovery);
@@ -21,9 +24,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from e2e.harness import wait_until
-
-from servers import PostgresHandle, PostgresServer, RabbitMQServer
+from .servers import PostgresHandle, PostgresServer, RabbitMQServer, wait_until
 
 #: What RabbitMQ's memory high watermark is set back to (the node's default).
 DEFAULT_WATERMARK = "0.4"
@@ -121,8 +122,7 @@ def terminate_backends(server: PostgresHandle, databases: Sequence[str]) -> list
 
     Runs on a connection to the server's maintenance database, which is therefore never among
     them; returns one row (pid, database, state, terminated) per session it hit."""
-    connect: Any = server.connect  # both PostgresServer and ExternalPostgres have it
-    with connect() as conn:
+    with server.connect() as conn:
         return list(
             conn.execute(
                 "SELECT pid, datname, state, pg_terminate_backend(pid)"
