@@ -554,6 +554,8 @@ ServiceOrBuilder = Service | Callable[..., Service]
 if TYPE_CHECKING or importlib.util.find_spec("pytest") is not None:
     import pytest
 
+    from .faultkit import outbox_inbox_fault_kit, outbox_inbox_servers  # noqa: F401
+
     @pytest.fixture
     def outbox_inbox_broker() -> Iterator[Broker]:
         """The broker of this test: a `MemoryBroker` of its own, closed after it; or, with

@@ -88,6 +88,11 @@ class History:
                 for key in keys
             }
 
+    def transactions(self) -> list[tuple[str, tuple[Hashable, ...]]]:
+        """Every transaction recorded: (outcome, expected effects)."""
+        with self._lock:
+            return [(o, keys) for o, entries in self._effects.items() for _, keys in entries]
+
     def count(self, outcome: str = OK) -> int:
         """How many transactions had `outcome`."""
         with self._lock:

@@ -1,0 +1,629 @@
+"""The fault kit: your own service, handlers and schema under the faults of production.
+
+A `FaultKit` runs your service's roles as processes of their own on private servers (a
+PostgreSQL and a RabbitMQ it is given), commits business transactions of yours at a steady rate
+(`FaultKit.load`), injects faults by name (`FaultKit.inject`), measures how long after each
+fault everything committed by its end took effect, and checks the outcome against your own
+effect table with `outbox_inbox.testing.checker`:
+
+    kit.start("relay", app="orders_app:service")
+    kit.start("receiver", app="billing_app:from_env", db_url=billing_url)
+    kit.start("worker", app="billing_app:from_env", db_url=billing_url)
+    kit.effects(billing_url, read_effects)           # one item per effect row you wrote
+    with kit.load(orders, produce):         # produce(orders, session, n) -> expected effects
+        kit.inject("kill", role="worker", at="worker.handled")
+        kit.inject("postgres-restart")
+    verdict = kit.check()
+    assert verdict.valid, verdict.report()
+
+Injection is deterministic where a fault has a moment: ``kill`` with ``at=`` makes the role
+process SIGKILL itself when it reaches that point of its work the n-th time (`KILL_POINTS`,
+through the `Listener` hooks); nothing waits on a sleep to hit a window. Every other fault is
+in force from `inject`'s start to its return (a server down, rules in place), then recovery is
+measured: `Fault.recovered_s`.
+
+The faults (`FAULTS`): ``kill`` (a role, now or at a point), ``postgres-restart`` (immediate
+stop: crash recovery at the start), ``rabbitmq-restart`` (SIGKILL), ``terminate-sessions``
+(``pg_terminate_backend`` of every session of the kit's databases), ``memory-alarm`` (publishers
+blocked), ``blackhole`` (iptables: the broker's or the database's port drops every packet, where
+iptables works), ``duplicate`` (messages already published sent again, ``times`` times each, as
+a broker redelivers or a peer resends) and ``clock-skew`` (transactions committed by a process
+whose clock is off by ``seconds``, under libfaketime).
+
+The roles run your module as ``outbox-inbox run`` would (``--app MODULE:ATTR``: a `Service`, or
+a function returning one with no arguments), with ``OUTBOX_INBOX_DB_URL`` and
+``OUTBOX_INBOX_MQ_URL`` set to the kit's servers, ``processes=1``, and the directories of
+`path` importable. A role with no ``app`` runs a bare ``Service(service)``: a relay needs no
+handlers. With pytest, the fixture ``outbox_inbox_fault_kit`` gives a kit on private servers
+started once per session (``outbox_inbox_servers``; override that fixture to bring your own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import random
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Connection, create_engine, select
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session
+from sqlalchemy.pool import NullPool
+
+from ..config import DB_URL_ENV, MQ_URL_ENV
+from ..database import connect
+from ..listener import Listener, combine
+from ..messages import to_wire
+from ..relay import outgoing
+from ..service import Service
+from .checker import FAILED, OK, UNKNOWN, Fault, History, Verdict, check
+from .injection import (
+    blackhole,
+    iptables_problem,
+    memory_alarm,
+    stop_postgres_immediately,
+    terminate_backends,
+)
+from .servers import PostgresServer, RabbitMQServer, _Process, wait_until
+
+log = logging.getLogger(__name__)
+
+KILL_AT_ENV = "OUTBOX_INBOX_KILL_AT"
+SERVICE_ENV = "OUTBOX_INBOX_SERVICE"
+ROLES = ("relay", "receiver", "worker")
+
+#: Where ``kill`` with ``at=`` stops a role: the `Listener` hook it dies in, and the moment.
+KILL_POINTS: dict[str, tuple[str, str]] = {
+    "relay.confirmed": ("relay_confirmed", "the broker confirmed a batch; its rows not marked"),
+    "relay.committed": ("relay_committed", "a batch marked published and committed"),
+    "receiver.stored": ("stored", "rows stored and committed; the deliveries not acked"),
+    "worker.handled": ("handler_ran", "a handler ran; its effect and mark not committed"),
+}
+
+#: Effects expected by one transaction that `produce` wrote: any hashable values.
+Produce = Callable[[Service, Session, int], Iterable[Hashable] | None]
+ReadEffects = Callable[[Connection], Iterable[Hashable]]
+
+
+class _KillAt(Listener):
+    """SIGKILLs this process at the n-th call of one hook (`KILL_POINTS`)."""
+
+    def __init__(self, point: str) -> None:
+        name, _, nth = point.partition(":")
+        if name not in KILL_POINTS:
+            raise ValueError(f"kill point must be one of {sorted(KILL_POINTS)}, got {name!r}")
+        self.calls, self.nth = 0, int(nth or 1)
+
+        def hook(*args: object, **kwargs: object) -> None:
+            self.calls += 1
+            if self.calls >= self.nth:
+                log.warning("killed at %s (call %d)", name, self.calls)
+                logging.shutdown()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        setattr(self, KILL_POINTS[name][0], hook)
+
+
+def _load(app: str | None) -> Service:
+    """The service a role process runs: `app` (MODULE:ATTR) or a bare one named by the env."""
+    if app is None:
+        return Service(
+            os.environ[SERVICE_ENV], db_url=os.environ[DB_URL_ENV], mq_url=os.environ[MQ_URL_ENV]
+        )
+    module_name, _, attribute = app.partition(":")
+    made = getattr(importlib.import_module(module_name), attribute)
+    service = made if isinstance(made, Service) else made()
+    if not isinstance(service, Service):
+        raise TypeError(f"{app} is not a Service nor a function returning one")
+    return service
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m outbox_inbox.testing.faultkit ROLE [--app MODULE:ATTR]``: one role process."""
+    parser = argparse.ArgumentParser(prog="outbox_inbox.testing.faultkit")
+    parser.add_argument("role", choices=ROLES)
+    parser.add_argument("--app")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(name)s %(message)s")
+    logging.getLogger("pika").setLevel(logging.WARNING)
+    service = _load(args.app)
+    service.settings = replace(service.settings, processes=1)
+    if os.environ.get(KILL_AT_ENV):
+        service.listener = combine(service.listener, _KillAt(os.environ[KILL_AT_ENV]))
+    try:
+        {
+            "relay": service.run_relay,
+            "receiver": service.run_receiver,
+            "worker": service.run_worker,
+        }[args.role]()
+    finally:
+        service.close()
+
+
+class RoleProcess:
+    """One role of a service, as a process of its own (see the module documentation)."""
+
+    def __init__(
+        self, kit: FaultKit, role: str, app: str | None, service: str | None, db_url: str
+    ) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        if (app is None) == (service is None):
+            raise ValueError("give the role an app (MODULE:ATTR) or a service name, not both")
+        self.kit, self.role, self.app, self.service, self.db_url = kit, role, app, service, db_url
+        self.name = f"{app or service}-{role}".replace(":", ".")
+        self.log_path = kit.workdir / f"{self.name}.log"
+        self.restarts = 0
+        self._process: _Process | None = None
+
+    def start(self, kill_at: str | None = None) -> None:
+        """Start the process (again); with `kill_at`, it SIGKILLs itself at that point."""
+        env = {
+            **os.environ,
+            DB_URL_ENV: self.db_url,
+            MQ_URL_ENV: self.kit.mq_url,
+            "PYTHONPATH": os.pathsep.join(
+                [*map(str, self.kit.path), os.environ.get("PYTHONPATH", "")]
+            ),
+        }
+        env.pop(KILL_AT_ENV, None)
+        if kill_at is not None:
+            env[KILL_AT_ENV] = kill_at
+        if self.service is not None:
+            env[SERVICE_ENV] = self.service
+        args = [sys.executable, "-m", __name__, self.role]
+        self._process = _Process(
+            [*args, "--app", self.app] if self.app else args, log_path=self.log_path, env=env
+        )
+
+    @property
+    def alive(self) -> bool:
+        return self._process is not None and self._process.alive
+
+    def kill(self) -> None:
+        """SIGKILL the process (and anything it started)."""
+        if self._process is not None:
+            self._process.kill()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM (the role finishes what it holds), SIGKILL after `timeout`."""
+        if self._process is None:
+            return
+        self._process.send_signal(signal.SIGTERM)
+        if not self._process.wait(timeout):
+            log.warning("%s did not stop within %.0f s: killed", self.name, timeout)
+        self._process.kill()
+
+    def log_tail(self, lines: int = 30) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+class Load(threading.Thread):
+    """Commits transactions of `produce` through `service` at `rate` a second, into `history`.
+
+    ``produce(service, session, n)`` writes the n-th business transaction (its outbox rows
+    through ``service.outbox``) in `session` and returns the effects it expects downstream
+    (None: ``[n]``). Every `abort_every`-th transaction is rolled back after `produce` on
+    purpose: its effects must never appear. A commit that raises is UNKNOWN (the fault may
+    have taken only the answer); a failure before the commit is FAILED. Either way the load
+    goes on with the next n.
+    """
+
+    def __init__(
+        self,
+        service: Service,
+        produce: Produce,
+        history: History,
+        *,
+        rate: float = 100.0,
+        abort_every: int = 10,
+        total: int | None = None,
+        first: int = 1,
+    ) -> None:
+        super().__init__(name="faultkit-load", daemon=True)
+        self.service, self.produce, self.history = service, produce, history
+        self.interval, self.abort_every, self.total = 1.0 / rate, abort_every, total
+        self.first, self.written = first, 0
+        self.errors: list[str] = []
+        self._stopping = threading.Event()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.join(60)
+
+    def run(self) -> None:
+        next_at = time.monotonic()
+        while not self._stopping.is_set() and (self.total is None or self.written < self.total):
+            self.written += 1
+            abort = self.abort_every > 0 and self.written % self.abort_every == 0
+            self._one(self.first + self.written - 1, abort=abort)
+            next_at = max(next_at + self.interval, time.monotonic() - 1.0)  # no long burst
+            self._stopping.wait(max(0.0, next_at - time.monotonic()))
+
+    def _one(self, n: int, *, abort: bool) -> None:
+        expects: list[Hashable] = [n]
+        try:
+            session = self.service.session()
+        except Exception as exc:
+            self._failed(expects, exc)
+            return
+        with session:
+            try:
+                session.begin()
+                produced = self.produce(self.service, session, n)
+                expects = [n] if produced is None else list(produced)
+                if abort:
+                    session.rollback()
+                    self.history.record(expects, FAILED)
+                    return
+            except Exception as exc:
+                self._failed(expects, exc)
+                return
+            try:
+                session.commit()
+            except Exception as exc:
+                self.history.record(expects, UNKNOWN)
+                self._note(exc)
+                self._stopping.wait(0.2)
+                return
+        self.history.record(expects, OK)
+
+    def _failed(self, expects: list[Hashable], exc: Exception) -> None:
+        self.history.record(expects, FAILED)
+        self._note(exc)
+        self._stopping.wait(0.2)
+
+    def _note(self, exc: Exception) -> None:
+        if len(self.errors) < 20:
+            self.errors.append(
+                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            )
+
+
+class FaultKit:
+    """Roles of your services as processes, a load, faults by name, and the checker.
+
+    `postgres` and `rabbitmq` are servers of the kit's own (a fault stops and kills them): the
+    fixture ``outbox_inbox_servers`` starts them. `workdir` keeps the role logs.
+    """
+
+    def __init__(
+        self,
+        postgres: PostgresServer,
+        rabbitmq: RabbitMQServer,
+        workdir: Path,
+        *,
+        path: Sequence[str | Path] = (".",),
+        recovery_limit: float = 60.0,
+    ) -> None:
+        self.postgres, self.rabbitmq = postgres, rabbitmq
+        self.workdir = Path(workdir)
+        self.path = [Path(p).resolve() for p in path]
+        self.recovery_limit = recovery_limit
+        self.history = History()
+        self.roles: list[RoleProcess] = []
+        self.databases: list[str] = []
+        self._effects: tuple[str, ReadEffects] | None = None
+        self._loads: list[Load] = []
+        self._suffix = secrets.token_hex(4)
+        self.vhost = f"kit_{self._suffix}"
+        rabbitmq.add_vhost(self.vhost)
+        self.mq_url = rabbitmq.url_for_vhost(self.vhost)
+
+    def database(self, name: str) -> str:
+        """The URL of a new, empty database for the service `name` on the kit's PostgreSQL
+        (named ``<name>_<this kit's suffix>``, dropped at `close`)."""
+        database = f"{name}_{self._suffix}"
+        self.postgres.create_database(database)
+        self.databases.append(database)
+        return self.postgres.url(database)
+
+    def start(
+        self, role: str, *, app: str | None = None, service: str | None = None, db_url: str
+    ) -> RoleProcess:
+        """Start `role` of `app` (MODULE:ATTR) or of a bare service named `service`."""
+        process = RoleProcess(self, role, app, service, db_url)
+        process.start()
+        self.roles.append(process)
+        return process
+
+    def effects(self, db_url: str, read: ReadEffects) -> None:
+        """Where the effects are: `read(connection)` yields one item per effect row, read from
+        the database at `db_url` (your own table, written by your handlers)."""
+        self._effects = (db_url, read)
+
+    def found(self) -> list[Hashable]:
+        """The effects now in the effect table (empty while the database cannot answer)."""
+        if self._effects is None:
+            raise RuntimeError("call effects(db_url, read) first: the kit reads your effects")
+        url, read = self._effects
+        engine = create_engine(url, poolclass=NullPool, connect_args={"connect_timeout": 5})
+        try:
+            with engine.connect() as conn:
+                return list(read(conn))
+        except SQLAlchemyError:
+            return []
+        finally:
+            engine.dispose()
+
+    @contextlib.contextmanager
+    def load(
+        self, service: Service, produce: Produce, *, rate: float = 100.0, abort_every: int = 10
+    ) -> Iterator[Load]:
+        """Commit `produce`'s transactions through `service` while the block runs."""
+        load = Load(service, produce, self.history, rate=rate, abort_every=abort_every)
+        self._loads.append(load)
+        load.start()
+        try:
+            yield load
+        finally:
+            load.stop()
+
+    # -- faults ----------------------------------------------------------------------------------
+
+    def inject(self, name: str, **options: Any) -> Fault:
+        """Inject the fault `name` (`FAULTS`), wait until it is over, and measure the recovery:
+        how long until every effect committed by its end is found (`Fault.recovered_s`; None
+        if not within `recovery_limit`). Returns the recorded fault."""
+        if name not in FAULTS:
+            raise ValueError(f"fault must be one of {sorted(FAULTS)}, got {name!r}")
+        for role in self.roles:
+            if not role.alive:
+                raise AssertionError(f"{role.name} is not running:\n{role.log_tail()}")
+        fault = self.history.begin_fault(name)
+        try:
+            FAULTS[name](self, **options)
+        finally:
+            self.history.end_fault(fault)
+        self.wait_recovered(fault)
+        return fault
+
+    def wait_recovered(self, fault: Fault) -> None:
+        """Wait until every effect committed by the end of `fault` is found; record how long."""
+        assert fault.over is not None
+        expected = self.history.expected(OK, until=fault.over)
+        deadline = fault.over + self.recovery_limit
+        while time.monotonic() < deadline:
+            if expected <= set(self.found()):
+                fault.recovered_s = time.monotonic() - fault.over
+                return
+            time.sleep(0.2)
+
+    def _role(self, role: str) -> RoleProcess:
+        matching = [r for r in self.roles if r.role == role or r.name == role]
+        if not matching:
+            raise ValueError(f"no role process {role!r}: {[r.name for r in self.roles]}")
+        return random.choice(matching)
+
+    def _kill(self, role: str, at: str | None = None, nth: int = 1, timeout: float = 60.0) -> None:
+        process = self._role(role)
+        process.kill()
+        if at is not None:
+            if at not in KILL_POINTS:
+                raise ValueError(f"kill point must be one of {sorted(KILL_POINTS)}, got {at!r}")
+            process.start(kill_at=f"{at}:{nth}")
+            wait_until(
+                lambda: not process.alive,
+                timeout=timeout,
+                what=f"{process.name} to reach {at} ({KILL_POINTS[at][1]})",
+            )
+        process.restarts += 1
+        process.start()
+
+    def _postgres_restart(self, seconds: float = 2.0) -> None:
+        try:
+            stop_postgres_immediately(self.postgres)
+            time.sleep(seconds)
+        finally:
+            self.postgres.start()
+
+    def _rabbitmq_restart(self, seconds: float = 0.0) -> None:
+        self.rabbitmq.flush_metadata()
+        try:
+            self.rabbitmq.kill()
+            time.sleep(seconds)
+        finally:
+            self.rabbitmq.start()
+
+    def _terminate_sessions(self, rounds: int = 3) -> None:
+        for _ in range(rounds):
+            terminate_backends(self.postgres, self.databases)
+            time.sleep(1.0)
+
+    def _memory_alarm(self, seconds: float = 5.0) -> None:
+        with memory_alarm(self.rabbitmq):
+            time.sleep(seconds)
+
+    def _blackhole(self, server: str = "rabbitmq", seconds: float = 10.0) -> None:
+        iptables, why_not = iptables_problem()
+        if iptables is None:
+            raise RuntimeError(f"no blackhole here: {why_not}")
+        port = {"rabbitmq": self.rabbitmq.port, "postgres": self.postgres.port}[server]
+        with blackhole(iptables, port):
+            time.sleep(seconds)
+
+    def _duplicate(
+        self, times: int = 2, last: int = 50, db_url: str | None = None, service: str | None = None
+    ) -> None:
+        """Publish the `last` messages a producer published again, `times` times each."""
+        producer = db_url or self._producer_url()
+        database = connect(producer)
+        try:
+            outbox = database.tables.outbox
+            with database.engine.connect() as conn:
+                rows = (
+                    conn.execute(
+                        select(outbox)
+                        .where(outbox.c.published_at.is_not(None))
+                        .order_by(outbox.c.id.desc())
+                        .limit(last)
+                    )
+                    .mappings()
+                    .all()
+                )
+        finally:
+            database.engine.dispose()
+        source = service or ""
+        wires = [to_wire(outgoing(row, source)) for row in reversed(rows)] * times
+        from ..brokers.rabbitmq import RabbitMQBroker
+
+        broker = RabbitMQBroker(self.mq_url)
+        publisher = broker.publisher()
+        try:
+            publisher.publish_batch(wires, window=100, timeout=10.0)
+        finally:
+            publisher.close()
+            broker.close()
+
+    def _producer_url(self) -> str:
+        relays = [r for r in self.roles if r.role == "relay"]
+        if not relays:
+            raise ValueError("duplicate needs db_url= of a producer, or a relay started by the kit")
+        return relays[0].db_url
+
+    def _clock_skew(
+        self,
+        produce: str,
+        seconds: float = -600.0,
+        count: int = 20,
+        service: str = "writer",
+        db_url: str | None = None,
+    ) -> None:
+        """Commit `count` transactions of `produce` (MODULE:ATTR, called as `Load` calls it) from
+        a process whose wall clock is off by `seconds` (libfaketime; its monotonic clock is
+        left alone), and record them in the history."""
+        faketime = shutil.which("faketime")
+        if faketime is None:
+            raise RuntimeError("clock-skew needs libfaketime: apt-get install faketime")
+        env = {
+            **os.environ,
+            "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+            DB_URL_ENV: db_url or self._producer_url(),
+            MQ_URL_ENV: self.mq_url,
+            "PYTHONPATH": os.pathsep.join(map(str, self.path)),
+        }
+        first = 10**9 + secrets.randbelow(10**6) * 1000  # keys no other load uses
+        script = "import sys\nfrom outbox_inbox.testing.faultkit import _skewed_writer\n"
+        result = subprocess.run(
+            [
+                faketime,
+                "-f",
+                f"{seconds:+.0f}s",
+                sys.executable,
+                "-c",
+                script + "_skewed_writer(*sys.argv[1:])",
+                service,
+                produce,
+                str(count),
+                str(first),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise AssertionError(f"the skewed writer failed: {result.stderr[-2000:]}")
+        for line in result.stdout.splitlines():
+            entry = json.loads(line)
+            self.history.record([_hashable(k) for k in entry["expects"]], entry["outcome"])
+
+    def close(self) -> None:
+        """Stop the loads and the role processes; drop the kit's databases and virtual host."""
+        for load in self._loads:
+            load.stop()
+        for role in self.roles:
+            role.stop()
+        for name in reversed(self.databases):
+            self.postgres.drop_database(name)
+        self.rabbitmq.delete_vhost(self.vhost)
+
+    def check(self) -> Verdict:
+        """Wait until nothing more comes (every committed effect found, or `recovery_limit`),
+        then check the history against the effects found."""
+        with contextlib.suppress(AssertionError):
+            wait_until(
+                lambda: self.history.expected(OK) <= set(self.found()),
+                timeout=self.recovery_limit,
+                what="every committed effect",
+            )
+        time.sleep(1.0)  # a second effect of anything would show by now
+        return check(self.history, self.found())
+
+
+def _hashable(value: Any) -> Hashable:
+    return tuple(_hashable(v) for v in value) if isinstance(value, list) else value
+
+
+def _skewed_writer(service_name: str, produce_spec: str, count: str, first: str) -> None:
+    """The clock-skew fault's process: `count` transactions of `produce`, one JSON line each."""
+    module_name, _, attribute = produce_spec.partition(":")
+    produce: Produce = getattr(importlib.import_module(module_name), attribute)
+    service = Service(service_name, db_url=os.environ[DB_URL_ENV], mq_url=os.environ[MQ_URL_ENV])
+    history = History()
+    Load(
+        service, produce, history, rate=50.0, abort_every=0, total=int(count), first=int(first)
+    ).run()
+    for outcome, expects in history.transactions():
+        print(json.dumps({"expects": list(expects), "outcome": outcome}))
+    service.close()
+
+
+FAULTS: dict[str, Callable[..., None]] = {
+    "kill": FaultKit._kill,
+    "postgres-restart": FaultKit._postgres_restart,
+    "rabbitmq-restart": FaultKit._rabbitmq_restart,
+    "terminate-sessions": FaultKit._terminate_sessions,
+    "memory-alarm": FaultKit._memory_alarm,
+    "blackhole": FaultKit._blackhole,
+    "duplicate": FaultKit._duplicate,
+    "clock-skew": FaultKit._clock_skew,
+}
+
+if importlib.util.find_spec("pytest") is not None:
+    import pytest
+
+    @pytest.fixture(scope="session")
+    def outbox_inbox_servers() -> Iterator[tuple[PostgresServer, RabbitMQServer]]:
+        """A private PostgreSQL and RabbitMQ on loopback for the session's fault kits, started
+        once and removed at its end. Override it in your conftest.py to bring your own (local
+        servers the kit may stop and kill: `PostgresServer`, `RabbitMQServer`)."""
+        with PostgresServer() as postgres, RabbitMQServer() as rabbitmq:
+            yield postgres, rabbitmq
+
+    @pytest.fixture
+    def outbox_inbox_fault_kit(
+        outbox_inbox_servers: tuple[PostgresServer, RabbitMQServer],
+        tmp_path: Path,
+        request: pytest.FixtureRequest,
+    ) -> Iterator[FaultKit]:
+        """A `FaultKit` on the session's servers; the test's directory and the rootdir are
+        importable by its role processes. Closed after the test (roles stopped, databases and
+        virtual host removed); a failed test's role logs stay in ``tmp_path``."""
+        path = [Path(request.node.path).parent, request.config.rootpath]
+        kit = FaultKit(*outbox_inbox_servers, tmp_path, path=path)
+        try:
+            yield kit
+        finally:
+            kit.close()
+
+
+if __name__ == "__main__":
+    main()

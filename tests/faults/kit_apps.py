@@ -1,0 +1,74 @@
+"""The services of test_fault_kit.py: a jobs service and its producers, correct and buggy.
+
+Importable by the kit's role processes (``--app kit_apps:correct``), which read the URLs from
+``OUTBOX_INBOX_DB_URL`` and ``OUTBOX_INBOX_MQ_URL``. Each ``job.run`` command's effect is one row
+of ``job_effects`` holding the job's number: written through the handler's session by the
+correct service, through a connection of its own (committed at once) by the buggy one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+
+from sqlalchemy import Connection, create_engine, text
+from sqlalchemy.orm import Session
+
+from outbox_inbox import Message, Service
+
+Produce = Callable[[Service, Session, int], list[int]]
+_INSERT = text("INSERT INTO job_effects (n) VALUES (:n)")
+
+
+def _jobs(outside: bool) -> Service:
+    service = Service(
+        "jobs", db_url=os.environ["OUTBOX_INBOX_DB_URL"], mq_url=os.environ["OUTBOX_INBOX_MQ_URL"]
+    )
+    own = create_engine(os.environ["OUTBOX_INBOX_DB_URL"]) if outside else None
+
+    @service.on_command("job.run")
+    def run(message: Message, session: Session) -> None:
+        if own is None:
+            session.execute(_INSERT, {"n": message.payload["n"]})
+        else:  # the bug: the effect commits whether or not the message is marked processed
+            with own.begin() as conn:
+                conn.execute(_INSERT, {"n": message.payload["n"]})
+
+    return service
+
+
+def correct() -> Service:
+    return _jobs(outside=False)
+
+
+def outside_the_session() -> Service:
+    return _jobs(outside=True)
+
+
+def prepare(db_url: str, mq_url: str) -> Service:
+    """Migrate the jobs database, create its effect table and declare its topology."""
+    service = Service("jobs", db_url=db_url, mq_url=mq_url)
+    service.migrate()
+    with service.engine.begin() as conn:
+        conn.execute(text("CREATE TABLE job_effects (id bigserial PRIMARY KEY, n bigint NOT NULL)"))
+    service.on_command("job.run")(lambda message, session: None)
+    service.declare_topology()
+    return service
+
+
+def produce(producer: Service, session: Session, n: int) -> list[int]:
+    producer.outbox.send(session, "jobs", "job.run", {"n": n})
+    return [n]
+
+
+def produce_outside(producer: Service, session: Session, n: int) -> list[int]:
+    """The bug: the outbox row is written in a transaction of its own, committed at once, so
+    it leaves even when the business transaction (`session`) rolls back."""
+    with producer.session() as own, own.begin():
+        producer.outbox.send(own, "jobs", "job.run", {"n": n})
+    return [n]
+
+
+def effects(conn: Connection) -> Iterator[int]:
+    for (n,) in conn.execute(text("SELECT n FROM job_effects")):
+        yield n

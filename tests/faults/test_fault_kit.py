@@ -1,0 +1,139 @@
+"""The fault kit users run on their own services: it passes a correct service and catches bugs.
+
+The kit's checker must go red on a real bug, not only stay green on the library's examples:
+
+* a handler that writes its effect outside the session it is given (its own connection,
+  committed at once) has that effect twice when the worker is killed after the handler ran and
+  before the mark committed: the checker reports it **duplicated**;
+* a producer that writes its outbox row outside the business transaction (committed on its own)
+  sends the messages of transactions that rolled back: their effects are **unexpected**.
+
+The same services written correctly pass under the same faults, and examples/billing's own
+fault test (examples/billing/test_faults.py, shown in docs/testing.md) runs as a user runs it:
+``python -m pytest test_faults.py`` in examples/billing, in a process of its own, on private
+servers the kit's plugin starts.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+
+from outbox_inbox import Service
+from outbox_inbox.database import connect
+from outbox_inbox.testing.faultkit import FaultKit
+from outbox_inbox.testing.servers import wait_until
+
+from . import kit_apps
+
+pytestmark = pytest.mark.faults
+
+ROOT = Path(__file__).resolve().parents[2]
+Faults = list[tuple[str, dict[str, Any]]]
+
+
+def _run(kit: FaultKit, *, app: str, producer: kit_apps.Produce, faults: Faults) -> None:
+    """The jobs service of kit_apps (`app`) fed by a producer under `faults`, in order."""
+    jobs_url, producer_url = kit.database("jobs"), kit.database("producer")
+    service = kit_apps.prepare(jobs_url, kit.mq_url)
+    producers = Service("producer", db_url=producer_url, mq_url=kit.mq_url)
+    producers.migrate()
+    kit.start("relay", service="producer", db_url=producer_url)
+    kit.start("receiver", app=app, db_url=jobs_url)
+    kit.start("worker", app=app, db_url=jobs_url)
+    kit.effects(jobs_url, kit_apps.effects)
+    try:
+        with kit.load(producers, producer, rate=40, abort_every=5) as load:
+            for name, options in faults:
+                kit.inject(name, **options)
+            wait_until(lambda: load.written >= 50, timeout=30, what="50 transactions")
+    finally:
+        producers.close()
+        service.close()
+
+
+def _duplicates_dropped(kit: FaultKit) -> int:
+    """Deliveries the jobs receiver dropped as copies of stored messages."""
+    jobs = connect(kit.postgres.url(kit.databases[0]))
+    try:
+        with jobs.engine.connect() as conn:
+            return int(
+                conn.scalar(select(func.coalesce(func.sum(jobs.tables.deliveries.c.duplicates), 0)))
+            )
+    finally:
+        jobs.engine.dispose()
+
+
+def test_a_correct_service_passes_the_kit(outbox_inbox_fault_kit: FaultKit) -> None:
+    kit = outbox_inbox_fault_kit
+    skewed = {"produce": "kit_apps:produce", "service": "producer", "count": 10}
+    faults: Faults = [
+        ("kill", {"role": "worker", "at": "worker.handled", "nth": 5}),
+        ("duplicate", {"times": 3, "last": 20}),
+        ("clock-skew", {**skewed, "seconds": -600}),
+        ("clock-skew", {**skewed, "seconds": 600}),
+    ]
+    _run(kit, app="kit_apps:correct", producer=kit_apps.produce, faults=faults)
+    verdict = kit.check()
+    print(verdict.report())
+    assert verdict.valid, verdict.report()
+    assert verdict.committed > 20 and verdict.transactions["failed"] > 0
+    assert all(f.recovered_s is not None for f in verdict.faults), verdict.report()
+    # The copies really reached the receiver, and the inbox dropped them.
+    assert _duplicates_dropped(kit) >= 3 * 20
+
+
+def test_a_handler_writing_its_effect_outside_the_session_is_caught_as_duplicated(
+    outbox_inbox_fault_kit: FaultKit,
+) -> None:
+    kit = outbox_inbox_fault_kit
+    kill: Faults = [("kill", {"role": "worker", "at": "worker.handled", "nth": 5})]
+    _run(kit, app="kit_apps:outside_the_session", producer=kit_apps.produce, faults=kill)
+    verdict = kit.check()
+    print(verdict.report())
+    assert not verdict.valid
+    assert verdict.duplicated, verdict.report()
+    assert not verdict.lost and not verdict.unexpected, verdict.report()
+
+
+def test_a_producer_writing_its_outbox_row_outside_the_transaction_is_caught_as_unexpected(
+    outbox_inbox_fault_kit: FaultKit,
+) -> None:
+    kit = outbox_inbox_fault_kit
+    _run(kit, app="kit_apps:correct", producer=kit_apps.produce_outside, faults=[])
+    verdict = kit.check()
+    print(verdict.report())
+    assert not verdict.valid
+    assert verdict.unexpected, verdict.report()
+    assert not verdict.lost and not verdict.duplicated, verdict.report()
+
+
+def test_the_billing_example_passes_its_own_fault_test_as_a_user_runs_it() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-s",
+            "-p",
+            "no:cacheprovider",
+            "test_faults.py",
+        ],
+        cwd=ROOT / "examples" / "billing",  # `python -m` makes app.py importable
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-5000:]
+    assert "1 passed" in output and "valid: transactions" in output, output[-3000:]
