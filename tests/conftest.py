@@ -76,7 +76,10 @@ def _unique_name() -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    soak = "soak" in (config.option.markexpr or "")
     for item in items:
+        if item.get_closest_marker("soak") and not soak:  # an hour: only when asked for
+            item.add_marker(pytest.mark.skip(reason="the soak runs with -m soak (an hour)"))
         try:
             parts = item.path.resolve().relative_to(_TESTS_DIR).parts
         except ValueError:
@@ -291,3 +294,12 @@ def mq_url(rabbitmq_server: RabbitMQHandle) -> Iterator[str]:
     finally:
         _ensure_running(rabbitmq_server)
         rabbitmq_server.delete_vhost(vhost)
+
+
+@pytest.fixture
+def outbox_inbox_servers(
+    local_postgres_server: PostgresServer, local_rabbitmq_server: RabbitMQServer
+) -> tuple[PostgresServer, RabbitMQServer]:
+    """The fault kit (`outbox_inbox.testing.faultkit`) on the session's servers, not a pair of
+    its own: the override its documentation describes."""
+    return local_postgres_server, local_rabbitmq_server

@@ -195,6 +195,11 @@ class RoleProcess:
     def alive(self) -> bool:
         return self._process is not None and self._process.alive
 
+    @property
+    def pid(self) -> int | None:
+        """The process id of the role's current process (None before `start`)."""
+        return None if self._process is None else self._process.pid
+
     def kill(self) -> None:
         """SIGKILL the process (and anything it started)."""
         if self._process is not None:

@@ -25,7 +25,7 @@ from psycopg import sql
 
 from outbox_inbox import Service
 from outbox_inbox.testing.injection import StreamingReplica, iptables_problem
-from servers import PostgresServer, RabbitMQServer
+from servers import PostgresServer
 
 from .flow import RECOVERY_BOUND, TwoServices
 
@@ -140,12 +140,3 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         " handled; during: messages committed during the fault; wfail: writer commits that"
         " failed; retry: outbox rows whose publish failed at least once"
     )
-
-
-@pytest.fixture
-def outbox_inbox_servers(
-    local_postgres_server: PostgresServer, local_rabbitmq_server: RabbitMQServer
-) -> tuple[PostgresServer, RabbitMQServer]:
-    """The fault kit (`outbox_inbox.testing.faultkit`) on the session's servers, not a pair of
-    its own: the override its documentation describes."""
-    return local_postgres_server, local_rabbitmq_server

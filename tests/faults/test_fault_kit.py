@@ -17,12 +17,14 @@ servers the kit's plugin starts.
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from docs.markdown_run import parse_blocks
 from sqlalchemy import func, select
 
 from outbox_inbox import Service
@@ -114,20 +116,25 @@ def test_a_producer_writing_its_outbox_row_outside_the_transaction_is_caught_as_
     assert not verdict.lost and not verdict.duplicated, verdict.report()
 
 
-def test_the_billing_example_passes_its_own_fault_test_as_a_user_runs_it() -> None:
+def test_the_billing_example_passes_its_own_fault_test_as_docs_testing_md_shows_it() -> None:
+    """docs/testing.md shows examples/billing/test_faults.py whole and the command that runs it:
+    the page's file is the example's, and its command passes, in a process of its own."""
+    page = ROOT / "docs" / "testing.md"
+    blocks = [
+        b
+        for b in parse_blocks(page.read_text())
+        if b.marker("run by") == "tests/faults/test_fault_kit.py"
+    ]
+    [code] = [b.text for b in blocks if b.lang == "python"]
+    [console] = [b.text for b in blocks if b.lang == "console"]
+    example = ROOT / "examples" / "billing" / "test_faults.py"
+    assert code == example.read_text()
+    command = console.splitlines()[0].removeprefix("$ ")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-s",
-            "-p",
-            "no:cacheprovider",
-            "test_faults.py",
-        ],
-        cwd=ROOT / "examples" / "billing",  # `python -m` makes app.py importable
+        shlex.split(command),
+        cwd=example.parent,
         env=env,
         capture_output=True,
         text=True,
