@@ -22,6 +22,9 @@ With pytest, the package registers these fixtures (entry point ``pytest11``; dis
 * ``outbox_inbox_db_url_factory`` — fresh database URLs: a SQLite file in ``tmp_path`` each.
   Override this fixture in your conftest.py to test on PostgreSQL;
 * ``outbox_inbox_broker`` — the test's `MemoryBroker`, closed after the test.
+* ``outbox_inbox_fault_kit`` — a `faultkit.FaultKit`: your service's roles as processes on
+  private servers (``outbox_inbox_servers``, started once per session), faults injected by
+  name, and the checker run on your own effect table (docs/testing.md).
 
 The switch to real servers: with ``OUTBOX_INBOX_HARNESS_DB_URL`` (a PostgreSQL URL whose user
 may create databases) and ``OUTBOX_INBOX_HARNESS_MQ_URL`` (RabbitMQ) set, the same tests run

@@ -6,10 +6,10 @@ PostgreSQL and a RabbitMQ it is given), commits business transactions of yours a
 fault everything committed by its end took effect, and checks the outcome against your own
 effect table with `outbox_inbox.testing.checker`:
 
-    kit.start("relay", app="orders_app:service")
-    kit.start("receiver", app="billing_app:from_env", db_url=billing_url)
-    kit.start("worker", app="billing_app:from_env", db_url=billing_url)
-    kit.effects(billing_url, read_effects)           # one item per effect row you wrote
+    kit.start("relay", service="orders", db_url=orders_url)
+    kit.start("receiver", app="app:from_env", db_url=billing_url)
+    kit.start("worker", app="app:from_env", db_url=billing_url)
+    kit.effects(billing_url, read_effects)  # one item per effect row you wrote
     with kit.load(orders, produce):         # produce(orders, session, n) -> expected effects
         kit.inject("kill", role="worker", at="worker.handled")
         kit.inject("postgres-restart")
