@@ -22,6 +22,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import SQLAlchemyError
@@ -85,6 +86,8 @@ class AsyncWorker:
     def __init__(self, worker: Worker, engine: AsyncEngine) -> None:
         self.worker = worker
         self._engine = engine
+        #: The driver's connection under each `connect()`'s, closed by `close` (see `_discard`).
+        self._sessions: list[Any] = []
 
     @property
     def processed(self) -> int:
@@ -97,9 +100,14 @@ class AsyncWorker:
         conn = await self._engine.connect()
         try:
             await conn.run_sync(self.worker.connect)
+            # (A detached connection has no `driver_connection`: ask the dialect.)
+            adapted = (await conn.get_raw_connection()).dbapi_connection
+            assert adapted is not None  # a connection just opened and not closed
+            raw = self._engine.dialect.get_driver_connection(adapted)
         except BaseException:
             await conn.close()
             raise
+        self._sessions = [s for s in self._sessions if not s.closed] + [raw]
         return conn
 
     async def work_once(self, conn: AsyncConnection) -> int:
@@ -136,6 +144,7 @@ class AsyncWorker:
             nonlocal conn
             if conn is not None:
                 await _discard(conn)
+                await self._close_sessions()
                 conn = None
 
         if on_started:
@@ -148,13 +157,28 @@ class AsyncWorker:
                     await conn.run_sync(self.worker.give_back)  # the next batch, uncounted
                     await conn.run_sync(self.worker.retire)  # out of the instances table
                 await _discard(conn)
+            await self._close_sessions()
             self.worker.close_liveness()
 
     async def close(self) -> None:
-        """Release the worker's engine and its liveness session (after `run` returned, or
-        after `connect` and `work_once` used without `run`): its claims are free at once."""
+        """Release the worker's engine, its liveness session and every connection `connect`
+        gave (after `run` returned, or after `connect` and `work_once` used without `run`,
+        whether or not the caller closed them): its claims are free at once."""
         self.worker.close_liveness()
+        await self._close_sessions()
         await self._engine.dispose()
+
+    async def _close_sessions(self) -> None:
+        """Close the driver's connections of `connect`. The connection holding the liveness
+        lock is detached from its pool, and SQLAlchemy closes a detached connection of an
+        asyncio driver without ``terminate`` (psycopg's) only when it is garbage-collected:
+        until then its session, the lock and the claims under it would live on."""
+        sessions, self._sessions = self._sessions, []
+        for raw in sessions:
+            try:
+                await raw.close()
+            except Exception as exc:  # the driver's error: the session is gone either way
+                log.debug("closing a worker session: %s", exc)
 
     def run_in_thread(
         self, stop: threading.Event, *, on_started: Callable[[], None] | None = None

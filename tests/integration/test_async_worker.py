@@ -42,6 +42,13 @@ BEGIN
     RETURN NEW;
 END $$
 """
+#: Advisory locks held by other sessions of this database (a worker's liveness lock).
+HELD_LOCKS = (
+    "SELECT a.pid, a.state, a.query, a.backend_start FROM pg_locks l"
+    " JOIN pg_stat_activity a USING (pid)"
+    " WHERE l.locktype = 'advisory' AND a.datname = current_database()"
+    " AND a.pid <> pg_backend_pid()"
+)
 AT_COMMIT = (
     f"CREATE CONSTRAINT TRIGGER refuse_processed AFTER UPDATE ON {INBOX}"
     " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse_processed()"
@@ -171,6 +178,9 @@ def test_a_refused_mark_after_an_async_handler_ran_rolls_back_its_effect(
     assert sorted(set(calls)) == [0, 1, 2]  # every handler ran ...
     assert _effects(db_url) == []  # ... and its effect went with the refused mark
     assert rows(db_url, f"SELECT DISTINCT status FROM {INBOX}") == [("pending",)]
+    # The closed worker's session is gone at once, and its liveness lock with it: its claims
+    # are free now, not when the garbage collector closes the connection.
+    assert rows(db_url, HELD_LOCKS) == []
 
     with billing.engine.begin() as conn:
         conn.execute(text(f"DROP TRIGGER refuse_processed ON {INBOX}"))
