@@ -158,8 +158,12 @@ def missing_partition(exc: BaseException) -> bool:
 
 
 #: SQLSTATEs of a server that is going away or not ready: 57P01 admin_shutdown, 57P02
-#: crash_shutdown, 57P03 cannot_connect_now (starting up), 53300 too_many_connections.
-_TRANSIENT_STATES = {"57P01", "57P02", "57P03", "53300"}
+#: crash_shutdown, 57P03 cannot_connect_now (starting up), 53300 too_many_connections; and of
+#: one short of a resource that comes back without anyone changing the statement: 53100
+#: disk_full ("could not extend file": the space is freed or added) and 53200 out_of_memory
+#: (the server's memory, taken by its other sessions). Not 53400
+#: configuration_limit_exceeded: a setting, which waiting does not change.
+_TRANSIENT_STATES = {"57P01", "57P02", "57P03", "53100", "53200", "53300"}
 #: What PostgreSQL says when the connection settings themselves are wrong.
 _REFUSALS = ("password authentication failed", "does not exist", "no pg_hba.conf entry")
 
@@ -175,11 +179,13 @@ def read_only_session(exc: BaseException) -> bool:
 
 
 def database_unreachable(exc: BaseException) -> bool:
-    """True when `exc` (a SQLAlchemy or psycopg error) means the database cannot be reached now.
+    """True when `exc` (a SQLAlchemy or psycopg error) means the database cannot be reached now,
+    or cannot work now.
 
-    A refused, reset or timed-out connection, a server shutting down or starting up, or a
-    session on a standby (`read_only_session`): worth waiting for. Wrong credentials, a missing
-    database or role, and every other SQL error are not.
+    A refused, reset or timed-out connection, a server shutting down or starting up, a server
+    out of disk space or memory, or a session on a standby (`read_only_session`): worth
+    waiting for. Wrong credentials, a missing database or role, and every other SQL error are
+    not.
     """
     if getattr(exc, "connection_invalidated", False) or read_only_session(exc):
         return True

@@ -97,6 +97,7 @@ class Receiver:
         self.duplicates = 0  # deliveries dropped as already stored
         self.delayed = 0  # deliveries sent to a delay tier
         self.dead = 0  # deliveries sent to the dead letters
+        self._unavailable_since: float | None = None  # when storing began to fail, if it does
 
     def run(self, stop: threading.Event, *, on_started: Callable[[], None] | None = None) -> None:
         """Receive until `stop` is set; the batch in hand is stored and acked first.
@@ -170,6 +171,7 @@ class Receiver:
                 stored = count > limit and self._is_stored(counted)
             except SQLAlchemyError as exc:
                 # Not counted, not stored: the database cannot be used now.
+                self._unavailable(exc, 1)
                 if self._decode(consumer, delivery) is not None:
                     self._delay(consumer, delivery, first_line(exc))
                 return []
@@ -212,16 +214,25 @@ class Receiver:
         if not items:
             return []
         try:
-            return self._insert(items, repeats)
+            inserted = self._insert(items, repeats)
         except Exception as exc:
             if isinstance(exc, SQLAlchemyError) and _database_unavailable(exc):
-                log.warning("receiver: database unavailable, delaying %d messages", len(items))
+                self._unavailable(exc, len(items))
                 for delivery, _ in items:
                     self._delay(consumer, delivery, first_line(exc))
                 return []
             if len(items) == 1:
                 self._set_aside(consumer, items[0][0], exc)
                 return []
+        else:
+            if self._unavailable_since is not None:
+                log.info(
+                    "receiver of %s: storing again after %.1f s",
+                    self._service,
+                    time.monotonic() - self._unavailable_since,
+                )
+                self._unavailable_since = None
+            return inserted
         stored: list[Delivery] = []
         for item in items:  # some row was refused: find it, store the others
             try:
@@ -229,6 +240,21 @@ class Receiver:
             except Exception as exc:
                 self._set_aside(consumer, item[0], exc)
         return stored
+
+    def _unavailable(self, exc: Exception, count: int) -> None:
+        """Log that the database cannot store `count` deliveries, which go to the delay tiers:
+        one warning when an outage begins (the receiver goes on taking deliveries, many batches
+        a second), debug lines after it, and one info line once a batch is stored again."""
+        if self._unavailable_since is None:
+            self._unavailable_since = time.monotonic()
+            log.warning(
+                "receiver of %s: database unavailable: %s; delaying what it receives to the "
+                "retry tiers until it answers",
+                self._service,
+                first_line(exc),
+            )
+        else:
+            log.debug("receiver: database still unavailable, delaying %d messages", count)
 
     def _decode(self, consumer: Consumer, delivery: Delivery) -> dict[str, Any] | None:
         """The inbox row of `delivery`; None when it breaks a rule (then it is dead-lettered)."""

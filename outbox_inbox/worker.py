@@ -26,7 +26,7 @@ from sqlalchemy.pool import NullPool
 
 from .config import Settings
 from .context import handling
-from .errors import Reject, Retry, first_line
+from .errors import Reject, Retry, database_unreachable, first_line
 from .faults import send_fault
 from .fingerprint import fingerprint
 from .handlers import Handlers, Subscription, handled_by, run_writes
@@ -60,10 +60,14 @@ def worker_name() -> str:
 
 
 class ConnectionLost(SQLAlchemyError):
-    """The worker's database connection broke while it was handling a batch.
+    """The worker's database connection broke, or the database could not do the work for a
+    reason of its own (`errors.database_unreachable`: a full disk, a server shutting down),
+    while the worker was handling a batch.
 
     Not a handler failure: nothing is counted against the messages and no listener hook runs;
-    the worker reconnects, and the claims of its old connection are free at once.
+    the worker reconnects, and the claims of its old connection are free at once (given back
+    uncounted first when the connection still works, as when the disk is full: the next
+    claim would otherwise count each message once more, towards ``abandoned``).
     """
 
 
@@ -349,13 +353,18 @@ class Worker:
         they do not count as attempts. A database error is only logged: the claims are then
         free once this connection's liveness lock is gone."""
         rows, self._next = self._next, []
-        if not rows or conn.invalidated or conn.closed:
+        self._release(conn, [r["id"] for r in rows])
+
+    def _release(self, conn: Connection, ids: list[int]) -> None:
+        """`roles.release_claims` of `ids` in a transaction of its own, if `conn` still works;
+        a database error is only logged (the claims are then free with the liveness lock)."""
+        if not ids or conn.invalidated or conn.closed:
             return
         try:
             with conn.begin():
-                roles.release_claims(conn, self._tables, [r["id"] for r in rows], self.claimant)
+                roles.release_claims(conn, self._tables, ids, self.claimant)
         except SQLAlchemyError as exc:
-            log.debug("worker %s: giving back %d claims failed: %s", self.name, len(rows), exc)
+            log.debug("worker %s: giving back %d claims failed: %s", self.name, len(ids), exc)
 
     def _advertise(self, conn: Connection) -> None:
         """Refresh this worker's row of the instances table (its handlers, seen now) when a
@@ -397,21 +406,23 @@ class Worker:
         """
         batch = self._plan(rows)
         try:
-            handled = self._run_batch(conn, batch, claim_next=claim_next)
+            try:
+                handled = self._run_batch(conn, batch, claim_next=claim_next)
+            except ConnectionLost:
+                raise
+            except Exception as exc:
+                cause = exc.error if isinstance(exc, _HandlerFailed) else exc
+                _raise_if_outage(conn, cause)
+                # A handler failed, or the batch's flush or commit did: redo the batch message
+                # by message. The failing handler is not run again for this attempt: its error
+                # is recorded as it was raised.
+                log.debug("worker %s: batch failed (%r), one by one", self.name, cause)
+                handled = self._run_one_by_one(
+                    conn, batch, exc if isinstance(exc, _HandlerFailed) else None
+                )
         except ConnectionLost:
+            self._release(conn, batch.ids)  # the database is there but cannot work: uncounted
             raise
-        except Exception as exc:
-            cause = exc.error if isinstance(exc, _HandlerFailed) else exc
-            if _connection_broken(conn, cause):
-                lost = f"connection lost while handling: {first_line(cause)}"
-                raise ConnectionLost(lost) from cause
-            # A handler failed, or the batch's flush or commit did: redo the batch message by
-            # message. The failing handler is not run again for this attempt: its error is
-            # recorded as it was raised.
-            log.debug("worker %s: batch failed (%r), one savepoint per message", self.name, cause)
-            handled = self._run_one_by_one(
-                conn, batch, exc if isinstance(exc, _HandlerFailed) else None
-            )
         self.processed += len(handled)
         if self._listener is not None:
             for message in handled:
@@ -684,8 +695,7 @@ class Worker:
             session.commit()  # releases the savepoint; the outer transaction commits later
             return message
         except Exception as exc:
-            if _connection_broken(conn, exc):
-                raise ConnectionLost(f"connection lost while handling: {first_line(exc)}") from exc
+            _raise_if_outage(conn, exc)
             session.rollback()
             self._record_failure(conn, row, exc)
             return None
@@ -775,6 +785,18 @@ def _discard(conn: Connection) -> None:
             raw.close()
         except Exception as exc:  # the driver's error, whichever database it is
             log.debug("closing a broken worker connection: %s", exc)
+
+
+def _raise_if_outage(conn: Connection, exc: BaseException) -> None:
+    """Raise `ConnectionLost` when `exc`, raised while handling, is the database's and not a
+    handler's: the connection is gone, or a statement failed because the database cannot work
+    now (a full disk, a server shutting down: `errors.database_unreachable`). A SQLAlchemy
+    error is taken for one of the session the handlers were given, on the worker's database;
+    a driver error a handler raised itself from a connection of its own is the handler's."""
+    if _connection_broken(conn, exc):
+        raise ConnectionLost(f"connection lost while handling: {first_line(exc)}") from exc
+    if isinstance(exc, DBAPIError) and database_unreachable(exc):
+        raise ConnectionLost(f"handling a batch: {first_line(exc)}") from exc
 
 
 def _connection_broken(conn: Connection, exc: BaseException) -> bool:

@@ -54,12 +54,24 @@ class _ConnectFailuresAtDebug(logging.Filter):
         return True
 
 
+class _FlowControlFramesAtDebug(_ConnectFailuresAtDebug):
+    """Log pika's own line on a ``connection.blocked`` (a WARNING) or ``connection.unblocked``
+    frame at DEBUG: `FlowControl` logs each blocking once, with the broker's reason, and its
+    end with how long it lasted. pika's other lines of that logger are left as they are."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == "Received %s from broker":  # pika.connection, for these two frames
+            return super().filter(record)
+        return True
+
+
 for _name in (
     "pika.adapters.utils.connection_workflow",
     "pika.adapters.utils.io_services_utils",
     "pika.adapters.blocking_connection",
 ):
     logging.getLogger(_name).addFilter(_ConnectFailuresAtDebug())
+logging.getLogger("pika.connection").addFilter(_FlowControlFramesAtDebug())
 
 #: Errors that mean the connection or channel is gone.
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (pika.exceptions.AMQPError, OSError)

@@ -24,11 +24,13 @@ measured: `Fault.recovered_s`.
 
 The faults (`FAULTS`): ``kill`` (a role, now or at a point), ``postgres-restart`` (immediate
 stop: crash recovery at the start), ``rabbitmq-restart`` (SIGKILL), ``terminate-sessions``
-(``pg_terminate_backend`` of every session of the kit's databases), ``memory-alarm`` (publishers
-blocked), ``blackhole`` (iptables: the broker's or the database's port drops every packet, where
-iptables works), ``duplicate`` (messages already published sent again, ``times`` times each, as
-a broker redelivers or a peer resends) and ``clock-skew`` (transactions committed by a process
-whose clock is off by ``seconds``, under libfaketime).
+(``pg_terminate_backend`` of every session of the kit's databases), ``memory-alarm`` and
+``disk-alarm`` (RabbitMQ's alarms: publishers blocked), ``disk-full`` (a table of yours on a
+full disk: PostgreSQL's ``could not extend file``), ``blackhole`` (iptables: the broker's or
+the database's port drops every packet, where iptables works), ``duplicate`` (messages already
+published sent again, ``times`` times each, as a broker redelivers or a peer resends) and
+``clock-skew`` (transactions committed by a process whose clock is off by ``seconds``, under
+libfaketime).
 
 The roles run your module as ``outbox-inbox run`` would (``--app MODULE:ATTR``: a `Service`, or
 a function returning one with no arguments), with ``OUTBOX_INBOX_DB_URL`` and
@@ -73,10 +75,14 @@ from ..relay import outgoing
 from ..service import Service
 from .checker import FAILED, OK, UNKNOWN, Fault, History, Verdict, check
 from .injection import (
+    SmallDisk,
     blackhole,
+    disk_alarm,
+    disk_full,
     iptables_problem,
     memory_alarm,
     stop_postgres_immediately,
+    tablespace_on_tmpfs,
     terminate_backends,
 )
 from .servers import PostgresServer, RabbitMQServer, _Process, wait_until
@@ -326,6 +332,8 @@ class FaultKit:
         self.databases: list[str] = []
         self._effects: tuple[str, ReadEffects] | None = None
         self._loads: list[Load] = []
+        self._small_disk: SmallDisk | None = None
+        self._resources = contextlib.ExitStack()
         self._suffix = secrets.token_hex(4)
         self.vhost = f"kit_{self._suffix}"
         rabbitmq.add_vhost(self.vhost)
@@ -455,6 +463,25 @@ class FaultKit:
         with memory_alarm(self.rabbitmq):
             time.sleep(seconds)
 
+    def _disk_alarm(self, seconds: float = 5.0) -> None:
+        with disk_alarm(self.rabbitmq):
+            time.sleep(seconds)
+
+    def _disk_full(self, database: str, table: str, seconds: float = 5.0) -> None:
+        """Fill the disk under `table` of the kit's `database` (a name `database()` was given)
+        for `seconds`: the table is moved, at its first such fault, to a tablespace on a small
+        tmpfs of the kit's own (root only), which is then filled to the last page."""
+        if self._small_disk is None:
+            self._small_disk = self._resources.enter_context(
+                tablespace_on_tmpfs(self.postgres, size_mb=64)
+            )
+        disk = self._small_disk
+        name = f"{database}_{self._suffix}"
+        if name not in disk.databases:
+            disk.take_table(name, table)
+        with disk_full(disk.path):
+            time.sleep(seconds)
+
     def _blackhole(self, server: str = "rabbitmq", seconds: float = 10.0) -> None:
         iptables, why_not = iptables_problem()
         if iptables is None:
@@ -558,6 +585,7 @@ class FaultKit:
             role.stop()
         for name in reversed(self.databases):
             self.postgres.drop_database(name)
+        self._resources.close()  # the small disk's tablespace and tmpfs
         self.rabbitmq.delete_vhost(self.vhost)
 
     def check(self) -> Verdict:
@@ -597,6 +625,8 @@ FAULTS: dict[str, Callable[..., None]] = {
     "rabbitmq-restart": FaultKit._rabbitmq_restart,
     "terminate-sessions": FaultKit._terminate_sessions,
     "memory-alarm": FaultKit._memory_alarm,
+    "disk-alarm": FaultKit._disk_alarm,
+    "disk-full": FaultKit._disk_full,
     "blackhole": FaultKit._blackhole,
     "duplicate": FaultKit._duplicate,
     "clock-skew": FaultKit._clock_skew,

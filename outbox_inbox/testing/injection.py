@@ -8,8 +8,13 @@ tests call them directly.
 * :class:`StreamingReplica`: a hot standby of a local server, which ``promote()`` makes the
   primary (a failover);
 * :func:`terminate_backends`: ``pg_terminate_backend`` on every other session of some databases;
+* :func:`tablespace_on_tmpfs` and :func:`disk_full`: databases, or a table, on a small tmpfs of
+  their own (the WAL stays in the server's data directory), and that tmpfs filled to the last
+  page;
 * :func:`memory_alarm`: RabbitMQ's memory high watermark set near zero, so the node raises its
   memory alarm and blocks every publishing connection, then set back to 0.4;
+* :func:`disk_alarm`: RabbitMQ's disk free limit set far above the free space, so the node
+  raises its disk alarm (publishers blocked the same way), then set back to what it was;
 * :func:`blackhole`: iptables rules dropping every packet to and from a port on loopback, so
   established connections hang without being closed and new ones get no answer.
 """
@@ -17,12 +22,20 @@ tests call them directly.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import pwd
 import shutil
+import signal
 import subprocess
 import time
+import uuid
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from psycopg import sql
 
 from .servers import PostgresHandle, PostgresServer, RabbitMQServer, wait_until
 
@@ -30,6 +43,8 @@ from .servers import PostgresHandle, PostgresServer, RabbitMQServer, wait_until
 DEFAULT_WATERMARK = "0.4"
 #: A watermark far below what any node uses: the memory alarm goes off at once.
 ALARM_WATERMARK = "0.0000001"
+#: A disk free limit far above the free space of any disk (1 PB): the disk alarm goes off.
+ALARM_DISK_LIMIT = str(10**15)
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,30 +148,177 @@ def terminate_backends(server: PostgresHandle, databases: Sequence[str]) -> list
         )
 
 
+class MountRefused(Exception):
+    """A tmpfs cannot be mounted here (not root, or no right to mount in this container)."""
+
+
+@dataclass
+class SmallDisk:
+    """A tmpfs of a few MB made a tablespace of a local server (`tablespace_on_tmpfs`)."""
+
+    server: PostgresServer
+    path: Path
+    tablespace: str
+    #: The databases that hold something there: dropped with the tablespace.
+    databases: list[str]
+
+    def take_databases(self, names: Sequence[str]) -> None:
+        """Move databases, new and unused (``ALTER DATABASE ... SET TABLESPACE`` wants no
+        session on them), here: everything they hold, but the WAL, which stays in the
+        server's data directory (so a full tmpfs fails statements, never the server)."""
+        with self.server.connect() as conn:
+            for name in names:
+                self.databases.append(name)
+                move = sql.SQL("ALTER DATABASE {} SET TABLESPACE {}")
+                conn.execute(move.format(sql.Identifier(name), sql.Identifier(self.tablespace)))
+
+    def take_table(self, database: str, table: str) -> None:
+        """Move one table of `database` here (``ALTER TABLE ... SET TABLESPACE``)."""
+        self.databases.append(database)
+        with self.server.connect(database) as conn:
+            move = sql.SQL("ALTER TABLE {} SET TABLESPACE {}")
+            conn.execute(move.format(sql.Identifier(table), sql.Identifier(self.tablespace)))
+
+
+@contextlib.contextmanager
+def tablespace_on_tmpfs(server: PostgresServer, size_mb: int) -> Iterator[SmallDisk]:
+    """A tablespace on a tmpfs of `size_mb` MB of its own, in the server's temp directory and
+    owned by its OS user, for the duration of the block.
+
+    Raises `MountRefused` before anything is changed when the tmpfs cannot be mounted. At the
+    end the databases that hold something there are dropped (``WITH (FORCE)``: they cannot
+    outlive their disk), then the tablespace, and the tmpfs is unmounted."""
+    if os.geteuid() != 0:
+        raise MountRefused("mounting a tmpfs needs root")
+    assert server.temp_dir is not None
+    path = server.temp_dir / f"small_disk_{uuid.uuid4().hex[:8]}"
+    path.mkdir()
+    user = pwd.getpwnam(server.user)
+    options = f"size={size_mb}m,mode=0700,uid={user.pw_uid},gid={user.pw_gid}"
+    mounted = _run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)])
+    if mounted.returncode != 0:
+        path.rmdir()
+        raise MountRefused(f"mount -t tmpfs failed: {mounted.stderr.strip()}")
+    disk = SmallDisk(server, path, path.name, [])
+    name = sql.Identifier(disk.tablespace)
+    try:
+        with server.connect() as conn:
+            conn.execute(sql.SQL("CREATE TABLESPACE {} LOCATION {}").format(name, str(path)))
+        yield disk
+    finally:
+        try:
+            if server.running:
+                for database in dict.fromkeys(disk.databases):
+                    server.drop_database(database)
+                with server.connect() as conn:
+                    conn.execute(sql.SQL("DROP TABLESPACE IF EXISTS {}").format(name))
+        finally:
+            unmounted = _run(["umount", str(path)])
+            if unmounted.returncode != 0:
+                raise AssertionError(f"umount {path} failed: {unmounted.stderr.strip()}")
+            path.rmdir()
+
+
+@contextlib.contextmanager
+def disk_full(path: Path) -> Iterator[int]:
+    """Fill the file system of directory `path` to the last page with a ballast file (written
+    until the kernel answers ENOSPC) for the duration of the block; yield its size in bytes.
+    The ballast is deleted at the end, and the space is free again at once."""
+    ballast = path / "ballast"
+    fd = os.open(ballast, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        written = 0
+        for block in (bytes(1 << 20), bytes(4096)):  # the last pages one by one
+            while True:
+                try:
+                    written += os.write(fd, block)
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
+                    break
+        yield written
+    finally:
+        os.close(fd)
+        ballast.unlink()
+
+
+@contextlib.contextmanager
+def paused(pids: Sequence[int]) -> Iterator[None]:
+    """SIGSTOP the process groups of `pids` (role processes, each leading its own group, with
+    the worker processes a supervisor forks) for the duration of the block; SIGCONT after."""
+    try:
+        for pid in pids:
+            os.killpg(pid, signal.SIGSTOP)
+        yield
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGCONT)
+
+
+def _run(command: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        command, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # RabbitMQ
 # --------------------------------------------------------------------------------------------
 
 
-def _memory_alarm_on(server: RabbitMQServer) -> bool:
-    return "memory" in server.eval("rabbit_alarm:get_alarms().")
+@dataclass
+class Alarm:
+    """How long a resource alarm took to go off after it was asked for, and to clear after
+    the limit was set back (None until it has)."""
+
+    raised_s: float = 0.0
+    cleared_s: float | None = None
+
+
+def memory_alarm(server: RabbitMQServer) -> contextlib.AbstractContextManager[Alarm]:
+    """Hold the node's memory alarm for the duration of the block (see `_alarm`):
+    ``rabbitmqctl set_vm_memory_high_watermark 0.0000001``, then 0.4 again."""
+    watermark = "set_vm_memory_high_watermark"
+    return _alarm(server, "memory", (watermark, ALARM_WATERMARK), (watermark, DEFAULT_WATERMARK))
+
+
+def disk_alarm(server: RabbitMQServer) -> contextlib.AbstractContextManager[Alarm]:
+    """Hold the node's disk alarm for the duration of the block (see `_alarm`):
+    ``rabbitmqctl set_disk_free_limit 1000000000000000`` (1 PB), then the node's limit again
+    (RabbitMQ's default is 50MB; the test servers set 10MB). The command checks the disk at
+    once: the alarm is on, and off, by the time it returns, not at the monitor's next check
+    (every 0.1 to 10 s, sooner the closer the free space is to the limit)."""
+    before = server.eval("rabbit_disk_monitor:get_disk_free_limit().")
+    limit = "set_disk_free_limit"
+    return _alarm(server, "disk", (limit, ALARM_DISK_LIMIT), (limit, before))
 
 
 @contextlib.contextmanager
-def memory_alarm(server: RabbitMQServer) -> Iterator[None]:
-    """Hold the node's memory alarm for the duration of the block.
+def _alarm(
+    server: RabbitMQServer, resource: str, raise_it: tuple[str, str], clear_it: tuple[str, str]
+) -> Iterator[Alarm]:
+    """Run ``rabbitmqctl RAISE_IT`` (through the node's own environment: ``RABBITMQ_NODENAME``,
+    its cookie and epmd port; see ``RabbitMQServer.rabbitmqctl``); the block starts once the
+    node's `resource` alarm is in force, and ends once ``rabbitmqctl CLEAR_IT`` has cleared it
+    again. Yields how long each took."""
 
-    ``rabbitmqctl set_vm_memory_high_watermark 0.0000001`` (through the node's own environment:
-    ``RABBITMQ_NODENAME``, its cookie and epmd port; see ``RabbitMQServer.rabbitmqctl``); the
-    block starts once the alarm is in force, and ends once it is cleared again."""
+    def on() -> bool:
+        return resource in server.eval("rabbit_alarm:get_alarms().")
+
+    alarm = Alarm()
     try:
-        server.rabbitmqctl("set_vm_memory_high_watermark", ALARM_WATERMARK)
-        wait_until(lambda: _memory_alarm_on(server), timeout=10, what="the memory alarm")
-        yield
+        started = time.monotonic()
+        server.rabbitmqctl(*raise_it)
+        wait_until(on, timeout=30, interval=0.05, what=f"the {resource} alarm")
+        alarm.raised_s = time.monotonic() - started
+        yield alarm
     finally:
         if server.running:
-            server.rabbitmqctl("set_vm_memory_high_watermark", DEFAULT_WATERMARK)
-            wait_until(lambda: not _memory_alarm_on(server), timeout=10, what="the alarm to clear")
+            started = time.monotonic()
+            server.rabbitmqctl(*clear_it)
+            wait_until(lambda: not on(), timeout=30, interval=0.05, what="the alarm to clear")
+            alarm.cleared_s = time.monotonic() - started
 
 
 # --------------------------------------------------------------------------------------------

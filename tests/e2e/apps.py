@@ -315,7 +315,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _die_with_parent()
     logging.basicConfig(
         level=logging.INFO,
-        format=f"%(asctime)s {args.role}[%(process)d] %(threadName)s %(name)s: %(message)s",
+        format=f"%(asctime)s {args.role}[%(process)d] %(threadName)s %(levelname)s %(name)s:"
+        " %(message)s",
     )
     listener: Listener | None = None
     if args.pause_after_confirm:

@@ -80,6 +80,8 @@ def test_a_correct_service_passes_the_kit(outbox_inbox_fault_kit: FaultKit) -> N
         ("duplicate", {"times": 3, "last": 20}),
         ("clock-skew", {**skewed, "seconds": -600}),
         ("clock-skew", {**skewed, "seconds": 600}),
+        ("disk-full", {"database": "jobs", "table": "job_effects", "seconds": 3}),
+        ("disk-alarm", {"seconds": 3}),
     ]
     _run(kit, app="kit_apps:correct", producer=kit_apps.produce, faults=faults)
     verdict = kit.check()

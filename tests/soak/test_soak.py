@@ -56,6 +56,8 @@ FAULTS: list[tuple[str, dict[str, Any]]] = [
     ("rabbitmq-restart", {}),
     ("terminate-sessions", {"rounds": 3}),
     ("memory-alarm", {"seconds": 5}),
+    ("disk-alarm", {"seconds": 5}),
+    ("disk-full", {"database": "jobs", "table": "job_effects", "seconds": 5}),
     ("duplicate", {"times": 3, "last": 100}),
     ("clock-skew", {"produce": "kit_apps:produce", "service": "producer", "seconds": -600}),
     ("blackhole", {"server": "rabbitmq", "seconds": 10}),
@@ -91,6 +93,7 @@ def _rss(pid: int | None) -> int:
     return int(line.split()[1]) * 1024
 
 
+@pytest.mark.timeout(DURATION + 900)
 def test_an_hour_of_random_faults_loses_nothing_doubles_nothing_and_drifts_nowhere(
     outbox_inbox_fault_kit: FaultKit,
 ) -> None:
