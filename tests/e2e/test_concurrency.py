@@ -18,7 +18,10 @@ def test_two_relays_two_workers_5000_messages_exactly_once_in_key_order(
     prepare_db: Callable[[str, str], Database],
     processes: Processes,
 ) -> None:
-    keys, per_key, per_transaction, writer_count = 50, 100, 2, 5
+    # More keys than two batches hold: a worker claims its next batch in the transaction that
+    # marks the current one, and takes only keys nobody holds, so with no more keys than a
+    # batch one worker can keep every key in hand from batch to batch and the other none.
+    keys, per_key, per_transaction, writer_count = 125, 40, 2, 5
     total = keys * per_key
     db = prepare_db("billing", db_url)
     billing = make_service("billing", db_url)
@@ -36,7 +39,7 @@ def test_two_relays_two_workers_5000_messages_exactly_once_in_key_order(
     # Written while the roles run, by concurrent writers that each own some keys (a key's
     # order is its one writer's commit order). Each transaction takes the next seqs of its
     # writer's keys in a new random order, so the ids of the keys interleave.
-    key_names = [f"account-{k:02d}" for k in range(keys)]
+    key_names = [f"account-{k:03d}" for k in range(keys)]
     errors: list[BaseException] = []
 
     def write(own: list[str], seed: int) -> None:

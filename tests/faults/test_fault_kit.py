@@ -30,6 +30,7 @@ from sqlalchemy import func, select
 from outbox_inbox import Service
 from outbox_inbox.database import connect
 from outbox_inbox.testing.faultkit import FaultKit
+from outbox_inbox.testing.injection import iptables_problem
 from outbox_inbox.testing.servers import wait_until
 
 from . import kit_apps
@@ -82,6 +83,9 @@ def test_a_correct_service_passes_the_kit(outbox_inbox_fault_kit: FaultKit) -> N
         ("clock-skew", {**skewed, "seconds": 600}),
         ("disk-full", {"database": "jobs", "table": "job_effects", "seconds": 3}),
         ("disk-alarm", {"seconds": 3}),
+        ("terminate-sessions", {"rounds": 2}),
+        ("memory-alarm", {"seconds": 2}),
+        *([("blackhole", {"server": "rabbitmq", "seconds": 5})] if iptables_problem()[0] else []),
     ]
     _run(kit, app="kit_apps:correct", producer=kit_apps.produce, faults=faults)
     verdict = kit.check()
