@@ -63,8 +63,14 @@ class Receiver:
     * a row the database refuses for its values (SQLSTATE classes 22 and 23: what decoding
       does not foresee, such as a trigger's check) is dead-lettered too, and the rest of its
       batch is stored row by row;
-    * when storing fails otherwise (the database is down) the message goes to the delay tier
-      the `receive_retry` backoff chooses and comes back through the ``retry`` exchange; after
+    * when the database cannot be reached (`_database_unavailable`), the receiver stops
+      consuming: it closes its consumer, so that what it holds (at most `prefetch`) goes back
+      to the queue, once, and opens another only once the database answers again. Nothing is
+      taken from the queue meanwhile: a message is not counted toward `max_redeliveries` or a
+      quorum queue's delivery limit for an outage, whatever its length;
+    * when storing one row fails otherwise (a missing partition, a trigger's error that is not
+      about its values) the message goes to the delay tier the `receive_retry` backoff
+      chooses and comes back through the ``retry`` exchange; after
       `receive_retry.max_attempts` it goes to ``<service>.dead_letter``;
     * a redelivered message (the broker's flag: a receiver may have died holding it) is a
       suspect: it is counted in ``inbox_deliveries``, committed, before anything else is done
@@ -104,7 +110,7 @@ class Receiver:
         `on_started` is called once the first consumer is open. Any error is retried (see
         `RoleLoop`): a fault of the receiver itself must not end it. The consumer is closed
         first, so its unacked deliveries come back flagged redelivered and are then counted
-        one by one.
+        one by one. A consumer is opened only once the database answers (`_database_answers`).
         """
         s = self._settings
         consumer: Consumer | None = None
@@ -113,6 +119,7 @@ class Receiver:
         def step() -> int:
             nonlocal consumer, announce
             if consumer is None:
+                self._database_answers()
                 consumer = self._broker.consumer(inbox_queue(self._service), prefetch=s.prefetch)
             if announce is not None:
                 announce()
@@ -135,6 +142,17 @@ class Receiver:
             if consumer is not None:
                 consumer.close()
 
+    def _database_answers(self) -> None:
+        """Return once a connection of the engine works; raise SQLAlchemyError if none does.
+
+        Called before each consumer is opened: while the database cannot be reached, the
+        receiver takes nothing from the queue, where every message keeps its place and its
+        delivery count. (A checkout pings a pooled connection, ``pool_pre_ping``, or opens one:
+        `database.CLIENT_BOUNDS` bound both.)
+        """
+        with self._engine.connect():
+            pass
+
     def store(self, consumer: Consumer, batch: list[Delivery]) -> None:
         """Store one batch; acknowledge, delay or dead-letter every delivery in it.
 
@@ -142,6 +160,9 @@ class Receiver:
         acknowledged with one multiple-ack, each redelivered one alone and acknowledged at
         once (see the class documentation), so that a stored message is not delivered, and
         counted, again when a suspect after it kills the process.
+
+        Raises the SQLAlchemyError of a database that cannot be reached, the deliveries not
+        stored yet left unacknowledged: the caller closes the consumer (see `run`).
         """
         run: list[Delivery] = []
         for delivery in batch:
@@ -169,7 +190,9 @@ class Receiver:
                 count, limit = counts.get(counted, 0), self._settings.max_redeliveries
                 stored = count > limit and self._is_stored(counted)
             except SQLAlchemyError as exc:
-                # Not counted, not stored: the database cannot be used now.
+                if _database_unavailable(exc):
+                    raise  # not counted: it goes back to the queue as it came
+                # Not counted, not stored: the database refuses to count it now.
                 if self._decode(consumer, delivery) is not None:
                     self._delay(consumer, delivery, first_line(exc))
                 return []
@@ -193,9 +216,9 @@ class Receiver:
     def _store_together(self, consumer: Consumer, batch: list[Delivery]) -> list[Delivery]:
         """Decode and insert `batch` in one transaction; return the deliveries to ack.
 
-        What cannot be decoded is dead-lettered; when the insert fails, every message is
-        delayed (database unavailable) or the rows are inserted one by one, so that only the
-        failing ones are dead-lettered (refused) or delayed.
+        What cannot be decoded is dead-lettered; when the insert fails, the error is raised
+        (database unavailable: see `store`) or the rows are inserted one by one, so that only
+        the failing ones are dead-lettered (refused) or delayed.
         """
         pending: dict[uuid.UUID, tuple[Delivery, dict[str, Any]]] = {}
         repeats: Counter[uuid.UUID] = Counter()  # copies of a message within this batch
@@ -215,10 +238,7 @@ class Receiver:
             return self._insert(items, repeats)
         except Exception as exc:
             if isinstance(exc, SQLAlchemyError) and _database_unavailable(exc):
-                log.warning("receiver: database unavailable, delaying %d messages", len(items))
-                for delivery, _ in items:
-                    self._delay(consumer, delivery, first_line(exc))
-                return []
+                raise
             if len(items) == 1:
                 self._set_aside(consumer, items[0][0], exc)
                 return []
@@ -242,7 +262,10 @@ class Receiver:
 
     def _set_aside(self, consumer: Consumer, delivery: Delivery, error: Exception) -> None:
         """A row could not be inserted: dead-letter it if the database refused its values,
-        else delay it (a missing partition is the database's state, not the row's fault)."""
+        else delay it (a missing partition is the database's state, not the row's fault).
+        Raises `error` when the database cannot be reached (see `store`)."""
+        if isinstance(error, SQLAlchemyError) and _database_unavailable(error):
+            raise error
         if isinstance(error, DataError | IntegrityError) and not missing_partition(error):
             self._dead(consumer, delivery, INVALID, f"the database refused it: {first_line(error)}")
         else:
