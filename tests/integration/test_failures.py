@@ -235,6 +235,32 @@ def test_postgres_down_during_receive_leaves_messages_in_the_queue_then_all_stor
     svc.close()
 
 
+def test_a_worker_transaction_bounds_its_session_on_the_server_side_against_a_silent_client(
+    db_url: str, mq_url: str
+) -> None:
+    # A worker cut off while the server sends it rows: keepalives do not probe while sent data
+    # waits for its acknowledgement, so only tcp_user_timeout ends the session, and frees the
+    # batch's row locks, before the server's retransmissions give up (minutes).
+    svc = make_service("billing", db_url, mq_url)
+    seen: list[tuple[str, ...]] = []
+
+    @svc.on_command("job.run")
+    def run(message: Message, session: Any) -> None:
+        limits = text(
+            "SELECT current_setting('tcp_user_timeout'), current_setting('tcp_keepalives_idle'),"
+            " current_setting('idle_in_transaction_session_timeout')"
+        )
+        seen.append(tuple(session.execute(limits).one()))
+
+    svc.declare_topology()
+    publish_raw(mq_url, "commands", "billing.job.run", b"{}", message_id=str(uuid.uuid4()))
+    worker = svc.worker()
+    with running(svc.receiver(), worker):
+        wait_until(lambda: worker.processed == 1, timeout=20)
+    assert seen == [("10000", "10", "1min")]  # over TCP (a Unix socket ignores the first two)
+    svc.close()
+
+
 def test_a_message_that_can_never_be_stored_is_dead_lettered_after_max_attempts(
     db_url: str, mq_url: str
 ) -> None:
