@@ -66,8 +66,8 @@ class Receiver:
     * when the database cannot be reached (`_database_unavailable`), the receiver stops
       consuming: it closes its consumer, so that what it holds (at most `prefetch`) goes back
       to the queue, once, and opens another only once the database answers again. Nothing is
-      taken from the queue meanwhile: a message is not counted toward `max_redeliveries` or a
-      quorum queue's delivery limit for an outage, whatever its length;
+      taken from the queue meanwhile: an outage, whatever its length, counts a message once at
+      most toward `max_redeliveries` and a quorum queue's delivery limit;
     * when storing one row fails otherwise (a missing partition, a trigger's error that is not
       about its values) the message goes to the delay tier the `receive_retry` backoff
       chooses and comes back through the ``retry`` exchange; after
