@@ -186,6 +186,7 @@ class Receiver:
         if counted is not None:
             try:
                 with self._engine.begin() as conn:
+                    roles.bound_on_server(conn)  # the count's row lock, should we be cut off
                     counts = roles.count_deliveries(conn, self._tables, [counted])
                 count, limit = counts.get(counted, 0), self._settings.max_redeliveries
                 stored = count > limit and self._is_stored(counted)
@@ -282,6 +283,9 @@ class Receiver:
         tracer = self._tracing.tracer()
         started = time.time_ns() if tracer is not None else 0
         with self._engine.begin() as conn:
+            # Cut off, the session would keep its new message ids locked, and the next insert
+            # of the same messages waiting for it.
+            roles.bound_on_server(conn)
             new = roles.insert_inbox(conn, self._tables, [row for _, row in items])
             if repeats or len(new) < len(items):  # the common batch has no duplicate
                 dropped = {

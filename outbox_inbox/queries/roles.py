@@ -967,6 +967,30 @@ def keep_liveness_session_alive(conn: Connection) -> None:
     )
 
 
+def bound_on_server(conn: Connection) -> None:
+    """Bound, on the server, how long the session of the transaction in hand outlives a client
+    cut off from it (a partition, a host gone): `WORKER_USER_TIMEOUT` once an answer waits
+    unacknowledged, `WORKER_KEEPALIVE` once the client is silent. The transaction's locks go
+    with the session. What the relay and the receiver run first in each transaction; the
+    server's defaults would keep such a session for minutes (retransmissions) or two hours
+    (the kernel's keepalive).
+
+    ``SET LOCAL``: nothing outlives the transaction, on whichever server connection a pooler in
+    transaction mode picked. Does nothing on SQLite.
+    """
+    if not is_postgres(conn):
+        return
+    idle, interval, count = WORKER_KEEPALIVE
+    conn.execute(
+        select(
+            func.set_config("tcp_user_timeout", str(WORKER_USER_TIMEOUT), True),
+            func.set_config("tcp_keepalives_idle", str(idle), True),
+            func.set_config("tcp_keepalives_interval", str(interval), True),
+            func.set_config("tcp_keepalives_count", str(count), True),
+        )
+    )
+
+
 # Fixed texts, values bound: ``set_config(name, value, true)`` is ``SET LOCAL``.
 _LIMIT_SQL = {
     local: "SELECT " + ", ".join([f"set_config(%s, %s, {str(local).lower()})"] * 5)

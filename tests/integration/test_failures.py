@@ -261,6 +261,43 @@ def test_a_worker_transaction_bounds_its_session_on_the_server_side_against_a_si
     svc.close()
 
 
+def test_relay_and_receiver_transactions_bound_their_sessions_on_the_server_side_too(
+    db_url: str, mq_url: str
+) -> None:
+    # Their locks (a relay's claimed rows, a receiver's new message ids) go with the session:
+    # cut off by a partition, it must not outlive it by the server's own timeouts (hours).
+    svc = make_service("billing", db_url, mq_url)
+    svc.declare_topology()
+    with svc.engine.begin() as conn:
+        conn.execute(text("CREATE TABLE seen_limits (what text, user_timeout text, idle text)"))
+        conn.execute(
+            text(
+                "CREATE FUNCTION note_limits() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+                " INSERT INTO seen_limits VALUES (TG_ARGV[0],"
+                " current_setting('tcp_user_timeout'), current_setting('tcp_keepalives_idle'));"
+                " RETURN NEW; END $$"
+            )
+        )
+        for table, event in (("inbox_messages", "INSERT"), ("outbox_messages", "UPDATE")):
+            conn.execute(
+                text(
+                    f"CREATE TRIGGER note_limits BEFORE {event} ON outbox_inbox.{table}"
+                    f" FOR EACH ROW EXECUTE FUNCTION note_limits('{table}')"
+                )
+            )
+    with svc.session() as session, session.begin():
+        svc.outbox.send(session, "billing", "job.run", {})
+    receiver = svc.receiver()
+    with running(svc.relay(), receiver):
+        wait_until(lambda: receiver.stored == 1, timeout=20)
+    seen = rows(db_url, "SELECT what, user_timeout, idle FROM seen_limits ORDER BY what")
+    assert [tuple(r) for r in seen] == [
+        ("inbox_messages", "10000", "10"),  # the receiver's insert
+        ("outbox_messages", "10000", "10"),  # the relay's mark, in its claim's transaction
+    ]
+    svc.close()
+
+
 def test_a_message_that_can_never_be_stored_is_dead_lettered_after_max_attempts(
     db_url: str, mq_url: str
 ) -> None:
