@@ -19,13 +19,14 @@ sample may be that old).
 
 Measured with the library's defaults: the worker meets the outage 11 s into the partition,
 the receiver 15.5 s (`<role>_noticed_s`); everything committed until the partition's end is
-handled 3.2-8.7 s after it (five runs on a shared 2-core machine). One run before the worker
-bounded its session on the server side too (`roles.WORKER_USER_TIMEOUT`) took 24 s: the
-partition caught a batch while the server was answering, and its row locks outlived it. Red runs: without the client-side bounds (`CLIENT_BOUNDS`) the
-receiver's insert hung until 24 s after the partition and the last messages were handled
-28.8 s after it; with the bounds and the receiver of before (it consumed again after a failed
-insert), the receiver held 500 deliveries again at the partition's end and had sent some
-round the delay tiers.
+handled 3.2-8.7 s after it (five runs on a shared 2-core machine). Red runs: without the
+client-side bounds (`CLIENT_BOUNDS`) the receiver's insert hung until 24 s after the
+partition and the last messages were handled 28.8 s after it; with the bounds and the
+receiver of before (it consumed again after a failed insert), the receiver held 500
+deliveries again at the partition's end and had sent some round the delay tiers; before the
+worker set `tcp_user_timeout` on its session (`roles.limit_worker`), one run took
+24 s: the partition caught a batch while the server was answering, and the batch's row locks
+outlived the partition.
 """
 
 from __future__ import annotations
