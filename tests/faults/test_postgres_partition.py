@@ -19,7 +19,7 @@ sample may be that old).
 
 Measured with the library's defaults: the worker meets the outage 11 s into the partition,
 the receiver 15.5 s (`<role>_noticed_s`); everything committed until the partition's end is
-handled 3.2-8.7 s after it (five runs on a shared 2-core machine). Red runs: without the
+handled 3.2-8.7 s after it (six runs on a shared 2-core machine). Red runs: without the
 client-side bounds (`CLIENT_BOUNDS`) the receiver's insert hung until 24 s after the
 partition and the last messages were handled 28.8 s after it; with the bounds and the
 receiver of before (it consumed again after a failed insert), the receiver held 500
