@@ -13,6 +13,10 @@ prefetch, take the deliveries again and again (a redelivery storm would count ev
 toward `max_redeliveries` and the queue's delivery limit, and dead-letter good messages), or
 move them through the delay tiers; and that no role died or logged a traceback.
 
+A second test times the client-side bounds themselves on the library's engine: a statement
+sent into a partition, a checkout whose pooled connection must be pinged (10.5 s and 15.5 s
+measured; without the bounds the statement outlived the test's 90 s timeout).
+
 The probes of the flow talk to the blackholed port too: none runs while the partition holds
 (the broker's figures come from RabbitMQ's management API, which gathers them every 5 s: a
 sample may be that old).
@@ -42,9 +46,13 @@ from urllib.parse import quote, unquote, urlsplit
 
 import pytest
 from e2e.harness import Database, Processes
+from sqlalchemy import text
+from sqlalchemy.exc import OperationalError
 
 from outbox_inbox import Service
 from outbox_inbox.config import Settings
+from outbox_inbox.database import connect
+from outbox_inbox.errors import database_unreachable
 from outbox_inbox.topology import delay_queue
 from servers import PostgresServer, RabbitMQServer
 
@@ -185,3 +193,37 @@ def test_a_30s_partition_from_postgres_is_an_outage_the_receiver_waits_out_witho
         if noisy or not process.alive():
             problems.append(f"{process.name} logged {noisy[:3]}:\n{process.log_tail()}")
     _conclude(result, record_recovery)
+
+
+@pytest.mark.timeout(90)  # without the bounds each call would hang for minutes
+def test_calls_into_a_partition_fail_within_the_client_side_bounds(
+    db_url: str, local_postgres_server: PostgresServer, iptables: str
+) -> None:
+    """The library's engine (`database.connect`, the defaults), each case in a partition of its
+    own: a statement on a connection in hand fails after `tcp_user_timeout` (10 s); a checkout
+    at the partition's start after the ping of the pooled connection (10 s) and a new
+    connection (`connect_timeout`, 5 s), 15 s in all. (A connection idle longer in the
+    partition is found dead by its keepalives, 10 s in: its ping then fails at once.) Both are
+    an outage (`errors.database_unreachable`)."""
+    engine = connect(db_url).engine
+    took: dict[str, float] = {}
+    try:
+        for case in ("statement", "checkout"):
+            with engine.connect() as conn:
+                conn.execute(text("SELECT 1"))  # the pool holds a live connection
+            conn = engine.connect()
+            if case == "checkout":
+                conn.close()  # back to the pool: the checkout pings it
+            with blackhole(iptables, local_postgres_server.port):
+                started = time.monotonic()
+                with pytest.raises(OperationalError) as caught:
+                    if case == "statement":
+                        conn.execute(text("SELECT 1"))
+                    else:
+                        engine.connect().close()
+                took[case] = round(time.monotonic() - started, 1)
+            assert database_unreachable(caught.value), caught.value
+        print(f"client-side bounds: failed after {took}", flush=True)
+        assert 9 <= took["statement"] <= 13 and 13 <= took["checkout"] <= 18, took
+    finally:
+        engine.dispose()
