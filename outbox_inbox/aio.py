@@ -29,7 +29,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
-from .database import read_only_drops_the_pool
+from .database import client_bounds, read_only_drops_the_pool
 from .errors import ConfigurationError
 from .queries import roles
 from .worker import Worker
@@ -59,9 +59,12 @@ def async_url(url: str | URL) -> URL:
 def worker_engine(url: str | URL, *, prepare_threshold: int | str | None = "auto") -> AsyncEngine:
     """An async engine for one asyncio worker: NullPool, since the worker keeps its one
     connection, and an engine's pooled connections belong to the loop that made them.
-    `prepare_threshold`: the setting of that name ("auto": not behind a pooler)."""
+    `prepare_threshold`: the setting of that name ("auto": not behind a pooler). Its
+    connections have the `database.client_bounds` of `url`."""
     engine = create_async_engine(
-        async_url(url), poolclass=NullPool, connect_args=roles.prepare_args(prepare_threshold)
+        async_url(url),
+        poolclass=NullPool,
+        connect_args={**roles.prepare_args(prepare_threshold), **client_bounds(url)},
     )
     if prepare_threshold == "auto":
         roles.unprepared_behind_pooler(engine)

@@ -1,6 +1,9 @@
 """The engine and tables of a database URL, made by one rule (`connect`).
 
-PostgreSQL: connections are checked before use (``pool_pre_ping``), and statements are
+PostgreSQL: every connection the library opens has client-side bounds (`CLIENT_BOUNDS`), so
+that a server that stops answering (a network partition, a host gone without a word) is an
+outage within seconds instead of a call that hangs for the kernel's quarter of an hour;
+connections are checked before use (``pool_pre_ping``), and statements are
 prepared (the ``prepare_threshold`` setting, "auto") on a direct connection, never through a
 pooler in transaction mode, where the next execution may land on a server connection that
 never saw them prepared (`queries.roles.unprepared_behind_pooler`, docs/runbook.md).
@@ -15,6 +18,7 @@ correct for the roles of one process (threads), and slow by design.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -32,6 +36,37 @@ if TYPE_CHECKING:
 
 #: The schema of the tables when none is named.
 DEFAULT_SCHEMA = "outbox_inbox"
+
+#: libpq's client-side bounds on every PostgreSQL connection the library opens (the engines of
+#: `connect` and `aio.worker_engine`, the LISTEN connections of `waker.Waker`), unless the
+#: db_url names them itself (``?tcp_user_timeout=30000``; `client_bounds`). Without them a
+#: partitioned server makes a call hang until the kernel gives up retransmitting (15 minutes
+#: by default: ``tcp_retries2``), and psycopg waits 130 s for a connection.
+#:
+#: * ``tcp_user_timeout`` 10 s: data sent and not acknowledged (a statement or a commit sent
+#:   into the partition, the ``pool_pre_ping`` of a pooled connection) is given up after as
+#:   long. The server's kernel acknowledges what it receives at once, however long the
+#:   statement then runs, so no slow statement is cut. 10 s is what RabbitMQ gives a client
+#:   that stops answering heartbeats (twice the default `heartbeat`): a role blocked in a
+#:   database call does not service its broker connection, nor hear `Service.stop`.
+#: * ``keepalives`` after 5 s of silence, every 5 s, 2 unanswered: a connection that waits for
+#:   an answer (a long statement, a LISTEN) sends nothing the timeout above could time; a
+#:   live server's kernel answers the probes while its backend works. The path is given up
+#:   after 10 s on Linux (the user timeout governs the probes too), 15 s elsewhere.
+#: * ``connect_timeout`` 5 s per host (psycopg's minimum is 2): a handshake takes milliseconds
+#:   on a live network, and 5 s leaves room for a lost SYN (sent again after 1 and 3 s).
+#:
+#: A call the partition catches fails within 10 s (15 s for a pooled connection found dead by
+#: its ping, then connected again) with an OperationalError: `errors.database_unreachable`,
+#: the outage every role already waits out. docs/failures.md has the measured figures.
+CLIENT_BOUNDS: dict[str, int] = {
+    "connect_timeout": 5,
+    "keepalives": 1,
+    "keepalives_idle": 5,
+    "keepalives_interval": 5,
+    "keepalives_count": 2,
+    "tcp_user_timeout": 10_000,
+}
 
 
 @dataclass(frozen=True)
@@ -53,6 +88,17 @@ def tables_for(url: str | URL, schema: str = DEFAULT_SCHEMA) -> Tables:
     return build_tables(None if is_sqlite(url) else schema)
 
 
+def client_bounds(url: str | URL) -> dict[str, int]:
+    """The `CLIENT_BOUNDS` that `url` (a SQLAlchemy or libpq URL) does not set itself.
+
+    A bound in the URL's query wins; so does ``PGCONNECT_TIMEOUT`` in the environment, libpq's
+    own way of setting the connect timeout (libpq has no variable for the others)."""
+    named = set(make_url(url).query)
+    if "PGCONNECT_TIMEOUT" in os.environ:
+        named.add("connect_timeout")
+    return {key: value for key, value in CLIENT_BOUNDS.items() if key not in named}
+
+
 def connect(
     url: str,
     schema: str = DEFAULT_SCHEMA,
@@ -64,7 +110,8 @@ def connect(
     (the module docstring): what `Service.engine`, the audit's live reads and the CLI use.
 
     `url` is one `config.validate_db_url` accepts. Connects to nothing: the first connection
-    opens when the engine is first used; the caller disposes of it. `pool_size` connections
+    opens when the engine is first used; the caller disposes of it. Every PostgreSQL
+    connection has the `client_bounds` of `url`. `pool_size` connections
     are kept, 10 more may open under load (PostgreSQL; SQLite keeps SQLAlchemy's own pool).
     Raises ConfigurationError for an invalid schema name.
     """
@@ -75,7 +122,7 @@ def connect(
         pool_pre_ping=True,
         pool_size=pool_size,
         max_overflow=10,
-        connect_args=roles.prepare_args(prepare_threshold),
+        connect_args={**roles.prepare_args(prepare_threshold), **client_bounds(url)},
     )
     if prepare_threshold == "auto":
         roles.unprepared_behind_pooler(engine)

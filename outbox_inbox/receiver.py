@@ -63,8 +63,14 @@ class Receiver:
     * a row the database refuses for its values (SQLSTATE classes 22 and 23: what decoding
       does not foresee, such as a trigger's check) is dead-lettered too, and the rest of its
       batch is stored row by row;
-    * when storing fails otherwise (the database is down) the message goes to the delay tier
-      the `receive_retry` backoff chooses and comes back through the ``retry`` exchange; after
+    * when the database cannot be reached (`_database_unavailable`), the receiver stops
+      consuming: it closes its consumer, so that what it holds (at most `prefetch`) goes back
+      to the queue, once, and opens another only once the database answers again. Nothing is
+      taken from the queue meanwhile: an outage, whatever its length, counts a message once at
+      most toward `max_redeliveries` and a quorum queue's delivery limit;
+    * when storing one row fails otherwise (a missing partition, a trigger's error that is not
+      about its values) the message goes to the delay tier the `receive_retry` backoff
+      chooses and comes back through the ``retry`` exchange; after
       `receive_retry.max_attempts` it goes to ``<service>.dead_letter``;
     * a redelivered message (the broker's flag: a receiver may have died holding it) is a
       suspect: it is counted in ``inbox_deliveries``, committed, before anything else is done
@@ -97,7 +103,6 @@ class Receiver:
         self.duplicates = 0  # deliveries dropped as already stored
         self.delayed = 0  # deliveries sent to a delay tier
         self.dead = 0  # deliveries sent to the dead letters
-        self._unavailable_since: float | None = None  # when storing began to fail, if it does
 
     def run(self, stop: threading.Event, *, on_started: Callable[[], None] | None = None) -> None:
         """Receive until `stop` is set; the batch in hand is stored and acked first.
@@ -105,7 +110,7 @@ class Receiver:
         `on_started` is called once the first consumer is open. Any error is retried (see
         `RoleLoop`): a fault of the receiver itself must not end it. The consumer is closed
         first, so its unacked deliveries come back flagged redelivered and are then counted
-        one by one.
+        one by one. A consumer is opened only once the database answers (`_database_answers`).
         """
         s = self._settings
         consumer: Consumer | None = None
@@ -114,6 +119,7 @@ class Receiver:
         def step() -> int:
             nonlocal consumer, announce
             if consumer is None:
+                self._database_answers()
                 consumer = self._broker.consumer(inbox_queue(self._service), prefetch=s.prefetch)
             if announce is not None:
                 announce()
@@ -136,6 +142,17 @@ class Receiver:
             if consumer is not None:
                 consumer.close()
 
+    def _database_answers(self) -> None:
+        """Return once a connection of the engine works; raise SQLAlchemyError if none does.
+
+        Called before each consumer is opened: while the database cannot be reached, the
+        receiver takes nothing from the queue, where every message keeps its place and its
+        delivery count. (A checkout pings a pooled connection, ``pool_pre_ping``, or opens one:
+        `database.CLIENT_BOUNDS` bound both.)
+        """
+        with self._engine.connect():
+            pass
+
     def store(self, consumer: Consumer, batch: list[Delivery]) -> None:
         """Store one batch; acknowledge, delay or dead-letter every delivery in it.
 
@@ -143,6 +160,9 @@ class Receiver:
         acknowledged with one multiple-ack, each redelivered one alone and acknowledged at
         once (see the class documentation), so that a stored message is not delivered, and
         counted, again when a suspect after it kills the process.
+
+        Raises the SQLAlchemyError of a database that cannot be reached, the deliveries not
+        stored yet left unacknowledged: the caller closes the consumer (see `run`).
         """
         run: list[Delivery] = []
         for delivery in batch:
@@ -166,12 +186,14 @@ class Receiver:
         if counted is not None:
             try:
                 with self._engine.begin() as conn:
+                    roles.bound_on_server(conn)  # the count's row lock, should we be cut off
                     counts = roles.count_deliveries(conn, self._tables, [counted])
                 count, limit = counts.get(counted, 0), self._settings.max_redeliveries
                 stored = count > limit and self._is_stored(counted)
             except SQLAlchemyError as exc:
-                # Not counted, not stored: the database cannot be used now.
-                self._unavailable(exc, 1)
+                if _database_unavailable(exc):
+                    raise  # not counted: it goes back to the queue as it came
+                # Not counted, not stored: the database refuses to count it now.
                 if self._decode(consumer, delivery) is not None:
                     self._delay(consumer, delivery, first_line(exc))
                 return []
@@ -195,9 +217,9 @@ class Receiver:
     def _store_together(self, consumer: Consumer, batch: list[Delivery]) -> list[Delivery]:
         """Decode and insert `batch` in one transaction; return the deliveries to ack.
 
-        What cannot be decoded is dead-lettered; when the insert fails, every message is
-        delayed (database unavailable) or the rows are inserted one by one, so that only the
-        failing ones are dead-lettered (refused) or delayed.
+        What cannot be decoded is dead-lettered; when the insert fails, the error is raised
+        (database unavailable: see `store`) or the rows are inserted one by one, so that only
+        the failing ones are dead-lettered (refused) or delayed.
         """
         pending: dict[uuid.UUID, tuple[Delivery, dict[str, Any]]] = {}
         repeats: Counter[uuid.UUID] = Counter()  # copies of a message within this batch
@@ -214,25 +236,13 @@ class Receiver:
         if not items:
             return []
         try:
-            inserted = self._insert(items, repeats)
+            return self._insert(items, repeats)
         except Exception as exc:
             if isinstance(exc, SQLAlchemyError) and _database_unavailable(exc):
-                self._unavailable(exc, len(items))
-                for delivery, _ in items:
-                    self._delay(consumer, delivery, first_line(exc))
-                return []
+                raise
             if len(items) == 1:
                 self._set_aside(consumer, items[0][0], exc)
                 return []
-        else:
-            if self._unavailable_since is not None:
-                log.info(
-                    "receiver of %s: storing again after %.1f s",
-                    self._service,
-                    time.monotonic() - self._unavailable_since,
-                )
-                self._unavailable_since = None
-            return inserted
         stored: list[Delivery] = []
         for item in items:  # some row was refused: find it, store the others
             try:
@@ -240,21 +250,6 @@ class Receiver:
             except Exception as exc:
                 self._set_aside(consumer, item[0], exc)
         return stored
-
-    def _unavailable(self, exc: Exception, count: int) -> None:
-        """Log that the database cannot store `count` deliveries, which go to the delay tiers:
-        one warning when an outage begins (the receiver goes on taking deliveries, many batches
-        a second), debug lines after it, and one info line once a batch is stored again."""
-        if self._unavailable_since is None:
-            self._unavailable_since = time.monotonic()
-            log.warning(
-                "receiver of %s: database unavailable: %s; delaying what it receives to the "
-                "retry tiers until it answers",
-                self._service,
-                first_line(exc),
-            )
-        else:
-            log.debug("receiver: database still unavailable, delaying %d messages", count)
 
     def _decode(self, consumer: Consumer, delivery: Delivery) -> dict[str, Any] | None:
         """The inbox row of `delivery`; None when it breaks a rule (then it is dead-lettered)."""
@@ -268,7 +263,10 @@ class Receiver:
 
     def _set_aside(self, consumer: Consumer, delivery: Delivery, error: Exception) -> None:
         """A row could not be inserted: dead-letter it if the database refused its values,
-        else delay it (a missing partition is the database's state, not the row's fault)."""
+        else delay it (a missing partition is the database's state, not the row's fault).
+        Raises `error` when the database cannot be reached (see `store`)."""
+        if isinstance(error, SQLAlchemyError) and _database_unavailable(error):
+            raise error
         if isinstance(error, DataError | IntegrityError) and not missing_partition(error):
             self._dead(consumer, delivery, INVALID, f"the database refused it: {first_line(error)}")
         else:
@@ -285,6 +283,9 @@ class Receiver:
         tracer = self._tracing.tracer()
         started = time.time_ns() if tracer is not None else 0
         with self._engine.begin() as conn:
+            # Cut off, the session would keep its new message ids locked, and the next insert
+            # of the same messages waiting for it.
+            roles.bound_on_server(conn)
             new = roles.insert_inbox(conn, self._tables, [row for _, row in items])
             if repeats or len(new) < len(items):  # the common batch has no duplicate
                 dropped = {

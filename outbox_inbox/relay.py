@@ -282,8 +282,11 @@ class Relay:
     def _claim(self, conn: Connection) -> tuple[list[RowMapping], int]:
         """The rows to publish now, and how many rows the claim took (expired ones included).
 
-        Rows whose time to live ran out are marked expired instead.
+        Rows whose time to live ran out are marked expired instead. The claim's row locks are
+        bounded first: cut off, the session must not keep them past the partition
+        (`roles.bound_on_server`).
         """
+        roles.bound_on_server(conn)
         claimed = roles.claim_outbox(conn, self._tables, self._settings.relay_batch_size)
         rows = self._key_prefixes(conn, claimed)  # no statement for a claim without keys
         expired = [r["id"] for r in rows if _expired(r)]

@@ -25,6 +25,7 @@ from psycopg import pq, sql
 from sqlalchemy import Engine
 from sqlalchemy.engine import URL, make_url
 
+from .database import client_bounds
 from .queries import roles
 
 log = logging.getLogger(__name__)
@@ -134,7 +135,11 @@ class Waker:
         if self.listening is False and time.monotonic() < self._retry_at:
             return None
         try:
-            conn = psycopg.connect(self._conninfo, autocommit=True, connect_timeout=5)
+            # Bounded as the engines are: a dead path is a lost LISTEN connection, not a silence.
+            bounded = psycopg.conninfo.make_conninfo(
+                self._conninfo, **client_bounds(self._conninfo)
+            )
+            conn = psycopg.connect(bounded, autocommit=True)
         except psycopg.Error as exc:
             # The error text of libpq names host and port, never the password.
             log.warning("cannot LISTEN on %s, polling instead: %s", self._channel, exc)

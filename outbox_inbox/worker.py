@@ -26,6 +26,7 @@ from sqlalchemy.pool import NullPool
 
 from .config import Settings
 from .context import handling
+from .database import client_bounds
 from .errors import Reject, Retry, database_unreachable, first_line
 from .faults import send_fault
 from .fingerprint import fingerprint
@@ -234,8 +235,11 @@ class Worker:
             conn.detach()  # the session's lock must not reach another user of the pool
         else:
             if self._liveness_engine is None or self._liveness_engine.url != make_url(url):
-                # One session per worker, opened and closed with it: no pool.
-                self._liveness_engine = create_engine(url, poolclass=NullPool)
+                # One session per worker, opened and closed with it: no pool. Bounded as the
+                # service's engine is (a listen_url past a pooler in transaction mode).
+                self._liveness_engine = create_engine(
+                    url, poolclass=NullPool, connect_args=client_bounds(url)
+                )
             holder = self._liveness_engine.connect()
             self._liveness_conn = holder
         roles.keep_liveness_session_alive(holder)

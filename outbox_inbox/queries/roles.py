@@ -908,6 +908,13 @@ def unprepared_behind_pooler(engine: Engine | AsyncEngine) -> None:
 #: the session of a worker whose host vanished mid-transaction after about 25 s, and its row
 #: locks with it. (Over a Unix socket PostgreSQL ignores them.)
 WORKER_KEEPALIVE = (10, 5, 3)
+#: Server-side ``tcp_user_timeout`` of a worker's transactions, in ms. Keepalive probes go out
+#: only while nothing sent waits for its acknowledgement: a worker cut off (a partition, a host
+#: gone) while the server was sending it rows would otherwise keep its session, and its rows'
+#: locks, until the server's retransmissions give up (about 15 minutes) or reach the worker's
+#: host again after the partition (as late after it as the partition was long). The same bound
+#: as the client's (`database.CLIENT_BOUNDS`).
+WORKER_USER_TIMEOUT = 10_000
 
 
 def limit_worker(dbapi_connection: Any, lease: float, *, local: bool) -> None:
@@ -915,8 +922,9 @@ def limit_worker(dbapi_connection: Any, lease: float, *, local: bool) -> None:
 
     ``idle_in_transaction_session_timeout`` = `lease`: a worker whose handler hangs keeps its row
     locks; the server ends its session after the lease, so the rows go back to the queue and
-    the hung work can never commit. The TCP keepalive settings bound how long the transaction
-    of a worker whose host vanished lives on (`WORKER_KEEPALIVE`).
+    the hung work can never commit. The TCP keepalive settings and ``tcp_user_timeout`` bound
+    how long the transaction of a worker whose host vanished or was cut off lives on
+    (`WORKER_KEEPALIVE`, `WORKER_USER_TIMEOUT`).
 
     `local`: set them for the transaction being begun only (``set_config(..., true)``, ``SET
     LOCAL``), so that a connection pooler in transaction mode hands no setting of the library
@@ -931,6 +939,7 @@ def limit_worker(dbapi_connection: Any, lease: float, *, local: bool) -> None:
         "tcp_keepalives_idle": str(idle),
         "tcp_keepalives_interval": str(interval),
         "tcp_keepalives_count": str(count),
+        "tcp_user_timeout": str(WORKER_USER_TIMEOUT),
     }
     # The DB-API face only (no psycopg keywords): the asyncio worker's adapter has no more.
     cursor = dbapi_connection.cursor()
@@ -958,8 +967,32 @@ def keep_liveness_session_alive(conn: Connection) -> None:
     )
 
 
+def bound_on_server(conn: Connection) -> None:
+    """Bound, on the server, how long the session of the transaction in hand outlives a client
+    cut off from it (a partition, a host gone): `WORKER_USER_TIMEOUT` once an answer waits
+    unacknowledged, `WORKER_KEEPALIVE` once the client is silent. The transaction's locks go
+    with the session. What the relay and the receiver run first in each transaction; the
+    server's defaults would keep such a session for minutes (retransmissions) or two hours
+    (the kernel's keepalive).
+
+    ``SET LOCAL``: nothing outlives the transaction, on whichever server connection a pooler in
+    transaction mode picked. Does nothing on SQLite.
+    """
+    if not is_postgres(conn):
+        return
+    idle, interval, count = WORKER_KEEPALIVE
+    conn.execute(
+        select(
+            func.set_config("tcp_user_timeout", str(WORKER_USER_TIMEOUT), True),
+            func.set_config("tcp_keepalives_idle", str(idle), True),
+            func.set_config("tcp_keepalives_interval", str(interval), True),
+            func.set_config("tcp_keepalives_count", str(count), True),
+        )
+    )
+
+
 # Fixed texts, values bound: ``set_config(name, value, true)`` is ``SET LOCAL``.
 _LIMIT_SQL = {
-    local: "SELECT " + ", ".join([f"set_config(%s, %s, {str(local).lower()})"] * 4)
+    local: "SELECT " + ", ".join([f"set_config(%s, %s, {str(local).lower()})"] * 5)
     for local in (True, False)
 }
