@@ -61,6 +61,7 @@ FAULTS: list[tuple[str, dict[str, Any]]] = [
     ("duplicate", {"times": 3, "last": 100}),
     ("clock-skew", {"produce": "kit_apps:produce", "service": "producer", "seconds": -600}),
     ("blackhole", {"server": "rabbitmq", "seconds": 10}),
+    ("blackhole", {"server": "postgres", "seconds": 20}),
 ]
 
 
