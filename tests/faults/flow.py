@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,8 @@ RECOVERY_BOUND = 15.0
 MEASURE_LIMIT = 60.0
 #: How long the last messages may take after the writer's end (and the measure's).
 DRAIN_LIMIT = 30.0
+#: The log levels that count as a role's warnings about a fault.
+WARNING_LEVELS = (" WARNING ", " ERROR ", " CRITICAL ")
 
 
 class Writer(threading.Thread):
@@ -246,6 +249,28 @@ class TwoServices:
         self._by_over = self.writer.committed()
         during = self._by_over[len(self._before) :]
         self._handled_during = self._handled(during) if during else 0
+
+    # -- the roles' logs ---------------------------------------------------------------------------
+
+    def log_sizes(self) -> dict[str, int]:
+        """Where each role process's log ends now: `warned_more_than_once` reads from there."""
+        return {p.name: p.log_path.stat().st_size for p in self.processes.started}
+
+    def warned_more_than_once(self, since: dict[str, int], result: Recovery) -> None:
+        """Add a problem for each role process that logged more than one warning, or any
+        traceback, after the log sizes `since` (a worker role's log holds the lines of each
+        worker process it runs, as ``worker[pid]``); keep each log's warnings in the figures."""
+        for process in self.processes.started:
+            with open(process.log_path, "rb") as log:
+                log.seek(since[process.name])
+                lines = log.read().decode(errors="replace").splitlines()
+            warnings = [line for line in lines if any(level in line for level in WARNING_LEVELS)]
+            result.extra[f"{process.name}_warnings"] = len(warnings)
+            per_process = Counter(line.split()[2] for line in warnings)
+            if max(per_process.values(), default=0) > 1 or any("Traceback" in x for x in lines):
+                result.problems.append(
+                    f"{process.name} logged {len(warnings)} warnings for one fault: {warnings[:4]}"
+                )
 
     # -- probes that survive a database outage -------------------------------------------------
 

@@ -9,48 +9,42 @@ worker; the library's default settings) and, once messages flow, takes a server'
    ``could not extend file ...: No space left on device``: the writer's business transactions,
    the relay's marks, the receiver's inserts, the worker's claims. The ballast is then deleted;
 2. the same with only billing's business table (``effects``, which the handlers write) on the
-   tmpfs: the worker claims its rows, and the handlers' inserts fail;
-3. RabbitMQ: its disk free limit set far above the free space (``rabbitmqctl
-   set_disk_free_limit``) for 5 s: the node's disk alarm blocks every publishing connection,
-   like the memory alarm; then set back to the node's limit.
+   tmpfs: the worker claims its rows, and the handlers' inserts fail.
+
+RabbitMQ's disk alarm is test_server_faults.py's alarm test, run with the memory alarm.
 
 Each asserts what the other fault tests assert (0 lost, 0 effects of messages never committed,
 0 duplicate effects, each inbox row handled once, nothing dead, every message committed before
 the fault and until its end handled within 15 s of its end), and that no role process logged
 more than one warning, or a traceback, for the whole fault: a full disk is waited out like a
 lost connection, not counted against the messages. For the first, the fault must have failed
-the business transactions (the disk really was full); for RabbitMQ, it must not have (business
-transactions need only the database) and must have held the flow up.
+the business transactions (the disk really was full).
 
 Seen red: with 53100 not an outage (`errors._TRANSIENT_STATES`), the second test counted a
 failed attempt on 434 messages (up to 4 each) and logged 896 warnings; with the claims of such
 a batch not given back, 14 messages died ``abandoned`` in 5 s and the rest took over 60 s;
 with the receiver's old warning per batch, the first logged 20 warnings; with pika's own line
-on ``connection.blocked``, the relay logged 2 for the disk alarm.
+on ``connection.blocked``, the relay logged 2 for RabbitMQ's disk alarm.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections import Counter
 from collections.abc import Iterator
 
 import pytest
 
-from outbox_inbox.brokers.rabbitmq import RabbitMQBroker
-from outbox_inbox.brokers.rabbitmq_admin import RabbitMQAdmin
 from outbox_inbox.testing.injection import (
     MountRefused,
     SmallDisk,
-    disk_alarm,
     disk_full,
     paused,
     tablespace_on_tmpfs,
 )
-from servers import PostgresServer, RabbitMQServer
+from servers import PostgresServer
 
-from .flow import Recovery, TwoServices
+from .flow import TwoServices
 from .test_server_faults import RecordRecovery, _conclude, _finish
 
 pytestmark = pytest.mark.faults
@@ -62,8 +56,6 @@ BACKLOG = 1.0
 #: The tmpfs of the two service databases: their catalogs take about 8 MB each, the flow's
 #: rows a few more.
 DISK_MB = 64
-#: The log levels that count as a role's warnings about the fault.
-WARNING_LEVELS = (" WARNING ", " ERROR ", " CRITICAL ")
 
 
 @pytest.fixture
@@ -87,27 +79,6 @@ def small_disk(
         pytest.skip(f"no small disk for PostgreSQL: {exc}")
 
 
-def _log_sizes(flow: TwoServices) -> dict[str, int]:
-    return {p.name: p.log_path.stat().st_size for p in flow.processes.started}
-
-
-def _warned_more_than_once(flow: TwoServices, since: dict[str, int], result: Recovery) -> None:
-    """Add a problem for each role process that logged more than one warning, or any
-    traceback, after the log sizes `since` (a worker role's log holds the lines of each
-    worker process it runs, as ``worker[pid]``); keep each log's warnings in the figures."""
-    for process in flow.processes.started:
-        with open(process.log_path, "rb") as log:
-            log.seek(since[process.name])
-            lines = log.read().decode(errors="replace").splitlines()
-        warnings = [line for line in lines if any(level in line for level in WARNING_LEVELS)]
-        result.extra[f"{process.name}_warnings"] = len(warnings)
-        per_process = Counter(line.split()[2] for line in warnings)
-        if max(per_process.values(), default=0) > 1 or any("Traceback" in x for x in lines):
-            result.problems.append(
-                f"{process.name} logged {len(warnings)} warnings for one fault: {warnings[:4]}"
-            )
-
-
 def test_postgres_disk_full_for_5s_is_waited_out_with_one_warning_and_recovers_within_15s(
     two_services: TwoServices,
     small_disk: SmallDisk,
@@ -116,7 +87,7 @@ def test_postgres_disk_full_for_5s_is_waited_out_with_one_warning_and_recovers_w
     flow = two_services
     small_disk.take_databases(flow.databases)
     flow.start()
-    logs = _log_sizes(flow)
+    logs = flow.log_sizes()
     # The roles keep up with the writer, whose transactions fail once the disk is full: without
     # a backlog they would have nothing to write during the fault. So the worker is paused
     # first (the receiver stores rows it does not handle), then the relay too: when the disk
@@ -137,7 +108,7 @@ def test_postgres_disk_full_for_5s_is_waited_out_with_one_warning_and_recovers_w
     errors = result.extra.get("writer_errors") or []
     if not any("No space left on device" in error for error in errors):
         result.problems.append(f"the business transactions did not fail for the disk: {errors}")
-    _warned_more_than_once(flow, logs, result)
+    flow.warned_more_than_once(logs, result)
     _conclude(result, record_recovery)
 
 
@@ -154,7 +125,7 @@ def test_handlers_table_on_a_full_disk_for_5s_is_an_outage_not_a_handler_failure
     flow = two_services
     flow.start()
     small_disk.take_table(flow.databases[1], "effects")
-    logs = _log_sizes(flow)
+    logs = flow.log_sizes()
     worker = next(p.pid for p in flow.processes.started if "worker" in p.name)
     with contextlib.ExitStack() as fault:
         with paused([worker]):  # inbox rows wait for it when the disk fills
@@ -170,32 +141,5 @@ def test_handlers_table_on_a_full_disk_for_5s_is_an_outage_not_a_handler_failure
     counted = [state for state in result.extra["inbox_states"] if state[1] != 1]
     if counted:
         result.problems.append(f"inbox rows counted more than one claim: {counted}")
-    _warned_more_than_once(flow, logs, result)
+    flow.warned_more_than_once(logs, result)
     _conclude(result, record_recovery)
-
-
-def test_rabbitmq_disk_alarm_for_5s_blocks_publishers_with_one_warning_and_recovers_within_15s(
-    two_services: TwoServices,
-    local_rabbitmq_server: RabbitMQServer,
-    record_recovery: RecordRecovery,
-) -> None:
-    flow = two_services
-    flow.start()
-    logs = _log_sizes(flow)
-    with disk_alarm(local_rabbitmq_server) as alarm:
-        flow.fault_begins()
-        started = time.monotonic()
-        with RabbitMQAdmin(RabbitMQBroker(flow.mq_url)) as admin:
-            assert "disk" in (admin.flow_control(timeout=3.0) or "")
-        time.sleep(max(0.0, DISK_FULL - (time.monotonic() - started)))
-    flow.fault_over()
-    with RabbitMQAdmin(RabbitMQBroker(flow.mq_url)) as admin:
-        assert admin.flow_control(timeout=1.0) is None
-    result = _finish(flow, "rabbitmq-disk-alarm")
-    result.extra.update(
-        alarm_s=DISK_FULL,
-        alarm_raised_s=round(alarm.raised_s, 2),
-        alarm_cleared_s=alarm.cleared_s and round(alarm.cleared_s, 2),
-    )
-    _warned_more_than_once(flow, logs, result)
-    _conclude(result, record_recovery, broker_fault=True)

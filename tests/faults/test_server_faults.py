@@ -10,7 +10,8 @@ the library's default settings. Once messages flow end to end, the test injects 
    recovery at the next start), down for a few seconds, and started again;
 3. ``pg_terminate_backend`` of every session of the two service databases, five times over
    (and no role logs a traceback or a crash for it);
-4. RabbitMQ's memory alarm for 5 s (every publishing connection blocked);
+4. RabbitMQ's memory alarm, then its disk alarm (its free-disk limit set far above the free
+   space), for 5 s each (every publishing connection blocked; one warning per role at most);
 5. the broker's port blackholed on loopback with iptables for 10 s (packets dropped: the
    connections hang, nothing is closed).
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import pytest
@@ -35,7 +37,9 @@ import pytest
 from outbox_inbox.brokers.rabbitmq import RabbitMQBroker
 from outbox_inbox.brokers.rabbitmq_admin import RabbitMQAdmin
 from outbox_inbox.testing.injection import (
+    Alarm,
     blackhole,
+    disk_alarm,
     memory_alarm,
     stop_postgres_immediately,
     terminate_backends,
@@ -155,25 +159,34 @@ def test_every_service_database_session_terminated_five_times_recovers_within_15
     _conclude(result, record_recovery)
 
 
-def test_rabbitmq_memory_alarm_for_5s_recovers_within_15s(
+@pytest.mark.parametrize("alarm", [memory_alarm, disk_alarm], ids=["memory", "disk"])
+def test_rabbitmq_alarm_for_5s_blocks_publishers_with_one_warning_and_recovers_within_15s(
     two_services: TwoServices,
     local_rabbitmq_server: RabbitMQServer,
     record_recovery: RecordRecovery,
+    alarm: Callable[[RabbitMQServer], AbstractContextManager[Alarm]],
 ) -> None:
     flow = two_services
     flow.start()
-    with memory_alarm(local_rabbitmq_server):
+    logs = flow.log_sizes()
+    kind = "memory" if alarm is memory_alarm else "disk"
+    with alarm(local_rabbitmq_server) as raised:
         flow.fault_begins()
         started = time.monotonic()
         # The flow control is visible: `outbox-inbox status` asks the broker the same way.
         with RabbitMQAdmin(RabbitMQBroker(flow.mq_url)) as admin:
-            assert "memory" in (admin.flow_control(timeout=3.0) or "")
+            assert kind in (admin.flow_control(timeout=3.0) or "")
         time.sleep(max(0.0, ALARM - (time.monotonic() - started)))
     flow.fault_over()
     with RabbitMQAdmin(RabbitMQBroker(flow.mq_url)) as admin:
         assert admin.flow_control(timeout=1.0) is None
-    result = _finish(flow, "rabbitmq-memory-alarm")
-    result.extra["alarm_s"] = ALARM
+    result = _finish(flow, f"rabbitmq-{kind}-alarm")
+    result.extra.update(
+        alarm_s=ALARM,
+        alarm_raised_s=round(raised.raised_s, 2),
+        alarm_cleared_s=raised.cleared_s and round(raised.cleared_s, 2),
+    )
+    flow.warned_more_than_once(logs, result)
     _conclude(result, record_recovery, broker_fault=True)
 
 
