@@ -545,6 +545,10 @@ def make_retries_due(conn: Connection, tables: Tables) -> int:
 
 # --- pytest fixtures (registered by the ``pytest11`` entry point ``outbox_inbox``) --------------
 
+#: The fault kit's fixtures, registered with these (a plugin module, not imported here: the
+#: kit's role processes run it as ``python -m``, which must find it not imported yet).
+pytest_plugins = ["outbox_inbox.testing.faultkit"]
+
 #: The switch to real servers: the fixtures use these when they are set (see the module doc).
 HARNESS_DB_URL_ENV = "OUTBOX_INBOX_HARNESS_DB_URL"
 HARNESS_MQ_URL_ENV = "OUTBOX_INBOX_HARNESS_MQ_URL"
@@ -557,7 +561,6 @@ ServiceOrBuilder = Service | Callable[..., Service]
 if TYPE_CHECKING or importlib.util.find_spec("pytest") is not None:
     import pytest
 
-    from .faultkit import outbox_inbox_fault_kit, outbox_inbox_servers  # noqa: F401
 
     @pytest.fixture
     def outbox_inbox_broker() -> Iterator[Broker]:
