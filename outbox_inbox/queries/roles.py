@@ -19,6 +19,7 @@ from sqlalchemy import (
     Engine,
     Float,
     Integer,
+    Select,
     String,
     Text,
     and_,
@@ -957,14 +958,7 @@ def keep_liveness_session_alive(conn: Connection) -> None:
     connection a transaction pooler shares. The server then ends the session of a worker whose
     host vanished after about 25 s, and the lock with it.
     """
-    idle, interval, count = WORKER_KEEPALIVE
-    conn.execute(
-        select(
-            func.set_config("tcp_keepalives_idle", str(idle), False),
-            func.set_config("tcp_keepalives_interval", str(interval), False),
-            func.set_config("tcp_keepalives_count", str(count), False),
-        )
-    )
+    conn.execute(_tcp_bounds(local=False))
 
 
 def bound_on_server(conn: Connection) -> None:
@@ -978,17 +972,19 @@ def bound_on_server(conn: Connection) -> None:
     ``SET LOCAL``: nothing outlives the transaction, on whichever server connection a pooler in
     transaction mode picked. Does nothing on SQLite.
     """
-    if not is_postgres(conn):
-        return
+    if is_postgres(conn):
+        conn.execute(_tcp_bounds(local=True, user_timeout=True))
+
+
+def _tcp_bounds(*, local: bool, user_timeout: bool = False) -> Select[Any]:
+    """``SELECT set_config(...)`` of `WORKER_KEEPALIVE` (and `WORKER_USER_TIMEOUT`), for the
+    transaction (`local`) or the session."""
     idle, interval, count = WORKER_KEEPALIVE
-    conn.execute(
-        select(
-            func.set_config("tcp_user_timeout", str(WORKER_USER_TIMEOUT), True),
-            func.set_config("tcp_keepalives_idle", str(idle), True),
-            func.set_config("tcp_keepalives_interval", str(interval), True),
-            func.set_config("tcp_keepalives_count", str(count), True),
-        )
-    )
+    settings = {"tcp_keepalives_idle": idle, "tcp_keepalives_interval": interval}
+    settings["tcp_keepalives_count"] = count
+    if user_timeout:
+        settings["tcp_user_timeout"] = WORKER_USER_TIMEOUT
+    return select(*(func.set_config(name, str(v), local) for name, v in settings.items()))
 
 
 # Fixed texts, values bound: ``set_config(name, value, true)`` is ``SET LOCAL``.
