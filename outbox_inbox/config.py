@@ -194,6 +194,9 @@ class Settings:
 
     # worker
     worker_batch_size: int = 50
+    #: Claims serve the message types waiting in turn, within a priority (docs/concepts.md);
+    #: False: in arrival order.
+    fair_claims: bool = True
     worker_threads: int = 1
     #: Worker processes of `Service.run()` / `run_worker()` (``outbox-inbox run``), each with
     #: ``worker_threads`` workers; None: one per CPU this process may use (its affinity and

@@ -219,23 +219,29 @@ class HandlerKeywords(TypedDict, total=False):
     retry: RetryPolicy | None
     batch: bool
     version: int | None
+    max_concurrency: int | None
 
 
 @dataclass(frozen=True, kw_only=True)
 class HandlerOptions:
     """How one handler is run, validated once. `retry`: its policy (None: the service's).
     `batch`: called once for many messages (`Subscription`). `version`: the one payload
-    version (``message.version``) it handles; None: every version."""
+    version (``message.version``) it handles; None: every version. `max_concurrency`: the
+    most messages of its routing key handled at once by every worker of the database
+    together (`queries.roles.claim_inbox`); None: no cap."""
 
     retry: RetryPolicy | None = None
     batch: bool = False
     version: int | None = None
+    max_concurrency: int | None = None
 
     def __post_init__(self) -> None:
-        if self.version is not None and (
-            isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 1
-        ):
-            raise ConfigurationError(f"version must be an int >= 1, got {self.version!r}")
+        for name in ("version", "max_concurrency"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -383,8 +389,24 @@ class Handlers:
                 raise ConfigurationError(
                     f"command {subscription.pattern!r}{which} already has a handler"
                 )
+        if subscription.options.max_concurrency is not None and (
+            {"*", "#"} & set(subscription.pattern.split("."))
+        ):
+            raise ConfigurationError(
+                f"max_concurrency caps one routing key; {subscription.pattern!r} is a pattern"
+            )
         self._subscriptions.append(subscription)
         self._found = {}
+
+    def caps(self) -> dict[str, int]:
+        """The `HandlerOptions.max_concurrency` of each routing key that has one (the
+        smallest, where several handlers of the key have one)."""
+        caps: dict[str, int] = {}
+        for s in self._subscriptions:
+            n = s.options.max_concurrency
+            if n is not None:
+                caps[s.pattern] = min(n, caps.get(s.pattern, n))
+        return caps
 
     @property
     def subscriptions(self) -> tuple[Subscription, ...]:

@@ -201,6 +201,12 @@ def _inbox_table(metadata: MetaData) -> Table:
     _partial_index("ix_inbox_messages_pending", pending, inbox.c.priority.desc(), inbox.c.id)
     has_key = pending & inbox.c.key.is_not(None)
     _partial_index("ix_inbox_messages_pending_key", has_key, inbox.c.key, inbox.c.id)
+    # The fair claim: the types waiting (one probe each), each one's rows in claim order, and
+    # the rows of a type leased now (counted against its cap; a row leaves it when released).
+    by_type = (inbox.c.routing_key, inbox.c.priority.desc(), inbox.c.id)
+    _partial_index("ix_inbox_messages_pending_type", pending, *by_type)
+    leased = pending & inbox.c.locked_until.is_not(None)
+    _partial_index("ix_inbox_messages_leased", leased, inbox.c.routing_key)
     # `status`: the newest processed row, and the count of processed rows, read from this
     # narrow index (the newest: one entry per partition) instead of from every finished row.
     processed = inbox.c.status == PROCESSED

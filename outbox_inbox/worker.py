@@ -174,6 +174,8 @@ class Worker:
         self._warned: dict[tuple[str, str, int], float] = {}
         #: Rows the last batch's transaction claimed for the next batch (see `_run_batch`).
         self._next: list[RowMapping] = []
+        #: The routing key of the last row of the last claim (`roles.claim_inbox`'s `after`).
+        self._served: str | None = None
         self.processed = 0
 
     def connect(self, opened: Connection | None = None) -> Connection:
@@ -344,7 +346,19 @@ class Worker:
     def _claim(self, conn: Connection) -> list[RowMapping]:
         s = self._settings
         lease = timedelta(seconds=s.lease)
-        return roles.claim_inbox(conn, self._tables, self.claimant, s.worker_batch_size, lease)
+        rows = roles.claim_inbox(
+            conn,
+            self._tables,
+            self.claimant,
+            s.worker_batch_size,
+            lease,
+            fair=s.fair_claims,
+            after=self._served,
+            caps=self._handlers.caps(),
+        )
+        if rows:  # the next claim's turn starts after the last type served
+            self._served = rows[-1]["routing_key"]
+        return rows
 
     @property
     def claimed_next(self) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from functools import cache
@@ -38,6 +39,7 @@ from sqlalchemy import (
     select,
     table,
     text,
+    true,
     type_coerce,
     update,
 )
@@ -61,11 +63,13 @@ from ..tables import DEAD, PENDING, PROCESSED, Tables, outbox_unsent
 #: Advisory-lock namespaces (the first key of the two-key form). Writers of one ordering key
 #: serialize on WRITER_LOCK; a relay holds RELAY_LOCK on each key it is publishing; a worker
 #: connection holds WORKER_LOCK on its claimant name for as long as it lives (its liveness); a
-#: receiver holds INBOX_LOCK on each message id it is storing, until it commits.
+#: receiver holds INBOX_LOCK on each message id it is storing, until it commits; a claim of
+#: capped types holds CAP_LOCK on each of them, until it commits.
 WRITER_LOCK = 0x0B0C
 RELAY_LOCK = 0x0B0D
 WORKER_LOCK = 0x0B0E
 INBOX_LOCK = 0x0B0F
+CAP_LOCK = 0x0B10
 #: Ends the claimant name of a worker that holds no liveness lock (behind a pooler in
 #: transaction mode without ``listen_url``): its rows are free only when their lease ends.
 LEASE_ONLY = "+lease-only"
@@ -500,28 +504,87 @@ _CLAIMED = ("id", *RECEIVED_COLUMNS, "received_at", "attempts", "finished")
 
 
 def claim_inbox(
-    conn: Connection, tables: Tables, worker: str, limit: int, lease: timedelta
+    conn: Connection,
+    tables: Tables,
+    worker: str,
+    limit: int,
+    lease: timedelta,
+    *,
+    fair: bool = True,
+    after: str | None = None,
+    caps: Mapping[str, int] | None = None,
 ) -> list[RowMapping]:
     """Lease up to `limit` due pending rows to `worker`; count the claim in `attempts`.
 
-    Highest priority first, then arrival order. A keyed row qualifies only when no earlier
-    pending row has its key: a key is handled one message at a time, in order. A leased row
-    qualifies once its lease ran out on the database clock, or, on PostgreSQL, as soon as its
-    claimant no longer holds its liveness lock (`hold_claimant_lock`): its worker died or lost
-    its connection. Rows a live worker is handling are row-locked and skipped. The claim
-    commits with the caller's transaction, so the count survives a crash of the handler.
-    Each row carries the `_CLAIMED` columns and ``claimed_at``, the database's time.
+    Highest priority first. Within a priority, `fair` serves the message types (routing
+    keys) in turn: each type's oldest claimable row, then each one's second, and so on,
+    starting with the first type after `after` (the last type the worker was served; a
+    worker passes it on from claim to claim, so a batch of one goes round the types too);
+    without `fair`, arrival order. A keyed row qualifies only when no earlier pending row has
+    its key: a key is handled one message at a time, in order. A leased row qualifies once
+    its lease ran out on the database clock, or, on PostgreSQL, as soon as its claimant no
+    longer holds its liveness lock (`hold_claimant_lock`): its worker died or lost its
+    connection. Rows a live worker is handling are row-locked and skipped.
+
+    `caps`: the most rows of a routing key leased at once, by every worker of the database
+    together. A claim takes at most the cap less the rows of that type leased now; the rows
+    held back are neither leased nor counted. On PostgreSQL the claim first takes a
+    transaction lock per capped type (`CAP_LOCK`), so that two claims never count the same
+    free places: it is held until the caller's transaction ends (keep it short).
+
+    The claim commits with the caller's transaction, so the count survives a crash of the
+    handler. Rows come in the order they were served, each with the `_CLAIMED` columns and
+    ``claimed_at``, the database's time.
     """
-    stmt = _claim_statement(tables, conn.dialect.name == "postgresql")
+    postgres = conn.dialect.name == "postgresql"
+    capped = tuple(sorted((caps or {}).items()))
+    if capped and postgres:
+        conn.execute(_LOCK_CAPS, {"keys": [key for key, _ in capped]})
     params = {"claimant": worker, "limit": limit, "lease": lease.total_seconds()}
-    rows = list(conn.execute(stmt, params).mappings().all())  # one fetchall, not row by row
-    rows.sort(key=lambda r: (-r["priority"], r["id"]))
-    return rows
+    if not fair and not capped:
+        stmt = _claim_statement(tables, postgres)
+        rows = list(conn.execute(stmt, params).mappings().all())  # one fetchall
+        rows.sort(key=lambda r: (-r["priority"], r["id"]))
+        return rows
+    stmt = _fair_claim_statement(tables, postgres, capped)
+    rows = list(conn.execute(stmt, {**params, "after": after or ""}).mappings().all())
+    return served_order(rows, (after or "") if fair else None)
+
+
+def served_order(rows: Sequence[RowMapping], after: str | None) -> list[RowMapping]:
+    """`rows` of one claim in the order the fair claim served them: by priority, then in
+    turns (each type's first row, then each one's second…), in a turn the types after
+    `after` first; None: by priority, then arrival."""
+    if after is None:
+        return sorted(rows, key=lambda r: (-r["priority"], r["id"]))
+    seen: Counter[tuple[int, str]] = Counter()
+    turns = {}
+    for row in sorted(rows, key=lambda r: r["id"]):
+        group = (row["priority"], row["routing_key"])
+        seen[group] += 1
+        turns[row["id"]] = seen[group]
+    return sorted(
+        rows,
+        key=lambda r: (
+            -r["priority"],
+            turns[r["id"]],
+            r["routing_key"] <= after,
+            r["routing_key"],
+        ),
+    )
+
+
+#: Claims of a capped type, in key order (no two claims deadlock).
+_LOCK_CAPS = text(
+    "SELECT pg_advisory_xact_lock(:namespace, h) FROM (SELECT DISTINCT hashtext(k) AS h"
+    " FROM unnest(CAST(:keys AS text[])) AS k ORDER BY h) AS capped"
+).bindparams(namespace=CAP_LOCK)
 
 
 @cache
 def _claim_statement(tables: Tables, liveness: bool) -> Any:
-    """The claim of `claim_inbox`, built once per schema (the worker runs it for every batch)."""
+    """The FIFO claim of `claim_inbox`, built once per schema (the worker runs it for every
+    batch)."""
     i = tables.inbox
     due = (
         select(i.c.id)
@@ -531,9 +594,15 @@ def _claim_statement(tables: Tables, liveness: bool) -> Any:
         .with_for_update(skip_locked=True)
         .scalar_subquery()
     )
+    return _lease(tables, due)
+
+
+def _lease(tables: Tables, ids: Any) -> Any:
+    """The UPDATE that leases the rows of the subquery `ids` and counts the claim."""
+    i = tables.inbox
     return (
         update(i)
-        .where(i.c.id.in_(due))
+        .where(i.c.id.in_(ids))
         .values(
             locked_until=db_now_plus(bindparam("lease", type_=Float)),
             locked_by=bindparam("claimant", type_=String),
@@ -543,21 +612,104 @@ def _claim_statement(tables: Tables, liveness: bool) -> Any:
     )
 
 
-def claimable(i: Any, *, liveness: bool) -> ColumnElement[bool]:
-    """The rows a claim may take now: pending, due, not leased (its lease ran out, or with
-    `liveness` its claimant holds no liveness lock), and no earlier pending row of its key."""
-    earlier = i.alias("earlier")
-    free = [i.c.locked_until.is_(None), i.c.locked_until <= db_now()]
-    if liveness:
-        free.append(
-            and_(
-                ~i.c.locked_by.endswith(LEASE_ONLY, autoescape=True), _claimant_gone(i.c.locked_by)
+@cache
+def _fair_claim_statement(tables: Tables, postgres: bool, caps: tuple[tuple[str, int], ...]) -> Any:
+    """The fair claim of `claim_inbox` with `caps`, built once per schema and caps.
+
+    On PostgreSQL the types waiting are read from the index of pending rows by type, one
+    probe per type (a recursive scan), and each type's first `limit` claimable rows from the
+    same index (a lateral subquery that row-locks them, skipping rows another claim holds);
+    SQLite numbers every claimable row instead. The first `limit` in served order are leased.
+    """
+    i = tables.inbox
+    limit = bindparam("limit", type_=Integer, literal_execute=True)
+    if postgres:
+        probe = i.alias("probe")
+        first = select(probe.c.routing_key).where(probe.c.status == _inline(PENDING))
+        types = select(
+            first.order_by(probe.c.routing_key).limit(1).scalar_subquery().label("rk")
+        ).cte("types", recursive=True)
+        later = first.where(probe.c.routing_key > types.c.rk)
+        types = types.union_all(
+            select(later.order_by(probe.c.routing_key).limit(1).scalar_subquery()).where(
+                types.c.rk.is_not(None)
             )
         )
+        take: Any = limit
+        cap = _cap_of(tables, types.c.rk, caps, liveness=True)
+        if cap is not None:
+            take = func.greatest(0, func.least(limit, func.coalesce(cap, limit)))
+        heads = (
+            select(i.c.id, i.c.priority, i.c.routing_key)
+            .where(claimable(i, liveness=True), i.c.routing_key == types.c.rk)
+            .order_by(i.c.priority.desc(), i.c.id)
+            .limit(take)
+            .with_for_update(skip_locked=True)
+            .lateral("heads")
+        )
+        source: Any = select(heads).select_from(types.join(heads, true()))
+        source = source.where(types.c.rk.is_not(None)).subquery("source")
+        nth = None
+    else:
+        nth = func.row_number().over(
+            partition_by=i.c.routing_key, order_by=(i.c.priority.desc(), i.c.id)
+        )
+        source = (
+            select(i.c.id, i.c.priority, i.c.routing_key, nth.label("nth"))
+            .where(claimable(i, liveness=False))
+            .subquery("source")
+        )
+    turn = func.row_number().over(
+        partition_by=(source.c.routing_key, source.c.priority), order_by=source.c.id
+    )
+    ranked = select(source.c.id, source.c.priority, source.c.routing_key, turn.label("turn"))
+    if nth is not None:
+        cap = _cap_of(tables, source.c.routing_key, caps, liveness=False)
+        if cap is not None:
+            ranked = ranked.where(source.c.nth <= func.coalesce(cap, source.c.nth))
+    r = ranked.subquery("ranked")
+    after = bindparam("after", type_=String)
+    picked = (
+        select(r.c.id)
+        .order_by(r.c.priority.desc(), r.c.turn, r.c.routing_key <= after, r.c.routing_key)
+        .limit(limit)
+        .scalar_subquery()
+    )
+    return _lease(tables, picked)
+
+
+def _cap_of(
+    tables: Tables, routing_key: Any, caps: tuple[tuple[str, int], ...], *, liveness: bool
+) -> Any:
+    """The places left under the cap of `routing_key` (None without caps): its cap less its
+    rows leased now, by a live claimant."""
+    if not caps:
+        return None
+    i = tables.inbox
+    leased = i.alias("leased")
+    in_flight = (
+        select(func.count())
+        .where(
+            leased.c.status == _inline(PENDING),
+            leased.c.routing_key == routing_key,
+            leased.c.locked_until.is_not(None),
+            ~_free(leased, liveness=liveness),
+        )
+        .correlate_except(leased)
+        .scalar_subquery()
+    )
+    # Counted in the branch of a capped type only: an uncapped one costs nothing.
+    return case(*((routing_key == key, literal(n) - in_flight) for key, n in caps), else_=None)
+
+
+def claimable(i: Any, *, liveness: bool) -> ColumnElement[bool]:
+    """The rows a claim may take now: pending, due, `_free`, and no earlier pending row of
+    its key."""
+    earlier = i.alias("earlier")
     return and_(
         i.c.status == _inline(PENDING),
         i.c.next_attempt_at <= db_now(),
-        or_(*free),
+        _free(i, liveness=liveness),
         or_(
             i.c.key.is_(None),
             ~exists().where(
@@ -567,6 +719,18 @@ def claimable(i: Any, *, liveness: bool) -> ColumnElement[bool]:
             ),
         ),
     )
+
+
+def _free(i: Any, *, liveness: bool) -> ColumnElement[bool]:
+    """Not leased: its lease ran out, or with `liveness` its claimant holds no liveness lock."""
+    free = [i.c.locked_until.is_(None), i.c.locked_until <= db_now()]
+    if liveness:
+        free.append(
+            and_(
+                ~i.c.locked_by.endswith(LEASE_ONLY, autoescape=True), _claimant_gone(i.c.locked_by)
+            )
+        )
+    return or_(*free)
 
 
 def _inline(value: Any) -> Any:

@@ -1,0 +1,291 @@
+"""Fair claims and concurrency caps, on the real PostgreSQL (and the same order on SQLite).
+
+The worker's claim serves the message types waiting in turn within a priority, keeps each
+ordering key's order and holds a key behind its failing head; a handler's ``max_concurrency``
+is never exceeded by the workers of several processes and service instances together, and a
+message a cap holds back is neither leased nor counted as an attempt. Everything is counted in
+claims and batches, never timed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import Connection, text
+
+from helpers import make_service, received_row, rows, scalar, wait_until
+from outbox_inbox import Message, Service
+from outbox_inbox.queries import roles
+from outbox_inbox.worker import Worker
+
+INBOX = "outbox_inbox.inbox_messages"
+LEASE = timedelta(seconds=60)
+
+
+def _service(db_url: str, types: tuple[str, ...], **settings: Any) -> tuple[Service, list[str]]:
+    """billing with a handler of each command of `types` that notes the types it handled,
+    in order."""
+    service = make_service("billing", db_url, None, **settings)
+    handled: list[str] = []
+    for command in types:
+
+        def handle(message: Message, session: Any) -> None:
+            handled.append(message.type.removeprefix("billing."))
+
+        service.on_command(command)(handle)
+    return service, handled
+
+
+def _store(service: Service, command: str, count: int, **values: Any) -> None:
+    rk = f"billing.{command}"
+    with service.engine.begin() as conn:
+        roles.insert_inbox(
+            conn, service.tables, [received_row(routing_key=rk, **values) for _ in range(count)]
+        )
+
+
+@contextmanager
+def _connected(worker: Worker) -> Iterator[Connection]:
+    conn = worker.connect()
+    try:
+        yield conn
+    finally:
+        worker.give_back(conn)
+        conn.close()
+        worker.close_liveness()
+
+
+@pytest.mark.parametrize("batch", [1, 50])
+def test_three_types_with_five_waiting_each_are_served_in_turn(db_url: str, batch: int) -> None:
+    service, handled = _service(db_url, ("a.run", "b.run", "c.run"), worker_batch_size=batch)
+    for command in ("a.run", "b.run", "c.run"):
+        _store(service, command, 5)
+    worker = service.worker()
+    with _connected(worker) as conn:
+        while worker.work_once(conn):
+            pass
+    assert handled == ["a.run", "b.run", "c.run"] * 5
+    service.close()
+
+
+def test_with_fair_claims_off_the_types_are_served_in_arrival_order(db_url: str) -> None:
+    service, handled = _service(db_url, ("a.run", "b.run"), fair_claims=False)
+    for command in ("a.run", "b.run"):
+        _store(service, command, 3)
+    worker = service.worker()
+    with _connected(worker) as conn:
+        while worker.work_once(conn):
+            pass
+    assert handled == ["a.run"] * 3 + ["b.run"] * 3
+    service.close()
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_urgent_commands_sent_during_a_backlog_are_handled_within_two_batches(
+    db_url: str, fair: bool
+) -> None:
+    service, handled = _service(
+        db_url, ("bulk.item", "urgent.ping"), worker_batch_size=10, fair_claims=fair
+    )
+    _store(service, "bulk.item", 300)
+    worker = service.worker()
+    with _connected(worker) as conn:
+        for _ in range(3):
+            worker.work_once(conn)
+        _store(service, "urgent.ping", 5)
+        # The batch in hand was claimed before the urgent commands came: the one after it
+        # is the first that can serve them.
+        batches = [Counter(handled[-10:]) for _ in range(2) if worker.work_once(conn)]
+    urgent = sum(b["urgent.ping"] for b in batches)
+    if fair:
+        assert urgent == 5
+        assert batches[-1]["urgent.ping"] == 5  # in one batch, each beside a bulk item
+    else:
+        assert urgent == 0  # behind the whole backlog
+    service.close()
+
+
+def test_a_type_spread_over_many_keys_gets_no_more_than_its_share(db_url: str) -> None:
+    service, handled = _service(db_url, ("split.run", "whole.run"), worker_batch_size=10)
+    with service.engine.begin() as conn:
+        spread = [
+            received_row(routing_key="billing.split.run", key=f"k{n % 100}") for n in range(200)
+        ]
+        roles.insert_inbox(conn, service.tables, spread)
+    _store(service, "whole.run", 200)
+    worker = service.worker()
+    with _connected(worker) as conn:
+        for _ in range(10):
+            worker.work_once(conn)
+    share = Counter(handled[:100])
+    assert share == {"split.run": 50, "whole.run": 50}
+    service.close()
+
+
+def test_priorities_come_before_the_turns_of_the_types(db_url: str) -> None:
+    service, handled = _service(db_url, ("a.run", "b.run", "c.run"))
+    _store(service, "a.run", 3)
+    _store(service, "b.run", 2, priority=5)
+    _store(service, "c.run", 1, priority=5)
+    worker = service.worker()
+    with _connected(worker) as conn:
+        worker.work_once(conn)
+    assert handled == ["b.run", "c.run", "b.run", "a.run", "a.run", "a.run"]
+    service.close()
+
+
+def test_a_key_keeps_its_order_and_is_held_behind_its_failing_head(db_url: str) -> None:
+    service, _ = _service(db_url, ("a.run", "b.run"))
+    engine, tables = service.engine, service.tables
+    with engine.begin() as conn:
+        keyed = [received_row(routing_key="billing.a.run", key="k1") for _ in range(3)]
+        roles.insert_inbox(conn, tables, keyed)
+    _store(service, "b.run", 3)
+    first, second, _third = (
+        r[0] for r in rows(db_url, f"SELECT id FROM {INBOX} WHERE key = 'k1' ORDER BY id")
+    )
+
+    def claim() -> list[int]:
+        with engine.begin() as conn:
+            return [r["id"] for r in roles.claim_inbox(conn, tables, "w", 10, timedelta(0))]
+
+    claimed = claim()
+    assert first in claimed and second not in claimed and len(claimed) == 4
+    with engine.begin() as conn:
+        roles.mark_retry(conn, tables, first, "failed", timedelta(seconds=60))
+        roles.mark_processed(conn, tables, [i for i in claimed if i != first])
+    assert claim() == []  # the key is held behind its head, which waits for its retry
+    with engine.begin() as conn:
+        conn.execute(
+            text(f"UPDATE {INBOX} SET next_attempt_at = now() WHERE id = :i"), {"i": first}
+        )
+        roles.mark_processed(conn, tables, [first])
+    assert claim() == [second]
+    service.close()
+
+
+def test_a_message_held_back_by_a_cap_is_neither_leased_nor_counted(db_url: str) -> None:
+    service = make_service("billing", db_url, None)
+    engine, tables = service.engine, service.tables
+    _store(service, "job.run", 3)
+    caps = {"billing.job.run": 1}
+
+    def claim(worker: str) -> list[int]:
+        with engine.begin() as conn:
+            claimed = roles.claim_inbox(conn, tables, worker, 10, LEASE, caps=caps)
+            return [r["id"] for r in claimed]
+
+    # Claimants without a liveness lock: their rows are theirs for the lease.
+    [first] = claim("w-1" + roles.LEASE_ONLY)
+    assert claim("w-2" + roles.LEASE_ONLY) == []
+    assert rows(db_url, f"SELECT attempts, locked_by FROM {INBOX} WHERE id <> {first}") == [
+        (0, None),
+        (0, None),
+    ]
+    with engine.begin() as conn:
+        roles.mark_processed(conn, tables, [first])
+    assert len(claim("w-2" + roles.LEASE_ONLY)) == 1  # as soon as the cap allows
+    service.close()
+
+
+_CAPPED_APP = """
+import sys, threading, time
+from sqlalchemy import create_engine, text
+from outbox_inbox import Service
+
+db_url, cap = sys.argv[1], int(sys.argv[2])
+gauge = create_engine(db_url, isolation_level="AUTOCOMMIT")
+stop = threading.Event()
+threads = []
+for instance in range(2):
+    service = Service("billing", db_url=db_url, mq_url=None, worker_batch_size=5,
+                      worker_poll_interval=0.05)
+
+    @service.on_command("job.run", max_concurrency=cap or None)
+    def handle(message, session):
+        with gauge.connect() as conn:
+            running = conn.execute(text("UPDATE gauge SET n = n + 1 RETURNING n")).scalar_one()
+            conn.execute(text("INSERT INTO seen (running) VALUES (:n)"), {"n": running})
+            time.sleep(0.02)
+            conn.execute(text("UPDATE gauge SET n = n - 1"))
+
+    for _ in range(2):
+        thread = threading.Thread(target=service.worker().run, args=(stop,))
+        thread.start()
+        threads.append(thread)
+sys.stdin.read()  # until the test closes it
+stop.set()
+for thread in threads:
+    thread.join(30)
+"""
+
+
+@pytest.mark.parametrize("cap", [2, 0])
+def test_a_cap_is_never_exceeded_by_two_processes_of_two_instances(
+    db_url: str, tmp_path: Path, cap: int
+) -> None:
+    service = make_service("billing", db_url, None)
+    with service.engine.begin() as conn:
+        conn.execute(text("CREATE TABLE gauge (n int NOT NULL)"))
+        conn.execute(text("INSERT INTO gauge VALUES (0)"))
+        conn.execute(text("CREATE TABLE seen (running int NOT NULL)"))
+    _store(service, "job.run", 60)
+    app = tmp_path / "capped_app.py"
+    app.write_text(textwrap.dedent(_CAPPED_APP))
+    children = [
+        subprocess.Popen([sys.executable, str(app), db_url, str(cap)], stdin=subprocess.PIPE)
+        for _ in range(2)
+    ]
+    try:
+        wait_until(
+            lambda: (
+                scalar(db_url, f"SELECT count(*) FROM {INBOX} WHERE status = 'processed'") == 60
+            ),
+            timeout=120,
+            what="every job handled",
+        )
+    finally:
+        for child in children:
+            assert child.stdin is not None
+            child.stdin.close()
+        for child in children:
+            child.wait(60)
+    assert scalar(db_url, "SELECT count(*) FROM seen") == 60
+    most = scalar(db_url, "SELECT max(running) FROM seen")
+    if cap:
+        assert most <= cap
+        assert scalar(db_url, f"SELECT max(attempts) FROM {INBOX}") == 1
+    else:
+        assert most > 2  # the same fleet without the cap runs more at once
+    service.close()
+
+
+def test_sqlite_serves_the_types_in_the_same_turns(tmp_path: Path) -> None:
+    db_url = f"sqlite:///{tmp_path / 'billing.db'}"
+    service = Service("billing", db_url=db_url, mq_url=None)
+    service.migrate()
+    handled: list[str] = []
+    for command in ("a.run", "b.run", "c.run"):
+
+        def handle(message: Message, session: Any) -> None:
+            handled.append(message.type.removeprefix("billing."))
+
+        service.on_command(command)(handle)
+    for command in ("a.run", "b.run", "c.run"):
+        _store(service, command, 5)
+    _store(service, "a.run", 1, priority=5)
+    worker = service.worker()
+    with _connected(worker) as conn:
+        while worker.work_once(conn):
+            pass
+    assert handled == ["a.run"] + ["a.run", "b.run", "c.run"] * 5
+    service.close()
