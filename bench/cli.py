@@ -22,14 +22,14 @@ from types import FrameType
 
 from psycopg import sql
 
-from bench import aio, latency, peers, raw_mq, raw_pg, report, roles, rss
+from bench import aio, fair, latency, peers, raw_mq, raw_pg, report, roles, rss
 from bench.context import Context
 from bench.timing import BenchError
 from bench.wire import WINDOW, make_wires
 from outbox_inbox.messages import from_wire
 
 #: Groups of figures that --skip and --only choose from, in the order they run.
-GROUPS = ("raw", "peers", "library", "processes", "async", "e2e", "latency", "memory")
+GROUPS = ("raw", "peers", "library", "processes", "async", "fair", "e2e", "latency", "memory")
 
 
 def warm_up(ctx: Context) -> None:
@@ -82,6 +82,9 @@ def run(ctx: Context) -> None:
             aio.write_outbox_async(ctx)
             aio.asyncio_workers(ctx, 1)
             aio.asyncio_workers(ctx, 2)
+    if "fair" not in skip:
+        print("\nfair claims and caps", flush=True)
+        fair.measure(ctx)
     if "e2e" not in skip:
         roles.end_to_end(ctx)
     if "latency" not in skip:

@@ -38,6 +38,8 @@ TARGETS = (
     Target("outbox.publish_async (wa) / outbox.publish (w)", "wa", "w", None),
     Target("asyncio worker (ga) / worker in a thread (g)", "ga", "g", None),
     Target("2 asyncio workers (ga2) / 2 threads (g2)", "ga2", "g2", None),
+    Target("no-op worker, fair claims (f0) / fair_claims=False (f0x)", "f0", "f0x", 0.95),
+    Target("no-op worker, a cap that never binds (f0c) / no cap (f0)", "f0c", "f0", 0.9),
     Target("relay (e) / raw confirmed publish (a)", "e", "a", 0.6),
     Target("pipeline, B's default run() (h) / raw confirmed publish (a)", "h", "a", 0.35),
     Target("dramatiq enqueue (dq) / raw confirmed publish (a)", "dq", "a", None),

@@ -356,8 +356,8 @@ class Worker:
             after=self._served,
             caps=self._handlers.caps(),
         )
-        if rows:  # the next claim's turn starts after the last type served
-            self._served = rows[-1]["routing_key"]
+        if rows and s.fair_claims:  # the next claim's turn starts after the last type served
+            self._served = roles.last_served(rows, self._served)
         return rows
 
     @property

@@ -22,7 +22,7 @@ branch_labels = None
 depends_on = None
 
 #: (name, columns, where)
-_INDEXES = [
+_INDEXES: list[tuple[str, list[str | sa.TextClause], str]] = [
     (
         "ix_inbox_messages_pending_type",
         ["routing_key", sa.text("priority DESC"), "id"],

@@ -533,45 +533,45 @@ def claim_inbox(
     free places: it is held until the caller's transaction ends (keep it short).
 
     The claim commits with the caller's transaction, so the count survives a crash of the
-    handler. Rows come in the order they were served, each with the `_CLAIMED` columns and
-    ``claimed_at``, the database's time.
+    handler. The rows come by priority, then arrival (the order the batch is handled in; see
+    `last_served`), each with the `_CLAIMED` columns and ``claimed_at``, the database's time.
     """
     postgres = conn.dialect.name == "postgresql"
     capped = tuple(sorted((caps or {}).items()))
     if capped and postgres:
         conn.execute(_LOCK_CAPS, {"keys": [key for key, _ in capped]})
     params = {"claimant": worker, "limit": limit, "lease": lease.total_seconds()}
-    if not fair and not capped:
+    if fair or capped:
+        stmt = _fair_claim_statement(tables, postgres, fair, capped)
+        if fair:
+            params["after"] = after or ""
+    else:
         stmt = _claim_statement(tables, postgres)
-        rows = list(conn.execute(stmt, params).mappings().all())  # one fetchall
-        rows.sort(key=lambda r: (-r["priority"], r["id"]))
-        return rows
-    stmt = _fair_claim_statement(tables, postgres, capped)
-    rows = list(conn.execute(stmt, {**params, "after": after or ""}).mappings().all())
-    return served_order(rows, (after or "") if fair else None)
+    rows = list(conn.execute(stmt, params).mappings().all())  # one fetchall, not row by row
+    rows.sort(key=lambda r: (-r["priority"], r["id"]))
+    return rows
 
 
-def served_order(rows: Sequence[RowMapping], after: str | None) -> list[RowMapping]:
-    """`rows` of one claim in the order the fair claim served them: by priority, then in
-    turns (each type's first row, then each one's second…), in a turn the types after
-    `after` first; None: by priority, then arrival."""
-    if after is None:
-        return sorted(rows, key=lambda r: (-r["priority"], r["id"]))
+def last_served(rows: Sequence[RowMapping], after: str | None) -> str:
+    """The routing key of the row a fair claim with `after` served last among `rows`: by
+    priority, then in turns (each type's first row, then each one's second…), in a turn the
+    types after `after` first."""
     seen: Counter[tuple[int, str]] = Counter()
-    turns = {}
+    turn = {}
     for row in sorted(rows, key=lambda r: r["id"]):
         group = (row["priority"], row["routing_key"])
         seen[group] += 1
-        turns[row["id"]] = seen[group]
-    return sorted(
+        turn[row["id"]] = seen[group]
+    rk = after or ""
+    return max(
         rows,
         key=lambda r: (
             -r["priority"],
-            turns[r["id"]],
-            r["routing_key"] <= after,
+            turn[r["id"]],
+            r["routing_key"] <= rk,
             r["routing_key"],
         ),
-    )
+    )["routing_key"]
 
 
 #: Claims of a capped type, in key order (no two claims deadlock).
@@ -613,8 +613,11 @@ def _lease(tables: Tables, ids: Any) -> Any:
 
 
 @cache
-def _fair_claim_statement(tables: Tables, postgres: bool, caps: tuple[tuple[str, int], ...]) -> Any:
-    """The fair claim of `claim_inbox` with `caps`, built once per schema and caps.
+def _fair_claim_statement(
+    tables: Tables, postgres: bool, fair: bool, caps: tuple[tuple[str, int], ...]
+) -> Any:
+    """The claim of `claim_inbox` with `caps`, in turns (`fair`) or arrival order, built once
+    per schema and caps.
 
     On PostgreSQL the types waiting are read from the index of pending rows by type, one
     probe per type (a recursive scan), and each type's first `limit` claimable rows from the
@@ -669,12 +672,8 @@ def _fair_claim_statement(tables: Tables, postgres: bool, caps: tuple[tuple[str,
             ranked = ranked.where(source.c.nth <= func.coalesce(cap, source.c.nth))
     r = ranked.subquery("ranked")
     after = bindparam("after", type_=String)
-    picked = (
-        select(r.c.id)
-        .order_by(r.c.priority.desc(), r.c.turn, r.c.routing_key <= after, r.c.routing_key)
-        .limit(limit)
-        .scalar_subquery()
-    )
+    turns = (r.c.turn, r.c.routing_key <= after, r.c.routing_key) if fair else (r.c.id,)
+    picked = select(r.c.id).order_by(r.c.priority.desc(), *turns).limit(limit).scalar_subquery()
     return _lease(tables, picked)
 
 
