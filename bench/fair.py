@@ -53,12 +53,12 @@ def _service(ctx: Context, **settings: Any) -> Service:
 def _seed(ctx: Context, svc: Service, command: str, rows: int) -> None:
     """F's inbox emptied, then `rows` pending `command` rows."""
     inbox = sql.Identifier(svc.settings.schema, "inbox_messages")
+    ctx.sql(sql.SQL("TRUNCATE {}").format(inbox))
     ctx.sql(
-        sql.SQL("TRUNCATE {}").format(inbox),
         sql.SQL(
             "INSERT INTO {} (message_id, source, kind, routing_key, payload, headers)"
             " SELECT gen_random_uuid(), %s, 'command', %s, {}, '{{}}'::jsonb"
-            " FROM generate_series(1, %s)"
+            " FROM generate_series(1, %s) AS i"
         ).format(inbox, sql.SQL(PAYLOAD_SQL)),
         params=(svc.name, f"{svc.name}.{command}", rows),
     )
@@ -71,7 +71,9 @@ def _drain(ctx: Context, svc: Service, threads: int = 1) -> Timer:
     with Timer() as timer:
         for k, worker in enumerate(workers):
             ctx.threads.start(f"fair-worker-{k}", worker.run)
-        wait_until(lambda: sum(w.processed for w in workers) >= total, ctx.timeout, "fair")
+        wait_until(
+            lambda: sum(w.processed for w in workers) >= total, ctx.timeout, "fair", ctx.threads
+        )
     ctx.threads.stop_all()
     return timer
 
@@ -131,7 +133,9 @@ def urgent_latency(ctx: Context, fair: bool) -> dict[str, Any]:
         ctx.threads.start(f"urgent-worker-{k}", worker.run)
     sender = threading.Thread(target=send)
     sender.start()
-    wait_until(lambda: sum(w.processed for w in workers) >= BULK + URGENT, ctx.timeout, "bulk")
+    wait_until(
+        lambda: sum(w.processed for w in workers) >= BULK + URGENT, ctx.timeout, "bulk", ctx.threads
+    )
     drained = time.monotonic() - began
     sender.join()
     ctx.threads.stop_all()

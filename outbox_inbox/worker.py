@@ -12,7 +12,7 @@ import time
 import traceback
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -435,9 +435,8 @@ class Worker:
                 # by message. The failing handler is not run again for this attempt: its error
                 # is recorded as it was raised.
                 log.debug("worker %s: batch failed (%r), one by one", self.name, cause)
-                handled = self._run_one_by_one(
-                    conn, batch, exc if isinstance(exc, _HandlerFailed) else None
-                )
+                failed = exc if isinstance(exc, _HandlerFailed) else None
+                handled = self._run_batch(conn, batch, one_by_one=True, failed=failed)
         except ConnectionLost:
             self._release(conn, batch.ids)  # the database is there but cannot work: uncounted
             raise
@@ -468,60 +467,85 @@ class Worker:
                 batch.run.append(row)
         return batch
 
-    def _run_batch(self, conn: Connection, batch: _Batch, *, claim_next: bool) -> list[Message]:
+    def _run_batch(
+        self,
+        conn: Connection,
+        batch: _Batch,
+        *,
+        claim_next: bool = False,
+        one_by_one: bool = False,
+        failed: _HandlerFailed | None = None,
+    ) -> list[Message]:
         """Run every handler of the batch in one transaction; raise if any of them fails.
+        `one_by_one`: each message in a savepoint of its own, each failure recorded, and the
+        row that `failed` names not run again (its error is recorded as it was).
 
         With `claim_next`, the same transaction claims the next batch (`_next`) after the
         marks, unless the worker is stopping: one transaction per batch instead of two, and
         the next batch's attempts are counted when this one commits, before its handlers run.
+        Stopping between messages leaves the rest unrun (given back uncounted).
         """
         handled: list[Message] = []
-        claimed: list[RowMapping] = []
+        processed: list[int] = []
+        unrun: list[int] = []
         with conn.begin():
             mine = roles.lock_claimed(conn, self._tables, batch.ids, self.claimant, batch.since)
             self._mark_dead_rows(conn, batch, mine)
-            # join_transaction_mode="rollback_only": a handler's session.commit() only flushes;
-            # this transaction is the worker's to commit.
-            session = Session(bind=conn, join_transaction_mode="rollback_only")
-            processed: list[int] = []
-            unrun: list[int] = []
-            try:
-                self._handle(batch.run, mine, session, handled, processed, unrun)
-                session.flush()
-                run_writes(session)
-            finally:
-                session.close()
+            rows = self._to_run(batch.run, mine, unrun)
+            if one_by_one:
+                for row in rows:
+                    if failed is not None and row["id"] == failed.row_id:
+                        self._record_failure(conn, row, failed.error)
+                    elif (message := self._handle_alone(conn, row)) is not None:
+                        handled.append(message)
+                        processed.append(row["id"])
+            else:
+                # join_transaction_mode="rollback_only": a handler's session.commit() only
+                # flushes; this transaction is the worker's to commit.
+                session = Session(bind=conn, join_transaction_mode="rollback_only")
+                try:
+                    self._handle(rows, session, handled, processed)
+                    session.flush()
+                    run_writes(session)
+                finally:
+                    session.close()
             roles.mark_processed(conn, self._tables, processed, batch.since)
             roles.release_claims(conn, self._tables, unrun, self.claimant)
-            if claim_next and not self._stop.is_set():
-                claimed = self._claim(conn)
-        self._next = claimed
+            claimed = self._claim(conn) if claim_next and not self._stop.is_set() else []
+        if claim_next:
+            self._next = claimed  # once committed
         return handled
 
-    def _handle(
-        self,
-        rows: list[RowMapping],
-        mine: set[int],
-        session: Session,
-        handled: list[Message],
-        processed: list[int],
-        unrun: list[int],
-    ) -> None:
-        """Run the handlers of `rows` (those in `mine`) with `session`, filling the lists.
-
-        Message by message, its handlers called per message run at once; each batch handler
-        runs once at the end with all the messages it handles. Stopping between messages
-        leaves the rest `unrun`; a message begun runs every handler. Raises `_HandlerFailed`
-        (a handler called per message), or what a batch handler raised.
-        """
-        tracer = self._tracing.tracer()
-        batches: dict[int, tuple[Subscription, list[Message]]] = {}
+    def _to_run(
+        self, rows: list[RowMapping], mine: set[int], unrun: list[int]
+    ) -> Iterator[RowMapping]:
+        """The rows still leased here (`mine`), one at a time, until the worker is stopping:
+        the rest go to `unrun`."""
         for row in rows:
             if row["id"] not in mine:
                 continue  # lease lost to another worker in the meantime
             if self._stop.is_set():
                 unrun.append(row["id"])
                 continue
+            yield row
+
+    def _handle(
+        self,
+        rows: Iterator[RowMapping],
+        session: Session,
+        handled: list[Message],
+        processed: list[int],
+    ) -> None:
+        """Run the handlers of `rows` with `session`, filling the lists.
+
+        Message by message, its handlers called per message run at once; each batch handler
+        runs once at the end with all the messages it handles. A message begun runs every
+        handler. Raises `_HandlerFailed` (a handler called per message), or what a batch
+        handler raised.
+        """
+        tracer = self._tracing.tracer()
+        batches: dict[int, tuple[Subscription, list[Message]]] = {}
+        for row in rows:
             message = message_from_row(row)
             single, batched = self._handlers.split(message.kind, message.type, message.version)
             if single:
@@ -535,36 +559,6 @@ class Worker:
             processed.append(row["id"])
         for subscription, messages in batches.values():
             self._run_batch_handler(subscription, messages, session, tracer)
-
-    def _run_one_by_one(
-        self, conn: Connection, batch: _Batch, failed: _HandlerFailed | None
-    ) -> list[Message]:
-        """Run the batch again with a savepoint per message; record each failure.
-
-        The row that `failed` names is not run again: its error is recorded as it was.
-        """
-        handled: list[Message] = []
-        with conn.begin():
-            mine = roles.lock_claimed(conn, self._tables, batch.ids, self.claimant, batch.since)
-            self._mark_dead_rows(conn, batch, mine)
-            processed: list[int] = []
-            unrun: list[int] = []
-            for row in batch.run:
-                if row["id"] not in mine:
-                    continue
-                if self._stop.is_set():
-                    unrun.append(row["id"])
-                    continue
-                if failed is not None and row["id"] == failed.row_id:
-                    self._record_failure(conn, row, failed.error)
-                    continue
-                message = self._handle_alone(conn, row)
-                if message is not None:
-                    handled.append(message)
-                    processed.append(row["id"])
-            roles.mark_processed(conn, self._tables, processed, batch.since)
-            roles.release_claims(conn, self._tables, unrun, self.claimant)
-        return handled
 
     def _leave_away_rows(self, conn: Connection, batch: _Batch, mine: set[int]) -> None:
         """Decide the rows no handler of this worker takes, in the batch's transaction.

@@ -556,22 +556,13 @@ def last_served(rows: Sequence[RowMapping], after: str | None) -> str:
     """The routing key of the row a fair claim with `after` served last among `rows`: by
     priority, then in turns (each type's first row, then each one's second…), in a turn the
     types after `after` first."""
-    seen: Counter[tuple[int, str]] = Counter()
-    turn = {}
+    turns: Counter[tuple[int, str]] = Counter()
+    served: list[tuple[int, int, bool, str]] = []
     for row in sorted(rows, key=lambda r: r["id"]):
-        group = (row["priority"], row["routing_key"])
-        seen[group] += 1
-        turn[row["id"]] = seen[group]
-    rk = after or ""
-    return max(
-        rows,
-        key=lambda r: (
-            -r["priority"],
-            turn[r["id"]],
-            r["routing_key"] <= rk,
-            r["routing_key"],
-        ),
-    )["routing_key"]
+        rk = row["routing_key"]
+        turns[row["priority"], rk] += 1
+        served.append((-row["priority"], turns[row["priority"], rk], rk <= (after or ""), rk))
+    return max(served)[3]
 
 
 #: Claims of a capped type, in key order (no two claims deadlock).

@@ -561,6 +561,7 @@ ServiceOrBuilder = Service | Callable[..., Service]
 if TYPE_CHECKING or importlib.util.find_spec("pytest") is not None:
     import pytest
 
+
     @pytest.fixture
     def outbox_inbox_broker() -> Iterator[Broker]:
         """The broker of this test: a `MemoryBroker` of its own, closed after it; or, with
