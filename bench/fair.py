@@ -16,7 +16,7 @@ import uuid
 from typing import Any
 
 from psycopg import sql
-from sqlalchemy import column, func, insert, table, text
+from sqlalchemy import column, func, insert, select, table
 
 from bench.context import Context
 from bench.timing import Figure, Timer, wait_until
@@ -90,7 +90,7 @@ def noop_rates(ctx: Context) -> None:
     samples: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(max(1, ctx.raw_repeats)):
         for key, (_title, settings) in variants.items():
-            svc = _service(ctx, **settings)
+            svc = _service(ctx, **dict(settings))
             _seed(ctx, svc, "noop.run", ctx.n)
             timer = _drain(ctx, svc)
             svc.close()
@@ -106,6 +106,7 @@ def urgent_latency(ctx: Context, fair: bool) -> dict[str, Any]:
     """`BULK` bulk items wait; a second into their drain by 2 worker threads, `URGENT` urgent
     pings are committed `URGENT_GAP` apart. Commit -> handled of the pings, in ms."""
     svc = _service(ctx, fair_claims=fair, worker_batch_size=50)
+    handled_table = table("urgent_handled", column("n"), column("at"), schema=svc.settings.schema)
     ctx.sql(sql.SQL("TRUNCATE {}").format(sql.Identifier(svc.settings.schema, "urgent_handled")))
     _seed(ctx, svc, "bulk.item", BULK)
     workers = [svc.worker() for _ in range(2)]
@@ -140,7 +141,9 @@ def urgent_latency(ctx: Context, fair: bool) -> dict[str, Any]:
     sender.join()
     ctx.threads.stop_all()
     with svc.engine.connect() as conn:
-        handled = dict(conn.execute(text("SELECT n, extract(epoch FROM at) FROM urgent_handled")))
+        handled = dict(
+            conn.execute(select(handled_table.c.n, func.extract("epoch", handled_table.c.at)))
+        )
     svc.close()
     waits = sorted((float(handled[n]) - committed[n]) * 1000 for n in committed)
     result = {

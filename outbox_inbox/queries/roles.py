@@ -636,7 +636,8 @@ def _fair_claim_statement(
         heads = (
             select(i.c.id, i.c.priority, i.c.routing_key)
             .where(claimable(i, liveness=True), i.c.routing_key == types.c.rk)
-            .order_by(i.c.priority.desc(), i.c.id)
+            # The type first, though it is one: the order of the type's index, read alone.
+            .order_by(i.c.routing_key, i.c.priority.desc(), i.c.id)
             .limit(take)
             .with_for_update(skip_locked=True)
             .lateral("heads")
@@ -1095,6 +1096,9 @@ def limit_worker(dbapi_connection: Any, lease: float, *, local: bool) -> None:
         "tcp_keepalives_interval": str(interval),
         "tcp_keepalives_count": str(count),
         "tcp_user_timeout": str(WORKER_USER_TIMEOUT),
+        # The claim's estimated cost can pass jit_above_cost, and compiling it costs far
+        # more than running it: no statement of a worker's transaction needs JIT.
+        "jit": "off",
     }
     # The DB-API face only (no psycopg keywords): the asyncio worker's adapter has no more.
     cursor = dbapi_connection.cursor()
@@ -1143,6 +1147,6 @@ def _tcp_bounds(*, local: bool, user_timeout: bool = False) -> Select[Any]:
 
 # Fixed texts, values bound: ``set_config(name, value, true)`` is ``SET LOCAL``.
 _LIMIT_SQL = {
-    local: "SELECT " + ", ".join([f"set_config(%s, %s, {str(local).lower()})"] * 5)
+    local: "SELECT " + ", ".join([f"set_config(%s, %s, {str(local).lower()})"] * 6)
     for local in (True, False)
 }
