@@ -620,12 +620,16 @@ def _fair_claim_statement(
     if postgres:
         probe = i.alias("probe")
         first = select(probe.c.routing_key).where(probe.c.status == _inline(PENDING))
+        # LIMIT 1 written into the text: as a parameter, the server's generic plan of the
+        # prepared claim would expect a tenth of the table from each probe, and each
+        # execution would be planned anew (custom plans).
+        one = _inline(1)
         types = select(
-            first.order_by(probe.c.routing_key).limit(1).scalar_subquery().label("rk")
+            first.order_by(probe.c.routing_key).limit(one).scalar_subquery().label("rk")
         ).cte("types", recursive=True)
         later = first.where(probe.c.routing_key > types.c.rk)
         types = types.union_all(
-            select(later.order_by(probe.c.routing_key).limit(1).scalar_subquery()).where(
+            select(later.order_by(probe.c.routing_key).limit(one).scalar_subquery()).where(
                 types.c.rk.is_not(None)
             )
         )
@@ -1080,7 +1084,8 @@ def limit_worker(dbapi_connection: Any, lease: float, *, local: bool) -> None:
     locks; the server ends its session after the lease, so the rows go back to the queue and
     the hung work can never commit. The TCP keepalive settings and ``tcp_user_timeout`` bound
     how long the transaction of a worker whose host vanished or was cut off lives on
-    (`WORKER_KEEPALIVE`, `WORKER_USER_TIMEOUT`).
+    (`WORKER_KEEPALIVE`, `WORKER_USER_TIMEOUT`). ``jit`` off and ``plan_cache_mode`` =
+    ``force_generic_plan``: the claim is planned once per connection, and never compiled.
 
     `local`: set them for the transaction being begun only (``set_config(..., true)``, ``SET
     LOCAL``), so that a connection pooler in transaction mode hands no setting of the library
@@ -1099,6 +1104,9 @@ def limit_worker(dbapi_connection: Any, lease: float, *, local: bool) -> None:
         # The claim's estimated cost can pass jit_above_cost, and compiling it costs far
         # more than running it: no statement of a worker's transaction needs JIT.
         "jit": "off",
+        # The server kept planning the fair claim anew at each execution (its generic plan
+        # costed a little above the custom ones), which cost more than running it.
+        "plan_cache_mode": "force_generic_plan",
     }
     # The DB-API face only (no psycopg keywords): the asyncio worker's adapter has no more.
     cursor = dbapi_connection.cursor()
@@ -1147,6 +1155,6 @@ def _tcp_bounds(*, local: bool, user_timeout: bool = False) -> Select[Any]:
 
 # Fixed texts, values bound: ``set_config(name, value, true)`` is ``SET LOCAL``.
 _LIMIT_SQL = {
-    local: "SELECT " + ", ".join([f"set_config(%s, %s, {str(local).lower()})"] * 6)
+    local: "SELECT " + ", ".join([f"set_config(%s, %s, {str(local).lower()})"] * 7)
     for local in (True, False)
 }
