@@ -142,7 +142,7 @@ def urgent_latency(ctx: Context, fair: bool) -> dict[str, Any]:
     ctx.threads.stop_all()
     with svc.engine.connect() as conn:
         handled = dict(
-            conn.execute(select(handled_table.c.n, func.extract("epoch", handled_table.c.at)))
+            conn.execute(select(handled_table.c.n, func.extract("epoch", handled_table.c.at))).all()
         )
     svc.close()
     waits = sorted((float(handled[n]) - committed[n]) * 1000 for n in committed)
