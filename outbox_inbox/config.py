@@ -174,7 +174,6 @@ class Settings:
     # receiver
     prefetch: int = 500
     receive_batch_size: int = 250
-    receive_batch_wait: float = 0.02
     single_active_consumer: bool = True
     receive_retry: RetryPolicy = field(
         default_factory=lambda: RetryPolicy(

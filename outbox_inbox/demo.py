@@ -79,7 +79,6 @@ class Demo:
                 listener=_Tracer(name, trace),
                 relay_poll_interval=0.1,
                 worker_poll_interval=0.1,
-                receive_batch_wait=0.02,
                 **options,
             )
 

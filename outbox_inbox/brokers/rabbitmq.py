@@ -842,13 +842,18 @@ class RabbitMQConsumer:
             )
         )
 
-    def _pump(self, until: float, enough: int) -> None:
-        """Process broker traffic until `enough` deliveries are buffered or `until` passes."""
-        while len(self._buffer) < enough:
+    def _pump(self, until: float) -> None:
+        """Process broker traffic until a first delivery is buffered or `until` passes, then
+        take in what has already arrived without waiting for more."""
+        while not self._buffer:
             remaining = until - time.monotonic()
             if remaining <= 0:
                 return
             self._connection.process_data_events(time_limit=min(remaining, 0.05))
+        buffered = -1
+        while len(self._buffer) != buffered:
+            buffered = len(self._buffer)
+            self._connection.process_data_events(time_limit=0)
 
     def fetch(self, max_count: int, wait: float) -> list[Delivery]:
         try:
@@ -856,10 +861,7 @@ class RabbitMQConsumer:
                 raise BrokerConnectionError(f"the channel consuming {self._queue!r} is closed")
             if self._consumer_tag is None:
                 self._consumer_tag = self._channel.basic_consume(self._queue, self._on_message)
-            # Up to `wait` for a first delivery, then up to `wait` more to fill the batch.
-            self._pump(time.monotonic() + wait, 1)
-            if self._buffer:
-                self._pump(time.monotonic() + wait, max_count)
+            self._pump(time.monotonic() + wait)
             if not self._channel.is_open:
                 # Closed by the broker meanwhile: buffered deliveries can no longer be acked.
                 self._buffer.clear()

@@ -394,14 +394,14 @@ class BrokerContract:
         broker.declare(service_topology(svc, []))
         assert publish(broker, [command(svc, n) for n in range(5)]) == [CONFIRMED] * 5
         consumer = opened(broker.consumer(inbox_queue(svc), prefetch=2))
-        first = consumer.fetch(10, 0.3)
+        first = take(consumer, 2)
         assert [d.tag for d in first] == [1, 2]
         assert numbers(first) == [0, 1]
         assert not any(d.redelivered for d in first)
         assert broker.queue_depth(inbox_queue(svc)) == 3  # unacknowledged deliveries are not ready
         assert consumer.fetch(10, 0.2) == []  # the window is full
         consumer.ack_through(2)
-        second = consumer.fetch(10, 0.3)
+        second = take(consumer, 2)
         assert [d.tag for d in second] == [3, 4]
         assert numbers(second) == [2, 3]
 

@@ -114,35 +114,25 @@ class MemoryConsumer:
     # The Consumer protocol.
 
     def fetch(self, max_count: int, wait: float) -> list[Delivery]:
-        """As the protocol says; also returns once the prefetch window is full (no more can come
-        before an ack). Raises BrokerError if the queue does not exist."""
+        """As the protocol says. Raises BrokerError if the queue does not exist."""
         broker = self._broker
         with broker._lock:
             self._check_usable()
             if not self._registered:
                 broker._register(self)
                 self._registered = True
-            start = time.monotonic()
-            first_at = 0.0
-            batch: list[Delivery] = []
-            while True:
-                if self._unfetched:
-                    tag = self._unfetched.popleft()
-                    entry = self._unacked[tag]
-                    batch.append(Delivery(entry.delivered(), tag, entry.redelivered))
-                    now = time.monotonic()
-                    if len(batch) == 1:
-                        first_at = now
-                    if len(batch) >= max_count or now - first_at >= wait:
-                        break
-                    continue
-                if batch and not self.has_capacity():
-                    break
-                remaining = (first_at if batch else start) + wait - time.monotonic()
+            deadline = time.monotonic() + wait
+            while not self._unfetched:
+                remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    break
+                    return []
                 self.arrived.wait(remaining)
                 self._check_usable()
+            batch: list[Delivery] = []
+            while self._unfetched and len(batch) < max_count:
+                tag = self._unfetched.popleft()
+                entry = self._unacked[tag]
+                batch.append(Delivery(entry.delivered(), tag, entry.redelivered))
             return batch
 
     def ack_through(self, tag: int) -> None:
