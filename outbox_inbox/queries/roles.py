@@ -33,6 +33,7 @@ from sqlalchemy import (
     exists,
     func,
     literal,
+    literal_column,
     null,
     or_,
     select,
@@ -398,8 +399,9 @@ def insert_inbox(
         # array of JSON documents cost psycopg a regular expression per quote).
         batch = _BATCH_JSON([{name: row[name] for name in RECEIVED_COLUMNS} for row in rows])
         conn.execute(_LOCK_MESSAGE_IDS, {"ids": [str(row["message_id"]) for row in rows]})
-        stmt = _insert_inbox_statement(tables)
-        return {message_id for (message_id,) in conn.execute(stmt, {"rows": batch}).all()}
+        sql_text = _insert_inbox_sql(tables, conn.dialect)
+        result = conn.exec_driver_sql(sql_text, {"rows": batch})
+        return {message_id for (message_id,) in result.all()}
     stmt = (
         _insert(conn, tables.inbox)
         .on_conflict_do_nothing(index_elements=["message_id"])
@@ -425,6 +427,13 @@ _BATCH_JSON = json.JSONEncoder(default=_json_default, ensure_ascii=False).encode
 
 
 @cache
+def _insert_inbox_sql(tables: Tables, dialect: Dialect) -> str:
+    """`_insert_inbox_statement` compiled once: SQLAlchemy caches no PostgreSQL ``INSERT … ON
+    CONFLICT`` (its construct opts out of the statement cache), and compiling this one cost
+    the receiver 1.4 ms of CPU per batch, more than storing a lone message."""
+    return str(_insert_inbox_statement(tables).compile(dialect=dialect))
+
+
 def _insert_inbox_statement(tables: Tables) -> Any:
     """``INSERT … SELECT … FROM jsonb_to_recordset(:rows) AS received(message_id UUID, …)
     ON CONFLICT DO NOTHING RETURNING message_id``: a batch as one JSON array (PostgreSQL)."""
@@ -436,7 +445,7 @@ def _insert_inbox_statement(tables: Tables) -> Any:
     )
     # A JSON null in the document is SQL NULL in the record: the payload may be JSON null.
     values = [
-        func.coalesce(received.c[n], cast(literal("null"), JSONB))
+        func.coalesce(received.c[n], literal_column("'null'::jsonb", JSONB))
         if n in RECEIVED_JSON_COLUMNS
         else received.c[n]
         for n in RECEIVED_COLUMNS
