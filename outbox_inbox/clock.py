@@ -1,8 +1,9 @@
 """The database clock as SQL: leases, delays and expiry are judged by it, never by a host clock.
 
 `db_now()` and `db_now_plus(delta)` compile to PostgreSQL's ``now()`` (the transaction's start
-time) and, on SQLite, to ``strftime`` of the current UTC time written the way SQLAlchemy stores
-datetimes there (``YYYY-MM-DD HH:MM:SS.ffffff``), so the values compare correctly as text.
+time; `db_statement_now()` to the statement's) and, on SQLite, to ``strftime`` of the current
+UTC time written the way SQLAlchemy stores datetimes there (``YYYY-MM-DD HH:MM:SS.ffffff``), so
+the values compare correctly as text.
 """
 
 from __future__ import annotations
@@ -26,6 +27,14 @@ class db_now(FunctionElement[Any]):  # noqa: N801 - reads as a SQL function
     type = DateTime(timezone=True)
     inherit_cache = True
     name = "db_now"
+
+
+class db_statement_now(db_now):  # noqa: N801 - reads as a SQL function
+    """The database's time when the statement started: what a claim later in a long
+    transaction judges rows by, so that it sees rows that became due since that began."""
+
+    inherit_cache = True
+    name = "db_statement_now"
 
 
 class db_now_plus(FunctionElement[Any]):  # noqa: N801 - reads as a SQL function
@@ -53,6 +62,16 @@ def _now_default(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
 @compiles(db_now, "sqlite")
 def _now_sqlite(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
     return f"strftime('{_SQLITE_FORMAT}', 'now')"
+
+
+@compiles(db_statement_now)
+def _statement_now_default(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
+    return "statement_timestamp()"
+
+
+@compiles(db_statement_now, "sqlite")
+def _statement_now_sqlite(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
+    return _now_sqlite(element, compiler, **kw)
 
 
 @compiles(db_now_plus)

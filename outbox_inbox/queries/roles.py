@@ -54,7 +54,7 @@ from sqlalchemy.sql.elements import ColumnElement
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-from ..clock import db_now, db_now_plus
+from ..clock import db_now, db_now_plus, db_statement_now
 from ..errors import read_only_session
 from ..messages import RECEIVED_COLUMNS, RECEIVED_JSON_COLUMNS
 from ..tables import DEAD, PENDING, PROCESSED, Tables, outbox_unsent
@@ -556,7 +556,10 @@ def claimable(i: Any, *, liveness: bool) -> ColumnElement[bool]:
     """The rows a claim may take now: pending, due, not leased (its lease ran out, or with
     `liveness` its claimant holds no liveness lock), and no earlier pending row of its key."""
     earlier = i.alias("earlier")
-    free = [i.c.locked_until.is_(None), i.c.locked_until <= db_now()]
+    # The statement's time, not the transaction's: a worker claims its next batch in the
+    # transaction of the last one, which began before that batch's handlers ran; rows stored
+    # meanwhile are due too.
+    free = [i.c.locked_until.is_(None), i.c.locked_until <= db_statement_now()]
     if liveness:
         free.append(
             and_(
@@ -565,7 +568,7 @@ def claimable(i: Any, *, liveness: bool) -> ColumnElement[bool]:
         )
     return and_(
         i.c.status == _inline(PENDING),
-        i.c.next_attempt_at <= db_now(),
+        i.c.next_attempt_at <= db_statement_now(),
         or_(*free),
         or_(
             i.c.key.is_(None),
