@@ -405,6 +405,17 @@ class BrokerContract:
         assert [d.tag for d in second] == [3, 4]
         assert numbers(second) == [2, 3]
 
+    def test_fetch_returns_what_has_arrived_without_waiting_for_a_batch_to_fill(
+        self, broker: Broker, opened: Callable[[Any], Any], svc: str
+    ) -> None:
+        broker.declare(service_topology(svc, []))
+        consumer = opened(broker.consumer(inbox_queue(svc), prefetch=10))
+        assert publish(broker, [command(svc, 0)]) == [CONFIRMED]
+        # A batch window would hold this fetch for up to `wait` (a minute) waiting for 9 more.
+        started = time.monotonic()
+        assert numbers(consumer.fetch(10, 60.0)) == [0]
+        assert time.monotonic() - started < 30
+
     def test_fetch_on_an_empty_queue_returns_nothing_after_wait(
         self, broker: Broker, opened: Callable[[Any], Any], svc: str
     ) -> None:
