@@ -22,7 +22,7 @@ from types import FrameType
 
 from psycopg import sql
 
-from bench import aio, latency, peers, raw_mq, raw_pg, report, roles, rss
+from bench import aio, latency, peers, raw_mq, raw_pg, raw_pipeline, report, roles, rss
 from bench.context import Context
 from bench.timing import BenchError
 from bench.wire import WINDOW, make_wires
@@ -84,6 +84,8 @@ def run(ctx: Context) -> None:
             aio.asyncio_workers(ctx, 2)
     if "e2e" not in skip:
         roles.end_to_end(ctx)
+        raw_pipeline.create(ctx)
+        raw_pipeline.end_to_end(ctx)
     if "latency" not in skip:
         print("\nlatency", flush=True)
         latency.measure(ctx)
@@ -185,9 +187,10 @@ def _add_latency_and_memory_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--latency-rate",
         type=_rates,
-        default=[250.0, 500.0, 1000.0],
+        default=[100.0, 500.0, 1000.0],
         metavar="RATE[,RATE]",
-        help="(L) offered messages per second, one run each (default 250,500,1000)",
+        help="(L) offered messages per second, one run of each pipeline each (default"
+        " 100,500,1000)",
     )
     parser.add_argument(
         "--latency-seconds", type=float, default=10.0, help="(L) how long the load is offered"
