@@ -297,6 +297,5 @@ def end_to_end(ctx: Context) -> None:
                 time.sleep(0.05)
     finally:
         ctx.stop_children()
-    ctx.record(
-        Figure("h_raw", "end to end, written by hand: outbox -> relay -> inbox -> effects", "raw")
-    ).took(n, timer)
+    title = "end to end, written by hand: outbox -> relay -> inbox -> effects"
+    ctx.record(Figure("h_raw", title, "raw").took(n, timer))
