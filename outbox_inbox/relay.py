@@ -284,9 +284,10 @@ class Relay:
 
         Rows whose time to live ran out are marked expired instead. The claim's row locks are
         bounded first: cut off, the session must not keep them past the partition
-        (`roles.bound_on_server`).
+        (`roles.bound_on_server`); the transaction commits without a disk flush, as a mark a
+        server crash undoes only publishes its rows again (`roles.no_flush_wait`).
         """
-        roles.bound_on_server(conn)
+        roles.bound_on_server(conn, flush_wait=False)
         claimed = roles.claim_outbox(conn, self._tables, self._settings.relay_batch_size)
         rows = self._key_prefixes(conn, claimed)  # no statement for a claim without keys
         expired = [r["id"] for r in rows if _expired(r)]

@@ -973,29 +973,45 @@ def keep_liveness_session_alive(conn: Connection) -> None:
     conn.execute(_tcp_bounds(local=False))
 
 
-def bound_on_server(conn: Connection) -> None:
+def bound_on_server(conn: Connection, *, flush_wait: bool = True) -> None:
     """Bound, on the server, how long the session of the transaction in hand outlives a client
     cut off from it (a partition, a host gone): `WORKER_USER_TIMEOUT` once an answer waits
     unacknowledged, `WORKER_KEEPALIVE` once the client is silent. The transaction's locks go
     with the session. What the relay and the receiver run first in each transaction; the
     server's defaults would keep such a session for minutes (retransmissions) or two hours
-    (the kernel's keepalive).
+    (the kernel's keepalive). Without `flush_wait`, also `no_flush_wait`, in the same statement.
 
     ``SET LOCAL``: nothing outlives the transaction, on whichever server connection a pooler in
     transaction mode picked. Does nothing on SQLite.
     """
     if is_postgres(conn):
-        conn.execute(_tcp_bounds(local=True, user_timeout=True))
+        conn.execute(_tcp_bounds(local=True, user_timeout=True, flush_wait=flush_wait))
 
 
-def _tcp_bounds(*, local: bool, user_timeout: bool = False) -> Select[Any]:
-    """``SELECT set_config(...)`` of `WORKER_KEEPALIVE` (and `WORKER_USER_TIMEOUT`), for the
-    transaction (`local`) or the session."""
+def no_flush_wait(conn: Connection) -> None:
+    """The transaction in hand commits without waiting for its WAL to reach the disk (``SET
+    LOCAL synchronous_commit = off``): a commit then costs no disk flush, one to several
+    milliseconds. Only for the library's own transactions that a server crash may undo without
+    harm: the relay's marks (undone, the rows are published again and the inbox absorbs the
+    copies) and the worker's claims (undone, so is every later transaction, the handler's
+    included, since WAL is flushed in order: the row is claimed again, its crash-time attempt
+    uncounted). Never a transaction that acks a delivery or holds a handler's effect. Does
+    nothing on SQLite.
+    """
+    if is_postgres(conn):
+        conn.execute(select(func.set_config("synchronous_commit", "off", True)))
+
+
+def _tcp_bounds(*, local: bool, user_timeout: bool = False, flush_wait: bool = True) -> Select[Any]:
+    """``SELECT set_config(...)`` of `WORKER_KEEPALIVE` (and `WORKER_USER_TIMEOUT`; without
+    `flush_wait`, ``synchronous_commit = off``), for the transaction (`local`) or the session."""
     idle, interval, count = WORKER_KEEPALIVE
-    settings = {"tcp_keepalives_idle": idle, "tcp_keepalives_interval": interval}
+    settings: dict[str, Any] = {"tcp_keepalives_idle": idle, "tcp_keepalives_interval": interval}
     settings["tcp_keepalives_count"] = count
     if user_timeout:
         settings["tcp_user_timeout"] = WORKER_USER_TIMEOUT
+    if not flush_wait:
+        settings["synchronous_commit"] = "off"
     return select(*(func.set_config(name, str(v), local) for name, v in settings.items()))
 
 

@@ -16,7 +16,7 @@ from typing import Any
 from sqlalchemy import event, text
 from sqlalchemy.orm import Session
 
-from helpers import make_service, scalar, wait_until
+from helpers import make_service, rows, scalar, wait_until
 from outbox_inbox import Message, Service
 from outbox_inbox.queries.roles import INBOX_LOCK
 
@@ -291,4 +291,47 @@ def test_messages_arriving_while_a_handler_runs_join_the_workers_next_batch(
     finally:
         release.set()
         counted.close()
+        billing.close()
+
+
+def test_only_the_relays_marks_and_the_workers_claims_commit_without_a_flush(
+    db_url: str, mq_url: str
+) -> None:
+    billing = billing_with_effects(db_url, mq_url)
+    with billing.engine.begin() as conn:
+        conn.execute(
+            text(
+                "CREATE TABLE commits (tx bigint, what text, synchronous_commit text);"
+                " CREATE FUNCTION record_commit() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+                "  INSERT INTO commits VALUES (txid_current(), TG_TABLE_NAME || ' ' || TG_OP,"
+                "   current_setting('synchronous_commit')); RETURN NULL; END $$;"
+                " CREATE TRIGGER record_commit AFTER INSERT OR UPDATE"
+                "  ON outbox_inbox.outbox_messages FOR EACH STATEMENT"
+                "  EXECUTE FUNCTION record_commit();"
+                " CREATE TRIGGER record_commit AFTER INSERT OR UPDATE"
+                "  ON outbox_inbox.inbox_messages FOR EACH STATEMENT"
+                "  EXECUTE FUNCTION record_commit();"
+            )
+        )
+    try:
+        with roles_running(billing):
+            send(billing, 3)
+            settled(db_url, 3)
+        recorded = rows(
+            db_url,
+            "SELECT string_agg(DISTINCT what, ', ' ORDER BY what), min(synchronous_commit)"
+            " FROM commits GROUP BY tx",
+        )
+        kinds = {(what, setting) for what, setting in recorded}
+        # The writers' business transactions and the receiver's inserts wait for the flush;
+        # the relay's marks and the worker's lone claims do not; the worker's handling (its
+        # mark and the claim of the next batch) does.
+        assert kinds == {
+            ("outbox_messages INSERT", "on"),
+            ("outbox_messages UPDATE", "off"),
+            ("inbox_messages INSERT", "on"),
+            ("inbox_messages UPDATE", "off"),
+            ("inbox_messages UPDATE", "on"),
+        }, kinds
+    finally:
         billing.close()
