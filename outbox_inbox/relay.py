@@ -609,8 +609,9 @@ class Relay:
 #: Batches a relay keeps open at once: one being confirmed, the next going out as the window
 #: frees, and a third being claimed and encoded meanwhile.
 _PIPELINE_DEPTH = 3
-#: How long one pump of the publisher waits for confirms when it has nothing to send.
-_PUMP_WAIT = 0.002
+#: Longest wait of one pump of the publisher for confirms when it has nothing to send (a
+#: confirm ends the wait at once).
+_PUMP_WAIT = 0.05
 #: Messages encoded between two pumps of the publisher while a batch is being prepared.
 _PUMP_EVERY = 64
 

@@ -541,8 +541,12 @@ class PublishingBatch:
         self._unconfirmed.clear()
 
 
-#: How long each pump waits for the confirms in flight before a channel is replaced.
-_RENEW_WAIT = 0.002
+#: Longest wait of one pump for confirms: a confirm ends it at once (`_on_confirm`).
+_CONFIRM_WAIT = 0.05
+
+
+def _nothing() -> None:
+    pass
 
 
 class RabbitMQPublisher:
@@ -607,7 +611,7 @@ class RabbitMQPublisher:
         queue's own (full, with ``reject-publish``) is given on the new channel alike.
         """
         while self._batches and not self._broken:
-            self.pump(_RENEW_WAIT)
+            self.pump(_CONFIRM_WAIT)
         if self._broken:
             return
         self._nacked = False
@@ -646,6 +650,11 @@ class RabbitMQPublisher:
         self._confirms.append(
             (method.delivery_tag, bool(method.multiple), isinstance(method, Basic.Ack))
         )
+        if len(self._confirms) == 1:
+            # A confirm arrived: end the pump's wait now. The blocking connection returns
+            # early only for events of its own (a callback of the asynchronous channel is
+            # not one); a posted callback is.
+            self._connection.add_callback_threadsafe(_nothing)
 
     def _on_return(self, _channel: Any, _method: Any, props: BasicProperties, _body: bytes) -> None:
         if props.message_id:
@@ -656,7 +665,7 @@ class RabbitMQPublisher:
     ) -> list[PublishOutcome]:
         batch = self.start_batch(messages, window=window, timeout=timeout)
         while not batch.done:
-            self.pump(0.002)
+            self.pump(_CONFIRM_WAIT)
         return batch.results()
 
     def start_batch(
