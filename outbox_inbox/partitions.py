@@ -25,7 +25,7 @@ transaction kept open on a connection of its own, as the archive's), the others 
    with an unfinished row is kept whole until that row is finished; a row made unfinished
    between the check and the detach (a dead letter replayed) puts the partition back.
 
-The retention is the inbox's duplicate window: see `duplicate_horizon`.
+The retention is the inbox's duplicate window: see `config.duplicate_horizon`.
 """
 
 from __future__ import annotations
@@ -527,23 +527,3 @@ def survey(conn: Connection, tables: Tables, retention: Retention) -> list[Parti
         return found
     except SQLAlchemyError as exc:
         raise storage_error(exc, "reading the partitions") from exc
-
-
-# --- the duplicate window ------------------------------------------------------------------
-
-
-def duplicate_horizon(settings: Any) -> dict[str, float]:
-    """The longest time, in seconds, after a message's first copy is stored by which another
-    copy can still arrive without an operator, by path: the receiver's delay tiers (a copy that
-    could not be stored comes back after them), and the relay's retries (a row published but
-    not marked is published again)."""
-    policy = settings.receive_retry
-    tiers = settings.delay_tiers
-    receive = 0.0
-    attempt = 1
-    while not policy.gives_up_after(attempt) and attempt < 10_000:
-        wanted = min(policy.initial * policy.multiplier ** (attempt - 1), policy.max_interval)
-        receive += next((t for t in tiers if t >= wanted), tiers[-1])
-        attempt += 1
-    relay = settings.relay_max_attempts * settings.relay_retry_max
-    return {"receiver delay tiers": receive, "relay retries": relay}
