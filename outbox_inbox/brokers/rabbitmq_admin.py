@@ -20,7 +20,8 @@ from ..errors import BrokerConnectionError, BrokerError
 from ..messages import WireMessage
 from ..topology import Exchange, Queue
 from .amqp_fields import LenientProperties
-from .rabbitmq import CONNECTION_ERRORS, RabbitMQBroker, close_quietly, wire_message
+from .amqp_connection import CONNECTION_ERRORS, close_quietly, wire_message
+from .rabbitmq import RabbitMQBroker
 
 log = logging.getLogger(__name__)
 
