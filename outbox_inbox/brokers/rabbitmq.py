@@ -8,7 +8,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pika
 import pika.data
@@ -30,10 +30,8 @@ from ..logsafe import mask_text, mask_url
 from ..messages import WireMessage
 from ..topology import Topology
 from .amqp_connection import CONNECTION_ERRORS, close_quietly, wire_message
-from .amqp_fields import decode_leniently, forward_properties, kept_properties
-
-if TYPE_CHECKING:
-    from .rabbitmq_admin import RabbitMQAdmin
+from .amqp_fields import decode_leniently, forward_properties
+from .rabbitmq_admin import RabbitMQAdmin
 
 log = logging.getLogger(__name__)
 
@@ -225,9 +223,7 @@ class RabbitMQBroker:
 
     def operator(self) -> RabbitMQAdmin:
         """An operator session on one connection of its own (opened at first use)."""
-        from .rabbitmq_admin import RabbitMQAdmin
-
-        return RabbitMQAdmin(self)
+        return RabbitMQAdmin(self.connect, self.description)
 
     def queue_depth(self, queue: str) -> int | None:
         """Messages ready in `queue`, or None if it does not exist."""
