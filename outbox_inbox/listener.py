@@ -125,3 +125,6 @@ def forwarding(listener: Listener | None, forwarder: Listener) -> Listener | Non
             *(forwarder if x.forwarded_from_workers else x for x in listener.listeners)
         )
     return forwarder if listener is not None and listener.forwarded_from_workers else listener
+
+
+__all__ = ["Listener", "Listeners", "combine"]
