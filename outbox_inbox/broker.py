@@ -314,3 +314,17 @@ class Operator(Protocol):
     def close(self) -> None:
         """End the session; messages read and not acknowledged return to their queues."""
         ...
+
+
+__all__ = [
+    "Broker",
+    "Consumer",
+    "Delivery",
+    "Found",
+    "Operator",
+    "PublishOutcome",
+    "Publisher",
+    "QueueReader",
+    "QueuedMessage",
+    "Refusal",
+]

@@ -306,11 +306,9 @@ class Settings:
 
     def _check_duplicate_window(self) -> None:
         """Refuse a retention shorter than the longest way a copy of a message can still
-        arrive after its first copy was stored (partitions.duplicate_horizon)."""
+        arrive after its first copy was stored (duplicate_horizon)."""
         if self.retention is None:
             return
-        from .partitions import duplicate_horizon
-
         paths = duplicate_horizon(self)
         horizon = sum(paths.values())
         if self.retention < horizon:
@@ -331,6 +329,23 @@ class Settings:
             text = repr(mask_url(value)) if f.name.endswith("_url") and value else repr(value)
             shown.append(f"{f.name}={text}")
         return f"Settings({', '.join(shown)})"
+
+
+def duplicate_horizon(settings: Settings) -> dict[str, float]:
+    """The longest time, in seconds, after a message's first copy is stored by which another
+    copy can still arrive without an operator, by path: the receiver's delay tiers (a copy that
+    could not be stored comes back after them), and the relay's retries (a row published but
+    not marked is published again)."""
+    policy = settings.receive_retry
+    tiers = settings.delay_tiers
+    receive = 0.0
+    attempt = 1
+    while not policy.gives_up_after(attempt) and attempt < 10_000:
+        wanted = min(policy.initial * policy.multiplier ** (attempt - 1), policy.max_interval)
+        receive += next((t for t in tiers if t >= wanted), tiers[-1])
+        attempt += 1
+    relay = settings.relay_max_attempts * settings.relay_retry_max
+    return {"receiver delay tiers": receive, "relay retries": relay}
 
 
 def _duration(seconds: float) -> str:

@@ -166,3 +166,6 @@ def _sqlite_engine(url: str | URL, *, busy_timeout: float = 30.0) -> Engine:
         connection.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
+
+
+__all__ = ["connect"]

@@ -1097,3 +1097,6 @@ class ActionReport:
             "audit": self.audit,
             "warnings": self.warnings,
         }
+
+
+__all__ = ["DeadLetter", "DeadLetters", "Filters", "Group", "Outcome"]

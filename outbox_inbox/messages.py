@@ -624,3 +624,6 @@ def jsonable(value: Any) -> Any:
 def message_from_row(row: Mapping[Any, Any]) -> Message:
     """Build the handler's view of a claimed inbox row."""
     return from_row(Message, row, attempt=row["attempts"])
+
+
+__all__ = ["Message", "OutgoingMessage", "WireMessage", "inbox_id"]

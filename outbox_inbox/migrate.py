@@ -206,3 +206,6 @@ def _down(value: Any) -> str | None:
     if value is None:
         return None
     return value if isinstance(value, str) else ", ".join(value)
+
+
+__all__ = ["alembic_config", "check", "current", "downgrade", "upgrade"]

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -44,7 +45,7 @@ from .handlers import (
     Handlers,
     Subscription,
 )
-from .listener import Listener
+from .listener import Listener, forwarded, forwarding
 from .logsafe import mask_url
 from .messages import COMMAND, COMMANDS_EXCHANGE, EVENT, EVENTS_EXCHANGE
 from .outbox import Outbox
@@ -52,7 +53,7 @@ from .queries import roles
 from .receiver import Receiver
 from .relay import Relay
 from .retry import RetryPolicy
-from .supervisor import WorkerProcesses, available_cpus, without_metrics
+from .supervisor import WorkerProcesses, available_cpus
 from .tables import Tables
 from .topology import Topology, command_routing_key, inbox_queue, service_topology
 from .tracing import Tracing
@@ -681,14 +682,6 @@ class Service:
             return 1
         return self.settings.processes or available_cpus()
 
-    def _start_workers(self) -> list[threading.Thread]:
-        """Start this process's worker threads (``worker_threads``) once the database can be
-        reached, and return them; `stop()` stops them. What each worker process runs."""
-        if self._threads:
-            raise ConfigurationError("service already started")
-        self._start_roles(relay=False, receiver=False, workers=None, fail_fast=None)
-        return list(self._threads)
-
     def _run_with_workers(self, *, relay: bool, receiver: bool, fail_fast: bool | None) -> None:
         count = self.worker_processes()
         self._stop.clear()
@@ -701,7 +694,9 @@ class Service:
                 self._wait_until_ready(topology=receiver, fail_fast=fail_fast)
                 and not self._stop.is_set()
             ):
-                pool = WorkerProcesses(self, count)
+                pool = WorkerProcesses(
+                    self.name, count, self._worker_process, forwarded(self.listener)
+                )
                 pool.start()  # before this process starts a thread of its own
                 try:
                     self._start_roles(
@@ -713,10 +708,12 @@ class Service:
                     pool.stop()
         self.stop()
 
-    def _in_worker_process(self, stop: threading.Event, metrics: Listener | None) -> None:
-        """Make this copy of the service, in a forked worker process, its own: a new stop
-        event and lock, no pooled connection of the parent's (dropped, not closed: they are
-        the parent's), and `metrics` instead of the Prometheus metrics of the parent."""
+    def _worker_process(self, stop: threading.Event, forwarder: Listener | None) -> int:
+        """What each worker process runs (`supervisor.ChildMain`): make this forked copy of the
+        service its own (a new stop event and lock, no pooled connection of the parent's:
+        dropped, not closed; `forwarder` instead of the listeners the parent serves), start
+        ``worker_threads`` workers once the database can be reached, and run them until `stop`
+        is set (exit code 0) or one of them ends (1); then stop and close."""
         self._stop = stop
         self._lock = threading.Lock()
         self._in_child = True
@@ -724,8 +721,17 @@ class Service:
         self._tasks = []
         if self._engine is not None:
             self._engine.dispose(close=False)
-        if metrics is not None:
-            self.listener = without_metrics(self.listener, metrics)
+        if forwarder is not None:
+            self.listener = forwarding(self.listener, forwarder)
+        try:
+            self._start_roles(relay=False, receiver=False, workers=None, fail_fast=None)
+            while not stop.wait(0.5):
+                if not all(t.is_alive() for t in self._threads):
+                    log.error("service %s: a worker of process %d ended", self.name, os.getpid())
+                    return 1
+            return 0
+        finally:
+            self.close()  # stops the workers, then closes this process's own connections
 
     # --- roles in an event loop ---------------------------------------------------------------
 

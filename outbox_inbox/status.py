@@ -245,3 +245,6 @@ def subscribed_services(engine: Engine, tables: Tables) -> list[str]:
             return sorted({str(r["service"]) for r in operations.subscriptions_of(conn, tables)})
     except SQLAlchemyError as exc:
         raise storage_error(exc, "reading the subscriptions") from exc
+
+
+__all__ = ["Health", "health"]

@@ -8,7 +8,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pika
 import pika.data
@@ -29,10 +29,9 @@ from ..errors import (
 from ..logsafe import mask_text, mask_url
 from ..messages import WireMessage
 from ..topology import Topology
-from .amqp_fields import decode_leniently, forward_properties, kept_properties
-
-if TYPE_CHECKING:
-    from .rabbitmq_admin import RabbitMQAdmin
+from .amqp_connection import CONNECTION_ERRORS, close_quietly, wire_message
+from .amqp_fields import decode_leniently, forward_properties
+from .rabbitmq_admin import RabbitMQAdmin
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +72,6 @@ for _name in (
     logging.getLogger(_name).addFilter(_ConnectFailuresAtDebug())
 logging.getLogger("pika.connection").addFilter(_FlowControlFramesAtDebug())
 
-#: Errors that mean the connection or channel is gone.
-CONNECTION_ERRORS: tuple[type[BaseException], ...] = (pika.exceptions.AMQPError, OSError)
 #: Errors of a login the broker refused (credentials, virtual host).
 _REFUSALS: tuple[type[BaseException], ...] = (
     pika.exceptions.ProbableAuthenticationError,
@@ -107,24 +104,6 @@ def _properties(message: WireMessage) -> BasicProperties:
         app_id=message.app_id,
         delivery_mode=pika.DeliveryMode.Persistent,
         headers=dict(message.headers),
-    )
-
-
-def wire_message(method: Basic.Deliver, props: BasicProperties, body: bytes) -> WireMessage:
-    """A delivery from pika as the library's WireMessage."""
-    return WireMessage(
-        exchange=method.exchange,
-        routing_key=method.routing_key,
-        body=body,
-        message_id=props.message_id or "",
-        type=props.type,
-        correlation_id=props.correlation_id,
-        content_type=props.content_type,
-        timestamp=props.timestamp,
-        priority=props.priority,
-        app_id=props.app_id,
-        headers=dict(props.headers or {}),
-        properties=kept_properties(props),
     )
 
 
@@ -244,9 +223,7 @@ class RabbitMQBroker:
 
     def operator(self) -> RabbitMQAdmin:
         """An operator session on one connection of its own (opened at first use)."""
-        from .rabbitmq_admin import RabbitMQAdmin
-
-        return RabbitMQAdmin(self)
+        return RabbitMQAdmin(self.connect, self.description)
 
     def queue_depth(self, queue: str) -> int | None:
         """Messages ready in `queue`, or None if it does not exist."""
@@ -944,34 +921,6 @@ def _mismatch(what: str, exc: pika.exceptions.ChannelClosedByBroker) -> BrokerEr
             f"{what} conflicts with what the broker has or accepts: {exc.reply_text}"
         )
     return BrokerError(f"declaring {what} failed: {exc.reply_text}")
-
-
-#: How long a close may wait for the broker's answer before the connection is abandoned.
-CLOSE_TIMEOUT = 2.0
-
-
-def close_quietly(connection: pika.BlockingConnection, timeout: float = CLOSE_TIMEOUT) -> None:
-    """Close `connection` if it is open, waiting `timeout` seconds at most; never raise.
-
-    A polite close waits for the broker's close-ok, which a blocked connection (memory alarm)
-    or a dead link (blackhole) never sends: pika would wait for its blocked or heartbeat
-    timeout. So the close runs in a thread of its own, which owns the connection from then on,
-    and the caller moves on after `timeout`; that thread ends when pika gives up.
-    """
-    if not connection.is_open:
-        return
-
-    def close() -> None:
-        try:
-            connection.close()
-        except Exception as exc:  # closing must not raise: the caller is already recovering
-            log.debug("closing a broken connection: %r", exc)
-
-    closer = threading.Thread(target=close, name="outbox-inbox-amqp-close", daemon=True)
-    closer.start()
-    closer.join(timeout)
-    if closer.is_alive():
-        log.debug("RabbitMQ did not answer the close within %.1f s; connection abandoned", timeout)
 
 
 class FlowControl:

@@ -858,3 +858,6 @@ class BrokerContract:
                 lambda: all(operator.queue_info(q) is None for q in queues),
                 what=f"{queues} deleted",
             )
+
+
+__all__ = ["BrokerContract"]

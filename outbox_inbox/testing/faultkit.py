@@ -662,3 +662,6 @@ if importlib.util.find_spec("pytest") is not None:
 
 if __name__ == "__main__":
     main()
+
+
+__all__ = ["FaultKit"]
