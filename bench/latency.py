@@ -27,7 +27,7 @@ from psycopg import sql
 from bench import raw_pipeline
 from bench.context import Context
 from bench.roles import wait_serving
-from bench.services import serve
+from bench.services import build_service_a, serve
 from bench.timing import BenchError, Timer, tree_cpu_seconds
 from bench.wire import EVENT_NAME, payload
 
@@ -105,7 +105,7 @@ def _measure_at(ctx: Context, rate: float, pipeline: str) -> dict[str, Any]:
         trees = {"A": frozenset({a[0].pid}), "B": frozenset({b[0].pid})}
     print(
         f"  {pipeline:<5} {load.rate:,.0f} msg/s offered for {load.seconds:.0f} s by"
-        f" {load.writers} writer threads; {what}",
+        f" {load.writers} writer threads in {load.processes} processes; {what}",
         flush=True,
     )
     try:
@@ -165,58 +165,109 @@ def _batches(ctx: Context, tables: dict[str, sql.Identifier]) -> dict[str, int]:
 
 
 class _Load:
-    """The writer threads and their shared schedule: message i is due at start + i / rate."""
+    """The writers and their shared schedule: message i is due at start + i / rate. The writers
+    are threads of `--latency-writer-processes` processes of their own, so that the offered rate
+    is not bound by one interpreter's lock."""
 
     def __init__(self, ctx: Context, rate: float, raw: bool) -> None:
         self.ctx = ctx
-        self.raw = raw  # the hand-written pipeline's outbox, written with psycopg
         self.rate = rate
         self.seconds: float = ctx.args.latency_seconds
-        self.writers: int = ctx.args.latency_writers
+        self.processes: int = ctx.args.latency_writer_processes
+        self.writers: int = ctx.args.latency_writers * self.processes
         self.total = max(1, round(self.rate * self.seconds))
         self.committed: dict[uuid.UUID, float] = {}
         self.late: list[float] = []  # how far behind schedule each writer fell, at most
-        self.errors: list[str] = []
+        # What a writer process needs to write: the hand-written pipeline's outbox (psycopg),
+        # or service A's (its outbox.publish).
+        self.spec: tuple[Any, ...] = (
+            ("raw", ctx.conninfo, raw_pipeline.tables(ctx)["outbox"].as_string(None))
+            if raw
+            else ("library", ctx.tag, ctx.db_url, ctx.mq_url)
+        )
 
-    def write(self, k: int, start: float) -> None:
+    def run(self) -> float:
+        """Offer the whole load; returns the seconds the writers took."""
+        out = self.ctx.spawn.Queue()
+        start_at = time.time() + 2.0  # the processes start meanwhile
+        threads = self.ctx.args.latency_writers
+        processes = [
+            self.ctx.spawn.Process(
+                target=_writer_process,
+                args=(self.spec, p * threads, threads, self.writers, self.rate, self.total),
+                kwargs={"start_at": start_at, "out": out},
+                name=f"bench-writers-{p}",
+            )
+            for p in range(self.processes)
+        ]
+        for process in processes:
+            process.start()
+        errors: list[str] = []
+        for _ in processes:
+            committed, late, failed = out.get(timeout=self.seconds + 120)
+            self.committed.update((uuid.UUID(m), at) for m, at in committed)
+            self.late += late
+            errors += failed
+        for process in processes:
+            process.join(30)
+        written = max(self.committed.values(), default=start_at) - start_at
+        if errors:
+            raise BenchError(f"latency writer: {errors[0]}")
+        return written
+
+
+def _writer_process(
+    spec: tuple[Any, ...],
+    first: int,
+    threads: int,
+    writers: int,
+    rate: float,
+    total: int,
+    *,
+    start_at: float,
+    out: Any,
+) -> None:
+    """Writers `first` .. `first + threads - 1` of `writers`, one thread each: writer w commits
+    messages w, w + writers, ... each when due; puts (committed, late, errors) on `out`."""
+    kind, *where = spec
+    svc = build_service_a(*where) if kind == "library" else None
+    start = time.perf_counter() + (start_at - time.time())
+    committed: list[tuple[str, float]] = []
+    late: list[float] = []
+    errors: list[str] = []
+
+    def write(w: int) -> None:
         worst = 0.0
-        svc = self.ctx.a
-        raw = psycopg.connect(self.ctx.conninfo) if self.raw else None
+        conn = psycopg.connect(where[0]) if svc is None else None
         try:
-            for i in range(k, self.total, self.writers):
-                delay = start + i / self.rate - time.perf_counter()
+            for i in range(w, total, writers):
+                delay = start + i / rate - time.perf_counter()
                 if delay > 0:
                     time.sleep(delay)
                 else:
                     worst = max(worst, -delay)
-                if raw is not None:
-                    mid = raw_pipeline.write_one(self.ctx, raw, json.dumps(payload(i)))
+                if conn is not None:
+                    mid = raw_pipeline.write_one(conn, where[1], json.dumps(payload(i)))
                 else:
-                    with svc.engine.begin() as conn:
-                        mid = svc.outbox.publish(conn, EVENT_NAME, payload(i))
-                self.committed[mid] = time.time()
+                    assert svc is not None
+                    with svc.engine.begin() as c:
+                        mid = svc.outbox.publish(c, EVENT_NAME, payload(i))
+                committed.append((str(mid), time.time()))
         except Exception as exc:
-            self.errors.append(repr(exc))
+            errors.append(repr(exc))
         finally:
-            if raw is not None:
-                raw.close()
-        self.late.append(worst)
+            if conn is not None:
+                conn.close()
+        late.append(worst)
 
-    def run(self) -> float:
-        """Offer the whole load; returns the seconds the writers took."""
-        start = time.perf_counter() + 0.1
-        threads = [
-            threading.Thread(target=self.write, args=(k, start), name=f"bench-writer-{k}")
-            for k in range(self.writers)
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        written = time.perf_counter() - start
-        if self.errors:
-            raise BenchError(f"latency writer: {self.errors[0]}")
-        return written
+    pool = [threading.Thread(target=write, args=(first + j,)) for j in range(threads)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join()
+    if svc is not None:
+        svc.close()
+    out.put((committed, late, errors))
 
 
 def _wait_handled(ctx: Context, effects: sql.Identifier, total: int, children: list[Any]) -> None:

@@ -104,13 +104,13 @@ def seed(ctx: Context, n: int) -> None:
     )
 
 
-def write_one(ctx: Context, conn: psycopg.Connection[Any], body: str) -> uuid.UUID:
-    """One business transaction that writes one outbox row; its message id."""
+def write_one(conn: psycopg.Connection[Any], outbox: str, body: str) -> uuid.UUID:
+    """One business transaction that writes one row of the `outbox` table; its message id."""
     message_id = uuid.uuid4()
     with conn.transaction():
         conn.execute(
             sql.SQL("INSERT INTO {} (message_id, payload) VALUES (%s, %s)").format(
-                tables(ctx)["outbox"]
+                sql.SQL(outbox)  # type: ignore[arg-type]
             ),
             (message_id, body),
         )
