@@ -3,6 +3,8 @@
 `db_now()` and `db_now_plus(delta)` compile to PostgreSQL's ``now()`` (the transaction's start
 time) and, on SQLite, to ``strftime`` of the current UTC time written the way SQLAlchemy stores
 datetimes there (``YYYY-MM-DD HH:MM:SS.ffffff``), so the values compare correctly as text.
+`db_age(column)` is the seconds from a time to the database clock, the one expression of an age:
+on SQLite through ``julianday``, since a time there is text and text minus text is not a span.
 """
 
 from __future__ import annotations
@@ -45,6 +47,14 @@ class db_now_plus(FunctionElement[Any]):  # noqa: N801 - reads as a SQL function
             super().__init__(bindparam("seconds", delta.total_seconds(), type_=Float, unique=True))
 
 
+class db_age(FunctionElement[Any]):  # noqa: N801 - reads as a SQL function
+    """Seconds from a time (a column or expression) to the database clock, as a float."""
+
+    type = Float()
+    inherit_cache = True
+    name = "db_age"
+
+
 @compiles(db_now)
 def _now_default(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
     return "now()"
@@ -64,3 +74,13 @@ def _now_plus_default(element: db_now_plus, compiler: SQLCompiler, **kw: Any) ->
 def _now_plus_sqlite(element: db_now_plus, compiler: SQLCompiler, **kw: Any) -> str:
     seconds = compiler.process(element.clauses, **kw)
     return f"strftime('{_SQLITE_FORMAT}', 'now', printf('%+f seconds', {seconds}))"
+
+
+@compiles(db_age)
+def _age_default(element: db_age, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"extract(epoch FROM now() - {compiler.process(element.clauses, **kw)})"
+
+
+@compiles(db_age, "sqlite")
+def _age_sqlite(element: db_age, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"((julianday('now') - julianday({compiler.process(element.clauses, **kw)})) * 86400.0)"
