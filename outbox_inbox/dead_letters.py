@@ -193,6 +193,12 @@ class DeadLetter:
     #: Its first send (queue sources: the message's created header or timestamp).
     created_at: datetime | None = None
 
+    @property
+    def reason_shown(self) -> str:
+        """The reason and how many replays it died again after, as the CLI and dashboard say."""
+        again = f" (after {self.replays} replay{'s' if self.replays > 1 else ''})"
+        return (self.reason or "") + (again if self.replays else "")
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "source": self.source,
