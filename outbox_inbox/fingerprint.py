@@ -4,8 +4,8 @@ A handler's exception is fingerprinted by its type and the innermost frame of th
 that is the user's own code (not this library's, not the standard library's or an installed
 package's): ``TimeoutError at billing/app.py:create_invoice``. The function, not the line, so
 that an unrelated edit of the file between two deploys does not split a group. A death the
-library decides without an exception (expired, abandoned, no handler, invalid, redelivered)
-is fingerprinted by its reason alone.
+library decides (expired, abandoned, no handler, invalid payload, redelivered) is
+fingerprinted by its reason alone.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import HandlerExited
+from .errors import HandlerExited, InvalidPayload
 
 if TYPE_CHECKING:
     from .broker import Refusal
@@ -38,8 +38,8 @@ MAX_LENGTH = 255
 
 def fingerprint(reason: str, cause: BaseException | None = None) -> str:
     """The fingerprint of a death for `reason` (the row's dead reason), caused by `cause` (the
-    handler's exception), if any."""
-    if cause is None:
+    handler's exception), if any. A payload the library's decoder refused is its reason."""
+    if cause is None or isinstance(cause, InvalidPayload):
         return reason[:MAX_LENGTH]
     if isinstance(cause, HandlerExited):
         cause = cause.exit  # the handler's own SystemExit, with its traceback

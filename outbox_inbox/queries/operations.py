@@ -237,8 +237,8 @@ def park_dead_inbox(conn: Connection, tables: Tables, ids: Sequence[int]) -> lis
 def dead_groups(conn: Connection, tables: Tables, *, parked: bool = False) -> list[RowMapping]:
     """The dead (`parked`: parked) rows of the inbox and the outbox grouped by fingerprint,
     largest group first: each with ``fingerprint``, ``count``, ``types``, ``sources``
-    ("table", "outbox"), ``first_seen`` and ``last_seen`` (when they died) and ``replayed``
-    (how many died again after a replay).
+    ("table", "outbox"), ``first_seen`` and ``last_seen`` (when they died; a row replayed since
+    counts from its arrival) and ``replayed`` (how many died again after a replay).
 
     Each table is first grouped by fingerprint and type (a hash aggregate, no sort, over the
     partial index of its dead rows by fingerprint on PostgreSQL); the few rows that gives are
@@ -247,13 +247,16 @@ def dead_groups(conn: Connection, tables: Tables, *, parked: bool = False) -> li
     parts = []
     for t, source in ((i, "table"), (o, "outbox")):
         dead_at = dead_since(t)
+        # A row replayed and dead again counts from its arrival: a replay moves no first_seen.
+        arrived = t.c.received_at if "status" in t.c else t.c.created_at
+        first = case((t.c.replays > 0, arrived), else_=dead_at)
         parts.append(
             select(
                 t.c.fingerprint,
                 t.c.routing_key,
                 literal(source).label("source"),
                 func.count().label("count"),
-                func.min(dead_at).label("first_seen"),
+                func.min(first).label("first_seen"),
                 func.max(dead_at).label("last_seen"),
                 func.count().filter(t.c.replays > 0).label("replayed"),
             )
