@@ -43,9 +43,9 @@ def fingerprint(reason: str, cause: BaseException | None = None) -> str:
         return reason[:MAX_LENGTH]
     if isinstance(cause, HandlerExited):
         cause = cause.exit  # the handler's own SystemExit, with its traceback
-    where = _users_frame(cause)
+    found = users_frame(cause)
     name = type(cause).__qualname__
-    text = f"{name} at {where}" if where else name
+    text = f"{name} at {found[0]}:{found[1].name}" if found else name
     return text[:MAX_LENGTH]
 
 
@@ -56,16 +56,16 @@ def refusal_fingerprint(refusal: Refusal) -> str:
     return f"refused: {refusal.code}{size}"
 
 
-def _users_frame(error: BaseException) -> str | None:
-    """``path:function`` of the innermost frame of `error` in the user's code (the path
-    relative to the working directory when under it), or None."""
+def users_frame(error: BaseException) -> tuple[str, traceback.FrameSummary] | None:
+    """The innermost frame of `error` in the user's code (not this package's, the standard
+    library's, an installed package's or a frozen module's), with its path relative to the
+    working directory when under it; None without one."""
     for frame in reversed(traceback.extract_tb(error.__traceback__)):
         path = str(Path(frame.filename).resolve())
         if path.startswith(_NOT_USER) or frame.filename.startswith("<"):
             continue
         try:
-            shown = str(Path(path).relative_to(Path.cwd()))
+            return str(Path(path).relative_to(Path.cwd())), frame
         except ValueError:
-            shown = path
-        return f"{shown}:{frame.name}"
+            return path, frame
     return None
