@@ -112,12 +112,14 @@ def _fate(state: PartitionState) -> str:
     "list", short_help="Each partition, oldest first: range, rows, size, retention."
 )
 @app_option
+@service_option
 @db_url_option
 @schema_option
 @_retention_options
 @json_option
 def list_command(
     app: str | None,
+    service: str | None,
     db_url: str | None,
     schema: str | None,
     retention: timedelta | None,
@@ -127,7 +129,7 @@ def list_command(
     """Each partitioned table's partitions, oldest first: range (UTC), estimated rows
     (pg_class.reltuples; - before the first ANALYZE), size with indexes, and for those past the
     retention whether the next pass drops them or keeps them, and why. Changes nothing."""
-    target = resolve(app=app, db_url=db_url, schema=schema)
+    target = resolve(app=app, service=service, db_url=db_url, schema=schema)
     try:
         settings = checked_settings(target, retention, dead_retention)
         postgres = _postgres(target)

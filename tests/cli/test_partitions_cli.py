@@ -286,8 +286,10 @@ def test_on_sqlite_there_are_no_partitions_and_both_commands_exit_0(
     service = Service("orders", db_url=url)
     service.migrate()
     service.close()
+    # Both take what docs/runbook.md says both take: --service and the two retentions.
+    both = ("--service", "orders", "--retention", "7d", "--dead-retention", "30d")
     for command in ("list", "maintain"):
-        result = cli("partitions", command, "--db-url", url)
+        result = cli("partitions", command, "--db-url", url, *both)
         assert result.returncode == 0, result
         assert result.stdout.strip() == "no partitions: the outbox and the inbox are plain tables"
     listed = cli("partitions", "list", "--db-url", url, "--json")
