@@ -177,3 +177,16 @@ def test_topology_svg_is_well_formed_svg() -> None:
     texts = " ".join("".join(t.itertext()) for t in root.iter("{http://www.w3.org/2000/svg}text"))
     for name in ("commands", "events", "retry", "dead_letter", "unroutable", "<service>.inbox"):
         assert name in texts, f"topology.svg does not show {name}"
+
+
+def test_every_public_method_of_the_handler_contexts_is_documented_on_a_page() -> None:
+    from outbox_inbox import AsyncHandlerContext, BatchContext, HandlerContext
+
+    pages = "\n".join(p.read_text() for p in DOCS.glob("*.md"))
+    for context in (HandlerContext, AsyncHandlerContext, BatchContext):
+        for name in (
+            n for n in vars(context) if not n.startswith("_") and callable(vars(context)[n])
+        ):
+            assert f"ctx.{name}(" in pages or f"batch.{name}(" in pages, (
+                f"{context.__name__}.{name}"
+            )
