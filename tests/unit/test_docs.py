@@ -190,3 +190,16 @@ def test_every_public_method_of_the_handler_contexts_is_documented_on_a_page() -
             assert f"ctx.{name}(" in pages or f"batch.{name}(" in pages, (
                 f"{context.__name__}.{name}"
             )
+
+
+def test_the_batch_example_of_concepts_runs_twice_in_one_folder(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    blocks = re.findall(r"```python\n(.*?)```", (DOCS / "concepts.md").read_text(), re.S)
+    [example] = [b for b in blocks if "batch=True" in b and "ServiceHarness" in b]
+    for _ in range(2):  # a reader runs it again after an edit
+        ran = subprocess.run(
+            [sys.executable, "-c", example], cwd=tmp_path, capture_output=True, text=True
+        )
+        assert ran.returncode == 0, ran.stderr[-2000:]
