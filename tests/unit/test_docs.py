@@ -203,3 +203,18 @@ def test_the_batch_example_of_concepts_runs_twice_in_one_folder(tmp_path: Path) 
             [sys.executable, "-c", example], cwd=tmp_path, capture_output=True, text=True
         )
         assert ran.returncode == 0, ran.stderr[-2000:]
+
+
+def test_the_examples_tests_assert_no_time_bound() -> None:
+    # A user's test that bounds a duration fails on a loaded machine with a correct verdict.
+    import ast
+
+    for path in sorted((REPO_ROOT / "examples").rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            if not any(isinstance(op, ast.Lt | ast.LtE | ast.Gt | ast.GtE) for op in node.ops):
+                continue
+            names = {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+            timed = {n for n in names if n.endswith("_s") or "seconds" in n}
+            assert not timed, f"{path.relative_to(REPO_ROOT)}:{node.lineno} bounds {timed}"
