@@ -56,31 +56,25 @@ class db_age(FunctionElement[Any]):  # noqa: N801 - reads as a SQL function
 
 
 @compiles(db_now)
-def _now_default(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
-    return "now()"
-
-
-@compiles(db_now, "sqlite")
-def _now_sqlite(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
-    return f"strftime('{_SQLITE_FORMAT}', 'now')"
+def _now(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"strftime('{_SQLITE_FORMAT}', 'now')" if _sqlite(compiler) else "now()"
 
 
 @compiles(db_now_plus)
-def _now_plus_default(element: db_now_plus, compiler: SQLCompiler, **kw: Any) -> str:
-    return f"(now() + make_interval(secs => {compiler.process(element.clauses, **kw)}))"
-
-
-@compiles(db_now_plus, "sqlite")
-def _now_plus_sqlite(element: db_now_plus, compiler: SQLCompiler, **kw: Any) -> str:
+def _now_plus(element: db_now_plus, compiler: SQLCompiler, **kw: Any) -> str:
     seconds = compiler.process(element.clauses, **kw)
-    return f"strftime('{_SQLITE_FORMAT}', 'now', printf('%+f seconds', {seconds}))"
+    if _sqlite(compiler):
+        return f"strftime('{_SQLITE_FORMAT}', 'now', printf('%+f seconds', {seconds}))"
+    return f"(now() + make_interval(secs => {seconds}))"
 
 
 @compiles(db_age)
-def _age_default(element: db_age, compiler: SQLCompiler, **kw: Any) -> str:
-    return f"extract(epoch FROM now() - {compiler.process(element.clauses, **kw)})"
+def _age(element: db_age, compiler: SQLCompiler, **kw: Any) -> str:
+    time = compiler.process(element.clauses, **kw)
+    if _sqlite(compiler):
+        return f"((julianday('now') - julianday({time})) * 86400.0)"
+    return f"extract(epoch FROM now() - {time})"
 
 
-@compiles(db_age, "sqlite")
-def _age_sqlite(element: db_age, compiler: SQLCompiler, **kw: Any) -> str:
-    return f"((julianday('now') - julianday({compiler.process(element.clauses, **kw)})) * 86400.0)"
+def _sqlite(compiler: SQLCompiler) -> bool:
+    return compiler.dialect.name == "sqlite"

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
 
 import pytest
 from sqlalchemy import text
 
-from helpers import make_service, rows, scalar
+from helpers import make_service, rows, scalar, wait_until
 from outbox_inbox import MessageError, PayloadTooLarge, SchemaMissing, StorageError
 
 
@@ -117,4 +118,61 @@ def test_a_row_the_database_refuses_is_a_storage_error_that_shows_no_payload(
     assert "outbox_messages" in str(refused.value)
     assert "SECRET" not in str(refused.value) and "4111" not in str(refused.value)
     assert scalar(db_url, "SELECT count(*) FROM outbox_inbox.outbox_messages") == 1
+    svc.close()
+
+
+_TOMORROW_ROW = text(
+    "INSERT INTO outbox_inbox.outbox_messages (message_id, kind, exchange, routing_key, payload,"
+    " headers, created_at) VALUES (:m, 'event', 'events', 'orders.order.placed', '{}', '{}',"
+    " now() + interval '1 day')"
+)
+_PARTITIONS = "SELECT DISTINCT tableoid::regclass::text FROM outbox_inbox.outbox_messages"
+
+
+def test_a_message_id_in_another_partition_is_refused_as_in_the_same_one(db_url: str) -> None:
+    # docs/migrating.md: a second write of one key fails while the first row is in the table.
+    # The first row is in tomorrow's partition; the second, written now, goes to today's.
+    svc = make_service("orders", db_url, None)
+    first = uuid.uuid4()
+    with svc.engine.begin() as conn:
+        conn.execute(_TOMORROW_ROW, {"m": first})
+    refused = pytest.raises(StorageError, match="uq_outbox_messages_message_id")
+    with refused, svc.session() as session, session.begin():
+        svc.outbox.publish(session, "order.placed", {"id": 1}, message_id=first)
+    with svc.session() as session, session.begin():  # another id, in today's partition
+        svc.outbox.publish(session, "order.placed", {"id": 2})
+    assert len(rows(db_url, _PARTITIONS)) == 2  # the two rows are on both sides of a boundary
+    count = "SELECT count(*) FROM outbox_inbox.outbox_messages WHERE message_id = :m"
+    assert scalar(db_url, count, m=first) == 1
+    svc.close()
+
+
+def test_a_second_writer_of_a_message_id_waits_for_the_first_and_fails_once_it_commits(
+    db_url: str,
+) -> None:
+    svc = make_service("orders", db_url, None)
+    first = uuid.uuid4()
+    outcome: list[BaseException | None] = []
+
+    def second_writer() -> None:
+        try:
+            with svc.session() as session, session.begin():
+                svc.outbox.publish(session, "order.placed", {"id": 1}, message_id=first)
+            outcome.append(None)
+        except StorageError as exc:
+            outcome.append(exc)
+
+    waiting = (
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+        " AND classid = 2832"  # 0x0B10, the lock of migration 0007
+    )
+    with svc.engine.connect() as conn, conn.begin():
+        conn.execute(_TOMORROW_ROW, {"m": first})  # not committed yet
+        writer = threading.Thread(target=second_writer)
+        writer.start()
+        wait_until(lambda: scalar(db_url, waiting) == 1)  # it waits on the first's lock
+        assert outcome == []
+    writer.join(10)
+    [error] = outcome
+    assert isinstance(error, StorageError) and "uq_outbox_messages_message_id" in str(error)
     svc.close()
