@@ -65,6 +65,7 @@ from .messages import (
     TRANSPORT_HEADERS,
     WireMessage,
     _text,
+    from_row,
     inbox_id,
     jsonable,
 )
@@ -407,24 +408,17 @@ class OutboxSelection(TableSelection):
 
 
 def _row_letter(row: Mapping[Any, Any], source: str) -> DeadLetter:
-    return DeadLetter(
+    age = row["age_seconds"]
+    return from_row(
+        DeadLetter,
+        row,
         source=source,
         ref=str(row["id"]),
         message_id=str(row["message_id"]),
-        type=row["routing_key"],
         reason=row["dead_reason"],
         error=row["last_error"],
-        dead_at=row["dead_at"],
-        age_seconds=float(row["age_seconds"]) if row["age_seconds"] is not None else None,
-        kind=row["kind"],
-        key=row["key"],
-        attempts=row["attempts"],
-        correlation_id=row["correlation_id"],
-        payload=row["payload"],
-        headers=dict(row["headers"] or {}),
-        fingerprint=row["fingerprint"],
-        replays=row["replays"],
-        replayed_at=row["replayed_at"],
+        age_seconds=float(age) if age is not None else None,
+        created_at=None,  # of the queue sources only
     )
 
 
