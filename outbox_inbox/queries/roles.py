@@ -61,8 +61,7 @@ from ..tables import DEAD, PENDING, PROCESSED, Tables, outbox_unsent
 #: Advisory-lock namespaces (the first key of the two-key form). Writers of one ordering key
 #: serialize on WRITER_LOCK; a relay holds RELAY_LOCK on each key it is publishing; a worker
 #: connection holds WORKER_LOCK on its claimant name for as long as it lives (its liveness); a
-#: receiver holds INBOX_LOCK on each message id it is storing, until it commits; migration
-#: 0007's trigger holds 0x0B10 on each outbox message id being written, until it commits.
+#: receiver holds INBOX_LOCK on each message id it is storing, until it commits.
 WRITER_LOCK = 0x0B0C
 RELAY_LOCK = 0x0B0D
 WORKER_LOCK = 0x0B0E

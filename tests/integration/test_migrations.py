@@ -175,7 +175,7 @@ def test_check_constraints_have_the_declared_names_in_every_partition_and_revert
                 "ck_archive_files_source_table",
             }
         )
-        downgrade(config, "0007")  # the names the earlier revisions made and revert
+        downgrade(config, "0006")  # the names the earlier revisions made and revert
         assert names() == {
             "ck_outbox_messages_ck_outbox_messages_kind",
             "ck_inbox_messages_ck_inbox_messages_kind",

@@ -11,8 +11,8 @@ On PostgreSQL a rename of the partitioned table's constraint renames it in every
 SQLite the table is rebuilt (its one descending index made again, which a rebuild would make
 ascending).
 
-Revision ID: 0008
-Revises: 0007
+Revision ID: 0007
+Revises: 0006
 Create Date: 2026-11-29
 """
 
@@ -21,12 +21,12 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import context, op
 
-revision = "0008"
-down_revision = "0007"
+revision = "0007"
+down_revision = "0006"
 branch_labels = None
 depends_on = None
 
-#: Each table's CHECK constraints: short name, condition (at revision 0007).
+#: Each table's CHECK constraints: short name, condition (at revision 0006).
 _CHECKS = {
     "outbox_messages": {"kind": "kind IN ('command', 'event')"},
     "inbox_messages": {
