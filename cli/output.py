@@ -95,9 +95,12 @@ def progress(total: int, label: str) -> Iterator[Callable[[int], None]]:
 
 
 class MaskingFormatter(logging.Formatter):
-    """A log formatter that masks passwords, like everything else the command prints."""
+    """A log formatter that masks passwords, like everything else the command prints, and
+    names the worker process a line comes from (``[outbox-inbox-billing-worker-1 pid 42]``)."""
 
     def format(self, record: logging.LogRecord) -> str:
+        forked = record.processName != "MainProcess"
+        record.child = f" [{record.processName} pid {record.process}]" if forked else ""
         return mask(super().format(record))
 
 
@@ -108,7 +111,9 @@ VERBOSE = "outbox_inbox.verbose"
 def configure_logging(verbose: int) -> None:
     """Log to stderr, masked: WARNING and up, INFO with -v, DEBUG with -vv."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(MaskingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(
+        MaskingFormatter("%(asctime)s %(levelname)s%(child)s %(name)s: %(message)s")
+    )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING - 10 * min(verbose, 2))

@@ -24,6 +24,7 @@ from outbox_inbox.config import (
 )
 from outbox_inbox.database import DEFAULT_SCHEMA, Engine, connect, tables_for
 from outbox_inbox.errors import ConfigurationError
+from outbox_inbox.fingerprint import users_frame
 from outbox_inbox.logsafe import mask_url
 from outbox_inbox.service import Service
 from outbox_inbox.tables import Tables
@@ -45,15 +46,12 @@ def fail(message: str, cause: BaseException | None = None) -> NoReturn:
 
 def _raised_at(exc: BaseException) -> str:
     """`` (at FILE:LINE)``: the innermost frame of `exc` in the app's own code (not here, not
-    in the import machinery); empty when there is none."""
-    frames = [
-        f
-        for f in traceback.extract_tb(exc.__traceback__)
-        if f.filename != __file__ and "importlib" not in f.filename
-    ]
-    if isinstance(exc, SyntaxError) or not frames:  # a SyntaxError names its file and line
+    in the standard library or a frozen module); empty when there is none."""
+    # A SyntaxError names its file and line itself.
+    found = None if isinstance(exc, SyntaxError) else users_frame(exc)
+    if found is None or found[1].filename == __file__:
         return ""
-    return f" (at {frames[-1].filename}:{frames[-1].lineno})"
+    return f" (at {found[1].filename}:{found[1].lineno})"
 
 
 def _a(value: object) -> str:

@@ -55,7 +55,13 @@ from .relay import Relay
 from .retry import RetryPolicy
 from .supervisor import WorkerProcesses, available_cpus
 from .tables import Tables
-from .topology import Topology, command_routing_key, inbox_queue, service_topology
+from .topology import (
+    UNROUTABLE_QUEUE,
+    Topology,
+    command_routing_key,
+    inbox_queue,
+    service_topology,
+)
 from .tracing import Tracing
 from .waker import Waker, notify_channel, psycopg_conninfo
 from .worker import Worker, worker_name
@@ -405,9 +411,20 @@ class Service:
                 )
 
     def _maintenance(self, stop: threading.Event, *, on_started: Callable[[], None]) -> None:
-        """The maintenance role: a pass every ``maintenance_interval`` seconds."""
+        """The maintenance role: a pass every ``maintenance_interval`` seconds, and a warning
+        when `unroutable` holds more commands than at the last pass (nothing else says so)."""
         on_started()
+        unroutable = 0
         while not stop.wait(self.settings.maintenance_interval):
+            with contextlib.suppress(OutboxInboxError):  # the broker's roles report it
+                before, unroutable = unroutable, self.broker.queue_depth(UNROUTABLE_QUEUE) or 0
+                if unroutable > before:
+                    log.warning(
+                        "%d command(s) wait in the queue %s: sent to a service that has no queue "
+                        "(outbox-inbox dead-letters list --source unroutable)",
+                        unroutable,
+                        UNROUTABLE_QUEUE,
+                    )
             try:
                 self._maintain_quietly()
             except DatabaseUnavailable as exc:

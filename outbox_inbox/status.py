@@ -168,14 +168,13 @@ def _broker_status(admin: Operator, service: str | None) -> dict[str, Any]:
 
 
 def dead_count(status: dict[str, Any]) -> int:
-    """Dead inbox and outbox rows plus messages in the service's dead-letter queue (when known)."""
+    """Dead inbox and outbox rows plus the messages in the service's dead-letter queue and in
+    `unroutable` (commands sent to a service with no queue, of every service), when known."""
     count = int(status["inbox"]["dead"]) + int(status["outbox"].get("dead", 0))
-    broker = status.get("broker") or {}
+    queues = (status.get("broker") or {}).get("queues") or {}
     service = status.get("service")
-    if service:
-        queue = (broker.get("queues") or {}).get(dead_letter_queue(service))
-        if queue:
-            count += int(queue["messages"])
+    for name in (dead_letter_queue(service) if service else None, UNROUTABLE_QUEUE):
+        count += int((queues.get(name) or {}).get("messages", 0))
     return count
 
 

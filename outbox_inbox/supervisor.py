@@ -167,7 +167,9 @@ class WorkerProcesses:
             for sentinel in ended:
                 slot = sentinels[sentinel]  # type: ignore[index]
                 process, started = self._children[slot]
-                process.join(0)
+                # The sentinel fires when the child's files close, a moment before the kernel
+                # makes it reapable: join(0) there saw no exit code and left a zombie.
+                process.join(5)
                 lived = time.monotonic() - started
                 self._failures = 0 if lived >= STABLE_AFTER else self._failures + 1
                 delay = (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from typing import Any
 
@@ -9,6 +10,7 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, text
+from sqlalchemy.schema import CreateTable
 
 from outbox_inbox import ConfigurationError
 from outbox_inbox.migrate import alembic_config, compared, downgrade, upgrade
@@ -130,5 +132,58 @@ def test_downgrading_below_0003_keeps_a_dead_outbox_row_from_being_published_aga
         upgrade(config)
         if dialect == "postgresql":
             assert _diff(url, "outbox_inbox") == []
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("dialect", ["postgresql", "sqlite"])
+def test_check_constraints_have_the_declared_names_in_every_partition_and_revert(
+    db_url: str, tmp_path: Any, dialect: str
+) -> None:
+    url = db_url if dialect == "postgresql" else f"sqlite:///{tmp_path / 'db.sqlite'}"
+    config = alembic_config(url, schema="ck_names")
+    upgrade(config)
+    engine = create_engine(url)
+    metadata = build_tables("ck_names" if dialect == "postgresql" else None).metadata
+    ddl = " ".join(
+        str(CreateTable(t).compile(dialect=engine.dialect)) for t in metadata.tables.values()
+    )
+    declared = set(re.findall(r"CONSTRAINT (ck_\w+)", ddl))
+
+    def names() -> set[str]:
+        with engine.connect() as conn:
+            if dialect == "sqlite":
+                found = conn.exec_driver_sql("SELECT sql FROM sqlite_master WHERE sql IS NOT NULL")
+                ddl = " ".join(found.scalars())
+                return set(re.findall(r"CONSTRAINT (ck_\w+)", ddl))
+            return set(  # the partitions' too
+                conn.exec_driver_sql(
+                    "SELECT conname FROM pg_constraint c JOIN pg_namespace n"
+                    " ON n.oid = c.connamespace WHERE n.nspname = 'ck_names' AND contype = 'c'"
+                    " AND conname LIKE 'ck%%'"
+                ).scalars()
+            )
+
+    try:
+        assert (
+            names()
+            == declared
+            == {
+                "ck_outbox_messages_kind",
+                "ck_inbox_messages_kind",
+                "ck_inbox_messages_status",
+                "ck_archive_files_source_table",
+            }
+        )
+        downgrade(config, "0006")  # the names the earlier revisions made and revert
+        assert names() == {
+            "ck_outbox_messages_ck_outbox_messages_kind",
+            "ck_inbox_messages_ck_inbox_messages_kind",
+            "ck_inbox_messages_ck_inbox_messages_status",
+            "ck_archive_files_ck_archive_files_source_table",
+        }
+        upgrade(config)
+        assert names() == declared
+        downgrade(config, "base")
     finally:
         engine.dispose()
