@@ -18,7 +18,7 @@ from outbox_inbox import Service, supervisor
 from outbox_inbox.brokers.memory import MemoryBroker
 
 
-def _closes_its_files_then_is_killed(service: Any, slot: int, pipe: Any) -> None:
+def _closes_its_files_then_is_killed(child: Any, name: str, slot: int, pipe: Any) -> None:
     # Closing every file closes the sentinel's pipe: the parent sees the end 0.5 s before the
     # process exits, the window a SIGKILLed child's exit takes at worst.
     os.closerange(3, 65536)
@@ -32,7 +32,9 @@ def test_a_child_whose_sentinel_fires_early_is_reaped_and_its_signal_named(
     monkeypatch.setattr(supervisor, "_child_main", _closes_its_files_then_is_killed)
     with MemoryBroker() as broker:
         service = Service("billing", db_url=f"sqlite:///{tmp_path / 'b.db'}", broker=broker)
-        children = supervisor.WorkerProcesses(service, 1, stop_timeout=1)
+        children = supervisor.WorkerProcesses(
+            service.name, 1, service._worker_process, stop_timeout=1
+        )
         stop = threading.Event()
         caplog.set_level(logging.ERROR, logger="outbox_inbox.supervisor")
         children.start()
