@@ -25,6 +25,7 @@ from ..errors import (
     BrokerError,
     ConfigurationError,
     TopologyMismatch,
+    TopologyMissing,
 )
 from ..logsafe import mask_text, mask_url
 from ..messages import WireMessage
@@ -815,7 +816,9 @@ class RabbitMQConsumer:
     """Consumes one queue with a prefetch window; acknowledges from the owning thread.
 
     Deliveries are pushed by the broker (``basic.consume``) into a buffer that `fetch` drains;
-    at most `prefetch` are unacknowledged at a time.
+    at most `prefetch` are unacknowledged at a time. A consumer the broker cancels
+    (``basic.cancel``: its queue was deleted, or the queue's node failed) makes `fetch` raise
+    TopologyMissing naming the queue, as a queue that does not exist does.
     """
 
     def __init__(self, connection: pika.BlockingConnection, queue: str, *, prefetch: int) -> None:
@@ -824,9 +827,11 @@ class RabbitMQConsumer:
         self._forward_channel: BlockingChannel | None = None
         self._buffer: deque[Delivery] = deque()
         self._consumer_tag: str | None = None
+        self._cancelled = False
         try:
             self._channel = connection.channel()
             self._channel.basic_qos(prefetch_count=prefetch)
+            self._channel.add_on_cancel_callback(lambda _frame: setattr(self, "_cancelled", True))
         except CONNECTION_ERRORS as exc:
             close_quietly(connection)
             raise BrokerConnectionError(f"cannot consume {queue!r}: {exc!r}") from exc
@@ -864,9 +869,15 @@ class RabbitMQConsumer:
                 # Closed by the broker meanwhile: buffered deliveries can no longer be acked.
                 self._buffer.clear()
                 raise BrokerConnectionError(f"the channel consuming {self._queue!r} was closed")
+            if self._cancelled:  # what it holds goes back to the queue, if the queue still is
+                self._buffer.clear()
+                raise TopologyMissing(
+                    f"RabbitMQ cancelled the consumer of queue {self._queue!r} (the queue was "
+                    "deleted, or its node failed)"
+                )
         except pika.exceptions.ChannelClosedByBroker as exc:
             if exc.reply_code == 404:
-                raise BrokerError(
+                raise TopologyMissing(
                     f"queue {self._queue!r} does not exist: declare the topology"
                 ) from exc
             raise BrokerConnectionError(f"consuming {self._queue!r} failed: {exc!r}") from exc
