@@ -21,13 +21,7 @@ from sqlalchemy.exc import (
 
 from .broker import Broker, Consumer, Delivery
 from .config import Settings
-from .errors import (
-    BrokerConnectionError,
-    BrokerError,
-    InvalidMessage,
-    first_line,
-    missing_partition,
-)
+from .errors import InvalidMessage, TopologyMissing, first_line, missing_partition
 from .fingerprint import fingerprint
 from .listener import Listener, call
 from .messages import (
@@ -119,9 +113,8 @@ class Receiver:
         `RoleLoop`): a fault of the receiver itself must not end it. The consumer is closed
         first, so its unacked deliveries come back flagged redelivered and are then counted
         one by one. A consumer is opened only once the database answers (`_database_answers`).
-        After a broker error that is not a lost connection (a queue gone: its consumer cancelled
-        by the broker, a forward that found no queue) the topology is declared again first
-        (`declare`: the service's, unless its ``declare`` setting is False); one warning.
+        After TopologyMissing (a queue gone: its consumer cancelled by the broker, a forward
+        that found no queue) the topology is declared again first (`declare`); one warning.
         """
         s = self._settings
         consumer: Consumer | None = None
@@ -146,7 +139,7 @@ class Receiver:
 
         def recover(exc: Exception) -> None:
             nonlocal consumer, declare
-            if isinstance(exc, BrokerError) and not isinstance(exc, BrokerConnectionError):
+            if isinstance(exc, TopologyMissing):
                 declare = self._declare
             if consumer is not None:
                 consumer.close()  # unacked deliveries go back to the queue

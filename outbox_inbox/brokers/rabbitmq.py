@@ -251,20 +251,9 @@ class RabbitMQBroker:
 
     def queue_depth(self, queue: str) -> int | None:
         """Messages ready in `queue`, or None if it does not exist."""
-        connection = self.connect()
-        try:
-            channel = connection.channel()
-            try:
-                result = channel.queue_declare(queue, passive=True)
-            except pika.exceptions.ChannelClosedByBroker as exc:
-                if exc.reply_code == 404:
-                    return None
-                raise
-            return int(result.method.message_count)
-        except CONNECTION_ERRORS as exc:
-            raise BrokerError(f"cannot inspect queue {queue!r}: {exc!r}") from exc
-        finally:
-            close_quietly(connection)
+        with self.operator() as admin:
+            info = admin.queue_info(queue)
+        return None if info is None else info[0]
 
     def body_limit(self, size: int) -> int | None:
         """RabbitMQ's ``max_message_size`` if it refuses a body of `size` bytes, else None.
@@ -920,7 +909,7 @@ class RabbitMQConsumer:
             )
             self._channel.basic_ack(delivery_tag=delivery.tag, multiple=False)
         except pika.exceptions.UnroutableError as exc:
-            raise BrokerError(
+            raise TopologyMissing(
                 f"cannot forward to {exchange or '(default)'}/{routing_key}: no queue; "
                 "declare the topology"
             ) from exc
@@ -988,11 +977,6 @@ class FlowControl:
         self._since: dict[int, float] = {}
         self.blocked = 0  # how many times a connection was blocked
         self.reason: str | None = None  # the reason of the last blocking
-
-    @property
-    def blocked_now(self) -> int:
-        """Connections blocked at this moment."""
-        return len(self._since)
 
     def on_blocked(self, connection: Any, frame: Any) -> None:
         reason = getattr(getattr(frame, "method", None), "reason", None) or "no reason given"
