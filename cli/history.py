@@ -322,6 +322,7 @@ def audit(
     from outbox_inbox.analytics.report import write_audit
 
     config = _audit_inputs(archives, db_urls, confs)
+    db_urls = tuple(map(checked_db_url, db_urls))  # postgres:// read as the library reads it
     window = _window(since, until, day, margin)
     summary, out = write_audit(
         out_dir,
@@ -369,8 +370,6 @@ def _audit_inputs(
     """Check the audit's inputs (failing with one line); return the Spark --conf settings."""
     if not archives and not db_urls:
         fail("nothing to audit: give at least one ARCHIVE directory or --db-url")
-    for url in db_urls:
-        checked_db_url(url)
     for path in archives:
         if "://" not in path and not Path(path).is_dir():
             fail(f"archive {path!r} is not a directory")

@@ -94,7 +94,6 @@ def load_app(spec: str) -> Service:
 def checked_db_url(url: str) -> str:
     """`url` if the library can use it; ConfigurationError otherwise (never echoing a
     password)."""
-    remember_secret(url)
     return validate_db_url(url)
 
 
@@ -191,7 +190,7 @@ def resolve(
 ) -> Target:
     """Build the Target of a command from its options (the URLs are checked first)."""
     if db_url:
-        checked_db_url(db_url)
+        db_url = checked_db_url(db_url)  # postgres:// and postgresql:// read as the library's
     if mq_url:
         checked_mq_url(mq_url)
     if app and service:
@@ -201,8 +200,6 @@ def resolve(
     if app:
         loaded = load_app(app)
         settings = loaded.settings
-        remember_secret(settings.db_url)
-        remember_secret(settings.mq_url)
         return Target(
             name=loaded.name,
             schema=schema or settings.schema,

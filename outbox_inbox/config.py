@@ -10,7 +10,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from .errors import ConfigurationError
-from .logsafe import mask_text, mask_url
+from .logsafe import mask_text, mask_url, remember
 from .retry import RetryPolicy
 
 #: An unquoted PostgreSQL identifier of at most 63 bytes: what a schema name may be.
@@ -45,8 +45,9 @@ def validate_db_url(url: str) -> str:
     ``postgres://`` and ``postgresql://`` are returned as ``postgresql+psycopg://`` (the
     library's driver); another driver or database (``postgresql+psycopg2://``,
     ``mysql://``) is refused here, not at the first connection. The parser's error quotes the
-    URL: it is reported masked and not chained.
+    URL: it is reported masked and not chained. Its password is masked from now on (`remember`).
     """
+    remember(url)
     try:
         parsed = make_url(url)
     except (ArgumentError, ValueError, TypeError) as exc:
@@ -110,6 +111,7 @@ def broker_urls(url: str) -> list[str]:
     host gets the URL's user, password, virtual host and options), or several URLs
     separated by commas. Raises ConfigurationError (password masked) for anything else.
     """
+    remember(url)
     urls: list[str] = []
     for part in re.split(r",(?=amqps?://)", url.strip(), flags=re.IGNORECASE):
         found = _AMQP_URL.match(part)

@@ -516,6 +516,7 @@ class Service:
             settings=self.settings,
             listener=self.listener,
             tracing=self.tracing,
+            declare=self.declare_topology if self.settings.declare else None,
         )
 
     def worker(self, name: str | None = None) -> Worker:

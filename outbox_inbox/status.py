@@ -193,7 +193,8 @@ def problems(
     (a message waiting for its retry counts: it is not handled yet). Whatever the thresholds,
     the inbox is stalled, a problem, when rows have been claimable for longer than `max_lag`
     (else STALLED_AFTER) while no row is in progress and none was handled in that time: no
-    worker has claimed for that long. A broker that could not be asked is a problem too.
+    worker has claimed for that long. A broker that could not be asked is a problem too, and so
+    is an inbox queue that is missing, or holds messages with no consumer (no receiver runs).
     """
     out = []
     if max_lag is not None:
@@ -217,6 +218,13 @@ def problems(
         out.append(f"broker: {broker['error']}")
     if broker and broker.get("blocked"):
         out.append(f"broker blocks publishers: {broker['blocked']}")
+    name = inbox_queue(status["service"]) if status.get("service") else ""
+    if broker and name in broker["queues"]:
+        queue = broker["queues"][name]
+        if queue is None:
+            out.append(f"queue {name} is missing: no receiver runs (or none could declare it)")
+        elif queue["messages"] and not queue["consumers"]:
+            out.append(f"queue {name} holds {queue['messages']} message(s) and no consumer")
     return out
 
 

@@ -25,6 +25,7 @@ from ..errors import (
     BrokerError,
     ConfigurationError,
     TopologyMismatch,
+    TopologyMissing,
 )
 from ..logsafe import mask_text, mask_url
 from ..messages import WireMessage
@@ -227,20 +228,9 @@ class RabbitMQBroker:
 
     def queue_depth(self, queue: str) -> int | None:
         """Messages ready in `queue`, or None if it does not exist."""
-        connection = self.connect()
-        try:
-            channel = connection.channel()
-            try:
-                result = channel.queue_declare(queue, passive=True)
-            except pika.exceptions.ChannelClosedByBroker as exc:
-                if exc.reply_code == 404:
-                    return None
-                raise
-            return int(result.method.message_count)
-        except CONNECTION_ERRORS as exc:
-            raise BrokerError(f"cannot inspect queue {queue!r}: {exc!r}") from exc
-        finally:
-            close_quietly(connection)
+        with self.operator() as admin:
+            info = admin.queue_info(queue)
+        return None if info is None else info[0]
 
     def body_limit(self, size: int) -> int | None:
         """RabbitMQ's ``max_message_size`` if it refuses a body of `size` bytes, else None.
@@ -801,7 +791,9 @@ class RabbitMQConsumer:
     """Consumes one queue with a prefetch window; acknowledges from the owning thread.
 
     Deliveries are pushed by the broker (``basic.consume``) into a buffer that `fetch` drains;
-    at most `prefetch` are unacknowledged at a time.
+    at most `prefetch` are unacknowledged at a time. A consumer the broker cancels
+    (``basic.cancel``: its queue was deleted, or the queue's node failed) makes `fetch` raise
+    TopologyMissing naming the queue, as a queue that does not exist does.
     """
 
     def __init__(self, connection: pika.BlockingConnection, queue: str, *, prefetch: int) -> None:
@@ -810,9 +802,11 @@ class RabbitMQConsumer:
         self._forward_channel: BlockingChannel | None = None
         self._buffer: deque[Delivery] = deque()
         self._consumer_tag: str | None = None
+        self._cancelled = False
         try:
             self._channel = connection.channel()
             self._channel.basic_qos(prefetch_count=prefetch)
+            self._channel.add_on_cancel_callback(lambda _frame: setattr(self, "_cancelled", True))
         except CONNECTION_ERRORS as exc:
             close_quietly(connection)
             raise BrokerConnectionError(f"cannot consume {queue!r}: {exc!r}") from exc
@@ -852,9 +846,15 @@ class RabbitMQConsumer:
                 # Closed by the broker meanwhile: buffered deliveries can no longer be acked.
                 self._buffer.clear()
                 raise BrokerConnectionError(f"the channel consuming {self._queue!r} was closed")
+            if self._cancelled:  # what it holds goes back to the queue, if the queue still is
+                self._buffer.clear()
+                raise TopologyMissing(
+                    f"RabbitMQ cancelled the consumer of queue {self._queue!r} (the queue was "
+                    "deleted, or its node failed)"
+                )
         except pika.exceptions.ChannelClosedByBroker as exc:
             if exc.reply_code == 404:
-                raise BrokerError(
+                raise TopologyMissing(
                     f"queue {self._queue!r} does not exist: declare the topology"
                 ) from exc
             raise BrokerConnectionError(f"consuming {self._queue!r} failed: {exc!r}") from exc
@@ -897,7 +897,7 @@ class RabbitMQConsumer:
             )
             self._channel.basic_ack(delivery_tag=delivery.tag, multiple=False)
         except pika.exceptions.UnroutableError as exc:
-            raise BrokerError(
+            raise TopologyMissing(
                 f"cannot forward to {exchange or '(default)'}/{routing_key}: no queue; "
                 "declare the topology"
             ) from exc
@@ -937,11 +937,6 @@ class FlowControl:
         self._since: dict[int, float] = {}
         self.blocked = 0  # how many times a connection was blocked
         self.reason: str | None = None  # the reason of the last blocking
-
-    @property
-    def blocked_now(self) -> int:
-        """Connections blocked at this moment."""
-        return len(self._since)
 
     def on_blocked(self, connection: Any, frame: Any) -> None:
         reason = getattr(getattr(frame, "method", None), "reason", None) or "no reason given"

@@ -38,6 +38,7 @@ def three(db_url: str, mq_url: str) -> Iterator[list[Service]]:
     try:
         for service in services:
             cli_app.prepare(service)
+            service.declare_topology()  # a missing inbox queue is unhealthy
         yield services
     finally:
         for service in services:
