@@ -26,7 +26,7 @@ from sqlalchemy import Engine as Engine  # re-exported: the type of `Database.en
 from sqlalchemy import create_engine, event
 from sqlalchemy.engine import URL, make_url
 
-from .errors import read_only_session
+from .errors import CommitOutcomeUnknown, database_unreachable, first_line, read_only_session
 from .queries import roles
 from .tables import Tables, build_tables
 
@@ -145,6 +145,30 @@ def read_only_drops_the_pool(engine: Engine | AsyncEngine) -> None:
     def _read_only(context: ExceptionContext) -> None:
         if read_only_session(context.original_exception):
             context.is_disconnect = True
+
+
+def business_engine(engine: Engine) -> Engine:
+    """`engine` for business transactions (`Service.session`): the same pool and listeners,
+    and a COMMIT that fails for want of the server (`errors.database_unreachable`: a lost
+    connection, a server shutting down) raises `CommitOutcomeUnknown`, chained to
+    the driver's error: its answer was lost, not necessarily the commit."""
+    business = engine.execution_options()  # its own listeners; the roles' engine keeps none
+    flag = "outbox_inbox.committing"
+    event.listen(business, "begin", lambda conn: conn.info.pop(flag, None))
+    event.listen(business, "commit", lambda conn: conn.info.update({flag: True}))
+
+    @event.listens_for(business, "handle_error")
+    def _commit_lost(context: ExceptionContext) -> None:
+        conn = context.connection
+        committing = conn is not None and conn.info.pop(flag, False)
+        if committing and database_unreachable(context.original_exception):
+            raise CommitOutcomeUnknown(
+                f"the commit's outcome is unknown ({first_line(context.original_exception)}):"
+                " it may have committed; retry it idempotently, with the same message id or"
+                " business key (docs/failures.md#postgresql-failover)"
+            )
+
+    return business
 
 
 def _sqlite_engine(url: str | URL, *, busy_timeout: float = 30.0) -> Engine:

@@ -36,6 +36,12 @@ class DatabaseUnavailable(StorageError):
     """The database cannot be reached now (refused, timed out, shutting down): it may come back."""
 
 
+class CommitOutcomeUnknown(DatabaseUnavailable):
+    """A COMMIT lost its connection (a failover, a restart, a partition): the transaction may
+    have committed or not. Retry it idempotently: with the same message id (`publish`'s
+    ``message_id=``) or a business key of yours that a second commit cannot insert twice."""
+
+
 class SchemaMissing(StorageError):
     """The outbox/inbox tables do not exist: run `outbox-inbox db upgrade`."""
 
