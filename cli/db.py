@@ -22,30 +22,51 @@ def db() -> None:
     """
 
 
-def _migrate(action: str, app: str | None, db_url: str | None, schema: str | None, rev: str) -> str:
+role_option = click.option("--runtime-role", help="Name the GRANTs this role lacks.")
+
+
+def _migrate(
+    action: str,
+    app: str | None,
+    db_url: str | None,
+    schema: str | None,
+    rev: str,
+    role: str | None = None,
+) -> str:
+    """Migrate; name the tables it made (a runtime role needs grants on them), what `role` lacks."""
     target = resolve(app=app, db_url=db_url, schema=schema)
-    run = migrations.upgrade if action == "upgrade" else migrations.downgrade
     try:
-        if target.db_url:
-            run(migrations.alembic_config(target.db_url, schema=target.schema), rev)
-            return f"{action}d {mask_url(target.db_url)} schema {target.schema} to {rev}"
-        # An app built with engine= only: migrate on a connection of that engine.
         with target.engine().connect() as conn:
-            run(migrations.alembic_config(schema=target.schema, connection=conn), rev)
+            before = migrations.table_oids(conn, target.schema)
+            config = migrations.alembic_config(target.db_url, schema=target.schema, connection=conn)
+            (migrations.upgrade if action == "upgrade" else migrations.downgrade)(config, rev)
             conn.commit()
-        return f"{action}d {target.name}'s database schema {target.schema} to {rev}"
+            after = migrations.table_oids(conn, target.schema)
+            grants = migrations.runtime_grants(conn, role, target.schema) if role else []
     finally:
         target.close()
+    where = mask_url(target.db_url) if target.db_url else f"{target.name}'s database"
+    lines = [f"{action}d {where} schema {target.schema} to {rev}"]
+    made = sorted(name for name, oid in after.items() if before.get(name) != oid)
+    if before and made:  # the first upgrade comes before any grant (security.md)
+        lines.append(
+            f"tables made: {', '.join(made)}; a runtime role needs SELECT, INSERT, UPDATE, DELETE"
+            " on them unless default privileges gave it (`db check --runtime-role ROLE`)"
+        )
+    return "\n".join(lines + [f"runtime role {role} lacks: {grant}" for grant in grants])
 
 
 @db.command()
 @app_option
 @db_url_option
 @schema_option
+@role_option
 @click.argument("revision", default="heads")
-def upgrade(app: str | None, db_url: str | None, schema: str | None, revision: str) -> None:
+def upgrade(
+    app: str | None, db_url: str | None, schema: str | None, runtime_role: str | None, revision: str
+) -> None:
     """Apply the migrations up to REVISION (default: the newest)."""
-    echo(_migrate("upgrade", app, db_url, schema, revision))
+    echo(_migrate("upgrade", app, db_url, schema, revision, runtime_role))
 
 
 @db.command()
@@ -84,13 +105,20 @@ def current(app: str | None, db_url: str | None, schema: str | None, as_json: bo
 @app_option
 @db_url_option
 @schema_option
+@role_option
 @json_option
-def check(app: str | None, db_url: str | None, schema: str | None, as_json: bool) -> None:
-    """Check that the tables equal the newest migration; exit 4 when they differ."""
+def check(
+    app: str | None, db_url: str | None, schema: str | None, runtime_role: str | None, as_json: bool
+) -> None:
+    """Check that the tables equal the newest migration, and with --runtime-role that the role
+    holds its grants on them; exit 4 when they differ or it lacks one."""
     target = resolve(app=app, db_url=db_url, schema=schema)
     try:
         with target.engine().connect() as conn:
             differences = migrations.check(conn, target.schema)
+            if runtime_role:
+                grants = migrations.runtime_grants(conn, runtime_role, target.schema)
+                differences += [f"runtime role {runtime_role} lacks: {g}" for g in grants]
     finally:
         target.close()
     if as_json:

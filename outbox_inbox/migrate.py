@@ -22,6 +22,7 @@ from .database import DEFAULT_SCHEMA, tables_for
 from .errors import StorageError, first_line, storage_error
 from .logsafe import mask_url
 from .partitions import is_partition
+from .queries.operations import privileges_lacking
 from .tables import VERSION_TABLE, build_tables
 
 
@@ -180,6 +181,43 @@ def check(connection: Connection, schema: str = DEFAULT_SCHEMA) -> list[str]:
     except SQLAlchemyError as exc:
         raise storage_error(exc, "comparing the schema with the migrations") from exc
     return [_describe(diff) for diff in found]
+
+
+def table_oids(connection: Connection, schema: str = DEFAULT_SCHEMA) -> dict[str, int]:
+    """The library's tables now in `schema` (not its partitions nor the version table) by
+    their PostgreSQL oid, new for a table a migration made again; empty on SQLite."""
+    if connection.dialect.name != "postgresql":
+        return {}
+    found = inspect(connection)
+    return {
+        name: found.get_table_oid(name, schema)  # type: ignore[attr-defined]
+        for name in found.get_table_names(schema=schema)
+        if not is_partition(name) and name != VERSION_TABLE
+    }
+
+
+#: The rights of a runtime role (docs/security.md) on each of the library's tables.
+RUNTIME_RIGHTS = ("SELECT", "INSERT", "UPDATE", "DELETE")
+
+
+def runtime_grants(connection: Connection, role: str, schema: str = DEFAULT_SCHEMA) -> list[str]:
+    """The GRANT statements that give `role`, a runtime role, what it lacks now on `schema`
+    (docs/security.md): grants name tables, and a table a migration adds or makes again
+    (0005 added ``instances``, 0006 made the message tables again) is not covered by them,
+    unless default privileges were set. Empty on SQLite, or when it lacks
+    nothing. Raises StorageError, for a role that does not exist too."""
+    if connection.dialect.name != "postgresql":
+        return []
+    tables = {f"{schema}.{name}": RUNTIME_RIGHTS for name in sorted(table_oids(connection, schema))}
+    wanted = {schema: ("USAGE",), **tables, f"{schema}.{VERSION_TABLE}": ("SELECT",)}
+    try:
+        lacking = privileges_lacking(connection, role, wanted)
+    except SQLAlchemyError as exc:
+        raise storage_error(exc, f"reading the privileges of {role}") from exc
+    return [
+        f"GRANT {', '.join(rights)} ON {'SCHEMA ' if name == schema else ''}{name} TO {role}"
+        for name, rights in lacking.items()
+    ]
 
 
 def compared(obj: Any, name: str | None, type_: str, sqlite: bool) -> bool:
