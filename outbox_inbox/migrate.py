@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib
 import io
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -94,14 +94,6 @@ class Revision:
     head: bool
     message: str
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "revision": self.revision,
-            "down_revision": self.down_revision,
-            "head": self.head,
-            "message": self.message,
-        }
-
 
 @dataclass(frozen=True)
 class Current:
@@ -116,11 +108,7 @@ class Current:
         return bool(self.revisions) and set(self.revisions) == set(self.heads)
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "schema": self.schema,
-            "revisions": list(self.revisions),
-            "up_to_date": self.up_to_date,
-        }
+        return {**asdict(self), "revisions": list(self.revisions), "up_to_date": self.up_to_date}
 
 
 def history() -> list[Revision]:
