@@ -148,24 +148,19 @@ def read_only_drops_the_pool(engine: Engine | AsyncEngine) -> None:
 
 
 def business_engine(engine: Engine) -> Engine:
-    """`engine` for business transactions (`Service.session`): the same pool and listeners,
-    and a COMMIT that fails for want of the server (`errors.database_unreachable`: a lost
-    connection, a server shutting down) raises `CommitOutcomeUnknown`, chained to
-    the driver's error: its answer was lost, not necessarily the commit."""
-    business = engine.execution_options()  # its own listeners; the roles' engine keeps none
-    flag = "outbox_inbox.committing"
+    """`engine` for business transactions (`Service.session`; the roles' engine is left as it
+    is): a COMMIT that fails for want of the server raises `CommitOutcomeUnknown`."""
+    business, flag = engine.execution_options(), "outbox_inbox.committing"
     event.listen(business, "begin", lambda conn: conn.info.pop(flag, None))
     event.listen(business, "commit", lambda conn: conn.info.update({flag: True}))
 
     @event.listens_for(business, "handle_error")
     def _commit_lost(context: ExceptionContext) -> None:
-        conn = context.connection
-        committing = conn is not None and conn.info.pop(flag, False)
-        if committing and database_unreachable(context.original_exception):
+        error, conn = context.original_exception, context.connection
+        if conn is not None and conn.info.pop(flag, False) and database_unreachable(error):
             raise CommitOutcomeUnknown(
-                f"the commit's outcome is unknown ({first_line(context.original_exception)}):"
-                " it may have committed; retry it idempotently, with the same message id or"
-                " business key (docs/failures.md#postgresql-failover)"
+                f"the commit's outcome is unknown ({first_line(error)}): it may have committed;"
+                " retry it idempotently, with the same message id or business key"
             )
 
     return business

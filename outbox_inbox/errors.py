@@ -37,9 +37,8 @@ class DatabaseUnavailable(StorageError):
 
 
 class CommitOutcomeUnknown(DatabaseUnavailable):
-    """A COMMIT lost its connection (a failover, a restart, a partition): the transaction may
-    have committed or not. Retry it idempotently: with the same message id (`publish`'s
-    ``message_id=``) or a business key of yours that a second commit cannot insert twice."""
+    """The commit's outcome is unknown (its connection was lost): it may have committed; retry
+    it idempotently, with the same message id or business key (docs/failures.md)."""
 
 
 class SchemaMissing(StorageError):

@@ -22,7 +22,7 @@ from .database import DEFAULT_SCHEMA, tables_for
 from .errors import StorageError, first_line, storage_error
 from .logsafe import mask_url
 from .partitions import is_partition
-from .queries.operations import privileges_lacking
+from .queries.operations import privileges_held
 from .tables import VERSION_TABLE, build_tables
 
 
@@ -184,28 +184,25 @@ def table_oids(connection: Connection, schema: str = DEFAULT_SCHEMA) -> dict[str
     }
 
 
-#: The rights of a runtime role (docs/security.md) on each of the library's tables.
-RUNTIME_RIGHTS = ("SELECT", "INSERT", "UPDATE", "DELETE")
-
-
 def runtime_grants(connection: Connection, role: str, schema: str = DEFAULT_SCHEMA) -> list[str]:
-    """The GRANT statements that give `role`, a runtime role, what it lacks now on `schema`
-    (docs/security.md): grants name tables, and a table a migration adds or makes again
-    (0005 added ``instances``, 0006 made the message tables again) is not covered by them,
-    unless default privileges were set. Empty on SQLite, or when it lacks
-    nothing. Raises StorageError, for a role that does not exist too."""
+    """The GRANT statements that give `role`, a runtime role, the rights docs/security.md
+    names that it lacks on `schema` (none on SQLite). Grants name tables: a table a migration
+    adds or makes again is not covered by them unless default privileges were set. Raises
+    StorageError, for a role that does not exist too."""
     if connection.dialect.name != "postgresql":
         return []
-    tables = {f"{schema}.{name}": RUNTIME_RIGHTS for name in sorted(table_oids(connection, schema))}
-    wanted = {schema: ("USAGE",), **tables, f"{schema}.{VERSION_TABLE}": ("SELECT",)}
+    tables = [f"{schema}.{name}" for name in sorted(table_oids(connection, schema))]
+    wanted = [(t, right) for t in tables for right in ("SELECT", "INSERT", "UPDATE", "DELETE")]
+    wanted += [(schema, "USAGE"), (f"{schema}.{VERSION_TABLE}", "SELECT")]
     try:
-        lacking = privileges_lacking(connection, role, wanted)
+        held = privileges_held(connection, role, wanted)
     except SQLAlchemyError as exc:
         raise storage_error(exc, f"reading the privileges of {role}") from exc
-    return [
-        f"GRANT {', '.join(rights)} ON {'SCHEMA ' if name == schema else ''}{name} TO {role}"
-        for name, rights in lacking.items()
-    ]
+    lacking: dict[str, list[str]] = {}
+    for (name, right), has in zip(wanted, held, strict=True):
+        if not has:
+            lacking.setdefault(name if "." in name else f"SCHEMA {name}", []).append(right)
+    return [f"GRANT {', '.join(rights)} ON {name} TO {role}" for name, rights in lacking.items()]
 
 
 def compared(obj: Any, name: str | None, type_: str, sqlite: bool) -> bool:

@@ -1,5 +1,5 @@
 """The statements of the operators' tools: dead letters (list, count, group, replay, park,
-purge), status and metrics, and the runtime role's privileges.
+purge), status and metrics, and a role's privileges.
 """
 
 from __future__ import annotations
@@ -444,24 +444,8 @@ def subscriptions_of(conn: Connection, tables: Tables) -> list[RowMapping]:
     return list(conn.execute(select(s).order_by(s.c.service, s.c.exchange, s.c.pattern)).mappings())
 
 
-def privileges_lacking(
-    conn: Connection, role: str, wanted: dict[str, tuple[str, ...]]
-) -> dict[str, list[str]]:
-    """Of `wanted` (a schema or a qualified table name -> privileges, PostgreSQL), what `role`
-    holds not, directly or through a role it belongs to (``has_*_privilege``)."""
-    pairs = [(name, p) for name, privileges in wanted.items() for p in privileges]
-    held = conn.execute(
-        select(
-            *[
-                func.has_table_privilege(role, name, p)
-                if "." in name
-                else func.has_schema_privilege(role, name, p)
-                for name, p in pairs
-            ]
-        )
-    ).one()
-    lacking: dict[str, list[str]] = {}
-    for (name, privilege), has in zip(pairs, held, strict=True):
-        if not has:
-            lacking.setdefault(name, []).append(privilege)
-    return lacking
+def privileges_held(conn: Connection, role: str, wanted: list[tuple[str, str]]) -> list[bool]:
+    """Whether `role` holds each (a schema or a qualified table name, privilege) of `wanted`,
+    directly or through a role it belongs to (PostgreSQL's ``has_*_privilege``)."""
+    has = {True: func.has_table_privilege, False: func.has_schema_privilege}
+    return list(conn.execute(select(*[has["." in n](role, n, p) for n, p in wanted])).one())
