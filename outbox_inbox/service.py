@@ -24,7 +24,7 @@ from . import migrate as migrations
 from .backoff import Backoff
 from .broker import Broker
 from .config import Settings, validate_service_name
-from .database import connect, is_sqlite, tables_for
+from .database import business_engine, connect, is_sqlite, tables_for
 from .errors import (
     BrokerAccessRefused,
     BrokerConnectionError,
@@ -176,9 +176,10 @@ class Service:
             return self._broker
 
     def session(self) -> Session:
-        """A new Session on the service's database. The caller begins and commits it."""
+        """A new Session on the service's database. The caller begins and commits it; a commit
+        that loses its connection raises `CommitOutcomeUnknown` (`database.business_engine`)."""
         if self._sessionmaker is None:
-            self._sessionmaker = sessionmaker(self.engine)
+            self._sessionmaker = sessionmaker(business_engine(self.engine))
         return self._sessionmaker()
 
     def with_urls(self, *, db_url: str | None = None, mq_url: str | None = None) -> Service:

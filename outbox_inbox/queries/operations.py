@@ -1,5 +1,5 @@
 """The statements of the operators' tools: dead letters (list, count, group, replay, park,
-purge), status and metrics.
+purge), status and metrics, and a role's privileges.
 """
 
 from __future__ import annotations
@@ -440,3 +440,10 @@ def subscriptions_of(conn: Connection, tables: Tables) -> list[RowMapping]:
     """Every recorded subscription: service, exchange, pattern, subscribed_at."""
     s = tables.subscriptions
     return list(conn.execute(select(s).order_by(s.c.service, s.c.exchange, s.c.pattern)).mappings())
+
+
+def privileges_held(conn: Connection, role: str, wanted: list[tuple[str, str]]) -> list[bool]:
+    """Whether `role` holds each (a schema or a qualified table name, privilege) of `wanted`,
+    directly or through a role it belongs to (PostgreSQL's ``has_*_privilege``)."""
+    has = {True: func.has_table_privilege, False: func.has_schema_privilege}
+    return list(conn.execute(select(*[has["." in n](role, n, p) for n, p in wanted])).one())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import uuid
 from datetime import UTC, datetime
 from typing import Any
 
@@ -10,6 +11,7 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, text
+from sqlalchemy.exc import ProgrammingError
 from sqlalchemy.schema import CreateTable
 
 from outbox_inbox import ConfigurationError
@@ -187,3 +189,57 @@ def test_check_constraints_have_the_declared_names_in_every_partition_and_revert
         downgrade(config, "base")
     finally:
         engine.dispose()
+def test_db_upgrade_and_check_name_the_grants_a_runtime_role_granted_on_the_old_tables_lacks(
+    db_url: str,
+) -> None:
+    """A runtime role granted on the tables of 0004 meets `instances` (0005) with `permission
+    denied`; `db upgrade` names the tables it made, `db check --runtime-role` the missing
+    GRANTs, which, run as printed, make the role whole."""
+    from click.testing import CliRunner
+
+    from outbox_inbox.cli.db import db
+
+    role = f"rt_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(db_url)
+    upgrade(alembic_config(db_url), "0004")
+    names = set(inspect(admin).get_table_names("outbox_inbox")) - {VERSION_TABLE}
+    old = ", ".join(f"outbox_inbox.{name}" for name in sorted(names))
+    with admin.begin() as conn:
+        conn.execute(text(f"CREATE ROLE {role}"))
+        conn.execute(text(f"GRANT USAGE ON SCHEMA outbox_inbox TO {role}"))
+        conn.execute(text(f"GRANT SELECT, INSERT, UPDATE, DELETE ON {old} TO {role}"))
+        conn.execute(text(f"GRANT SELECT ON outbox_inbox.{VERSION_TABLE} TO {role}"))
+    runner = CliRunner()
+    try:
+        upgraded = runner.invoke(db, ["upgrade", "--db-url", db_url])
+        assert upgraded.exit_code == 0, upgraded.output
+        made = "tables made: inbox_messages, instances, outbox_messages; a runtime role needs"
+        assert made in upgraded.output, upgraded.output
+        with admin.begin() as conn:
+            conn.execute(text(f"SET LOCAL ROLE {role}"))
+            with pytest.raises(ProgrammingError, match="permission denied"):
+                conn.execute(text("SELECT count(*) FROM outbox_inbox.instances"))
+        checked = runner.invoke(db, ["check", "--db-url", db_url, "--runtime-role", role])
+        assert checked.exit_code == 4, checked.output
+        # 0005 added instances; 0006 made the message tables again, partitioned.
+        grants = [
+            f"GRANT SELECT, INSERT, UPDATE, DELETE ON outbox_inbox.{table} TO {role}"
+            for table in ("inbox_messages", "instances", "outbox_messages")
+        ]
+        assert checked.output.count("lacks:") == 3, checked.output
+        assert all(f"lacks: {grant}\n" in checked.output for grant in grants), checked.output
+        with admin.begin() as conn:
+            for grant in grants:
+                conn.execute(text(grant))
+        checked = runner.invoke(db, ["check", "--db-url", db_url, "--runtime-role", role])
+        assert checked.exit_code == 0, checked.output
+        upgraded = runner.invoke(db, ["upgrade", "--db-url", db_url, "--runtime-role", role])
+        assert upgraded.exit_code == 0 and "lacks" not in upgraded.output, upgraded.output
+        with admin.begin() as conn:
+            conn.execute(text(f"SET LOCAL ROLE {role}"))
+            assert conn.scalar(text("SELECT count(*) FROM outbox_inbox.instances")) == 0
+    finally:
+        with admin.begin() as conn:
+            conn.execute(text(f"DROP OWNED BY {role}"))
+            conn.execute(text(f"DROP ROLE {role}"))
+        admin.dispose()
