@@ -22,7 +22,7 @@ from types import FrameType
 
 from psycopg import sql
 
-from bench import aio, fair, latency, peers, raw_mq, raw_pg, report, roles, rss
+from bench import aio, fair, latency, peers, raw_mq, raw_pg, raw_pipeline, report, roles, rss
 from bench.context import Context
 from bench.timing import BenchError
 from bench.wire import WINDOW, make_wires
@@ -87,6 +87,8 @@ def run(ctx: Context) -> None:
         fair.measure(ctx)
     if "e2e" not in skip:
         roles.end_to_end(ctx)
+        raw_pipeline.create(ctx)
+        raw_pipeline.end_to_end(ctx)
     if "latency" not in skip:
         print("\nlatency", flush=True)
         latency.measure(ctx)
@@ -134,8 +136,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(f"--messages must be at least {WINDOW}")
     if args.raw_repeats < 1:
         parser.error("--raw-repeats must be at least 1")
-    if min(args.latency_rate) <= 0 or args.latency_seconds <= 0 or args.latency_writers < 1:
-        parser.error("--latency-rate, --latency-seconds and --latency-writers must be positive")
+    if (
+        min(args.latency_rate) <= 0
+        or args.latency_seconds <= 0
+        or min(args.latency_writers, args.latency_writer_processes) < 1
+    ):
+        parser.error(
+            "--latency-rate, --latency-seconds, --latency-writers and"
+            " --latency-writer-processes must be positive"
+        )
     if args.memory_rows < 1 or args.memory_seconds < 0:
         parser.error("--memory-rows must be positive and --memory-seconds not negative")
     return args
@@ -188,9 +197,10 @@ def _add_latency_and_memory_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--latency-rate",
         type=_rates,
-        default=[250.0, 500.0, 1000.0],
+        default=[100.0, 500.0, 1000.0],
         metavar="RATE[,RATE]",
-        help="(L) offered messages per second, one run each (default 250,500,1000)",
+        help="(L) offered messages per second, one run of each pipeline each (default"
+        " 100,500,1000)",
     )
     parser.add_argument(
         "--latency-seconds", type=float, default=10.0, help="(L) how long the load is offered"
@@ -199,7 +209,15 @@ def _add_latency_and_memory_options(parser: argparse.ArgumentParser) -> None:
         "--latency-writers",
         type=int,
         default=8,
-        help="(L) threads committing outbox rows, sharing the schedule (default 8)",
+        help="(L) threads per writer process committing outbox rows, sharing the schedule"
+        " (default 8)",
+    )
+    parser.add_argument(
+        "--latency-writer-processes",
+        type=int,
+        default=2,
+        help="(L) processes of writer threads (default 2: one interpreter did not reach 1,000"
+        " commits a second)",
     )
     parser.add_argument(
         "--memory-rows",

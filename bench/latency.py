@@ -13,6 +13,7 @@ Latency = handled - committed.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import threading
@@ -23,9 +24,10 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from bench import raw_pipeline
 from bench.context import Context
 from bench.roles import wait_serving
-from bench.services import serve
+from bench.services import build_service_a, serve
 from bench.timing import BenchError, Timer, tree_cpu_seconds
 from bench.wire import EVENT_NAME, payload
 
@@ -57,45 +59,65 @@ def epochs(ctx: Context, table: sql.Identifier, column: str) -> dict[uuid.UUID, 
     return {mid: float(at) for mid, at in rows if at is not None}
 
 
+#: The pipelines L measures at each rate: services A and B as users run them, default settings
+#: (L); the same with one process each, ``processes=1`` (L_p1: a default must never lose to
+#: it); the same path written by hand with psycopg and pika (L_raw, bench/raw_pipeline.py).
+PIPELINES = ("L", "L_p1", "L_raw")
+
+
 def measure(ctx: Context) -> None:
     if ctx.profile:
         ctx.skipped("L", "under --profile (its roles run where cProfile cannot follow them)")
         return
-    ctx.results["latency"] = [_measure_at(ctx, rate) for rate in ctx.args.latency_rate]
+    raw_pipeline.create(ctx, exist_ok=True)
+    ctx.results["latency"] = [
+        _measure_at(ctx, rate, pipeline) for rate in ctx.args.latency_rate for pipeline in PIPELINES
+    ]
 
 
-def _measure_at(ctx: Context, rate: float) -> dict[str, Any]:
-    load = _Load(ctx, rate)
-    _empty_tables(ctx)
-    child, ready = ctx.start_child(
-        "service-b", serve, "b", ctx.tag, ctx.db_url, ctx.mq_url, daemon=False
-    )
-    a_child = ctx.start_child(
-        "service-a", serve, "a", ctx.tag, ctx.db_url, ctx.mq_url, daemon=False
-    )
-    pids = ctx.wait_ready([(child, ready), a_child], "services A and B")
-    wait_serving(ctx, child.pid)
+def _measure_at(ctx: Context, rate: float, pipeline: str) -> dict[str, Any]:
+    raw = pipeline == "L_raw"
+    load = _Load(ctx, rate, raw)
+    tables = _tables(ctx, raw)
+    ctx.sql(sql.SQL("TRUNCATE {}").format(sql.SQL(", ").join(tables.values())))
+    ctx.vacuum(*tables.values())
+    if raw:
+        ctx.purge(raw_pipeline.queue(ctx))
+        children = raw_pipeline.start(ctx, raw_pipeline.cpus())
+        pids = ctx.wait_ready(children, "the hand-written pipeline")
+        what = f"the hand-written pipeline runs in processes {sorted(pids)}"
+        trees = {child.name.removeprefix("bench-"): frozenset({child.pid}) for child, _ in children}
+    else:
+        processes = 1 if pipeline == "L_p1" else None
+        b = ctx.start_child(
+            "service-b", serve, "b", ctx.tag, ctx.db_url, ctx.mq_url, processes, daemon=False
+        )
+        a = ctx.start_child(
+            "service-a", serve, "a", ctx.tag, ctx.db_url, ctx.mq_url, processes, daemon=False
+        )
+        children = [b, a]
+        pids = ctx.wait_ready(children, "services A and B")
+        wait_serving(ctx, b[0].pid, processes or None)
+        what = (
+            f"services A and B run svc.run(processes={processes}) in processes"
+            f" {a[0].pid} and {b[0].pid}"
+        )
+        trees = {"A": frozenset({a[0].pid}), "B": frozenset({b[0].pid})}
     print(
-        f"  L    {load.rate:,.0f} msg/s offered for {load.seconds:.0f} s by {load.writers} writer"
-        f" threads; services A and B run svc.run() in processes {a_child[0].pid} and {child.pid}",
+        f"  {pipeline:<5} {load.rate:,.0f} msg/s offered for {load.seconds:.0f} s by"
+        f" {load.writers} writer threads in {load.processes} processes; {what}",
         flush=True,
     )
     try:
-        with ctx.a.engine.connect():
-            pass
-        trees = {"A": frozenset({a_child[0].pid}), "B": frozenset({child.pid})}
-        before = {name: tree_cpu_seconds(pids) or 0.0 for name, pids in trees.items()}
+        before = {name: tree_cpu_seconds(p) or 0.0 for name, p in trees.items()}
         with Timer(extra_pids=pids) as timer:
             written = load.run()
-            _wait_handled(ctx, load.total, [child, a_child[0]])
+            _wait_handled(ctx, tables["handled"], load.total, [c for c, _ in children])
         spent = {name: (tree_cpu_seconds(p) or 0.0) - before[name] for name, p in trees.items()}
     finally:
         ctx.stop_children()
-    times = {
-        "published": epochs(ctx, ctx.a_table("outbox_messages"), "published_at"),
-        "received": epochs(ctx, ctx.b_table("inbox_messages"), "received_at"),
-        "handled": epochs(ctx, ctx.b_table("bench_effects"), "handled_at"),
-    }
+    columns = {"published": "published_at", "received": "received_at", "handled": "handled_at"}
+    times = {stage: epochs(ctx, tables[stage], column) for stage, column in columns.items()}
     committed = load.committed
     ms = sorted(
         (at - committed[mid]) * 1000 for mid, at in times["handled"].items() if mid in committed
@@ -103,99 +125,158 @@ def _measure_at(ctx: Context, rate: float) -> dict[str, Any]:
     if len(ms) != load.total:
         raise BenchError(f"latency: {len(ms)} of {load.total} messages matched a commit time")
     result = _result(load, written, ms, _stages(committed, times), timer)
-    result["batches"] = _batches(ctx)
-    # Where the CPU went: A (its relay), B (receiver, workers), the writers (the bench's own)
+    result["pipeline"] = pipeline
+    result["batches"] = _batches(ctx, tables)
+    # Where the CPU went, per process (tree) of the pipeline; the rest is the writers'.
     result["cpu_us_by_process"] = {
         name: seconds / load.total * 1e6 for name, seconds in spent.items()
     }
+    result["pipeline_cpu_us"] = sum(result["cpu_us_by_process"].values())
     _print_result(result)
     return result
 
 
-def _batches(ctx: Context) -> dict[str, int]:
+def _tables(ctx: Context, raw: bool) -> dict[str, sql.Identifier]:
+    """The tables of each stage's times: the outbox (published), the inbox (received,
+    processed) and the handler's effects (handled)."""
+    if raw:
+        t = raw_pipeline.tables(ctx)
+        return {"published": t["outbox"], "received": t["inbox"], "handled": t["effects"]}
+    return {
+        "published": ctx.a_table("outbox_messages"),
+        "received": ctx.b_table("inbox_messages"),
+        "handled": ctx.b_table("bench_effects"),
+        "deliveries": ctx.b_table("inbox_deliveries"),
+    }
+
+
+def _batches(ctx: Context, tables: dict[str, sql.Identifier]) -> dict[str, int]:
     """How many transactions each role needed for the load: the rows of one transaction share
     its start time (now()) in published_at, received_at and processed_at."""
     count = "SELECT count(DISTINCT {}) FROM {}"
     return {
-        role: int(ctx.scalar(sql.SQL(count).format(sql.Identifier(column), table)) or 0)
-        for role, column, table in (
-            ("relay", "published_at", ctx.a_table("outbox_messages")),
-            ("receiver", "received_at", ctx.b_table("inbox_messages")),
-            ("worker", "processed_at", ctx.b_table("inbox_messages")),
+        role: int(ctx.scalar(sql.SQL(count).format(sql.Identifier(column), tables[stage])) or 0)
+        for role, column, stage in (
+            ("relay", "published_at", "published"),
+            ("receiver", "received_at", "received"),
+            ("worker", "processed_at", "received"),
         )
     }
 
 
 class _Load:
-    """The writer threads and their shared schedule: message i is due at start + i / rate."""
+    """The writers and their shared schedule: message i is due at start + i / rate. The writers
+    are threads of `--latency-writer-processes` processes of their own, so that the offered rate
+    is not bound by one interpreter's lock."""
 
-    def __init__(self, ctx: Context, rate: float) -> None:
+    def __init__(self, ctx: Context, rate: float, raw: bool) -> None:
         self.ctx = ctx
         self.rate = rate
         self.seconds: float = ctx.args.latency_seconds
-        self.writers: int = ctx.args.latency_writers
+        self.processes: int = ctx.args.latency_writer_processes
+        self.writers: int = ctx.args.latency_writers * self.processes
         self.total = max(1, round(self.rate * self.seconds))
         self.committed: dict[uuid.UUID, float] = {}
         self.late: list[float] = []  # how far behind schedule each writer fell, at most
-        self.errors: list[str] = []
+        # What a writer process needs to write: the hand-written pipeline's outbox (psycopg),
+        # or service A's (its outbox.publish).
+        self.spec: tuple[Any, ...] = (
+            ("raw", ctx.conninfo, raw_pipeline.tables(ctx)["outbox"].as_string(None))
+            if raw
+            else ("library", ctx.tag, ctx.db_url, ctx.mq_url)
+        )
 
-    def write(self, k: int, start: float) -> None:
+    def run(self) -> float:
+        """Offer the whole load; returns the seconds the writers took."""
+        out = self.ctx.spawn.Queue()
+        start_at = time.time() + 2.0  # the processes start meanwhile
+        threads = self.ctx.args.latency_writers
+        processes = [
+            self.ctx.spawn.Process(
+                target=_writer_process,
+                args=(self.spec, p * threads, threads, self.writers, self.rate, self.total),
+                kwargs={"start_at": start_at, "out": out},
+                name=f"bench-writers-{p}",
+            )
+            for p in range(self.processes)
+        ]
+        for process in processes:
+            process.start()
+        errors: list[str] = []
+        for _ in processes:
+            committed, late, failed = out.get(timeout=self.seconds + 120)
+            self.committed.update((uuid.UUID(m), at) for m, at in committed)
+            self.late += late
+            errors += failed
+        for process in processes:
+            process.join(30)
+        written = max(self.committed.values(), default=start_at) - start_at
+        if errors:
+            raise BenchError(f"latency writer: {errors[0]}")
+        return written
+
+
+def _writer_process(
+    spec: tuple[Any, ...],
+    first: int,
+    threads: int,
+    writers: int,
+    rate: float,
+    total: int,
+    *,
+    start_at: float,
+    out: Any,
+) -> None:
+    """Writers `first` .. `first + threads - 1` of `writers`, one thread each: writer w commits
+    messages w, w + writers, ... each when due; puts (committed, late, errors) on `out`."""
+    kind, *where = spec
+    svc = build_service_a(*where) if kind == "library" else None
+    start = time.perf_counter() + (start_at - time.time())
+    committed: list[tuple[str, float]] = []
+    late: list[float] = []
+    errors: list[str] = []
+
+    def write(w: int) -> None:
         worst = 0.0
-        svc = self.ctx.a
+        conn = psycopg.connect(where[0]) if svc is None else None
         try:
-            for i in range(k, self.total, self.writers):
-                delay = start + i / self.rate - time.perf_counter()
+            for i in range(w, total, writers):
+                delay = start + i / rate - time.perf_counter()
                 if delay > 0:
                     time.sleep(delay)
                 else:
                     worst = max(worst, -delay)
-                with svc.engine.begin() as conn:
-                    mid = svc.outbox.publish(conn, EVENT_NAME, payload(i))
-                self.committed[mid] = time.time()
+                if conn is not None:
+                    mid = raw_pipeline.write_one(conn, where[1], json.dumps(payload(i)))
+                else:
+                    assert svc is not None
+                    with svc.engine.begin() as c:
+                        mid = svc.outbox.publish(c, EVENT_NAME, payload(i))
+                committed.append((str(mid), time.time()))
         except Exception as exc:
-            self.errors.append(repr(exc))
-        self.late.append(worst)
+            errors.append(repr(exc))
+        finally:
+            if conn is not None:
+                conn.close()
+        late.append(worst)
 
-    def run(self) -> float:
-        """Offer the whole load; returns the seconds the writers took."""
-        start = time.perf_counter() + 0.1
-        threads = [
-            threading.Thread(target=self.write, args=(k, start), name=f"bench-writer-{k}")
-            for k in range(self.writers)
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        written = time.perf_counter() - start
-        if self.errors:
-            raise BenchError(f"latency writer: {self.errors[0]}")
-        return written
+    pool = [threading.Thread(target=write, args=(first + j,)) for j in range(threads)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join()
+    if svc is not None:
+        svc.close()
+    out.put((committed, late, errors))
 
 
-def _empty_tables(ctx: Context) -> None:
-    ctx.sql(
-        sql.SQL("TRUNCATE {}, {}, {}, {}").format(
-            ctx.a_table("outbox_messages"),
-            ctx.b_table("inbox_messages"),
-            ctx.b_table("inbox_deliveries"),
-            ctx.b_table("bench_effects"),
-        )
-    )
-    ctx.vacuum(
-        ctx.a_table("outbox_messages"),
-        ctx.b_table("inbox_messages"),
-        ctx.b_table("bench_effects"),
-    )
-
-
-def _wait_handled(ctx: Context, total: int, children: list[Any]) -> None:
-    """Until B's handler has written `total` rows (60 s at most after the last commit)."""
-    count = sql.SQL("SELECT count(*) FROM {}").format(ctx.b_table("bench_effects"))
+def _wait_handled(ctx: Context, effects: sql.Identifier, total: int, children: list[Any]) -> None:
+    """Until the handler has written `total` rows (60 s at most after the last commit)."""
+    count = sql.SQL("SELECT count(*) FROM {}").format(effects)
     deadline = time.monotonic() + 60
     while (ctx.scalar(count) or 0) < total:
         if not all(child.is_alive() for child in children):
-            raise BenchError("the process of service A or B died")
+            raise BenchError("a process of the pipeline died")
         if time.monotonic() > deadline:
             raise BenchError("latency: messages not handled 60 s after the last commit")
         time.sleep(0.05)
@@ -244,7 +325,8 @@ def _result(
 
 def _print_result(result: dict[str, Any]) -> None:
     print(
-        f"  L    commit -> handled: p50 {result['p50_ms']:.1f} ms, p90 {result['p90_ms']:.1f} ms,"
+        f"  {result['pipeline']:<5} commit -> handled: p50 {result['p50_ms']:.1f} ms,"
+        f" p90 {result['p90_ms']:.1f} ms,"
         f" p99 {result['p99_ms']:.1f} ms, max {result['max_ms']:.1f} ms"
         f" ({result['messages']} messages at {result['achieved_rate']:,.0f} msg/s;"
         f" writers at most {result['writer_max_late_ms']:.1f} ms late)",
@@ -262,8 +344,9 @@ def _print_result(result: dict[str, Any]) -> None:
             f"{role} {n:,} ({result['messages'] / n:.1f} msg each)" if n else f"{role} 0"
             for role, n in batches.items()
         )
-        + f"; CPU {result['cpu_us']:.0f} us/msg ("
+        + f"; CPU {result['cpu_us']:.0f} us/msg, {result['pipeline_cpu_us']:.0f} of it the"
+        + " pipeline's ("
         + ", ".join(f"{k} {v:.0f}" for k, v in result["cpu_us_by_process"].items())
-        + ", the rest the writers')",
+        + "), the rest the writers'",
         flush=True,
     )

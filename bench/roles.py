@@ -317,12 +317,12 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
-def wait_serving(ctx: Context, pid: int) -> None:
-    """Until the `svc.run()` in process `pid` (service B) consumes its inbox queue and its
-    worker processes run."""
-    cpus = available_cpus()
+def wait_serving(ctx: Context, pid: int, processes: int | None = None) -> None:
+    """Until the `svc.run(processes=processes)` in process `pid` (service B) consumes its inbox
+    queue and its worker processes run (none of its own with one process)."""
+    forked = 0 if processes == 1 else processes or available_cpus()
     wait_until(
-        lambda: ctx.queue_consumers(f"{ctx.b.name}.inbox") >= 1 and len(children_of(pid)) >= cpus,
+        lambda: ctx.queue_consumers(f"{ctx.b.name}.inbox") >= 1 and len(children_of(pid)) >= forked,
         ctx.timeout,
         "service B to serve",
         ctx.threads,
@@ -354,7 +354,7 @@ def end_to_end(ctx: Context) -> None:
     # B runs svc.run() in a process of its own, as a separate service would: its relay and
     # receiver there, its workers in one process per CPU. A's relay runs in this one.
     child, ready = ctx.start_child(
-        "service-b", serve, "b", ctx.tag, ctx.db_url, ctx.mq_url, daemon=False
+        "service-b", serve, "b", ctx.tag, ctx.db_url, ctx.mq_url, None, daemon=False
     )
     pids = ctx.wait_ready([(child, ready)], "service B")
     wait_serving(ctx, child.pid)

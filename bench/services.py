@@ -112,18 +112,20 @@ def _subscribe(svc: Service, pattern: str, effects: Table, style: str = "execute
             )
 
 
-def build_service_a(tag: str, db_url: str, mq_url: str) -> Service:
-    """Service A: only writes to its outbox (events ``<A>.order.placed``)."""
-    return Service(service_names(tag)[0], db_url=db_url, mq_url=mq_url, schema=f"bench_{tag}_a")
+def build_service_a(tag: str, db_url: str, mq_url: str, **settings: Any) -> Service:
+    """Service A: only writes to its outbox (events ``<A>.order.placed``); `settings`: more
+    keyword settings of its `Service`."""
+    name = service_names(tag)[0]
+    return Service(name, db_url=db_url, mq_url=mq_url, schema=f"bench_{tag}_a", **settings)
 
 
 def build_service_b(
-    tag: str, db_url: str, mq_url: str, style: str = "execute"
+    tag: str, db_url: str, mq_url: str, style: str = "execute", **settings: Any
 ) -> tuple[Service, Table]:
     """Service B: subscribes to A's events; its handler inserts one row per message, written
-    the way `style` says (`HANDLERS`)."""
+    the way `style` says (`HANDLERS`); `settings`: more keyword settings of its `Service`."""
     a_name, b_name = service_names(tag)
-    svc = Service(b_name, db_url=db_url, mq_url=mq_url, schema=f"bench_{tag}_b")
+    svc = Service(b_name, db_url=db_url, mq_url=mq_url, schema=f"bench_{tag}_b", **settings)
     effects = effects_table(svc.settings.schema)
     _subscribe(svc, f"{a_name}.{EVENT_NAME}", effects, style)
     return svc, effects
@@ -146,14 +148,18 @@ def _child_logging(label: str) -> None:
     )
 
 
-def serve(which: str, tag: str, db_url: str, mq_url: str, ready: Any, stop: Any) -> None:
+def serve(
+    which: str, tag: str, db_url: str, mq_url: str, processes: int | None, ready: Any, stop: Any
+) -> None:
     """Child process: service A or B (`which`) as users run it, `svc.run()` with its default
-    settings (relay and receiver here, the workers in one process per CPU), until `stop`."""
+    settings (relay and receiver here, the workers in one process per CPU; `processes` if
+    given, as ``outbox-inbox run --processes``), until `stop`."""
     _child_logging(which.upper())
+    settings: dict[str, Any] = {} if processes is None else {"processes": processes}
     svc = (
-        build_service_a(tag, db_url, mq_url)
+        build_service_a(tag, db_url, mq_url, **settings)
         if which == "a"
-        else build_service_b(tag, db_url, mq_url)[0]
+        else build_service_b(tag, db_url, mq_url, **settings)[0]
     )
 
     def stop_on_event() -> None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import asdict
+from functools import partial
+from typing import Any
 
 import click
 
@@ -10,7 +13,7 @@ from outbox_inbox import migrate as migrations
 from outbox_inbox.logsafe import mask_url
 
 from .output import EXIT_UNHEALTHY, echo, echo_json, render_table
-from .target import app_option, db_url_option, json_option, resolve, schema_option
+from .target import Target, app_option, db_url_option, json_option, resolve, schema_option
 
 
 @click.group()
@@ -22,30 +25,53 @@ def db() -> None:
     """
 
 
-def _migrate(action: str, app: str | None, db_url: str | None, schema: str | None, rev: str) -> str:
+role_option = click.option("--runtime-role", help="Name the GRANTs this role lacks.")
+
+
+def _on_database(app: str | None, db_url: str | None, schema: str | None, work: Any) -> Any:
+    """`work(connection, target)` on a connection of the command's database."""
     target = resolve(app=app, db_url=db_url, schema=schema)
-    run = migrations.upgrade if action == "upgrade" else migrations.downgrade
     try:
-        if target.db_url:
-            run(migrations.alembic_config(target.db_url, schema=target.schema), rev)
-            return f"{action}d {mask_url(target.db_url)} schema {target.schema} to {rev}"
-        # An app built with engine= only: migrate on a connection of that engine.
         with target.engine().connect() as conn:
-            run(migrations.alembic_config(schema=target.schema, connection=conn), rev)
-            conn.commit()
-        return f"{action}d {target.name}'s database schema {target.schema} to {rev}"
+            return work(conn, target)
     finally:
         target.close()
+
+
+def _migrate(action: str, rev: str, role: str | None, conn: Any, target: Target) -> str:
+    """Migrate; name the tables it made (a runtime role needs grants on them), what `role` lacks."""
+    before = migrations.table_oids(conn, target.schema)
+    config = migrations.alembic_config(target.db_url, schema=target.schema, connection=conn)
+    (migrations.upgrade if action == "upgrade" else migrations.downgrade)(config, rev)
+    conn.commit()
+    after = migrations.table_oids(conn, target.schema)
+    where = mask_url(target.db_url) if target.db_url else f"{target.name}'s database"
+    lines = [f"{action}d {where} schema {target.schema} to {rev}"]
+    made = sorted(name for name, oid in after.items() if before.get(name) != oid)
+    if before and made:  # the first upgrade comes before any grant (security.md)
+        lines.append(
+            f"tables made: {', '.join(made)}; a runtime role needs SELECT, INSERT, UPDATE, DELETE"
+            " on them unless default privileges gave it (`db check --runtime-role ROLE`)"
+        )
+    return "\n".join(lines + _lacks(conn, target, role))
+
+
+def _lacks(conn: Any, target: Target, role: str | None) -> list[str]:
+    grants = migrations.runtime_grants(conn, role, target.schema) if role else []
+    return [f"runtime role {role} lacks: {grant}" for grant in grants]
 
 
 @db.command()
 @app_option
 @db_url_option
 @schema_option
+@role_option
 @click.argument("revision", default="heads")
-def upgrade(app: str | None, db_url: str | None, schema: str | None, revision: str) -> None:
+def upgrade(
+    app: str | None, db_url: str | None, schema: str | None, runtime_role: str | None, revision: str
+) -> None:
     """Apply the migrations up to REVISION (default: the newest)."""
-    echo(_migrate("upgrade", app, db_url, schema, revision))
+    echo(_on_database(app, db_url, schema, partial(_migrate, "upgrade", revision, runtime_role)))
 
 
 @db.command()
@@ -55,7 +81,7 @@ def upgrade(app: str | None, db_url: str | None, schema: str | None, revision: s
 @click.argument("revision")
 def downgrade(app: str | None, db_url: str | None, schema: str | None, revision: str) -> None:
     """Revert the migrations down to REVISION (`base` drops the tables and their data)."""
-    echo(_migrate("downgrade", app, db_url, schema, revision))
+    echo(_on_database(app, db_url, schema, partial(_migrate, "downgrade", revision, None)))
 
 
 @db.command()
@@ -65,17 +91,12 @@ def downgrade(app: str | None, db_url: str | None, schema: str | None, revision:
 @json_option
 def current(app: str | None, db_url: str | None, schema: str | None, as_json: bool) -> None:
     """Show the revision the database is at (changes nothing)."""
-    target = resolve(app=app, db_url=db_url, schema=schema)
-    try:
-        with target.engine().connect() as conn:
-            state = migrations.current(conn, target.schema)
-    finally:
-        target.close()
+    state = _on_database(app, db_url, schema, lambda conn, t: migrations.current(conn, t.schema))
     if as_json:
         echo_json(state.as_dict())
         return
     if not state.revisions:
-        echo(f"schema {target.schema}: no revision (run `outbox-inbox db upgrade`)")
+        echo(f"schema {state.schema}: no revision (run `outbox-inbox db upgrade`)")
     for revision in state.revisions:
         echo(f"{revision}{' (head)' if revision in state.heads else ''}")
 
@@ -84,19 +105,26 @@ def current(app: str | None, db_url: str | None, schema: str | None, as_json: bo
 @app_option
 @db_url_option
 @schema_option
+@role_option
 @json_option
-def check(app: str | None, db_url: str | None, schema: str | None, as_json: bool) -> None:
-    """Check that the tables equal the newest migration; exit 4 when they differ."""
-    target = resolve(app=app, db_url=db_url, schema=schema)
-    try:
-        with target.engine().connect() as conn:
-            differences = migrations.check(conn, target.schema)
-    finally:
-        target.close()
+def check(
+    app: str | None, db_url: str | None, schema: str | None, runtime_role: str | None, as_json: bool
+) -> None:
+    """Check that the tables equal the newest migration, and with --runtime-role that the role
+    holds its grants on them; exit 4 when they differ or it lacks one."""
+    name, differences = _on_database(
+        app,
+        db_url,
+        schema,
+        lambda conn, t: (
+            t.schema,
+            migrations.check(conn, t.schema) + _lacks(conn, t, runtime_role),
+        ),
+    )
     if as_json:
-        echo_json({"schema": target.schema, "differences": differences, "ok": not differences})
+        echo_json({"schema": name, "differences": differences, "ok": not differences})
     elif not differences:
-        echo(f"schema {target.schema}: the tables are those of the newest migration")
+        echo(f"schema {name}: the tables are those of the newest migration")
     for difference in differences if not as_json else ():
         echo(f"differs: {difference}")
     if differences:
@@ -109,7 +137,7 @@ def history(as_json: bool) -> None:
     """List the migrations shipped in the package, newest first."""
     revisions = migrations.history()
     if as_json:
-        echo_json([r.as_dict() for r in revisions])
+        echo_json([asdict(r) for r in revisions])
         return
     rows = [
         (r.revision, r.down_revision or "(base)", "yes" if r.head else "", r.message)

@@ -210,7 +210,7 @@ def _letters_table(letters: list[DeadLetter]) -> str:
             d.ref,
             d.message_id,
             d.type,
-            _reason(d),
+            d.reason_shown,
             format_age(d.age_seconds),
             "" if d.attempts is None else d.attempts,
             one_line(error_summary(d.error), 60),
@@ -219,14 +219,6 @@ def _letters_table(letters: list[DeadLetter]) -> str:
     ]
     headers = ["SOURCE", "REF", "MESSAGE ID", "TYPE", "REASON", "AGE", "ATTEMPTS", "ERROR"]
     return render_table(headers, rows)
-
-
-def _reason(letter: DeadLetter) -> str:
-    """The reason, and how many replays the letter died again after."""
-    reason = letter.reason or ""
-    if letter.replays:
-        reason += f" (after {plural(letter.replays, 'replay')})"
-    return reason
 
 
 def _counts(selections: list[Selection]) -> str:

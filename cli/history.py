@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from outbox_inbox.archive import SOURCES, Archiver, ArchiveResult
-from outbox_inbox.config import DB_URL_ENV
+from outbox_inbox.config import DB_URL_ENV, Settings
 from outbox_inbox.status import subscribed_services
 
 from .output import EXIT_UNHEALTHY, echo, echo_json, progress, render_table
@@ -66,6 +67,20 @@ def _service_name(target: Target) -> str:
             f"({len(services)} services in its subscriptions): pass --service NAME or --app"
         )
     return str(services[0])
+
+
+def checked_settings(
+    target: Target, retention: timedelta | None, dead_retention: timedelta | None, **more: Any
+) -> Settings:
+    """The app's settings (else the defaults) with the options given, validated as a Service
+    validates them: a retention shorter than the duplicate window is refused."""
+    given = {
+        "retention": None if retention is None else retention.total_seconds(),
+        "dead_retention": None if dead_retention is None else dead_retention.total_seconds(),
+        **more,
+    }
+    base = target.service.settings if target.service is not None else Settings()
+    return dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})
 
 
 @click.command()
@@ -124,6 +139,8 @@ def archive(
     """
     target = resolve(app=app, service=service, schema=schema, db_url=db_url, mq_url=mq_url)
     try:
+        # The retention is the duplicate window, here as in `partitions` and Service.
+        checked_settings(target, older_than, None)
         name = _service_name(target)
         bar: list[Callable[[int], None]] = []  # the progress bar's advance(n), once it shows
         archiver = Archiver(
@@ -305,6 +322,7 @@ def audit(
     from outbox_inbox.analytics.report import write_audit
 
     config = _audit_inputs(archives, db_urls, confs)
+    db_urls = tuple(map(checked_db_url, db_urls))  # postgres:// read as the library reads it
     window = _window(since, until, day, margin)
     summary, out = write_audit(
         out_dir,
@@ -352,8 +370,6 @@ def _audit_inputs(
     """Check the audit's inputs (failing with one line); return the Spark --conf settings."""
     if not archives and not db_urls:
         fail("nothing to audit: give at least one ARCHIVE directory or --db-url")
-    for url in db_urls:
-        checked_db_url(url)
     for path in archives:
         if "://" not in path and not Path(path).is_dir():
             fail(f"archive {path!r} is not a directory")

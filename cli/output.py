@@ -12,13 +12,10 @@ import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import click
 
-from outbox_inbox.logsafe import mask_url, url_passwords
-
-_secrets: set[str] = set()
+from outbox_inbox.logsafe import mask_text, remember
 
 #: Exit codes (docs/cli.md).
 EXIT_OK = 0
@@ -31,25 +28,8 @@ EXIT_UNHEALTHY = 4  # verify found drift; status over a threshold; replay left m
 PROGRESS_THRESHOLD = 50
 
 
-def remember_secret(url: str | None) -> None:
-    """Mask the password of `url` in everything printed from now on."""
-    if not url:
-        return
-    with contextlib.suppress(ValueError):
-        password = urlsplit(url).password
-        if password:
-            _secrets.update({password, unquote(password)})
-    # A malformed URL too: whatever mask_url would hide in it.
-    _secrets.update(url_passwords(url))
-    # A 1-2 character "secret" would mangle the output.
-    _secrets.difference_update({s for s in _secrets if len(s) < 3})
-
-
-def mask(text: str) -> str:
-    text = mask_url(text)
-    for secret in sorted(_secrets, key=len, reverse=True):
-        text = text.replace(secret, "***")
-    return text
+#: Mask the password of a URL in everything printed from now on; what may be printed.
+remember_secret, mask = remember, mask_text
 
 
 def echo(text: str = "", *, err: bool = False) -> None:
@@ -95,9 +75,12 @@ def progress(total: int, label: str) -> Iterator[Callable[[int], None]]:
 
 
 class MaskingFormatter(logging.Formatter):
-    """A log formatter that masks passwords, like everything else the command prints."""
+    """A log formatter that masks passwords, like everything else the command prints, and
+    names the worker process a line comes from (``[outbox-inbox-billing-worker-1 pid 42]``)."""
 
     def format(self, record: logging.LogRecord) -> str:
+        forked = record.processName != "MainProcess"
+        record.child = f" [{record.processName} pid {record.process}]" if forked else ""
         return mask(super().format(record))
 
 
@@ -108,7 +91,9 @@ VERBOSE = "outbox_inbox.verbose"
 def configure_logging(verbose: int) -> None:
     """Log to stderr, masked: WARNING and up, INFO with -v, DEBUG with -vv."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(MaskingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(
+        MaskingFormatter("%(asctime)s %(levelname)s%(child)s %(name)s: %(message)s")
+    )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING - 10 * min(verbose, 2))

@@ -24,7 +24,7 @@ from outbox_inbox.partitions import (
     survey,
 )
 
-from .history import _service_name
+from .history import _service_name, checked_settings
 from .output import echo, echo_json, plural, render_table
 from .target import (
     Target,
@@ -76,20 +76,6 @@ def _retention_options(function: Any) -> Any:
     return function
 
 
-def _settings(
-    target: Target, retention: timedelta | None, dead_retention: timedelta | None, **more: Any
-) -> Settings:
-    """The app's settings (else the defaults) with the options given, validated as a Service
-    validates them: a retention shorter than the duplicate window is refused."""
-    given = {
-        "retention": None if retention is None else retention.total_seconds(),
-        "dead_retention": None if dead_retention is None else dead_retention.total_seconds(),
-        **more,
-    }
-    base = target.service.settings if target.service is not None else Settings()
-    return dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})
-
-
 def _retention(settings: Settings) -> Retention:
     def seconds(value: float | None) -> timedelta | None:
         return None if value is None else timedelta(seconds=value)
@@ -126,12 +112,14 @@ def _fate(state: PartitionState) -> str:
     "list", short_help="Each partition, oldest first: range, rows, size, retention."
 )
 @app_option
+@service_option
 @db_url_option
 @schema_option
 @_retention_options
 @json_option
 def list_command(
     app: str | None,
+    service: str | None,
     db_url: str | None,
     schema: str | None,
     retention: timedelta | None,
@@ -141,9 +129,9 @@ def list_command(
     """Each partitioned table's partitions, oldest first: range (UTC), estimated rows
     (pg_class.reltuples; - before the first ANALYZE), size with indexes, and for those past the
     retention whether the next pass drops them or keeps them, and why. Changes nothing."""
-    target = resolve(app=app, db_url=db_url, schema=schema)
+    target = resolve(app=app, service=service, db_url=db_url, schema=schema)
     try:
-        settings = _settings(target, retention, dead_retention)
+        settings = checked_settings(target, retention, dead_retention)
         postgres = _postgres(target)
         found: list[PartitionState] = []
         if postgres:
@@ -227,7 +215,7 @@ def maintain_command(
     """
     target = resolve(app=app, service=service, db_url=db_url, schema=schema)
     try:
-        settings = _settings(
+        settings = checked_settings(
             target, retention, dead_retention, partition_interval=interval, archive_to=archive_to
         )
         postgres = _postgres(target)

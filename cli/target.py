@@ -24,6 +24,7 @@ from outbox_inbox.config import (
 )
 from outbox_inbox.database import DEFAULT_SCHEMA, Engine, connect, tables_for
 from outbox_inbox.errors import ConfigurationError
+from outbox_inbox.fingerprint import users_frame
 from outbox_inbox.logsafe import mask_url
 from outbox_inbox.service import Service
 from outbox_inbox.tables import Tables
@@ -45,15 +46,12 @@ def fail(message: str, cause: BaseException | None = None) -> NoReturn:
 
 def _raised_at(exc: BaseException) -> str:
     """`` (at FILE:LINE)``: the innermost frame of `exc` in the app's own code (not here, not
-    in the import machinery); empty when there is none."""
-    frames = [
-        f
-        for f in traceback.extract_tb(exc.__traceback__)
-        if f.filename != __file__ and "importlib" not in f.filename
-    ]
-    if isinstance(exc, SyntaxError) or not frames:  # a SyntaxError names its file and line
+    in the standard library or a frozen module); empty when there is none."""
+    # A SyntaxError names its file and line itself.
+    found = None if isinstance(exc, SyntaxError) else users_frame(exc)
+    if found is None or found[1].filename == __file__:
         return ""
-    return f" (at {frames[-1].filename}:{frames[-1].lineno})"
+    return f" (at {found[1].filename}:{found[1].lineno})"
 
 
 def _a(value: object) -> str:
@@ -96,7 +94,6 @@ def load_app(spec: str) -> Service:
 def checked_db_url(url: str) -> str:
     """`url` if the library can use it; ConfigurationError otherwise (never echoing a
     password)."""
-    remember_secret(url)
     return validate_db_url(url)
 
 
@@ -193,7 +190,7 @@ def resolve(
 ) -> Target:
     """Build the Target of a command from its options (the URLs are checked first)."""
     if db_url:
-        checked_db_url(db_url)
+        db_url = checked_db_url(db_url)  # postgres:// and postgresql:// read as the library's
     if mq_url:
         checked_mq_url(mq_url)
     if app and service:
@@ -203,8 +200,6 @@ def resolve(
     if app:
         loaded = load_app(app)
         settings = loaded.settings
-        remember_secret(settings.db_url)
-        remember_secret(settings.mq_url)
         return Target(
             name=loaded.name,
             schema=schema or settings.schema,

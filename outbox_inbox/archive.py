@@ -468,3 +468,6 @@ def _utc(value: Any) -> datetime | None:
     if value.tzinfo is None:
         return value.replace(tzinfo=UTC)
     return value.astimezone(UTC)
+
+
+__all__ = ["ArchiveBusy", "ArchiveError", "ArchiveResult", "Archiver", "arrow_schema"]

@@ -108,3 +108,6 @@ def _summary(entry: dict[str, Any], path: str | os.PathLike[str]) -> str:
         f"audit: {entry['command']}{dry}: {what} ({counts or 'no source'}), by {who}{failed}; "
         f"recorded in {os.path.abspath(path)}"
     )
+
+
+__all__ = ["audit_log_path"]

@@ -116,7 +116,9 @@ class Publisher(Protocol):
 
 class Consumer(Protocol):
     def fetch(self, max_count: int, wait: float) -> list[Delivery]:
-        """Up to `max_count` deliveries, waiting at most `wait` seconds once one has arrived.
+        """Up to `max_count` deliveries: waits at most `wait` seconds for a first one, then
+        returns at once with it and whatever else has already arrived — never waits for a batch
+        to fill, so a lone message is stored without delay and batches grow with the load.
 
         Returns an empty list when none arrived within `wait`. Raises BrokerConnectionError
         when the connection is lost; unacknowledged deliveries then return to the queue.
@@ -312,3 +314,17 @@ class Operator(Protocol):
     def close(self) -> None:
         """End the session; messages read and not acknowledged return to their queues."""
         ...
+
+
+__all__ = [
+    "Broker",
+    "Consumer",
+    "Delivery",
+    "Found",
+    "Operator",
+    "PublishOutcome",
+    "Publisher",
+    "QueueReader",
+    "QueuedMessage",
+    "Refusal",
+]

@@ -1,8 +1,11 @@
 """The database clock as SQL: leases, delays and expiry are judged by it, never by a host clock.
 
 `db_now()` and `db_now_plus(delta)` compile to PostgreSQL's ``now()`` (the transaction's start
-time) and, on SQLite, to ``strftime`` of the current UTC time written the way SQLAlchemy stores
-datetimes there (``YYYY-MM-DD HH:MM:SS.ffffff``), so the values compare correctly as text.
+time; `db_statement_now()` to the statement's) and, on SQLite, to ``strftime`` of the current
+UTC time written the way SQLAlchemy stores datetimes there (``YYYY-MM-DD HH:MM:SS.ffffff``), so
+the values compare correctly as text. `db_age(column)` is the seconds from a time to the
+database clock, the one expression of an age: on SQLite through ``julianday``, since a time
+there is text and text minus text is not a span.
 """
 
 from __future__ import annotations
@@ -28,6 +31,14 @@ class db_now(FunctionElement[Any]):  # noqa: N801 - reads as a SQL function
     name = "db_now"
 
 
+class db_statement_now(db_now):  # noqa: N801 - reads as a SQL function
+    """The database's time when the statement started: what a claim later in a long
+    transaction judges rows by, so that it sees rows that became due since that began."""
+
+    inherit_cache = True
+    name = "db_statement_now"
+
+
 class db_now_plus(FunctionElement[Any]):  # noqa: N801 - reads as a SQL function
     """The current time of the database plus a `timedelta`."""
 
@@ -45,22 +56,39 @@ class db_now_plus(FunctionElement[Any]):  # noqa: N801 - reads as a SQL function
             super().__init__(bindparam("seconds", delta.total_seconds(), type_=Float, unique=True))
 
 
+class db_age(FunctionElement[Any]):  # noqa: N801 - reads as a SQL function
+    """Seconds from a time (a column or expression) to the database clock, as a float."""
+
+    type = Float()
+    inherit_cache = True
+    name = "db_age"
+
+
 @compiles(db_now)
-def _now_default(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
-    return "now()"
+def _now(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"strftime('{_SQLITE_FORMAT}', 'now')" if _sqlite(compiler) else "now()"
 
 
-@compiles(db_now, "sqlite")
-def _now_sqlite(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
-    return f"strftime('{_SQLITE_FORMAT}', 'now')"
+@compiles(db_statement_now)
+def _statement_now(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
+    return _now(element, compiler, **kw) if _sqlite(compiler) else "statement_timestamp()"
 
 
 @compiles(db_now_plus)
-def _now_plus_default(element: db_now_plus, compiler: SQLCompiler, **kw: Any) -> str:
-    return f"(now() + make_interval(secs => {compiler.process(element.clauses, **kw)}))"
-
-
-@compiles(db_now_plus, "sqlite")
-def _now_plus_sqlite(element: db_now_plus, compiler: SQLCompiler, **kw: Any) -> str:
+def _now_plus(element: db_now_plus, compiler: SQLCompiler, **kw: Any) -> str:
     seconds = compiler.process(element.clauses, **kw)
-    return f"strftime('{_SQLITE_FORMAT}', 'now', printf('%+f seconds', {seconds}))"
+    if _sqlite(compiler):
+        return f"strftime('{_SQLITE_FORMAT}', 'now', printf('%+f seconds', {seconds}))"
+    return f"(now() + make_interval(secs => {seconds}))"
+
+
+@compiles(db_age)
+def _age(element: db_age, compiler: SQLCompiler, **kw: Any) -> str:
+    time = compiler.process(element.clauses, **kw)
+    if _sqlite(compiler):
+        return f"((julianday('now') - julianday({time})) * 86400.0)"
+    return f"extract(epoch FROM now() - {time})"
+
+
+def _sqlite(compiler: SQLCompiler) -> bool:
+    return compiler.dialect.name == "sqlite"

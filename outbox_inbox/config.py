@@ -10,7 +10,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from .errors import ConfigurationError
-from .logsafe import mask_text, mask_url
+from .logsafe import mask_text, mask_url, remember
 from .retry import RetryPolicy
 
 #: An unquoted PostgreSQL identifier of at most 63 bytes: what a schema name may be.
@@ -45,8 +45,9 @@ def validate_db_url(url: str) -> str:
     ``postgres://`` and ``postgresql://`` are returned as ``postgresql+psycopg://`` (the
     library's driver); another driver or database (``postgresql+psycopg2://``,
     ``mysql://``) is refused here, not at the first connection. The parser's error quotes the
-    URL: it is reported masked and not chained.
+    URL: it is reported masked and not chained. Its password is masked from now on (`remember`).
     """
+    remember(url)
     try:
         parsed = make_url(url)
     except (ArgumentError, ValueError, TypeError) as exc:
@@ -110,6 +111,7 @@ def broker_urls(url: str) -> list[str]:
     host gets the URL's user, password, virtual host and options), or several URLs
     separated by commas. Raises ConfigurationError (password masked) for anything else.
     """
+    remember(url)
     urls: list[str] = []
     for part in re.split(r",(?=amqps?://)", url.strip(), flags=re.IGNORECASE):
         found = _AMQP_URL.match(part)
@@ -174,7 +176,6 @@ class Settings:
     # receiver
     prefetch: int = 500
     receive_batch_size: int = 250
-    receive_batch_wait: float = 0.02
     single_active_consumer: bool = True
     receive_retry: RetryPolicy = field(
         default_factory=lambda: RetryPolicy(
@@ -310,11 +311,9 @@ class Settings:
 
     def _check_duplicate_window(self) -> None:
         """Refuse a retention shorter than the longest way a copy of a message can still
-        arrive after its first copy was stored (partitions.duplicate_horizon)."""
+        arrive after its first copy was stored (duplicate_horizon)."""
         if self.retention is None:
             return
-        from .partitions import duplicate_horizon
-
         paths = duplicate_horizon(self)
         horizon = sum(paths.values())
         if self.retention < horizon:
@@ -335,6 +334,23 @@ class Settings:
             text = repr(mask_url(value)) if f.name.endswith("_url") and value else repr(value)
             shown.append(f"{f.name}={text}")
         return f"Settings({', '.join(shown)})"
+
+
+def duplicate_horizon(settings: Settings) -> dict[str, float]:
+    """The longest time, in seconds, after a message's first copy is stored by which another
+    copy can still arrive without an operator, by path: the receiver's delay tiers (a copy that
+    could not be stored comes back after them), and the relay's retries (a row published but
+    not marked is published again)."""
+    policy = settings.receive_retry
+    tiers = settings.delay_tiers
+    receive = 0.0
+    attempt = 1
+    while not policy.gives_up_after(attempt) and attempt < 10_000:
+        wanted = min(policy.initial * policy.multiplier ** (attempt - 1), policy.max_interval)
+        receive += next((t for t in tiers if t >= wanted), tiers[-1])
+        attempt += 1
+    relay = settings.relay_max_attempts * settings.relay_retry_max
+    return {"receiver delay tiers": receive, "relay retries": relay}
 
 
 def _duration(seconds: float) -> str:

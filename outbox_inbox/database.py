@@ -26,7 +26,7 @@ from sqlalchemy import Engine as Engine  # re-exported: the type of `Database.en
 from sqlalchemy import create_engine, event
 from sqlalchemy.engine import URL, make_url
 
-from .errors import read_only_session
+from .errors import CommitOutcomeUnknown, database_unreachable, first_line, read_only_session
 from .queries import roles
 from .tables import Tables, build_tables
 
@@ -147,6 +147,25 @@ def read_only_drops_the_pool(engine: Engine | AsyncEngine) -> None:
             context.is_disconnect = True
 
 
+def business_engine(engine: Engine) -> Engine:
+    """`engine` for business transactions (`Service.session`; the roles' engine is left as it
+    is): a COMMIT that fails for want of the server raises `CommitOutcomeUnknown`."""
+    business, flag = engine.execution_options(), "outbox_inbox.committing"
+    event.listen(business, "begin", lambda conn: conn.info.pop(flag, None))
+    event.listen(business, "commit", lambda conn: conn.info.update({flag: True}))
+
+    @event.listens_for(business, "handle_error")
+    def _commit_lost(context: ExceptionContext) -> None:
+        error, conn = context.original_exception, context.connection
+        if conn is not None and conn.info.pop(flag, False) and database_unreachable(error):
+            raise CommitOutcomeUnknown(
+                f"the commit's outcome is unknown ({first_line(error)}): it may have committed;"
+                " retry it idempotently, with the same message id or business key"
+            )
+
+    return business
+
+
 def _sqlite_engine(url: str | URL, *, busy_timeout: float = 30.0) -> Engine:
     """An engine whose transactions begin with ``BEGIN IMMEDIATE`` (see the module docstring)."""
     engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": busy_timeout})
@@ -166,3 +185,6 @@ def _sqlite_engine(url: str | URL, *, busy_timeout: float = 30.0) -> Engine:
         connection.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
+
+
+__all__ = ["connect"]

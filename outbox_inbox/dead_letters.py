@@ -65,6 +65,7 @@ from .messages import (
     TRANSPORT_HEADERS,
     WireMessage,
     _text,
+    from_row,
     inbox_id,
     jsonable,
 )
@@ -192,6 +193,12 @@ class DeadLetter:
     replayed_at: datetime | None = None  # its last replay
     #: Its first send (queue sources: the message's created header or timestamp).
     created_at: datetime | None = None
+
+    @property
+    def reason_shown(self) -> str:
+        """The reason and how many replays it died again after, as the CLI and dashboard say."""
+        again = f" (after {self.replays} replay{'s' if self.replays > 1 else ''})"
+        return (self.reason or "") + (again if self.replays else "")
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -401,24 +408,17 @@ class OutboxSelection(TableSelection):
 
 
 def _row_letter(row: Mapping[Any, Any], source: str) -> DeadLetter:
-    return DeadLetter(
+    age = row["age_seconds"]
+    return from_row(
+        DeadLetter,
+        row,
         source=source,
         ref=str(row["id"]),
         message_id=str(row["message_id"]),
-        type=row["routing_key"],
         reason=row["dead_reason"],
         error=row["last_error"],
-        dead_at=row["dead_at"],
-        age_seconds=float(row["age_seconds"]) if row["age_seconds"] is not None else None,
-        kind=row["kind"],
-        key=row["key"],
-        attempts=row["attempts"],
-        correlation_id=row["correlation_id"],
-        payload=row["payload"],
-        headers=dict(row["headers"] or {}),
-        fingerprint=row["fingerprint"],
-        replays=row["replays"],
-        replayed_at=row["replayed_at"],
+        age_seconds=float(age) if age is not None else None,
+        created_at=None,  # of the queue sources only
     )
 
 
@@ -1097,3 +1097,6 @@ class ActionReport:
             "audit": self.audit,
             "warnings": self.warnings,
         }
+
+
+__all__ = ["DeadLetter", "DeadLetters", "Filters", "Group", "Outcome"]

@@ -3,7 +3,10 @@
 Without URLs each service gets a SQLite file of its own in a temporary directory and both share
 the process's in-memory broker: nothing to install. With a database URL both services keep their
 tables in schemas of their own (``demo_orders``, ``demo_billing``) of that database; with a
-broker URL they talk over RabbitMQ. The trace shows a command and an event leaving with the
+broker URL they talk over RabbitMQ as services ``demo_orders`` and ``demo_billing``, whose queues
+and routing keys are theirs only: running services ``orders`` and ``billing`` on that virtual
+host are not touched. The demo refuses, in one line, a broker where its inbox queues already
+have consumers (another demo running). The trace shows a command and an event leaving with the
 transaction that wrote them, a handler failing once and retried, and a message rejected into the
 dead letters.
 """
@@ -20,11 +23,12 @@ from typing import Any
 
 from sqlalchemy import Column, Integer, MetaData, String, Table, insert, select, update
 
-from .errors import Reject
+from .errors import ConfigurationError, Reject
 from .listener import Listener
 from .messages import Message, OutgoingMessage
 from .retry import RetryPolicy
 from .service import Service
+from .topology import inbox_queue
 
 Trace = Callable[[str, str], None]
 
@@ -72,14 +76,13 @@ class Demo:
         def service(name: str, **options: Any) -> Service:
             """A service with its own SQLite file or schema, traced, polling fast."""
             return Service(
-                name,
+                f"demo_{name}" if mq_url else name,
                 db_url=db_url if files is None else f"sqlite:///{files / f'{name}.db'}",
                 mq_url=mq_url,
                 schema=f"demo_{name}",
                 listener=_Tracer(name, trace),
                 relay_poll_interval=0.1,
                 worker_poll_interval=0.1,
-                receive_batch_wait=0.02,
                 **options,
             )
 
@@ -139,15 +142,15 @@ class Demo:
                 f" invoice {invoice} written, event invoice.created in the same commit",
             )
 
-        @billing.on_event("orders.order.placed")
+        @billing.on_event(f"{orders.name}.order.placed")
         def order_placed(message: Message, session: Any) -> None:
             trace(
                 "billing",
-                f"event orders.order.placed: order {message.payload['order']}"
+                f"event {message.type}: order {message.payload['order']}"
                 f" noted (correlation {str(message.correlation_id)[:8]})",
             )
 
-        @orders.on_event("billing.invoice.created")
+        @orders.on_event(f"{billing.name}.invoice.created")
         def invoice_created(message: Message, session: Any) -> None:
             order = message.payload["order"]
             session.execute(
@@ -157,13 +160,22 @@ class Demo:
             )
             trace(
                 "orders",
-                f"event billing.invoice.created: order {order} is invoiced"
+                f"event {message.type}: order {order} is invoiced"
                 f" (caused by {str(message.causation_id)[:8]})",
             )
             self.invoiced.set()
 
     def setup(self) -> None:
-        """Create the tables (migrations plus the demo's business tables)."""
+        """Create the tables (migrations plus the demo's business tables). Raises
+        ConfigurationError when a demo inbox queue has a consumer already."""
+        for service in (self.orders, self.billing):
+            with service.broker.operator() as admin:
+                info = admin.queue_info(inbox_queue(service.name))
+            if info and info[1]:
+                raise ConfigurationError(
+                    f"{inbox_queue(service.name)} on {service.broker.description} has a consumer"
+                    " already: another demo is running there"
+                )
         for service, table in (
             (self.orders, self.orders_table),
             (self.billing, self.invoices_table),
@@ -182,7 +194,7 @@ class Demo:
             self.orders.outbox.publish(session, "order.placed", {"order": order}, key=f"o{order}")
             self.orders.outbox.send(
                 session,
-                "billing",
+                self.billing.name,
                 "invoice.create",
                 {"order": order, "total": total},
                 key=f"o{order}",
@@ -194,7 +206,7 @@ class Demo:
         self.trace(
             "orders",
             f"order {order} (total {total}) written with event order.placed"
-            " and command billing.invoice.create: one commit",
+            f" and command {self.billing.name}.invoice.create: one commit",
         )
         return order
 

@@ -36,6 +36,11 @@ class DatabaseUnavailable(StorageError):
     """The database cannot be reached now (refused, timed out, shutting down): it may come back."""
 
 
+class CommitOutcomeUnknown(DatabaseUnavailable):
+    """The commit's outcome is unknown (its connection was lost): it may have committed; retry
+    it idempotently, with the same message id or business key (docs/failures.md)."""
+
+
 class SchemaMissing(StorageError):
     """The outbox/inbox tables do not exist: run `outbox-inbox db upgrade`."""
 

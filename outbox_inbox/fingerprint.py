@@ -4,8 +4,8 @@ A handler's exception is fingerprinted by its type and the innermost frame of th
 that is the user's own code (not this library's, not the standard library's or an installed
 package's): ``TimeoutError at billing/app.py:create_invoice``. The function, not the line, so
 that an unrelated edit of the file between two deploys does not split a group. A death the
-library decides without an exception (expired, abandoned, no handler, invalid, redelivered)
-is fingerprinted by its reason alone.
+library decides (expired, abandoned, no handler, invalid payload, redelivered) is
+fingerprinted by its reason alone.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import HandlerExited
+from .errors import HandlerExited, InvalidPayload
 
 if TYPE_CHECKING:
     from .broker import Refusal
@@ -38,14 +38,14 @@ MAX_LENGTH = 255
 
 def fingerprint(reason: str, cause: BaseException | None = None) -> str:
     """The fingerprint of a death for `reason` (the row's dead reason), caused by `cause` (the
-    handler's exception), if any."""
-    if cause is None:
+    handler's exception), if any. A payload the library's decoder refused is its reason."""
+    if cause is None or isinstance(cause, InvalidPayload):
         return reason[:MAX_LENGTH]
     if isinstance(cause, HandlerExited):
         cause = cause.exit  # the handler's own SystemExit, with its traceback
-    where = _users_frame(cause)
+    found = users_frame(cause)
     name = type(cause).__qualname__
-    text = f"{name} at {where}" if where else name
+    text = f"{name} at {found[0]}:{found[1].name}" if found else name
     return text[:MAX_LENGTH]
 
 
@@ -56,16 +56,16 @@ def refusal_fingerprint(refusal: Refusal) -> str:
     return f"refused: {refusal.code}{size}"
 
 
-def _users_frame(error: BaseException) -> str | None:
-    """``path:function`` of the innermost frame of `error` in the user's code (the path
-    relative to the working directory when under it), or None."""
+def users_frame(error: BaseException) -> tuple[str, traceback.FrameSummary] | None:
+    """The innermost frame of `error` in the user's code (not this package's, the standard
+    library's, an installed package's or a frozen module's), with its path relative to the
+    working directory when under it; None without one."""
     for frame in reversed(traceback.extract_tb(error.__traceback__)):
         path = str(Path(frame.filename).resolve())
         if path.startswith(_NOT_USER) or frame.filename.startswith("<"):
             continue
         try:
-            shown = str(Path(path).relative_to(Path.cwd()))
+            return str(Path(path).relative_to(Path.cwd())), frame
         except ValueError:
-            shown = path
-        return f"{shown}:{frame.name}"
+            return path, frame
     return None

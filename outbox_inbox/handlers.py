@@ -19,7 +19,7 @@ from .context import handling
 from .errors import ConfigurationError, HandlerExited
 from .faults import FAULT, is_fault, log_unhandled_fault
 from .messages import COMMAND, EVENT, Message
-from .outbox import WriteKeywords
+from .outbox import Outbox, WriteKeywords
 from .payloads import declared_payload_type, decode
 from .retry import RetryPolicy
 from .topology import topic_matches
@@ -51,7 +51,7 @@ class HandlerContext:
     message: Message
     session: Session
     payload: Any
-    outbox: Any  # the service's Outbox
+    outbox: Outbox
     #: The message's ``process`` span where it is not the current one (in a batch handler).
     span: Span | None = None
 
@@ -92,7 +92,7 @@ class AsyncHandlerContext:
     message: Message
     session: AsyncSession
     payload: Any
-    outbox: Any
+    outbox: Outbox
     span: Span | None = None
 
     async def publish(
@@ -133,7 +133,7 @@ class BatchContext:
     messages: Sequence[Message]
     payloads: Sequence[Any]
     session: Session
-    outbox: Any
+    outbox: Outbox
     #: The messages' ``process`` spans, in the same order (empty when tracing is off).
     spans: Sequence[Span] = ()
 
@@ -154,7 +154,7 @@ class AsyncBatchContext:
     messages: Sequence[Message]
     payloads: Sequence[Any]
     session: AsyncSession
-    outbox: Any
+    outbox: Outbox
     spans: Sequence[Span] = ()
 
     def __len__(self) -> int:
@@ -264,7 +264,7 @@ class Subscription:
     kind: str
     pattern: str
     handler: Handler | AsyncHandler
-    outbox: Any = None
+    outbox: Outbox | None = None
     options: HandlerOptions = HandlerOptions()
     payload_type: type | None = field(init=False, default=None)
     takes_context: bool = field(init=False, default=False)
@@ -285,6 +285,11 @@ class Subscription:
     @property
     def name(self) -> str:
         return getattr(self.handler, "__qualname__", repr(self.handler))
+
+    @property
+    def _outbox(self) -> Outbox:
+        assert self.outbox is not None  # a handler that takes a context has one: __post_init__
+        return self.outbox
 
     def handles(self, version: int) -> bool:
         """True when this subscription handles payload `version`."""
@@ -315,11 +320,11 @@ class Subscription:
         handler: Callable[..., Any] = self.handler
         if not self.is_async:
             if self.takes_context:
-                return handler(HandlerContext(message, session, payload, self.outbox), **typed)
+                return handler(HandlerContext(message, session, payload, self._outbox), **typed)
             return handler(message, session, **typed)
         proxy = self._async_session(session)
         if self.takes_context:
-            context = AsyncHandlerContext(message, proxy, payload, self.outbox)
+            context = AsyncHandlerContext(message, proxy, payload, self._outbox)
             return await_only(handler(context, **typed))
         return await_only(handler(message, proxy, **typed))
 
@@ -347,12 +352,12 @@ class Subscription:
         handler: Callable[..., Any] = self.handler
         if not self.is_async:
             if self.takes_context:
-                context = BatchContext(messages, payloads, session, self.outbox, spans)
+                context = BatchContext(messages, payloads, session, self._outbox, spans)
                 return handler(context, **typed)
             return handler(list(messages), session, **typed)
         proxy = self._async_session(session)
         if self.takes_context:
-            async_context = AsyncBatchContext(messages, payloads, proxy, self.outbox, spans)
+            async_context = AsyncBatchContext(messages, payloads, proxy, self._outbox, spans)
             return await_only(handler(async_context, **typed))
         return await_only(handler(list(messages), proxy, **typed))
 

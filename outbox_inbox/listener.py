@@ -18,6 +18,12 @@ log = logging.getLogger(__name__)
 
 
 class Listener:
+    #: True for a listener that must see the hooks of every process in the one that runs the
+    #: service (the Prometheus metrics it serves): in a forked worker process its hooks are
+    #: sent to that process (outbox_inbox.supervisor), which calls its ``forwarded_<hook>``
+    #: methods with the values they carry.
+    forwarded_from_workers = False
+
     def relay_confirmed(
         self, messages: Sequence[OutgoingMessage], outcomes: Sequence[PublishOutcome]
     ) -> None:
@@ -104,3 +110,21 @@ def call(listener: Listener | None, hook: str, *args: object, **kwargs: object) 
         getattr(listener, hook)(*args, **kwargs)
     except Exception:
         log.exception("listener hook %s failed", hook)
+
+
+def forwarded(listener: Listener | None) -> list[Listener]:
+    """The listeners among `listener` whose hooks worker processes forward (see `Listener`)."""
+    found = listener.listeners if isinstance(listener, Listeners) else (listener,)
+    return [each for each in found if each is not None and each.forwarded_from_workers]
+
+
+def forwarding(listener: Listener | None, forwarder: Listener) -> Listener | None:
+    """`listener` with each listener whose hooks are forwarded replaced by `forwarder`."""
+    if isinstance(listener, Listeners):
+        return Listeners(
+            *(forwarder if x.forwarded_from_workers else x for x in listener.listeners)
+        )
+    return forwarder if listener is not None and listener.forwarded_from_workers else listener
+
+
+__all__ = ["Listener", "Listeners", "combine"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
 from urllib.parse import unquote
 
@@ -107,15 +109,47 @@ def url_passwords(text: str | None) -> set[str]:
     return found
 
 
-def mask_text(text: object, *urls: str | None) -> str:
-    """`text` with URL passwords masked, and every password of `urls` wherever it appears.
+#: The passwords of every URL this process was given (`remember`), masked wherever they appear.
+_secrets: set[str] = set()
 
-    For an error message that quotes a parser: "invalid port 'secret'" says nothing of a URL.
+
+def remember(url: str | None) -> None:
+    """Mask the password of `url` (as written, decoded, and its pieces: `url_passwords`) in all
+    that `mask` sees from now on. Every URL the library validates is remembered."""
+    _secrets.update(s for s in url_passwords(url) if len(s) >= 3)
+
+
+def mask_text(text: object, *urls: str | None) -> str:
+    """`text` with URL passwords masked, and every password of `urls` and every password
+    `remember`ed wherever it appears: the one mask of all that the library and the CLI print,
+    log or raise (libpq's "unexpected spaces found in '<password>'" says nothing of a URL).
     Passwords shorter than 3 characters are only masked inside URLs.
     """
     masked = mask_url(str(text))
-    secrets = set().union(*(url_passwords(url) for url in urls)) if urls else set()
+    secrets = _secrets.union(*(url_passwords(url) for url in urls))
     for secret in sorted(secrets, key=len, reverse=True):
         if len(secret) >= 3:
             masked = masked.replace(secret, "***")
     return masked
+
+
+#: Loggers whose records are masked when they are made (and theirs below them).
+_MASKED_LOGGERS = ("outbox_inbox", "pika", "psycopg", "sqlalchemy", "alembic")
+_make_record = logging.getLogRecordFactory()
+
+
+def _masked_record(*args: object, **kwargs: object) -> logging.LogRecord:
+    """A log record as the factory before makes it; of `_MASKED_LOGGERS`, with its message,
+    traceback and stack masked before any filter or handler sees them (at every level)."""
+    record = _make_record(*args, **kwargs)
+    if record.name.split(".")[0] in _MASKED_LOGGERS:
+        with contextlib.suppress(Exception):  # a bad format: the handler reports it
+            record.msg, record.args = mask_text(record.getMessage()), None
+        if record.exc_info:
+            record.exc_text = mask_text(logging.Formatter().formatException(record.exc_info))
+        if record.stack_info:
+            record.stack_info = mask_text(record.stack_info)
+    return record
+
+
+logging.setLogRecordFactory(_masked_record)

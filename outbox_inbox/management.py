@@ -80,15 +80,18 @@ class ManagementAPI:
         """The API's address, without credentials."""
         return self._base
 
-    def _get(self, *segments: str) -> Any:
-        """GET ``/api/<segments>`` (each one quoted); None on 404."""
+    def _get(self, *segments: str, method: str = "GET", body: Any = None) -> Any:
+        """GET (or `method`, with the JSON `body`) ``/api/<segments>`` (each one quoted); None
+        on 404, and for an answer without a body."""
         path = "/".join(quote(s, safe="") for s in segments)
         # The scheme was checked to be http or https in __init__.
         url = f"{self._base}/api/{path}"
-        request = urllib.request.Request(url, headers=self._headers, method="GET")  # noqa: S310
+        data = None if body is None else json.dumps(body).encode()
+        headers = {**self._headers, "Content-Type": "application/json"}
+        request = urllib.request.Request(url, data, headers, method=method)  # noqa: S310
         try:
             with urllib.request.urlopen(request, timeout=self._timeout) as response:  # noqa: S310
-                return json.load(response)
+                return json.loads(response.read() or b"null")
         except urllib.error.HTTPError as exc:
             if exc.code == 404:
                 return None
@@ -107,6 +110,17 @@ class ManagementAPI:
             raise ManagementUnavailable(
                 f"the management API at {self._base} does not know vhost {self._vhost!r}"
             )
+
+    def add_vhost(self, user: str) -> None:
+        """Create this vhost, `user` allowed everything in it (the API's user must be an
+        administrator). Raises ManagementUnavailable when it cannot."""
+        self._get("vhosts", self._vhost, method="PUT", body={})
+        every = {"configure": ".*", "write": ".*", "read": ".*"}
+        self._get("permissions", self._vhost, user, method="PUT", body=every)
+
+    def delete_vhost(self) -> None:
+        """Delete this vhost with everything in it (nothing when it does not exist)."""
+        self._get("vhosts", self._vhost, method="DELETE")
 
     def exchange(self, name: str) -> dict[str, Any] | None:
         """The exchange `name` (type, durable, auto_delete, arguments), or None if absent."""

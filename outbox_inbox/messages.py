@@ -187,7 +187,7 @@ def _first_unserializable(value: Any, path: str) -> str | None:
     the error message; None if it is not found."""
     if isinstance(value, dict):
         for key, item in value.items():
-            if not isinstance(key, str | int | float | bool) and key is not None:
+            if not isinstance(key, str):
                 return f"{path} key {key!r}"
             found = _first_unserializable(item, f"{path}.{key}")
             if found:
@@ -206,10 +206,24 @@ def _first_unserializable(value: Any, path: str) -> str | None:
     return f"{path} ({type(value).__name__})"
 
 
+def _check_keys(value: Any) -> None:
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if not all(isinstance(key, str) for key in node):
+                raise TypeError("JSON object keys must be strings")
+            stack.extend(node.values())
+        elif isinstance(node, list | tuple):
+            stack.extend(node)
+
+
 def payload_json(payload: Any, *, limit: int | None = None) -> str:
     """`payload` as JSON text; raise MessageError, or PayloadTooLarge when its UTF-8 encoding
-    is over `limit` bytes."""
+    is over `limit` bytes. A key that is not a string is refused: JSON would make ``{1: "a"}``
+    ``{"1": "a"}``, and the handler would get a payload its sender never wrote."""
     try:
+        _check_keys(payload)
         text = _JSON.encode(payload)
     except (TypeError, ValueError) as exc:
         where = _first_unserializable(payload, "payload")
@@ -624,3 +638,6 @@ def jsonable(value: Any) -> Any:
 def message_from_row(row: Mapping[Any, Any]) -> Message:
     """Build the handler's view of a claimed inbox row."""
     return from_row(Message, row, attempt=row["attempts"])
+
+
+__all__ = ["Message", "OutgoingMessage", "WireMessage", "inbox_id"]

@@ -128,6 +128,8 @@ class Metrics(Listener):
     two each).
     """
 
+    forwarded_from_workers = True  # served by the service's own process
+
     def __init__(self, service: str, registry: CollectorRegistry, families: _Families) -> None:
         self.service = service
         self.registry = registry

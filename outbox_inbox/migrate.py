@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib
 import io
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from .database import DEFAULT_SCHEMA, tables_for
 from .errors import StorageError, first_line, storage_error
 from .logsafe import mask_url
 from .partitions import is_partition
+from .queries.operations import privileges_held
 from .tables import VERSION_TABLE, build_tables
 
 
@@ -93,14 +94,6 @@ class Revision:
     head: bool
     message: str
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "revision": self.revision,
-            "down_revision": self.down_revision,
-            "head": self.head,
-            "message": self.message,
-        }
-
 
 @dataclass(frozen=True)
 class Current:
@@ -115,11 +108,7 @@ class Current:
         return bool(self.revisions) and set(self.revisions) == set(self.heads)
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "schema": self.schema,
-            "revisions": list(self.revisions),
-            "up_to_date": self.up_to_date,
-        }
+        return {**asdict(self), "revisions": list(self.revisions), "up_to_date": self.up_to_date}
 
 
 def history() -> list[Revision]:
@@ -182,6 +171,40 @@ def check(connection: Connection, schema: str = DEFAULT_SCHEMA) -> list[str]:
     return [_describe(diff) for diff in found]
 
 
+def table_oids(connection: Connection, schema: str = DEFAULT_SCHEMA) -> dict[str, int]:
+    """The library's tables now in `schema` (not its partitions nor the version table) by
+    their PostgreSQL oid, new for a table a migration made again; empty on SQLite."""
+    if connection.dialect.name != "postgresql":
+        return {}
+    found = inspect(connection)
+    return {
+        name: found.get_table_oid(name, schema)  # type: ignore[attr-defined]
+        for name in found.get_table_names(schema=schema)
+        if not is_partition(name) and name != VERSION_TABLE
+    }
+
+
+def runtime_grants(connection: Connection, role: str, schema: str = DEFAULT_SCHEMA) -> list[str]:
+    """The GRANT statements that give `role`, a runtime role, the rights docs/security.md
+    names that it lacks on `schema` (none on SQLite). Grants name tables: a table a migration
+    adds or makes again is not covered by them unless default privileges were set. Raises
+    StorageError, for a role that does not exist too."""
+    if connection.dialect.name != "postgresql":
+        return []
+    tables = [f"{schema}.{name}" for name in sorted(table_oids(connection, schema))]
+    wanted = [(t, right) for t in tables for right in ("SELECT", "INSERT", "UPDATE", "DELETE")]
+    wanted += [(schema, "USAGE"), (f"{schema}.{VERSION_TABLE}", "SELECT")]
+    try:
+        held = privileges_held(connection, role, wanted)
+    except SQLAlchemyError as exc:
+        raise storage_error(exc, f"reading the privileges of {role}") from exc
+    lacking: dict[str, list[str]] = {}
+    for (name, right), has in zip(wanted, held, strict=True):
+        if not has:
+            lacking.setdefault(name if "." in name else f"SCHEMA {name}", []).append(right)
+    return [f"GRANT {', '.join(rights)} ON {name} TO {role}" for name, rights in lacking.items()]
+
+
 def compared(obj: Any, name: str | None, type_: str, sqlite: bool) -> bool:
     """What `check` compares: not the version table; on PostgreSQL not the partitions (made
     and dropped by the library, outbox_inbox.partitions) nor the message id's uniqueness,
@@ -206,3 +229,6 @@ def _down(value: Any) -> str | None:
     if value is None:
         return None
     return value if isinstance(value, str) else ", ".join(value)
+
+
+__all__ = ["alembic_config", "check", "current", "downgrade", "upgrade"]

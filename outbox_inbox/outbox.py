@@ -266,3 +266,6 @@ def _seconds(value: float | timedelta, what: str) -> float:
     if not seconds > 0 or seconds == float("inf"):
         raise MessageError(f"{what} must be a positive, finite number of seconds")
     return seconds
+
+
+__all__ = ["Outbox", "WriteOptions"]

@@ -25,7 +25,7 @@ transaction kept open on a connection of its own, as the archive's), the others 
    with an unfinished row is kept whole until that row is finished; a row made unfinished
    between the check and the detach (a dead letter replayed) puts the partition back.
 
-The retention is the inbox's duplicate window: see `duplicate_horizon`.
+The retention is the inbox's duplicate window: see `config.duplicate_horizon`.
 """
 
 from __future__ import annotations
@@ -38,24 +38,14 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import (
-    Connection,
-    Engine,
-    Table,
-    bindparam,
-    column,
-    exists,
-    func,
-    or_,
-    select,
-    table,
-    text,
-)
+from sqlalchemy import Connection, Engine, Table
 from sqlalchemy.exc import SQLAlchemyError
 
 from .errors import SchemaMissing, storage_error
 from .queries import archive
-from .tables import DEAD, PARKED, PENDING, Tables, outbox_unsent
+from .queries import partitions as sql
+from .queries.partitions import holds_unfinished, partition_rows
+from .tables import Tables
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +59,6 @@ SOURCES = {"outbox_messages": "outbox", "inbox_messages": "inbox"}
 
 _NAME = re.compile(r"^(outbox_messages|inbox_messages)_(legacy|p\d{8}|p\d{10})$")
 _BOUND = re.compile(r"FROM \((MINVALUE|'[^']+')\) TO \((MAXVALUE|'[^']+')\)")
-_LOCK_KEY = "outbox_inbox.partitions.{schema}"
 #: Why a partition past the retention is kept (`maintain`, `survey`).
 KEPT_UNFINISHED = "holds unfinished or recently dead rows"
 #: An instances row not seen for this long is a worker that died: `maintain` deletes it.
@@ -132,15 +121,8 @@ def partition_name(parent: str, start: datetime, interval: str) -> str:
 
 def partitions(conn: Connection, schema: str, parent: str) -> list[Partition]:
     """The partitions of `schema`.`parent`, oldest first."""
-    rows = conn.execute(
-        text(
-            "SELECT c.relname, pg_get_expr(c.relpartbound, c.oid), i.inhdetachpending "
-            "FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
-            "WHERE i.inhparent = to_regclass(:parent)"
-        ),
-        {"parent": f"{_quote(conn, schema)}.{parent}"},
-    ).all()
-    found = [_partition(parent, name, bound, pending) for name, bound, pending in rows]
+    rows = sql.partition_catalog(conn, schema, parent)
+    found = [_partition(parent, r.name, r.bound, r.pending) for r in rows]
     return sorted(found, key=lambda p: p.lower or datetime.min.replace(tzinfo=UTC))
 
 
@@ -158,17 +140,6 @@ def _bound_time(value: str) -> datetime | None:
     return datetime.fromisoformat(value.strip("'")).astimezone(UTC)
 
 
-def _quote(conn: Connection, name: str) -> str:
-    # Names of the library's own schema and tables, validated identifiers: quoted by the
-    # dialect, they are the only names placed into DDL here.
-    return str(conn.dialect.identifier_preparer.quote(name))
-
-
-def _literal(moment: datetime) -> str:
-    # A partition bound this module computed: never input.
-    return f"'{moment.astimezone(UTC):%Y-%m-%d %H:%M:%S}+00'"
-
-
 # --- making ahead -----------------------------------------------------------------------------
 
 
@@ -179,7 +150,6 @@ def make_ahead(conn: Connection, tables: Tables, interval: str | None, now: date
     Each new partition is created alone, given its unique index on message_id, and attached:
     ``ATTACH PARTITION`` takes a lock writers do not wait for. Commits after each partition.
     """
-    s = _quote(conn, tables.schema)
     made: list[str] = []
     for parent in KEYS:
         existing = partitions(conn, tables.schema, parent)
@@ -192,21 +162,7 @@ def make_ahead(conn: Connection, tables: Tables, interval: str | None, now: date
         while start < until:
             end = start + step
             name = partition_name(parent, start, length)
-            # INCLUDING CONSTRAINTS: ATTACH refuses a table without the parent's CHECKs (the
-            # outbox's `kind`), and the migration's week of partitions runs out after 7 days.
-            conn.execute(
-                text(
-                    f"CREATE TABLE {s}.{name} "
-                    f"(LIKE {s}.{parent} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
-                )
-            )
-            conn.execute(text(f"CREATE UNIQUE INDEX {name}_message_id ON {s}.{name} (message_id)"))
-            conn.execute(
-                text(
-                    f"ALTER TABLE {s}.{parent} ATTACH PARTITION {s}.{name} "
-                    f"FOR VALUES FROM ({_literal(start)}) TO ({_literal(end)})"
-                )
-            )
+            sql.create_partition(conn, tables.schema, parent, name, start, end)
             conn.commit()
             made.append(name)
             start = end
@@ -223,32 +179,6 @@ def _interval_of(existing: list[Partition]) -> str:
 
 
 # --- retention -----------------------------------------------------------------------------
-
-
-def _rows_of(tables: Tables, parent: str, name: str) -> Table:
-    """The partition `name` (attached or not) as a table with its parent's columns."""
-    source = tables.outbox if parent == "outbox_messages" else tables.inbox
-    return table(  # type: ignore[return-value]
-        name, *(column(c.name, c.type) for c in source.c), schema=tables.schema
-    )
-
-
-def unfinished(parent: str, rows: Any, dead_cutoff: datetime | None) -> Any:
-    """The rows of `parent` that keep their partition: work still to do, and dead or parked
-    rows that died after `dead_cutoff` (None: dead rows are kept for ever)."""
-    if parent == "outbox_messages":
-        dead = rows.c.dead_at.is_not(None)
-        young = dead if dead_cutoff is None else dead & (rows.c.dead_at >= dead_cutoff)
-        return or_(outbox_unsent(rows), young)
-    dead = rows.c.status.in_([DEAD, PARKED])
-    died = func.coalesce(rows.c.processed_at, rows.c.received_at)
-    young = dead if dead_cutoff is None else dead & (died >= dead_cutoff)
-    return or_(rows.c.status == PENDING, young)
-
-
-def _holds_unfinished(conn: Connection, rows: Any, parent: str, dead_cutoff: Any) -> bool:
-    query = select(exists().where(unfinished(parent, rows, dead_cutoff)))
-    return bool(conn.execute(query).scalar())
 
 
 @dataclass(frozen=True)
@@ -293,14 +223,7 @@ def _lock(engine: Engine, schema: str) -> Iterator[bool]:
     """The maintenance lock of `schema`: a transaction-level advisory lock held by an open
     transaction on a connection of its own (through a pooler it keeps one server session)."""
     with engine.connect() as conn:
-        conn.execute(select(func.set_config("idle_in_transaction_session_timeout", "0", True)))
-        key = func.hashtext(_LOCK_KEY.format(schema=schema))
-        held = bool(conn.execute(select(func.pg_try_advisory_xact_lock(key))).scalar_one())
-        # A statement with parameters leaves its portal open, and with it a snapshot, until
-        # the next statement; one without goes by the simple protocol and closes it. Kept,
-        # that snapshot would make the pass's own DETACH … FINALIZE, which waits for every
-        # older snapshot, wait for ever (and hold back vacuum for the whole pass).
-        conn.exec_driver_sql("SELECT 1")
+        held = sql.try_maintenance_lock(conn, schema)
         try:
             yield held
         finally:
@@ -319,8 +242,7 @@ def _maintain(
         # Migration 0006 not applied yet: a service started before it (a rolling upgrade)
         # has nothing to maintain, and a partition made here could not be attached.
         return
-    now = conn.execute(select(func.now())).scalar_one()
-    s = _quote(conn, tables.schema)
+    now = sql.database_now(conn)
     for name, parent in _detached(conn, tables.schema):  # left by a pass that died
         _retire(conn, tables, parent, name, None, retention, now, exporter, result)
     # Finalised first, whatever its range: while one partition of a table is pending detach,
@@ -329,9 +251,7 @@ def _maintain(
     for parent in KEYS:
         for p in partitions(conn, tables.schema, parent):
             if p.detach_pending:
-                conn.execute(
-                    text(f"ALTER TABLE {s}.{parent} DETACH PARTITION {s}.{p.name} FINALIZE")
-                )
+                sql.detach(conn, tables.schema, parent, p.name, finalize=True)
                 _retire(conn, tables, parent, p.name, p, retention, now, exporter, result)
     result.created = make_ahead(conn, tables, interval, now)
     # A worker that died keeps its row until another worker of its service advertises
@@ -345,12 +265,10 @@ def _maintain(
         for p in partitions(conn, tables.schema, parent):
             if p.upper is None or p.upper > cutoff:
                 continue
-            if _holds_unfinished(conn, _rows_of(tables, parent, p.name), parent, dead_cutoff):
+            if holds_unfinished(conn, partition_rows(tables, parent, p.name), parent, dead_cutoff):
                 result.kept[p.name] = KEPT_UNFINISHED
                 continue
-            conn.execute(
-                text(f"ALTER TABLE {s}.{parent} DETACH PARTITION {s}.{p.name} CONCURRENTLY")
-            )
+            sql.detach(conn, tables.schema, parent, p.name, finalize=False)
             _retire(conn, tables, parent, p.name, p, retention, now, exporter, result)
     result.pruned_deliveries = archive.prune_deliveries(conn, tables, cutoff)
 
@@ -368,40 +286,26 @@ def _retire(
 ) -> None:
     """A detached partition: export and drop it, or attach it again if a row in it is
     unfinished (`was`: its range; None: read from the CHECK its detach left)."""
-    s = _quote(conn, tables.schema)
-    rows = _rows_of(tables, parent, name)
+    rows = partition_rows(tables, parent, name)
     dead_cutoff = None if retention.dead is None else now - retention.dead
-    if _holds_unfinished(conn, rows, parent, dead_cutoff):
+    if holds_unfinished(conn, rows, parent, dead_cutoff):
         lower, upper = (was.lower, was.upper) if was else _detached_range(conn, tables.schema, name)
-        low = "MINVALUE" if lower is None else _literal(lower)
-        conn.execute(
-            text(
-                f"ALTER TABLE {s}.{parent} ATTACH PARTITION {s}.{name} "
-                f"FOR VALUES FROM ({low}) TO ({_literal(upper)})"  # type: ignore[arg-type]
-            )
-        )
+        sql.attach(conn, tables.schema, parent, name, lower, upper)  # type: ignore[arg-type]
         result.kept[name] = "a row in it became unfinished: attached again"
         log.warning("partitions: %s holds an unfinished row after its detach: attached again", name)
         return
     if exporter is not None:
         count = exporter(conn, SOURCES[parent], rows)
         result.exported[SOURCES[parent]] = result.exported.get(SOURCES[parent], 0) + count
-    conn.execute(text(f"DROP TABLE {s}.{name}"))
+    sql.drop_table(conn, tables.schema, name)
     result.dropped.append(name)
     log.info("partitions: dropped %s", name)
 
 
 def _detached(conn: Connection, schema: str) -> list[tuple[str, str]]:
     """Partitions of the library's tables that a pass detached and did not drop."""
-    rows = conn.execute(
-        text(
-            "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-            "WHERE n.nspname = :schema AND c.relkind = 'r' AND NOT c.relispartition"
-        ),
-        {"schema": schema},
-    ).scalars()
     found = []
-    for name in rows:
+    for name in sql.plain_tables(conn, schema):
         match = _NAME.match(name)
         if match is not None:
             found.append((name, match.group(1)))
@@ -413,13 +317,7 @@ def _detached_range(
 ) -> tuple[datetime | None, datetime | None]:
     """The range of a detached partition, from the CHECK constraint DETACH CONCURRENTLY adds
     (or, for the legacy partition, its bound)."""
-    defs = conn.execute(
-        text(
-            "SELECT pg_get_constraintdef(oid) FROM pg_constraint "
-            "WHERE conrelid = to_regclass(:name) AND contype = 'c'"
-        ),
-        {"name": f"{_quote(conn, schema)}.{name}"},
-    ).scalars()
+    defs = sql.check_constraints(conn, schema, name)
     times = [_bound_time(t) for d in defs for t in re.findall(r"'(\d{4}-[^']+)'", d)]
     found = sorted(t for t in times if t is not None)
     if not found and not name.endswith("_legacy"):
@@ -469,15 +367,7 @@ class PartitionState:
 def partitioned(conn: Connection, schema: str) -> list[str]:
     """The library's tables of `schema` that are partitioned (both, after migration 0006;
     none on an older revision). SchemaMissing when the tables do not exist."""
-    rows = conn.execute(
-        text(
-            "SELECT c.relname, c.relkind FROM pg_class c "
-            "JOIN pg_namespace n ON n.oid = c.relnamespace "
-            "WHERE n.nspname = :schema AND c.relname IN :names"
-        ).bindparams(bindparam("names", expanding=True)),
-        {"schema": schema, "names": list(KEYS)},
-    ).all()
-    kinds = {str(name): str(kind) for name, kind in rows}
+    kinds = sql.table_kinds(conn, schema, list(KEYS))
     if len(kinds) < len(KEYS):
         raise SchemaMissing(
             f"the outbox/inbox tables do not exist in schema {schema!r}: "
@@ -493,27 +383,18 @@ def survey(conn: Connection, tables: Tables, retention: Retention) -> list[Parti
     catalog, and each partition past the retention once (an EXISTS on its unfinished rows).
     Raises StorageError when the database fails, SchemaMissing without tables."""
     try:
-        now = conn.execute(select(func.now())).scalar_one()
+        now = sql.database_now(conn)
         cutoff = None if retention.finished is None else now - retention.finished
         dead_cutoff = None if retention.dead is None else now - retention.dead
         found: list[PartitionState] = []
         for parent in partitioned(conn, tables.schema):
-            stats = {
-                name: (rows, size)
-                for name, rows, size in conn.execute(
-                    text(
-                        "SELECT c.relname, c.reltuples, pg_total_relation_size(c.oid) "
-                        "FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
-                        "WHERE i.inhparent = to_regclass(:parent)"
-                    ),
-                    {"parent": f"{_quote(conn, tables.schema)}.{parent}"},
-                ).all()
-            }
+            catalog = sql.partition_catalog(conn, tables.schema, parent)
+            stats = {r.name: (r.rows, r.size) for r in catalog}
             for p in partitions(conn, tables.schema, parent):
                 rows, size = stats.get(p.name, (-1, 0))
                 past = cutoff is not None and p.upper is not None and p.upper <= cutoff
-                held = past and _holds_unfinished(
-                    conn, _rows_of(tables, parent, p.name), parent, dead_cutoff
+                held = past and holds_unfinished(
+                    conn, partition_rows(tables, parent, p.name), parent, dead_cutoff
                 )
                 found.append(
                     PartitionState(
@@ -527,23 +408,3 @@ def survey(conn: Connection, tables: Tables, retention: Retention) -> list[Parti
         return found
     except SQLAlchemyError as exc:
         raise storage_error(exc, "reading the partitions") from exc
-
-
-# --- the duplicate window ------------------------------------------------------------------
-
-
-def duplicate_horizon(settings: Any) -> dict[str, float]:
-    """The longest time, in seconds, after a message's first copy is stored by which another
-    copy can still arrive without an operator, by path: the receiver's delay tiers (a copy that
-    could not be stored comes back after them), and the relay's retries (a row published but
-    not marked is published again)."""
-    policy = settings.receive_retry
-    tiers = settings.delay_tiers
-    receive = 0.0
-    attempt = 1
-    while not policy.gives_up_after(attempt) and attempt < 10_000:
-        wanted = min(policy.initial * policy.multiplier ** (attempt - 1), policy.max_interval)
-        receive += next((t for t in tiers if t >= wanted), tiers[-1])
-        attempt += 1
-    relay = settings.relay_max_attempts * settings.relay_retry_max
-    return {"receiver delay tiers": receive, "relay retries": relay}

@@ -21,7 +21,7 @@ from sqlalchemy.exc import (
 
 from .broker import Broker, Consumer, Delivery
 from .config import Settings
-from .errors import InvalidMessage, first_line, missing_partition
+from .errors import InvalidMessage, TopologyMissing, first_line, missing_partition
 from .fingerprint import fingerprint
 from .listener import Listener, call
 from .messages import (
@@ -44,6 +44,10 @@ from .topology import DEAD_LETTER_EXCHANGE, delay_queue, inbox_queue
 from .tracing import Tracing, record_receives
 
 log = logging.getLogger(__name__)
+
+#: Longest wait for a first delivery before the loop looks at its stop event again. Not a batch
+#: window: once one delivery is in, the receiver stores what has arrived and does not wait.
+FETCH_WAIT = 0.25
 
 #: Dead-letter reasons the receiver writes in ``x-dead-reason``.
 INVALID, STORE_FAILED, REDELIVERED = "invalid", "store_failed", "redelivered"
@@ -91,8 +95,10 @@ class Receiver:
         settings: Settings,
         listener: Listener | None = None,
         tracing: Tracing | None = None,
+        declare: Callable[[], None] | None = None,
     ) -> None:
         self._service = service
+        self._declare = declare
         self._engine = engine
         self._tables = tables
         self._broker = broker
@@ -111,26 +117,34 @@ class Receiver:
         `RoleLoop`): a fault of the receiver itself must not end it. The consumer is closed
         first, so its unacked deliveries come back flagged redelivered and are then counted
         one by one. A consumer is opened only once the database answers (`_database_answers`).
+        After TopologyMissing (a queue gone: its consumer cancelled by the broker, a forward
+        that found no queue) the topology is declared again first (`declare`); one warning.
         """
         s = self._settings
         consumer: Consumer | None = None
         announce = on_started
+        declare: Callable[[], None] | None = None
 
         def step() -> int:
-            nonlocal consumer, announce
+            nonlocal consumer, announce, declare
             if consumer is None:
                 self._database_answers()
+                if declare is not None:
+                    declare()
+                    declare = None
                 consumer = self._broker.consumer(inbox_queue(self._service), prefetch=s.prefetch)
             if announce is not None:
                 announce()
                 announce = None
-            batch = consumer.fetch(s.receive_batch_size, s.receive_batch_wait)
+            batch = consumer.fetch(s.receive_batch_size, FETCH_WAIT)
             if batch:
                 self.store(consumer, batch)
             return len(batch)
 
-        def recover(_exc: Exception) -> None:
-            nonlocal consumer
+        def recover(exc: Exception) -> None:
+            nonlocal consumer, declare
+            if isinstance(exc, TopologyMissing):
+                declare = self._declare
             if consumer is not None:
                 consumer.close()  # unacked deliveries go back to the queue
                 consumer = None

@@ -284,9 +284,10 @@ class Relay:
 
         Rows whose time to live ran out are marked expired instead. The claim's row locks are
         bounded first: cut off, the session must not keep them past the partition
-        (`roles.bound_on_server`).
+        (`roles.bound_on_server`); the transaction commits without a disk flush, as a mark a
+        server crash undoes only publishes its rows again (`roles.no_flush_wait`).
         """
-        roles.bound_on_server(conn)
+        roles.bound_on_server(conn, flush_wait=False)
         claimed = roles.claim_outbox(conn, self._tables, self._settings.relay_batch_size)
         rows = self._key_prefixes(conn, claimed)  # no statement for a claim without keys
         expired = [r["id"] for r in rows if _expired(r)]
@@ -608,8 +609,9 @@ class Relay:
 #: Batches a relay keeps open at once: one being confirmed, the next going out as the window
 #: frees, and a third being claimed and encoded meanwhile.
 _PIPELINE_DEPTH = 3
-#: How long one pump of the publisher waits for confirms when it has nothing to send.
-_PUMP_WAIT = 0.002
+#: Longest wait of one pump of the publisher for confirms when it has nothing to send (a
+#: confirm ends the wait at once).
+_PUMP_WAIT = 0.05
 #: Messages encoded between two pumps of the publisher while a batch is being prepared.
 _PUMP_EVERY = 64
 

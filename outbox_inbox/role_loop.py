@@ -80,7 +80,7 @@ class RoleLoop:
         `step` returns how many rows it found; `recover` is called with a retried error before
         the backoff wait; `idle` before each poll wait.
         """
-        waker = self.waker_factory(stop) if self.waker_factory else None
+        waker = self._listening(stop)
         try:
             while not stop.is_set():
                 try:
@@ -110,7 +110,7 @@ class RoleLoop:
         The waits (backoff, poll, the waker's LISTEN connection) block: they run in a thread.
         `stop` stays a threading.Event, so that any thread may set it.
         """
-        waker = self.waker_factory(stop) if self.waker_factory else None
+        waker = await asyncio.to_thread(self._listening, stop)
         try:
             while not stop.is_set():
                 try:
@@ -127,6 +127,14 @@ class RoleLoop:
         finally:
             if waker is not None:
                 waker.close()
+
+    def _listening(self, stop: threading.Event) -> Waker | None:
+        """The run's waker, listening before the first step: a row committed after the first
+        claim looked must wake the loop, not wait for a poll."""
+        waker = self.waker_factory(stop) if self.waker_factory else None
+        if waker is not None:
+            waker.check()
+        return waker
 
     def _waits_after(self, count: int) -> bool:
         return self.poll_interval is not None and count < self.full

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -23,7 +24,7 @@ from . import migrate as migrations
 from .backoff import Backoff
 from .broker import Broker
 from .config import Settings, validate_service_name
-from .database import connect, is_sqlite, tables_for
+from .database import business_engine, connect, is_sqlite, tables_for
 from .errors import (
     BrokerAccessRefused,
     BrokerConnectionError,
@@ -44,7 +45,7 @@ from .handlers import (
     Handlers,
     Subscription,
 )
-from .listener import Listener
+from .listener import Listener, forwarded, forwarding
 from .logsafe import mask_url
 from .messages import COMMAND, COMMANDS_EXCHANGE, EVENT, EVENTS_EXCHANGE
 from .outbox import Outbox
@@ -52,9 +53,15 @@ from .queries import roles
 from .receiver import Receiver
 from .relay import Relay
 from .retry import RetryPolicy
-from .supervisor import WorkerProcesses, available_cpus, without_metrics
+from .supervisor import WorkerProcesses, available_cpus
 from .tables import Tables
-from .topology import Topology, command_routing_key, inbox_queue, service_topology
+from .topology import (
+    UNROUTABLE_QUEUE,
+    Topology,
+    command_routing_key,
+    inbox_queue,
+    service_topology,
+)
 from .tracing import Tracing
 from .waker import Waker, notify_channel, psycopg_conninfo
 from .worker import Worker, worker_name
@@ -169,9 +176,10 @@ class Service:
             return self._broker
 
     def session(self) -> Session:
-        """A new Session on the service's database. The caller begins and commits it."""
+        """A new Session on the service's database. The caller begins and commits it; a commit
+        that loses its connection raises `CommitOutcomeUnknown` (`database.business_engine`)."""
         if self._sessionmaker is None:
-            self._sessionmaker = sessionmaker(self.engine)
+            self._sessionmaker = sessionmaker(business_engine(self.engine))
         return self._sessionmaker()
 
     def with_urls(self, *, db_url: str | None = None, mq_url: str | None = None) -> Service:
@@ -404,9 +412,20 @@ class Service:
                 )
 
     def _maintenance(self, stop: threading.Event, *, on_started: Callable[[], None]) -> None:
-        """The maintenance role: a pass every ``maintenance_interval`` seconds."""
+        """The maintenance role: a pass every ``maintenance_interval`` seconds, and a warning
+        when `unroutable` holds more commands than at the last pass (nothing else says so)."""
         on_started()
+        unroutable = 0
         while not stop.wait(self.settings.maintenance_interval):
+            with contextlib.suppress(OutboxInboxError):  # the broker's roles report it
+                before, unroutable = unroutable, self.broker.queue_depth(UNROUTABLE_QUEUE) or 0
+                if unroutable > before:
+                    log.warning(
+                        "%d command(s) wait in the queue %s: sent to a service that has no queue "
+                        "(outbox-inbox dead-letters list --source unroutable)",
+                        unroutable,
+                        UNROUTABLE_QUEUE,
+                    )
             try:
                 self._maintain_quietly()
             except DatabaseUnavailable as exc:
@@ -498,6 +517,7 @@ class Service:
             settings=self.settings,
             listener=self.listener,
             tracing=self.tracing,
+            declare=self.declare_topology if self.settings.declare else None,
         )
 
     def worker(self, name: str | None = None) -> Worker:
@@ -681,14 +701,6 @@ class Service:
             return 1
         return self.settings.processes or available_cpus()
 
-    def _start_workers(self) -> list[threading.Thread]:
-        """Start this process's worker threads (``worker_threads``) once the database can be
-        reached, and return them; `stop()` stops them. What each worker process runs."""
-        if self._threads:
-            raise ConfigurationError("service already started")
-        self._start_roles(relay=False, receiver=False, workers=None, fail_fast=None)
-        return list(self._threads)
-
     def _run_with_workers(self, *, relay: bool, receiver: bool, fail_fast: bool | None) -> None:
         count = self.worker_processes()
         self._stop.clear()
@@ -701,7 +713,9 @@ class Service:
                 self._wait_until_ready(topology=receiver, fail_fast=fail_fast)
                 and not self._stop.is_set()
             ):
-                pool = WorkerProcesses(self, count)
+                pool = WorkerProcesses(
+                    self.name, count, self._worker_process, forwarded(self.listener)
+                )
                 pool.start()  # before this process starts a thread of its own
                 try:
                     self._start_roles(
@@ -713,10 +727,12 @@ class Service:
                     pool.stop()
         self.stop()
 
-    def _in_worker_process(self, stop: threading.Event, metrics: Listener | None) -> None:
-        """Make this copy of the service, in a forked worker process, its own: a new stop
-        event and lock, no pooled connection of the parent's (dropped, not closed: they are
-        the parent's), and `metrics` instead of the Prometheus metrics of the parent."""
+    def _worker_process(self, stop: threading.Event, forwarder: Listener | None) -> int:
+        """What each worker process runs (`supervisor.ChildMain`): make this forked copy of the
+        service its own (a new stop event and lock, no pooled connection of the parent's:
+        dropped, not closed; `forwarder` instead of the listeners the parent serves), start
+        ``worker_threads`` workers once the database can be reached, and run them until `stop`
+        is set (exit code 0) or one of them ends (1); then stop and close."""
         self._stop = stop
         self._lock = threading.Lock()
         self._in_child = True
@@ -724,8 +740,17 @@ class Service:
         self._tasks = []
         if self._engine is not None:
             self._engine.dispose(close=False)
-        if metrics is not None:
-            self.listener = without_metrics(self.listener, metrics)
+        if forwarder is not None:
+            self.listener = forwarding(self.listener, forwarder)
+        try:
+            self._start_roles(relay=False, receiver=False, workers=None, fail_fast=None)
+            while not stop.wait(0.5):
+                if not all(t.is_alive() for t in self._threads):
+                    log.error("service %s: a worker of process %d ended", self.name, os.getpid())
+                    return 1
+            return 0
+        finally:
+            self.close()  # stops the workers, then closes this process's own connections
 
     # --- roles in an event loop ---------------------------------------------------------------
 

@@ -168,14 +168,13 @@ def _broker_status(admin: Operator, service: str | None) -> dict[str, Any]:
 
 
 def dead_count(status: dict[str, Any]) -> int:
-    """Dead inbox and outbox rows plus messages in the service's dead-letter queue (when known)."""
+    """Dead inbox and outbox rows plus the messages in the service's dead-letter queue and in
+    `unroutable` (commands sent to a service with no queue, of every service), when known."""
     count = int(status["inbox"]["dead"]) + int(status["outbox"].get("dead", 0))
-    broker = status.get("broker") or {}
+    queues = (status.get("broker") or {}).get("queues") or {}
     service = status.get("service")
-    if service:
-        queue = (broker.get("queues") or {}).get(dead_letter_queue(service))
-        if queue:
-            count += int(queue["messages"])
+    for name in (dead_letter_queue(service) if service else None, UNROUTABLE_QUEUE):
+        count += int((queues.get(name) or {}).get("messages", 0))
     return count
 
 
@@ -194,7 +193,8 @@ def problems(
     (a message waiting for its retry counts: it is not handled yet). Whatever the thresholds,
     the inbox is stalled, a problem, when rows have been claimable for longer than `max_lag`
     (else STALLED_AFTER) while no row is in progress and none was handled in that time: no
-    worker has claimed for that long. A broker that could not be asked is a problem too.
+    worker has claimed for that long. A broker that could not be asked is a problem too, and so
+    is an inbox queue that is missing, or holds messages with no consumer (no receiver runs).
     """
     out = []
     if max_lag is not None:
@@ -218,6 +218,13 @@ def problems(
         out.append(f"broker: {broker['error']}")
     if broker and broker.get("blocked"):
         out.append(f"broker blocks publishers: {broker['blocked']}")
+    name = inbox_queue(status["service"]) if status.get("service") else ""
+    if broker and name in broker["queues"]:
+        queue = broker["queues"][name]
+        if queue is None:
+            out.append(f"queue {name} is missing: no receiver runs (or none could declare it)")
+        elif queue["messages"] and not queue["consumers"]:
+            out.append(f"queue {name} holds {queue['messages']} message(s) and no consumer")
     return out
 
 
@@ -245,3 +252,6 @@ def subscribed_services(engine: Engine, tables: Tables) -> list[str]:
             return sorted({str(r["service"]) for r in operations.subscriptions_of(conn, tables)})
     except SQLAlchemyError as exc:
         raise storage_error(exc, "reading the subscriptions") from exc
+
+
+__all__ = ["Health", "health"]

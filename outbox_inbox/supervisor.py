@@ -21,8 +21,9 @@ Children are forked, not spawned: they need the service object with its handlers
 new interpreter could only rebuild from an import path. The parent forks before it starts
 any thread of its own, and each child drops the parent's pooled database connections without
 closing them (psycopg never closes a connection of another process). A child's listener
-hooks run in the child; the Prometheus metrics of `outbox_inbox.metrics` are forwarded to the
-parent, which serves them.
+hooks run in the child, but for those of a listener marked `Listener.forwarded_from_workers`
+(the Prometheus metrics of `outbox_inbox.metrics`): these are forwarded to the parent, which
+serves them.
 """
 
 from __future__ import annotations
@@ -37,14 +38,12 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable, Sequence
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .listener import Listener, Listeners
-
-if TYPE_CHECKING:
-    from .service import Service
+from .listener import Listener
 
 log = logging.getLogger(__name__)
 
@@ -84,21 +83,37 @@ def _cgroup_quota() -> float | None:
         return None
 
 
+#: What a child process runs (`Service` passes its own): given the child's stop event and the
+#: listener that forwards hooks to the parent (None when nothing is forwarded), it runs the
+#: workers until the event is set or one of them ends, and returns the process's exit code.
+ChildMain = Callable[[threading.Event, Listener | None], int]
+
+
 class WorkerProcesses:
-    """`count` child processes, each running the workers of `service`, kept running.
+    """`count` child processes of service `name`, each running `child`, kept running;
+    `forwarded`: the parent's listeners that receive the hooks the children forward.
 
     Use from the thread that runs the service (the main thread, for signals): `start()`
     forks them, `watch(stop)` restarts any that dies until `stop` is set, `stop()` ends them
     gracefully. Not thread-safe.
     """
 
-    def __init__(self, service: Service, count: int, *, stop_timeout: float = 30.0) -> None:
-        self._service = service
+    def __init__(
+        self,
+        name: str,
+        count: int,
+        child: ChildMain,
+        forwarded: Sequence[Listener] = (),
+        *,
+        stop_timeout: float = 30.0,
+    ) -> None:
+        self._name = name
+        self._child = child
         self._count = count
         self._stop_timeout = stop_timeout
         self._context = multiprocessing.get_context("fork")
         self._children: dict[int, tuple[BaseProcess, float]] = {}  # slot -> (process, started)
-        self._metrics = _metrics_of(service.listener)
+        self._metrics = list(forwarded)
         self._readers: list[threading.Thread] = []
         self._failures = 0
 
@@ -113,7 +128,7 @@ class WorkerProcesses:
             self._start(slot)
         log.info(
             "service %s: %d worker processes started (pids %s)",
-            self._service.name,
+            self._name,
             self._count,
             ", ".join(str(p) for p in self.pids),
         )
@@ -122,8 +137,8 @@ class WorkerProcesses:
         receive, send = self._context.Pipe(duplex=False) if self._metrics else (None, None)
         process = self._context.Process(
             target=_child_main,
-            args=(self._service, slot, send),
-            name=f"outbox-inbox-{self._service.name}-worker-{slot}",
+            args=(self._child, self._name, slot, send),
+            name=f"outbox-inbox-{self._name}-worker-{slot}",
         )
         # The child inherits this thread's signal mask: a SIGTERM that reaches it before it
         # has its own handlers waits for them instead of going to the parent's copy.
@@ -152,7 +167,9 @@ class WorkerProcesses:
             for sentinel in ended:
                 slot = sentinels[sentinel]  # type: ignore[index]
                 process, started = self._children[slot]
-                process.join(0)
+                # The sentinel fires when the child's files close, a moment before the kernel
+                # makes it reapable: join(0) there saw no exit code and left a zombie.
+                process.join(5)
                 lived = time.monotonic() - started
                 self._failures = 0 if lived >= STABLE_AFTER else self._failures + 1
                 delay = (
@@ -162,7 +179,7 @@ class WorkerProcesses:
                     return
                 log.error(
                     "service %s: worker process %d (pid %s) %s after %.1f s; starting it again%s",
-                    self._service.name,
+                    self._name,
                     slot,
                     process.pid,
                     _how_it_ended(process.exitcode),
@@ -186,7 +203,7 @@ class WorkerProcesses:
             if process.is_alive():
                 log.warning(
                     "service %s: worker process %d (pid %s) still running after %.0f s: killed",
-                    self._service.name,
+                    self._name,
                     slot,
                     process.pid,
                     self._stop_timeout,
@@ -210,11 +227,10 @@ def _how_it_ended(exitcode: int | None) -> str:
     return f"exited with status {exitcode}"
 
 
-def _child_main(service: Service, slot: int, metrics_pipe: Any) -> None:
-    """A worker process: run the service's workers until SIGTERM, SIGINT or the parent's end.
-
-    Exits 0 after a graceful stop, 1 when a worker role ended by itself (the parent then
-    starts the process again).
+def _child_main(child: ChildMain, name: str, slot: int, metrics_pipe: Any) -> None:
+    """A worker process: run `child` until SIGTERM, SIGINT or the parent's end, and exit
+    with its code: 0 after a graceful stop, 1 when a worker role ended by itself or `child`
+    raised (the parent then starts the process again).
     """
     stop = threading.Event()
     for sig in _STOP_SIGNALS:
@@ -226,20 +242,12 @@ def _child_main(service: Service, slot: int, metrics_pipe: Any) -> None:
             target=_stop_with_parent, args=(parent.sentinel, stop), daemon=True
         ).start()
     forwarder = _MetricsForwarder(metrics_pipe) if metrics_pipe is not None else None
-    service._in_worker_process(stop, forwarder)
-    code = 0
+    code = 1
     try:
-        threads = service._start_workers()
-        while not stop.wait(0.5):
-            if not all(t.is_alive() for t in threads):
-                log.error("service %s: a worker of process %d ended; exiting", service.name, slot)
-                code = 1
-                break
+        code = child(stop, forwarder)
     except Exception:
-        log.exception("service %s: worker process %d failed", service.name, slot)
-        code = 1
+        log.exception("service %s: worker process %d failed", name, slot)
     finally:
-        service.close()  # stops the workers, then closes this process's own connections
         if forwarder is not None:
             forwarder.close()
         logging.shutdown()
@@ -254,22 +262,6 @@ def _stop_with_parent(sentinel: int, stop: threading.Event) -> None:
 
 
 # --- metrics across processes ---------------------------------------------------------------
-
-
-def _metrics_of(listener: Listener | None) -> list[Any]:
-    """The `outbox_inbox.metrics.Metrics` among a service's listeners."""
-    from .metrics import Metrics  # metrics imports service: only once it is loaded
-
-    found = listener.listeners if isinstance(listener, Listeners) else (listener,)
-    return [each for each in found if isinstance(each, Metrics)]
-
-
-def without_metrics(listener: Listener | None, replacement: Listener) -> Listener | None:
-    """`listener` with each Metrics among its listeners replaced by `replacement`."""
-    if isinstance(listener, Listeners):
-        metrics = _metrics_of(listener)
-        return Listeners(*(replacement if x in metrics else x for x in listener.listeners))
-    return replacement if _metrics_of(listener) else listener
 
 
 class _MetricsForwarder(Listener):

@@ -30,6 +30,9 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from .config import validate_identifier
 
+#: Also the migrations' (alembic applies it to their operations): a revision names a CHECK
+#: constraint by its short name (``kind``) or passes a whole one through ``op.f()``, else the
+#: whole name is prefixed again (``ck_t_ck_t_kind``, which revision 0007 renamed).
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
     "uq": "uq_%(table_name)s_%(column_0_N_name)s",

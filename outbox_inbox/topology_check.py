@@ -220,3 +220,6 @@ def _by_api(declared: Exchange | Queue, found: Mapping[str, Any] | None) -> Foun
         declared.arguments, _normalized(found.get("arguments"), declared.arguments)
     )
     return Found(DIFFERS, "; ".join(problems)) if problems else Found(PRESENT)
+
+
+__all__ = ["Item", "Plan", "apply_topology", "check_topology"]

@@ -61,9 +61,12 @@ def notify_channel(schema: str, table: str) -> str:
 
 
 def psycopg_conninfo(url: URL | str) -> str:
-    """A libpq connection string for a SQLAlchemy URL of the psycopg dialect."""
+    """A libpq connection string of keywords for a SQLAlchemy URL of the psycopg dialect, read
+    as its engines read it, with the `client_bounds` it does not set: any character may stand
+    in its password (libpq refuses a raw space in a URL, and quotes it in the error)."""
     parsed = make_url(url) if isinstance(url, str) else url
-    return parsed.set(drivername="postgresql").render_as_string(hide_password=False)
+    _, params = parsed.get_dialect()().create_connect_args(parsed)
+    return psycopg.conninfo.make_conninfo("", **params, **client_bounds(parsed))
 
 
 def _pid(conn: psycopg.Connection[tuple[object, ...]]) -> int:
@@ -81,14 +84,9 @@ def _pid_after(conn: psycopg.Connection[tuple[object, ...]], statement: sql.Comp
 
 
 def _where(conninfo: str) -> str:
-    """host:port/dbname of a libpq URL, for log lines (never the password)."""
-    try:
-        url = make_url(conninfo)
-    except Exception:  # a description only; the URL was valid to connect
-        return "the database"
-    if url.host is None:  # a host list (a failover URL, docs/failures.md): hosts and ports
-        return f"{url.query.get('host')}:{url.query.get('port') or 5432}/{url.database}"
-    return f"{url.host}:{url.port or 5432}/{url.database}"
+    """host:port/dbname of a libpq connection string, for log lines (never the password)."""
+    params = psycopg.conninfo.conninfo_to_dict(conninfo)
+    return f"{params.get('host')}:{params.get('port') or 5432}/{params.get('dbname')}"
 
 
 class Waker:
@@ -135,13 +133,10 @@ class Waker:
         if self.listening is False and time.monotonic() < self._retry_at:
             return None
         try:
-            # Bounded as the engines are: a dead path is a lost LISTEN connection, not a silence.
-            bounded = psycopg.conninfo.make_conninfo(
-                self._conninfo, **client_bounds(self._conninfo)
-            )
-            conn = psycopg.connect(bounded, autocommit=True)
+            # Bounded as the engines are (`psycopg_conninfo`): a dead path is a lost LISTEN
+            # connection, not a silence.
+            conn = psycopg.connect(self._conninfo, autocommit=True)
         except psycopg.Error as exc:
-            # The error text of libpq names host and port, never the password.
             log.warning("cannot LISTEN on %s, polling instead: %s", self._channel, exc)
             return None
         if self._probe is not None and not self._pinned(conn):

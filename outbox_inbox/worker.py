@@ -322,6 +322,7 @@ class Worker:
         rows, self._next = self._next, []
         if not rows:
             with conn.begin():
+                roles.no_flush_wait(conn)  # a claim a server crash undoes is claimed again
                 rows = self._claim(conn)
         if not rows:
             return 0

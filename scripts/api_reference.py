@@ -2,16 +2,18 @@
 
     python scripts/api_reference.py [OUTPUT_DIR]    (default: build/api)
 
-Every module of the package whose dotted name has no part starting with ``_`` is public and gets
-a page. Every warning is an error. The optional extras (pyarrow, PySpark, numpy) need not be
-installed: an annotation naming one of their types is shown as written.
+The public API is what ``__all__`` says: the package and each of its modules that declares
+``__all__`` get a page, documenting the names listed there and nothing else; a module
+without ``__all__`` is internal and left out. Every warning is an error. The optional extras
+(pyarrow, PySpark, numpy) need not be installed: an annotation naming one of their types is
+shown as written.
 tests/unit/test_api_reference.py runs this in CI, with the extras made absent.
 """
 
 from __future__ import annotations
 
+import ast
 import os
-import pkgutil
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -67,13 +69,23 @@ runpy.run_module("pdoc", run_name="__main__", alter_sys=True)
 """
 
 
+def declares_all(path: Path) -> bool:
+    """Whether the module at `path` assigns ``__all__`` at its top level."""
+    tree = ast.parse(path.read_text(), str(path))
+    targets = [t for n in tree.body if isinstance(n, ast.Assign) for t in n.targets]
+    return any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets)
+
+
 def public_modules() -> list[str]:
-    """The package and every module under it with no ``_``-prefixed part, sorted."""
-    package = __import__(PACKAGE)
+    """The package and every module under it that declares ``__all__``, sorted."""
+    root = Path(__import__(PACKAGE).__file__).parent
     names = [PACKAGE]
-    for module in pkgutil.walk_packages(package.__path__, f"{PACKAGE}."):
-        if not any(part.startswith("_") for part in module.name.split(".")):
-            names.append(module.name)
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if len(parts) > 1 and declares_all(path):
+            names.append(".".join(parts))
     return sorted(names)
 
 

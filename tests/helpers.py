@@ -20,7 +20,6 @@ T = TypeVar("T")
 FAST: dict[str, Any] = {
     "relay_poll_interval": 0.2,
     "worker_poll_interval": 0.1,
-    "receive_batch_wait": 0.02,
     "reconnect_initial": 0.1,
     "reconnect_max": 1.0,
     "processes": 1,  # run() / run_worker() in the test's process, as start() does

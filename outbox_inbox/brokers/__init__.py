@@ -14,3 +14,6 @@ def broker_at(url: str, **options: float) -> Broker:
     from .rabbitmq import RabbitMQBroker
 
     return RabbitMQBroker(url, **options)
+
+
+__all__ = ["broker_at"]

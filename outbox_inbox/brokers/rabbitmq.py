@@ -8,7 +8,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pika
 import pika.data
@@ -25,14 +25,14 @@ from ..errors import (
     BrokerError,
     ConfigurationError,
     TopologyMismatch,
+    TopologyMissing,
 )
 from ..logsafe import mask_text, mask_url
 from ..messages import WireMessage
 from ..topology import Topology
-from .amqp_fields import decode_leniently, forward_properties, kept_properties
-
-if TYPE_CHECKING:
-    from .rabbitmq_admin import RabbitMQAdmin
+from .amqp_connection import CONNECTION_ERRORS, close_quietly, wire_message
+from .amqp_fields import decode_leniently, forward_properties
+from .rabbitmq_admin import RabbitMQAdmin
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,6 @@ for _name in (
     logging.getLogger(_name).addFilter(_ConnectFailuresAtDebug())
 logging.getLogger("pika.connection").addFilter(_FlowControlFramesAtDebug())
 
-#: Errors that mean the connection or channel is gone.
-CONNECTION_ERRORS: tuple[type[BaseException], ...] = (pika.exceptions.AMQPError, OSError)
 #: Errors of a login the broker refused (credentials, virtual host).
 _REFUSALS: tuple[type[BaseException], ...] = (
     pika.exceptions.ProbableAuthenticationError,
@@ -107,24 +105,6 @@ def _properties(message: WireMessage) -> BasicProperties:
         app_id=message.app_id,
         delivery_mode=pika.DeliveryMode.Persistent,
         headers=dict(message.headers),
-    )
-
-
-def wire_message(method: Basic.Deliver, props: BasicProperties, body: bytes) -> WireMessage:
-    """A delivery from pika as the library's WireMessage."""
-    return WireMessage(
-        exchange=method.exchange,
-        routing_key=method.routing_key,
-        body=body,
-        message_id=props.message_id or "",
-        type=props.type,
-        correlation_id=props.correlation_id,
-        content_type=props.content_type,
-        timestamp=props.timestamp,
-        priority=props.priority,
-        app_id=props.app_id,
-        headers=dict(props.headers or {}),
-        properties=kept_properties(props),
     )
 
 
@@ -244,26 +224,13 @@ class RabbitMQBroker:
 
     def operator(self) -> RabbitMQAdmin:
         """An operator session on one connection of its own (opened at first use)."""
-        from .rabbitmq_admin import RabbitMQAdmin
-
-        return RabbitMQAdmin(self)
+        return RabbitMQAdmin(self.connect, self.description)
 
     def queue_depth(self, queue: str) -> int | None:
         """Messages ready in `queue`, or None if it does not exist."""
-        connection = self.connect()
-        try:
-            channel = connection.channel()
-            try:
-                result = channel.queue_declare(queue, passive=True)
-            except pika.exceptions.ChannelClosedByBroker as exc:
-                if exc.reply_code == 404:
-                    return None
-                raise
-            return int(result.method.message_count)
-        except CONNECTION_ERRORS as exc:
-            raise BrokerError(f"cannot inspect queue {queue!r}: {exc!r}") from exc
-        finally:
-            close_quietly(connection)
+        with self.operator() as admin:
+            info = admin.queue_info(queue)
+        return None if info is None else info[0]
 
     def body_limit(self, size: int) -> int | None:
         """RabbitMQ's ``max_message_size`` if it refuses a body of `size` bytes, else None.
@@ -541,8 +508,12 @@ class PublishingBatch:
         self._unconfirmed.clear()
 
 
-#: How long each pump waits for the confirms in flight before a channel is replaced.
-_RENEW_WAIT = 0.002
+#: Longest wait of one pump for confirms: a confirm ends it at once (`_on_confirm`).
+_CONFIRM_WAIT = 0.05
+
+
+def _nothing() -> None:
+    pass
 
 
 class RabbitMQPublisher:
@@ -607,7 +578,7 @@ class RabbitMQPublisher:
         queue's own (full, with ``reject-publish``) is given on the new channel alike.
         """
         while self._batches and not self._broken:
-            self.pump(_RENEW_WAIT)
+            self.pump(_CONFIRM_WAIT)
         if self._broken:
             return
         self._nacked = False
@@ -646,6 +617,11 @@ class RabbitMQPublisher:
         self._confirms.append(
             (method.delivery_tag, bool(method.multiple), isinstance(method, Basic.Ack))
         )
+        if len(self._confirms) == 1:
+            # A confirm arrived: end the pump's wait now. The blocking connection returns
+            # early only for events of its own (a callback of the asynchronous channel is
+            # not one); a posted callback is.
+            self._connection.add_callback_threadsafe(_nothing)
 
     def _on_return(self, _channel: Any, _method: Any, props: BasicProperties, _body: bytes) -> None:
         if props.message_id:
@@ -656,7 +632,7 @@ class RabbitMQPublisher:
     ) -> list[PublishOutcome]:
         batch = self.start_batch(messages, window=window, timeout=timeout)
         while not batch.done:
-            self.pump(0.002)
+            self.pump(_CONFIRM_WAIT)
         return batch.results()
 
     def start_batch(
@@ -815,7 +791,9 @@ class RabbitMQConsumer:
     """Consumes one queue with a prefetch window; acknowledges from the owning thread.
 
     Deliveries are pushed by the broker (``basic.consume``) into a buffer that `fetch` drains;
-    at most `prefetch` are unacknowledged at a time.
+    at most `prefetch` are unacknowledged at a time. A consumer the broker cancels
+    (``basic.cancel``: its queue was deleted, or the queue's node failed) makes `fetch` raise
+    TopologyMissing naming the queue, as a queue that does not exist does.
     """
 
     def __init__(self, connection: pika.BlockingConnection, queue: str, *, prefetch: int) -> None:
@@ -824,9 +802,11 @@ class RabbitMQConsumer:
         self._forward_channel: BlockingChannel | None = None
         self._buffer: deque[Delivery] = deque()
         self._consumer_tag: str | None = None
+        self._cancelled = False
         try:
             self._channel = connection.channel()
             self._channel.basic_qos(prefetch_count=prefetch)
+            self._channel.add_on_cancel_callback(lambda _frame: setattr(self, "_cancelled", True))
         except CONNECTION_ERRORS as exc:
             close_quietly(connection)
             raise BrokerConnectionError(f"cannot consume {queue!r}: {exc!r}") from exc
@@ -842,13 +822,18 @@ class RabbitMQConsumer:
             )
         )
 
-    def _pump(self, until: float, enough: int) -> None:
-        """Process broker traffic until `enough` deliveries are buffered or `until` passes."""
-        while len(self._buffer) < enough:
+    def _pump(self, until: float) -> None:
+        """Process broker traffic until a first delivery is buffered or `until` passes, then
+        take in what has already arrived without waiting for more."""
+        while not self._buffer:
             remaining = until - time.monotonic()
             if remaining <= 0:
                 return
             self._connection.process_data_events(time_limit=min(remaining, 0.05))
+        buffered = -1
+        while len(self._buffer) != buffered:
+            buffered = len(self._buffer)
+            self._connection.process_data_events(time_limit=0)
 
     def fetch(self, max_count: int, wait: float) -> list[Delivery]:
         try:
@@ -856,17 +841,20 @@ class RabbitMQConsumer:
                 raise BrokerConnectionError(f"the channel consuming {self._queue!r} is closed")
             if self._consumer_tag is None:
                 self._consumer_tag = self._channel.basic_consume(self._queue, self._on_message)
-            # Up to `wait` for a first delivery, then up to `wait` more to fill the batch.
-            self._pump(time.monotonic() + wait, 1)
-            if self._buffer:
-                self._pump(time.monotonic() + wait, max_count)
+            self._pump(time.monotonic() + wait)
             if not self._channel.is_open:
                 # Closed by the broker meanwhile: buffered deliveries can no longer be acked.
                 self._buffer.clear()
                 raise BrokerConnectionError(f"the channel consuming {self._queue!r} was closed")
+            if self._cancelled:  # what it holds goes back to the queue, if the queue still is
+                self._buffer.clear()
+                raise TopologyMissing(
+                    f"RabbitMQ cancelled the consumer of queue {self._queue!r} (the queue was "
+                    "deleted, or its node failed)"
+                )
         except pika.exceptions.ChannelClosedByBroker as exc:
             if exc.reply_code == 404:
-                raise BrokerError(
+                raise TopologyMissing(
                     f"queue {self._queue!r} does not exist: declare the topology"
                 ) from exc
             raise BrokerConnectionError(f"consuming {self._queue!r} failed: {exc!r}") from exc
@@ -909,7 +897,7 @@ class RabbitMQConsumer:
             )
             self._channel.basic_ack(delivery_tag=delivery.tag, multiple=False)
         except pika.exceptions.UnroutableError as exc:
-            raise BrokerError(
+            raise TopologyMissing(
                 f"cannot forward to {exchange or '(default)'}/{routing_key}: no queue; "
                 "declare the topology"
             ) from exc
@@ -935,34 +923,6 @@ def _mismatch(what: str, exc: pika.exceptions.ChannelClosedByBroker) -> BrokerEr
     return BrokerError(f"declaring {what} failed: {exc.reply_text}")
 
 
-#: How long a close may wait for the broker's answer before the connection is abandoned.
-CLOSE_TIMEOUT = 2.0
-
-
-def close_quietly(connection: pika.BlockingConnection, timeout: float = CLOSE_TIMEOUT) -> None:
-    """Close `connection` if it is open, waiting `timeout` seconds at most; never raise.
-
-    A polite close waits for the broker's close-ok, which a blocked connection (memory alarm)
-    or a dead link (blackhole) never sends: pika would wait for its blocked or heartbeat
-    timeout. So the close runs in a thread of its own, which owns the connection from then on,
-    and the caller moves on after `timeout`; that thread ends when pika gives up.
-    """
-    if not connection.is_open:
-        return
-
-    def close() -> None:
-        try:
-            connection.close()
-        except Exception as exc:  # closing must not raise: the caller is already recovering
-            log.debug("closing a broken connection: %r", exc)
-
-    closer = threading.Thread(target=close, name="outbox-inbox-amqp-close", daemon=True)
-    closer.start()
-    closer.join(timeout)
-    if closer.is_alive():
-        log.debug("RabbitMQ did not answer the close within %.1f s; connection abandoned", timeout)
-
-
 class FlowControl:
     """The broker's flow control (``connection.blocked``) on the connections of one broker.
 
@@ -977,11 +937,6 @@ class FlowControl:
         self._since: dict[int, float] = {}
         self.blocked = 0  # how many times a connection was blocked
         self.reason: str | None = None  # the reason of the last blocking
-
-    @property
-    def blocked_now(self) -> int:
-        """Connections blocked at this moment."""
-        return len(self._since)
 
     def on_blocked(self, connection: Any, frame: Any) -> None:
         reason = getattr(getattr(frame, "method", None), "reason", None) or "no reason given"

@@ -19,8 +19,8 @@ from ..broker import DIFFERS, MISSING, PRESENT, Found, Operator, QueuedMessage
 from ..errors import BrokerConnectionError, BrokerError
 from ..messages import WireMessage
 from ..topology import Exchange, Queue
+from .amqp_connection import CONNECTION_ERRORS, close_quietly, wire_message
 from .amqp_fields import LenientProperties
-from .rabbitmq import CONNECTION_ERRORS, RabbitMQBroker, close_quietly, wire_message
 
 log = logging.getLogger(__name__)
 
@@ -37,20 +37,25 @@ def _broker_error(what: str, exc: BaseException) -> BrokerError:
 
 
 class RabbitMQAdmin(Operator):
-    """One connection to RabbitMQ for checks and operator actions. Close it (or use `with`)."""
+    """One connection to RabbitMQ for checks and operator actions. Close it (or use `with`).
 
-    def __init__(self, broker: RabbitMQBroker) -> None:
-        self._broker = broker
+    `connect` opens a new connection (raising BrokerConnectionError when it cannot);
+    `description` names the broker, password masked (`RabbitMQBroker.operator` passes both).
+    """
+
+    def __init__(self, connect: Callable[[], pika.BlockingConnection], description: str) -> None:
+        self._connect = connect
+        self._description = description
         self._connection: pika.BlockingConnection | None = None
 
     @property
     def description(self) -> str:
-        return self._broker.description
+        return self._description
 
     def _channel(self) -> BlockingChannel:
         """A new channel: the broker closes a channel on every refused operation."""
         if self._connection is None or not self._connection.is_open:
-            self._connection = self._broker.connect()
+            self._connection = self._connect()
         try:
             return self._connection.channel()
         except CONNECTION_ERRORS as exc:
@@ -72,7 +77,7 @@ class RabbitMQAdmin(Operator):
         ``connection.blocked`` (its reason); with neither within `timeout` seconds, None.
         Raises BrokerConnectionError if the broker cannot be reached.
         """
-        connection = self._broker.connect()
+        connection = self._connect()
         blocked: list[str] = []
         returned: list[bool] = []
         connection.add_on_connection_blocked_callback(

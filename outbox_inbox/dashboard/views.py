@@ -42,6 +42,7 @@ pre { background: #fff; border: 1px solid #d0d7de; padding: 8px; white-space: pr
           font: inherit; text-decoration: none; cursor: pointer; margin-right: 8px; }
 .replay { background: #0969da; }
 .purge { background: #cf222e; }
+.park { background: #9a6700; }
 .cancel { background: #6e7781; }
 form.filters label { margin-right: 10px; }
 form.filters input, form.filters select { font: inherit; }
@@ -346,7 +347,7 @@ def letters_table(name: str, letters: list[DeadLetter]) -> Safe:
                     d.message_id or "(no message id)",
                 ),
                 d.type,
-                d.reason or "",
+                d.reason_shown,
                 format_age(d.age_seconds),
                 "" if d.attempts is None else d.attempts,
                 error_summary(mask_url(d.error) if d.error else None) or "",

@@ -1,5 +1,5 @@
 """The statements of the operators' tools: dead letters (list, count, group, replay, park,
-purge), status and metrics.
+purge), status and metrics, and a role's privileges.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.sql.elements import ColumnElement
 
-from ..clock import db_now
+from ..clock import db_age, db_now, db_now_plus
 from ..tables import DEAD, PARKED, PENDING, PROCESSED, Tables, outbox_unsent
 from .roles import claimable, is_postgres
 
@@ -33,11 +33,6 @@ from .roles import claimable, is_postgres
 def database_now(conn: Connection) -> Any:
     """The database clock: leases and delays are judged by it, never by the host's."""
     return conn.execute(select(db_now())).scalar_one()
-
-
-def _age_seconds(column: Any) -> Any:
-    """Seconds between `column` and the database clock, as a float SQL expression."""
-    return func.extract("epoch", func.now() - column)
 
 
 def dead_since(t: Any) -> Any:
@@ -79,7 +74,7 @@ def dead_outbox_rows(
     """Dead outbox rows matching every given filter, in id order, streamed; each row carries
     ``age_seconds``."""
     o = tables.outbox
-    stmt = select(o, _age_seconds(o.c.dead_at).label("age_seconds"))
+    stmt = select(o, db_age(o.c.dead_at).label("age_seconds"))
     yield from _stream(conn, o, stmt, filters)
 
 
@@ -90,7 +85,7 @@ def dead_inbox_rows(
     ``dead_at`` (when it died) and ``age_seconds``."""
     i = tables.inbox
     dead_at = dead_since(i)
-    stmt = select(i, dead_at.label("dead_at"), _age_seconds(dead_at).label("age_seconds"))
+    stmt = select(i, dead_at.label("dead_at"), db_age(dead_at).label("age_seconds"))
     yield from _stream(conn, i, stmt, filters)
 
 
@@ -115,7 +110,7 @@ def _dead_where(t: Any, filters: DeadFilters) -> list[ColumnElement[bool]]:
     if routing_keys := filters.get("routing_keys"):
         where.append(t.c.routing_key.in_(list(routing_keys)))
     if (older_than := filters.get("older_than")) is not None:
-        where.append(dead_since(t) <= func.now() - older_than)
+        where.append(dead_since(t) <= db_now_plus(-older_than))
     if (reason := filters.get("reason")) is not None:
         where.append(t.c.dead_reason == reason)
     if (error := filters.get("error")) is not None:
@@ -140,7 +135,7 @@ def _dead_or_parked(t: Any, parked: bool) -> ColumnElement[bool]:
 
 def _replayed(t: Any) -> dict[str, Any]:
     """What a replay records on a row: one more replay, and when."""
-    return {"replays": t.c.replays + 1, "replayed_at": func.now()}
+    return {"replays": t.c.replays + 1, "replayed_at": db_now()}
 
 
 def _change_dead(
@@ -172,7 +167,7 @@ def replay_dead_outbox(
         dead_reason=None,
         parked_at=None,
         attempts=0,
-        available_at=func.now(),
+        available_at=db_now(),
         **_replayed(o),
     )
 
@@ -194,7 +189,7 @@ def replay_dead_inbox(
         ids,
         parked,
         status=PENDING,
-        next_attempt_at=func.now(),
+        next_attempt_at=db_now(),
         attempts=0,
         finished=0,
         dead_reason=None,
@@ -231,7 +226,7 @@ def _delete_dead(conn: Connection, t: Table, ids: Sequence[int], parked: bool) -
 
 def park_dead_outbox(conn: Connection, tables: Tables, ids: Sequence[int]) -> list[int]:
     """Set the outbox rows of `ids` that are still dead aside as parked; return their ids."""
-    return _change_dead(conn, tables.outbox, ids, False, parked_at=func.now())
+    return _change_dead(conn, tables.outbox, ids, False, parked_at=db_now())
 
 
 def park_dead_inbox(conn: Connection, tables: Tables, ids: Sequence[int]) -> list[int]:
@@ -242,8 +237,8 @@ def park_dead_inbox(conn: Connection, tables: Tables, ids: Sequence[int]) -> lis
 def dead_groups(conn: Connection, tables: Tables, *, parked: bool = False) -> list[RowMapping]:
     """The dead (`parked`: parked) rows of the inbox and the outbox grouped by fingerprint,
     largest group first: each with ``fingerprint``, ``count``, ``types``, ``sources``
-    ("table", "outbox"), ``first_seen`` and ``last_seen`` (when they died) and ``replayed``
-    (how many died again after a replay).
+    ("table", "outbox"), ``first_seen`` and ``last_seen`` (when they died; a row replayed since
+    counts from its arrival) and ``replayed`` (how many died again after a replay).
 
     Each table is first grouped by fingerprint and type (a hash aggregate, no sort, over the
     partial index of its dead rows by fingerprint on PostgreSQL); the few rows that gives are
@@ -252,13 +247,16 @@ def dead_groups(conn: Connection, tables: Tables, *, parked: bool = False) -> li
     parts = []
     for t, source in ((i, "table"), (o, "outbox")):
         dead_at = dead_since(t)
+        # A row replayed and dead again counts from its arrival: a replay moves no first_seen.
+        arrived = t.c.received_at if "status" in t.c else t.c.created_at
+        first = case((t.c.replays > 0, arrived), else_=dead_at)
         parts.append(
             select(
                 t.c.fingerprint,
                 t.c.routing_key,
                 literal(source).label("source"),
                 func.count().label("count"),
-                func.min(dead_at).label("first_seen"),
+                func.min(first).label("first_seen"),
                 func.max(dead_at).label("last_seen"),
                 func.count().filter(t.c.replays > 0).label("replayed"),
             )
@@ -305,7 +303,7 @@ def outbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
         select(
             func.count().label("unpublished"),
             func.count().filter(o.c.attempts > 0).label("retrying"),
-            func.max(_age_seconds(o.c.created_at)).label("oldest_age_seconds"),
+            func.max(db_age(o.c.created_at)).label("oldest_age_seconds"),
         ).where(unsent)
     ).one()
     dead = conn.execute(select(func.count()).where(_dead_or_parked(o, False))).scalar_one()
@@ -335,7 +333,7 @@ def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
     ready = conn.execute(
         select(
             func.count().label("claimable"),
-            func.max(_age_seconds(claimable_since)).label("oldest"),
+            func.max(db_age(claimable_since)).label("oldest"),
         ).where(claimable(i, liveness=False))
     ).one()
     # Each statement reads the partial indexes of its rows, never every finished row: the
@@ -345,14 +343,14 @@ def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
     # narrow index.
     handled = [
         conn.execute(
-            select(_age_seconds(func.max(i.c.processed_at))).where(i.c.status == state)
+            select(db_age(func.max(i.c.processed_at))).where(i.c.status == state)
         ).scalar_one()
         for state in (PROCESSED, DEAD)
     ]
     last_handled = min((age for age in handled if age is not None), default=None)
-    leased = and_(i.c.status == PENDING, i.c.locked_until > func.now())
+    leased = and_(i.c.status == PENDING, i.c.locked_until > db_now())
     waiting = and_(
-        i.c.status == PENDING, or_(i.c.locked_until.is_(None), i.c.locked_until <= func.now())
+        i.c.status == PENDING, or_(i.c.locked_until.is_(None), i.c.locked_until <= db_now())
     )
     unfinished = or_(i.c.status == PENDING, i.c.status == DEAD)
     counts = (
@@ -363,7 +361,7 @@ def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
     totals = conn.execute(
         select(
             *counts,
-            func.max(_age_seconds(i.c.received_at))
+            func.max(db_age(i.c.received_at))
             .filter(i.c.status == PENDING)
             .label("oldest_pending_age_seconds"),
         ).where(unfinished)
@@ -442,3 +440,10 @@ def subscriptions_of(conn: Connection, tables: Tables) -> list[RowMapping]:
     """Every recorded subscription: service, exchange, pattern, subscribed_at."""
     s = tables.subscriptions
     return list(conn.execute(select(s).order_by(s.c.service, s.c.exchange, s.c.pattern)).mappings())
+
+
+def privileges_held(conn: Connection, role: str, wanted: list[tuple[str, str]]) -> list[bool]:
+    """Whether `role` holds each (a schema or a qualified table name, privilege) of `wanted`,
+    directly or through a role it belongs to (PostgreSQL's ``has_*_privilege``)."""
+    has = {True: func.has_table_privilege, False: func.has_schema_privilege}
+    return list(conn.execute(select(*[has["." in n](role, n, p) for n, p in wanted])).one())

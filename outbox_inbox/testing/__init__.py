@@ -28,9 +28,9 @@ With pytest, the package registers these fixtures (entry point ``pytest11``; dis
 
 The switch to real servers: with ``OUTBOX_INBOX_HARNESS_DB_URL`` (a PostgreSQL URL whose user
 may create databases) and ``OUTBOX_INBOX_HARNESS_MQ_URL`` (RabbitMQ) set, the same tests run
-on a fresh PostgreSQL database per harness and on RabbitMQ; each harness empties its service's
-queues when it is built, so tests sharing a virtual host do not see each other's messages, and
-deletes them when it is closed (after the test), so that nothing is left on the broker.
+on a fresh PostgreSQL database per harness and on RabbitMQ, on a virtual host of the test's
+own where the management API can make one; a harness never touches a running service's queues
+(`ServiceHarness._claim`) and deletes those it declared when it is closed (after the test).
 The broker contract of `outbox_inbox.testing.broker_contract` tests a broker itself.
 
 Everything here is for tests: a harness is not thread-safe (use it from one thread), and the
@@ -152,13 +152,14 @@ class ServiceHarness:
     before or after the harness is built (the topology is declared again at each `deliver`
     and `run_until_idle`).
 
-    Raises ConfigurationError unless the service was built with ``broker=`` a `MemoryBroker`
-    of its own: a harness never touches a real RabbitMQ, and refuses the process's shared
-    in-memory broker (``mq_url=None``), which would carry messages from one test to the next.
+    Raises ConfigurationError for the process's shared in-memory broker (``mq_url=None``),
+    which would carry messages from one test to the next; and on RabbitMQ, when the service's
+    inbox queue has a consumer or one of its queues holds messages (a running service's:
+    see `_claim`). It never purges a queue.
 
     Not thread-safe; the service must not be started. `close()` (or leaving the ``with``
-    block) stops consuming, and on a real broker deletes the service's queues; the service and
-    the broker stay open, they belong to the caller.
+    block) stops consuming, and on a real broker deletes the queues the harness declared;
+    the service and the broker stay open, they belong to the caller.
     """
 
     def __init__(self, service: Service, *, migrate: bool = True) -> None:
@@ -174,6 +175,8 @@ class ServiceHarness:
         #: On a real broker messages take a moment to travel: receiving waits a little, and
         #: idle also means the inbox queue is empty.
         self.real = not isinstance(broker, MemoryBroker)
+        #: The queues this harness declared (they did not exist): the only ones it deletes.
+        self._owned = self._claim() if self.real else []
         if migrate:
             service.migrate()
         service.declare_topology()
@@ -181,22 +184,26 @@ class ServiceHarness:
         self._receiver = service.receiver()
         self._worker = service.worker(name=f"harness-{service.name}-{uuid.uuid4().hex[:6]}")
         self._consumer: Consumer | None = None
-        self._delay_queues = [delay_queue(service.name, t) for t in service.settings.delay_tiers]
         self._closed = False
-        if self.real:
-            self._purge_queues()
 
-    def _purge_queues(self, *, delete: bool = False) -> None:
-        """Empty the service's queues on a real broker (or `delete` them): a test starts from
-        nothing, whatever an earlier test on the same virtual host left behind, and leaves
-        nothing behind."""
+    def _claim(self) -> list[str]:
+        """The service's queues on a real broker that do not exist yet. Raises
+        ConfigurationError (one line) when its inbox queue has a consumer (a running service
+        would take the test's messages) or one of them holds messages the test did not send."""
         name = self.service.name
+        queues = [inbox_queue(name), dead_letter_queue(name)]
+        queues += [delay_queue(name, t) for t in self.service.settings.delay_tiers]
         with self.broker.operator() as admin:
-            for queue in (inbox_queue(name), dead_letter_queue(name), *self._delay_queues):
-                if delete:
-                    admin.delete_queue(queue)
-                else:
-                    admin.purge_queue(queue)
+            found = {queue: admin.queue_info(queue) for queue in queues}
+        consumers = (found[queues[0]] or (0, 0))[1]
+        held = [f"{q} ({info[0]})" for q, info in found.items() if info and info[0]]
+        if consumers or held:
+            why = f"{queues[0]} has a consumer" if consumers else f"{', '.join(held)} hold messages"
+            raise ConfigurationError(
+                f"{why} on {self.broker.description}: a running service {name} would share the"
+                " test's messages; give the test a virtual host of its own (docs/testing.md)"
+            )
+        return [queue for queue, info in found.items() if info is None]
 
     def __repr__(self) -> str:
         return f"<ServiceHarness {self.service.name} on {self.broker.description}>"
@@ -210,14 +217,16 @@ class ServiceHarness:
     def close(self) -> None:
         """Stop consuming the inbox queue. On a real broker, delete the queues the harness
         declared for the service (inbox, dead letters, delay tiers, with what is left in
-        them), so that a test leaves nothing on the broker; the exchanges, shared by every
-        service, stay. Idempotent."""
+        them: those that did not exist before it), so that a test leaves nothing on the
+        broker; the exchanges, shared by every service, stay. Idempotent."""
         if self._consumer is not None:
             self._consumer.close()
             self._consumer = None
         if self.real and not self._closed:
             self._closed = True
-            self._purge_queues(delete=True)
+            with self.broker.operator() as admin:
+                for queue in self._owned:
+                    admin.delete_queue(queue)
 
     # --- input ----------------------------------------------------------------------------
 
@@ -419,7 +428,8 @@ class ServiceHarness:
     def waiting_in_broker(self) -> int:
         """Messages in this service's delay tier queues: the receiver's own retries, which
         return to the inbox queue when their tier's time is up."""
-        return sum(self.broker.queue_depth(q) or 0 for q in self._delay_queues)
+        tiers = self.service.settings.delay_tiers
+        return sum(self.broker.queue_depth(delay_queue(self.service.name, t)) or 0 for t in tiers)
 
     def run_until_idle(self, *, timeout: float = DEFAULT_TIMEOUT, skip_delays: bool = True) -> int:
         """Run steps until nothing is due; return the handling attempts made.
@@ -561,17 +571,33 @@ ServiceOrBuilder = Service | Callable[..., Service]
 if TYPE_CHECKING or importlib.util.find_spec("pytest") is not None:
     import pytest
 
-
     @pytest.fixture
     def outbox_inbox_broker() -> Iterator[Broker]:
         """The broker of this test: a `MemoryBroker` of its own, closed after it; or, with
-        ``OUTBOX_INBOX_HARNESS_MQ_URL`` set, RabbitMQ at that URL (each harness empties its
-        service's queues when it is built)."""
+        ``OUTBOX_INBOX_HARNESS_MQ_URL`` set, RabbitMQ at that URL on a virtual host of the
+        test's own (``oi_test_<random>``, made and deleted through the management API:
+        ``OUTBOX_INBOX_MANAGEMENT_URL``, else port 15672 of the URL's host with its user, an
+        administrator). When none can be made, the URL's virtual host, where a harness refuses
+        a service whose queues are in use (`ServiceHarness`)."""
         url = os.environ.get(HARNESS_MQ_URL_ENV)
         if url:
-            from ..brokers.rabbitmq import RabbitMQBroker
+            from urllib.parse import quote, unquote, urlsplit
 
-            yield RabbitMQBroker(url)
+            from ..brokers.rabbitmq import RabbitMQBroker
+            from ..management import ManagementAPI, ManagementUnavailable, default_management_url
+
+            vhost = f"oi_test_{uuid.uuid4().hex[:12]}"
+            api_url = os.environ.get("OUTBOX_INBOX_MANAGEMENT_URL") or default_management_url(url)
+            api = ManagementAPI(api_url, vhost)
+            try:
+                api.add_vhost(unquote(urlsplit(url).username or "guest"))
+            except ManagementUnavailable:
+                yield RabbitMQBroker(url)
+                return
+            try:
+                yield RabbitMQBroker(urlsplit(url)._replace(path="/" + quote(vhost)).geturl())
+            finally:
+                api.delete_vhost()
             return
         broker = MemoryBroker(name="test")
         try:

@@ -394,16 +394,27 @@ class BrokerContract:
         broker.declare(service_topology(svc, []))
         assert publish(broker, [command(svc, n) for n in range(5)]) == [CONFIRMED] * 5
         consumer = opened(broker.consumer(inbox_queue(svc), prefetch=2))
-        first = consumer.fetch(10, 0.3)
+        first = take(consumer, 2)
         assert [d.tag for d in first] == [1, 2]
         assert numbers(first) == [0, 1]
         assert not any(d.redelivered for d in first)
         assert broker.queue_depth(inbox_queue(svc)) == 3  # unacknowledged deliveries are not ready
         assert consumer.fetch(10, 0.2) == []  # the window is full
         consumer.ack_through(2)
-        second = consumer.fetch(10, 0.3)
+        second = take(consumer, 2)
         assert [d.tag for d in second] == [3, 4]
         assert numbers(second) == [2, 3]
+
+    def test_fetch_returns_what_has_arrived_without_waiting_for_a_batch_to_fill(
+        self, broker: Broker, opened: Callable[[Any], Any], svc: str
+    ) -> None:
+        broker.declare(service_topology(svc, []))
+        consumer = opened(broker.consumer(inbox_queue(svc), prefetch=10))
+        assert publish(broker, [command(svc, 0)]) == [CONFIRMED]
+        # A batch window would hold this fetch for up to `wait` (a minute) waiting for 9 more.
+        started = time.monotonic()
+        assert numbers(consumer.fetch(10, 60.0)) == [0]
+        assert time.monotonic() - started < 30
 
     def test_fetch_on_an_empty_queue_returns_nothing_after_wait(
         self, broker: Broker, opened: Callable[[Any], Any], svc: str
@@ -847,3 +858,6 @@ class BrokerContract:
                 lambda: all(operator.queue_info(q) is None for q in queues),
                 what=f"{queues} deleted",
             )
+
+
+__all__ = ["BrokerContract"]

@@ -15,7 +15,9 @@ and every found effect into:
   effect of a rolled-back transaction, or of nothing at all.
 
 A transaction whose commit raised and whose effects are not found was not committed; that is
-allowed (``unknown``). The run is valid when nothing is lost, duplicated or unexpected. Each
+allowed (``unknown``). The run is valid when nothing is lost, duplicated or unexpected, and it
+is not **refused**: every fault overlapped the load (a transaction recorded before the fault
+ended, and one committed after), else the fault disturbed nothing and proves nothing. Each
 fault also carries its recovery time: from its end until every effect committed by then was
 found (`Fault.recovered_s`).
 
@@ -109,6 +111,16 @@ class History:
     def end_fault(fault: Fault) -> None:
         fault.over = time.monotonic()
 
+    def overlapped(self, fault: Fault) -> bool:
+        """True when the load ran across `fault`: a transaction was recorded before its end
+        and one committed after it."""
+        if fault.over is None:
+            return False
+        with self._lock:
+            before = any(at <= fault.over for e in self._effects.values() for at, _ in e)
+            after = any(at > fault.over for at, _ in self._effects[OK])
+        return before and after
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -122,11 +134,13 @@ class Verdict:
     unexpected: frozenset[Hashable]
     unknown: int  # effects of transactions whose outcome was unknown, not found: not committed
     faults: tuple[Fault, ...] = field(default=())
+    #: Why the run proves nothing, whatever it found (a fault outside the load, ...).
+    refused: tuple[str, ...] = ()
 
     @property
     def valid(self) -> bool:
-        """Nothing lost, nothing duplicated, nothing unexpected."""
-        return not (self.lost or self.duplicated or self.unexpected)
+        """Not refused, and nothing lost, nothing duplicated, nothing unexpected."""
+        return not (self.refused or self.lost or self.duplicated or self.unexpected)
 
     def report(self) -> str:
         """A few lines for a log or a test failure: the counts, examples, the recoveries."""
@@ -138,6 +152,7 @@ class Verdict:
         tx = ", ".join(f"{n} {outcome}" for outcome, n in self.transactions.items())
         lines = [
             f"{'valid' if self.valid else 'INVALID'}: transactions {tx}",
+            *(f"REFUSED: {reason}" for reason in self.refused),
             f"committed {self.committed}",
             f"lost {len(self.lost)}{sample(self.lost)}",
             f"duplicated {len(self.duplicated)}{sample(self.duplicated)}",
@@ -165,4 +180,10 @@ def check(history: History, effects: Iterable[Hashable]) -> Verdict:
         unexpected=frozenset(found.keys() - committed - maybe),
         unknown=len(maybe - found.keys()),
         faults=tuple(history.faults),
+        refused=tuple(
+            f"fault {f.name} did not overlap the load (nothing written before its end, or"
+            " nothing committed after it): inject it inside `with kit.load(...)`"
+            for f in history.faults
+            if not history.overlapped(f)
+        ),
     )

@@ -333,6 +333,7 @@ class FaultKit:
         self._effects: tuple[str, ReadEffects] | None = None
         self._loads: list[Load] = []
         self._small_disk: SmallDisk | None = None
+        self._killed_after_handler = False
         self._resources = contextlib.ExitStack()
         self._suffix = secrets.token_hex(4)
         self.vhost = f"kit_{self._suffix}"
@@ -438,6 +439,7 @@ class FaultKit:
             )
         process.restarts += 1
         process.start()
+        self._killed_after_handler |= process.role == "worker" and at == "worker.handled"
 
     def _postgres_restart(self, seconds: float = 2.0) -> None:
         try:
@@ -590,7 +592,9 @@ class FaultKit:
 
     def check(self) -> Verdict:
         """Wait until nothing more comes (every committed effect found, or `recovery_limit`),
-        then check the history against the effects found."""
+        then check the history against the effects found. The verdict is refused (invalid,
+        `Verdict.refused` says why) when a fault did not overlap the load, or when a worker
+        ran and was never killed at ``worker.handled``."""
         with contextlib.suppress(AssertionError):
             wait_until(
                 lambda: self.history.expected(OK) <= set(self.found()),
@@ -598,7 +602,12 @@ class FaultKit:
                 what="every committed effect",
             )
         time.sleep(1.0)  # a second effect of anything would show by now
-        return check(self.history, self.found())
+        verdict = check(self.history, self.found())
+        if any(r.role == "worker" for r in self.roles) and not self._killed_after_handler:
+            unkilled = "no worker was killed after a handler ran (kill at worker.handled): a"
+            unkilled += " handler writing its effect outside its session passes every other fault"
+            verdict = replace(verdict, refused=(*verdict.refused, unkilled))
+        return verdict
 
 
 def _hashable(value: Any) -> Hashable:
@@ -662,3 +671,6 @@ if importlib.util.find_spec("pytest") is not None:
 
 if __name__ == "__main__":
     main()
+
+
+__all__ = ["FaultKit"]

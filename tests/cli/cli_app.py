@@ -27,7 +27,6 @@ MQ_ENV = "CLI_TEST_MQ_URL"
 FAST: dict[str, Any] = {
     "relay_poll_interval": 0.2,
     "worker_poll_interval": 0.1,
-    "receive_batch_wait": 0.02,
     "reconnect_initial": 0.1,
     "reconnect_max": 1.0,
 }

@@ -243,6 +243,19 @@ def test_an_app_that_fails_at_import_is_one_line_with_its_file_and_line_and_v_tr
         assert err.strip().splitlines()[-1].startswith("error: --app broken_app:service")
 
 
+def test_an_app_that_fails_inside_the_standard_library_is_pointed_at_its_own_line(
+    tmp_path: Path,
+) -> None:
+    # os.environ[...] raises its KeyError in <frozen os>: the line to fix is the app's.
+    (tmp_path / "env_app.py").write_text('import os\n\nport = os.environ["NO_SUCH_SETTING"]\n')
+    ((code, out, err),) = _run_all([["status", "--app", "env_app:service"]], tmp_path)
+    assert code == 1 and out == "", err
+    assert err.strip() == (
+        "error: --app env_app:service: importing 'env_app' raised KeyError: 'NO_SUCH_SETTING' "
+        f"(at {tmp_path / 'env_app.py'}:3)"
+    )
+
+
 def test_an_app_function_that_returns_no_service_is_called_once_and_named(
     tmp_path: Path,
 ) -> None:
@@ -279,7 +292,7 @@ def test_db_upgrade_current_history_downgrade(cli: Cli, db_url: str) -> None:
     current = cli("db", "current", "--db-url", db_url, "--schema", "ops", "--json")
     assert current.returncode == 0, current
     assert '"up_to_date": true' in current.stdout
-    assert "0007 (head)" in cli("db", "current", "--db-url", db_url, "--schema", "ops").stdout
+    assert "0008 (head)" in cli("db", "current", "--db-url", db_url, "--schema", "ops").stdout
 
     checked = cli("db", "check", "--db-url", db_url, "--schema", "ops")
     assert checked.returncode == 0, checked

@@ -286,9 +286,33 @@ def test_on_sqlite_there_are_no_partitions_and_both_commands_exit_0(
     service = Service("orders", db_url=url)
     service.migrate()
     service.close()
+    # Both take what docs/runbook.md says both take: --service and the two retentions.
+    both = ("--service", "orders", "--retention", "7d", "--dead-retention", "30d")
     for command in ("list", "maintain"):
-        result = cli("partitions", command, "--db-url", url)
+        result = cli("partitions", command, "--db-url", url, *both)
         assert result.returncode == 0, result
         assert result.stdout.strip() == "no partitions: the outbox and the inbox are plain tables"
     listed = cli("partitions", "list", "--db-url", url, "--json")
     assert json.loads(listed.stdout)["partitions"] == []
+
+
+def test_archive_refuses_an_older_than_under_the_duplicate_window_and_moves_nothing(
+    cli: Cli, tmp_path: Path
+) -> None:
+    url = f"sqlite:///{tmp_path / 'orders.db'}"
+    service = Service("orders", db_url=url)
+    service.migrate()
+    seed_inbox(service.engine, service.tables, 3, age=timedelta(days=1))
+    count = select(func.count()).select_from(service.tables.inbox)
+    base = ("archive", "--db-url", url, "--service", "orders", "--to", str(tmp_path / "a"))
+    refused = cli(*base, "--older-than", "1m")
+    assert refused.returncode == 1, refused
+    assert "retention 1m is shorter than the inbox's duplicate window" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    with service.engine.connect() as conn:
+        assert conn.execute(count).scalar_one() == 3
+    taken = cli(*base, "--older-than", "2h")
+    assert taken.returncode == 0, taken
+    with service.engine.connect() as conn:
+        assert conn.execute(count).scalar_one() == 0
+    service.close()

@@ -12,17 +12,19 @@ from typing import Any
 
 import pytest
 
+from outbox_inbox.brokers import rabbitmq
 from outbox_inbox.brokers.rabbitmq import RabbitMQBroker
 from outbox_inbox.errors import TopologyMismatch
 from outbox_inbox.testing.broker_contract import (
     CONFIRMED,
+    command,
     depth_becomes,
     numbers,
     publish,
     take,
     wire,
 )
-from outbox_inbox.topology import Queue, Topology
+from outbox_inbox.topology import Queue, Topology, service_topology
 
 
 @pytest.fixture
@@ -141,3 +143,19 @@ def test_invalid_queue_arguments_are_refused_as_a_topology_mismatch(
     with pytest.raises(TopologyMismatch):  # a quorum queue must be durable
         broker.declare(Topology((), (Queue(queue, False, {"x-queue-type": "quorum"}),), ()))
     assert broker.queue_depth(queue) is None
+
+
+def test_a_confirm_ends_the_publishers_wait_at_once(
+    broker: RabbitMQBroker,
+    opened: Callable[[Any], Any],
+    svc: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    broker.declare(service_topology(svc, []))
+    # Each pump waiting its whole time for a confirm would take a minute per batch.
+    monkeypatch.setattr(rabbitmq, "_CONFIRM_WAIT", 60.0)
+    publisher = opened(broker.publisher())
+    started = time.monotonic()
+    for n in range(3):
+        assert publisher.publish_batch([command(svc, n)], window=10, timeout=90) == [CONFIRMED]
+    assert time.monotonic() - started < 30

@@ -10,11 +10,12 @@ from typing import Any
 
 import pytest
 
-from outbox_inbox.dashboard import Guard, check_bind
+from outbox_inbox.dashboard import Guard, check_bind, views
 from outbox_inbox.dashboard.charts import BOTTOM, SPAN, charts
 from outbox_inbox.dashboard.markup import html
 from outbox_inbox.dashboard.rates import RateTracker, Sample
 from outbox_inbox.dashboard.views import trace_id
+from outbox_inbox.dead_letters import DeadLetter
 from outbox_inbox.errors import ConfigurationError
 from outbox_inbox.svgchart import PLOT_LEFT, PLOT_RIGHT, PLOT_TOP
 
@@ -174,3 +175,21 @@ def test_basic_auth_takes_the_token_as_password_and_names_the_user() -> None:
     assert guard.user({"HTTP_AUTHORIZATION": "Basic !!!"}) is None
     assert guard.user({}) is None
     assert Guard().user({}) == "local"
+
+
+def test_every_action_button_has_a_colour_and_a_replayed_letter_says_so() -> None:
+    # A button of class "button <action>" without a rule for <action> is white on white.
+    for action in views._WHAT:
+        assert f".{action} {{ background: #" in views.STYLESHEET, action
+    letter = DeadLetter(
+        source="table",
+        ref="1",
+        message_id="m-1",
+        type="billing.invoice.create",
+        reason="rejected",
+        error=None,
+        dead_at=None,
+        age_seconds=5.0,
+        replays=1,
+    )
+    assert "rejected (after 1 replay)" in views.letters_table("billing", [letter])

@@ -18,7 +18,6 @@ from sqlalchemy import func, text
 from helpers import wait_until
 from outbox_inbox import Service
 from outbox_inbox.brokers.rabbitmq import RabbitMQBroker
-from outbox_inbox.brokers.rabbitmq_admin import RabbitMQAdmin
 from outbox_inbox.cli.main import main
 from outbox_inbox.dashboard import Dashboard, WatchedService
 from outbox_inbox.status import collect_status, problems
@@ -39,6 +38,7 @@ def three(db_url: str, mq_url: str) -> Iterator[list[Service]]:
     try:
         for service in services:
             cli_app.prepare(service)
+            service.declare_topology()  # a missing inbox queue is unhealthy
         yield services
     finally:
         for service in services:
@@ -89,7 +89,7 @@ def test_status_of_three_services_takes_well_under_the_old_second_each(
 def test_flow_control_still_sees_a_memory_alarm_and_answers_at_once_without_one(
     local_rabbitmq_server: RabbitMQServer, mq_url: str
 ) -> None:
-    with RabbitMQAdmin(RabbitMQBroker(mq_url)) as admin:
+    with RabbitMQBroker(mq_url).operator() as admin:
         started = time.monotonic()
         assert admin.flow_control(timeout=5.0) is None
         assert time.monotonic() - started < 1.0  # the broker's answer, not the timeout

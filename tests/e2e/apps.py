@@ -71,7 +71,6 @@ FAST_SETTINGS: dict[str, Any] = {
     "reconnect_max": 2.0,
     "relay_retry_initial": 0.2,
     "relay_retry_max": 2.0,
-    "receive_batch_wait": 0.02,
     # One process per role, as the tests start them (tests/e2e/test_worker_processes.py
     # runs the supervised worker processes).
     "processes": 1,

@@ -24,7 +24,6 @@ SETTINGS: dict[str, Any] = {
     "abandon_after": 2,
     "worker_batch_size": 10,
     "worker_poll_interval": 0.1,
-    "receive_batch_wait": 0.02,
     "max_redeliveries": 2,
     "reconnect_initial": 0.1,
     "processes": 1,  # the test kills and restarts this one process itself

@@ -24,7 +24,6 @@ CODES = ("old", "new")
 SETTINGS: dict[str, Any] = {
     "worker_poll_interval": 0.2,
     "relay_poll_interval": 0.2,
-    "receive_batch_wait": 0.02,
     "reconnect_initial": 0.2,
     "processes": 1,
 }

@@ -11,7 +11,7 @@ import pytest
 
 from helpers import make_service, wait_until
 from outbox_inbox import BrokerAccessRefused, Message
-from outbox_inbox.brokers.rabbitmq import close_quietly
+from outbox_inbox.brokers.amqp_connection import close_quietly
 from outbox_inbox.testing.injection import blackhole
 from servers import RabbitMQServer
 

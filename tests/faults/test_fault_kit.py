@@ -41,8 +41,16 @@ ROOT = Path(__file__).resolve().parents[2]
 Faults = list[tuple[str, dict[str, Any]]]
 
 
-def _run(kit: FaultKit, *, app: str, producer: kit_apps.Produce, faults: Faults) -> None:
-    """The jobs service of kit_apps (`app`) fed by a producer under `faults`, in order."""
+def _run(
+    kit: FaultKit,
+    *,
+    app: str,
+    producer: kit_apps.Produce,
+    faults: Faults,
+    after: Faults | None = None,
+) -> None:
+    """The jobs service of kit_apps (`app`) fed by a producer under `faults`, in order, and
+    `after` the load."""
     jobs_url, producer_url = kit.database("jobs"), kit.database("producer")
     service = kit_apps.prepare(jobs_url, kit.mq_url)
     producers = Service("producer", db_url=producer_url, mq_url=kit.mq_url)
@@ -56,6 +64,8 @@ def _run(kit: FaultKit, *, app: str, producer: kit_apps.Produce, faults: Faults)
             for name, options in faults:
                 kit.inject(name, **options)
             wait_until(lambda: load.written >= 50, timeout=30, what="50 transactions")
+        for name, options in after or []:
+            kit.inject(name, **options)
     finally:
         producers.close()
         service.close()
@@ -120,6 +130,24 @@ def test_a_producer_writing_its_outbox_row_outside_the_transaction_is_caught_as_
     assert not verdict.valid
     assert verdict.unexpected, verdict.report()
     assert not verdict.lost and not verdict.duplicated, verdict.report()
+    # It never killed its worker after a handler ran: refused, whatever it found.
+    assert any("kill at worker.handled" in reason for reason in verdict.refused)
+
+
+def test_a_run_whose_only_fault_lies_outside_its_load_is_refused(
+    outbox_inbox_fault_kit: FaultKit,
+) -> None:
+    kit = outbox_inbox_fault_kit
+    outside: Faults = [("kill", {"role": "receiver"})]
+    _run(kit, app="kit_apps:correct", producer=kit_apps.produce, faults=[], after=outside)
+    verdict = kit.check()
+    print(verdict.report())
+    assert not (verdict.lost or verdict.duplicated or verdict.unexpected), verdict.report()
+    assert not verdict.valid
+    assert (
+        "fault kill did not overlap the load (nothing written before its end, or nothing"
+        " committed after it): inject it inside `with kit.load(...)`"
+    ) in verdict.refused
 
 
 def test_the_billing_example_passes_its_own_fault_test_as_docs_testing_md_shows_it() -> None:

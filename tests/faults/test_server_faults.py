@@ -35,7 +35,6 @@ from typing import Any
 import pytest
 
 from outbox_inbox.brokers.rabbitmq import RabbitMQBroker
-from outbox_inbox.brokers.rabbitmq_admin import RabbitMQAdmin
 from outbox_inbox.testing.injection import (
     Alarm,
     blackhole,
@@ -174,11 +173,11 @@ def test_rabbitmq_alarm_for_5s_blocks_publishers_with_one_warning_and_recovers_w
         flow.fault_begins()
         started = time.monotonic()
         # The flow control is visible: `outbox-inbox status` asks the broker the same way.
-        with RabbitMQAdmin(RabbitMQBroker(flow.mq_url)) as admin:
+        with RabbitMQBroker(flow.mq_url).operator() as admin:
             assert kind in (admin.flow_control(timeout=3.0) or "")
         time.sleep(max(0.0, ALARM - (time.monotonic() - started)))
     flow.fault_over()
-    with RabbitMQAdmin(RabbitMQBroker(flow.mq_url)) as admin:
+    with RabbitMQBroker(flow.mq_url).operator() as admin:
         assert admin.flow_control(timeout=1.0) is None
     result = _finish(flow, f"rabbitmq-{kind}-alarm")
     result.extra.update(

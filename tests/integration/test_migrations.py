@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import uuid
 from datetime import UTC, datetime
 from typing import Any
 
@@ -9,6 +11,8 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, text
+from sqlalchemy.exc import ProgrammingError
+from sqlalchemy.schema import CreateTable
 
 from outbox_inbox import ConfigurationError
 from outbox_inbox.migrate import alembic_config, compared, downgrade, upgrade
@@ -132,3 +136,110 @@ def test_downgrading_below_0003_keeps_a_dead_outbox_row_from_being_published_aga
             assert _diff(url, "outbox_inbox") == []
     finally:
         engine.dispose()
+
+
+@pytest.mark.parametrize("dialect", ["postgresql", "sqlite"])
+def test_check_constraints_have_the_declared_names_in_every_partition_and_revert(
+    db_url: str, tmp_path: Any, dialect: str
+) -> None:
+    url = db_url if dialect == "postgresql" else f"sqlite:///{tmp_path / 'db.sqlite'}"
+    config = alembic_config(url, schema="ck_names")
+    upgrade(config)
+    engine = create_engine(url)
+    metadata = build_tables("ck_names" if dialect == "postgresql" else None).metadata
+    ddl = " ".join(
+        str(CreateTable(t).compile(dialect=engine.dialect)) for t in metadata.tables.values()
+    )
+    declared = set(re.findall(r"CONSTRAINT (ck_\w+)", ddl))
+
+    def names() -> set[str]:
+        with engine.connect() as conn:
+            if dialect == "sqlite":
+                found = conn.exec_driver_sql("SELECT sql FROM sqlite_master WHERE sql IS NOT NULL")
+                ddl = " ".join(found.scalars())
+                return set(re.findall(r"CONSTRAINT (ck_\w+)", ddl))
+            return set(  # the partitions' too
+                conn.exec_driver_sql(
+                    "SELECT conname FROM pg_constraint c JOIN pg_namespace n"
+                    " ON n.oid = c.connamespace WHERE n.nspname = 'ck_names' AND contype = 'c'"
+                    " AND conname LIKE 'ck%%'"
+                ).scalars()
+            )
+
+    try:
+        assert (
+            names()
+            == declared
+            == {
+                "ck_outbox_messages_kind",
+                "ck_inbox_messages_kind",
+                "ck_inbox_messages_status",
+                "ck_archive_files_source_table",
+            }
+        )
+        downgrade(config, "0006")  # the names the earlier revisions made and revert
+        assert names() == {
+            "ck_outbox_messages_ck_outbox_messages_kind",
+            "ck_inbox_messages_ck_inbox_messages_kind",
+            "ck_inbox_messages_ck_inbox_messages_status",
+            "ck_archive_files_ck_archive_files_source_table",
+        }
+        upgrade(config)
+        assert names() == declared
+        downgrade(config, "base")
+    finally:
+        engine.dispose()
+def test_db_upgrade_and_check_name_the_grants_a_runtime_role_granted_on_the_old_tables_lacks(
+    db_url: str,
+) -> None:
+    """A runtime role granted on the tables of 0004 meets `instances` (0005) with `permission
+    denied`; `db upgrade` names the tables it made, `db check --runtime-role` the missing
+    GRANTs, which, run as printed, make the role whole."""
+    from click.testing import CliRunner
+
+    from outbox_inbox.cli.db import db
+
+    role = f"rt_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(db_url)
+    upgrade(alembic_config(db_url), "0004")
+    names = set(inspect(admin).get_table_names("outbox_inbox")) - {VERSION_TABLE}
+    old = ", ".join(f"outbox_inbox.{name}" for name in sorted(names))
+    with admin.begin() as conn:
+        conn.execute(text(f"CREATE ROLE {role}"))
+        conn.execute(text(f"GRANT USAGE ON SCHEMA outbox_inbox TO {role}"))
+        conn.execute(text(f"GRANT SELECT, INSERT, UPDATE, DELETE ON {old} TO {role}"))
+        conn.execute(text(f"GRANT SELECT ON outbox_inbox.{VERSION_TABLE} TO {role}"))
+    runner = CliRunner()
+    try:
+        upgraded = runner.invoke(db, ["upgrade", "--db-url", db_url])
+        assert upgraded.exit_code == 0, upgraded.output
+        made = "tables made: inbox_messages, instances, outbox_messages; a runtime role needs"
+        assert made in upgraded.output, upgraded.output
+        with admin.begin() as conn:
+            conn.execute(text(f"SET LOCAL ROLE {role}"))
+            with pytest.raises(ProgrammingError, match="permission denied"):
+                conn.execute(text("SELECT count(*) FROM outbox_inbox.instances"))
+        checked = runner.invoke(db, ["check", "--db-url", db_url, "--runtime-role", role])
+        assert checked.exit_code == 4, checked.output
+        # 0005 added instances; 0006 made the message tables again, partitioned.
+        grants = [
+            f"GRANT SELECT, INSERT, UPDATE, DELETE ON outbox_inbox.{table} TO {role}"
+            for table in ("inbox_messages", "instances", "outbox_messages")
+        ]
+        assert checked.output.count("lacks:") == 3, checked.output
+        assert all(f"lacks: {grant}\n" in checked.output for grant in grants), checked.output
+        with admin.begin() as conn:
+            for grant in grants:
+                conn.execute(text(grant))
+        checked = runner.invoke(db, ["check", "--db-url", db_url, "--runtime-role", role])
+        assert checked.exit_code == 0, checked.output
+        upgraded = runner.invoke(db, ["upgrade", "--db-url", db_url, "--runtime-role", role])
+        assert upgraded.exit_code == 0 and "lacks" not in upgraded.output, upgraded.output
+        with admin.begin() as conn:
+            conn.execute(text(f"SET LOCAL ROLE {role}"))
+            assert conn.scalar(text("SELECT count(*) FROM outbox_inbox.instances")) == 0
+    finally:
+        with admin.begin() as conn:
+            conn.execute(text(f"DROP OWNED BY {role}"))
+            conn.execute(text(f"DROP ROLE {role}"))
+        admin.dispose()

@@ -118,3 +118,34 @@ def test_a_row_the_database_refuses_is_a_storage_error_that_shows_no_payload(
     assert "SECRET" not in str(refused.value) and "4111" not in str(refused.value)
     assert scalar(db_url, "SELECT count(*) FROM outbox_inbox.outbox_messages") == 1
     svc.close()
+
+
+_TOMORROW_ROW = text(
+    "INSERT INTO outbox_inbox.outbox_messages (message_id, kind, exchange, routing_key, payload,"
+    " headers, created_at) VALUES (:m, 'event', 'events', 'orders.order.placed', '{}', '{}',"
+    " now() + interval '1 day')"
+)
+_PARTITIONS = "SELECT DISTINCT tableoid::regclass::text FROM outbox_inbox.outbox_messages"
+
+
+def test_a_second_write_of_a_message_id_fails_in_its_partition_and_not_across_one(
+    db_url: str,
+) -> None:
+    """What docs/migrating.md ("Idempotency keys") says holds: the outbox's message_id is
+    unique per time partition. The first row of `earlier` is in tomorrow's partition, that of
+    `today` in today's; each id is then written again now, into today's partition."""
+    svc = make_service("orders", db_url, None)
+    earlier, today = uuid.uuid4(), uuid.uuid4()
+    with svc.engine.begin() as conn:
+        conn.execute(_TOMORROW_ROW, {"m": earlier})
+    with svc.session() as session, session.begin():
+        svc.outbox.publish(session, "order.placed", {"id": 1}, message_id=today)
+    refused = pytest.raises(StorageError, match="duplicate key value violates unique")
+    with refused, svc.session() as session, session.begin():
+        svc.outbox.publish(session, "order.placed", {"id": 1}, message_id=today)
+    with svc.session() as session, session.begin():  # across the boundary: accepted
+        svc.outbox.publish(session, "order.placed", {"id": 2}, message_id=earlier)
+    assert len(rows(db_url, _PARTITIONS)) == 2  # the rows are on both sides of a boundary
+    count = "SELECT count(*) FROM outbox_inbox.outbox_messages WHERE message_id = :m"
+    assert (scalar(db_url, count, m=today), scalar(db_url, count, m=earlier)) == (1, 2)
+    svc.close()

@@ -28,14 +28,13 @@ from helpers import received_row
 from history import REPO_ROOT, archived
 from outbox_inbox import MemoryBroker, Message, Service
 from outbox_inbox.archive import Archiver, partition_exporter
-from outbox_inbox.config import Settings
+from outbox_inbox.config import Settings, duplicate_horizon
 from outbox_inbox.errors import ConfigurationError
 from outbox_inbox.partitions import (
     KEYS,
     MaintenanceResult,
     Partition,
     Retention,
-    duplicate_horizon,
     maintain,
     make_ahead,
     partition_name,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 
@@ -83,6 +84,28 @@ def test_command_to_a_service_without_queue_is_kept_in_unroutable(db_url: str, m
     )
     kept = drain(mq_url, "unroutable")
     assert [uuid.UUID(p.message_id) for p, _ in kept] == [command_id]
+    svc.close()
+
+
+def test_commands_waiting_in_unroutable_are_logged_and_counted_as_dead_letters(
+    db_url: str, mq_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    svc = make_service("orders", db_url, mq_url, maintenance_interval=0.2)
+    svc.declare_topology()
+    drain(mq_url, "unroutable")  # shared by every service: start from an empty queue
+    with svc.session() as session, session.begin():
+        svc.outbox.send(session, "nobody", "thing.do", {"x": 1})
+    caplog.set_level(logging.WARNING, logger="outbox_inbox.service")
+    svc.start(receiver=False, workers=0)
+    try:
+        wait_until(lambda: [r for r in caplog.records if "unroutable" in r.getMessage()])
+        health = svc.health(max_dead=0)
+    finally:
+        svc.stop()
+    [warned] = [r.getMessage() for r in caplog.records if "unroutable" in r.getMessage()]
+    assert warned.startswith("1 command(s) wait in the queue unroutable")
+    assert "1 dead letter exceeds --max-dead 0" in health.problems
+    drain(mq_url, "unroutable")
     svc.close()
 
 

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import pytest
 
@@ -522,3 +522,109 @@ def _service(db_url: str, mq_url: str, *, migrate: bool) -> Service:
     if migrate:  # a database the service can use, so that it gets as far as the broker
         service.migrate()
     return service
+
+
+# --- a right password with every character a URL parser trips on ----------------------------
+
+#: A space, "@", ":", "/", "%", both quotes and a non-ASCII letter, all in one password.
+SPECIALS = " @:/%'\"é"
+
+
+@pytest.fixture
+def special_db_url(
+    servers: Servers, postgres_server: Any, db_url: str
+) -> tuple[str, Password, Servers]:
+    """`db_url`'s database, now owned by the password role of `servers`, whose password holds
+    every character of SPECIALS; its URL (percent-encoded, as it must be) and the password."""
+    from psycopg import sql
+    from sqlalchemy.engine import make_url
+
+    words = new_password()
+    password = Password(words.head, SPECIALS, words.tail)
+    database = make_url(db_url).database
+    with postgres_server.connect() as conn:
+        conn.execute(
+            sql.SQL("ALTER ROLE {} PASSWORD {}").format(
+                sql.Identifier(servers.pg_user), sql.Literal(password.text)
+            )
+        )
+        conn.execute(
+            sql.SQL("ALTER DATABASE {} OWNER TO {}").format(
+                sql.Identifier(database), sql.Identifier(servers.pg_user)
+            )
+        )
+    encoded = quote(password.text, safe="")
+    url = f"postgresql+psycopg://{servers.pg_user}:{encoded}@{servers.pg_host}:{servers.pg_port}"
+    return f"{url}/{database}", password, servers
+
+
+def test_a_password_with_any_character_listens_and_no_role_logs_it(
+    special_db_url: tuple[str, Password, Servers], mq_url: str, every_log_record: _Records
+) -> None:
+    """The waker connects with it (LISTEN works: no role polls for want of it), and no record of
+    any role at any level holds it (the waker logged libpq's "unexpected spaces found in
+    '<password>'" three times a second)."""
+    from helpers import FAST, wait_until
+
+    url, password, _ = special_db_url
+    service = Service("billing", db_url=url, mq_url=mq_url, **FAST)
+    service.migrate()
+    handled: list[object] = []
+    service.on_command("invoice.create")(lambda message, session: handled.append(message))
+    try:
+        service.start()
+        assert service.wakeups() is True
+        with service.engine.begin() as conn:
+            service.outbox.send(conn, "billing", "invoice.create", {"n": 1})
+        wait_until(lambda: handled, what="the command handled")
+    finally:
+        service.stop()
+        service.close()
+    logged = "\n".join(every_log_record.lines)
+    assert "cannot LISTEN" not in logged, logged
+    assert "arrive through" in logged, logged  # the roles' waker listens
+    assert not password.leaked_in(logged), logged
+
+
+def test_the_cli_with_such_a_password_listens_and_prints_it_nowhere(
+    special_db_url: tuple[str, Password, Servers], mq_url: str, app_dir: Path
+) -> None:
+    """`run all` at -vv (every role's log at DEBUG), `status`, `db current`, and an error with
+    its -vv traceback (a database without the tables), the URL from the app and by option."""
+    url, password, servers = special_db_url
+    urls = {DB: url, MQ: mq_url, MGMT: f"http://{servers.mq_host}:{servers.mgmt_port or 1}"}
+    both = frozenset({DB, MQ})
+    runs = [
+        run_cli(
+            Command(c, uses, app=app),
+            urls,
+            verbose=v,
+            from_env=env,
+            app_dir=app_dir,
+            password=password,
+        )
+        for c, uses, app, v, env in [
+            (("status", "--service", "billing"), both, False, 2, False),  # no tables yet
+            (("db", "upgrade"), frozenset({DB}), False, 2, True),
+            (("db", "current"), frozenset({DB}), False, 1, False),
+            (("status", *APP_SPEC), frozenset(), True, 2, False),
+        ]
+    ]
+    runs.append(
+        run_cli(
+            Command(("run", "all", *APP_SPEC), frozenset(), app=True, timeout=12.0),
+            urls,
+            verbose=2,
+            from_env=False,
+            app_dir=app_dir,
+            password=password,
+        )
+    )
+    for run in runs:
+        assert not password.leaked_in(run.output), f"{run.argv}\n{run.output}"
+        assert "cannot LISTEN" not in run.output, f"{run.argv}\n{run.output}"
+    assert runs[0].returncode == 1 and "Traceback" in runs[0].output, runs[0].output
+    # status: exit 4, the inbox queue is not declared yet (no receiver ran)
+    assert [r.returncode for r in runs[1:4]] == [0, 0, 4], [r.output for r in runs]
+    assert runs[4].returncode is None, runs[4].output  # ran until stopped
+    assert "arrive through" in runs[4].output, runs[4].output  # the roles listen

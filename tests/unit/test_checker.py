@@ -64,3 +64,23 @@ def test_expected_until_a_time_takes_only_what_was_recorded_by_then() -> None:
 def test_an_unknown_outcome_name_is_refused() -> None:
     with pytest.raises(ValueError, match="outcome must be one of"):
         History().record([1], "committed")
+
+
+def test_a_fault_outside_the_load_refuses_the_verdict() -> None:
+    history = History()
+    before = history.begin_fault("kill")  # nothing written before its end
+    history.end_fault(before)
+    history.record([1], OK)
+    inside = history.begin_fault("postgres-restart")
+    history.record([2], UNKNOWN)
+    history.end_fault(inside)
+    history.record([3], OK)
+    after = history.begin_fault("rabbitmq-restart")  # nothing committed after it
+    history.end_fault(after)
+    verdict = check(history, [1, 3])
+    assert not verdict.valid and not (verdict.lost or verdict.duplicated or verdict.unexpected)
+    assert [r.split(" did not")[0] for r in verdict.refused] == [
+        "fault kill",
+        "fault rabbitmq-restart",
+    ]
+    assert "REFUSED: fault kill did not overlap the load" in verdict.report()

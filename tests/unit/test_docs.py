@@ -177,3 +177,44 @@ def test_topology_svg_is_well_formed_svg() -> None:
     texts = " ".join("".join(t.itertext()) for t in root.iter("{http://www.w3.org/2000/svg}text"))
     for name in ("commands", "events", "retry", "dead_letter", "unroutable", "<service>.inbox"):
         assert name in texts, f"topology.svg does not show {name}"
+
+
+def test_every_public_method_of_the_handler_contexts_is_documented_on_a_page() -> None:
+    from outbox_inbox import AsyncHandlerContext, BatchContext, HandlerContext
+
+    pages = "\n".join(p.read_text() for p in DOCS.glob("*.md"))
+    for context in (HandlerContext, AsyncHandlerContext, BatchContext):
+        for name in (
+            n for n in vars(context) if not n.startswith("_") and callable(vars(context)[n])
+        ):
+            assert f"ctx.{name}(" in pages or f"batch.{name}(" in pages, (
+                f"{context.__name__}.{name}"
+            )
+
+
+def test_the_batch_example_of_concepts_runs_twice_in_one_folder(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    blocks = re.findall(r"```python\n(.*?)```", (DOCS / "concepts.md").read_text(), re.S)
+    [example] = [b for b in blocks if "batch=True" in b and "ServiceHarness" in b]
+    for _ in range(2):  # a reader runs it again after an edit
+        ran = subprocess.run(
+            [sys.executable, "-c", example], cwd=tmp_path, capture_output=True, text=True
+        )
+        assert ran.returncode == 0, ran.stderr[-2000:]
+
+
+def test_the_examples_tests_assert_no_time_bound() -> None:
+    # A user's test that bounds a duration fails on a loaded machine with a correct verdict.
+    import ast
+
+    for path in sorted((REPO_ROOT / "examples").rglob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            if not any(isinstance(op, ast.Lt | ast.LtE | ast.Gt | ast.GtE) for op in node.ops):
+                continue
+            names = {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+            timed = {n for n in names if n.endswith("_s") or "seconds" in n}
+            assert not timed, f"{path.relative_to(REPO_ROOT)}:{node.lineno} bounds {timed}"

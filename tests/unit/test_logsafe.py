@@ -128,3 +128,37 @@ def test_settings_repr_masks_both_urls() -> None:
     )
     shown = repr(service.settings) + repr(service)
     assert "Repr-db-pw1" not in shown and "Repr/mq@pw2" not in shown
+
+
+def test_every_library_log_record_is_masked_at_every_level_with_its_traceback() -> None:
+    """A remembered password is masked in the records of the library's loggers (and pika's,
+    psycopg's, SQLAlchemy's) at every level: message, arguments, traceback and stack, even
+    where no URL surrounds it (libpq: 'unexpected spaces found in "<password>"')."""
+    import io
+    import logging
+    from urllib.parse import quote
+
+    from outbox_inbox.logsafe import remember
+
+    password = "Hid den@:/%'\"é7Word"
+    remember(f"postgresql+psycopg://u:{quote(password, safe='')}@db/x")
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        for name in ("outbox_inbox.waker", "outbox_inbox.cli.run", "psycopg", "sqlalchemy.pool"):
+            logger = logging.getLogger(name)
+            logger.setLevel(logging.DEBUG)
+            for level in (logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR):
+                logger.log(level, "cannot LISTEN: %s", f'unexpected spaces found in "{password}"')
+            try:
+                raise ValueError(f"bad conninfo password={password}")
+            except ValueError:
+                logger.exception("failed", stack_info=True)
+            logger.setLevel(logging.NOTSET)
+    finally:
+        root.removeHandler(handler)
+    logged = stream.getvalue()
+    assert logged.count("***") >= 4 * 5, logged
+    assert "Hid den" not in logged and "7Word" not in logged, logged

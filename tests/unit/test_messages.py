@@ -119,6 +119,9 @@ def test_payload_must_be_json_and_within_the_limit() -> None:
         ({"order": {"lines": [1, 2, Decimal("1.5")]}}, "payload.order.lines[2] (Decimal)"),
         ({"total": float("inf")}, "payload.total:"),
         ({(1, 2): "a tuple for a key"}, "payload key (1, 2)"),
+        # JSON would silently make these keys "1" and "true": the handler would get other keys.
+        ({1: "a"}, "payload key 1: JSON object keys must be strings"),
+        ({"lines": [{"n": 1}, {True: "x"}]}, "payload.lines[1] key True"),
         ([{"when": datetime.now(UTC)}], "payload[0].when (datetime)"),
     ],
 )

@@ -18,7 +18,6 @@ from outbox_inbox.tables import VERSION_TABLE, build_tables
 FAST: dict[str, Any] = {
     "worker_poll_interval": 0.02,
     "relay_poll_interval": 0.02,
-    "receive_batch_wait": 0.01,
 }
 
 

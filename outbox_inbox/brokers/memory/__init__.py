@@ -18,8 +18,9 @@ Beyond that only ``max_message_bytes``, a user's setting: a larger body is refus
 refuses it. Other exchange types, overflow modes and queue types raise BrokerError when
 declared; other arguments are ignored.
 
-Modules: ``_state`` (exchanges, queues, the redeclare rules), ``_broker`` (routing, expiry,
-dead-lettering), ``_clients`` (publisher, consumer), ``_operator`` (the operator session).
+Modules: ``_state`` (exchanges, queues, the redeclare rules), ``_core`` (the shared state:
+routing, expiry, dead-lettering), ``_broker`` (the `Broker` protocol over it), ``_clients``
+(publisher, consumer), ``_operator`` (the operator session).
 
 Thread safety: a `MemoryBroker` may be shared by any number of threads; its state sits behind
 one lock. One daemon timer thread per broker expires TTL messages; `MemoryBroker.close` stops

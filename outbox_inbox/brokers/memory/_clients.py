@@ -8,15 +8,13 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ...broker import Delivery, PublishOutcome, Refusal
 from ...errors import BrokerConnectionError, BrokerError
 from ...messages import H_ORIGINAL_EXCHANGE, H_ORIGINAL_ROUTING_KEY, WireMessage
+from ._core import BrokerCore
 from ._state import Entry, Refused
-
-if TYPE_CHECKING:
-    from ._broker import MemoryBroker
 
 log = logging.getLogger(__name__)
 
@@ -26,14 +24,14 @@ class MemoryPublisher:
     returned or nacked at once. A missing exchange or a body over `max_message_bytes` is
     REFUSED and breaks the publisher, as RabbitMQ closes the channel."""
 
-    def __init__(self, broker: MemoryBroker) -> None:
-        self._broker = broker
+    def __init__(self, core: BrokerCore) -> None:
+        self._core = core
         self._broken = False
         self._refusal: Refusal | None = None
 
     @property
     def broken(self) -> bool:
-        return self._broken or self._broker.closed
+        return self._broken or self._core.closed
 
     @property
     def refusal(self) -> Refusal | None:
@@ -56,8 +54,8 @@ class MemoryPublisher:
                 outcomes.append(PublishOutcome.SKIPPED)
                 continue
             try:
-                with self._broker._lock:
-                    outcome = self._broker._publish(message)
+                with self._core.lock:
+                    outcome = self._core.publish(message)
             except Refused as exc:
                 log.warning("in-memory publishing channel closed: %s", exc.refusal)
                 self._broken = True
@@ -88,8 +86,8 @@ class MemoryConsumer:
     Each delivery is a deep copy, so what one consumer does to a message no one else sees.
     """
 
-    def __init__(self, broker: MemoryBroker, queue: str, *, prefetch: int) -> None:
-        self._broker = broker
+    def __init__(self, core: BrokerCore, queue: str, *, prefetch: int) -> None:
+        self._core = core
         self.queue = queue
         self._prefetch = prefetch
         self._registered = False
@@ -97,7 +95,7 @@ class MemoryConsumer:
         self._next_tag = 1
         self._unacked: dict[int, Entry] = {}  # delivered, not acknowledged; in tag order
         self._unfetched: deque[int] = deque()  # tags handed over that `fetch` has not returned
-        self.arrived = threading.Condition(broker._lock)
+        self.arrived = threading.Condition(core.lock)
 
     # Called by the broker with its lock held.
 
@@ -114,46 +112,36 @@ class MemoryConsumer:
     # The Consumer protocol.
 
     def fetch(self, max_count: int, wait: float) -> list[Delivery]:
-        """As the protocol says; also returns once the prefetch window is full (no more can come
-        before an ack). Raises BrokerError if the queue does not exist."""
-        broker = self._broker
-        with broker._lock:
+        """As the protocol says. Raises BrokerError if the queue does not exist."""
+        core = self._core
+        with core.lock:
             self._check_usable()
             if not self._registered:
-                broker._register(self)
+                core.register(self)
                 self._registered = True
-            start = time.monotonic()
-            first_at = 0.0
-            batch: list[Delivery] = []
-            while True:
-                if self._unfetched:
-                    tag = self._unfetched.popleft()
-                    entry = self._unacked[tag]
-                    batch.append(Delivery(entry.delivered(), tag, entry.redelivered))
-                    now = time.monotonic()
-                    if len(batch) == 1:
-                        first_at = now
-                    if len(batch) >= max_count or now - first_at >= wait:
-                        break
-                    continue
-                if batch and not self.has_capacity():
-                    break
-                remaining = (first_at if batch else start) + wait - time.monotonic()
+            deadline = time.monotonic() + wait
+            while not self._unfetched:
+                remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    break
+                    return []
                 self.arrived.wait(remaining)
                 self._check_usable()
+            batch: list[Delivery] = []
+            while self._unfetched and len(batch) < max_count:
+                tag = self._unfetched.popleft()
+                entry = self._unacked[tag]
+                batch.append(Delivery(entry.delivered(), tag, entry.redelivered))
             return batch
 
     def ack_through(self, tag: int) -> None:
         """An unknown tag closes the consumer, its deliveries requeued, and raises
         BrokerConnectionError, as RabbitMQ closes the channel (PRECONDITION_FAILED)."""
-        with self._broker._lock:
+        with self._core.lock:
             self._settle_tags(tag, [t for t in self._unacked if t <= tag])
 
     def ack(self, tag: int) -> None:
         """Acknowledge one delivery; an unknown tag is handled as by `ack_through`."""
-        with self._broker._lock:
+        with self._core.lock:
             self._settle_tags(tag, [tag])
 
     def forward(
@@ -161,8 +149,8 @@ class MemoryConsumer:
     ) -> None:
         """As the protocol says; a missing exchange raises BrokerConnectionError (RabbitMQ
         closes the channel), a full queue BrokerError."""
-        broker = self._broker
-        with broker._lock:
+        core = self._core
+        with core.lock:
             self._settle_tags(delivery.tag, [])  # checks the tag
             message = delivery.message
             merged = dict(message.headers)
@@ -173,7 +161,7 @@ class MemoryConsumer:
                 message, exchange=exchange, routing_key=routing_key, headers=merged, key=None
             )
             try:
-                outcome = broker._publish(outgoing)
+                outcome = core.publish(outgoing)
             except Refused as exc:
                 raise BrokerConnectionError(f"forwarding failed: {exc}") from exc
             if outcome is PublishOutcome.RETURNED:
@@ -190,8 +178,8 @@ class MemoryConsumer:
 
     def close(self) -> None:
         """Stop consuming; unacknowledged deliveries go back to their place in the queue, flagged
-        redelivered (`MemoryBroker._return`). Never raises."""
-        with self._broker._lock:
+        redelivered (`BrokerCore.give_back`). Never raises."""
+        with self._core.lock:
             if self._closed:
                 return
             self._closed = True
@@ -200,7 +188,7 @@ class MemoryConsumer:
     # Internals, lock held.
 
     def _check_usable(self) -> None:
-        self._broker._check_open()
+        self._core.check_open()
         if self._closed:
             raise BrokerConnectionError(f"the consumer of {self.queue!r} is closed")
 
@@ -215,16 +203,16 @@ class MemoryConsumer:
             del self._unacked[acked]
         if self._unfetched:
             self._unfetched = deque(t for t in self._unfetched if t in self._unacked)
-        state = self._broker._queues.get(self.queue)
+        state = self._core.queues.get(self.queue)
         if state is not None:
-            self._broker._touch(state)
+            self._core.touch(state)
 
     def _release(self) -> None:
         entries = [self._unacked[tag] for tag in sorted(self._unacked)]
         self._unacked.clear()
         self._unfetched.clear()
         if self._registered:
-            self._broker._return(self.queue, entries, self)
+            self._core.give_back(self.queue, entries, self)
         self.arrived.notify_all()
 
     def _channel_error(self, reason: str) -> None:

@@ -9,15 +9,13 @@ from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from threading import Condition
+from typing import Any, Protocol
 
 from ...broker import Refusal
 from ...errors import BrokerError
 from ...messages import WireMessage
 from ...topology import Exchange, Queue, topic_matches
-
-if TYPE_CHECKING:
-    from ._clients import MemoryConsumer
 
 EXCHANGE_TYPES = frozenset({"direct", "fanout", "topic"})
 
@@ -44,6 +42,17 @@ class Refused(Exception):
     def __init__(self, refusal: Refusal) -> None:
         super().__init__(str(refusal))
         self.refusal = refusal
+
+
+class Subscriber(Protocol):
+    """A consumer as a queue sees it (`MemoryConsumer`); called with the broker's lock held."""
+
+    queue: str
+    arrived: Condition  # notified on a delivery, and when the queue or broker goes away
+
+    def has_capacity(self) -> bool: ...
+
+    def push(self, entry: Entry) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -146,7 +155,7 @@ class QueueState:
         self.bands: list[deque[Entry]] = [deque() for _ in range(bands)]
         # A quorum queue serves returned messages first, in the order they came back.
         self.returned: deque[Entry] = deque()
-        self.consumers: list[MemoryConsumer] = []  # registration order
+        self.consumers: list[Subscriber] = []  # registration order
         self.next_consumer = 0  # round robin
 
     @property
@@ -182,7 +191,7 @@ class QueueState:
                 band.clear()
                 band.extend(merged)
 
-    def active_consumer(self) -> MemoryConsumer | None:
+    def active_consumer(self) -> Subscriber | None:
         """The consumer to give the next message to, or None if none can take one."""
         if not self.consumers:
             return None

@@ -6,8 +6,8 @@ the types waiting and each type's rows in claim order from it. ``ix_inbox_messag
 from it. On PostgreSQL each is built on the partitioned inbox and its partitions (the table
 is locked against writes while it is built).
 
-Revision ID: 0007
-Revises: 0006
+Revision ID: 0008
+Revises: 0007
 Create Date: 2026-11-29
 """
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import context, op
 
-revision = "0007"
-down_revision = "0006"
+revision = "0008"
+down_revision = "0007"
 branch_labels = None
 depends_on = None
 

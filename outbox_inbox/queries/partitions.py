@@ -1,0 +1,204 @@
+"""The statements of the partition maintenance (`outbox_inbox.partitions`): the catalog reads,
+the DDL that makes, attaches, detaches and drops a partition, the maintenance lock, and the
+check that a partition holds no unfinished row. PostgreSQL only.
+
+DDL takes no bound parameters: the only names placed into it are the library's own schema and
+table names (validated identifiers, quoted by the dialect) and partition names and bounds that
+`outbox_inbox.partitions` computed — never input.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Connection, Table, bindparam, column, exists, func, or_, select, table, text
+
+from ..tables import DEAD, PARKED, PENDING, Tables, outbox_unsent
+
+_LOCK_KEY = "outbox_inbox.partitions.{schema}"
+
+
+def _quote(conn: Connection, name: str) -> str:
+    return str(conn.dialect.identifier_preparer.quote(name))
+
+
+def _literal(moment: datetime | None) -> str:
+    """A partition bound (None: MINVALUE)."""
+    return "MINVALUE" if moment is None else f"'{moment.astimezone(UTC):%Y-%m-%d %H:%M:%S}+00'"
+
+
+def _ddl(conn: Connection, statement: str, schema: str, **names: str) -> None:
+    """Run `statement` with ``{s}`` the schema and each of `names`, quoted by the dialect."""
+    quoted = {key: _quote(conn, value) for key, value in names.items()}
+    conn.execute(text(statement.format(s=_quote(conn, schema), **quoted)))
+
+
+# --- the catalog ---------------------------------------------------------------------------
+
+
+def partition_catalog(conn: Connection, schema: str, parent: str) -> list[Any]:
+    """A row per partition of `schema`.`parent`: name, bound (its expression), pending (a
+    detach), rows (estimated, -1 if never analysed), size (bytes with indexes and TOAST)."""
+    return list(
+        conn.execute(
+            text(
+                "SELECT c.relname AS name, pg_get_expr(c.relpartbound, c.oid) AS bound, "
+                "i.inhdetachpending AS pending, c.reltuples AS rows, "
+                "pg_total_relation_size(c.oid) AS size "
+                "FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+                "WHERE i.inhparent = to_regclass(:parent)"
+            ),
+            {"parent": f"{_quote(conn, schema)}.{parent}"},
+        ).all()
+    )
+
+
+def plain_tables(conn: Connection, schema: str) -> list[str]:
+    """The tables of `schema` that are neither partitioned nor partitions (a detached one)."""
+    return list(
+        conn.execute(
+            text(
+                "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                "WHERE n.nspname = :schema AND c.relkind = 'r' AND NOT c.relispartition"
+            ),
+            {"schema": schema},
+        ).scalars()
+    )
+
+
+def check_constraints(conn: Connection, schema: str, name: str) -> list[str]:
+    """The definitions of the CHECK constraints of table `schema`.`name`."""
+    return list(
+        conn.execute(
+            text(
+                "SELECT pg_get_constraintdef(oid) FROM pg_constraint "
+                "WHERE conrelid = to_regclass(:name) AND contype = 'c'"
+            ),
+            {"name": f"{_quote(conn, schema)}.{name}"},
+        ).scalars()
+    )
+
+
+def table_kinds(conn: Connection, schema: str, names: list[str]) -> dict[str, str]:
+    """Name -> pg_class.relkind ('p' partitioned, 'r' plain) of those of `names` that exist."""
+    rows = conn.execute(
+        text(
+            "SELECT c.relname, c.relkind FROM pg_class c "
+            "JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = :schema AND c.relname IN :names"
+        ).bindparams(bindparam("names", expanding=True)),
+        {"schema": schema, "names": names},
+    ).all()
+    return {str(name): str(kind) for name, kind in rows}
+
+
+def database_now(conn: Connection) -> datetime:
+    return conn.execute(select(func.now())).scalar_one()
+
+
+# --- the DDL -------------------------------------------------------------------------------
+
+
+def create_partition(
+    conn: Connection, schema: str, parent: str, name: str, start: datetime, end: datetime
+) -> None:
+    """Create `name` alone, give it its unique index on message_id, and attach it to `parent`
+    for [start, end): ``ATTACH PARTITION`` takes a lock writers do not wait for."""
+    # INCLUDING CONSTRAINTS: ATTACH refuses a table without the parent's CHECKs (the
+    # outbox's `kind`), and the migration's week of partitions runs out after 7 days.
+    _ddl(
+        conn,
+        "CREATE TABLE {s}.{name} (LIKE {s}.{parent} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)",
+        schema,
+        name=name,
+        parent=parent,
+    )
+    _ddl(
+        conn,
+        "CREATE UNIQUE INDEX {index} ON {s}.{name} (message_id)",
+        schema,
+        index=f"{name}_message_id",
+        name=name,
+    )
+    attach(conn, schema, parent, name, start, end)
+
+
+def attach(
+    conn: Connection,
+    schema: str,
+    parent: str,
+    name: str,
+    lower: datetime | None,
+    upper: datetime,
+) -> None:
+    """Attach table `name` to `parent` for [lower, upper) (`lower` None: MINVALUE)."""
+    bounds = f"FROM ({_literal(lower)}) TO ({_literal(upper)})"
+    _ddl(
+        conn,
+        "ALTER TABLE {s}.{parent} ATTACH PARTITION {s}.{name} FOR VALUES " + bounds,
+        schema,
+        parent=parent,
+        name=name,
+    )
+
+
+def detach(conn: Connection, schema: str, parent: str, name: str, *, finalize: bool) -> None:
+    """``DETACH PARTITION … CONCURRENTLY`` (writers and readers go on), or ``… FINALIZE`` to
+    finish one a pass left pending."""
+    how = "FINALIZE" if finalize else "CONCURRENTLY"
+    _ddl(
+        conn,
+        "ALTER TABLE {s}.{parent} DETACH PARTITION {s}.{name} " + how,
+        schema,
+        parent=parent,
+        name=name,
+    )
+
+
+def drop_table(conn: Connection, schema: str, name: str) -> None:
+    _ddl(conn, "DROP TABLE {s}.{name}", schema, name=name)
+
+
+# --- the lock and what keeps a partition ----------------------------------------------------
+
+
+def try_maintenance_lock(conn: Connection, schema: str) -> bool:
+    """Take the maintenance lock of `schema` if it is free: a transaction-level advisory lock,
+    held until `conn`'s transaction ends, which no idle timeout ends early."""
+    conn.execute(select(func.set_config("idle_in_transaction_session_timeout", "0", True)))
+    key = func.hashtext(_LOCK_KEY.format(schema=schema))
+    held = bool(conn.execute(select(func.pg_try_advisory_xact_lock(key))).scalar_one())
+    # A statement with parameters leaves its portal open, and with it a snapshot, until the
+    # next statement; one without goes by the simple protocol and closes it. Kept, that
+    # snapshot would make the pass's own DETACH … FINALIZE, which waits for every older
+    # snapshot, wait for ever (and hold back vacuum for the whole pass).
+    conn.exec_driver_sql("SELECT 1")
+    return held
+
+
+def partition_rows(tables: Tables, parent: str, name: str) -> Table:
+    """The partition `name` (attached or not) as a table with its parent's columns."""
+    source = tables.outbox if parent == "outbox_messages" else tables.inbox
+    return table(  # type: ignore[return-value]
+        name, *(column(c.name, c.type) for c in source.c), schema=tables.schema
+    )
+
+
+def unfinished(parent: str, rows: Any, dead_cutoff: datetime | None) -> Any:
+    """The rows of `parent` that keep their partition: work still to do, and dead or parked
+    rows that died after `dead_cutoff` (None: dead rows are kept for ever)."""
+    if parent == "outbox_messages":
+        dead = rows.c.dead_at.is_not(None)
+        young = dead if dead_cutoff is None else dead & (rows.c.dead_at >= dead_cutoff)
+        return or_(outbox_unsent(rows), young)
+    dead = rows.c.status.in_([DEAD, PARKED])
+    died = func.coalesce(rows.c.processed_at, rows.c.received_at)
+    young = dead if dead_cutoff is None else dead & (died >= dead_cutoff)
+    return or_(rows.c.status == PENDING, young)
+
+
+def holds_unfinished(conn: Connection, rows: Table, parent: str, dead_cutoff: Any) -> bool:
+    """Whether partition `rows` of `parent` holds a row that keeps it (`unfinished`)."""
+    query = select(exists().where(unfinished(parent, rows, dead_cutoff)))
+    return bool(conn.execute(query).scalar())

@@ -1,0 +1,337 @@
+"""Batches are formed by concurrency, never by a timer: counted, not timed.
+
+A lone message goes through each stage in one transaction, at once; messages that arrive while
+a stage's transaction is in flight join its next transaction (one flush in flight, the rest
+joins the next), so batches grow with the load and shrink to one when idle. The poll intervals
+are a minute here: nothing below may depend on a poll.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+from sqlalchemy import event, text
+from sqlalchemy.orm import Session
+
+from helpers import make_service, rows, scalar, wait_until
+from outbox_inbox import Message, Service
+from outbox_inbox.queries.roles import INBOX_LOCK
+
+COMMAND = "ledger.append"
+ROLES = ("relay", "receiver", "worker")
+OUTBOX_UNSENT = "SELECT count(*) FROM outbox_inbox.outbox_messages WHERE published_at IS NULL"
+
+
+class Counted:
+    """Transactions committed by each role's thread on `service`'s engine, each as the list
+    of the statements it ran."""
+
+    def __init__(self, service: Service) -> None:
+        self.transactions: dict[str, list[list[str]]] = {}
+        self._open: dict[str, list[str]] = {}
+        self._engine = service.engine
+        event.listen(self._engine, "commit", self._commit)
+        event.listen(self._engine, "before_cursor_execute", self._statement)
+
+    def _commit(self, _conn: Any) -> None:
+        role = threading.current_thread().name
+        self.transactions.setdefault(role, []).append(self._open.pop(role, []))
+
+    def _statement(self, _conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        self._open.setdefault(threading.current_thread().name, []).append(statement)
+
+    def commits(self) -> dict[str, int]:
+        return {role: len(self.transactions.get(role, [])) for role in ROLES}
+
+    def reset(self) -> None:
+        self.transactions.clear()
+
+    def close(self) -> None:
+        event.remove(self._engine, "commit", self._commit)
+        event.remove(self._engine, "before_cursor_execute", self._statement)
+
+
+@contextmanager
+def roles_running(service: Service) -> Iterator[None]:
+    """The service's relay, receiver and worker, each in a thread named after its role."""
+    stop = threading.Event()
+    roles = {"relay": service.relay(), "receiver": service.receiver(), "worker": service.worker()}
+    threads = [threading.Thread(target=r.run, args=(stop,), name=n) for n, r in roles.items()]
+    for thread in threads:
+        thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(20)
+        assert not any(t.is_alive() for t in threads)
+
+
+def billing_with_effects(db_url: str, mq_url: str, **settings: Any) -> Service:
+    """billing, sending `ledger.append` to itself; its handler writes one effect row. Polls
+    wait a minute: only wake-ups move messages along."""
+    billing = make_service(
+        "billing",
+        db_url,
+        mq_url,
+        relay_poll_interval=60,
+        worker_poll_interval=60,
+        **settings,
+    )
+
+    @billing.on_command(COMMAND)
+    def append(message: Message, session: Session) -> None:
+        session.execute(
+            text("INSERT INTO effects (message_id, type) VALUES (:m, :t)"),
+            {"m": str(message.message_id), "t": message.type},
+        )
+
+    billing.declare_topology()
+    return billing
+
+
+def send(billing: Service, count: int, start: int = 0) -> list[str]:
+    """`count` commands, each in a business transaction of its own."""
+    ids = []
+    for n in range(start, start + count):
+        with billing.session() as session, session.begin():
+            ids.append(str(billing.outbox.send(session, "billing", COMMAND, {"n": n})))
+    return ids
+
+
+def effects(db_url: str) -> int:
+    return int(scalar(db_url, "SELECT count(*) FROM effects"))
+
+
+def settled(db_url: str, count: int) -> None:
+    wait_until(lambda: effects(db_url) >= count, what=f"{count} effects")
+    # The worker's next claim, in the transaction that marked the last batch, finds nothing;
+    # wait for every role to be back in its wait.
+    wait_until(
+        lambda: (
+            scalar(
+                db_url,
+                "SELECT count(*) FROM outbox_inbox.inbox_messages WHERE status <> 'processed'",
+            )
+            == 0
+        ),
+        what="every message marked",
+    )
+
+
+def test_a_lone_message_goes_through_each_stage_in_one_transaction(
+    db_url: str, mq_url: str
+) -> None:
+    billing = billing_with_effects(db_url, mq_url)
+    counted = Counted(billing)
+    try:
+        with roles_running(billing):
+            send(billing, 1)  # the first one warms connections and registers the worker
+            settled(db_url, 1)
+            for n in range(1, 4):
+                counted.reset()
+                send(billing, 1, start=n)
+                settled(db_url, n + 1)
+                # The relay claims, publishes and marks in one transaction; the receiver
+                # stores in one; the worker claims in one and handles, marks and claims the
+                # next in one. No further transaction: no poll ran, no batch waited.
+                assert counted.commits() == {"relay": 1, "receiver": 1, "worker": 2}
+    finally:
+        counted.close()
+        billing.close()
+
+
+def test_a_burst_is_carried_in_batches(db_url: str, mq_url: str) -> None:
+    billing = billing_with_effects(db_url, mq_url)
+    counted = Counted(billing)
+    total = 400
+    try:
+        with roles_running(billing):
+            send(billing, 1)
+            settled(db_url, 1)
+            counted.reset()
+            writers = [
+                threading.Thread(target=send, args=(billing, total // 8, 1 + w * total // 8))
+                for w in range(8)
+            ]
+            for writer in writers:
+                writer.start()
+            for writer in writers:
+                writer.join()
+            settled(db_url, total + 1)
+            commits = counted.commits()
+        # Eight writers offer more than one message per transaction of each stage can carry:
+        # what arrives while a stage's transaction is in flight joins its next one.
+        assert all(n <= total / 4 for n in commits.values()), commits
+    finally:
+        counted.close()
+        billing.close()
+
+
+@contextmanager
+def receiver_held_on_its_next_batch(db_url: str, message_id: str) -> Iterator[None]:
+    """Hold the lock the receiver takes on `message_id` before storing it (`INBOX_LOCK`):
+    the receiver's transaction that stores it waits in flight until the block ends."""
+    with billing_engine(db_url) as conn:
+        conn.execute(
+            text("SELECT pg_advisory_lock(:ns, hashtext(:m))"), {"ns": INBOX_LOCK, "m": message_id}
+        )
+        try:
+            yield
+        finally:
+            conn.execute(
+                text("SELECT pg_advisory_unlock(:ns, hashtext(:m))"),
+                {"ns": INBOX_LOCK, "m": message_id},
+            )
+
+
+@contextmanager
+def billing_engine(db_url: str) -> Iterator[Any]:
+    from sqlalchemy import create_engine
+
+    engine = create_engine(db_url, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            yield conn
+    finally:
+        engine.dispose()
+
+
+def waiting_on_advisory_lock(db_url: str) -> bool:
+    return bool(
+        scalar(
+            db_url,
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
+        )
+    )
+
+
+def test_messages_arriving_while_the_receiver_stores_join_its_next_transaction(
+    db_url: str, mq_url: str
+) -> None:
+    billing = billing_with_effects(db_url, mq_url)
+    counted = Counted(billing)
+    try:
+        with roles_running(billing):
+            send(billing, 1)
+            settled(db_url, 1)
+            counted.reset()
+            with ExitStack() as held:
+                with billing.session() as session, session.begin():
+                    first = str(billing.outbox.send(session, "billing", COMMAND, {"n": 1}))
+                    # The outbox row commits after the lock is taken: its delivery is the
+                    # first the receiver's next transaction stores, and it waits on the lock.
+                    held.enter_context(receiver_held_on_its_next_batch(db_url, first))
+                wait_until(lambda: waiting_on_advisory_lock(db_url), what="the receiver held")
+                send(billing, 20, start=2)
+                wait_until(
+                    lambda: (
+                        scalar(db_url, OUTBOX_UNSENT) == 0
+                        and billing.broker.queue_depth("billing.inbox") == 0
+                    ),
+                    what="20 more published and delivered to the held receiver",
+                )
+                assert counted.commits()["receiver"] == 0
+            settled(db_url, 22)
+            commits = counted.commits()
+        # One transaction in flight (the held one) and one that took all 20 that came meanwhile.
+        assert commits["receiver"] == 2, commits
+    finally:
+        counted.close()
+        billing.close()
+
+
+def test_messages_arriving_while_a_handler_runs_join_the_workers_next_batch(
+    db_url: str, mq_url: str
+) -> None:
+    billing = make_service(
+        "billing", db_url, mq_url, relay_poll_interval=60, worker_poll_interval=60
+    )
+    release = threading.Event()
+    running_first = threading.Event()
+
+    @billing.on_command(COMMAND)
+    def append(message: Message, session: Session) -> None:
+        if message.payload["n"] == 1:
+            running_first.set()
+            release.wait(30)
+        session.execute(
+            text("INSERT INTO effects (message_id, type) VALUES (:m, :t)"),
+            {"m": str(message.message_id), "t": message.type},
+        )
+
+    billing.declare_topology()
+    counted = Counted(billing)
+    try:
+        with roles_running(billing):
+            send(billing, 1)
+            settled(db_url, 1)
+            counted.reset()
+            send(billing, 1, start=1)
+            assert running_first.wait(20)
+            send(billing, 20, start=2)
+            wait_until(
+                lambda: scalar(db_url, "SELECT count(*) FROM outbox_inbox.inbox_messages") == 22,
+                what="20 more stored while the handler runs",
+            )
+            release.set()
+            settled(db_url, 22)
+            handling = [
+                sum("INSERT INTO effects" in statement for statement in transaction)
+                for transaction in counted.transactions["worker"]
+            ]
+        # The claim of the first; its handling, which claims the 20 that came meanwhile; the
+        # 20 handled in one transaction; at most one claim more, woken by their notifications.
+        assert handling[:3] == [0, 1, 20], handling
+        assert handling[3:] in ([], [0]), handling
+    finally:
+        release.set()
+        counted.close()
+        billing.close()
+
+
+def test_only_the_relays_marks_and_the_workers_claims_commit_without_a_flush(
+    db_url: str, mq_url: str
+) -> None:
+    billing = billing_with_effects(db_url, mq_url)
+    with billing.engine.begin() as conn:
+        conn.execute(
+            text(
+                "CREATE TABLE commits (tx bigint, what text, synchronous_commit text);"
+                " CREATE FUNCTION record_commit() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+                "  INSERT INTO commits VALUES (txid_current(), TG_TABLE_NAME || ' ' || TG_OP,"
+                "   current_setting('synchronous_commit')); RETURN NULL; END $$;"
+                " CREATE TRIGGER record_commit AFTER INSERT OR UPDATE"
+                "  ON outbox_inbox.outbox_messages FOR EACH STATEMENT"
+                "  EXECUTE FUNCTION record_commit();"
+                " CREATE TRIGGER record_commit AFTER INSERT OR UPDATE"
+                "  ON outbox_inbox.inbox_messages FOR EACH STATEMENT"
+                "  EXECUTE FUNCTION record_commit();"
+            )
+        )
+    try:
+        with roles_running(billing):
+            send(billing, 3)
+            settled(db_url, 3)
+        recorded = rows(
+            db_url,
+            "SELECT string_agg(DISTINCT what, ', ' ORDER BY what), min(synchronous_commit)"
+            " FROM commits GROUP BY tx",
+        )
+        kinds = {(what, setting) for what, setting in recorded}
+        # The writers' business transactions and the receiver's inserts wait for the flush;
+        # the relay's marks and the worker's lone claims do not; the worker's handling (its
+        # mark and the claim of the next batch) does.
+        assert kinds == {
+            ("outbox_messages INSERT", "on"),
+            ("outbox_messages UPDATE", "off"),
+            ("inbox_messages INSERT", "on"),
+            ("inbox_messages UPDATE", "off"),
+            ("inbox_messages UPDATE", "on"),
+        }, kinds
+    finally:
+        billing.close()
