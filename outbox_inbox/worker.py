@@ -358,7 +358,7 @@ class Worker:
             caps=self._handlers.caps(),
         )
         if rows and s.fair_claims:  # the next claim's turn starts after the last type served
-            self._served = roles.last_served(rows, self._served)
+            self._served = rows[-1]["routing_key"]
         return rows
 
     @property

@@ -527,7 +527,7 @@ def claim_inbox(
 
     Highest priority first. Within a priority, `fair` serves the message types (routing
     keys) in turn: each type's oldest claimable row, then each one's second, and so on,
-    starting with the first type after `after` (the last type the worker was served; a
+    starting with the types after `after` (the last type the worker was served; a
     worker passes it on from claim to claim, so a batch of one goes round the types too);
     without `fair`, arrival order. A keyed row qualifies only when no earlier pending row has
     its key: a key is handled one message at a time, in order. A leased row qualifies once
@@ -542,8 +542,9 @@ def claim_inbox(
     free places: it is held until the caller's transaction ends (keep it short).
 
     The claim commits with the caller's transaction, so the count survives a crash of the
-    handler. The rows come by priority, then arrival (the order the batch is handled in; see
-    `last_served`), each with the `_CLAIMED` columns and ``claimed_at``, the database's time.
+    handler. The rows come in the order they were served (`served_order`; without `fair`, by
+    priority then arrival), each with the `_CLAIMED` columns and ``claimed_at``, the
+    database's time.
     """
     postgres = conn.dialect.name == "postgresql"
     capped = tuple(sorted((caps or {}).items()))
@@ -558,20 +559,20 @@ def claim_inbox(
         stmt = _claim_statement(tables, postgres)
     rows = list(conn.execute(stmt, params).mappings().all())  # one fetchall, not row by row
     rows.sort(key=lambda r: (-r["priority"], r["id"]))
-    return rows
+    return served_order(rows, after or "") if fair else rows
 
 
-def last_served(rows: Sequence[RowMapping], after: str | None) -> str:
-    """The routing key of the row a fair claim with `after` served last among `rows`: by
+def served_order(rows: list[RowMapping], after: str) -> list[RowMapping]:
+    """`rows` (by priority, then id) in the order a fair claim with `after` served them: by
     priority, then in turns (each type's first row, then each one's second…), in a turn the
-    types after `after` first."""
+    types after `after` first, then arrival."""
     turns: Counter[tuple[int, str]] = Counter()
-    served: list[tuple[int, int, bool, str]] = []
-    for row in sorted(rows, key=lambda r: r["id"]):
+    served = []
+    for row in rows:
         rk = row["routing_key"]
         turns[row["priority"], rk] += 1
-        served.append((-row["priority"], turns[row["priority"], rk], rk <= (after or ""), rk))
-    return max(served)[3]
+        served.append((-row["priority"], turns[row["priority"], rk], rk <= after, row["id"], row))
+    return [entry[-1] for entry in sorted(served, key=lambda e: e[:4])]
 
 
 #: Claims of a capped type, in key order (no two claims deadlock).
@@ -677,7 +678,7 @@ def _fair_claim_statement(
             ranked = ranked.where(source.c.nth <= func.coalesce(cap, source.c.nth))
     r = ranked.subquery("ranked")
     after = bindparam("after", type_=String)
-    turns = (r.c.turn, r.c.routing_key <= after, r.c.routing_key) if fair else (r.c.id,)
+    turns = (r.c.turn, r.c.routing_key <= after, r.c.id) if fair else (r.c.id,)
     picked = select(r.c.id).order_by(r.c.priority.desc(), *turns).limit(limit).scalar_subquery()
     return _lease(tables, picked)
 
