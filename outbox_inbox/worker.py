@@ -140,9 +140,13 @@ class Worker:
         liveness_url: Callable[[], str | None] | None = None,
         service: str | None = None,
         outbox: Outbox | None = None,
+        helpers: str | None = None,
     ) -> None:
         #: Where the faults of dead rows go (outbox_inbox.faults); None sends none.
         self._outbox = outbox
+        #: The channel on which a claim that took a whole batch wakes the other workers (those
+        #: its waker does not lead: `waker.Waker`); None wakes none.
+        self._helpers = helpers
         self._listener = listener
         self._tracing = tracing or Tracing("")
         self._engine = engine
@@ -345,7 +349,10 @@ class Worker:
     def _claim(self, conn: Connection) -> list[RowMapping]:
         s = self._settings
         lease = timedelta(seconds=s.lease)
-        return roles.claim_inbox(conn, self._tables, self.claimant, s.worker_batch_size, lease)
+        rows = roles.claim_inbox(conn, self._tables, self.claimant, s.worker_batch_size, lease)
+        if self._helpers is not None and len(rows) >= s.worker_batch_size:
+            roles.notify(conn, self._helpers, "")  # more may be due than one batch takes
+        return rows
 
     @property
     def claimed_next(self) -> bool:
