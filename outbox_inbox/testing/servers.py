@@ -21,17 +21,10 @@ Example::
         pg.create_database("app")
         service = Service("app", db_url=pg.url("app"), mq_url=mq.url)
 
-* :class:`PostgresServer` runs ``initdb`` + ``postgres`` from the PostgreSQL 15 binaries into a
-  fresh temporary directory (as the ``postgres`` user when we are root), on 127.0.0.1 and a free
-  port. ``stop()`` / ``start()`` keep the data directory and the port, so tests can take the
-  server away and bring it back; ``kill()`` simulates a crash.
-* :class:`RabbitMQServer` runs Debian's ``rabbitmq-server`` as a plain child process whose node
-  name, ports, epmd, cookie, data and logs are all private to one temporary directory.
-  ``stop()`` / ``start()`` keep node name, data and port (durable queues and persistent messages
-  survive); ``kill()`` is a SIGKILL.
-* :class:`ExternalPostgres` / :class:`ExternalRabbitMQ` wrap servers that someone else runs
-  (``OUTBOX_INBOX_TEST_DB_URL`` / ``OUTBOX_INBOX_TEST_MQ_URL``, or testcontainers): the same
-  interface, but they cannot be stopped and restarted.
+On both local servers ``stop()`` / ``start()`` keep the data, the name and the ports, so tests
+can take a server away and bring it back (durable queues and persistent messages survive), and
+``kill()`` (SIGKILL) simulates a crash. :class:`ExternalPostgres` / :class:`ExternalRabbitMQ`
+wrap servers someone else runs: the same interface, but they cannot be stopped and restarted.
 
 Every process started here is killed by ``cleanup()`` (also when ``start()`` fails halfway), by an
 ``atexit`` hook for servers nobody cleaned up, and, should the Python process itself die without
@@ -505,8 +498,23 @@ class _LocalServer(ABC):
     def _kill_processes(self) -> None:
         """SIGKILL every process this object started."""
 
-    @abstractmethod
-    def stop(self, timeout: float = 60.0) -> None: ...
+    def _shut_down(self, proc: _Process, timeout: float) -> bool:
+        """Ask the server to stop and wait; False when it took too long and was killed."""
+        raise NotImplementedError
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Stop the server gracefully (`_shut_down`), keeping its files for a later `start`."""
+        proc = self._proc
+        if proc is None:
+            return
+        started = time.monotonic()
+        if not self._shut_down(proc, timeout):
+            return
+        proc.finished()
+        self._proc = None
+        log.info(
+            "%s on port %s stopped in %.2fs", self._kind, self.port, time.monotonic() - started
+        )
 
     def start(self) -> None:
         """Start the server (the first time: in a fresh temporary directory) and wait until it
@@ -586,7 +594,8 @@ class _Databases:
 
 
 class PostgresServer(_LocalServer, _Databases):
-    """A private PostgreSQL 15 server on 127.0.0.1 for tests and benchmarks.
+    """A private PostgreSQL 15 server on 127.0.0.1 for tests and benchmarks: ``initdb`` and
+    ``postgres`` in a fresh temporary directory (as the ``postgres`` user when we are root).
 
     >>> server = PostgresServer()
     >>> server.start()
@@ -720,29 +729,25 @@ class PostgresServer(_LocalServer, _Databases):
         except (OSError, ValueError):
             return None
 
-    def stop(self, timeout: float = 60.0) -> None:
+    def _shut_down(self, proc: _Process, timeout: float) -> bool:
         """Fast shutdown (SIGINT to the postmaster: roll back open transactions, disconnect
-        clients, checkpoint) and wait. Escalates to immediate shutdown and SIGKILL on timeout."""
-        proc = self._proc
-        if proc is None:
-            return
-        started = time.monotonic()
-        if proc.alive:
-            pid = self.postmaster_pid()
-            if pid is None:
-                proc.signal_group(signal.SIGINT)
-            else:
-                _signal_pid(pid, signal.SIGINT)
-            if not proc.wait(timeout):
-                log.warning("PostgreSQL fast shutdown timed out; sending SIGQUIT")
-                if pid is not None:
-                    _signal_pid(pid, signal.SIGQUIT)
-                if not proc.wait(10):
-                    self._kill_processes()
-                    return
-        proc.finished()
-        self._proc = None
-        log.info("PostgreSQL on port %s stopped in %.2fs", self.port, time.monotonic() - started)
+        clients, checkpoint). Escalates to immediate shutdown and SIGKILL on timeout."""
+        pid = self.postmaster_pid()
+        if not proc.alive:
+            return True
+        if pid is None:
+            proc.signal_group(signal.SIGINT)
+        else:
+            _signal_pid(pid, signal.SIGINT)
+        if proc.wait(timeout):
+            return True
+        log.warning("PostgreSQL fast shutdown timed out; sending SIGQUIT")
+        if pid is not None:
+            _signal_pid(pid, signal.SIGQUIT)
+        if proc.wait(10):
+            return True
+        self._kill_processes()
+        return False
 
     def kill(self) -> None:
         """Crash the server: SIGKILL the postmaster and all its children at once."""
@@ -984,23 +989,17 @@ class RabbitMQServer(_LocalServer):
             pika.BlockingConnection(self.connection_parameters()).close()
         return True
 
-    def stop(self, timeout: float = 60.0) -> None:
-        """Graceful stop: SIGTERM to the start script, which stops the node properly (queues and
-        message stores are closed), then wait. SIGKILL if it takes longer than ``timeout``."""
-        proc = self._proc
-        if proc is None:
-            return
-        started = time.monotonic()
+    def _shut_down(self, proc: _Process, timeout: float) -> bool:
+        """SIGTERM to the start script, which stops the node properly (queues and message
+        stores are closed). SIGKILL if it takes longer than ``timeout``."""
         # Not the whole group: the VM's erl_child_setup helper is in it too, and its death
         # would abort the VM instead of stopping it.
         proc.send_signal(signal.SIGTERM)
-        if not proc.wait(timeout):
-            log.warning("RabbitMQ did not stop within %ss; killing it", timeout)
-            self.kill()
-            return
-        proc.finished()
-        self._proc = None
-        log.info("RabbitMQ on port %s stopped in %.2fs", self.port, time.monotonic() - started)
+        if proc.wait(timeout):
+            return True
+        log.warning("RabbitMQ did not stop within %ss; killing it", timeout)
+        self.kill()
+        return False
 
     def kill(self) -> None:
         """Crash the node: SIGKILL the start script and the Erlang VM at once."""
