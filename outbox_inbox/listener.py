@@ -9,7 +9,7 @@ Prometheus metrics of `outbox_inbox.metrics` next to your own.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .broker import PublishOutcome
 from .messages import Message, OutgoingMessage
@@ -63,35 +63,20 @@ class Listeners(Listener):
     def __init__(self, *listeners: Listener) -> None:
         self.listeners = tuple(listeners)
 
-    def _each(self, hook: str, *args: object, **kwargs: object) -> None:
+
+def _fan_out(hook: str) -> Callable[..., None]:
+    def each(self: Listeners, *args: object, **kwargs: object) -> None:
         for listener in self.listeners:
             call(listener, hook, *args, **kwargs)
 
-    def relay_confirmed(
-        self, messages: Sequence[OutgoingMessage], outcomes: Sequence[PublishOutcome]
-    ) -> None:
-        self._each("relay_confirmed", messages, outcomes)
+    each.__name__, each.__qualname__ = hook, f"Listeners.{hook}"
+    return each
 
-    def relay_committed(self, messages: Sequence[OutgoingMessage]) -> None:
-        self._each("relay_committed", messages)
 
-    def received(self, stored: int, duplicates: int) -> None:
-        self._each("received", stored, duplicates)
-
-    def handled(self, message: Message) -> None:
-        self._each("handled", message)
-
-    def failed(self, message: Message, error: BaseException, *, dead: bool) -> None:
-        self._each("failed", message, error, dead=dead)
-
-    def stored(self, messages: Sequence[Message]) -> None:
-        self._each("stored", messages)
-
-    def handler_ran(self, message: Message, seconds: float, error: BaseException | None) -> None:
-        self._each("handler_ran", message, seconds, error)
-
-    def dead(self, reason: str, count: int) -> None:
-        self._each("dead", reason, count)
+#: The hooks of a `Listener`: `Listeners` calls each on every listener it holds.
+HOOKS = tuple(name for name, value in vars(Listener).items() if callable(value))
+for _hook in HOOKS:
+    setattr(Listeners, _hook, _fan_out(_hook))
 
 
 def combine(*listeners: Listener | None) -> Listener | None:

@@ -433,7 +433,9 @@ class Service:
 
     # --- roles ----------------------------------------------------------------------------
 
-    def _waker(self, table: str) -> Callable[[threading.Event], Waker | None]:
+    def _waker(
+        self, table: str, helpers: str | None = None
+    ) -> Callable[[threading.Event], Waker | None]:
         def factory(stop: threading.Event) -> Waker | None:
             if self.engine.dialect.name != "postgresql":
                 return None
@@ -442,6 +444,7 @@ class Service:
                 notify_channel(self.settings.schema, table),
                 stop,
                 probe=self.engine,
+                helpers=helpers,
             )
 
         return factory
@@ -521,7 +524,9 @@ class Service:
         )
 
     def worker(self, name: str | None = None) -> Worker:
-        """A new worker running this service's handlers."""
+        """A new worker running this service's handlers. The workers of the service take turns
+        at listening (`waker.Waker`'s `helpers`): a lone message wakes one of them."""
+        helpers = f"{notify_channel(self.settings.schema, self.tables.inbox.name)}.helpers"
         return Worker(
             engine=self.engine,
             tables=self.tables,
@@ -529,11 +534,12 @@ class Service:
             settings=self.settings,
             name=name,
             service=self.name,
-            waker_factory=self._waker(self.tables.inbox.name),
+            waker_factory=self._waker(self.tables.inbox.name, helpers),
             listener=self.listener,
             tracing=self.tracing,
             liveness_url=self._liveness_url,
             outbox=self.outbox,
+            helpers=helpers if self.engine.dialect.name == "postgresql" else None,
         )
 
     def async_worker(self, name: str | None = None) -> AsyncWorker:

@@ -157,20 +157,14 @@ def processing(
     so what they write to the outbox continues the trace). Nothing when `tracer` is None."""
     if tracer is None:
         return _NOTHING
-    return _processing(tracer, service, message)
-
-
-@contextmanager
-def _processing(tracer: Tracer, service: str, message: Message) -> Iterator[None]:
     # record_exception / set_status_on_exception: a handler's error (Retry and Reject too)
     # marks the span, and propagates unchanged.
-    with tracer.start_as_current_span(
+    return tracer.start_as_current_span(
         f"process {message.type}",
         context=extract(message.headers),
         kind=SpanKind.CONSUMER,
         attributes=_process_attributes(service, message),
-    ):
-        yield
+    )
 
 
 def processing_batch(

@@ -98,6 +98,13 @@ class Waker:
     `setting` names, in the warning, what the operator sets to fix a path that cannot deliver
     (``listen_url``). `listening` is True once a probe came back, False while the waker polls
     because one did not, None before any verdict.
+
+    With `helpers`, the wakers of one `channel` take turns: one at a time in the database, the
+    holder of a session advisory lock on the channel's name (`leading`), listens on `channel`;
+    the others listen on `helpers`, on which a loop that found more work than it could take
+    wakes them (NOTIFY), and try to take the lead every quarter second while they wait. So a
+    lone message wakes one loop, not every loop of the fleet, and under load all of them work;
+    a leader whose session ends is followed within a quarter second.
     Not thread-safe: one per loop.
     """
 
@@ -109,9 +116,12 @@ class Waker:
         *,
         probe: Engine | None = None,
         setting: str = "listen_url",
+        helpers: str | None = None,
     ) -> None:
         self._conninfo = conninfo
-        self._channel = channel
+        self._channel = channel  # the channel listened on: `_lead`'s, or `_helpers`
+        self._lead, self._helpers = channel, helpers
+        self.leading = helpers is None
         self._stop = stop
         self._probe = probe
         self._setting = setting
@@ -145,6 +155,9 @@ class Waker:
             self._polling(conn)
             return None
         try:
+            if self._helpers is not None:
+                self.leading = _take_lead(conn, self._lead)
+                self._channel = self._lead if self.leading else self._helpers
             # The pid says which server holds the registration, should it have to be taken back.
             self._pid = _pid_after(conn, sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
         except psycopg.Error as exc:
@@ -274,6 +287,8 @@ class Waker:
         try:
             # Wait in slices so that a stop request is seen within a fraction of a second.
             while remaining > 0 and not self._stop.is_set():
+                if not self.leading and self._took_lead(conn):
+                    return True  # what came while this loop listened elsewhere: claim once
                 slice_ = min(remaining, 0.25)
                 # An open notifies() generator holds the connection's lock: close it before
                 # draining what else is queued, so that one burst wakes the loop once.
@@ -292,11 +307,38 @@ class Waker:
             self.close()
         return False
 
+    def _took_lead(self, conn: psycopg.Connection[tuple[object, ...]]) -> bool:
+        """Take the lead if its holder is gone (its session ended): listen on the lead's channel
+        from now on. False when another waker leads, or on an error (the next wait tries
+        again)."""
+        try:
+            if not _take_lead(conn, self._lead):
+                return False
+            conn.execute(
+                sql.SQL("UNLISTEN {}; LISTEN {}").format(
+                    sql.Identifier(self._channel), sql.Identifier(self._lead)
+                )
+            )
+        except psycopg.Error as exc:
+            log.debug("taking the lead of %s failed: %s", self._lead, exc)
+            return False
+        self._channel, self.leading = self._lead, True
+        return True
+
     def close(self) -> None:
         if self._conn is not None:
             with contextlib.suppress(psycopg.Error):
                 self._conn.close()
             self._conn = None
+
+
+def _take_lead(conn: psycopg.Connection[tuple[object, ...]], channel: str) -> bool:
+    """Whether this session holds, or now takes, the lead of `channel` (a session advisory
+    lock, released with the session)."""
+    row = conn.execute(
+        "SELECT pg_try_advisory_lock(%s, hashtext(%s))", (roles.LEAD_LOCK, channel)
+    ).fetchone()
+    return bool(row and row[0])
 
 
 def release_listen(conninfo: str, channel: str, pid: int, *, probe: Engine | None = None) -> bool:

@@ -140,9 +140,13 @@ class Worker:
         liveness_url: Callable[[], str | None] | None = None,
         service: str | None = None,
         outbox: Outbox | None = None,
+        helpers: str | None = None,
     ) -> None:
         #: Where the faults of dead rows go (outbox_inbox.faults); None sends none.
         self._outbox = outbox
+        #: The channel on which a claim that took a whole batch wakes the other workers (those
+        #: its waker does not lead: `waker.Waker`); None wakes none.
+        self._helpers = helpers
         self._listener = listener
         self._tracing = tracing or Tracing("")
         self._engine = engine
@@ -359,6 +363,8 @@ class Worker:
         )
         if rows and s.fair_claims:  # the next claim's turn starts after the last type served
             self._served = rows[-1]["routing_key"]
+        if self._helpers is not None and len(rows) >= s.worker_batch_size:
+            roles.notify(conn, self._helpers, "")  # more may be due than one batch takes
         return rows
 
     @property

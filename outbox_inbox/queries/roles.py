@@ -70,7 +70,10 @@ WRITER_LOCK = 0x0B0C
 RELAY_LOCK = 0x0B0D
 WORKER_LOCK = 0x0B0E
 INBOX_LOCK = 0x0B0F
-CAP_LOCK = 0x0B10
+#: The lead of a wake-up channel: held, on its LISTEN session, by the one waker of the channel
+#: that listens on it (see `waker.Waker`).
+LEAD_LOCK = 0x0B10
+CAP_LOCK = 0x0B11
 #: Ends the claimant name of a worker that holds no liveness lock (behind a pooler in
 #: transaction mode without ``listen_url``): its rows are free only when their lease ends.
 LEASE_ONLY = "+lease-only"

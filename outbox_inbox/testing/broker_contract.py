@@ -71,6 +71,7 @@ from ..topology import (
     inbox_queue,
     service_topology,
 )
+from .servers import wait_until
 
 CONFIRMED = PublishOutcome.CONFIRMED
 RETURNED = PublishOutcome.RETURNED
@@ -107,18 +108,6 @@ def requires(*capabilities: str) -> Callable[[Case], Case]:
         return case
 
     return mark
-
-
-def wait_until(condition: Callable[[], Any], timeout: float = 5.0, what: str = "") -> Any:
-    """Poll `condition` until it returns something truthy; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or condition}")
-        time.sleep(0.05)
 
 
 def wire(
@@ -760,7 +749,7 @@ class BrokerContract:
             assert operator.purge_queue(inbox) == 3  # the unacknowledged delivery stays
             assert operator.queue_info(inbox) == (0, 1)
             consumer.close()
-            wait_until(lambda: operator.queue_info(inbox) == (1, 0), what="the requeue")
+            wait_until(lambda: operator.queue_info(inbox) == (1, 0), timeout=5, what="the requeue")
             assert operator.delete_queue(inbox) == 1
             assert operator.queue_info(inbox) is None
             assert operator.purge_queue(inbox) == 0
@@ -783,13 +772,13 @@ class BrokerContract:
             assert reader.depth() == 1  # taken messages are not ready
             reader.ack(first)
             reader.close()
-            wait_until(lambda: broker.queue_depth(letters) == 2, what="the return")
+            depth_becomes(broker, letters, 2)
             again = operator.reader(letters)
             back = [again.get(), again.get()]
             assert again.get() is None
             assert numbers(back) == [1, 2]
             assert [m.redelivered for m in back if m is not None] == [True, False]
-        wait_until(lambda: broker.queue_depth(letters) == 2, what="the close of the session")
+        depth_becomes(broker, letters, 2)
         with broker.operator() as operator, pytest.raises(BrokerError):
             operator.reader(f"{svc}.missing").get()
 
@@ -809,7 +798,7 @@ class BrokerContract:
             reader.ack(taken)
             with pytest.raises(BrokerError):
                 reader.republish(taken, f"{svc}.no-such-exchange", svc, {})
-        wait_until(lambda: broker.queue_depth(letters) == 0, what="the ack")
+        depth_becomes(broker, letters, 0)
         copy = take(opened(broker.consumer(inbox_queue(svc), prefetch=10)), 1)[0].message
         assert (copy.exchange, copy.routing_key) == (RETRY_EXCHANGE, svc)
         assert copy.headers == {"n": 5, "replayed": 1}
@@ -856,6 +845,7 @@ class BrokerContract:
         with broker.operator() as operator:  # the session's end deleted its tail queues
             wait_until(
                 lambda: all(operator.queue_info(q) is None for q in queues),
+                timeout=5,
                 what=f"{queues} deleted",
             )
 

@@ -37,7 +37,7 @@ from typing import Any
 
 from psycopg import sql
 
-from .servers import PostgresHandle, PostgresServer, RabbitMQServer, wait_until
+from .servers import PostgresHandle, PostgresServer, RabbitMQServer, _run, wait_until
 
 #: What RabbitMQ's memory high watermark is set back to (the node's default).
 DEFAULT_WATERMARK = "0.4"
@@ -62,21 +62,9 @@ def stop_postgres_immediately(server: PostgresServer) -> None:
 
 
 def _pg_ctl(server: PostgresServer, *args: str) -> None:
-    """``pg_ctl ARGS -w -t 30 -D <data>`` as the cluster's owner; AssertionError if it fails."""
+    """``pg_ctl ARGS -w -t 30 -D <data>`` as the cluster's owner; ServerError if it fails."""
     command = [str(server.bin_dir / "pg_ctl"), *args, "-w", "-t", "30", "-D", str(server.data_dir)]
-    if os.geteuid() == 0:  # the cluster belongs to the postgres user (see tests/servers.py)
-        command = ["runuser", "-u", server.user, "--", *command]
-    result = subprocess.run(
-        command,
-        cwd=server.socket_dir,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    if result.returncode != 0:
-        raise AssertionError(f"pg_ctl {' '.join(args)} failed: {result.stdout}{result.stderr}")
+    _run(server._as_postgres(command), f"pg_ctl {' '.join(args)}", cwd=server.socket_dir)
 
 
 class StreamingReplica(PostgresServer):
@@ -101,21 +89,8 @@ class StreamingReplica(PostgresServer):
             *("-h", self.primary.host, "-p", str(self.primary.port), "-U", self.user),
             *("-D", str(self.data_dir), "-R", "-X", "stream", "--checkpoint=fast", "--no-sync"),
         ]
-        result = subprocess.run(
-            self._as_postgres(backup),
-            cwd=self.temp_dir,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        if result.returncode != 0:
-            raise AssertionError(f"pg_basebackup failed: {result.stdout}{result.stderr}")
-        settings = {**self.settings, "port": str(self.port)}
-        settings["unix_socket_directories"] = f"'{self.socket_dir}'"
-        with open(self.data_dir / "postgresql.conf", "a") as conf:  # later lines win
-            conf.write("".join(f"{key} = {value}\n" for key, value in settings.items()))
+        _run(self._as_postgres(backup), "pg_basebackup", cwd=self.temp_dir, timeout=120)
+        self._write_settings()  # appended: later lines win
 
     def streaming(self, state: str = "streaming") -> bool:
         """True when the primary reports this standby's walsender in `state` (``sync_state``
@@ -256,12 +231,6 @@ def paused(pids: Sequence[int]) -> Iterator[None]:
                 os.killpg(pid, signal.SIGCONT)
 
 
-def _run(command: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        command, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60, check=False
-    )
-
-
 # --------------------------------------------------------------------------------------------
 # RabbitMQ
 # --------------------------------------------------------------------------------------------
@@ -325,18 +294,9 @@ def _alarm(
 # iptables
 # --------------------------------------------------------------------------------------------
 
-_IPTABLES_TIMEOUT = 30
-
 
 def _iptables(iptables: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [iptables, "-w", "5", *args],
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=_IPTABLES_TIMEOUT,
-        check=False,
-    )
+    return _run([iptables, "-w", "5", *args], timeout=30)
 
 
 def _rules(port: int) -> list[list[str]]:
@@ -361,14 +321,7 @@ def iptables_problem() -> tuple[str | None, str]:
         for attempt in ([install], [["apt-get", "update", "-q"], install]):
             for args in attempt:
                 with contextlib.suppress(OSError, subprocess.SubprocessError):
-                    subprocess.run(
-                        args,
-                        env=env,
-                        stdin=subprocess.DEVNULL,
-                        capture_output=True,
-                        timeout=300,
-                        check=False,
-                    )
+                    _run(args, env=env, timeout=300)
             iptables = shutil.which("iptables")
             if iptables is not None:
                 break

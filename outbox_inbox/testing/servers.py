@@ -21,17 +21,10 @@ Example::
         pg.create_database("app")
         service = Service("app", db_url=pg.url("app"), mq_url=mq.url)
 
-* :class:`PostgresServer` runs ``initdb`` + ``postgres`` from the PostgreSQL 15 binaries into a
-  fresh temporary directory (as the ``postgres`` user when we are root), on 127.0.0.1 and a free
-  port. ``stop()`` / ``start()`` keep the data directory and the port, so tests can take the
-  server away and bring it back; ``kill()`` simulates a crash.
-* :class:`RabbitMQServer` runs Debian's ``rabbitmq-server`` as a plain child process whose node
-  name, ports, epmd, cookie, data and logs are all private to one temporary directory.
-  ``stop()`` / ``start()`` keep node name, data and port (durable queues and persistent messages
-  survive); ``kill()`` is a SIGKILL.
-* :class:`ExternalPostgres` / :class:`ExternalRabbitMQ` wrap servers that someone else runs
-  (``OUTBOX_INBOX_TEST_DB_URL`` / ``OUTBOX_INBOX_TEST_MQ_URL``, or testcontainers): the same
-  interface, but they cannot be stopped and restarted.
+On both local servers ``stop()`` / ``start()`` keep the data, the name and the ports, so tests
+can take a server away and bring it back (durable queues and persistent messages survive), and
+``kill()`` (SIGKILL) simulates a crash. :class:`ExternalPostgres` / :class:`ExternalRabbitMQ`
+wrap servers someone else runs: the same interface, but they cannot be stopped and restarted.
 
 Every process started here is killed by ``cleanup()`` (also when ``start()`` fails halfway), by an
 ``atexit`` hook for servers nobody cleaned up, and, should the Python process itself die without
@@ -167,21 +160,20 @@ def _port_open(host: str, port: int, timeout: float = 0.5) -> bool:
         return False
 
 
+def _stat(pid: int | str) -> list[str]:
+    """The fields of ``/proc/PID/stat`` after the command name: state, ppid, ...; [] if gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return []
+    # "pid (comm) state ppid ..." and comm may contain spaces and parentheses.
+    return raw[raw.rfind(")") + 2 :].split()
+
+
 def _children_of(pid: int) -> list[int]:
     """Direct children of ``pid`` (Linux /proc)."""
-    children: list[int] = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            raw = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # "pid (comm) state ppid ..." and comm may contain spaces and parentheses.
-        fields = raw[raw.rfind(")") + 2 :].split()
-        if len(fields) > 1 and int(fields[1]) == pid:
-            children.append(int(entry.name))
-    return children
+    entries = (e.name for e in Path("/proc").iterdir() if e.name.isdigit())
+    return [int(name) for name in entries if _stat(name)[1:2] == [str(pid)]]
 
 
 def wait_until(
@@ -199,11 +191,7 @@ def wait_until(
 
 def _pid_gone(pid: int) -> bool:
     """True when ``pid`` no longer runs: it does not exist or is a zombie waiting to be reaped."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return raw[raw.rfind(")") + 2 :].startswith("Z")
+    return _stat(pid)[:1] in ([], ["Z"])
 
 
 def _wait_gone(pids: list[int], timeout: float) -> bool:
@@ -230,6 +218,20 @@ def _world_traversable(path: Path) -> bool:
         except OSError:
             return False
     return True
+
+
+def _run(
+    args: list[str], what: str = "", *, timeout: float = 60, **kwargs: Any
+) -> subprocess.CompletedProcess[str]:
+    """Run `args` (stdin from `input` or nothing), output captured as text. With `what`, a
+    failure raises ServerError naming it, with the output."""
+    kwargs.setdefault("stdin", None if "input" in kwargs else subprocess.DEVNULL)
+    result = subprocess.run(
+        args, capture_output=True, text=True, timeout=timeout, check=False, **kwargs
+    )
+    if what and result.returncode != 0:
+        raise ServerError(f"{what} failed ({result.returncode}):\n{result.stdout}{result.stderr}")
+    return result
 
 
 def _is_root() -> bool:
@@ -311,26 +313,14 @@ class _Watchdog:
                 return None
         return self._proc.stdin
 
-    def _send(self, line: str) -> None:
+    def send(self, command: str, arg: object) -> None:
         with self._lock:
             stdin = self._stdin()
             if stdin is None:
                 return
             with contextlib.suppress(OSError, ValueError):
-                stdin.write(line.encode() + b"\n")
+                stdin.write(f"{command} {arg}\n".encode())
                 stdin.flush()
-
-    def add(self, pgid: int) -> None:
-        self._send(f"add {pgid}")
-
-    def remove(self, pgid: int) -> None:
-        self._send(f"remove {pgid}")
-
-    def add_dir(self, path: Path) -> None:
-        self._send(f"add-dir {path}")
-
-    def remove_dir(self, path: Path) -> None:
-        self._send(f"remove-dir {path}")
 
 
 _watchdog = _Watchdog()
@@ -363,7 +353,7 @@ class _Process:
             )
         self.pid = self.popen.pid
         self.pgid = self.popen.pid  # start_new_session: the child leads its own group
-        _watchdog.add(self.pgid)
+        _watchdog.send("add", self.pgid)
 
     @property
     def alive(self) -> bool:
@@ -388,13 +378,13 @@ class _Process:
         """SIGKILL the whole group and reap the leader."""
         self.signal_group(signal.SIGKILL)
         self.wait(30)
-        _watchdog.remove(self.pgid)
+        _watchdog.send("remove", self.pgid)
 
     def finished(self) -> None:
         """The leader exited by itself: make sure nothing of its group stays behind."""
         self.wait(30)
         self.signal_group(signal.SIGKILL)
-        _watchdog.remove(self.pgid)
+        _watchdog.send("remove", self.pgid)
 
 
 _live_servers: weakref.WeakSet[_LocalServer] = weakref.WeakSet()
@@ -454,6 +444,7 @@ class _LocalServer(ABC):
     #: The server's name in log lines.
     _kind = ""
     port: int
+    startup_timeout: float
     temp_dir: Path | None = None
     _proc: _Process | None = None
 
@@ -473,15 +464,57 @@ class _LocalServer(ABC):
     def _launch(self) -> _Process:
         """Start the server's processes (the temporary directory exists); return the main one."""
 
-    @abstractmethod
-    def _wait_ready(self) -> None: ...
+    #: What `_answers` may raise while the server boots.
+    _probe_errors: tuple[type[Exception], ...] = ()
+
+    def _answers(self) -> bool:
+        """True once the server answers (`_wait_ready` polls it)."""
+        raise NotImplementedError
+
+    def _failure(self, message: str) -> ServerError:
+        """A ServerError saying `message` and the tail of the server's log."""
+        return ServerError(message)
+
+    def _wait_ready(self) -> None:
+        assert self._proc is not None
+        deadline = time.monotonic() + self.startup_timeout
+        last_error: Exception | None = None
+        while time.monotonic() < deadline:
+            if not self._proc.alive:
+                code = self._proc.popen.returncode
+                raise self._failure(f"{self._kind} exited with code {code} while starting")
+            try:
+                if self._answers():
+                    return
+            except self._probe_errors as exc:
+                last_error = exc
+            time.sleep(0.05)
+        raise self._failure(
+            f"{self._kind} did not answer on port {self.port} within {self.startup_timeout}s "
+            f"(last error: {last_error!r})"
+        )
 
     @abstractmethod
     def _kill_processes(self) -> None:
         """SIGKILL every process this object started."""
 
-    @abstractmethod
-    def stop(self, timeout: float = 60.0) -> None: ...
+    def _shut_down(self, proc: _Process, timeout: float) -> bool:
+        """Ask the server to stop and wait; False when it took too long and was killed."""
+        raise NotImplementedError
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Stop the server gracefully (`_shut_down`), keeping its files for a later `start`."""
+        proc = self._proc
+        if proc is None:
+            return
+        started = time.monotonic()
+        if not self._shut_down(proc, timeout):
+            return
+        proc.finished()
+        self._proc = None
+        log.info(
+            "%s on port %s stopped in %.2fs", self._kind, self.port, time.monotonic() - started
+        )
 
     def start(self) -> None:
         """Start the server (the first time: in a fresh temporary directory) and wait until it
@@ -493,7 +526,7 @@ class _LocalServer(ABC):
         try:
             if self.temp_dir is None:
                 self.temp_dir = self._make_temp_dir()
-                _watchdog.add_dir(self.temp_dir)
+                _watchdog.send("add-dir", self.temp_dir)
                 _live_servers.add(self)
             self._proc = self._launch()
             self._wait_ready()
@@ -510,7 +543,7 @@ class _LocalServer(ABC):
             self._kill_processes()
             if self.temp_dir is not None:
                 shutil.rmtree(self.temp_dir, ignore_errors=True)
-                _watchdog.remove_dir(self.temp_dir)
+                _watchdog.send("remove-dir", self.temp_dir)
                 self.temp_dir = None
             _live_servers.discard(self)
 
@@ -561,7 +594,8 @@ class _Databases:
 
 
 class PostgresServer(_LocalServer, _Databases):
-    """A private PostgreSQL 15 server on 127.0.0.1 for tests and benchmarks.
+    """A private PostgreSQL 15 server on 127.0.0.1 for tests and benchmarks: ``initdb`` and
+    ``postgres`` in a fresh temporary directory (as the ``postgres`` user when we are root).
 
     >>> server = PostgresServer()
     >>> server.start()
@@ -648,32 +682,14 @@ class PostgresServer(_LocalServer, _Databases):
         initdb = self.bin_dir / "initdb"
         if not initdb.exists():
             raise ServerError(f"{initdb} not found: install Debian's postgresql-15 package")
-        log_path = self.temp_dir / "initdb.log"
-        with open(log_path, "wb") as log_file:
-            result = subprocess.run(
-                self._as_postgres(
-                    [
-                        str(initdb),
-                        "-D",
-                        str(self.data_dir),
-                        "-U",
-                        self.user,
-                        "--auth=trust",
-                        "--encoding=UTF8",
-                        "--no-locale",
-                        "--no-sync",  # only an OS crash could lose it; we test process crashes
-                        "--no-instructions",
-                    ]
-                ),
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                cwd=self.temp_dir,
-                timeout=120,
-                check=False,
-            )
-        if result.returncode != 0:
-            raise ServerError(f"initdb failed ({result.returncode}):\n{_tail(log_path)}")
+        args = [str(initdb), "-D", str(self.data_dir), "-U", self.user, "--auth=trust"]
+        # --no-sync: only an OS crash could lose it; we test process crashes
+        args += ["--encoding=UTF8", "--no-locale", "--no-sync", "--no-instructions"]
+        _run(self._as_postgres(args), "initdb", cwd=self.temp_dir, timeout=120)
+        self._write_settings()
+
+    def _write_settings(self) -> None:
+        """Append `settings`, the port and the socket directory to ``postgresql.conf``."""
         settings = dict(self.settings)
         settings["port"] = str(self.port)
         socket_path = f"{self.socket_dir}/.s.PGSQL.{self.port}"
@@ -694,27 +710,15 @@ class PostgresServer(_LocalServer, _Databases):
             cwd=self.temp_dir,
         )
 
-    def _wait_ready(self) -> None:
-        assert self._proc is not None
-        deadline = time.monotonic() + self.startup_timeout
-        last_error: Exception | None = None
-        while time.monotonic() < deadline:
-            if not self._proc.alive:
-                raise ServerError(
-                    f"postgres exited with code {self._proc.popen.returncode} while starting; "
-                    f"log {self.log_path}:\n{_tail(self.log_path)}"
-                )
-            try:
-                with psycopg.connect(self.conninfo("postgres"), connect_timeout=2) as conn:
-                    conn.execute("SELECT 1")
-                return
-            except psycopg.OperationalError as exc:
-                last_error = exc
-                time.sleep(0.05)
-        raise ServerError(
-            f"PostgreSQL did not accept connections within {self.startup_timeout}s "
-            f"(last error: {last_error}); log {self.log_path}:\n{_tail(self.log_path)}"
-        )
+    _probe_errors = (psycopg.OperationalError,)
+
+    def _answers(self) -> bool:
+        with psycopg.connect(self.conninfo("postgres"), connect_timeout=2) as conn:
+            conn.execute("SELECT 1")
+        return True
+
+    def _failure(self, message: str) -> ServerError:
+        return ServerError(f"{message}; log {self.log_path}:\n{_tail(self.log_path)}")
 
     def postmaster_pid(self) -> int | None:
         """The postmaster's pid as written in ``postmaster.pid``, if the server runs."""
@@ -725,29 +729,25 @@ class PostgresServer(_LocalServer, _Databases):
         except (OSError, ValueError):
             return None
 
-    def stop(self, timeout: float = 60.0) -> None:
+    def _shut_down(self, proc: _Process, timeout: float) -> bool:
         """Fast shutdown (SIGINT to the postmaster: roll back open transactions, disconnect
-        clients, checkpoint) and wait. Escalates to immediate shutdown and SIGKILL on timeout."""
-        proc = self._proc
-        if proc is None:
-            return
-        started = time.monotonic()
-        if proc.alive:
-            pid = self.postmaster_pid()
-            if pid is None:
-                proc.signal_group(signal.SIGINT)
-            else:
-                _signal_pid(pid, signal.SIGINT)
-            if not proc.wait(timeout):
-                log.warning("PostgreSQL fast shutdown timed out; sending SIGQUIT")
-                if pid is not None:
-                    _signal_pid(pid, signal.SIGQUIT)
-                if not proc.wait(10):
-                    self._kill_processes()
-                    return
-        proc.finished()
-        self._proc = None
-        log.info("PostgreSQL on port %s stopped in %.2fs", self.port, time.monotonic() - started)
+        clients, checkpoint). Escalates to immediate shutdown and SIGKILL on timeout."""
+        pid = self.postmaster_pid()
+        if not proc.alive:
+            return True
+        if pid is None:
+            proc.signal_group(signal.SIGINT)
+        else:
+            _signal_pid(pid, signal.SIGINT)
+        if proc.wait(timeout):
+            return True
+        log.warning("PostgreSQL fast shutdown timed out; sending SIGQUIT")
+        if pid is not None:
+            _signal_pid(pid, signal.SIGQUIT)
+        if proc.wait(10):
+            return True
+        self._kill_processes()
+        return False
 
     def kill(self) -> None:
         """Crash the server: SIGKILL the postmaster and all its children at once."""
@@ -977,50 +977,29 @@ class RabbitMQServer(_LocalServer):
             parts += [f"--- {self.node_log_path}:", _tail(self.node_log_path, 30)]
         return ServerError("\n".join(parts))
 
-    def _wait_ready(self) -> None:
-        assert self._proc is not None
-        deadline = time.monotonic() + self.startup_timeout
-        last_error: Exception | None = None
-        while time.monotonic() < deadline:
-            if not self._proc.alive:
-                raise self._failure(
-                    f"rabbitmq-server exited with code {self._proc.popen.returncode} while starting"
-                )
-            management_up = self.management_port is None or _port_open(
-                LOCALHOST, self.management_port, timeout=0.5
-            )
-            if management_up and _port_open(LOCALHOST, self.port, timeout=0.5):
-                try:
-                    with _quiet_pika():
-                        connection = pika.BlockingConnection(self.connection_parameters())
-                        connection.close()
-                except pika.exceptions.AMQPError as exc:
-                    last_error = exc
-                else:
-                    return
-            time.sleep(0.1)
-        raise self._failure(
-            f"RabbitMQ did not answer AMQP on port {self.port} within {self.startup_timeout}s "
-            f"(last error: {last_error!r})"
-        )
+    _probe_errors = (pika.exceptions.AMQPError,)
 
-    def stop(self, timeout: float = 60.0) -> None:
-        """Graceful stop: SIGTERM to the start script, which stops the node properly (queues and
-        message stores are closed), then wait. SIGKILL if it takes longer than ``timeout``."""
-        proc = self._proc
-        if proc is None:
-            return
-        started = time.monotonic()
+    def _answers(self) -> bool:
+        management = self.management_port
+        if management is not None and not _port_open(LOCALHOST, management, timeout=0.5):
+            return False
+        if not _port_open(LOCALHOST, self.port, timeout=0.5):
+            return False
+        with _quiet_pika():
+            pika.BlockingConnection(self.connection_parameters()).close()
+        return True
+
+    def _shut_down(self, proc: _Process, timeout: float) -> bool:
+        """SIGTERM to the start script, which stops the node properly (queues and message
+        stores are closed). SIGKILL if it takes longer than ``timeout``."""
         # Not the whole group: the VM's erl_child_setup helper is in it too, and its death
         # would abort the VM instead of stopping it.
         proc.send_signal(signal.SIGTERM)
-        if not proc.wait(timeout):
-            log.warning("RabbitMQ did not stop within %ss; killing it", timeout)
-            self.kill()
-            return
-        proc.finished()
-        self._proc = None
-        log.info("RabbitMQ on port %s stopped in %.2fs", self.port, time.monotonic() - started)
+        if proc.wait(timeout):
+            return True
+        log.warning("RabbitMQ did not stop within %ss; killing it", timeout)
+        self.kill()
+        return False
 
     def kill(self) -> None:
         """Crash the node: SIGKILL the start script and the Erlang VM at once."""
@@ -1040,15 +1019,7 @@ class RabbitMQServer(_LocalServer):
             # In case some Erlang process started an epmd of its own on our port.
             epmd = shutil.which("epmd") or "/usr/lib/erlang/bin/epmd"
             with contextlib.suppress(OSError, subprocess.SubprocessError):
-                subprocess.run(
-                    [epmd, "-kill"],
-                    env=self.env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                    timeout=5,
-                    check=False,
-                )
+                _run([epmd, "-kill"], env=self.env, timeout=5)
 
     # -- clients ------------------------------------------------------------------------------
 
@@ -1083,23 +1054,9 @@ class RabbitMQServer(_LocalServer):
 
     def rabbitmqctl(self, *args: str, timeout: float = 60.0) -> str:
         """Run ``rabbitmqctl -n NODE ARGS`` with the node's environment; return its stdout."""
-        ctl = self.sbin_dir / "rabbitmqctl"
-        result = subprocess.run(
-            [str(ctl), "-n", self.nodename, *args],
-            env=self.env,
-            cwd=self.temp_dir,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-        if result.returncode != 0:
-            raise ServerError(
-                f"rabbitmqctl {' '.join(args)} failed ({result.returncode}):\n"
-                f"{result.stdout}\n{result.stderr}"
-            )
-        return result.stdout
+        ctl = [str(self.sbin_dir / "rabbitmqctl"), "-n", self.nodename, *args]
+        what = f"rabbitmqctl {' '.join(args)}"
+        return _run(ctl, what, env=self.env, cwd=self.temp_dir, timeout=timeout).stdout
 
     def eval(self, expression: str, timeout: float = 60.0) -> str:
         """Evaluate Erlang ``expression`` (ending with '.') on the node; return the printed result.
@@ -1110,21 +1067,12 @@ class RabbitMQServer(_LocalServer):
         erl_call = shutil.which("erl_call") or "/usr/lib/erlang/bin/erl_call"
         if not Path(erl_call).exists():
             return self.rabbitmqctl("eval", expression, timeout=timeout).strip()
-        result = subprocess.run(
-            [erl_call, "-sname", self.nodename, "-c", self.cookie, "-r", "-e"],
-            env=self.env,
-            cwd=self.temp_dir,
-            input=expression.rstrip() + "\n",
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
+        args = [erl_call, "-sname", self.nodename, "-c", self.cookie, "-r", "-e"]
+        what, stdin = f"erl_call {expression!r}", expression.rstrip() + "\n"
+        result = _run(args, what, env=self.env, cwd=self.temp_dir, input=stdin, timeout=timeout)
         out = result.stdout.strip()
-        if result.returncode != 0 or not out.startswith("{ok,"):
-            raise ServerError(
-                f"erl_call failed ({result.returncode}) for {expression!r}:\n{out}\n{result.stderr}"
-            )
+        if not out.startswith("{ok,"):
+            raise ServerError(f"{what} failed:\n{out}")
         return out[len("{ok,") : -1].strip()
 
     def add_vhost(self, vhost: str) -> None:

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from helpers import make_service, rows, scalar, wait_until
 from outbox_inbox import Message, Service
-from outbox_inbox.queries.roles import INBOX_LOCK
+from outbox_inbox.queries.roles import INBOX_LOCK, LEAD_LOCK
 
 COMMAND = "ledger.append"
 ROLES = ("relay", "receiver", "worker")
@@ -55,10 +55,13 @@ class Counted:
 
 
 @contextmanager
-def roles_running(service: Service) -> Iterator[None]:
-    """The service's relay, receiver and worker, each in a thread named after its role."""
+def roles_running(service: Service, workers: int = 1) -> Iterator[None]:
+    """The service's relay, receiver and workers, each in a thread named after its role (the
+    workers after the first ``worker-2``, ``worker-3``...)."""
     stop = threading.Event()
-    roles = {"relay": service.relay(), "receiver": service.receiver(), "worker": service.worker()}
+    roles: dict[str, Any] = {"relay": service.relay(), "receiver": service.receiver()}
+    for n in range(1, workers + 1):
+        roles["worker" if n == 1 else f"worker-{n}"] = service.worker()
     threads = [threading.Thread(target=r.run, args=(stop,), name=n) for n, r in roles.items()]
     for thread in threads:
         thread.start()
@@ -333,5 +336,79 @@ def test_only_the_relays_marks_and_the_workers_claims_commit_without_a_flush(
             ("inbox_messages UPDATE", "off"),
             ("inbox_messages UPDATE", "on"),
         }, kinds
+    finally:
+        billing.close()
+
+
+def test_a_lone_message_wakes_one_of_the_workers_and_a_backlog_all_of_them(
+    db_url: str, mq_url: str
+) -> None:
+    billing = make_service(
+        "billing",
+        db_url,
+        mq_url,
+        relay_poll_interval=60,
+        worker_poll_interval=60,
+        worker_batch_size=10,
+    )
+
+    @billing.on_command(COMMAND)
+    def append(message: Message, session: Session) -> None:
+        session.execute(
+            text("INSERT INTO effects (message_id, type, info) VALUES (:m, :t, :w)"),
+            {"m": str(message.message_id), "t": message.type, "w": threading.current_thread().name},
+        )
+
+    billing.declare_topology()
+    counted = Counted(billing)
+    workers = ("worker", "worker-2", "worker-3")
+    try:
+        with roles_running(billing, workers=3):
+            send(billing, 1)
+            settled(db_url, 1)
+            for n in range(1, 4):
+                counted.reset()
+                send(billing, 1, start=n)
+                settled(db_url, n + 1)
+                # One worker claims and handles it; the others are not woken to find nothing.
+                woken = {w: len(counted.transactions.get(w, [])) for w in workers}
+                assert sorted(woken.values()) == [0, 0, 2], woken
+            # A backlog of six batches stored at once: the worker that claims a whole batch
+            # wakes the others, and all three handle some.
+            with billing.session() as session, session.begin():
+                for n in range(60):
+                    billing.outbox.send(session, "billing", COMMAND, {"n": 100 + n})
+            settled(db_url, 64)
+        by_worker = dict(
+            rows(db_url, "SELECT info, count(*) FROM effects WHERE info IS NOT NULL GROUP BY info")
+        )
+        assert set(by_worker) == set(workers), by_worker
+    finally:
+        counted.close()
+        billing.close()
+
+
+def test_when_the_leading_workers_session_ends_another_worker_listens_in_its_place(
+    db_url: str, mq_url: str
+) -> None:
+    billing = billing_with_effects(db_url, mq_url)
+    lead = (
+        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted"
+        f" AND classid = {LEAD_LOCK}"
+    )
+    try:
+        with roles_running(billing, workers=2):
+            send(billing, 1)
+            settled(db_url, 1)
+            first = wait_until(lambda: scalar(db_url, lead), what="a worker leading")
+            # Ended as a dead process's session ends: its lock and its LISTEN go with it.
+            scalar(db_url, f"SELECT pg_terminate_backend({int(first)})")
+            second = wait_until(
+                lambda: (pid := scalar(db_url, lead)) and pid != first and pid,
+                what="another session leading",
+            )
+            assert second != first
+            send(billing, 1, start=1)  # with polls a minute apart, only a wake-up moves it
+            settled(db_url, 2)
     finally:
         billing.close()

@@ -95,22 +95,13 @@ class BrokerCore:
     def declare_exchange(self, spec: Exchange) -> None:
         if spec.type not in EXCHANGE_TYPES:
             raise BrokerError(f"exchange {spec.name!r}: invalid exchange type {spec.type!r}")
-        existing = self.exchanges.get(spec.name)
-        if existing is None:
-            self.exchanges[spec.name] = ExchangeState(spec)
-            return
-        difference = existing.difference(spec)
-        if difference:
+        existing = self.exchanges.setdefault(spec.name, ExchangeState(spec))
+        if difference := existing.difference(spec):
             raise TopologyMismatch(difference)
 
     def declare_queue(self, spec: Queue) -> None:
-        settings = QueueSettings.of(spec)
-        existing = self.queues.get(spec.name)
-        if existing is None:
-            self.queues[spec.name] = QueueState(spec, settings)
-            return
-        difference = existing.difference(spec)
-        if difference:
+        existing = self.queues.setdefault(spec.name, QueueState(spec, QueueSettings.of(spec)))
+        if difference := existing.difference(spec):
             raise TopologyMismatch(difference)
 
     def bind(self, binding: Binding) -> None:
