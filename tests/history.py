@@ -132,9 +132,11 @@ def cli(
         text=True,
         timeout=timeout,
         cwd=REPO_ROOT,
-        # The command sees only the URLs a test gives it, never the environment's.
+        # The command sees only the URLs a test gives it, never the environment's; an audit
+        # runs one-shot unless a test says otherwise (no Spark server outlives the test).
         env={
             **{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_INBOX_")},
+            "OUTBOX_INBOX_SPARK_SERVER": "none",
             **(env or {}),
         },
         check=False,

@@ -393,4 +393,5 @@ def base_env(bin_dir: Path) -> dict[str, str]:
     }
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONUNBUFFERED"] = "1"
+    env["OUTBOX_INBOX_SPARK_SERVER"] = "none"  # no warm Spark server outlives the page's run
     return env
