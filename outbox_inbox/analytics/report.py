@@ -138,8 +138,9 @@ def write_audit(
     check_archives(roots, window, live=bool(db_urls))
     require_pyspark()
     live = [read_live(url, schema) for url in db_urls]
-    warm = warm and master is None and not config and "PYSPARK_GATEWAY_PORT" not in os.environ
-    log = None if verbose else server.state_dir() / "one-shot.log"
+    submitted = "PYSPARK_GATEWAY_PORT" in os.environ  # spark-submit started the JVM already
+    warm = warm and master is None and not config and not submitted
+    log = None if verbose or submitted else server.state_dir() / "one-shot.log"
     session = (
         server.warm_session(driver_memory)
         if warm
