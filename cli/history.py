@@ -309,7 +309,8 @@ def audit(
     if server in ("status", "stop"):
         found = warm.status() if server == "status" else warm.stop()
         shown = {k: v for k, v in (found or {}).items() if k != "token"}
-        echo_json(shown) if as_json else echo(f"{server}: {shown or 'no server runs'}")
+        text = ", ".join(f"{k} {v}" for k, v in shown.items()) or "no server runs"
+        echo_json(shown) if as_json else echo(f"{server}: {text}")
         return
     config = _audit_inputs(archives, db_urls, confs)
     window = _window(since, until, day, margin)
