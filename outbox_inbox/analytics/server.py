@@ -28,7 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .audit import AuditError, spark_session
+from .audit import AuditError, _first_line, spark_session
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -95,7 +95,7 @@ def warm_session(driver_memory: str | None) -> Iterator[tuple[SparkSession, str]
         try:
             spark = SparkSession.builder.remote(url).getOrCreate()
         except Exception as exc:  # grpc and pyspark errors of many kinds
-            raise AuditError(f"could not reach the local Spark Connect server: {exc}") from exc
+            raise AuditError(f"the local Spark Connect server: {_first_line(exc)}") from exc
         try:
             yield spark, line
         finally:
