@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections import Counter
 from collections.abc import Sequence
@@ -137,6 +138,7 @@ def cli(
         env={
             **{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_INBOX_")},
             "OUTBOX_INBOX_SPARK_SERVER": "none",
+            "OUTBOX_INBOX_SPARK_DIR": str(Path(tempfile.gettempdir()) / "outbox-inbox-test-spark"),
             **(env or {}),
         },
         check=False,
