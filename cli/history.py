@@ -18,7 +18,7 @@ from outbox_inbox.archive import SOURCES, Archiver, ArchiveResult
 from outbox_inbox.config import DB_URL_ENV, Settings
 from outbox_inbox.status import subscribed_services
 
-from .output import EXIT_UNHEALTHY, echo, echo_json, progress, render_table
+from .output import EXIT_UNHEALTHY, echo, echo_json, progress, render_table, verbosity
 from .target import (
     Target,
     checked_db_url,
@@ -215,11 +215,7 @@ def _print_result(name: str, root: Path, result: ArchiveResult, as_json: bool) -
     help="Also read this service database's live tables (repeatable). "
     f"{DB_URL_ENV} is not used here: name each database.",
 )
-@click.option(
-    "--schema",
-    metavar="NAME",
-    help="PostgreSQL schema of the live tables [default: outbox_inbox].",
-)
+@click.option("--schema", metavar="NAME", help="Schema of the live tables [outbox_inbox].")
 @click.option(
     "--master",
     metavar="URL",
@@ -284,6 +280,15 @@ def _print_result(name: str, root: Path, result: ArchiveResult, as_json: bool) -
     metavar="KEY=VALUE",
     help="Extra Spark configuration (repeatable), e.g. spark.executor.memory=4g.",
 )
+@click.option(
+    "--server",
+    type=click.Choice(["warm", "none", "status", "stop"]),
+    default="warm",
+    show_default=True,
+    envvar="OUTBOX_INBOX_SPARK_SERVER",
+    help="warm: run on the local Spark Connect server, started when none runs; none: a "
+    "one-shot Spark session; status, stop: show or stop the server (no audit).",
+)
 @json_option
 def audit(
     archives: tuple[str, ...],
@@ -298,29 +303,32 @@ def audit(
     margin: timedelta,
     driver_memory: str,
     confs: tuple[str, ...],
+    server: str,
     as_json: bool,
 ) -> None:
     """Reconcile what every service sent with what every service received, on Spark.
 
     \b
     ARCHIVE is an archive root written by `outbox-inbox archive` (a directory, or any path
-    Spark reads: hdfs://, s3a://); give every service's. Each command must have reached
-    its one consumer once; each event every service subscribed to it once, from the time it
-    subscribed. Reports lost messages, duplicates the inboxes absorbed, messages handled
-    more than once, latency percentiles (created -> published -> received -> processed) per
-    type, retries, dead letters by type and cause, and throughput over time.
+    Spark reads: hdfs://, s3a://); give every service's. Reports lost messages, duplicates
+    absorbed, messages handled more than once, latency percentiles per type, retries, dead
+    letters and throughput (docs/history.md). --day, or --since (and --until): only the
+    messages published in that window, reading only the archive days that can hold them.
 
     \b
-    With --day, or --since (and --until), it audits the messages published in that window
-    only, reading only the archive days that can hold them (and --margin around them): the
-    numbers are the whole audit's, restricted to those messages.
-
-    \b
-    Writes OUT/summary.json and OUT/report.html (self-contained, charts inline).
+    Runs on a local Spark Connect server kept warm between runs (--server), unless --master,
+    --conf or spark-submit say where. Writes OUT/summary.json and OUT/report.html.
     Exit 0 when nothing was lost or handled twice, 4 otherwise.
     """
+    from outbox_inbox.analytics import server as warm
     from outbox_inbox.analytics.report import write_audit
 
+    if server in ("status", "stop"):
+        found = warm.status() if server == "status" else warm.stop()
+        shown = {k: v for k, v in (found or {}).items() if k != "token"}
+        text = ", ".join(f"{k} {v}" for k, v in shown.items()) or "no server runs"
+        echo_json(shown) if as_json else echo(f"{server}: {text}")
+        return
     config = _audit_inputs(archives, db_urls, confs)
     db_urls = tuple(map(checked_db_url, db_urls))  # postgres:// read as the library reads it
     window = _window(since, until, day, margin)
@@ -334,11 +342,11 @@ def audit(
         config=config,
         grace=grace,
         window=window,
+        warm=server == "warm",
+        verbose=verbosity() > 0,
+        note=lambda line: echo(line, err=True),
     )
-    if as_json:
-        echo_json(summary)
-    else:
-        _print_summary(summary, out)
+    echo_json(summary) if as_json else _print_summary(summary, out)
     if not summary["ok"]:
         raise SystemExit(EXIT_UNHEALTHY)
 
@@ -390,18 +398,9 @@ def _print_summary(summary: dict[str, Any], out: Path) -> None:
         else f"FAILED: {t['lost']} lost, {t['handled_more_than_once']} handled more than once"
     )
     echo(verdict)
-    rows = [
-        ["sent", t["sent"]],
-        ["expected deliveries", t["expected_deliveries"]],
-        ["delivered", t["delivered"]],
-        ["lost", t["lost"]],
-        ["in flight", t["in_flight"]],
-        ["duplicates absorbed", t["duplicates_absorbed"]],
-        ["handled more than once", t["handled_more_than_once"]],
-        ["received from outside", t["unexpected"]],
-        ["dead", t["dead"]],
-        ["retries", t["retries"]],
-    ]
+    names = "sent expected_deliveries delivered lost in_flight duplicates_absorbed"
+    names += " handled_more_than_once unexpected dead retries"
+    label = {"unexpected": "received from outside"}
+    rows = [[label.get(n, n.replace("_", " ")), t[n]] for n in names.split()]
     echo(render_table(["", "count"], rows))
-    echo(f"report: {out / 'report.html'}")
-    echo(f"summary: {out / 'summary.json'}")
+    echo(f"report: {out / 'report.html'}\nsummary: {out / 'summary.json'}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections import Counter
 from collections.abc import Sequence
@@ -132,9 +133,12 @@ def cli(
         text=True,
         timeout=timeout,
         cwd=REPO_ROOT,
-        # The command sees only the URLs a test gives it, never the environment's.
+        # The command sees only the URLs a test gives it, never the environment's; an audit
+        # runs one-shot unless a test says otherwise (no Spark server outlives the test).
         env={
             **{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_INBOX_")},
+            "OUTBOX_INBOX_SPARK_SERVER": "none",
+            "OUTBOX_INBOX_SPARK_DIR": str(Path(tempfile.gettempdir()) / "outbox-inbox-test-spark"),
             **(env or {}),
         },
         check=False,

@@ -33,9 +33,12 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..archive import (
@@ -97,12 +100,15 @@ def spark_session(
     *,
     driver_memory: str | None = None,
     config: Mapping[str, str] | None = None,
+    log: Path | None = None,
 ) -> SparkSession:
     """A SparkSession for the audit.
 
     `master` None means: the master spark-submit configured, else ``local[*]``. A local master
     gets a small shuffle width and no UI; a cluster's own configuration is left alone. The
-    session's time zone is UTC, so time buckets and dates do not depend on the host.
+    session's time zone is UTC, so time buckets and dates do not depend on the host. With
+    `log`, Spark's own output (the JVM's start-up lines and later warnings) goes to that file,
+    not to this process's stderr.
     """
     require_pyspark()
     from pyspark.sql import SparkSession
@@ -136,14 +142,35 @@ def spark_session(
     for key, value in (config or {}).items():
         builder = builder.config(key, value)
     try:
-        spark = builder.getOrCreate()
+        with _stderr_to(log):
+            spark = builder.getOrCreate()
     except Exception as exc:  # pyspark raises plain or py4j errors: no narrower class to catch
         raise AuditError(
             f"could not start Spark (master {master or 'from spark-submit'}; the audit needs "
             f"Java 17+ on PATH or JAVA_HOME): {_first_line(exc)}"
+            + (f" (Spark's output: {log})" if log else "")
         ) from exc
     spark.sparkContext.setLogLevel("ERROR")
     return spark
+
+
+@contextmanager
+def _stderr_to(log: Path | None) -> Iterator[None]:
+    """Standard error (file descriptor 2) sent to `log` meanwhile: a JVM started meanwhile
+    keeps writing there for its lifetime."""
+    if log is None:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with log.open("ab") as out:
+        os.dup2(out.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -358,7 +385,7 @@ def _inputs(
     return {
         "archives": list(archives),
         "live_databases": [],
-        "master": spark.sparkContext.master,
+        "master": spark.conf.get("spark.master"),
         "grace_seconds": grace.total_seconds(),
         "horizon": _iso(horizon),
         **({"window": window.describe()} if window is not None else {}),
@@ -384,11 +411,7 @@ def _read_inputs(
         if window is not None:
             frames[source] = frames[source].where(window.read(source))
     if window is not None and not any(found.values()) and not live:
-        raise AuditError(
-            f"no archive partition holds the days {window.days(INBOX)[0]} to "
-            f"{window.days(INBOX)[-1]} in {', '.join(archives)}: has that time been archived "
-            "(outbox-inbox archive)?"
-        )
+        raise AuditError(_unarchived(window, archives))
     subs = read_archives(spark, archives, SUBSCRIPTIONS)
     subscriptions = [
         (row["service"], row["exchange"], row["pattern"], _aware(row["subscribed_at"]))
@@ -417,10 +440,15 @@ def _read(
     frames = []
     for root in roots:
         base = f"{root.rstrip('/')}/{source}"
+        reader = spark.read.schema(schema).option("basePath", base)
+        paths = _listed(base, days)
+        if paths is not None:  # a local root, listed here: Spark reads what is there
+            frames.extend([reader.parquet(*paths)] if paths else [])
+            continue
         path = base if days is None else f"{base}/service=*/date={{{','.join(days)}}}"
         try:
-            reader = spark.read.schema(schema).option("basePath", base)
-            frames.append(reader.parquet(path))
+            frame = reader.parquet(path)
+            frames.append(frame.select(*frame.columns))  # .columns: analysed on Spark Connect too
         except AnalysisException as exc:
             if "PATH_NOT_FOUND" not in str(exc) and "does not exist" not in str(exc):
                 raise
@@ -430,6 +458,40 @@ def _read(
     for other in frames[1:]:
         frame = frame.unionByName(other)
     return frame, True
+
+
+def _listed(base: str, days: Sequence[str] | None) -> list[str] | None:
+    """The directories of a local archive root's `base` (``ROOT/SOURCE``) to read: itself, or
+    its date partitions of `days`; None for a root on another file system (Spark lists it)."""
+    if "://" in base:
+        return None
+    if days is None:
+        return [base] if Path(base).is_dir() else []
+    wanted = {f"date={day}" for day in days}
+    return sorted(str(p) for p in Path(base).glob("service=*/date=*") if p.name in wanted)
+
+
+def check_archives(roots: Sequence[str], window: Window | None, live: bool = False) -> None:
+    """What can be told before Spark starts: raises AuditError when a local root cannot be
+    listed, or when `window`'s days are in no partition of the (all local) roots and no
+    `live` rows are read."""
+    for root in (r for r in roots if "://" not in r):
+        try:
+            os.listdir(root)
+        except OSError as exc:
+            raise AuditError(f"archive {root} cannot be read: {exc.strerror or exc}") from None
+    if window is None or live or any("://" in root for root in roots):
+        return
+    if not any(_listed(f"{r}/{s}", window.days(s)) for r in roots for s in (OUTBOX, INBOX)):
+        raise AuditError(_unarchived(window, roots))
+
+
+def _unarchived(window: Window, roots: Sequence[str]) -> str:
+    return (
+        f"no archive partition holds the days {window.days(INBOX)[0]} to "
+        f"{window.days(INBOX)[-1]} in {', '.join(roots)}: has that time been archived "
+        "(outbox-inbox archive)?"
+    )
 
 
 def read_archives(spark: SparkSession, roots: Sequence[str], source: str) -> DataFrame:
@@ -1047,6 +1109,7 @@ __all__ = [
     "AuditError",
     "LiveRows",
     "Window",
+    "check_archives",
     "read_archives",
     "read_live",
     "run_audit",

@@ -11,7 +11,9 @@ from __future__ import annotations
 import html
 import json
 import math
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +34,8 @@ from ..svgchart import (
 )
 
 if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
     from .audit import Window
 
 SCHEMA_VERSION = 1
@@ -108,40 +112,81 @@ def write_audit(
     config: Mapping[str, str] | None = None,
     grace: timedelta = timedelta(minutes=5),
     window: Window | None = None,
+    warm: bool = False,
+    verbose: bool = False,
+    note: Callable[[str], None] = lambda _line: None,
 ) -> tuple[dict[str, Any], Path]:
     """`audit.run_audit` of `archives` (relative paths from the current directory) and of
-    the live tables of `db_urls` (`audit.read_live`), on a Spark session started for it
-    (`audit.spark_session`) and stopped after; the summary written as ``summary.json`` and
-    ``report.html`` (`render_html`) into `directory`, created when missing. Returns the
-    summary and the directory. Raises ConfigurationError (no PySpark; a live database whose
-    subscriptions name other than one service), AuditError (the job failed: Spark's error
-    in one line), OSError (the directory cannot be written); a live database that cannot be
-    read raises SQLAlchemy's error."""
-    from .audit import AuditError, read_live, run_audit, spark_session
+    the live tables of `db_urls` (`audit.read_live`); the summary written as ``summary.json``
+    and ``report.html`` (`render_html`) into `directory`, created when missing. Returns the
+    summary and the directory.
 
+    The archives are listed first (`audit.check_archives`), before Spark starts. With `warm`
+    and neither `master`, `config` nor spark-submit's JVM, the audit runs on the local Spark
+    Connect server (`server.warm_session`, started when none runs); else on a Spark session
+    started for it (`audit.spark_session`) and stopped after, whose own output goes to
+    ``one-shot.log`` in the server's state directory unless `verbose`. `note` gets the line
+    that says which. Raises ConfigurationError (no PySpark; a live database whose
+    subscriptions name other than one service), AuditError (the archives cannot be read or
+    do not hold the window; the job failed: Spark's error in one line), OSError (the
+    directory cannot be written); a live database that cannot be read raises SQLAlchemy's
+    error."""
+    from . import server
+    from .audit import AuditError, check_archives, read_live, require_pyspark, run_audit
+
+    roots = [p if "://" in p else str(Path(p).absolute()) for p in archives]
+    check_archives(roots, window, live=bool(db_urls))
+    require_pyspark()
     live = [read_live(url, schema) for url in db_urls]
-    spark = spark_session(master, driver_memory=driver_memory, config=config)
-    try:
-        summary = run_audit(
-            spark,
-            [p if "://" in p else str(Path(p).absolute()) for p in archives],
-            live=live,
-            grace=grace,
-            inputs={"live_databases": [mask_url(u) for u in db_urls]},
-            window=window,
-        )
-    except AuditError:
-        raise
-    except Exception as exc:  # Spark's failures come as py4j and pyspark errors of many kinds
-        lines = (str(exc).strip() or type(exc).__name__).splitlines()
-        raise AuditError(f"the Spark job failed: {type(exc).__name__}: {lines[0][:500]}") from exc
-    finally:
-        spark.stop()
+    submitted = "PYSPARK_GATEWAY_PORT" in os.environ  # spark-submit started the JVM already
+    warm = warm and master is None and not config and not submitted
+    log = None if verbose or submitted else server.state_dir() / "one-shot.log"
+    session = (
+        server.warm_session(driver_memory)
+        if warm
+        else _one_shot(master, driver_memory, config, log)
+    )
+    with session as (spark, line):
+        note(line)
+        try:
+            summary = run_audit(
+                spark,
+                roots,
+                live=live,
+                grace=grace,
+                inputs={"live_databases": [mask_url(u) for u in db_urls]},
+                window=window,
+            )
+        except AuditError:
+            raise
+        except Exception as exc:  # Spark's failures come as py4j and pyspark errors of many kinds
+            lines = (str(exc).strip() or type(exc).__name__).splitlines()
+            raise AuditError(
+                f"the Spark job failed: {type(exc).__name__}: {lines[0][:500]}"
+            ) from exc
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "report.html").write_text(render_html(summary), encoding="utf-8")
     return summary, out
+
+
+@contextmanager
+def _one_shot(
+    master: str | None,
+    driver_memory: str | None,
+    config: Mapping[str, str] | None,
+    log: Path | None,
+) -> Iterator[tuple[SparkSession, str]]:
+    """A Spark session started for one audit, stopped after; and the line that says so."""
+    from .audit import spark_session
+
+    spark = spark_session(master, driver_memory=driver_memory, config=config, log=log)
+    try:
+        output = f" (Spark's output: {log})" if log else ""
+        yield spark, f"Spark: a one-shot session on {spark.conf.get('spark.master')}{output}"
+    finally:
+        spark.stop()
 
 
 def render_html(summary: Mapping[str, Any]) -> str:

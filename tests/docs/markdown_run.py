@@ -39,6 +39,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -393,4 +394,6 @@ def base_env(bin_dir: Path) -> dict[str, str]:
     }
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONUNBUFFERED"] = "1"
+    env["OUTBOX_INBOX_SPARK_SERVER"] = "none"  # no warm Spark server outlives the page's run
+    env["OUTBOX_INBOX_SPARK_DIR"] = str(Path(tempfile.gettempdir()) / "outbox-inbox-test-spark")
     return env

@@ -90,6 +90,9 @@ def test_bench_audit_runs_every_group_with_exact_counts_and_spark_metrics(tmp_pa
     [cold] = result["cold"]
     assert cold["messages"] == 3000 and cold["totals_exact"]
     assert len(cold["runs_s"]) == 2 and all(s > 0 for s in cold["runs_s"])
+    # The cold join baseline, and the CLI's first (server started) and repeated runs against it.
+    assert len(cold["cold_join_s"]) == 2 and all(s > 0 for s in cold["cold_join_s"])
+    assert cold["repeated_over_cold_join"] == round(cold["runs_s"][1] / cold["cold_join_s"][1], 3)
 
     [warm] = result["warm"]
     assert warm["counts_exact"]

@@ -117,9 +117,14 @@ def test_audit_command_writes_summary_and_report_and_exits_4_when_messages_were_
         "local[2]",
         "--driver-memory",
         "1g",
+        env={"OUTBOX_INBOX_SPARK_DIR": str(tmp_path / "spark")},
     )
     assert result.returncode == 4, result.stderr
     assert "FAILED: 10 lost, 2 handled more than once" in result.stdout
+    # One line says how Spark ran; Spark's own start-up lines went to its log, not here.
+    assert result.stderr.splitlines() == [
+        f"Spark: a one-shot session on local[2] (Spark's output: {tmp_path}/spark/one-shot.log)"
+    ]
     written = json.loads((tmp_path / "summary.json").read_text())
     # Audited now, not at the generator's clock: the three in flight are overdue, so lost.
     assert written["totals"]["lost"] == 7 + 3
