@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,11 +68,16 @@ def simulate(
     if witnesses:
         cmd += ["--witnesses", *witnesses]
     started = time.monotonic()
-    done = subprocess.run(
-        cmd, cwd=SPEC, capture_output=True, text=True, timeout=timeout, check=False
-    )
+    # Into a file, not a pipe: Node writes to a pipe asynchronously and drops what is still
+    # queued when Quint exits, so a long report through a pipe lost its last lines.
+    with tempfile.TemporaryFile("w+") as report_file:
+        done = subprocess.run(
+            cmd, cwd=SPEC, stdout=report_file, stderr=subprocess.STDOUT, timeout=timeout,
+            check=False,
+        )  # fmt: skip
+        report_file.seek(0)
+        out = report_file.read()
     seconds = time.monotonic() - started
-    out = done.stdout + done.stderr
     ok = bool(_OK.search(out))
     if not ok and not _VIOLATION.search(out):
         raise RuntimeError(f"quint run {config} failed (exit {done.returncode}):\n{out[-3000:]}")
