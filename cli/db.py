@@ -56,6 +56,10 @@ def _migrate(action: str, rev: str, role: str | None, conn: Any, target: Target)
     return "\n".join(lines + _lacks(conn, target, role))
 
 
+def _checked(role: str | None, conn: Any, target: Target) -> tuple[str, list[str]]:
+    return target.schema, migrations.check(conn, target.schema) + _lacks(conn, target, role)
+
+
 def _lacks(conn: Any, target: Target, role: str | None) -> list[str]:
     grants = migrations.runtime_grants(conn, role, target.schema) if role else []
     return [f"runtime role {role} lacks: {grant}" for grant in grants]
@@ -112,15 +116,7 @@ def check(
 ) -> None:
     """Check that the tables equal the newest migration, and with --runtime-role that the role
     holds its grants on them; exit 4 when they differ or it lacks one."""
-    name, differences = _on_database(
-        app,
-        db_url,
-        schema,
-        lambda conn, t: (
-            t.schema,
-            migrations.check(conn, t.schema) + _lacks(conn, t, runtime_role),
-        ),
-    )
+    name, differences = _on_database(app, db_url, schema, partial(_checked, runtime_role))
     if as_json:
         echo_json({"schema": name, "differences": differences, "ok": not differences})
     elif not differences:
