@@ -63,7 +63,7 @@ from .topology import (
     service_topology,
 )
 from .tracing import Tracing
-from .waker import Waker, notify_channel, psycopg_conninfo
+from .waker import Waker, helpers_channel, notify_channel, psycopg_conninfo
 from .worker import Worker, worker_name
 
 log = logging.getLogger(__name__)
@@ -526,7 +526,7 @@ class Service:
     def worker(self, name: str | None = None) -> Worker:
         """A new worker running this service's handlers. The workers of the service take turns
         at listening (`waker.Waker`'s `helpers`): a lone message wakes one of them."""
-        helpers = f"{notify_channel(self.settings.schema, self.tables.inbox.name)}.helpers"
+        helpers = helpers_channel(notify_channel(self.settings.schema, self.tables.inbox.name))
         return Worker(
             engine=self.engine,
             tables=self.tables,

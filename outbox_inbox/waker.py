@@ -13,6 +13,7 @@ naming the cause and the ``listen_url`` setting, and polls; it tries again now a
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import random
 import selectors
@@ -58,6 +59,15 @@ _release_lock = threading.Lock()
 def notify_channel(schema: str, table: str) -> str:
     """The channel the insert trigger of `schema.table` notifies (see the migrations)."""
     return f"{schema}.{table}"
+
+
+def helpers_channel(channel: str) -> str:
+    """The channel of the wakers of `channel` that do not lead it (`Waker`): ``<channel>.helpers``,
+    or a digest of it where that would pass PostgreSQL's 63 bytes (NOTIFY refuses longer)."""
+    helpers = f"{channel}.helpers"
+    if len(helpers.encode()) <= 63:
+        return helpers
+    return f"helpers.{hashlib.sha256(channel.encode()).hexdigest()[:40]}"
 
 
 def psycopg_conninfo(url: URL | str) -> str:
