@@ -140,11 +140,14 @@ _make_record = logging.getLogRecordFactory()
 
 def _masked_record(*args: object, **kwargs: object) -> logging.LogRecord:
     """A log record as the factory before makes it; of `_MASKED_LOGGERS`, with its message,
-    traceback and stack masked before any filter or handler sees them (at every level)."""
+    traceback and stack masked before any filter or handler sees them (at every level). A
+    message with nothing to mask keeps its template and arguments, which filters match on."""
     record = _make_record(*args, **kwargs)
     if record.name.split(".")[0] in _MASKED_LOGGERS:
         with contextlib.suppress(Exception):  # a bad format: the handler reports it
-            record.msg, record.args = mask_text(record.getMessage()), None
+            message = record.getMessage()
+            if (masked := mask_text(message)) != message:
+                record.msg, record.args = masked, None
         if record.exc_info:
             record.exc_text = mask_text(logging.Formatter().formatException(record.exc_info))
         if record.stack_info:

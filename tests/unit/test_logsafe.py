@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import traceback
 
 import pytest
@@ -162,3 +163,19 @@ def test_every_library_log_record_is_masked_at_every_level_with_its_traceback() 
     logged = stream.getvalue()
     assert logged.count("***") >= 4 * 5, logged
     assert "Hid den" not in logged and "7Word" not in logged, logged
+
+
+def test_a_record_with_nothing_to_mask_keeps_its_template_for_filters() -> None:
+    # The library's own filters (and a user's) match records by their template: pika's
+    # "Received %s from broker" on a connection.blocked frame is logged at DEBUG that way.
+    logger = logging.getLogger("pika.connection")
+    plain = logger.makeRecord(
+        logger.name, logging.WARNING, "f", 1, "Received %s from broker", ("a frame",), None
+    )
+    assert (plain.msg, plain.args) == ("Received %s from broker", ("a frame",))
+    url = "amqp://app:kept-secret-9@rabbit/"
+    Service("billing", db_url="sqlite://", mq_url=url)  # the library remembers its password
+    secret = logger.makeRecord(
+        logger.name, logging.WARNING, "f", 1, "Received %s from broker", ("kept-secret-9",), None
+    )
+    assert "kept-secret-9" not in secret.getMessage()
