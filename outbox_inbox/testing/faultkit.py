@@ -380,13 +380,21 @@ class FaultKit:
     def load(
         self, service: Service, produce: Produce, *, rate: float = 100.0, abort_every: int = 10
     ) -> Iterator[Load]:
-        """Commit `produce`'s transactions through `service` while the block runs."""
+        """Commit `produce`'s transactions through `service` while the block runs, and after it
+        until one commits past the end of the last fault injected (10 s at most), so that the
+        load overlaps every fault injected inside the block however soon the block ends."""
         load = Load(service, produce, self.history, rate=rate, abort_every=abort_every)
         self._loads.append(load)
         load.start()
         try:
             yield load
         finally:
+            ended = [f for f in self.history.faults if f.over is not None]
+            deadline = time.monotonic() + 10
+            while ended and not self.history.overlapped(ended[-1]) and load.is_alive():
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
             load.stop()
 
     # -- faults ----------------------------------------------------------------------------------
