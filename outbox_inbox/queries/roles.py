@@ -716,7 +716,10 @@ def claimable(i: Any, *, liveness: bool) -> ColumnElement[bool]:
     earlier = i.alias("earlier")
     return and_(
         i.c.status == _inline(PENDING),
-        i.c.next_attempt_at <= db_statement_now(),
+        # Due by the transaction's start: a claim of the next batch, late in a long transaction,
+        # must not take at once the rows a worker just left for others (a rolling deploy's
+        # "away" rows come due a second later); rows stored meanwhile wait for the next claim.
+        i.c.next_attempt_at <= db_now(),
         _free(i, liveness=liveness),
         or_(
             i.c.key.is_(None),
