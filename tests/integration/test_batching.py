@@ -106,6 +106,15 @@ def send(billing: Service, count: int, start: int = 0) -> list[str]:
     return ids
 
 
+def warm(billing: Service, db_url: str, counted: Counted | None = None) -> None:
+    """One message through, so that connections are open and the workers registered; then
+    count from zero."""
+    send(billing, 1)
+    settled(db_url, 1)
+    if counted is not None:
+        counted.reset()
+
+
 def effects(db_url: str) -> int:
     return int(scalar(db_url, "SELECT count(*) FROM effects"))
 
@@ -133,8 +142,7 @@ def test_a_lone_message_goes_through_each_stage_in_one_transaction(
     counted = Counted(billing)
     try:
         with roles_running(billing):
-            send(billing, 1)  # the first one warms connections and registers the worker
-            settled(db_url, 1)
+            warm(billing, db_url)
             for n in range(1, 4):
                 counted.reset()
                 send(billing, 1, start=n)
@@ -154,9 +162,7 @@ def test_a_burst_is_carried_in_batches(db_url: str, mq_url: str) -> None:
     total = 400
     try:
         with roles_running(billing):
-            send(billing, 1)
-            settled(db_url, 1)
-            counted.reset()
+            warm(billing, db_url, counted)
             writers = [
                 threading.Thread(target=send, args=(billing, total // 8, 1 + w * total // 8))
                 for w in range(8)
@@ -220,9 +226,7 @@ def test_messages_arriving_while_the_receiver_stores_join_its_next_transaction(
     counted = Counted(billing)
     try:
         with roles_running(billing):
-            send(billing, 1)
-            settled(db_url, 1)
-            counted.reset()
+            warm(billing, db_url, counted)
             with ExitStack() as held:
                 with billing.session() as session, session.begin():
                     first = str(billing.outbox.send(session, "billing", COMMAND, {"n": 1}))
@@ -271,9 +275,7 @@ def test_messages_arriving_while_a_handler_runs_join_the_workers_next_batch(
     counted = Counted(billing)
     try:
         with roles_running(billing):
-            send(billing, 1)
-            settled(db_url, 1)
-            counted.reset()
+            warm(billing, db_url, counted)
             send(billing, 1, start=1)
             assert running_first.wait(20)
             send(billing, 20, start=2)
@@ -346,8 +348,7 @@ def test_a_lone_message_wakes_one_of_the_workers_and_a_backlog_all_of_them(
     workers = ("worker", "worker-2", "worker-3")
     try:
         with roles_running(billing, workers=3):
-            send(billing, 1)
-            settled(db_url, 1)
+            warm(billing, db_url)
             for n in range(1, 4):
                 counted.reset()
                 send(billing, 1, start=n)
@@ -378,8 +379,7 @@ def test_when_the_leading_workers_session_ends_another_worker_listens_in_its_pla
     )
     try:
         with roles_running(billing, workers=2):
-            send(billing, 1)
-            settled(db_url, 1)
+            warm(billing, db_url)
             first = wait_until(lambda: scalar(db_url, lead), what="a worker leading")
             # Ended as a dead process's session ends: its lock and its LISTEN go with it.
             scalar(db_url, f"SELECT pg_terminate_backend({int(first)})")
