@@ -1,11 +1,10 @@
 """The database clock as SQL: leases, delays and expiry are judged by it, never by a host clock.
 
 `db_now()` and `db_now_plus(delta)` compile to PostgreSQL's ``now()`` (the transaction's start
-time; `db_statement_now()` to the statement's) and, on SQLite, to ``strftime`` of the current
-UTC time written the way SQLAlchemy stores datetimes there (``YYYY-MM-DD HH:MM:SS.ffffff``), so
-the values compare correctly as text. `db_age(column)` is the seconds from a time to the
-database clock, the one expression of an age: on SQLite through ``julianday``, since a time
-there is text and text minus text is not a span.
+time) and, on SQLite, to ``strftime`` of the current UTC time written the way SQLAlchemy stores
+datetimes there (``YYYY-MM-DD HH:MM:SS.ffffff``), so the values compare correctly as text.
+`db_age(column)` is the seconds from a time to the database clock, the one expression of an age:
+on SQLite through ``julianday``, since a time there is text and text minus text is not a span.
 """
 
 from __future__ import annotations
@@ -29,14 +28,6 @@ class db_now(FunctionElement[Any]):  # noqa: N801 - reads as a SQL function
     type = DateTime(timezone=True)
     inherit_cache = True
     name = "db_now"
-
-
-class db_statement_now(db_now):  # noqa: N801 - reads as a SQL function
-    """The database's time when the statement started: what a claim later in a long
-    transaction judges rows by, so that it sees rows that became due since that began."""
-
-    inherit_cache = True
-    name = "db_statement_now"
 
 
 class db_now_plus(FunctionElement[Any]):  # noqa: N801 - reads as a SQL function
@@ -67,11 +58,6 @@ class db_age(FunctionElement[Any]):  # noqa: N801 - reads as a SQL function
 @compiles(db_now)
 def _now(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
     return f"strftime('{_SQLITE_FORMAT}', 'now')" if _sqlite(compiler) else "now()"
-
-
-@compiles(db_statement_now)
-def _statement_now(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
-    return _now(element, compiler, **kw) if _sqlite(compiler) else "statement_timestamp()"
 
 
 @compiles(db_now_plus)

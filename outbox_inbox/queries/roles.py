@@ -56,7 +56,7 @@ from sqlalchemy.sql.elements import ColumnElement
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-from ..clock import db_now, db_now_plus, db_statement_now
+from ..clock import db_now, db_now_plus
 from ..errors import read_only_session
 from ..messages import RECEIVED_COLUMNS, RECEIVED_JSON_COLUMNS
 from ..tables import DEAD, PENDING, PROCESSED, Tables, outbox_unsent
@@ -733,11 +733,8 @@ def claimable(i: Any, *, liveness: bool) -> ColumnElement[bool]:
 
 
 def _free(i: Any, *, liveness: bool) -> ColumnElement[bool]:
-    """Not leased: its lease ran out, or with `liveness` its claimant holds no liveness lock.
-
-    The statement's time, not the transaction's: a worker claims its next batch in the
-    transaction of the last one, which began before that batch's handlers ran."""
-    free = [i.c.locked_until.is_(None), i.c.locked_until <= db_statement_now()]
+    """Not leased: its lease ran out, or with `liveness` its claimant holds no liveness lock."""
+    free = [i.c.locked_until.is_(None), i.c.locked_until <= db_now()]
     if liveness:
         free.append(
             and_(
