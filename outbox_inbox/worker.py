@@ -50,9 +50,6 @@ NO_HANDLER, EXPIRED, ABANDONED, MAX_ATTEMPTS, REJECTED = (
     "max_attempts",
     "rejected",
 )
-#: Seconds a row this worker has no handler for is due again after it gave the row back
-#: (other workers may take it at once; this one is kept from claiming it at every poll).
-AWAY_DELAY = 1.0
 
 
 def worker_name() -> str:
@@ -571,11 +568,12 @@ class Worker:
         """Decide the rows no handler of this worker takes, in the batch's transaction.
 
         A row that a live instance of the service advertises a handler for (one seen within
-        ``no_handler_grace``: `roles.live_instances`) is given back uncounted and due again
-        in `AWAY_DELAY` seconds (`roles.release_claims`): still pending, so its key's later
-        rows stay behind it, and not claimed again by this worker at every poll. One warning
-        per routing key and version a minute says so. A row no live instance handles is dead,
-        reason ``no_handler``; so is every such row of a worker without a service.
+        ``no_handler_grace``: `roles.live_instances`) is given back uncounted, due again to
+        other workers in `roles.AWAY` and to this one in twice that (`roles.release_claims`):
+        still pending, so its key's later rows stay behind it, and another worker's first.
+        One warning per routing key and version a minute says so. A row no live instance
+        handles is dead, reason ``no_handler``; so is every such row of a worker without a
+        service.
         """
         rows = [r for r in batch.away if r["id"] in mine]
         if not rows:
@@ -606,9 +604,7 @@ class Worker:
             error = f"no handler for {key} version {version} on any live instance"
             self._mark_dead(conn, row, NO_HANDLER, error, finished=True)
             batch.marked.append(NO_HANDLER)
-        roles.release_claims(
-            conn, self._tables, left, self.claimant, due_in=timedelta(seconds=AWAY_DELAY)
-        )
+        roles.release_claims(conn, self._tables, left, self.claimant, away=True)
 
     def _warn_away(self, kind: str, key: str, version: int, others: list[str]) -> None:
         """Log that this worker leaves (kind, key, version) to `others`: once a minute."""

@@ -77,6 +77,9 @@ CAP_LOCK = 0x0B11
 #: Ends the claimant name of a worker that holds no liveness lock (behind a pooler in
 #: transaction mode without ``listen_url``): its rows are free only when their lease ends.
 LEASE_ONLY = "+lease-only"
+#: How long a row a worker left to others (`release_claims` with ``away``) waits: it is due to
+#: every other worker after `AWAY`, and to the worker that left it after twice that.
+AWAY = timedelta(seconds=1)
 
 # The server's lock table, read by claims to tell a live claimant from a dead one.
 _pg_locks = table(
@@ -592,7 +595,7 @@ def _claim_statement(tables: Tables, liveness: bool) -> Any:
     i = tables.inbox
     due = (
         select(i.c.id)
-        .where(claimable(i, liveness=liveness))
+        .where(claimable(i, liveness=liveness, claimant=True))
         .order_by(i.c.priority.desc(), i.c.id)
         .limit(bindparam("limit", type_=Integer, literal_execute=True))
         .with_for_update(skip_locked=True)
@@ -652,7 +655,7 @@ def _fair_claim_statement(
             take = func.greatest(0, func.least(limit, func.coalesce(cap, limit)))
         heads = (
             select(i.c.id, i.c.priority, i.c.routing_key)
-            .where(claimable(i, liveness=True), i.c.routing_key == types.c.rk)
+            .where(claimable(i, liveness=True, claimant=True), i.c.routing_key == types.c.rk)
             # The type first, though it is one: the order of the type's index, read alone.
             .order_by(i.c.routing_key, i.c.priority.desc(), i.c.id)
             .limit(take)
@@ -668,7 +671,7 @@ def _fair_claim_statement(
         )
         source = (
             select(i.c.id, i.c.priority, i.c.routing_key, nth.label("nth"))
-            .where(claimable(i, liveness=False))
+            .where(claimable(i, liveness=False, claimant=True))
             .subquery("source")
         )
     turn = func.row_number().over(
@@ -710,11 +713,24 @@ def _cap_of(
     return case(*((routing_key == key, literal(n) - in_flight) for key, n in caps), else_=None)
 
 
-def claimable(i: Any, *, liveness: bool) -> ColumnElement[bool]:
+def claimable(i: Any, *, liveness: bool, claimant: bool = False) -> ColumnElement[bool]:
     """The rows a claim may take now: pending, due, `_free`, and no earlier pending row of
-    its key."""
+    its key. With `claimant`, not a row the claim's ``claimant`` left to others within
+    `AWAY` of its coming due: polling in step with the delay it set, the worker that left it
+    would otherwise be first to take it back every time."""
     earlier = i.alias("earlier")
+    mine = []
+    if claimant:
+        mine.append(
+            or_(
+                i.c.locked_by.is_(None),
+                i.c.locked_until.is_not(None),
+                i.c.locked_by != bindparam("claimant", type_=String),
+                i.c.next_attempt_at <= db_now_plus(-AWAY),
+            )
+        )
     return and_(
+        *mine,
         i.c.status == _inline(PENDING),
         # Due by the transaction's start: a claim of the next batch, late in a long transaction,
         # must not take at once the rows a worker just left for others (a rolling deploy's
@@ -927,14 +943,15 @@ def release_claims(
     ids: Sequence[int],
     worker: str,
     *,
-    due_in: timedelta | None = None,
+    away: bool = False,
 ) -> None:
-    """Give back claims this worker will not run, uncounted: it is stopping, or (`due_in`)
-    it has no handler for them.
+    """Give back claims this worker will not run, uncounted: it is stopping, or (`away`) it
+    has no handler for them.
 
-    With `due_in` the rows are due again only after that delay, which keeps this worker from
-    claiming them again at every poll, while a worker that has a handler takes them once they
-    are due. Either way they stay pending, so a later row of the same key is held behind them.
+    An `away` row keeps `worker`'s name in ``locked_by`` (with no lease) and is due again to
+    other workers after `AWAY`, to `worker` after twice that (`claimable`): a worker that has a
+    handler takes it first, and this one does not claim it again at every poll. Either way
+    the rows stay pending, so a later row of the same key is held behind them.
     """
     if ids:
         i = tables.inbox
@@ -943,8 +960,9 @@ def release_claims(
             "locked_by": None,
             "attempts": i.c.attempts - 1,
         }
-        if due_in is not None:
-            values["next_attempt_at"] = db_now_plus(due_in)
+        if away:
+            values["next_attempt_at"] = db_now_plus(AWAY)
+            values.pop("locked_by")
         conn.execute(
             update(i)
             .where(

@@ -23,7 +23,8 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from helpers import make_service, rows, wait_until
 from outbox_inbox import Message, Service
-from outbox_inbox.worker import AWAY_DELAY, Worker
+from outbox_inbox.queries.roles import AWAY
+from outbox_inbox.worker import Worker
 
 INBOX = "outbox_inbox.inbox_messages"
 
@@ -115,8 +116,11 @@ def test_a_row_only_a_live_new_instance_handles_waits_uncounted_and_holds_its_ke
         # The key's later row, which the old code could handle, is not handled before v2.
         assert tuple(_row(db_url, v1_after))[:3] == ("pending", 0, 0)
         assert _effects(db_url) == []
-        # Claimed and left again once due: still uncounted, and no second warning.
-        time.sleep(AWAY_DELAY + 0.1)
+        # Due to other workers first: the one that left them waits twice as long, then
+        # claims and leaves them again: still uncounted, and no second warning.
+        time.sleep(AWAY.total_seconds() + 0.1)
+        assert old_worker.work_once(old_conn) == 0
+        time.sleep(AWAY.total_seconds())
         assert old_worker.work_once(old_conn) == 2
         assert _row(db_url, v2).attempts == 0
         warnings = _away_warnings(caplog)
@@ -162,7 +166,7 @@ def test_a_row_no_live_instance_handles_is_dead_as_no_handler_once_the_grace_ran
             timeout=10,
             what="the key's next row to be handled",
         )
-    assert grace - 0.5 <= died <= grace + AWAY_DELAY + 3, died
+    assert grace - 0.5 <= died <= grace + 2 * AWAY.total_seconds() + 3, died
     row = _row(db_url, cancelled)
     assert (row.dead_reason, row.attempts, row.finished) == ("no_handler", 1, 1)
     assert "no handler for orders.order.cancelled version 1 on any live instance" in row.last_error
@@ -224,7 +228,7 @@ def test_on_sqlite_the_same_rule_holds(tmp_path: Path) -> None:
         with old.engine.connect() as conn:
             row = conn.execute(text("SELECT status, attempts FROM inbox_messages")).one()
         assert tuple(row) == ("pending", 0)
-        time.sleep(AWAY_DELAY + 0.1)
+        time.sleep(AWAY.total_seconds() + 0.1)
         assert new_worker.work_once(new_conn) == 1
     assert handled == [2]
     old.close()
