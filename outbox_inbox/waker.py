@@ -208,9 +208,13 @@ class Waker:
         try:
             with self._probe.begin() as other:
                 roles.notify(other, self._channel, payload)
-        except Exception as exc:  # the database is away: no verdict yet
+        except Exception as exc:
+            # No verdict yet: an unproven registration is not kept (behind a pooler it would
+            # stay on a server connection other clients get); the next wait tries again.
             log.debug("wake-up probe on %s not sent: %s", self._channel, exc)
-            return True
+            self._take_back(conn)
+            self.close()
+            return False
         arrived = False
         try:
             for note in conn.notifies(timeout=PROBE_TIMEOUT):

@@ -145,6 +145,12 @@ def test_wakers_started_together_on_a_cold_transaction_pool_leave_no_listen_behi
                 thread.start()
             for thread in checks:
                 thread.join()
+            for w in wakers:  # a probe not sent (the pool busy, the server full) is no verdict
+                for _ in range(10):
+                    if w.listening is not None:
+                        break
+                    time.sleep(0.2)
+                    w.check()
             assert [w.listening for w in wakers] == [False] * 4
         finally:
             for w in wakers:
@@ -158,6 +164,26 @@ def test_wakers_started_together_on_a_cold_transaction_pool_leave_no_listen_behi
             seen for seen in _listening_in_pool(_pooled(bouncers["transaction"], db_url)) if seen[1]
         ]
     assert leaked == [], f"server connections left listening (pid, channels): {leaked}"
+
+
+def test_a_waker_whose_probe_cannot_be_sent_keeps_no_listen_in_the_pool(
+    db_url: str, bouncers: dict[str, PgBouncerServer]
+) -> None:
+    """No verdict (the probe's engine cannot reach the database) is no registration kept: the
+    LISTEN is taken back, not left on a pooled server connection until the next probe."""
+    url = bouncers["transaction"].url(db_url)
+    unreachable = create_engine(
+        url.rsplit("/", 1)[0] + "/no_such_database", connect_args={"prepare_threshold": None}
+    )
+    w = Waker(psycopg_conninfo(url), CHANNEL, threading.Event(), probe=unreachable)
+    try:
+        assert w.check() is None
+    finally:
+        w.close()
+        unreachable.dispose()
+    assert [
+        seen for seen in _listening_in_pool(_pooled(bouncers["transaction"], db_url)) if seen[1]
+    ] == []
 
 
 def _bury(conninfo: str, pid: int) -> None:
