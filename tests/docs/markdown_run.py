@@ -158,7 +158,9 @@ class PageRun:
     workdir: Path
     env: dict[str, str]
     environment_names: set[str]
-    timeout: float = 60.0
+    #: A bound on a block that hangs, not a speed check: an audit's first Spark start on a busy
+    #: two-core machine takes a minute.
+    timeout: float = 180.0
     eventually_timeout: float = 30.0
     background: list[tuple[str, subprocess.Popen[bytes], Path]] = field(default_factory=list)
     log: list[str] = field(default_factory=list)
