@@ -40,6 +40,7 @@ service it drives must not be started (`Service.start` would run competing roles
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import itertools
 import os
@@ -303,11 +304,8 @@ class ServiceHarness:
         # A sender's own, non-UUID id travels as it is; a message without a source has no
         # app_id, as from a plain AMQP client.
         wire = replace(wire, message_id=wire_id, app_id=source or None)
-        publisher = self.broker.publisher()
-        try:
+        with contextlib.closing(self.broker.publisher()) as publisher:
             [outcome] = publisher.publish_batch([wire], window=1, timeout=5.0)
-        finally:
-            publisher.close()
         if outcome is not PublishOutcome.CONFIRMED:
             raise NotDelivered(f"the broker did not take {kind} {type!r}: {outcome.value}")
         deadline = time.monotonic() + (DELIVERY_WAIT if self.real else 0)
@@ -340,10 +338,7 @@ class ServiceHarness:
         Returns the rows claimed. Commands to services without a queue go to the broker's
         ``unroutable`` queue, as on RabbitMQ; events nobody subscribes to are dropped.
         """
-        total = 0
-        while count := self._relay.relay_once():
-            total += count
-        return total
+        return sum(iter(self._relay.relay_once, 0))
 
     def receive(self) -> int:
         """Store what waits in ``<service>.inbox`` (the receiver's store path); return how many
@@ -376,11 +371,8 @@ class ServiceHarness:
         """
         if self.service.handlers.any_async:
             return self._work_async()
-        total = 0
         with self._worker.connect() as conn:
-            while count := self._worker.work_once(conn):
-                total += count
-        return total
+            return sum(iter(lambda: self._worker.work_once(conn), 0))
 
     def _work_async(self) -> int:
         if self.service.sqlite:

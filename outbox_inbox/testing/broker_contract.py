@@ -28,6 +28,7 @@ service name, so the suite also runs against a shared server.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -141,11 +142,8 @@ def command(service: str, n: int = 0, **kwargs: Any) -> WireMessage:
 def publish(
     broker: Broker, messages: Sequence[WireMessage], *, window: int = 10
 ) -> list[PublishOutcome]:
-    publisher = broker.publisher()
-    try:
+    with contextlib.closing(broker.publisher()) as publisher:
         return publisher.publish_batch(messages, window=window, timeout=5)
-    finally:
-        publisher.close()
 
 
 def take(consumer: Consumer, count: int, timeout: float = 5.0) -> list[Delivery]:
@@ -204,10 +202,6 @@ class BrokerContract:
     @pytest.fixture
     def svc(self) -> str:
         return f"svc{uuid.uuid4().hex[:8]}"
-
-    # --------------------------------------------------------------------------------------------
-    # Topology
-    # --------------------------------------------------------------------------------------------
 
     def test_declaring_twice_changes_nothing_and_a_conflicting_redeclare_raises_topology_mismatch(
         self, broker: Broker, svc: str
@@ -300,23 +294,17 @@ class BrokerContract:
         assert publish(broker, [lost]) == [CONFIRMED]  # the alternate exchange took it
 
         consumer = opened(broker.consumer(UNROUTABLE_QUEUE, prefetch=100))
-        deadline = time.monotonic() + 5
-        found: Delivery | None = None
-        while found is None and time.monotonic() < deadline:  # a shared server may hold others
-            found = next(
-                (d for d in consumer.fetch(100, 0.2) if d.message.message_id == lost.message_id),
-                None,
-            )
-        assert found is not None
+        lost_id = lost.message_id  # a shared server may hold others
+        found = wait_until(
+            lambda: [d for d in consumer.fetch(100, 0.2) if d.message.message_id == lost_id],
+            timeout=5,
+            what="the command in unroutable",
+        )[0]
         assert (found.message.exchange, found.message.routing_key) == (
             COMMANDS_EXCHANGE,
             f"ghost{svc}.parcel.ship",
         )
         assert found.message.body == lost.body
-
-    # --------------------------------------------------------------------------------------------
-    # Publishing
-    # --------------------------------------------------------------------------------------------
 
     @requires("reject_publish")
     def test_publish_batch_reports_confirmed_returned_nacked_and_skips_the_rest_of_a_failed_key(
@@ -372,10 +360,6 @@ class BrokerContract:
         assert publisher.broken
         assert broker.queue_depth(inbox_queue(svc)) == 1
         assert publish(broker, [command(svc, 3)]) == [CONFIRMED]  # a new publisher works
-
-    # --------------------------------------------------------------------------------------------
-    # Consuming
-    # --------------------------------------------------------------------------------------------
 
     def test_fetch_stops_at_the_prefetch_window_until_an_ack_and_tags_start_at_one(
         self, broker: Broker, opened: Callable[[Any], Any], svc: str
@@ -554,10 +538,6 @@ class BrokerContract:
         for delivery in (other, again):
             assert delivery.message.headers == {"n": 0, "nested": {"list": [1]}}
 
-    # --------------------------------------------------------------------------------------------
-    # Forwarding: delay tiers and dead letters
-    # --------------------------------------------------------------------------------------------
-
     @requires("delay_tiers", "dead_letter_routing")
     def test_forward_to_a_delay_tier_returns_to_the_inbox_through_retry_after_the_ttl(
         self, broker: Broker, opened: Callable[[Any], Any], svc: str
@@ -708,10 +688,6 @@ class BrokerContract:
         assert (death["reason"], death["queue"]) == ("delivery_limit", inbox_queue(svc))
         assert dead.headers["x-first-death-reason"] == "delivery_limit"
         assert broker.queue_depth(inbox_queue(svc)) == 0
-
-    # --------------------------------------------------------------------------------------------
-    # The operator port (Broker.operator)
-    # --------------------------------------------------------------------------------------------
 
     def test_operator_checks_find_declared_objects_present_and_others_missing_or_differing(
         self, broker: Broker, svc: str

@@ -53,7 +53,6 @@ import random
 import secrets
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -69,6 +68,7 @@ from sqlalchemy.pool import NullPool
 
 from ..config import DB_URL_ENV, MQ_URL_ENV
 from ..database import connect
+from ..errors import first_line
 from ..listener import Listener, combine
 from ..messages import to_wire
 from ..relay import outgoing
@@ -85,7 +85,7 @@ from .injection import (
     tablespace_on_tmpfs,
     terminate_backends,
 )
-from .servers import PostgresServer, RabbitMQServer, _Process, wait_until
+from .servers import PostgresServer, RabbitMQServer, _Process, _run, _tail, wait_until
 
 log = logging.getLogger(__name__)
 
@@ -152,11 +152,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if os.environ.get(KILL_AT_ENV):
         service.listener = combine(service.listener, _KillAt(os.environ[KILL_AT_ENV]))
     try:
-        {
-            "relay": service.run_relay,
-            "receiver": service.run_receiver,
-            "worker": service.run_worker,
-        }[args.role]()
+        getattr(service, f"run_{args.role}")()
     finally:
         service.close()
 
@@ -221,8 +217,7 @@ class RoleProcess:
         self._process.kill()
 
     def log_tail(self, lines: int = 30) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
+        return _tail(self.log_path, lines)
 
 
 class Load(threading.Thread):
@@ -269,13 +264,9 @@ class Load(threading.Thread):
 
     def _one(self, n: int, *, abort: bool) -> None:
         expects: list[Hashable] = [n]
+        outcome = FAILED  # until the commit is asked for: then it may have committed
         try:
-            session = self.service.session()
-        except Exception as exc:
-            self._failed(expects, exc)
-            return
-        with session:
-            try:
+            with self.service.session() as session:
                 session.begin()
                 produced = self.produce(self.service, session, n)
                 expects = [n] if produced is None else list(produced)
@@ -283,28 +274,15 @@ class Load(threading.Thread):
                     session.rollback()
                     self.history.record(expects, FAILED)
                     return
-            except Exception as exc:
-                self._failed(expects, exc)
-                return
-            try:
+                outcome = UNKNOWN
                 session.commit()
-            except Exception as exc:
-                self.history.record(expects, UNKNOWN)
-                self._note(exc)
-                self._stopping.wait(0.2)
-                return
+        except Exception as exc:
+            self.history.record(expects, outcome)
+            if len(self.errors) < 20:
+                self.errors.append(f"{type(exc).__name__}: {first_line(exc)}")
+            self._stopping.wait(0.2)
+            return
         self.history.record(expects, OK)
-
-    def _failed(self, expects: list[Hashable], exc: Exception) -> None:
-        self.history.record(expects, FAILED)
-        self._note(exc)
-        self._stopping.wait(0.2)
-
-    def _note(self, exc: Exception) -> None:
-        if len(self.errors) < 20:
-            self.errors.append(
-                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            )
 
 
 class FaultKit:
@@ -390,11 +368,13 @@ class FaultKit:
             yield load
         finally:
             ended = [f for f in self.history.faults if f.over is not None]
-            deadline = time.monotonic() + 10
-            while ended and not self.history.overlapped(ended[-1]) and load.is_alive():
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
+            with contextlib.suppress(AssertionError):
+                wait_until(
+                    lambda: not ended or self.history.overlapped(ended[-1]) or not load.is_alive(),
+                    timeout=10,
+                    interval=0.05,
+                    what="a commit after the last fault",
+                )
             load.stop()
 
     # -- faults ----------------------------------------------------------------------------------
@@ -526,12 +506,8 @@ class FaultKit:
         from ..brokers.rabbitmq import RabbitMQBroker
 
         broker = RabbitMQBroker(self.mq_url)
-        publisher = broker.publisher()
-        try:
+        with contextlib.closing(broker), contextlib.closing(broker.publisher()) as publisher:
             publisher.publish_batch(wires, window=100, timeout=10.0)
-        finally:
-            publisher.close()
-            broker.close()
 
     def _producer_url(self) -> str:
         relays = [r for r in self.roles if r.role == "relay"]
@@ -561,28 +537,10 @@ class FaultKit:
             "PYTHONPATH": os.pathsep.join(map(str, self.path)),
         }
         first = 10**9 + secrets.randbelow(10**6) * 1000  # keys no other load uses
-        script = "import sys\nfrom outbox_inbox.testing.faultkit import _skewed_writer\n"
-        result = subprocess.run(
-            [
-                faketime,
-                "-f",
-                f"{seconds:+.0f}s",
-                sys.executable,
-                "-c",
-                script + "_skewed_writer(*sys.argv[1:])",
-                service,
-                produce,
-                str(count),
-                str(first),
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        if result.returncode != 0:
-            raise AssertionError(f"the skewed writer failed: {result.stderr[-2000:]}")
+        script = "import sys; from outbox_inbox.testing.faultkit import _skewed_writer as w"
+        writer = [sys.executable, "-c", script + "; w(*sys.argv[1:])", service, produce]
+        args = [faketime, "-f", f"{seconds:+.0f}s", *writer, str(count), str(first)]
+        result = _run(args, "the skewed writer", env=env, timeout=120)
         for line in result.stdout.splitlines():
             entry = json.loads(line)
             self.history.record([_hashable(k) for k in entry["expects"]], entry["outcome"])

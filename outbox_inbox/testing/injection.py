@@ -47,11 +47,6 @@ ALARM_WATERMARK = "0.0000001"
 ALARM_DISK_LIMIT = str(10**15)
 
 
-# --------------------------------------------------------------------------------------------
-# PostgreSQL
-# --------------------------------------------------------------------------------------------
-
-
 def stop_postgres_immediately(server: PostgresServer) -> None:
     """``pg_ctl stop -m immediate`` on the local server, then let `server` reap its process.
 
@@ -231,11 +226,6 @@ def paused(pids: Sequence[int]) -> Iterator[None]:
                 os.killpg(pid, signal.SIGCONT)
 
 
-# --------------------------------------------------------------------------------------------
-# RabbitMQ
-# --------------------------------------------------------------------------------------------
-
-
 @dataclass
 class Alarm:
     """How long a resource alarm took to go off after it was asked for, and to clear after
@@ -288,11 +278,6 @@ def _alarm(
             server.rabbitmqctl(*clear_it)
             wait_until(lambda: not on(), timeout=30, interval=0.05, what="the alarm to clear")
             alarm.cleared_s = time.monotonic() - started
-
-
-# --------------------------------------------------------------------------------------------
-# iptables
-# --------------------------------------------------------------------------------------------
 
 
 def _iptables(iptables: str, *args: str) -> subprocess.CompletedProcess[str]:

@@ -90,10 +90,6 @@ class ServerError(RuntimeError):
     """A server could not be installed, started, stopped or talked to."""
 
 
-# --------------------------------------------------------------------------------------------
-# Small helpers
-# --------------------------------------------------------------------------------------------
-
 _handed_out_ports: set[int] = set()
 _ports_lock = threading.Lock()
 
@@ -194,15 +190,6 @@ def _pid_gone(pid: int) -> bool:
     return _stat(pid)[:1] in ([], ["Z"])
 
 
-def _wait_gone(pids: list[int], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not all(_pid_gone(pid) for pid in pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def _signal_pid(pid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
@@ -256,10 +243,6 @@ def _check_name(name: str, what: str) -> str:
         raise ValueError(f"bad {what} name {name!r}: use letters, digits, '_', '.', '-'")
     return name
 
-
-# --------------------------------------------------------------------------------------------
-# Watchdog: kills our process groups if this Python process dies without cleaning up
-# --------------------------------------------------------------------------------------------
 
 _WATCHDOG_SCRIPT = r"""
 import os, shutil, signal, sys, time
@@ -397,11 +380,6 @@ def _cleanup_live_servers() -> None:
             server.cleanup()
 
 
-# --------------------------------------------------------------------------------------------
-# Interfaces shared by local and external servers
-# --------------------------------------------------------------------------------------------
-
-
 @runtime_checkable
 class PostgresHandle(Protocol):
     """What the fixtures need from a PostgreSQL server, local or external."""
@@ -429,11 +407,6 @@ class RabbitMQHandle(Protocol):
     def url_for_vhost(self, vhost: str) -> str: ...
 
     def cleanup(self) -> None: ...
-
-
-# --------------------------------------------------------------------------------------------
-# What the local servers share
-# --------------------------------------------------------------------------------------------
 
 
 class _LocalServer(ABC):
@@ -566,11 +539,6 @@ class _External:
         if self._on_cleanup is not None:
             callback, self._on_cleanup = self._on_cleanup, None
             callback()
-
-
-# --------------------------------------------------------------------------------------------
-# PostgreSQL
-# --------------------------------------------------------------------------------------------
 
 
 class _Databases:
@@ -769,7 +737,9 @@ class PostgresServer(_LocalServer, _Databases):
             proc.wait(10)
         proc.kill()
         self._proc = None
-        if pids and not _wait_gone(pids, 10):
+        try:
+            wait_until(lambda: all(map(_pid_gone, pids)), timeout=10, interval=0.01, what="")
+        except AssertionError:
             log.warning("PostgreSQL processes %s still run after SIGKILL", pids)
         if pid is not None and _pid_gone(pid) and self.temp_dir is not None:
             # Only a zombie nobody reaped could still hold it; PostgreSQL would take it for live.
@@ -820,11 +790,6 @@ class ExternalPostgres(_External, _Databases):
 
     def __repr__(self) -> str:
         return f"<ExternalPostgres {self.admin_url.render_as_string()}>"
-
-
-# --------------------------------------------------------------------------------------------
-# RabbitMQ
-# --------------------------------------------------------------------------------------------
 
 
 class RabbitMQServer(_LocalServer):
@@ -909,6 +874,10 @@ class RabbitMQServer(_LocalServer):
 
     def _make_temp_dir(self) -> Path:
         base = Path(tempfile.mkdtemp(prefix="oi-rmq-", dir=self._base_dir))
+        port, management, plugins = self.management_port, "", "[]"
+        if port is not None:
+            management = f"management.tcp.ip = {LOCALHOST}\nmanagement.tcp.port = {port}\n"
+            plugins = "[rabbitmq_management]"
         (base / "log").mkdir()
         (base / "mnesia").mkdir()
         (base / "rabbitmq.conf").write_text(
@@ -916,9 +885,8 @@ class RabbitMQServer(_LocalServer):
             "loopback_users = none\n"
             "disk_free_limit.absolute = 10MB\n"
             "log.file.level = info\n"
-            "log.console = false\n" + self._management_config() + self.extra_config + "\n"
+            "log.console = false\n" + management + self.extra_config + "\n"
         )
-        plugins = "[rabbitmq_management]" if self.management_port is not None else "[]"
         (base / "enabled_plugins").write_text(plugins + ".\n")
         # An empty env file keeps /etc/rabbitmq/rabbitmq-env.conf out.
         (base / "rabbitmq-env.conf").write_text("# written by outbox_inbox.testing.servers\n")
@@ -926,11 +894,6 @@ class RabbitMQServer(_LocalServer):
         cookie.write_text(self.cookie)
         cookie.chmod(0o400)
         return base
-
-    def _management_config(self) -> str:
-        if self.management_port is None:
-            return ""
-        return f"management.tcp.ip = {LOCALHOST}\nmanagement.tcp.port = {self.management_port}\n"
 
     # -- process control -----------------------------------------------------------------------
 
