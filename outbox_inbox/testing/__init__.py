@@ -13,18 +13,10 @@ thread, through the same code paths the real roles run:
 Harnesses built on one `MemoryBroker` talk to each other like services on one RabbitMQ server:
 `run_all_until_idle(orders, billing)` runs a whole conversation in one test.
 
-With pytest, the package registers these fixtures (entry point ``pytest11``; disable with
-``-p no:outbox_inbox``, or import them in a conftest.py from this module):
-
-* ``outbox_inbox_harness`` — a factory: ``outbox_inbox_harness(build)`` calls
-  ``build(db_url=..., broker=...)`` with a fresh database and the test's broker and returns a
-  migrated harness; ``outbox_inbox_harness(service)`` wraps a service you built;
-* ``outbox_inbox_db_url_factory`` — fresh database URLs: a SQLite file in ``tmp_path`` each.
-  Override this fixture in your conftest.py to test on PostgreSQL;
-* ``outbox_inbox_broker`` — the test's `MemoryBroker`, closed after the test.
-* ``outbox_inbox_fault_kit`` — a `faultkit.FaultKit`: your service's roles as processes on
-  private servers (``outbox_inbox_servers``, started once per session), faults injected by
-  name, and the checker run on your own effect table (docs/testing.md).
+With pytest, the package registers the fixtures at the end of this module and the fault kit's
+(entry point ``pytest11``; disable with ``-p no:outbox_inbox``, or import them in a
+conftest.py from this module): ``outbox_inbox_harness``, ``outbox_inbox_db_url_factory``,
+``outbox_inbox_broker``, ``outbox_inbox_fault_kit`` (docs/testing.md).
 
 The switch to real servers: with ``OUTBOX_INBOX_HARNESS_DB_URL`` (a PostgreSQL URL whose user
 may create databases) and ``OUTBOX_INBOX_HARNESS_MQ_URL`` (RabbitMQ) set, the same tests run
@@ -229,8 +221,6 @@ class ServiceHarness:
                 for queue in self._owned:
                     admin.delete_queue(queue)
 
-    # --- input ----------------------------------------------------------------------------
-
     def deliver(
         self,
         type: str,
@@ -329,8 +319,6 @@ class ServiceHarness:
         row = self._find_inbox(message_id)
         assert row is not None  # deliver() saw it stored; nothing here deletes inbox rows
         return row
-
-    # --- steps ----------------------------------------------------------------------------
 
     def relay(self) -> int:
         """Publish every due outbox row to the broker (`Relay.relay_once` until none is left).
@@ -433,8 +421,6 @@ class ServiceHarness:
         seconds of continuous work (handlers that keep sending each other messages).
         """
         return run_all_until_idle(self, timeout=timeout, skip_delays=skip_delays)
-
-    # --- outcome --------------------------------------------------------------------------
 
     def published(
         self,

@@ -100,8 +100,7 @@ Case = TypeVar("Case", bound=Callable[..., Any])
 
 def requires(*capabilities: str) -> Callable[[Case], Case]:
     """Mark a case as needing `capabilities`: skipped for a broker that lists one unsupported."""
-    unknown = set(capabilities) - CAPABILITIES
-    if unknown:
+    if unknown := set(capabilities) - CAPABILITIES:
         raise ValueError(f"unknown capabilities {sorted(unknown)}")
 
     def mark(case: Case) -> Case:
@@ -161,6 +160,11 @@ def numbers(deliveries: Sequence[Delivery | QueuedMessage | None]) -> list[int]:
     return [d.message.headers["n"] if d else -1 for d in deliveries]
 
 
+def kept(copy: WireMessage, original: WireMessage, *properties: str) -> None:
+    for name in properties:
+        assert getattr(copy, name) == getattr(original, name), name
+
+
 def depth_becomes(broker: Broker, queue: str, expected: int) -> None:
     """RabbitMQ requeues a closed consumer's deliveries a moment after the close returns."""
     wait_until(lambda: broker.queue_depth(queue) == expected, timeout=5, what=f"{queue} depth")
@@ -174,12 +178,10 @@ class BrokerContract:
 
     @pytest.fixture(autouse=True)
     def _capabilities(self, request: pytest.FixtureRequest) -> None:
-        unknown = set(self.unsupported) - CAPABILITIES
-        if unknown:
+        if unknown := set(self.unsupported) - CAPABILITIES:
             raise ValueError(f"unsupported names unknown capabilities {sorted(unknown)}")
         needed: frozenset[str] = getattr(request.function, "required_capabilities", frozenset())
-        lacking = sorted(needed & self.unsupported)
-        if lacking:
+        if lacking := sorted(needed & self.unsupported):
             pytest.skip(f"the broker does not support {', '.join(lacking)}")
 
     @pytest.fixture
@@ -300,11 +302,7 @@ class BrokerContract:
             timeout=5,
             what="the command in unroutable",
         )[0]
-        assert (found.message.exchange, found.message.routing_key) == (
-            COMMANDS_EXCHANGE,
-            f"ghost{svc}.parcel.ship",
-        )
-        assert found.message.body == lost.body
+        kept(found.message, lost, "exchange", "routing_key", "body")
 
     @requires("reject_publish")
     def test_publish_batch_reports_confirmed_returned_nacked_and_skips_the_rest_of_a_failed_key(
@@ -543,19 +541,15 @@ class BrokerContract:
         self, broker: Broker, opened: Callable[[Any], Any], svc: str
     ) -> None:
         broker.declare(service_topology(svc, [], delay_tiers=(0.3,)))
+        tier = delay_queue(svc, 0.3)
         original = command(svc, 1, headers={"own": "kept"}, priority=2)
         publish(broker, [original])
         consumer = opened(broker.consumer(inbox_queue(svc), prefetch=10))
         delivery = take(consumer, 1)[0]
 
         started = time.monotonic()
-        consumer.forward(
-            delivery,
-            "",
-            delay_queue(svc, 0.3),
-            {H_RECEIVE_ATTEMPT: 1, H_RETRY_DELAY: 300},
-        )
-        assert broker.queue_depth(delay_queue(svc, 0.3)) == 1  # nobody consumes the delay tier
+        consumer.forward(delivery, "", tier, {H_RECEIVE_ATTEMPT: 1, H_RETRY_DELAY: 300})
+        assert broker.queue_depth(tier) == 1  # nobody consumes the delay tier
         back = take(consumer, 1, timeout=3)
         elapsed = time.monotonic() - started
         assert 0.28 <= elapsed <= 0.5, f"came back after {elapsed:.3f}s, the TTL is 0.3s"
@@ -564,16 +558,8 @@ class BrokerContract:
         assert (message.exchange, message.routing_key) == (RETRY_EXCHANGE, svc)
         assert not back[0].redelivered
         assert back[0].tag == 2
-        assert (message.message_id, message.body, message.priority) == (
-            original.message_id,
-            original.body,
-            2,
-        )
-        assert (message.correlation_id, message.app_id, message.type) == (
-            "corr-1",
-            "contract",
-            f"{svc}.job.run",
-        )
+        kept(message, original, "message_id", "body", "priority", "correlation_id", "app_id")
+        assert message.type == f"{svc}.job.run"
         headers = message.headers
         assert headers["own"] == "kept"
         assert headers[H_RECEIVE_ATTEMPT] == 1
@@ -581,17 +567,13 @@ class BrokerContract:
         assert headers[H_ORIGINAL_EXCHANGE] == COMMANDS_EXCHANGE
         assert headers[H_ORIGINAL_ROUTING_KEY] == f"{svc}.job.run"
         death = headers["x-death"][0]
-        assert (death["reason"], death["queue"], death["count"]) == (
-            "expired",
-            delay_queue(svc, 0.3),
-            1,
-        )
-        assert death["exchange"] == "" and death["routing-keys"] == [delay_queue(svc, 0.3)]
-        assert headers["x-first-death-queue"] == delay_queue(svc, 0.3)
-        assert broker.queue_depth(delay_queue(svc, 0.3)) == 0
+        assert (death["reason"], death["queue"], death["count"]) == ("expired", tier, 1)
+        assert death["exchange"] == "" and death["routing-keys"] == [tier]
+        assert headers["x-first-death-queue"] == tier
+        assert broker.queue_depth(tier) == 0
 
         # A second trip keeps the first origin and counts the death in the same x-death entry.
-        consumer.forward(back[0], "", delay_queue(svc, 0.3), {H_RECEIVE_ATTEMPT: 2})
+        consumer.forward(back[0], "", tier, {H_RECEIVE_ATTEMPT: 2})
         twice = take(consumer, 1, timeout=3)
         headers = twice[0].message.headers
         assert headers[H_RECEIVE_ATTEMPT] == 2
@@ -778,9 +760,8 @@ class BrokerContract:
         copy = take(opened(broker.consumer(inbox_queue(svc), prefetch=10)), 1)[0].message
         assert (copy.exchange, copy.routing_key) == (RETRY_EXCHANGE, svc)
         assert copy.headers == {"n": 5, "replayed": 1}
-        for kept in ("message_id", "body", "type", "correlation_id", "timestamp", "priority"):
-            assert getattr(copy, kept) == getattr(original, kept), kept
-        assert (copy.app_id, copy.content_type) == (original.app_id, original.content_type)
+        kept(copy, original, "message_id", "body", "type", "correlation_id", "timestamp")
+        kept(copy, original, "priority", "app_id", "content_type")
 
     def test_tail_copies_what_the_exchange_routes_by_pattern_until_told_to_stop(
         self, broker: Broker, svc: str

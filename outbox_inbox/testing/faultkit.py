@@ -20,24 +20,8 @@ Injection is deterministic where a fault has a moment: ``kill`` with ``at=`` mak
 process SIGKILL itself when it reaches that point of its work the n-th time (`KILL_POINTS`,
 through the `Listener` hooks); nothing waits on a sleep to hit a window. Every other fault is
 in force from `inject`'s start to its return (a server down, rules in place), then recovery is
-measured: `Fault.recovered_s`.
-
-The faults (`FAULTS`): ``kill`` (a role, now or at a point), ``postgres-restart`` (immediate
-stop: crash recovery at the start), ``rabbitmq-restart`` (SIGKILL), ``terminate-sessions``
-(``pg_terminate_backend`` of every session of the kit's databases), ``memory-alarm`` and
-``disk-alarm`` (RabbitMQ's alarms: publishers blocked), ``disk-full`` (a table of yours on a
-full disk: PostgreSQL's ``could not extend file``), ``blackhole`` (iptables: the broker's or
-the database's port drops every packet, where iptables works), ``duplicate`` (messages already
-published sent again, ``times`` times each, as a broker redelivers or a peer resends) and
-``clock-skew`` (transactions committed by a process whose clock is off by ``seconds``, under
-libfaketime).
-
-The roles run your module as ``outbox-inbox run`` would (``--app MODULE:ATTR``: a `Service`, or
-a function returning one with no arguments), with ``OUTBOX_INBOX_DB_URL`` and
-``OUTBOX_INBOX_MQ_URL`` set to the kit's servers, ``processes=1``, and the directories of
-`path` importable. A role with no ``app`` runs a bare ``Service(service)``: a relay needs no
-handlers. With pytest, the fixture ``outbox_inbox_fault_kit`` gives a kit on private servers
-started once per session (``outbox_inbox_servers``; override that fixture to bring your own).
+measured: `Fault.recovered_s`. docs/testing.md describes the roles (run as ``outbox-inbox run
+--app`` would), the load, each fault of `FAULTS` with its options, and the pytest fixtures.
 """
 
 from __future__ import annotations
@@ -175,23 +159,14 @@ class RoleProcess:
 
     def start(self, kill_at: str | None = None) -> None:
         """Start the process (again); with `kill_at`, it SIGKILLs itself at that point."""
-        env = {
-            **os.environ,
-            DB_URL_ENV: self.db_url,
-            MQ_URL_ENV: self.kit.mq_url,
-            "PYTHONPATH": os.pathsep.join(
-                [*map(str, self.kit.path), os.environ.get("PYTHONPATH", "")]
-            ),
-        }
-        env.pop(KILL_AT_ENV, None)
+        env = self.kit._env(self.db_url)
         if kill_at is not None:
             env[KILL_AT_ENV] = kill_at
         if self.service is not None:
             env[SERVICE_ENV] = self.service
-        args = [sys.executable, "-m", __name__, self.role]
-        self._process = _Process(
-            [*args, "--app", self.app] if self.app else args, log_path=self.log_path, env=env
-        )
+        app = ["--app", self.app] if self.app else []
+        args = [sys.executable, "-m", __name__, self.role, *app]
+        self._process = _Process(args, log_path=self.log_path, env=env)
 
     @property
     def alive(self) -> bool:
@@ -318,6 +293,13 @@ class FaultKit:
         rabbitmq.add_vhost(self.vhost)
         self.mq_url = rabbitmq.url_for_vhost(self.vhost)
 
+    def _env(self, db_url: str) -> dict[str, str]:
+        """The environment of a process of the kit: its servers, and `path` importable."""
+        env = {**os.environ, DB_URL_ENV: db_url, MQ_URL_ENV: self.mq_url}
+        env.pop(KILL_AT_ENV, None)
+        path = [*map(str, self.path), os.environ.get("PYTHONPATH", "")]
+        return env | {"PYTHONPATH": os.pathsep.join(path)}
+
     def database(self, name: str) -> str:
         """The URL of a new, empty database for the service `name` on the kit's PostgreSQL
         (named ``<name>_<this kit's suffix>``, dropped at `close`)."""
@@ -376,8 +358,6 @@ class FaultKit:
                     what="a commit after the last fault",
                 )
             load.stop()
-
-    # -- faults ----------------------------------------------------------------------------------
 
     def inject(self, name: str, **options: Any) -> Fault:
         """Inject the fault `name` (`FAULTS`), wait until it is over, and measure the recovery:
@@ -488,17 +468,10 @@ class FaultKit:
         database = connect(producer)
         try:
             outbox = database.tables.outbox
+            published = select(outbox).where(outbox.c.published_at.is_not(None))
             with database.engine.connect() as conn:
-                rows = (
-                    conn.execute(
-                        select(outbox)
-                        .where(outbox.c.published_at.is_not(None))
-                        .order_by(outbox.c.id.desc())
-                        .limit(last)
-                    )
-                    .mappings()
-                    .all()
-                )
+                stmt = published.order_by(outbox.c.id.desc()).limit(last)
+                rows = conn.execute(stmt).mappings().all()
         finally:
             database.engine.dispose()
         source = service or ""
@@ -529,13 +502,7 @@ class FaultKit:
         faketime = shutil.which("faketime")
         if faketime is None:
             raise RuntimeError("clock-skew needs libfaketime: apt-get install faketime")
-        env = {
-            **os.environ,
-            "FAKETIME_DONT_FAKE_MONOTONIC": "1",
-            DB_URL_ENV: db_url or self._producer_url(),
-            MQ_URL_ENV: self.mq_url,
-            "PYTHONPATH": os.pathsep.join(map(str, self.path)),
-        }
+        env = self._env(db_url or self._producer_url()) | {"FAKETIME_DONT_FAKE_MONOTONIC": "1"}
         first = 10**9 + secrets.randbelow(10**6) * 1000  # keys no other load uses
         script = "import sys; from outbox_inbox.testing.faultkit import _skewed_writer as w"
         writer = [sys.executable, "-c", script + "; w(*sys.argv[1:])", service, produce]

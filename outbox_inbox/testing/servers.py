@@ -53,7 +53,7 @@ import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any, Protocol, Self, runtime_checkable
 from urllib.parse import quote
@@ -63,6 +63,9 @@ import pika.exceptions
 import psycopg
 from psycopg import sql
 from sqlalchemy.engine import make_url
+
+# Its log filters put pika's lines about a refused connection (a broker booting) at DEBUG.
+from ..brokers import rabbitmq as _rabbitmq  # noqa: F401
 
 __all__ = [
     "PG_BIN_DIR",
@@ -223,19 +226,6 @@ def _run(
 
 def _is_root() -> bool:
     return os.geteuid() == 0
-
-
-@contextlib.contextmanager
-def _quiet_pika() -> Iterator[None]:
-    """pika logs every refused or reset connection at ERROR; while we poll a booting broker
-    those are expected, and would only clutter the captured logs of a failing test."""
-    logger = logging.getLogger("pika")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def _check_name(name: str, what: str) -> str:
@@ -599,8 +589,6 @@ class PostgresServer(_LocalServer, _Databases):
         self.startup_timeout = startup_timeout
         self._base_dir = Path(base_dir) if base_dir is not None else None
 
-    # -- paths ---------------------------------------------------------------------------------
-
     @property
     def data_dir(self) -> Path:
         return self._require_temp_dir() / "data"
@@ -612,8 +600,6 @@ class PostgresServer(_LocalServer, _Databases):
     @property
     def log_path(self) -> Path:
         return self._require_temp_dir() / "postgres.log"
-
-    # -- process control -----------------------------------------------------------------------
 
     @property
     def pids(self) -> frozenset[int]:
@@ -690,7 +676,7 @@ class PostgresServer(_LocalServer, _Databases):
 
     def postmaster_pid(self) -> int | None:
         """The postmaster's pid as written in ``postmaster.pid``, if the server runs."""
-        if not self.running or self.temp_dir is None:
+        if not self.running:
             return None
         try:
             return int((self.data_dir / "postmaster.pid").read_text().split("\n", 1)[0])
@@ -726,7 +712,7 @@ class PostgresServer(_LocalServer, _Databases):
         if proc is None:
             return
         pids: list[int] = []
-        pid = self.postmaster_pid() if self.temp_dir is not None else None
+        pid = self.postmaster_pid()
         if pid is not None:
             # Postmaster and backends first (backends run in sessions of their own), so that
             # runuser, the postmaster's parent, reaps it: killed together, the postmaster would
@@ -744,8 +730,6 @@ class PostgresServer(_LocalServer, _Databases):
         if pid is not None and _pid_gone(pid) and self.temp_dir is not None:
             # Only a zombie nobody reaped could still hold it; PostgreSQL would take it for live.
             (self.data_dir / "postmaster.pid").unlink(missing_ok=True)
-
-    # -- clients ------------------------------------------------------------------------------
 
     def url(self, dbname: str = "postgres") -> str:
         """SQLAlchemy URL of database ``dbname`` on this server."""
@@ -828,8 +812,6 @@ class RabbitMQServer(_LocalServer):
         self.cookie = "".join(secrets.choice(string.ascii_uppercase) for _ in range(20))
         self._epmd: _Process | None = None
 
-    # -- paths and environment -----------------------------------------------------------------
-
     @property
     def output_path(self) -> Path:
         """stdout and stderr of the ``rabbitmq-server`` script."""
@@ -848,29 +830,24 @@ class RabbitMQServer(_LocalServer):
             for key, value in os.environ.items()
             if not key.startswith(("RABBITMQ_", "ERL_", "NOTIFY_SOCKET"))
         }
-        env.update(
-            {
-                "HOME": str(base),
-                "RABBITMQ_NODENAME": self.nodename,
-                "RABBITMQ_MNESIA_BASE": str(base / "mnesia"),
-                "RABBITMQ_LOG_BASE": str(base / "log"),
-                "RABBITMQ_NODE_PORT": str(self.port),
-                "RABBITMQ_DIST_PORT": str(self.dist_port),
-                "RABBITMQ_NODE_IP_ADDRESS": LOCALHOST,
-                "RABBITMQ_CONFIG_FILE": str(base / "rabbitmq.conf"),
-                "RABBITMQ_ADVANCED_CONFIG_FILE": str(base / "advanced.config"),
-                "RABBITMQ_ENABLED_PLUGINS_FILE": str(base / "enabled_plugins"),
-                "RABBITMQ_CONF_ENV_FILE": str(base / "rabbitmq-env.conf"),
-                "RABBITMQ_PID_FILE": str(base / "rabbitmq.pid"),
-                # The Erlang distribution port listens on all interfaces unless told otherwise.
-                "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": (
-                    "-kernel inet_dist_use_interface {127,0,0,1}"
-                ),
-                "ERL_EPMD_ADDRESS": LOCALHOST,
-                "ERL_EPMD_PORT": str(self.epmd_port),
-            }
-        )
-        return env
+        return env | {
+            "HOME": str(base),
+            "RABBITMQ_NODENAME": self.nodename,
+            "RABBITMQ_MNESIA_BASE": str(base / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(base / "log"),
+            "RABBITMQ_NODE_PORT": str(self.port),
+            "RABBITMQ_DIST_PORT": str(self.dist_port),
+            "RABBITMQ_NODE_IP_ADDRESS": LOCALHOST,
+            "RABBITMQ_CONFIG_FILE": str(base / "rabbitmq.conf"),
+            "RABBITMQ_ADVANCED_CONFIG_FILE": str(base / "advanced.config"),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(base / "enabled_plugins"),
+            "RABBITMQ_CONF_ENV_FILE": str(base / "rabbitmq-env.conf"),
+            "RABBITMQ_PID_FILE": str(base / "rabbitmq.pid"),
+            # The Erlang distribution port listens on all interfaces unless told otherwise.
+            "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": ("-kernel inet_dist_use_interface {127,0,0,1}"),
+            "ERL_EPMD_ADDRESS": LOCALHOST,
+            "ERL_EPMD_PORT": str(self.epmd_port),
+        }
 
     def _make_temp_dir(self) -> Path:
         base = Path(tempfile.mkdtemp(prefix="oi-rmq-", dir=self._base_dir))
@@ -895,8 +872,6 @@ class RabbitMQServer(_LocalServer):
         cookie.chmod(0o400)
         return base
 
-    # -- process control -----------------------------------------------------------------------
-
     @property
     def pids(self) -> frozenset[int]:
         """Process ids of the processes this object started (the node and its epmd; the Erlang
@@ -920,18 +895,14 @@ class RabbitMQServer(_LocalServer):
                 raise ServerError(f"epmd did not start on port {self.epmd_port}:\n{_tail(path)}")
             time.sleep(0.02)
 
-    def start(self) -> None:
+    def _launch(self) -> _Process:
         server = self.sbin_dir / "rabbitmq-server"
-        if not self.running and not server.exists():
+        if not server.exists():
             raise ServerError(
                 f"{server} not found: install Debian's rabbitmq-server package "
                 "(or point OUTBOX_INBOX_RABBITMQ_SBIN_DIR at the directory that holds it)"
             )
-        super().start()
-
-    def _launch(self) -> _Process:
         self._start_epmd()
-        server = self.sbin_dir / "rabbitmq-server"
         return _Process([str(server)], log_path=self.output_path, env=self.env, cwd=self.temp_dir)
 
     def _failure(self, message: str) -> ServerError:
@@ -948,8 +919,7 @@ class RabbitMQServer(_LocalServer):
             return False
         if not _port_open(LOCALHOST, self.port, timeout=0.5):
             return False
-        with _quiet_pika():
-            pika.BlockingConnection(self.connection_parameters()).close()
+        pika.BlockingConnection(self.connection_parameters()).close()
         return True
 
     def _shut_down(self, proc: _Process, timeout: float) -> bool:
@@ -983,8 +953,6 @@ class RabbitMQServer(_LocalServer):
             epmd = shutil.which("epmd") or "/usr/lib/erlang/bin/epmd"
             with contextlib.suppress(OSError, subprocess.SubprocessError):
                 _run([epmd, "-kill"], env=self.env, timeout=5)
-
-    # -- clients ------------------------------------------------------------------------------
 
     @property
     def url(self) -> str:
@@ -1085,15 +1053,11 @@ class ExternalRabbitMQ(_External):
     supports_vhosts = False
 
     def __init__(self, amqp_url: str, on_cleanup: Callable[[], None] | None = None) -> None:
-        self._url = amqp_url
+        self.url = amqp_url
         super().__init__(on_cleanup)
-
-    @property
-    def url(self) -> str:
-        return self._url
 
     def url_for_vhost(self, vhost: str) -> str:
         raise ServerError("vhosts cannot be created on an external RabbitMQ server")
 
     def __repr__(self) -> str:
-        return f"<ExternalRabbitMQ {re.sub(r':[^:@/]*@', ':***@', self._url)}>"
+        return f"<ExternalRabbitMQ {re.sub(r':[^:@/]*@', ':***@', self.url)}>"
