@@ -2,13 +2,10 @@
 
 A `ServiceHarness` wraps a `Service` built with ``broker=MemoryBroker()`` (or a RabbitMQ
 broker: see the switch below) and drives its three roles one step at a time in the calling
-thread, through the same code paths the real roles run:
-
-* `ServiceHarness.deliver` publishes a message to the broker as another service would (the
-  wire format of docs/wire-format.md) and runs the receiver until it is stored in the inbox;
-* `ServiceHarness.run_until_idle` runs relay, receiver and worker steps until nothing is due,
-  with retry backoff fast-forwarded, so a failing handler reaches its end in milliseconds;
-* `published`, `inbox_rows`, `dead` and `processed` read the outcome from the service's tables.
+thread, through the same code paths the real roles run: `ServiceHarness.deliver` sends it a
+message as another service would, `ServiceHarness.run_until_idle` runs its steps until nothing
+is due (retry backoff fast-forwarded, so a failing handler reaches its end in milliseconds),
+and `published`, `inbox_rows`, `dead` and `processed` read the outcome from its tables.
 
 Harnesses built on one `MemoryBroker` talk to each other like services on one RabbitMQ server:
 `run_all_until_idle(orders, billing)` runs a whole conversation in one test.
@@ -24,9 +21,6 @@ on a fresh PostgreSQL database per harness and on RabbitMQ, on a virtual host of
 own where the management API can make one; a harness never touches a running service's queues
 (`ServiceHarness._claim`) and deletes those it declared when it is closed (after the test).
 The broker contract of `outbox_inbox.testing.broker_contract` tests a broker itself.
-
-Everything here is for tests: a harness is not thread-safe (use it from one thread), and the
-service it drives must not be started (`Service.start` would run competing roles).
 """
 
 from __future__ import annotations
@@ -150,9 +144,9 @@ class ServiceHarness:
     inbox queue has a consumer or one of its queues holds messages (a running service's:
     see `_claim`). It never purges a queue.
 
-    Not thread-safe; the service must not be started. `close()` (or leaving the ``with``
-    block) stops consuming, and on a real broker deletes the queues the harness declared;
-    the service and the broker stay open, they belong to the caller.
+    Not thread-safe; the service must not be started (it would run competing roles). `close()`
+    (or leaving the ``with`` block) stops consuming, and on a real broker deletes the queues
+    the harness declared; the service and the broker stay open, they belong to the caller.
     """
 
     def __init__(self, service: Service, *, migrate: bool = True) -> None:
@@ -316,9 +310,7 @@ class ServiceHarness:
         timeout = float(options.pop("timeout", DEFAULT_TIMEOUT))
         message_id = self.deliver(type, payload, **options)
         self.run_until_idle(timeout=timeout)
-        row = self._find_inbox(message_id)
-        assert row is not None  # deliver() saw it stored; nothing here deletes inbox rows
-        return row
+        return self.inbox_row(message_id)
 
     def relay(self) -> int:
         """Publish every due outbox row to the broker (`Relay.relay_once` until none is left).
@@ -577,11 +569,8 @@ if TYPE_CHECKING or importlib.util.find_spec("pytest") is not None:
             finally:
                 api.delete_vhost()
             return
-        broker = MemoryBroker(name="test")
-        try:
+        with MemoryBroker(name="test") as broker:
             yield broker
-        finally:
-            broker.close()
 
     @pytest.fixture
     def outbox_inbox_db_url_factory(tmp_path: Path) -> Iterator[Callable[[], str]]:
@@ -597,8 +586,6 @@ if TYPE_CHECKING or importlib.util.find_spec("pytest") is not None:
             numbers = itertools.count(1)
             yield lambda: f"sqlite:///{tmp_path / f'outbox-inbox-{next(numbers)}.db'}"
             return
-        from sqlalchemy.engine import make_url
-
         from .servers import ExternalPostgres
 
         server, made = ExternalPostgres(url), list[str]()
@@ -607,7 +594,7 @@ if TYPE_CHECKING or importlib.util.find_spec("pytest") is not None:
             name = f"oi_test_{uuid.uuid4().hex[:12]}"
             server.create_database(name)
             made.append(name)
-            return make_url(url).set(database=name).render_as_string(hide_password=False)
+            return server.url(name)
 
         try:
             yield create
@@ -627,21 +614,13 @@ if TYPE_CHECKING or importlib.util.find_spec("pytest") is not None:
         any `MemoryBroker`) and leaves closing it to you. Keyword arguments go to
         `ServiceHarness`. Harnesses are closed after the test.
         """
-        harnesses: list[ServiceHarness] = []
-        built: list[Service] = []
+        with contextlib.ExitStack() as closed_after:
 
-        def make(service: ServiceOrBuilder, **options: Any) -> ServiceHarness:
-            if not isinstance(service, Service):
-                service = service(db_url=outbox_inbox_db_url_factory(), broker=outbox_inbox_broker)
-                built.append(service)
-            harness = ServiceHarness(service, **options)
-            harnesses.append(harness)
-            return harness
+            def make(service: ServiceOrBuilder, **options: Any) -> ServiceHarness:
+                if not isinstance(service, Service):
+                    db_url = outbox_inbox_db_url_factory()
+                    built = service(db_url=db_url, broker=outbox_inbox_broker)
+                    service = closed_after.enter_context(contextlib.closing(built))
+                return closed_after.enter_context(ServiceHarness(service, **options))
 
-        try:
             yield make
-        finally:
-            for harness in reversed(harnesses):
-                harness.close()
-            for service in reversed(built):
-                service.close()

@@ -9,18 +9,8 @@ copies RabbitMQ elsewhere (drop-head overflow, dead-letter cycles) is not part o
 Subclass `BrokerContract` in a test module of your own, give it a ``broker`` fixture (a fresh
 broker, or a fresh virtual host, per test), and list what your broker cannot do in
 `unsupported`: the cases needing it are skipped, each with the capability named, and every
-other case must pass. The in-memory broker and RabbitMQ 3.10 pass it whole::
-
-    import pytest
-    from outbox_inbox.testing.broker_contract import BrokerContract
-
-    class TestMyBroker(BrokerContract):
-        unsupported = frozenset({"priority"})
-
-        @pytest.fixture
-        def broker(self):
-            with MyBroker() as broker:
-                yield broker
+other case must pass (docs/testing.md, "Testing a broker", shows one). The in-memory broker and
+RabbitMQ 3.10 pass it whole.
 
 Where RabbitMQ and another broker could differ, RabbitMQ is the reference. Names carry a random
 service name, so the suite also runs against a shared server.
@@ -94,7 +84,6 @@ CAPABILITIES = frozenset(
     }
 )
 
-T = TypeVar("T")
 Case = TypeVar("Case", bound=Callable[..., Any])
 
 
@@ -189,17 +178,10 @@ class BrokerContract:
         raise NotImplementedError("a BrokerContract subclass defines the `broker` fixture")
 
     @pytest.fixture
-    def opened(self, broker: Broker) -> Iterator[Callable[[T], T]]:
+    def opened(self, broker: Broker) -> Iterator[Callable[[Any], Any]]:
         """Register a publisher or consumer to be closed after the case, before the broker."""
-        things: list[Any] = []
-
-        def keep(thing: T) -> T:
-            things.append(thing)
-            return thing
-
-        yield keep
-        for thing in reversed(things):
-            thing.close()
+        with contextlib.ExitStack() as closed_after:
+            yield lambda thing: closed_after.enter_context(contextlib.closing(thing))
 
     @pytest.fixture
     def svc(self) -> str:

@@ -595,11 +595,8 @@ if importlib.util.find_spec("pytest") is not None:
         importable by its role processes. Closed after the test (roles stopped, databases and
         virtual host removed); a failed test's role logs stay in ``tmp_path``."""
         path = [Path(request.node.path).parent, request.config.rootpath]
-        kit = FaultKit(*outbox_inbox_servers, tmp_path, path=path)
-        try:
+        with contextlib.closing(FaultKit(*outbox_inbox_servers, tmp_path, path=path)) as kit:
             yield kit
-        finally:
-            kit.close()
 
 
 if __name__ == "__main__":
