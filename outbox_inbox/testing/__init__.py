@@ -2,29 +2,18 @@
 
 A `ServiceHarness` wraps a `Service` built with ``broker=MemoryBroker()`` (or a RabbitMQ
 broker: see the switch below) and drives its three roles one step at a time in the calling
-thread, through the same code paths the real roles run:
-
-* `ServiceHarness.deliver` publishes a message to the broker as another service would (the
-  wire format of docs/wire-format.md) and runs the receiver until it is stored in the inbox;
-* `ServiceHarness.run_until_idle` runs relay, receiver and worker steps until nothing is due,
-  with retry backoff fast-forwarded, so a failing handler reaches its end in milliseconds;
-* `published`, `inbox_rows`, `dead` and `processed` read the outcome from the service's tables.
+thread, through the same code paths the real roles run: `ServiceHarness.deliver` sends it a
+message as another service would, `ServiceHarness.run_until_idle` runs its steps until nothing
+is due (retry backoff fast-forwarded, so a failing handler reaches its end in milliseconds),
+and `published`, `inbox_rows`, `dead` and `processed` read the outcome from its tables.
 
 Harnesses built on one `MemoryBroker` talk to each other like services on one RabbitMQ server:
 `run_all_until_idle(orders, billing)` runs a whole conversation in one test.
 
-With pytest, the package registers these fixtures (entry point ``pytest11``; disable with
-``-p no:outbox_inbox``, or import them in a conftest.py from this module):
-
-* ``outbox_inbox_harness`` — a factory: ``outbox_inbox_harness(build)`` calls
-  ``build(db_url=..., broker=...)`` with a fresh database and the test's broker and returns a
-  migrated harness; ``outbox_inbox_harness(service)`` wraps a service you built;
-* ``outbox_inbox_db_url_factory`` — fresh database URLs: a SQLite file in ``tmp_path`` each.
-  Override this fixture in your conftest.py to test on PostgreSQL;
-* ``outbox_inbox_broker`` — the test's `MemoryBroker`, closed after the test.
-* ``outbox_inbox_fault_kit`` — a `faultkit.FaultKit`: your service's roles as processes on
-  private servers (``outbox_inbox_servers``, started once per session), faults injected by
-  name, and the checker run on your own effect table (docs/testing.md).
+With pytest, the package registers the fixtures at the end of this module and the fault kit's
+(entry point ``pytest11``; disable with ``-p no:outbox_inbox``, or import them in a
+conftest.py from this module): ``outbox_inbox_harness``, ``outbox_inbox_db_url_factory``,
+``outbox_inbox_broker``, ``outbox_inbox_fault_kit`` (docs/testing.md).
 
 The switch to real servers: with ``OUTBOX_INBOX_HARNESS_DB_URL`` (a PostgreSQL URL whose user
 may create databases) and ``OUTBOX_INBOX_HARNESS_MQ_URL`` (RabbitMQ) set, the same tests run
@@ -32,14 +21,12 @@ on a fresh PostgreSQL database per harness and on RabbitMQ, on a virtual host of
 own where the management API can make one; a harness never touches a running service's queues
 (`ServiceHarness._claim`) and deletes those it declared when it is closed (after the test).
 The broker contract of `outbox_inbox.testing.broker_contract` tests a broker itself.
-
-Everything here is for tests: a harness is not thread-safe (use it from one thread), and the
-service it drives must not be started (`Service.start` would run competing roles).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import itertools
 import os
@@ -157,9 +144,9 @@ class ServiceHarness:
     inbox queue has a consumer or one of its queues holds messages (a running service's:
     see `_claim`). It never purges a queue.
 
-    Not thread-safe; the service must not be started. `close()` (or leaving the ``with``
-    block) stops consuming, and on a real broker deletes the queues the harness declared;
-    the service and the broker stay open, they belong to the caller.
+    Not thread-safe; the service must not be started (it would run competing roles). `close()`
+    (or leaving the ``with`` block) stops consuming, and on a real broker deletes the queues
+    the harness declared; the service and the broker stay open, they belong to the caller.
     """
 
     def __init__(self, service: Service, *, migrate: bool = True) -> None:
@@ -227,8 +214,6 @@ class ServiceHarness:
             with self.broker.operator() as admin:
                 for queue in self._owned:
                     admin.delete_queue(queue)
-
-    # --- input ----------------------------------------------------------------------------
 
     def deliver(
         self,
@@ -303,11 +288,8 @@ class ServiceHarness:
         # A sender's own, non-UUID id travels as it is; a message without a source has no
         # app_id, as from a plain AMQP client.
         wire = replace(wire, message_id=wire_id, app_id=source or None)
-        publisher = self.broker.publisher()
-        try:
+        with contextlib.closing(self.broker.publisher()) as publisher:
             [outcome] = publisher.publish_batch([wire], window=1, timeout=5.0)
-        finally:
-            publisher.close()
         if outcome is not PublishOutcome.CONFIRMED:
             raise NotDelivered(f"the broker did not take {kind} {type!r}: {outcome.value}")
         deadline = time.monotonic() + (DELIVERY_WAIT if self.real else 0)
@@ -328,11 +310,7 @@ class ServiceHarness:
         timeout = float(options.pop("timeout", DEFAULT_TIMEOUT))
         message_id = self.deliver(type, payload, **options)
         self.run_until_idle(timeout=timeout)
-        row = self._find_inbox(message_id)
-        assert row is not None  # deliver() saw it stored; nothing here deletes inbox rows
-        return row
-
-    # --- steps ----------------------------------------------------------------------------
+        return self.inbox_row(message_id)
 
     def relay(self) -> int:
         """Publish every due outbox row to the broker (`Relay.relay_once` until none is left).
@@ -340,10 +318,7 @@ class ServiceHarness:
         Returns the rows claimed. Commands to services without a queue go to the broker's
         ``unroutable`` queue, as on RabbitMQ; events nobody subscribes to are dropped.
         """
-        total = 0
-        while count := self._relay.relay_once():
-            total += count
-        return total
+        return sum(iter(self._relay.relay_once, 0))
 
     def receive(self) -> int:
         """Store what waits in ``<service>.inbox`` (the receiver's store path); return how many
@@ -376,11 +351,8 @@ class ServiceHarness:
         """
         if self.service.handlers.any_async:
             return self._work_async()
-        total = 0
         with self._worker.connect() as conn:
-            while count := self._worker.work_once(conn):
-                total += count
-        return total
+            return sum(iter(lambda: self._worker.work_once(conn), 0))
 
     def _work_async(self) -> int:
         if self.service.sqlite:
@@ -441,8 +413,6 @@ class ServiceHarness:
         seconds of continuous work (handlers that keep sending each other messages).
         """
         return run_all_until_idle(self, timeout=timeout, skip_delays=skip_delays)
-
-    # --- outcome --------------------------------------------------------------------------
 
     def published(
         self,
@@ -599,11 +569,8 @@ if TYPE_CHECKING or importlib.util.find_spec("pytest") is not None:
             finally:
                 api.delete_vhost()
             return
-        broker = MemoryBroker(name="test")
-        try:
+        with MemoryBroker(name="test") as broker:
             yield broker
-        finally:
-            broker.close()
 
     @pytest.fixture
     def outbox_inbox_db_url_factory(tmp_path: Path) -> Iterator[Callable[[], str]]:
@@ -619,8 +586,6 @@ if TYPE_CHECKING or importlib.util.find_spec("pytest") is not None:
             numbers = itertools.count(1)
             yield lambda: f"sqlite:///{tmp_path / f'outbox-inbox-{next(numbers)}.db'}"
             return
-        from sqlalchemy.engine import make_url
-
         from .servers import ExternalPostgres
 
         server, made = ExternalPostgres(url), list[str]()
@@ -629,7 +594,7 @@ if TYPE_CHECKING or importlib.util.find_spec("pytest") is not None:
             name = f"oi_test_{uuid.uuid4().hex[:12]}"
             server.create_database(name)
             made.append(name)
-            return make_url(url).set(database=name).render_as_string(hide_password=False)
+            return server.url(name)
 
         try:
             yield create
@@ -649,21 +614,13 @@ if TYPE_CHECKING or importlib.util.find_spec("pytest") is not None:
         any `MemoryBroker`) and leaves closing it to you. Keyword arguments go to
         `ServiceHarness`. Harnesses are closed after the test.
         """
-        harnesses: list[ServiceHarness] = []
-        built: list[Service] = []
+        with contextlib.ExitStack() as closed_after:
 
-        def make(service: ServiceOrBuilder, **options: Any) -> ServiceHarness:
-            if not isinstance(service, Service):
-                service = service(db_url=outbox_inbox_db_url_factory(), broker=outbox_inbox_broker)
-                built.append(service)
-            harness = ServiceHarness(service, **options)
-            harnesses.append(harness)
-            return harness
+            def make(service: ServiceOrBuilder, **options: Any) -> ServiceHarness:
+                if not isinstance(service, Service):
+                    db_url = outbox_inbox_db_url_factory()
+                    built = service(db_url=db_url, broker=outbox_inbox_broker)
+                    service = closed_after.enter_context(contextlib.closing(built))
+                return closed_after.enter_context(ServiceHarness(service, **options))
 
-        try:
             yield make
-        finally:
-            for harness in reversed(harnesses):
-                harness.close()
-            for service in reversed(built):
-                service.close()

@@ -2,24 +2,10 @@
 
 In the style of the queue checkers of Jepsen's RabbitMQ suite. A run writes business
 transactions while faults are injected and records, for each transaction, the effects it
-expects downstream and what its commit answered (a `History`); at the end the effects the
-handlers really wrote are read from the service's own tables, and `check` sorts every expected
-and every found effect into:
-
-* **committed**: expected by a transaction whose commit returned;
-* **lost**: committed, and not found;
-* **duplicated**: found more than once (a handler's effect ran twice);
-* **recovered**: expected by a transaction whose commit raised (the fault took the answer, so
-  its outcome was unknown), and found: it had committed after all and was handled later;
-* **unexpected**: found, but no committed (or possibly committed) transaction expected it: the
-  effect of a rolled-back transaction, or of nothing at all.
-
-A transaction whose commit raised and whose effects are not found was not committed; that is
-allowed (``unknown``). The run is valid when nothing is lost, duplicated or unexpected, and it
-is not **refused**: every fault overlapped the load (a transaction recorded before the fault
-ended, and one committed after), else the fault disturbed nothing and proves nothing. Each
-fault also carries its recovery time: from its end until every effect committed by then was
-found (`Fault.recovered_s`).
+expects downstream and what its commit answered (a `History`); at the end `check` sorts every
+expected and every found effect into a `Verdict`: committed, lost, duplicated, recovered,
+unexpected and unknown, with each fault's recovery time; docs/testing.md ("The checker") says
+what each means, and when a run is valid or refused (a fault that did not overlap the load).
 
 Effects are any hashable values the caller chooses (an order id, ``("invoice", 7)``): a
 transaction names the ones it expects, the effect reader yields one per effect row, so a row
@@ -124,7 +110,7 @@ class History:
 
 @dataclass(frozen=True)
 class Verdict:
-    """The checker's result (see the module documentation for each category)."""
+    """The checker's result (each category: docs/testing.md, "The checker")."""
 
     transactions: dict[str, int]
     committed: int

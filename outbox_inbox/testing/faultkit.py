@@ -20,24 +20,8 @@ Injection is deterministic where a fault has a moment: ``kill`` with ``at=`` mak
 process SIGKILL itself when it reaches that point of its work the n-th time (`KILL_POINTS`,
 through the `Listener` hooks); nothing waits on a sleep to hit a window. Every other fault is
 in force from `inject`'s start to its return (a server down, rules in place), then recovery is
-measured: `Fault.recovered_s`.
-
-The faults (`FAULTS`): ``kill`` (a role, now or at a point), ``postgres-restart`` (immediate
-stop: crash recovery at the start), ``rabbitmq-restart`` (SIGKILL), ``terminate-sessions``
-(``pg_terminate_backend`` of every session of the kit's databases), ``memory-alarm`` and
-``disk-alarm`` (RabbitMQ's alarms: publishers blocked), ``disk-full`` (a table of yours on a
-full disk: PostgreSQL's ``could not extend file``), ``blackhole`` (iptables: the broker's or
-the database's port drops every packet, where iptables works), ``duplicate`` (messages already
-published sent again, ``times`` times each, as a broker redelivers or a peer resends) and
-``clock-skew`` (transactions committed by a process whose clock is off by ``seconds``, under
-libfaketime).
-
-The roles run your module as ``outbox-inbox run`` would (``--app MODULE:ATTR``: a `Service`, or
-a function returning one with no arguments), with ``OUTBOX_INBOX_DB_URL`` and
-``OUTBOX_INBOX_MQ_URL`` set to the kit's servers, ``processes=1``, and the directories of
-`path` importable. A role with no ``app`` runs a bare ``Service(service)``: a relay needs no
-handlers. With pytest, the fixture ``outbox_inbox_fault_kit`` gives a kit on private servers
-started once per session (``outbox_inbox_servers``; override that fixture to bring your own).
+measured: `Fault.recovered_s`. docs/testing.md describes the roles (run as ``outbox-inbox run
+--app`` would), the load, each fault of `FAULTS` with its options, and the pytest fixtures.
 """
 
 from __future__ import annotations
@@ -53,7 +37,6 @@ import random
 import secrets
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -69,6 +52,7 @@ from sqlalchemy.pool import NullPool
 
 from ..config import DB_URL_ENV, MQ_URL_ENV
 from ..database import connect
+from ..errors import first_line
 from ..listener import Listener, combine
 from ..messages import to_wire
 from ..relay import outgoing
@@ -85,7 +69,7 @@ from .injection import (
     tablespace_on_tmpfs,
     terminate_backends,
 )
-from .servers import PostgresServer, RabbitMQServer, _Process, wait_until
+from .servers import PostgresServer, RabbitMQServer, _Process, _run, _tail, wait_until
 
 log = logging.getLogger(__name__)
 
@@ -152,11 +136,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if os.environ.get(KILL_AT_ENV):
         service.listener = combine(service.listener, _KillAt(os.environ[KILL_AT_ENV]))
     try:
-        {
-            "relay": service.run_relay,
-            "receiver": service.run_receiver,
-            "worker": service.run_worker,
-        }[args.role]()
+        getattr(service, f"run_{args.role}")()
     finally:
         service.close()
 
@@ -179,23 +159,14 @@ class RoleProcess:
 
     def start(self, kill_at: str | None = None) -> None:
         """Start the process (again); with `kill_at`, it SIGKILLs itself at that point."""
-        env = {
-            **os.environ,
-            DB_URL_ENV: self.db_url,
-            MQ_URL_ENV: self.kit.mq_url,
-            "PYTHONPATH": os.pathsep.join(
-                [*map(str, self.kit.path), os.environ.get("PYTHONPATH", "")]
-            ),
-        }
-        env.pop(KILL_AT_ENV, None)
+        env = self.kit._env(self.db_url)
         if kill_at is not None:
             env[KILL_AT_ENV] = kill_at
         if self.service is not None:
             env[SERVICE_ENV] = self.service
-        args = [sys.executable, "-m", __name__, self.role]
-        self._process = _Process(
-            [*args, "--app", self.app] if self.app else args, log_path=self.log_path, env=env
-        )
+        app = ["--app", self.app] if self.app else []
+        args = [sys.executable, "-m", __name__, self.role, *app]
+        self._process = _Process(args, log_path=self.log_path, env=env)
 
     @property
     def alive(self) -> bool:
@@ -221,8 +192,7 @@ class RoleProcess:
         self._process.kill()
 
     def log_tail(self, lines: int = 30) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
+        return _tail(self.log_path, lines)
 
 
 class Load(threading.Thread):
@@ -269,13 +239,9 @@ class Load(threading.Thread):
 
     def _one(self, n: int, *, abort: bool) -> None:
         expects: list[Hashable] = [n]
+        outcome = FAILED  # until the commit is asked for: then it may have committed
         try:
-            session = self.service.session()
-        except Exception as exc:
-            self._failed(expects, exc)
-            return
-        with session:
-            try:
+            with self.service.session() as session:
                 session.begin()
                 produced = self.produce(self.service, session, n)
                 expects = [n] if produced is None else list(produced)
@@ -283,28 +249,15 @@ class Load(threading.Thread):
                     session.rollback()
                     self.history.record(expects, FAILED)
                     return
-            except Exception as exc:
-                self._failed(expects, exc)
-                return
-            try:
+                outcome = UNKNOWN
                 session.commit()
-            except Exception as exc:
-                self.history.record(expects, UNKNOWN)
-                self._note(exc)
-                self._stopping.wait(0.2)
-                return
+        except Exception as exc:
+            self.history.record(expects, outcome)
+            if len(self.errors) < 20:
+                self.errors.append(f"{type(exc).__name__}: {first_line(exc)}")
+            self._stopping.wait(0.2)
+            return
         self.history.record(expects, OK)
-
-    def _failed(self, expects: list[Hashable], exc: Exception) -> None:
-        self.history.record(expects, FAILED)
-        self._note(exc)
-        self._stopping.wait(0.2)
-
-    def _note(self, exc: Exception) -> None:
-        if len(self.errors) < 20:
-            self.errors.append(
-                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            )
 
 
 class FaultKit:
@@ -339,6 +292,13 @@ class FaultKit:
         self.vhost = f"kit_{self._suffix}"
         rabbitmq.add_vhost(self.vhost)
         self.mq_url = rabbitmq.url_for_vhost(self.vhost)
+
+    def _env(self, db_url: str) -> dict[str, str]:
+        """The environment of a process of the kit: its servers, and `path` importable."""
+        env = {**os.environ, DB_URL_ENV: db_url, MQ_URL_ENV: self.mq_url}
+        env.pop(KILL_AT_ENV, None)
+        path = [*map(str, self.path), os.environ.get("PYTHONPATH", "")]
+        return env | {"PYTHONPATH": os.pathsep.join(path)}
 
     def database(self, name: str) -> str:
         """The URL of a new, empty database for the service `name` on the kit's PostgreSQL
@@ -390,14 +350,14 @@ class FaultKit:
             yield load
         finally:
             ended = [f for f in self.history.faults if f.over is not None]
-            deadline = time.monotonic() + 10
-            while ended and not self.history.overlapped(ended[-1]) and load.is_alive():
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
+            with contextlib.suppress(AssertionError):
+                wait_until(
+                    lambda: not ended or self.history.overlapped(ended[-1]) or not load.is_alive(),
+                    timeout=10,
+                    interval=0.05,
+                    what="a commit after the last fault",
+                )
             load.stop()
-
-    # -- faults ----------------------------------------------------------------------------------
 
     def inject(self, name: str, **options: Any) -> Fault:
         """Inject the fault `name` (`FAULTS`), wait until it is over, and measure the recovery:
@@ -508,17 +468,10 @@ class FaultKit:
         database = connect(producer)
         try:
             outbox = database.tables.outbox
+            published = select(outbox).where(outbox.c.published_at.is_not(None))
             with database.engine.connect() as conn:
-                rows = (
-                    conn.execute(
-                        select(outbox)
-                        .where(outbox.c.published_at.is_not(None))
-                        .order_by(outbox.c.id.desc())
-                        .limit(last)
-                    )
-                    .mappings()
-                    .all()
-                )
+                stmt = published.order_by(outbox.c.id.desc()).limit(last)
+                rows = conn.execute(stmt).mappings().all()
         finally:
             database.engine.dispose()
         source = service or ""
@@ -526,12 +479,8 @@ class FaultKit:
         from ..brokers.rabbitmq import RabbitMQBroker
 
         broker = RabbitMQBroker(self.mq_url)
-        publisher = broker.publisher()
-        try:
+        with contextlib.closing(broker), contextlib.closing(broker.publisher()) as publisher:
             publisher.publish_batch(wires, window=100, timeout=10.0)
-        finally:
-            publisher.close()
-            broker.close()
 
     def _producer_url(self) -> str:
         relays = [r for r in self.roles if r.role == "relay"]
@@ -553,36 +502,12 @@ class FaultKit:
         faketime = shutil.which("faketime")
         if faketime is None:
             raise RuntimeError("clock-skew needs libfaketime: apt-get install faketime")
-        env = {
-            **os.environ,
-            "FAKETIME_DONT_FAKE_MONOTONIC": "1",
-            DB_URL_ENV: db_url or self._producer_url(),
-            MQ_URL_ENV: self.mq_url,
-            "PYTHONPATH": os.pathsep.join(map(str, self.path)),
-        }
+        env = self._env(db_url or self._producer_url()) | {"FAKETIME_DONT_FAKE_MONOTONIC": "1"}
         first = 10**9 + secrets.randbelow(10**6) * 1000  # keys no other load uses
-        script = "import sys\nfrom outbox_inbox.testing.faultkit import _skewed_writer\n"
-        result = subprocess.run(
-            [
-                faketime,
-                "-f",
-                f"{seconds:+.0f}s",
-                sys.executable,
-                "-c",
-                script + "_skewed_writer(*sys.argv[1:])",
-                service,
-                produce,
-                str(count),
-                str(first),
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        if result.returncode != 0:
-            raise AssertionError(f"the skewed writer failed: {result.stderr[-2000:]}")
+        script = "import sys; from outbox_inbox.testing.faultkit import _skewed_writer as w"
+        writer = [sys.executable, "-c", script + "; w(*sys.argv[1:])", service, produce]
+        args = [faketime, "-f", f"{seconds:+.0f}s", *writer, str(count), str(first)]
+        result = _run(args, "the skewed writer", env=env, timeout=120)
         for line in result.stdout.splitlines():
             entry = json.loads(line)
             self.history.record([_hashable(k) for k in entry["expects"]], entry["outcome"])
@@ -670,11 +595,8 @@ if importlib.util.find_spec("pytest") is not None:
         importable by its role processes. Closed after the test (roles stopped, databases and
         virtual host removed); a failed test's role logs stay in ``tmp_path``."""
         path = [Path(request.node.path).parent, request.config.rootpath]
-        kit = FaultKit(*outbox_inbox_servers, tmp_path, path=path)
-        try:
+        with contextlib.closing(FaultKit(*outbox_inbox_servers, tmp_path, path=path)) as kit:
             yield kit
-        finally:
-            kit.close()
 
 
 if __name__ == "__main__":

@@ -1,22 +1,8 @@
 """Faults to inject into private servers, each undone in a ``finally`` however the block ends.
 
 The fault kit (`outbox_inbox.testing.faultkit`) injects them by name; the library's own fault
-tests call them directly.
-
-* :func:`stop_postgres_immediately`: ``pg_ctl stop -m immediate`` (the postmaster SIGQUITs its
-  backends and exits without a checkpoint: the next start runs crash recovery);
-* :class:`StreamingReplica`: a hot standby of a local server, which ``promote()`` makes the
-  primary (a failover);
-* :func:`terminate_backends`: ``pg_terminate_backend`` on every other session of some databases;
-* :func:`tablespace_on_tmpfs` and :func:`disk_full`: databases, or a table, on a small tmpfs of
-  their own (the WAL stays in the server's data directory), and that tmpfs filled to the last
-  page;
-* :func:`memory_alarm`: RabbitMQ's memory high watermark set near zero, so the node raises its
-  memory alarm and blocks every publishing connection, then set back to 0.4;
-* :func:`disk_alarm`: RabbitMQ's disk free limit set far above the free space, so the node
-  raises its disk alarm (publishers blocked the same way), then set back to what it was;
-* :func:`blackhole`: iptables rules dropping every packet to and from a port on loopback, so
-  established connections hang without being closed and new ones get no answer.
+tests call them directly: a crash of PostgreSQL, a failover to a streaming replica, sessions
+terminated, a full disk, RabbitMQ's resource alarms, and a port blackholed by iptables.
 """
 
 from __future__ import annotations
@@ -45,11 +31,6 @@ DEFAULT_WATERMARK = "0.4"
 ALARM_WATERMARK = "0.0000001"
 #: A disk free limit far above the free space of any disk (1 PB): the disk alarm goes off.
 ALARM_DISK_LIMIT = str(10**15)
-
-
-# --------------------------------------------------------------------------------------------
-# PostgreSQL
-# --------------------------------------------------------------------------------------------
 
 
 def stop_postgres_immediately(server: PostgresServer) -> None:
@@ -231,11 +212,6 @@ def paused(pids: Sequence[int]) -> Iterator[None]:
                 os.killpg(pid, signal.SIGCONT)
 
 
-# --------------------------------------------------------------------------------------------
-# RabbitMQ
-# --------------------------------------------------------------------------------------------
-
-
 @dataclass
 class Alarm:
     """How long a resource alarm took to go off after it was asked for, and to clear after
@@ -288,11 +264,6 @@ def _alarm(
             server.rabbitmqctl(*clear_it)
             wait_until(lambda: not on(), timeout=30, interval=0.05, what="the alarm to clear")
             alarm.cleared_s = time.monotonic() - started
-
-
-# --------------------------------------------------------------------------------------------
-# iptables
-# --------------------------------------------------------------------------------------------
 
 
 def _iptables(iptables: str, *args: str) -> subprocess.CompletedProcess[str]:

@@ -53,9 +53,9 @@ import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import IO, Any, Protocol, Self, runtime_checkable
+from typing import Any, Protocol, Self, runtime_checkable
 from urllib.parse import quote
 
 import pika
@@ -63,6 +63,9 @@ import pika.exceptions
 import psycopg
 from psycopg import sql
 from sqlalchemy.engine import make_url
+
+# Its log filters put pika's lines about a refused connection (a broker booting) at DEBUG.
+from ..brokers import rabbitmq as _rabbitmq  # noqa: F401
 
 __all__ = [
     "PG_BIN_DIR",
@@ -90,10 +93,6 @@ class ServerError(RuntimeError):
     """A server could not be installed, started, stopped or talked to."""
 
 
-# --------------------------------------------------------------------------------------------
-# Small helpers
-# --------------------------------------------------------------------------------------------
-
 _handed_out_ports: set[int] = set()
 _ports_lock = threading.Lock()
 
@@ -101,15 +100,6 @@ _ports_lock = threading.Lock()
 #: Where `free_port` looks below the kernel's ephemeral range (the ports of outgoing
 #: connections): from here up to that range's first port.
 _LOWEST_PORT = 10000
-
-
-def _ephemeral_low() -> int:
-    """The first of the kernel's ports for outgoing connections (Linux; its default elsewhere)."""
-    try:
-        low, _ = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low)
-    except (OSError, ValueError):
-        return 32768
 
 
 def free_port(host: str = LOCALHOST) -> int:
@@ -120,7 +110,10 @@ def free_port(host: str = LOCALHOST) -> int:
     may become the local port of any outgoing connection of the machine, and the restart then
     fails with "address in use". Ports handed out by this process are never handed out again.
     """
-    low = _ephemeral_low()
+    try:  # the kernel's first port for outgoing connections; off Linux, its default
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
     with _ports_lock:
         if low - _LOWEST_PORT >= 1000:
             for _ in range(200):
@@ -194,15 +187,6 @@ def _pid_gone(pid: int) -> bool:
     return _stat(pid)[:1] in ([], ["Z"])
 
 
-def _wait_gone(pids: list[int], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not all(_pid_gone(pid) for pid in pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def _signal_pid(pid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
@@ -211,13 +195,10 @@ def _signal_pid(pid: int, sig: signal.Signals) -> None:
 def _world_traversable(path: Path) -> bool:
     """True when every directory from / down to ``path`` may be entered by any user."""
     path = path.resolve()
-    for part in [path, *path.parents]:
-        try:
-            if not os.stat(part).st_mode & stat.S_IXOTH:
-                return False
-        except OSError:
-            return False
-    return True
+    try:
+        return all(os.stat(part).st_mode & stat.S_IXOTH for part in [path, *path.parents])
+    except OSError:
+        return False
 
 
 def _run(
@@ -238,28 +219,11 @@ def _is_root() -> bool:
     return os.geteuid() == 0
 
 
-@contextlib.contextmanager
-def _quiet_pika() -> Iterator[None]:
-    """pika logs every refused or reset connection at ERROR; while we poll a booting broker
-    those are expected, and would only clutter the captured logs of a failing test."""
-    logger = logging.getLogger("pika")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 def _check_name(name: str, what: str) -> str:
     if not _NAME_RE.match(name):
         raise ValueError(f"bad {what} name {name!r}: use letters, digits, '_', '.', '-'")
     return name
 
-
-# --------------------------------------------------------------------------------------------
-# Watchdog: kills our process groups if this Python process dies without cleaning up
-# --------------------------------------------------------------------------------------------
 
 _WATCHDOG_SCRIPT = r"""
 import os, shutil, signal, sys, time
@@ -297,27 +261,23 @@ class _Watchdog:
         self._proc: subprocess.Popen[bytes] | None = None
         self._owner_pid = 0
 
-    def _stdin(self) -> IO[bytes] | None:
-        if self._proc is None or self._owner_pid != os.getpid():
-            try:
-                self._proc = subprocess.Popen(
-                    [sys.executable, "-c", _WATCHDOG_SCRIPT],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                    start_new_session=True,
-                )
-                self._owner_pid = os.getpid()
-            except OSError as exc:  # pragma: no cover - best effort only
-                log.warning("could not start the process watchdog: %s", exc)
-                return None
-        return self._proc.stdin
-
     def send(self, command: str, arg: object) -> None:
         with self._lock:
-            stdin = self._stdin()
-            if stdin is None:
-                return
+            if self._proc is None or self._owner_pid != os.getpid():
+                try:
+                    self._proc = subprocess.Popen(
+                        [sys.executable, "-c", _WATCHDOG_SCRIPT],
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                        start_new_session=True,
+                    )
+                    self._owner_pid = os.getpid()
+                except OSError as exc:  # pragma: no cover - best effort only
+                    log.warning("could not start the process watchdog: %s", exc)
+                    return
+            stdin = self._proc.stdin
+            assert stdin is not None  # stdin=PIPE
             with contextlib.suppress(OSError, ValueError):
                 stdin.write(f"{command} {arg}\n".encode())
                 stdin.flush()
@@ -397,11 +357,6 @@ def _cleanup_live_servers() -> None:
             server.cleanup()
 
 
-# --------------------------------------------------------------------------------------------
-# Interfaces shared by local and external servers
-# --------------------------------------------------------------------------------------------
-
-
 @runtime_checkable
 class PostgresHandle(Protocol):
     """What the fixtures need from a PostgreSQL server, local or external."""
@@ -429,11 +384,6 @@ class RabbitMQHandle(Protocol):
     def url_for_vhost(self, vhost: str) -> str: ...
 
     def cleanup(self) -> None: ...
-
-
-# --------------------------------------------------------------------------------------------
-# What the local servers share
-# --------------------------------------------------------------------------------------------
 
 
 class _LocalServer(ABC):
@@ -568,11 +518,6 @@ class _External:
             callback()
 
 
-# --------------------------------------------------------------------------------------------
-# PostgreSQL
-# --------------------------------------------------------------------------------------------
-
-
 class _Databases:
     """CREATE / DROP DATABASE on the server `connect()` reaches (autocommit), the name quoted as
     an identifier: the one way the tests make and remove databases."""
@@ -596,13 +541,6 @@ class _Databases:
 class PostgresServer(_LocalServer, _Databases):
     """A private PostgreSQL 15 server on 127.0.0.1 for tests and benchmarks: ``initdb`` and
     ``postgres`` in a fresh temporary directory (as the ``postgres`` user when we are root).
-
-    >>> server = PostgresServer()
-    >>> server.start()
-    >>> server.create_database("app")
-    >>> server.url("app")  # 'postgresql+psycopg://postgres@127.0.0.1:PORT/app'
-    >>> server.stop(); server.start()  # same data directory, same port
-    >>> server.cleanup()
     """
 
     _kind = "PostgreSQL"
@@ -631,8 +569,6 @@ class PostgresServer(_LocalServer, _Databases):
         self.startup_timeout = startup_timeout
         self._base_dir = Path(base_dir) if base_dir is not None else None
 
-    # -- paths ---------------------------------------------------------------------------------
-
     @property
     def data_dir(self) -> Path:
         return self._require_temp_dir() / "data"
@@ -644,8 +580,6 @@ class PostgresServer(_LocalServer, _Databases):
     @property
     def log_path(self) -> Path:
         return self._require_temp_dir() / "postgres.log"
-
-    # -- process control -----------------------------------------------------------------------
 
     @property
     def pids(self) -> frozenset[int]:
@@ -722,7 +656,7 @@ class PostgresServer(_LocalServer, _Databases):
 
     def postmaster_pid(self) -> int | None:
         """The postmaster's pid as written in ``postmaster.pid``, if the server runs."""
-        if not self.running or self.temp_dir is None:
+        if not self.running:
             return None
         try:
             return int((self.data_dir / "postmaster.pid").read_text().split("\n", 1)[0])
@@ -758,7 +692,7 @@ class PostgresServer(_LocalServer, _Databases):
         if proc is None:
             return
         pids: list[int] = []
-        pid = self.postmaster_pid() if self.temp_dir is not None else None
+        pid = self.postmaster_pid()
         if pid is not None:
             # Postmaster and backends first (backends run in sessions of their own), so that
             # runuser, the postmaster's parent, reaps it: killed together, the postmaster would
@@ -769,13 +703,13 @@ class PostgresServer(_LocalServer, _Databases):
             proc.wait(10)
         proc.kill()
         self._proc = None
-        if pids and not _wait_gone(pids, 10):
+        try:
+            wait_until(lambda: all(map(_pid_gone, pids)), timeout=10, interval=0.01, what="")
+        except AssertionError:
             log.warning("PostgreSQL processes %s still run after SIGKILL", pids)
         if pid is not None and _pid_gone(pid) and self.temp_dir is not None:
             # Only a zombie nobody reaped could still hold it; PostgreSQL would take it for live.
             (self.data_dir / "postmaster.pid").unlink(missing_ok=True)
-
-    # -- clients ------------------------------------------------------------------------------
 
     def url(self, dbname: str = "postgres") -> str:
         """SQLAlchemy URL of database ``dbname`` on this server."""
@@ -822,11 +756,6 @@ class ExternalPostgres(_External, _Databases):
         return f"<ExternalPostgres {self.admin_url.render_as_string()}>"
 
 
-# --------------------------------------------------------------------------------------------
-# RabbitMQ
-# --------------------------------------------------------------------------------------------
-
-
 class RabbitMQServer(_LocalServer):
     """A private RabbitMQ node (Debian's ``rabbitmq-server``) on 127.0.0.1 and free ports.
 
@@ -863,8 +792,6 @@ class RabbitMQServer(_LocalServer):
         self.cookie = "".join(secrets.choice(string.ascii_uppercase) for _ in range(20))
         self._epmd: _Process | None = None
 
-    # -- paths and environment -----------------------------------------------------------------
-
     @property
     def output_path(self) -> Path:
         """stdout and stderr of the ``rabbitmq-server`` script."""
@@ -883,32 +810,31 @@ class RabbitMQServer(_LocalServer):
             for key, value in os.environ.items()
             if not key.startswith(("RABBITMQ_", "ERL_", "NOTIFY_SOCKET"))
         }
-        env.update(
-            {
-                "HOME": str(base),
-                "RABBITMQ_NODENAME": self.nodename,
-                "RABBITMQ_MNESIA_BASE": str(base / "mnesia"),
-                "RABBITMQ_LOG_BASE": str(base / "log"),
-                "RABBITMQ_NODE_PORT": str(self.port),
-                "RABBITMQ_DIST_PORT": str(self.dist_port),
-                "RABBITMQ_NODE_IP_ADDRESS": LOCALHOST,
-                "RABBITMQ_CONFIG_FILE": str(base / "rabbitmq.conf"),
-                "RABBITMQ_ADVANCED_CONFIG_FILE": str(base / "advanced.config"),
-                "RABBITMQ_ENABLED_PLUGINS_FILE": str(base / "enabled_plugins"),
-                "RABBITMQ_CONF_ENV_FILE": str(base / "rabbitmq-env.conf"),
-                "RABBITMQ_PID_FILE": str(base / "rabbitmq.pid"),
-                # The Erlang distribution port listens on all interfaces unless told otherwise.
-                "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": (
-                    "-kernel inet_dist_use_interface {127,0,0,1}"
-                ),
-                "ERL_EPMD_ADDRESS": LOCALHOST,
-                "ERL_EPMD_PORT": str(self.epmd_port),
-            }
-        )
-        return env
+        return env | {
+            "HOME": str(base),
+            "RABBITMQ_NODENAME": self.nodename,
+            "RABBITMQ_MNESIA_BASE": str(base / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(base / "log"),
+            "RABBITMQ_NODE_PORT": str(self.port),
+            "RABBITMQ_DIST_PORT": str(self.dist_port),
+            "RABBITMQ_NODE_IP_ADDRESS": LOCALHOST,
+            "RABBITMQ_CONFIG_FILE": str(base / "rabbitmq.conf"),
+            "RABBITMQ_ADVANCED_CONFIG_FILE": str(base / "advanced.config"),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(base / "enabled_plugins"),
+            "RABBITMQ_CONF_ENV_FILE": str(base / "rabbitmq-env.conf"),
+            "RABBITMQ_PID_FILE": str(base / "rabbitmq.pid"),
+            # The Erlang distribution port listens on all interfaces unless told otherwise.
+            "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": ("-kernel inet_dist_use_interface {127,0,0,1}"),
+            "ERL_EPMD_ADDRESS": LOCALHOST,
+            "ERL_EPMD_PORT": str(self.epmd_port),
+        }
 
     def _make_temp_dir(self) -> Path:
         base = Path(tempfile.mkdtemp(prefix="oi-rmq-", dir=self._base_dir))
+        port, management, plugins = self.management_port, "", "[]"
+        if port is not None:
+            management = f"management.tcp.ip = {LOCALHOST}\nmanagement.tcp.port = {port}\n"
+            plugins = "[rabbitmq_management]"
         (base / "log").mkdir()
         (base / "mnesia").mkdir()
         (base / "rabbitmq.conf").write_text(
@@ -916,9 +842,8 @@ class RabbitMQServer(_LocalServer):
             "loopback_users = none\n"
             "disk_free_limit.absolute = 10MB\n"
             "log.file.level = info\n"
-            "log.console = false\n" + self._management_config() + self.extra_config + "\n"
+            "log.console = false\n" + management + self.extra_config + "\n"
         )
-        plugins = "[rabbitmq_management]" if self.management_port is not None else "[]"
         (base / "enabled_plugins").write_text(plugins + ".\n")
         # An empty env file keeps /etc/rabbitmq/rabbitmq-env.conf out.
         (base / "rabbitmq-env.conf").write_text("# written by outbox_inbox.testing.servers\n")
@@ -926,13 +851,6 @@ class RabbitMQServer(_LocalServer):
         cookie.write_text(self.cookie)
         cookie.chmod(0o400)
         return base
-
-    def _management_config(self) -> str:
-        if self.management_port is None:
-            return ""
-        return f"management.tcp.ip = {LOCALHOST}\nmanagement.tcp.port = {self.management_port}\n"
-
-    # -- process control -----------------------------------------------------------------------
 
     @property
     def pids(self) -> frozenset[int]:
@@ -957,18 +875,14 @@ class RabbitMQServer(_LocalServer):
                 raise ServerError(f"epmd did not start on port {self.epmd_port}:\n{_tail(path)}")
             time.sleep(0.02)
 
-    def start(self) -> None:
+    def _launch(self) -> _Process:
         server = self.sbin_dir / "rabbitmq-server"
-        if not self.running and not server.exists():
+        if not server.exists():
             raise ServerError(
                 f"{server} not found: install Debian's rabbitmq-server package "
                 "(or point OUTBOX_INBOX_RABBITMQ_SBIN_DIR at the directory that holds it)"
             )
-        super().start()
-
-    def _launch(self) -> _Process:
         self._start_epmd()
-        server = self.sbin_dir / "rabbitmq-server"
         return _Process([str(server)], log_path=self.output_path, env=self.env, cwd=self.temp_dir)
 
     def _failure(self, message: str) -> ServerError:
@@ -985,8 +899,7 @@ class RabbitMQServer(_LocalServer):
             return False
         if not _port_open(LOCALHOST, self.port, timeout=0.5):
             return False
-        with _quiet_pika():
-            pika.BlockingConnection(self.connection_parameters()).close()
+        pika.BlockingConnection(self.connection_parameters()).close()
         return True
 
     def _shut_down(self, proc: _Process, timeout: float) -> bool:
@@ -1009,9 +922,6 @@ class RabbitMQServer(_LocalServer):
 
     def _kill_processes(self) -> None:
         self.kill()
-        self._kill_epmd()
-
-    def _kill_epmd(self) -> None:
         if self._epmd is not None:
             self._epmd.kill()
             self._epmd = None
@@ -1020,8 +930,6 @@ class RabbitMQServer(_LocalServer):
             epmd = shutil.which("epmd") or "/usr/lib/erlang/bin/epmd"
             with contextlib.suppress(OSError, subprocess.SubprocessError):
                 _run([epmd, "-kill"], env=self.env, timeout=5)
-
-    # -- clients ------------------------------------------------------------------------------
 
     @property
     def url(self) -> str:
@@ -1061,12 +969,10 @@ class RabbitMQServer(_LocalServer):
     def eval(self, expression: str, timeout: float = 60.0) -> str:
         """Evaluate Erlang ``expression`` (ending with '.') on the node; return the printed result.
 
-        Uses ``erl_call`` (a small C client shipped in Debian's erlang-base, ~15 ms a call) and
-        falls back to ``rabbitmqctl eval`` (~0.5 s: it boots an Erlang VM each time).
+        Uses ``erl_call``: a small C client of Debian's erlang-base, which rabbitmq-server
+        depends on (~15 ms a call, where ``rabbitmqctl eval`` boots an Erlang VM: ~0.5 s).
         """
         erl_call = shutil.which("erl_call") or "/usr/lib/erlang/bin/erl_call"
-        if not Path(erl_call).exists():
-            return self.rabbitmqctl("eval", expression, timeout=timeout).strip()
         args = [erl_call, "-sname", self.nodename, "-c", self.cookie, "-r", "-e"]
         what, stdin = f"erl_call {expression!r}", expression.rstrip() + "\n"
         result = _run(args, what, env=self.env, cwd=self.temp_dir, input=stdin, timeout=timeout)
@@ -1122,15 +1028,11 @@ class ExternalRabbitMQ(_External):
     supports_vhosts = False
 
     def __init__(self, amqp_url: str, on_cleanup: Callable[[], None] | None = None) -> None:
-        self._url = amqp_url
+        self.url = amqp_url
         super().__init__(on_cleanup)
-
-    @property
-    def url(self) -> str:
-        return self._url
 
     def url_for_vhost(self, vhost: str) -> str:
         raise ServerError("vhosts cannot be created on an external RabbitMQ server")
 
     def __repr__(self) -> str:
-        return f"<ExternalRabbitMQ {re.sub(r':[^:@/]*@', ':***@', self._url)}>"
+        return f"<ExternalRabbitMQ {re.sub(r':[^:@/]*@', ':***@', self.url)}>"
