@@ -83,15 +83,13 @@ def check_topology(topology: Topology, admin: Operator, api: ManagementAPI | Non
 
 def _usable_api(api: ManagementAPI | None) -> tuple[ManagementAPI | None, str | None]:
     """`api` when it answers, else None and why not."""
-    problem: str | None = None
     if api is None:
-        problem = "no management URL"
-    else:
-        try:
-            api.check()
-        except ManagementUnavailable as exc:
-            problem, api = str(exc), None
-    return api, problem
+        return None, "no management URL"
+    try:
+        api.check()
+    except ManagementUnavailable as exc:
+        return None, str(exc)
+    return api, None
 
 
 def _check_declared(
@@ -99,32 +97,29 @@ def _check_declared(
 ) -> tuple[list[Item], dict[tuple[str, str], str]]:
     """The items of the exchanges and queues, and the state of each by (kind, name)."""
     items: list[Item] = []
-    states: dict[tuple[str, str], str] = {}
     for exchange in topology.exchanges:
         found = (
             _by_api(exchange, api.exchange(exchange.name))
             if api
             else admin.check_exchange(exchange)
         )
-        states["exchange", exchange.name] = found.state
         items.append(Item("exchange", exchange.name, found.state, found.detail))
     for queue in topology.queues:
         found = _by_api(queue, api.queue(queue.name)) if api else admin.check_queue(queue)
-        states["queue", queue.name] = found.state
         items.append(Item("queue", queue.name, found.state, found.detail))
-    return items, states
+    return items, {(item.kind, item.name): item.state for item in items}
 
 
 def _bindings_by_api(topology: Topology, api: ManagementAPI) -> dict[str, set[tuple[str, str]]]:
     """The (exchange, routing key) bindings the broker holds on each of the service's queues."""
-    actual: dict[str, set[tuple[str, str]]] = {}
-    for queue_name in dict.fromkeys(b.queue for b in topology.bindings):
-        actual[queue_name] = {
+    return {
+        queue_name: {
             (str(b["source"]), str(b.get("routing_key", "")))
             for b in api.queue_bindings(queue_name)
             if b.get("destination_type", "queue") == "queue"
         }
-    return actual
+        for queue_name in dict.fromkeys(b.queue for b in topology.bindings)
+    }
 
 
 def _binding_state(
@@ -134,11 +129,10 @@ def _binding_state(
     actual: Mapping[str, set[tuple[str, str]]],
 ) -> tuple[str, str]:
     """The state of one declared binding, and why when that needs saying."""
-    ends_missing = (
-        states.get(("exchange", binding.exchange)) == MISSING
-        or states.get(("queue", binding.queue)) == MISSING
-    )
-    if ends_missing:
+    if MISSING in (
+        states.get(("exchange", binding.exchange)),
+        states.get(("queue", binding.queue)),
+    ):
         return MISSING, "its exchange or queue is missing"
     if api is None:
         return UNVERIFIED, "management API unreachable"
@@ -152,17 +146,18 @@ def _extra_bindings(topology: Topology, actual: Mapping[str, set[tuple[str, str]
     # A binding the service no longer declares still routes messages to it (which then die
     # with no_handler). `apply` does not remove it: unbinding is left to the operator.
     expected = {(b.queue, b.exchange, b.routing_key) for b in topology.bindings}
-    items = []
-    for queue_name, present in actual.items():
-        if queue_name == UNROUTABLE_QUEUE:  # shared by every service
-            continue
-        for source, key in sorted(present):
-            if (queue_name, source, key) not in expected:
-                extra = Binding(source, queue_name, key)
-                items.append(
-                    Item("binding", binding_name(extra), EXTRA, "not declared by the service")
-                )
-    return items
+    return [
+        Item(
+            "binding",
+            binding_name(Binding(source, queue, key)),
+            EXTRA,
+            "not declared by the service",
+        )
+        for queue, present in actual.items()
+        if queue != UNROUTABLE_QUEUE  # shared by every service
+        for source, key in sorted(present)
+        if (queue, source, key) not in expected
+    ]
 
 
 def apply_topology(
