@@ -71,31 +71,12 @@ def check_topology(topology: Topology, admin: Operator, api: ManagementAPI | Non
 
     Raises BrokerError when the broker cannot be reached.
     """
-    api, problem = _usable_api(api)
-    items, states = _check_declared(topology, admin, api)
-    actual = _bindings_by_api(topology, api) if api is not None else {}
-    for binding in topology.bindings:
-        state, detail = _binding_state(binding, states, api, actual)
-        items.append(Item("binding", binding_name(binding), state, detail))
-    items.extend(_extra_bindings(topology, actual))
-    return Plan(tuple(items), problem)
-
-
-def _usable_api(api: ManagementAPI | None) -> tuple[ManagementAPI | None, str | None]:
-    """`api` when it answers, else None and why not."""
-    if api is None:
-        return None, "no management URL"
+    problem = "no management URL" if api is None else None
     try:
-        api.check()
+        if api is not None:
+            api.check()
     except ManagementUnavailable as exc:
-        return None, str(exc)
-    return api, None
-
-
-def _check_declared(
-    topology: Topology, admin: Operator, api: ManagementAPI | None
-) -> tuple[list[Item], dict[tuple[str, str], str]]:
-    """The items of the exchanges and queues, and the state of each by (kind, name)."""
+        problem, api = str(exc), None
     items: list[Item] = []
     for exchange in topology.exchanges:
         found = (
@@ -107,7 +88,19 @@ def _check_declared(
     for queue in topology.queues:
         found = _by_api(queue, api.queue(queue.name)) if api else admin.check_queue(queue)
         items.append(Item("queue", queue.name, found.state, found.detail))
-    return items, {(item.kind, item.name): item.state for item in items}
+    missing = {(item.kind, item.name) for item in items if item.state == MISSING}
+    actual = _bindings_by_api(topology, api) if api is not None else {}
+    for binding in topology.bindings:
+        if {("exchange", binding.exchange), ("queue", binding.queue)} & missing:
+            state, detail = MISSING, "its exchange or queue is missing"
+        elif api is None:
+            state, detail = UNVERIFIED, "management API unreachable"
+        else:
+            bound = (binding.exchange, binding.routing_key) in actual[binding.queue]
+            state, detail = PRESENT if bound else MISSING, ""
+        items.append(Item("binding", binding_name(binding), state, detail))
+    items.extend(_extra_bindings(topology, actual))
+    return Plan(tuple(items), problem)
 
 
 def _bindings_by_api(topology: Topology, api: ManagementAPI) -> dict[str, set[tuple[str, str]]]:
@@ -122,37 +115,14 @@ def _bindings_by_api(topology: Topology, api: ManagementAPI) -> dict[str, set[tu
     }
 
 
-def _binding_state(
-    binding: Binding,
-    states: Mapping[tuple[str, str], str],
-    api: ManagementAPI | None,
-    actual: Mapping[str, set[tuple[str, str]]],
-) -> tuple[str, str]:
-    """The state of one declared binding, and why when that needs saying."""
-    if MISSING in (
-        states.get(("exchange", binding.exchange)),
-        states.get(("queue", binding.queue)),
-    ):
-        return MISSING, "its exchange or queue is missing"
-    if api is None:
-        return UNVERIFIED, "management API unreachable"
-    if (binding.exchange, binding.routing_key) in actual[binding.queue]:
-        return PRESENT, ""
-    return MISSING, ""
-
-
 def _extra_bindings(topology: Topology, actual: Mapping[str, set[tuple[str, str]]]) -> list[Item]:
     """The bindings on the service's queues that the service does not declare."""
     # A binding the service no longer declares still routes messages to it (which then die
     # with no_handler). `apply` does not remove it: unbinding is left to the operator.
     expected = {(b.queue, b.exchange, b.routing_key) for b in topology.bindings}
+    why = "not declared by the service"
     return [
-        Item(
-            "binding",
-            binding_name(Binding(source, queue, key)),
-            EXTRA,
-            "not declared by the service",
-        )
+        Item("binding", binding_name(Binding(source, queue, key)), EXTRA, why)
         for queue, present in actual.items()
         if queue != UNROUTABLE_QUEUE  # shared by every service
         for source, key in sorted(present)

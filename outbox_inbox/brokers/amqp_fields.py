@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import decimal
 import functools
+import itertools
 import math
 import struct
 from collections.abc import Mapping
@@ -110,24 +111,41 @@ def decode_value(data: bytes, offset: int, depth: int = 0) -> tuple[Any, int]:
 
     Raises ValueError only for a type octet no AMQP peer sends (RabbitMQ refuses those).
     """
-    kind = data[offset : offset + 1]
+    kind = bytes(data[offset : offset + 1])  # bytes: a bytearray's slice cannot be a key
     offset += 1
-    number = _NUMBERS.get(bytes(kind))  # bytes: a bytearray's slice cannot be a key
+    number = _NUMBERS.get(kind)
     if number is not None:
         return number.unpack_from(data, offset)[0], offset + number.size
-    if kind == b"S":
-        return _long_string(kind, data, offset)
-    if kind == b"F" or kind == b"A":
-        return _nested(kind, data, offset, depth)
+    if kind in (b"S", b"x", b"F", b"A"):
+        (length,) = _U32.unpack_from(data, offset)
+        end = offset + 4 + length
+        if kind == b"x":
+            return bytes(data[offset + 4 : end]), end
+        if kind == b"S":
+            try:
+                return data[offset + 4 : end].decode("utf-8"), end
+            except UnicodeDecodeError:
+                return RawField(kind, data[offset:end]), end
+        if depth >= MAX_DEPTH:
+            return RawField(kind, data[offset:end]), end
+        if kind == b"F":
+            return decode_table(data, offset, depth + 1)
+        values = []
+        offset += 4
+        while offset < end:
+            value, offset = decode_value(data, offset, depth + 1)
+            values.append(value)
+        return values, end
     if kind == b"T":
-        return _timestamp(kind, data, offset)
+        (seconds,) = _U64.unpack_from(data, offset)
+        try:
+            return _EPOCH + timedelta(seconds=seconds), offset + 8
+        except OverflowError:
+            return RawField(kind, data[offset : offset + 8]), offset + 8
     if kind == b"t":
         return bool(data[offset]), offset + 1
     if kind == b"V":
         return None, offset
-    if kind == b"x":
-        (length,) = _U32.unpack_from(data, offset)
-        return bytes(data[offset + 4 : offset + 4 + length]), offset + 4 + length
     if kind == b"f":
         return Float32(_F32.unpack_from(data, offset)[0]), offset + 4
     if kind == b"D":
@@ -143,54 +161,16 @@ _NUMBERS = {
 }
 
 
-def _long_string(kind: bytes, data: bytes, offset: int) -> tuple[str | RawField, int]:
-    """A long string: text, or a RawField when it is not UTF-8."""
-    (length,) = _U32.unpack_from(data, offset)
-    end = offset + 4 + length
-    raw = data[offset + 4 : end]
-    try:
-        return raw.decode("utf-8"), end
-    except UnicodeDecodeError:
-        return RawField(kind, data[offset:end]), end
-
-
-def _nested(kind: bytes, data: bytes, offset: int, depth: int) -> tuple[Any, int]:
-    """A table (``F``) or an array (``A``); kept raw below MAX_DEPTH levels of nesting."""
-    (length,) = _U32.unpack_from(data, offset)
-    end = offset + 4 + length
-    if depth >= MAX_DEPTH:
-        return RawField(kind, data[offset:end]), end
-    if kind == b"F":
-        return decode_table(data, offset, depth + 1)
-    values = []
-    offset += 4
-    while offset < end:
-        value, offset = decode_value(data, offset, depth + 1)
-        values.append(value)
-    return values, end
-
-
-def _timestamp(kind: bytes, data: bytes, offset: int) -> tuple[datetime | RawField, int]:
-    """A timestamp in seconds since the epoch; a RawField when datetime cannot hold it."""
-    (seconds,) = _U64.unpack_from(data, offset)
-    try:
-        return _EPOCH + timedelta(seconds=seconds), offset + 8
-    except OverflowError:
-        return RawField(kind, data[offset : offset + 8]), offset + 8
-
-
 def decode_properties(data: bytes, offset: int = 0) -> BasicProperties:
     """The properties of a content header (class ``basic``), as pika's but never failing
     on a value (see the module's documentation)."""
     flags = 0
-    word = 0
-    while True:
+    for word in itertools.count():  # a set lowest bit: another word of flags follows
         (partial,) = _U16.unpack_from(data, offset)
         offset += 2
         flags |= partial << (word * 16)
         if not partial & 1:
             break
-        word += 1
     props = BasicProperties()
     for name, flag, kind in PROPERTIES:
         if not flags & flag:
@@ -263,15 +243,12 @@ def kept_properties(props: BasicProperties) -> dict[str, Any]:
 
 
 def _encode_short_string(pieces: list[bytes], value: str | bytes) -> None:
-    data = value if isinstance(value, bytes) else value.encode("utf-8", "surrogatepass")
-    data = data[:255]
-    pieces.append(_U8.pack(len(data)))
-    pieces.append(data)
+    data = (value if isinstance(value, bytes) else value.encode("utf-8", "surrogatepass"))[:255]
+    pieces += (_U8.pack(len(data)), data)
 
 
 def _encode_long(pieces: list[bytes], kind: bytes, data: bytes) -> None:
-    pieces.append(kind + _U32.pack(len(data)))
-    pieces.append(data)
+    pieces += (kind + _U32.pack(len(data)), data)
 
 
 def encode_table(pieces: list[bytes], table: Mapping[Any, Any]) -> None:

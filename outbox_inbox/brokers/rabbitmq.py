@@ -38,31 +38,27 @@ from .rabbitmq_admin import RabbitMQAdmin
 log = logging.getLogger(__name__)
 
 
-class _ConnectFailuresAtDebug(logging.Filter):
-    """Log pika's own lines about a failed connection attempt at DEBUG.
+class _AtDebug(logging.Filter):
+    """Log pika's own lines of a logger at DEBUG: all of them, or those of format `only`.
 
-    pika logs several ERROR lines and a traceback for every attempt that fails; the roles
-    retry with backoff and report an outage themselves (one warning when it starts, one line
-    when it ends), so pika's lines only repeat it. Nothing else of pika's is changed.
+    pika logs several ERROR lines and a traceback for every connection attempt that fails; the
+    roles retry with backoff and report an outage themselves (one warning when it starts, one
+    line when it ends), so pika's lines only repeat it. Its line on a ``connection.blocked`` (a
+    WARNING) or ``connection.unblocked`` frame repeats `FlowControl`, which logs each blocking
+    once, with the broker's reason, and its end with how long it lasted. Nothing else of pika's
+    is changed.
     """
 
+    def __init__(self, only: str | None = None) -> None:
+        super().__init__()
+        self._only = only
+
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno > logging.DEBUG:
+        if record.levelno > logging.DEBUG and self._only in (None, record.msg):
             record.levelno, record.levelname = logging.DEBUG, "DEBUG"
             # The logger's level check passed at the record's own level: ask again at DEBUG,
             # or the relabelled record (and its traceback) is printed all the same.
             return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
-        return True
-
-
-class _FlowControlFramesAtDebug(_ConnectFailuresAtDebug):
-    """Log pika's own line on a ``connection.blocked`` (a WARNING) or ``connection.unblocked``
-    frame at DEBUG: `FlowControl` logs each blocking once, with the broker's reason, and its
-    end with how long it lasted. pika's other lines of that logger are left as they are."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg == "Received %s from broker":  # pika.connection, for these two frames
-            return super().filter(record)
         return True
 
 
@@ -71,8 +67,9 @@ for _name in (
     "pika.adapters.utils.io_services_utils",
     "pika.adapters.blocking_connection",
 ):
-    logging.getLogger(_name).addFilter(_ConnectFailuresAtDebug())
-logging.getLogger("pika.connection").addFilter(_FlowControlFramesAtDebug())
+    logging.getLogger(_name).addFilter(_AtDebug())
+# pika.connection's line for those two frames.
+logging.getLogger("pika.connection").addFilter(_AtDebug("Received %s from broker"))
 
 #: Errors of a login the broker refused (credentials, virtual host).
 _REFUSALS: tuple[type[BaseException], ...] = (
@@ -80,19 +77,6 @@ _REFUSALS: tuple[type[BaseException], ...] = (
     pika.exceptions.ProbableAccessDeniedError,
     pika.exceptions.AuthenticationError,
 )
-
-
-def _parameters(url: str) -> pika.URLParameters:
-    try:
-        params = pika.URLParameters(url)
-    except Exception as exc:  # pika raises several types for a bad URL
-        # pika's message quotes parts of the URL (a password read as a port): masked, and
-        # not chained, so that no traceback prints it.
-        raise ConfigurationError(
-            f"invalid broker URL {mask_url(url)}: {mask_text(exc, url)} (a '/', ':' or '@' "
-            "in the user name or password must be written %2F, %3A or %40)"
-        ) from None
-    return params
 
 
 #: TCP keepalive of every connection (idle, interval, count, in seconds), and how long
@@ -130,7 +114,15 @@ class RabbitMQBroker:
         self._urls = broker_urls(url)
         self._params: list[pika.URLParameters] = []
         for one in self._urls:
-            params = _parameters(one)
+            try:
+                params = pika.URLParameters(one)
+            except Exception as exc:  # pika raises several types for a bad URL
+                # pika's message quotes parts of the URL (a password read as a port): masked,
+                # and not chained, so that no traceback prints it.
+                raise ConfigurationError(
+                    f"invalid broker URL {mask_url(one)}: {mask_text(exc, one)} (a '/', ':' or "
+                    "'@' in the user name or password must be written %2F, %3A or %40)"
+                ) from None
             params.socket_timeout = connect_timeout
             params.stack_timeout = connect_timeout
             params.blocked_connection_timeout = blocked_connection_timeout
@@ -181,7 +173,13 @@ class RabbitMQBroker:
                 try:
                     declare_on(channel, obj)
                 except pika.exceptions.ChannelClosedByBroker as exc:
-                    raise _mismatch(f"{type(obj).__name__.lower()} {obj.name!r}", exc) from exc
+                    what = f"{type(obj).__name__.lower()} {obj.name!r}"
+                    if exc.reply_code == 406:  # PRECONDITION_FAILED: it exists otherwise
+                        raise TopologyMismatch(
+                            f"{what} conflicts with what the broker has or accepts: "
+                            f"{exc.reply_text}"
+                        ) from exc
+                    raise BrokerError(f"declaring {what} failed: {exc.reply_text}") from exc
             for binding in topology.bindings:
                 channel.queue_bind(binding.queue, binding.exchange, binding.routing_key)
         except CONNECTION_ERRORS as exc:
@@ -203,7 +201,6 @@ class RabbitMQBroker:
         return RabbitMQAdmin(self.connect, self.description)
 
     def queue_depth(self, queue: str) -> int | None:
-        """Messages ready in `queue`, or None if it does not exist."""
         with self.operator() as admin:
             info = admin.queue_info(queue)
         return None if info is None else info[0]
@@ -496,7 +493,6 @@ class RabbitMQPublisher:
             raise
 
     def _open_channel(self) -> None:
-        """Open a channel in confirm mode; raise BrokerConnectionError if that fails."""
         try:
             self._channel = self._connection.channel()
             self._impl = self._channel._impl
@@ -753,13 +749,8 @@ class RabbitMQConsumer:
     def _on_message(
         self, _channel: Any, method: Basic.Deliver, props: BasicProperties, body: bytes
     ) -> None:
-        self._buffer.append(
-            Delivery(
-                wire_message(method, props, body),
-                int(method.delivery_tag),
-                bool(method.redelivered),
-            )
-        )
+        message = wire_message(method, props, body)
+        self._buffer.append(Delivery(message, int(method.delivery_tag), bool(method.redelivered)))
 
     def _pump(self, until: float) -> None:
         """Process broker traffic until a first delivery is buffered or `until` passes, then
@@ -847,14 +838,6 @@ class RabbitMQConsumer:
         """Close the connection; never raises. Unacknowledged deliveries return to the queue."""
         self._buffer.clear()
         close_quietly(self._connection)
-
-
-def _mismatch(what: str, exc: pika.exceptions.ChannelClosedByBroker) -> BrokerError:
-    if exc.reply_code == 406:  # PRECONDITION_FAILED: it exists with other arguments
-        return TopologyMismatch(
-            f"{what} conflicts with what the broker has or accepts: {exc.reply_text}"
-        )
-    return BrokerError(f"declaring {what} failed: {exc.reply_text}")
 
 
 class FlowControl:

@@ -184,11 +184,9 @@ class RabbitMQAdmin(Operator):
         on_ready(name)
         try:
             for method, props, body in channel.consume(name, auto_ack=True, inactivity_timeout=0.2):
-                if should_stop():
-                    break
-                if method is None:
-                    continue
-                if not on_message(wire_message(method, props, body)):
+                if should_stop() or (
+                    method is not None and not on_message(wire_message(method, props, body))
+                ):
                     break
         except CONNECTION_ERRORS as exc:
             raise _broker_error(f"consuming the tail queue {name}", exc) from exc
@@ -222,12 +220,8 @@ class QueueReader:
             raise _broker_error(f"reading queue {self._queue!r}", exc) from exc
         if method is None:
             return None
-        return QueuedMessage(
-            tag=method.delivery_tag,
-            message=wire_message(method, props, body),
-            redelivered=bool(method.redelivered),
-            properties=props,
-        )
+        message = wire_message(method, props, body)
+        return QueuedMessage(method.delivery_tag, message, bool(method.redelivered), props)
 
     def ack(self, message: QueuedMessage) -> None:
         try:
