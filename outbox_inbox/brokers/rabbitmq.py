@@ -692,10 +692,8 @@ class RabbitMQPublisher:
                 if multiple:
                     # Tags are handed out in increasing order and the dict keeps that order.
                     tags = list(itertools.takewhile(tag.__ge__, unconfirmed))
-                elif tag in unconfirmed:
-                    tags = [tag]
                 else:
-                    continue
+                    tags = [tag] if tag in unconfirmed else []
                 for t in tags:
                     index = unconfirmed.pop(t)
                     if not acked:
