@@ -786,10 +786,7 @@ class RabbitMQConsumer:
                     f"queue {self._queue!r} does not exist: declare the topology"
                 ) from exc
             raise BrokerConnectionError(f"consuming {self._queue!r} failed: {exc!r}") from exc
-        batch: list[Delivery] = []
-        while self._buffer and len(batch) < max_count:
-            batch.append(self._buffer.popleft())
-        return batch
+        return [self._buffer.popleft() for _ in range(min(max_count, len(self._buffer)))]
 
     def ack_through(self, tag: int) -> None:
         self.ack(tag, multiple=True)
