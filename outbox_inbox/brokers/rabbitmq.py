@@ -350,13 +350,16 @@ class _PublishFrames:
         """The frames of `message`, as one bytes object."""
         channel = self._channel_number
         body = message.body
-        header = CONTENT_HEADER.pack(BasicProperties.INDEX, 0, len(body)) + self._properties(
-            message
-        )
+        size = len(body)
+        header = CONTENT_HEADER.pack(BasicProperties.INDEX, 0, size) + self._properties(message)
         out = [self._method(message.exchange, message.routing_key)]
         out += (FRAME_HEADER.pack(2, channel, len(header)), header, _FRAME_END)
-        for start in range(0, len(body), self._body_max):
-            chunk = body[start : start + self._body_max]  # the body itself when it fits
+        if size <= self._body_max:  # the usual case, without the loop: one body frame or none
+            if size:
+                out += (FRAME_HEADER.pack(3, channel, size), body, _FRAME_END)
+            return b"".join(out)
+        for start in range(0, size, self._body_max):
+            chunk = body[start : start + self._body_max]
             out += (FRAME_HEADER.pack(3, channel, len(chunk)), chunk, _FRAME_END)
         return b"".join(out)
 
