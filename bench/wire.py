@@ -7,9 +7,9 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
+import pika
 from pika.spec import BasicProperties
 
-from outbox_inbox.brokers.rabbitmq import _properties as publisher_properties
 from outbox_inbox.messages import EVENT, OutgoingMessage, WireMessage, to_wire
 
 WINDOW = 500  # unconfirmed publishes in flight (the library's publish_window default)
@@ -64,6 +64,17 @@ def make_wires(n: int, source: str, exchange: str, routing_key: str) -> list[Wir
 
 
 def pika_properties(wire: WireMessage) -> BasicProperties:
-    """The AMQP properties the library's publisher sets on `wire` (its own function, so the
-    raw figures publish exactly what the relay does)."""
-    return publisher_properties(wire)
+    """The AMQP properties the library's publisher sets on `wire`, so that the raw figures
+    publish exactly what the relay does (tests/unit/test_publish_frames.py holds the relay's
+    frames to these properties)."""
+    return BasicProperties(
+        message_id=wire.message_id,
+        type=wire.type,
+        correlation_id=wire.correlation_id,
+        content_type=wire.content_type,
+        timestamp=wire.timestamp,
+        priority=wire.priority,
+        app_id=wire.app_id,
+        delivery_mode=pika.DeliveryMode.Persistent,
+        headers=dict(wire.headers),
+    )

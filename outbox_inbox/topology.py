@@ -93,46 +93,7 @@ def service_topology(
     through the `retry` exchange. With `queue_type="quorum"` (for clusters) every queue is a
     quorum queue, `unroutable` included: the services sharing a broker must agree on it.
     """
-    inbox_args = _inbox_arguments(
-        service,
-        single_active_consumer=single_active_consumer,
-        quorum=queue_type == "quorum",
-        delivery_limit=delivery_limit,
-        max_length=max_length,
-        max_priority=max_priority,
-    )
-    exchanges = (
-        Exchange(COMMANDS_EXCHANGE, "topic", arguments={"alternate-exchange": UNROUTABLE_EXCHANGE}),
-        Exchange(EVENTS_EXCHANGE, "topic"),
-        Exchange(DEAD_LETTER_EXCHANGE, "topic"),
-        Exchange(UNROUTABLE_EXCHANGE, "fanout"),
-        Exchange(RETRY_EXCHANGE, "direct"),
-    )
-    # In a cluster every queue of the service is a quorum queue, replicated on a majority of
-    # the nodes: the dead letters and the delayed retries survive a node as the inbox does.
-    kept: dict[str, Any] = {"x-queue-type": "quorum"} if queue_type == "quorum" else {}
-    queues = [
-        Queue(inbox_queue(service), arguments=inbox_args),
-        Queue(dead_letter_queue(service), arguments=dict(kept)),
-        Queue(UNROUTABLE_QUEUE, arguments=dict(kept)),
-    ]
-    for seconds in delay_tiers:
-        tier = _delay_tier_arguments(service, seconds, quorum=queue_type == "quorum")
-        queues.append(Queue(delay_queue(service, seconds), arguments=tier))
-    bindings = _bindings(service, event_patterns)
-    return Topology(exchanges, tuple(queues), tuple(bindings))
-
-
-def _inbox_arguments(
-    service: str,
-    *,
-    single_active_consumer: bool,
-    quorum: bool,
-    delivery_limit: int | None,
-    max_length: int | None,
-    max_priority: int | None,
-) -> dict[str, Any]:
-    """The arguments of the service's inbox queue."""
+    quorum = queue_type == "quorum"
     inbox_args: dict[str, Any] = {
         # A message the receiver rejects (or that a quorum queue gives up on) is kept.
         "x-dead-letter-exchange": DEAD_LETTER_EXCHANGE,
@@ -152,37 +113,41 @@ def _inbox_arguments(
         inbox_args["x-overflow"] = "reject-publish"
     if max_priority is not None:
         inbox_args["x-max-priority"] = max_priority
-    return inbox_args
-
-
-def _delay_tier_arguments(service: str, seconds: float, *, quorum: bool) -> dict[str, Any]:
-    """The arguments of one delay tier: its TTL, and back to the inbox through `retry`."""
-    tier: dict[str, Any] = {
-        "x-message-ttl": int(seconds * 1000),
-        "x-dead-letter-exchange": RETRY_EXCHANGE,
-        "x-dead-letter-routing-key": service,
-    }
-    if quorum:
-        # A delayed message leaves its tier by expiring: at-least-once dead-lettering
-        # keeps it until the inbox has it (it needs reject-publish overflow).
-        tier["x-queue-type"] = "quorum"
-        tier["x-dead-letter-strategy"] = "at-least-once"
-        tier["x-overflow"] = "reject-publish"
-    return tier
-
-
-def _bindings(service: str, event_patterns: Iterable[str]) -> list[Binding]:
-    """The service's bindings: its commands, its retries, its dead letters, the unroutable
-    commands, and one per event pattern (sorted, each once)."""
-    bindings = [
+    exchanges = (
+        Exchange(COMMANDS_EXCHANGE, "topic", arguments={"alternate-exchange": UNROUTABLE_EXCHANGE}),
+        Exchange(EVENTS_EXCHANGE, "topic"),
+        Exchange(DEAD_LETTER_EXCHANGE, "topic"),
+        Exchange(UNROUTABLE_EXCHANGE, "fanout"),
+        Exchange(RETRY_EXCHANGE, "direct"),
+    )
+    # In a cluster every queue of the service is a quorum queue, replicated on a majority of
+    # the nodes: the dead letters and the delayed retries survive a node as the inbox does.
+    kept: dict[str, Any] = {"x-queue-type": "quorum"} if quorum else {}
+    queues = [
+        Queue(inbox_queue(service), arguments=inbox_args),
+        Queue(dead_letter_queue(service), arguments=dict(kept)),
+        Queue(UNROUTABLE_QUEUE, arguments=dict(kept)),
+    ]
+    # A delayed message leaves its tier by expiring (back to the inbox through `retry`): on a
+    # quorum queue at-least-once dead-lettering keeps it until the inbox has it (it needs
+    # reject-publish overflow).
+    at_least_once = {"x-dead-letter-strategy": "at-least-once", "x-overflow": "reject-publish"}
+    for seconds in delay_tiers:
+        tier = {
+            "x-message-ttl": int(seconds * 1000),
+            "x-dead-letter-exchange": RETRY_EXCHANGE,
+            "x-dead-letter-routing-key": service,
+            **(kept | at_least_once if quorum else {}),
+        }
+        queues.append(Queue(delay_queue(service, seconds), arguments=tier))
+    bindings = (
         Binding(COMMANDS_EXCHANGE, inbox_queue(service), f"{service}.#"),
         Binding(RETRY_EXCHANGE, inbox_queue(service), service),
         Binding(DEAD_LETTER_EXCHANGE, dead_letter_queue(service), service),
         Binding(UNROUTABLE_EXCHANGE, UNROUTABLE_QUEUE, ""),
-    ]
-    for pattern in sorted(set(event_patterns)):
-        bindings.append(Binding(EVENTS_EXCHANGE, inbox_queue(service), pattern))
-    return bindings
+        *(Binding(EVENTS_EXCHANGE, inbox_queue(service), p) for p in sorted(set(event_patterns))),
+    )
+    return Topology(exchanges, tuple(queues), bindings)
 
 
 def topic_matches(pattern: str, routing_key: str) -> bool:

@@ -71,80 +71,48 @@ def check_topology(topology: Topology, admin: Operator, api: ManagementAPI | Non
 
     Raises BrokerError when the broker cannot be reached.
     """
-    api, problem = _usable_api(api)
-    items, states = _check_declared(topology, admin, api)
-    actual = _bindings_by_api(topology, api) if api is not None else {}
-    for binding in topology.bindings:
-        state, detail = _binding_state(binding, states, api, actual)
-        items.append(Item("binding", binding_name(binding), state, detail))
-    items.extend(_extra_bindings(topology, actual))
-    return Plan(tuple(items), problem)
-
-
-def _usable_api(api: ManagementAPI | None) -> tuple[ManagementAPI | None, str | None]:
-    """`api` when it answers, else None and why not."""
-    problem: str | None = None
-    if api is None:
-        problem = "no management URL"
-    else:
-        try:
+    problem = "no management URL" if api is None else None
+    try:
+        if api is not None:
             api.check()
-        except ManagementUnavailable as exc:
-            problem, api = str(exc), None
-    return api, problem
-
-
-def _check_declared(
-    topology: Topology, admin: Operator, api: ManagementAPI | None
-) -> tuple[list[Item], dict[tuple[str, str], str]]:
-    """The items of the exchanges and queues, and the state of each by (kind, name)."""
+    except ManagementUnavailable as exc:
+        problem, api = str(exc), None
     items: list[Item] = []
-    states: dict[tuple[str, str], str] = {}
     for exchange in topology.exchanges:
         found = (
             _by_api(exchange, api.exchange(exchange.name))
             if api
             else admin.check_exchange(exchange)
         )
-        states["exchange", exchange.name] = found.state
         items.append(Item("exchange", exchange.name, found.state, found.detail))
     for queue in topology.queues:
         found = _by_api(queue, api.queue(queue.name)) if api else admin.check_queue(queue)
-        states["queue", queue.name] = found.state
         items.append(Item("queue", queue.name, found.state, found.detail))
-    return items, states
+    missing = {(item.kind, item.name) for item in items if item.state == MISSING}
+    actual = _bindings_by_api(topology, api) if api is not None else {}
+    for binding in topology.bindings:
+        if {("exchange", binding.exchange), ("queue", binding.queue)} & missing:
+            state, detail = MISSING, "its exchange or queue is missing"
+        elif api is None:
+            state, detail = UNVERIFIED, "management API unreachable"
+        else:
+            bound = (binding.exchange, binding.routing_key) in actual[binding.queue]
+            state, detail = PRESENT if bound else MISSING, ""
+        items.append(Item("binding", binding_name(binding), state, detail))
+    items.extend(_extra_bindings(topology, actual))
+    return Plan(tuple(items), problem)
 
 
 def _bindings_by_api(topology: Topology, api: ManagementAPI) -> dict[str, set[tuple[str, str]]]:
     """The (exchange, routing key) bindings the broker holds on each of the service's queues."""
-    actual: dict[str, set[tuple[str, str]]] = {}
-    for queue_name in dict.fromkeys(b.queue for b in topology.bindings):
-        actual[queue_name] = {
+    return {
+        queue_name: {
             (str(b["source"]), str(b.get("routing_key", "")))
             for b in api.queue_bindings(queue_name)
             if b.get("destination_type", "queue") == "queue"
         }
-    return actual
-
-
-def _binding_state(
-    binding: Binding,
-    states: Mapping[tuple[str, str], str],
-    api: ManagementAPI | None,
-    actual: Mapping[str, set[tuple[str, str]]],
-) -> tuple[str, str]:
-    """The state of one declared binding, and why when that needs saying."""
-    ends_missing = (
-        states.get(("exchange", binding.exchange)) == MISSING
-        or states.get(("queue", binding.queue)) == MISSING
-    )
-    if ends_missing:
-        return MISSING, "its exchange or queue is missing"
-    if api is None:
-        return UNVERIFIED, "management API unreachable"
-    if (binding.exchange, binding.routing_key) in actual[binding.queue]:
-        return PRESENT, ""
-    return MISSING, ""
+        for queue_name in dict.fromkeys(b.queue for b in topology.bindings)
+    }
 
 
 def _extra_bindings(topology: Topology, actual: Mapping[str, set[tuple[str, str]]]) -> list[Item]:
@@ -152,17 +120,14 @@ def _extra_bindings(topology: Topology, actual: Mapping[str, set[tuple[str, str]
     # A binding the service no longer declares still routes messages to it (which then die
     # with no_handler). `apply` does not remove it: unbinding is left to the operator.
     expected = {(b.queue, b.exchange, b.routing_key) for b in topology.bindings}
-    items = []
-    for queue_name, present in actual.items():
-        if queue_name == UNROUTABLE_QUEUE:  # shared by every service
-            continue
-        for source, key in sorted(present):
-            if (queue_name, source, key) not in expected:
-                extra = Binding(source, queue_name, key)
-                items.append(
-                    Item("binding", binding_name(extra), EXTRA, "not declared by the service")
-                )
-    return items
+    why = "not declared by the service"
+    return [
+        Item("binding", binding_name(Binding(source, queue, key)), EXTRA, why)
+        for queue, present in actual.items()
+        if queue != UNROUTABLE_QUEUE  # shared by every service
+        for source, key in sorted(present)
+        if (queue, source, key) not in expected
+    ]
 
 
 def apply_topology(

@@ -1,16 +1,20 @@
 """What the RabbitMQ broker and its operator session both need of pika: the errors that mean a
-connection is gone, closing a connection without hanging, and a delivery as a WireMessage."""
+connection is gone, closing a connection without hanging, declaring an exchange or a queue, and
+a delivery as a WireMessage."""
 
 from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 import pika
 import pika.exceptions
+from pika.adapters.blocking_connection import BlockingChannel
 from pika.spec import Basic, BasicProperties
 
 from ..messages import WireMessage
+from ..topology import Exchange, Queue
 from .amqp_fields import kept_properties
 
 log = logging.getLogger(__name__)
@@ -34,6 +38,18 @@ def wire_message(method: Basic.Deliver, props: BasicProperties, body: bytes) -> 
         app_id=props.app_id,
         headers=dict(props.headers or {}),
         properties=kept_properties(props),
+    )
+
+
+def declare_on(channel: BlockingChannel, obj: Exchange | Queue, *, passive: bool = False) -> Any:
+    """Declare `obj` on `channel` as the topology says; `passive`: only ask that it exists."""
+    arguments = dict(obj.arguments) or None
+    if isinstance(obj, Exchange):
+        return channel.exchange_declare(
+            obj.name, obj.type, passive=passive, durable=obj.durable, arguments=arguments
+        )
+    return channel.queue_declare(
+        obj.name, passive=passive, durable=obj.durable, arguments=arguments
     )
 
 

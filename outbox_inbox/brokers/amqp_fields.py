@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import decimal
 import functools
+import itertools
 import math
 import struct
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -46,20 +48,14 @@ H_DROPPED_HEADERS = "x-dropped-headers"
 KEPT_PROPERTIES = ("content_encoding", "reply_to", "cluster_id")
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-_U8 = struct.Struct(">B")
-_I8 = struct.Struct(">b")
-_U16 = struct.Struct(">H")
-_I16 = struct.Struct(">h")
-_U32 = struct.Struct(">I")
-_I32 = struct.Struct(">i")
-_I64 = struct.Struct(">q")
-_U64 = struct.Struct(">Q")
-_F32 = struct.Struct(">f")
-_F64 = struct.Struct(">d")
-_FRAME_HEADER = struct.Struct(">BHL")
-_CONTENT_HEADER = struct.Struct(">HHQ")
+_U8, _U16, _U32, _I32, _I64, _U64, _F32, _F64 = map(
+    struct.Struct, (">B", ">H", ">I", ">i", ">q", ">Q", ">f", ">d")
+)
+FRAME_HEADER = struct.Struct(">BHI")  # type, channel, payload size
+CONTENT_HEADER = struct.Struct(">HHQ")  # class id, weight, body size
 
 
+@dataclass(frozen=True, slots=True)
 class RawField:
     """A field value kept as its encoded bytes: a timestamp out of Python's range, a
     long string that is not UTF-8, or a table or array nested deeper than `MAX_DEPTH`.
@@ -68,11 +64,8 @@ class RawField:
     timestamp, the text of a string (invalid bytes replaced).
     """
 
-    __slots__ = ("data", "kind")
-
-    def __init__(self, kind: bytes, data: bytes) -> None:
-        self.kind = kind
-        self.data = data
+    kind: bytes
+    data: bytes
 
     def __str__(self) -> str:
         if self.kind == b"T":
@@ -81,15 +74,6 @@ class RawField:
             return self.data[4:].decode("utf-8", "replace")
         what = "table" if self.kind == b"F" else "array"
         return f"(an AMQP {what} nested deeper than {MAX_DEPTH} levels)"
-
-    def __repr__(self) -> str:
-        return f"RawField({self.kind!r}, {self.data!r})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, RawField) and (self.kind, self.data) == (other.kind, other.data)
-
-    def __hash__(self) -> int:
-        return hash((self.kind, self.data))
 
 
 class Float32(float):
@@ -127,26 +111,41 @@ def decode_value(data: bytes, offset: int, depth: int = 0) -> tuple[Any, int]:
 
     Raises ValueError only for a type octet no AMQP peer sends (RabbitMQ refuses those).
     """
-    kind = data[offset : offset + 1]
+    kind = bytes(data[offset : offset + 1])  # bytes: a bytearray's slice cannot be a key
     offset += 1
-    number = _NUMBERS.get(bytes(kind))  # bytes: a bytearray's slice cannot be a key
+    number = _NUMBERS.get(kind)
     if number is not None:
         return number.unpack_from(data, offset)[0], offset + number.size
-    if kind == b"S":
-        return _long_string(kind, data, offset)
-    if kind == b"F" or kind == b"A":
-        return _nested(kind, data, offset, depth)
+    if kind in (b"S", b"x", b"F", b"A"):
+        (length,) = _U32.unpack_from(data, offset)
+        end = offset + 4 + length
+        if kind == b"x":
+            return bytes(data[offset + 4 : end]), end
+        if kind == b"S":
+            try:
+                return data[offset + 4 : end].decode("utf-8"), end
+            except UnicodeDecodeError:
+                return RawField(kind, data[offset:end]), end
+        if depth >= MAX_DEPTH:
+            return RawField(kind, data[offset:end]), end
+        if kind == b"F":
+            return decode_table(data, offset, depth + 1)
+        values = []
+        offset += 4
+        while offset < end:
+            value, offset = decode_value(data, offset, depth + 1)
+            values.append(value)
+        return values, end
     if kind == b"T":
-        return _timestamp(kind, data, offset)
+        (seconds,) = _U64.unpack_from(data, offset)
+        try:
+            return _EPOCH + timedelta(seconds=seconds), offset + 8
+        except OverflowError:
+            return RawField(kind, data[offset : offset + 8]), offset + 8
     if kind == b"t":
         return bool(data[offset]), offset + 1
     if kind == b"V":
         return None, offset
-    if kind == b"x":
-        (length,) = _U32.unpack_from(data, offset)
-        return bytes(data[offset + 4 : offset + 4 + length]), offset + 4 + length
-    if kind == b"B":
-        return data[offset], offset + 1
     if kind == b"f":
         return Float32(_F32.unpack_from(data, offset)[0]), offset + 4
     if kind == b"D":
@@ -158,68 +157,22 @@ def decode_value(data: bytes, offset: int, depth: int = 0) -> tuple[Any, int]:
 
 #: The integers and doubles, decoded as they are: type octet -> their struct.
 _NUMBERS = {
-    b"b": _I8,
-    b"s": _I16,
-    b"U": _I16,
-    b"u": _U16,
-    b"I": _I32,
-    b"i": _U32,
-    b"l": _I64,
-    b"L": _I64,
-    b"d": _F64,
+    bytes([t]): struct.Struct(">" + f) for t, f in zip(b"bBsUuIilLd", "bBhhHiIqqd", strict=True)
 }
-
-
-def _long_string(kind: bytes, data: bytes, offset: int) -> tuple[str | RawField, int]:
-    """A long string: text, or a RawField when it is not UTF-8."""
-    (length,) = _U32.unpack_from(data, offset)
-    end = offset + 4 + length
-    raw = data[offset + 4 : end]
-    try:
-        return raw.decode("utf-8"), end
-    except UnicodeDecodeError:
-        return RawField(kind, data[offset:end]), end
-
-
-def _nested(kind: bytes, data: bytes, offset: int, depth: int) -> tuple[Any, int]:
-    """A table (``F``) or an array (``A``); kept raw below MAX_DEPTH levels of nesting."""
-    (length,) = _U32.unpack_from(data, offset)
-    end = offset + 4 + length
-    if depth >= MAX_DEPTH:
-        return RawField(kind, data[offset:end]), end
-    if kind == b"F":
-        return decode_table(data, offset, depth + 1)
-    values = []
-    offset += 4
-    while offset < end:
-        value, offset = decode_value(data, offset, depth + 1)
-        values.append(value)
-    return values, end
-
-
-def _timestamp(kind: bytes, data: bytes, offset: int) -> tuple[datetime | RawField, int]:
-    """A timestamp in seconds since the epoch; a RawField when datetime cannot hold it."""
-    (seconds,) = _U64.unpack_from(data, offset)
-    try:
-        return _EPOCH + timedelta(seconds=seconds), offset + 8
-    except OverflowError:
-        return RawField(kind, data[offset : offset + 8]), offset + 8
 
 
 def decode_properties(data: bytes, offset: int = 0) -> BasicProperties:
     """The properties of a content header (class ``basic``), as pika's but never failing
     on a value (see the module's documentation)."""
     flags = 0
-    word = 0
-    while True:
+    for word in itertools.count():  # a set lowest bit: another word of flags follows
         (partial,) = _U16.unpack_from(data, offset)
         offset += 2
         flags |= partial << (word * 16)
         if not partial & 1:
             break
-        word += 1
     props = BasicProperties()
-    for name, flag, kind in _PROPERTIES:
+    for name, flag, kind in PROPERTIES:
         if not flags & flag:
             continue
         value: Any
@@ -238,7 +191,7 @@ def decode_properties(data: bytes, offset: int = 0) -> BasicProperties:
 
 
 _P = BasicProperties
-_PROPERTIES = (
+PROPERTIES = (
     ("content_type", _P.FLAG_CONTENT_TYPE, "short"),
     ("content_encoding", _P.FLAG_CONTENT_ENCODING, "short"),
     ("headers", _P.FLAG_HEADERS, "table"),
@@ -261,13 +214,13 @@ def _read_frame(impl: Any) -> Any:
     data = impl._frame_buffer
     if data[:1] != b"\x02" or len(data) < 7:  # not a content header frame (or not whole yet)
         return pika.frame.decode_frame(data)
-    _kind, channel_number, size = _FRAME_HEADER.unpack_from(data)
+    _kind, channel_number, size = FRAME_HEADER.unpack_from(data)
     end = 7 + size + 1
     if end > len(data):
         return 0, None
     if data[end - 1] != pika.spec.FRAME_END:
         raise pika.exceptions.InvalidFrameError("Invalid FRAME_END marker")
-    class_id, _weight, body_size = _CONTENT_HEADER.unpack_from(data, 7)
+    class_id, _weight, body_size = CONTENT_HEADER.unpack_from(data, 7)
     if class_id != BasicProperties.INDEX:
         return pika.frame.decode_frame(data)
     properties = decode_properties(data[19 : end - 1])
@@ -282,27 +235,20 @@ def decode_leniently(connection: pika.BlockingConnection) -> None:
 
 def kept_properties(props: BasicProperties) -> dict[str, Any]:
     """The properties of a delivery in `KEPT_PROPERTIES` that it has."""
-    kept = {}
-    for name in KEPT_PROPERTIES:
-        value = getattr(props, name, None)
-        if value is not None:
-            kept[name] = value
-    return kept
+    kept = {name: getattr(props, name, None) for name in KEPT_PROPERTIES}
+    return {name: value for name, value in kept.items() if value is not None}
 
 
 # --- encoding ------------------------------------------------------------------------------
 
 
 def _encode_short_string(pieces: list[bytes], value: str | bytes) -> None:
-    data = value if isinstance(value, bytes) else value.encode("utf-8", "surrogatepass")
-    data = data[:255]
-    pieces.append(_U8.pack(len(data)))
-    pieces.append(data)
+    data = (value if isinstance(value, bytes) else value.encode("utf-8", "surrogatepass"))[:255]
+    pieces += (_U8.pack(len(data)), data)
 
 
 def _encode_long(pieces: list[bytes], kind: bytes, data: bytes) -> None:
-    pieces.append(kind + _U32.pack(len(data)))
-    pieces.append(data)
+    pieces += (kind + _U32.pack(len(data)), data)
 
 
 def encode_table(pieces: list[bytes], table: Mapping[Any, Any]) -> None:
@@ -373,7 +319,7 @@ def encode_properties(props: BasicProperties) -> list[bytes]:
     """The property flags and list of `props`, headers encoded by `encode_table`."""
     pieces: list[bytes] = []
     flags = 0
-    for name, flag, kind in _PROPERTIES:
+    for name, flag, kind in PROPERTIES:
         value = getattr(props, name, None)
         if value is None:
             continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import struct
 import threading
@@ -29,39 +30,35 @@ from ..errors import (
 )
 from ..logsafe import mask_text, mask_url
 from ..messages import WireMessage
-from ..topology import Topology
-from .amqp_connection import CONNECTION_ERRORS, close_quietly, wire_message
-from .amqp_fields import decode_leniently, forward_properties
+from ..topology import Exchange, Queue, Topology
+from .amqp_connection import CONNECTION_ERRORS, close_quietly, declare_on, wire_message
+from .amqp_fields import CONTENT_HEADER, FRAME_HEADER, decode_leniently, forward_properties
 from .rabbitmq_admin import RabbitMQAdmin
 
 log = logging.getLogger(__name__)
 
 
-class _ConnectFailuresAtDebug(logging.Filter):
-    """Log pika's own lines about a failed connection attempt at DEBUG.
+class _AtDebug(logging.Filter):
+    """Log pika's own lines of a logger at DEBUG: all of them, or those of format `only`.
 
-    pika logs several ERROR lines and a traceback for every attempt that fails; the roles
-    retry with backoff and report an outage themselves (one warning when it starts, one line
-    when it ends), so pika's lines only repeat it. Nothing else of pika's is changed.
+    pika logs several ERROR lines and a traceback for every connection attempt that fails; the
+    roles retry with backoff and report an outage themselves (one warning when it starts, one
+    line when it ends), so pika's lines only repeat it. Its line on a ``connection.blocked`` (a
+    WARNING) or ``connection.unblocked`` frame repeats `FlowControl`, which logs each blocking
+    once, with the broker's reason, and its end with how long it lasted. Nothing else of pika's
+    is changed.
     """
 
+    def __init__(self, only: str | None = None) -> None:
+        super().__init__()
+        self._only = only
+
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno > logging.DEBUG:
+        if record.levelno > logging.DEBUG and self._only in (None, record.msg):
             record.levelno, record.levelname = logging.DEBUG, "DEBUG"
             # The logger's level check passed at the record's own level: ask again at DEBUG,
             # or the relabelled record (and its traceback) is printed all the same.
             return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
-        return True
-
-
-class _FlowControlFramesAtDebug(_ConnectFailuresAtDebug):
-    """Log pika's own line on a ``connection.blocked`` (a WARNING) or ``connection.unblocked``
-    frame at DEBUG: `FlowControl` logs each blocking once, with the broker's reason, and its
-    end with how long it lasted. pika's other lines of that logger are left as they are."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg == "Received %s from broker":  # pika.connection, for these two frames
-            return super().filter(record)
         return True
 
 
@@ -70,8 +67,9 @@ for _name in (
     "pika.adapters.utils.io_services_utils",
     "pika.adapters.blocking_connection",
 ):
-    logging.getLogger(_name).addFilter(_ConnectFailuresAtDebug())
-logging.getLogger("pika.connection").addFilter(_FlowControlFramesAtDebug())
+    logging.getLogger(_name).addFilter(_AtDebug())
+# pika.connection's line for those two frames.
+logging.getLogger("pika.connection").addFilter(_AtDebug("Received %s from broker"))
 
 #: Errors of a login the broker refused (credentials, virtual host).
 _REFUSALS: tuple[type[BaseException], ...] = (
@@ -79,33 +77,6 @@ _REFUSALS: tuple[type[BaseException], ...] = (
     pika.exceptions.ProbableAccessDeniedError,
     pika.exceptions.AuthenticationError,
 )
-
-
-def _parameters(url: str) -> pika.URLParameters:
-    try:
-        params = pika.URLParameters(url)
-    except Exception as exc:  # pika raises several types for a bad URL
-        # pika's message quotes parts of the URL (a password read as a port): masked, and
-        # not chained, so that no traceback prints it.
-        raise ConfigurationError(
-            f"invalid broker URL {mask_url(url)}: {mask_text(exc, url)} (a '/', ':' or '@' "
-            "in the user name or password must be written %2F, %3A or %40)"
-        ) from None
-    return params
-
-
-def _properties(message: WireMessage) -> BasicProperties:
-    return BasicProperties(
-        message_id=message.message_id,
-        type=message.type,
-        correlation_id=message.correlation_id,
-        content_type=message.content_type,
-        timestamp=message.timestamp,
-        priority=message.priority,
-        app_id=message.app_id,
-        delivery_mode=pika.DeliveryMode.Persistent,
-        headers=dict(message.headers),
-    )
 
 
 #: TCP keepalive of every connection (idle, interval, count, in seconds), and how long
@@ -143,7 +114,15 @@ class RabbitMQBroker:
         self._urls = broker_urls(url)
         self._params: list[pika.URLParameters] = []
         for one in self._urls:
-            params = _parameters(one)
+            try:
+                params = pika.URLParameters(one)
+            except Exception as exc:  # pika raises several types for a bad URL
+                # pika's message quotes parts of the URL (a password read as a port): masked,
+                # and not chained, so that no traceback prints it.
+                raise ConfigurationError(
+                    f"invalid broker URL {mask_url(one)}: {mask_text(exc, one)} (a '/', ':' or "
+                    "'@' in the user name or password must be written %2F, %3A or %40)"
+                ) from None
             params.socket_timeout = connect_timeout
             params.stack_timeout = connect_timeout
             params.blocked_connection_timeout = blocked_connection_timeout
@@ -189,23 +168,18 @@ class RabbitMQBroker:
         connection = self.connect()
         try:
             channel = connection.channel()
-            for exchange in topology.exchanges:
+            declared: list[Exchange | Queue] = [*topology.exchanges, *topology.queues]
+            for obj in declared:
                 try:
-                    channel.exchange_declare(
-                        exchange.name,
-                        exchange.type,
-                        durable=exchange.durable,
-                        arguments=dict(exchange.arguments) or None,
-                    )
+                    declare_on(channel, obj)
                 except pika.exceptions.ChannelClosedByBroker as exc:
-                    raise _mismatch(f"exchange {exchange.name!r}", exc) from exc
-            for queue in topology.queues:
-                try:
-                    channel.queue_declare(
-                        queue.name, durable=queue.durable, arguments=dict(queue.arguments) or None
-                    )
-                except pika.exceptions.ChannelClosedByBroker as exc:
-                    raise _mismatch(f"queue {queue.name!r}", exc) from exc
+                    what = f"{type(obj).__name__.lower()} {obj.name!r}"
+                    if exc.reply_code == 406:  # PRECONDITION_FAILED: it exists otherwise
+                        raise TopologyMismatch(
+                            f"{what} conflicts with what the broker has or accepts: "
+                            f"{exc.reply_text}"
+                        ) from exc
+                    raise BrokerError(f"declaring {what} failed: {exc.reply_text}") from exc
             for binding in topology.bindings:
                 channel.queue_bind(binding.queue, binding.exchange, binding.routing_key)
         except CONNECTION_ERRORS as exc:
@@ -227,7 +201,6 @@ class RabbitMQBroker:
         return RabbitMQAdmin(self.connect, self.description)
 
     def queue_depth(self, queue: str) -> int | None:
-        """Messages ready in `queue`, or None if it does not exist."""
         with self.operator() as admin:
             info = admin.queue_info(queue)
         return None if info is None else info[0]
@@ -263,13 +236,8 @@ SIZE_PROBE_ROUTING_KEY = "outbox-inbox.size-probe"
 
 # --- publishing frames ---------------------------------------------------------------------
 
-_FRAME = struct.Struct(">BHI")  # type, channel, payload size
-_CONTENT_HEADER = struct.Struct(">HHQ")  # class id, weight, body size
-_FLAGS = struct.Struct(">H")
-_TIMESTAMP = struct.Struct(">Q")
 _LONG_STRING = struct.Struct(">cI")
 _INT32 = struct.Struct(">ci")
-_TABLE_SIZE = struct.Struct(">I")
 _FRAME_END = b"\xce"
 _PERSISTENT = struct.pack("B", pika.DeliveryMode.Persistent.value)
 
@@ -296,7 +264,7 @@ _CACHE_SIZE = 4096
 class _PublishFrames:
     """The AMQP frames of a persistent, mandatory ``basic.publish`` on one channel.
 
-    Byte for byte what pika's ``Channel.basic_publish`` writes for `_properties(message)`
+    Byte for byte what pika's ``Channel.basic_publish`` writes for the message, persistent
     (the method frame, the content header and the body frames), built without pika's frame
     objects, so that a publisher can hand many messages to the socket in one write. The
     parts that repeat from message to message (the method frame of an exchange and routing
@@ -347,10 +315,10 @@ class _PublishFrames:
                 pieces.append(_short_string(name))
                 pika.data.encode_value(pieces, value)
         data = b"".join(pieces)
-        return _TABLE_SIZE.pack(len(data)) + data
+        return struct.pack(">I", len(data)) + data
 
     def _properties(self, message: WireMessage) -> bytes:
-        """The property flags and list of `_properties(message)`, as pika encodes them."""
+        """The property flags and list of the message's properties, as pika encodes them."""
         flags = BasicProperties.FLAG_HEADERS | BasicProperties.FLAG_DELIVERY_MODE
         pieces: list[bytes] = []
         if message.content_type is not None:
@@ -369,46 +337,31 @@ class _PublishFrames:
             pieces.append(_short_string(message.message_id))
         if message.timestamp is not None:
             flags |= BasicProperties.FLAG_TIMESTAMP
-            pieces.append(_TIMESTAMP.pack(message.timestamp))
+            pieces.append(struct.pack(">Q", message.timestamp))
         if message.type is not None:
             flags |= BasicProperties.FLAG_TYPE
             pieces.append(self._short(message.type))
         if message.app_id is not None:
             flags |= BasicProperties.FLAG_APP_ID
             pieces.append(self._short(message.app_id))
-        return _FLAGS.pack(flags) + b"".join(pieces)
+        return struct.pack(">H", flags) + b"".join(pieces)
 
     def encode(self, message: WireMessage) -> bytes:
         """The frames of `message`, as one bytes object."""
-        out: list[bytes] = []
-        self.add(out, message)
-        return b"".join(out)
-
-    def add(self, out: list[bytes], message: WireMessage) -> int:
-        """Append the frames of `message` to `out`; return how many frames that is."""
         channel = self._channel_number
         body = message.body
         size = len(body)
-        header = _CONTENT_HEADER.pack(BasicProperties.INDEX, 0, size) + self._properties(message)
-        out.append(self._method(message.exchange, message.routing_key))
-        out.append(_FRAME.pack(2, channel, len(header)))
-        out.append(header)
-        out.append(_FRAME_END)
-        if size <= self._body_max:
-            if not size:
-                return 2
-            out.append(_FRAME.pack(3, channel, size))
-            out.append(body)
-            out.append(_FRAME_END)
-            return 3
-        frames = 2
+        header = CONTENT_HEADER.pack(BasicProperties.INDEX, 0, size) + self._properties(message)
+        out = [self._method(message.exchange, message.routing_key)]
+        out += (FRAME_HEADER.pack(2, channel, len(header)), header, _FRAME_END)
+        if size <= self._body_max:  # the usual case, without the loop: one body frame or none
+            if size:
+                out += (FRAME_HEADER.pack(3, channel, size), body, _FRAME_END)
+            return b"".join(out)
         for start in range(0, size, self._body_max):
             chunk = body[start : start + self._body_max]
-            out.append(_FRAME.pack(3, channel, len(chunk)))
-            out.append(chunk)
-            out.append(_FRAME_END)
-            frames += 1
-        return frames
+            out += (FRAME_HEADER.pack(3, channel, len(chunk)), chunk, _FRAME_END)
+        return b"".join(out)
 
 
 class PublishingBatch:
@@ -512,10 +465,6 @@ class PublishingBatch:
 _CONFIRM_WAIT = 0.05
 
 
-def _nothing() -> None:
-    pass
-
-
 class RabbitMQPublisher:
     """Publishes with a window of unconfirmed messages on one channel in confirm mode.
 
@@ -547,7 +496,6 @@ class RabbitMQPublisher:
             raise
 
     def _open_channel(self) -> None:
-        """Open a channel in confirm mode; raise BrokerConnectionError if that fails."""
         try:
             self._channel = self._connection.channel()
             self._impl = self._channel._impl
@@ -621,7 +569,7 @@ class RabbitMQPublisher:
             # A confirm arrived: end the pump's wait now. The blocking connection returns
             # early only for events of its own (a callback of the asynchronous channel is
             # not one); a posted callback is.
-            self._connection.add_callback_threadsafe(_nothing)
+            self._connection.add_callback_threadsafe(lambda: None)
 
     def _on_return(self, _channel: Any, _method: Any, props: BasicProperties, _body: bytes) -> None:
         if props.message_id:
@@ -647,19 +595,16 @@ class RabbitMQPublisher:
             raise ConfigurationError("publish window must be at least 1")
         if self._nacked:
             self._renew()
-        if self._broken:
-            batch = PublishingBatch(messages, time.monotonic() + timeout, None)
-            batch._abandon(PublishOutcome.FAILED)
-            return batch
+        deadline = time.monotonic() + timeout
         try:
-            batch = PublishingBatch(messages, time.monotonic() + timeout, self._frames)
+            batch = PublishingBatch(messages, deadline, None if self._broken else self._frames)
         except CONNECTION_ERRORS as exc:  # e.g. a property too long: pika raises the same
             log.warning("cannot encode a batch for publishing: %r", exc)
             self._broken = True
-            batch = PublishingBatch(messages, time.monotonic() + timeout, None)
+        if self._broken:
+            batch = PublishingBatch(messages, deadline, None)
             batch._abandon(PublishOutcome.FAILED)
-            return batch
-        if not batch.done:
+        elif not batch.done:
             self._window = window
             self._batches.append(batch)
             self.pump(0)
@@ -698,10 +643,7 @@ class RabbitMQPublisher:
                 self._settle_confirms()
         except CONNECTION_ERRORS as exc:
             log.warning("publishing connection lost: %r", exc)
-            self._broken = True
-            for batch in self._batches:
-                batch._abandon(PublishOutcome.FAILED)
-            self._batches.clear()
+            self._break(PublishOutcome.FAILED, PublishOutcome.FAILED)
             return
         while self._batches and self._batches[0].done:
             self._batches.popleft()
@@ -752,15 +694,9 @@ class RabbitMQPublisher:
                 unconfirmed = batch._unconfirmed
                 if multiple:
                     # Tags are handed out in increasing order and the dict keeps that order.
-                    tags = []
-                    for t in unconfirmed:
-                        if t > tag:
-                            break
-                        tags.append(t)
-                elif tag in unconfirmed:
-                    tags = [tag]
+                    tags = list(itertools.takewhile(tag.__ge__, unconfirmed))
                 else:
-                    continue
+                    tags = [tag] if tag in unconfirmed else []
                 for t in tags:
                     index = unconfirmed.pop(t)
                     if not acked:
@@ -774,13 +710,13 @@ class RabbitMQPublisher:
                     else:
                         batch._settle(index, PublishOutcome.CONFIRMED)
 
-    def _break(self, lost: PublishOutcome) -> None:
-        """Give up on this channel: unconfirmed messages are `lost`, unsent ones SKIPPED."""
+    def _break(self, lost: PublishOutcome, unsent: PublishOutcome = PublishOutcome.SKIPPED) -> None:
+        """Give up on this channel: unconfirmed messages are `lost`, unsent ones `unsent`."""
         self._broken = True
         for batch in self._batches:
             for index in batch._unconfirmed.values():
                 batch._set(index, lost)
-            batch._abandon(PublishOutcome.SKIPPED)
+            batch._abandon(unsent)
         self._batches.clear()
 
     def close(self) -> None:
@@ -814,13 +750,8 @@ class RabbitMQConsumer:
     def _on_message(
         self, _channel: Any, method: Basic.Deliver, props: BasicProperties, body: bytes
     ) -> None:
-        self._buffer.append(
-            Delivery(
-                wire_message(method, props, body),
-                int(method.delivery_tag),
-                bool(method.redelivered),
-            )
-        )
+        message = wire_message(method, props, body)
+        self._buffer.append(Delivery(message, int(method.delivery_tag), bool(method.redelivered)))
 
     def _pump(self, until: float) -> None:
         """Process broker traffic until a first delivery is buffered or `until` passes, then
@@ -852,28 +783,20 @@ class RabbitMQConsumer:
                     f"RabbitMQ cancelled the consumer of queue {self._queue!r} (the queue was "
                     "deleted, or its node failed)"
                 )
-        except pika.exceptions.ChannelClosedByBroker as exc:
-            if exc.reply_code == 404:
+        except CONNECTION_ERRORS as exc:
+            if isinstance(exc, pika.exceptions.ChannelClosedByBroker) and exc.reply_code == 404:
                 raise TopologyMissing(
                     f"queue {self._queue!r} does not exist: declare the topology"
                 ) from exc
             raise BrokerConnectionError(f"consuming {self._queue!r} failed: {exc!r}") from exc
-        except CONNECTION_ERRORS as exc:
-            raise BrokerConnectionError(f"consuming {self._queue!r} failed: {exc!r}") from exc
-        batch: list[Delivery] = []
-        while self._buffer and len(batch) < max_count:
-            batch.append(self._buffer.popleft())
-        return batch
+        return [self._buffer.popleft() for _ in range(min(max_count, len(self._buffer)))]
 
     def ack_through(self, tag: int) -> None:
-        try:
-            self._channel.basic_ack(delivery_tag=tag, multiple=True)
-        except CONNECTION_ERRORS as exc:
-            raise BrokerConnectionError(f"ack failed: {exc!r}") from exc
+        self.ack(tag, multiple=True)
 
-    def ack(self, tag: int) -> None:
+    def ack(self, tag: int, multiple: bool = False) -> None:
         try:
-            self._channel.basic_ack(delivery_tag=tag, multiple=False)
+            self._channel.basic_ack(delivery_tag=tag, multiple=multiple)
         except CONNECTION_ERRORS as exc:
             raise BrokerConnectionError(f"ack failed: {exc!r}") from exc
 
@@ -913,14 +836,6 @@ class RabbitMQConsumer:
         """Close the connection; never raises. Unacknowledged deliveries return to the queue."""
         self._buffer.clear()
         close_quietly(self._connection)
-
-
-def _mismatch(what: str, exc: pika.exceptions.ChannelClosedByBroker) -> BrokerError:
-    if exc.reply_code == 406:  # PRECONDITION_FAILED: it exists with other arguments
-        return TopologyMismatch(
-            f"{what} conflicts with what the broker has or accepts: {exc.reply_text}"
-        )
-    return BrokerError(f"declaring {what} failed: {exc.reply_text}")
 
 
 class FlowControl:

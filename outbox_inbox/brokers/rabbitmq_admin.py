@@ -13,14 +13,13 @@ from typing import Any
 import pika
 import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel
-from pika.spec import BasicProperties
 
 from ..broker import DIFFERS, MISSING, PRESENT, Found, Operator, QueuedMessage
 from ..errors import BrokerConnectionError, BrokerError
 from ..messages import WireMessage
 from ..topology import Exchange, Queue
-from .amqp_connection import CONNECTION_ERRORS, close_quietly, wire_message
-from .amqp_fields import LenientProperties
+from .amqp_connection import CONNECTION_ERRORS, close_quietly, declare_on, wire_message
+from .amqp_fields import PROPERTIES, LenientProperties
 
 log = logging.getLogger(__name__)
 
@@ -115,41 +114,25 @@ class RabbitMQAdmin(Operator):
         _close_channel(channel)
         return result
 
-    def _check(
-        self,
-        what: str,
-        passive: Callable[[BlockingChannel], Any],
-        declare: Callable[[BlockingChannel], Any],
-    ) -> Found:
+    def _check(self, declared: Exchange | Queue) -> Found:
         """Passive declare tells existence; a declare with the expected arguments succeeds
         exactly when the broker holds the object with those arguments (else 406)."""
-        if self._on_channel(f"checking {what}", passive, _NOT_FOUND) is None:
+        what = f"checking {type(declared).__name__.lower()} {declared.name!r}"
+        passive = self._on_channel(
+            what, lambda ch: declare_on(ch, declared, passive=True), _NOT_FOUND
+        )
+        if passive is None:
             return Found(MISSING)
         # 406 PRECONDITION_FAILED: it exists with other arguments.
         differs = {406: lambda exc: Found(DIFFERS, str(exc.reply_text))}
-        found = self._on_channel(f"checking {what}", declare, differs)
+        found = self._on_channel(what, lambda ch: declare_on(ch, declared), differs)
         return found if isinstance(found, Found) else Found(PRESENT)
 
     def check_exchange(self, exchange: Exchange) -> Found:
-        return self._check(
-            f"exchange {exchange.name!r}",
-            lambda ch: ch.exchange_declare(exchange.name, passive=True),
-            lambda ch: ch.exchange_declare(
-                exchange.name,
-                exchange.type,
-                durable=exchange.durable,
-                arguments=dict(exchange.arguments) or None,
-            ),
-        )
+        return self._check(exchange)
 
     def check_queue(self, queue: Queue) -> Found:
-        return self._check(
-            f"queue {queue.name!r}",
-            lambda ch: ch.queue_declare(queue.name, passive=True),
-            lambda ch: ch.queue_declare(
-                queue.name, durable=queue.durable, arguments=dict(queue.arguments) or None
-            ),
-        )
+        return self._check(queue)
 
     def queue_info(self, name: str) -> tuple[int, int] | None:
         result = self._on_channel(
@@ -196,18 +179,16 @@ class RabbitMQAdmin(Operator):
             name = str(declared.method.queue)
             for pattern in patterns:
                 channel.queue_bind(name, exchange, pattern)
-        except (pika.exceptions.ChannelClosedByBroker, *CONNECTION_ERRORS) as exc:
+        except CONNECTION_ERRORS as exc:
             raise _broker_error(f"binding a tail queue to exchange {exchange!r}", exc) from exc
         on_ready(name)
         try:
             for method, props, body in channel.consume(name, auto_ack=True, inactivity_timeout=0.2):
-                if should_stop():
+                if should_stop() or (
+                    method is not None and not on_message(wire_message(method, props, body))
+                ):
                     break
-                if method is None:
-                    continue
-                if not on_message(wire_message(method, props, body)):
-                    break
-        except (pika.exceptions.ChannelClosedByBroker, *CONNECTION_ERRORS) as exc:
+        except CONNECTION_ERRORS as exc:
             raise _broker_error(f"consuming the tail queue {name}", exc) from exc
 
 
@@ -228,23 +209,19 @@ class QueueReader:
     def depth(self) -> int:
         try:
             result = self._publish.queue_declare(self._queue, passive=True)
-        except (pika.exceptions.ChannelClosedByBroker, *CONNECTION_ERRORS) as exc:
+        except CONNECTION_ERRORS as exc:
             raise _broker_error(f"reading queue {self._queue!r}", exc) from exc
         return int(result.method.message_count)
 
     def get(self) -> QueuedMessage | None:
         try:
             method, props, body = self._channel.basic_get(self._queue, auto_ack=False)
-        except (pika.exceptions.ChannelClosedByBroker, *CONNECTION_ERRORS) as exc:
+        except CONNECTION_ERRORS as exc:
             raise _broker_error(f"reading queue {self._queue!r}", exc) from exc
         if method is None:
             return None
-        return QueuedMessage(
-            tag=method.delivery_tag,
-            message=wire_message(method, props, body),
-            redelivered=bool(method.redelivered),
-            properties=props,
-        )
+        message = wire_message(method, props, body)
+        return QueuedMessage(method.delivery_tag, message, bool(method.redelivered), props)
 
     def ack(self, message: QueuedMessage) -> None:
         try:
@@ -255,22 +232,11 @@ class QueueReader:
     def republish(
         self, message: QueuedMessage, exchange: str, routing_key: str, headers: Mapping[str, Any]
     ) -> bool:
-        original: BasicProperties = message.properties
         # Lenient: what a lenient connection read (floats, raw fields) encodes back unchanged.
         properties = LenientProperties(
-            content_type=original.content_type,
-            content_encoding=original.content_encoding,
+            **{name: getattr(message.properties, name) for name in _REPUBLISHED},
             headers=dict(headers),
             delivery_mode=pika.DeliveryMode.Persistent,
-            priority=original.priority,
-            correlation_id=original.correlation_id,
-            reply_to=original.reply_to,
-            expiration=original.expiration,
-            message_id=original.message_id,
-            timestamp=original.timestamp,
-            type=original.type,
-            # user_id is left out: the broker refuses it unless it names this connection's user.
-            app_id=original.app_id,
         )
         try:
             if not self._confirming:
@@ -283,7 +249,7 @@ class QueueReader:
             return False
         except pika.exceptions.NackError as exc:
             raise BrokerError(f"the broker refused the copy sent to {exchange!r}") from exc
-        except (pika.exceptions.ChannelClosedByBroker, *CONNECTION_ERRORS) as exc:
+        except CONNECTION_ERRORS as exc:
             raise _broker_error(
                 f"republishing to exchange {exchange or '(default)'!r} / {routing_key!r}", exc
             ) from exc
@@ -293,6 +259,12 @@ class QueueReader:
         _close_channel(self._channel)
         _close_channel(self._publish)
 
+
+#: The properties a republished copy keeps, besides its headers. user_id is left out: the
+#: broker refuses it unless it names this connection's user.
+_REPUBLISHED = [
+    p[0] for p in PROPERTIES if p[0] not in ("headers", "delivery_mode", "user_id", "cluster_id")
+]
 
 #: `RabbitMQAdmin._on_channel`'s answer to 404 NOT_FOUND: None (no such object).
 _NOT_FOUND = {404: lambda _exc: None}

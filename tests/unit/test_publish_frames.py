@@ -8,12 +8,27 @@ import pika
 import pika.frame
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pika.spec import Basic
+from pika.spec import Basic, BasicProperties
 
-from outbox_inbox.brokers.rabbitmq import _properties, _PublishFrames
+from outbox_inbox.brokers.rabbitmq import _PublishFrames
 from outbox_inbox.messages import WireMessage
 
 CHANNEL = 3
+
+
+def _properties(message: WireMessage) -> BasicProperties:
+    """The properties the relay publishes a message with, as pika's own objects."""
+    return BasicProperties(
+        message_id=message.message_id,
+        type=message.type,
+        correlation_id=message.correlation_id,
+        content_type=message.content_type,
+        timestamp=message.timestamp,
+        priority=message.priority,
+        app_id=message.app_id,
+        delivery_mode=pika.DeliveryMode.Persistent,
+        headers=dict(message.headers),
+    )
 
 
 def pika_frames(message: WireMessage, body_max: int) -> bytes:
@@ -31,9 +46,7 @@ def pika_frames(message: WireMessage, body_max: int) -> bytes:
 
 
 def library_frames(encoder: _PublishFrames, message: WireMessage) -> bytes:
-    out: list[bytes] = []
-    encoder.add(out, message)
-    return b"".join(out)
+    return encoder.encode(message)
 
 
 short_text = st.text(max_size=40).filter(lambda s: len(s.encode()) <= 255)

@@ -126,12 +126,9 @@ class MemoryConsumer:
                     return []
                 self.arrived.wait(remaining)
                 self._check_usable()
-            batch: list[Delivery] = []
-            while self._unfetched and len(batch) < max_count:
-                tag = self._unfetched.popleft()
-                entry = self._unacked[tag]
-                batch.append(Delivery(entry.delivered(), tag, entry.redelivered))
-            return batch
+            tags = [self._unfetched.popleft() for _ in range(min(max_count, len(self._unfetched)))]
+            entries = [(tag, self._unacked[tag]) for tag in tags]
+            return [Delivery(entry.delivered(), tag, entry.redelivered) for tag, entry in entries]
 
     def ack_through(self, tag: int) -> None:
         """An unknown tag closes the consumer, its deliveries requeued, and raises

@@ -70,8 +70,7 @@ class MemoryOperator(Operator):
             if state is None:
                 return 0
             for exchange in core.exchanges.values():
-                for binding in [b for b in exchange.bindings if b[1] == name]:
-                    del exchange.bindings[binding]
+                exchange.bindings = {b: None for b in exchange.bindings if b[1] != name}
             for consumer in state.consumers:
                 consumer.arrived.notify_all()
             core.dirty.pop(name, None)
