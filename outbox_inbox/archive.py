@@ -51,13 +51,8 @@ log = logging.getLogger(__name__)
 OUTBOX, INBOX, SUBSCRIPTIONS = "outbox", "inbox", "subscriptions"
 SOURCES = (OUTBOX, INBOX)
 
-#: Columns of the archived outbox rows, in file order, with their Arrow type names.
-OUTBOX_COLUMNS: tuple[tuple[str, str], ...] = (
-    ("id", "int64"),
-    ("message_id", "string"),
-    ("kind", "string"),
-    ("exchange", "string"),
-    ("routing_key", "string"),
+#: The columns the outbox and the inbox rows share, between their routing and their times.
+_MESSAGE_COLUMNS: tuple[tuple[str, str], ...] = (
     ("payload", "string"),  # JSON text
     ("headers", "string"),  # JSON text
     ("version", "int32"),
@@ -66,6 +61,16 @@ OUTBOX_COLUMNS: tuple[tuple[str, str], ...] = (
     ("key", "string"),
     ("priority", "int32"),
     ("created_at", "timestamp"),
+)
+
+#: Columns of the archived outbox rows, in file order, with their Arrow type names.
+OUTBOX_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("id", "int64"),
+    ("message_id", "string"),
+    ("kind", "string"),
+    ("exchange", "string"),
+    ("routing_key", "string"),
+    *_MESSAGE_COLUMNS,
     ("available_at", "timestamp"),
     ("expires_at", "timestamp"),
     ("published_at", "timestamp"),
@@ -82,14 +87,7 @@ INBOX_COLUMNS: tuple[tuple[str, str], ...] = (
     ("source", "string"),
     ("kind", "string"),
     ("routing_key", "string"),
-    ("payload", "string"),
-    ("headers", "string"),
-    ("version", "int32"),
-    ("correlation_id", "string"),
-    ("causation_id", "string"),
-    ("key", "string"),
-    ("priority", "int32"),
-    ("created_at", "timestamp"),
+    *_MESSAGE_COLUMNS,
     ("expires_at", "timestamp"),
     ("received_at", "timestamp"),
     ("status", "string"),
@@ -221,7 +219,7 @@ class Archiver:
                     self._archive(stop, result)
                 finally:
                     try:
-                        archive.release_archive_lock(lock_conn, self._tables.schema)
+                        archive.release_archive_lock(lock_conn)
                     except SQLAlchemyError:
                         # Closing the connection ends the transaction and its lock.
                         log.warning("archive: could not release its lock; closing the connection")
@@ -279,11 +277,9 @@ class Archiver:
             archived_at = _utc(operations.database_now(conn))
         if not rows:
             return 0
-        by_date: dict[date, list[Any]] = {}
-        for row in rows:
-            day = (_utc(row[DATE_COLUMN[source]]) or archived_at).date()  # type: ignore[union-attr]
-            by_date.setdefault(day, []).append(row)
-        files = [(uuid.uuid4(), day, day_rows) for day, day_rows in sorted(by_date.items())]
+        files = [
+            (uuid.uuid4(), day, day_rows) for day, day_rows in _by_day(source, rows, archived_at)
+        ]
         paths = {file_id: self._path(source, day, file_id) for file_id, day, _ in files}
         with self._engine.begin() as conn:
             archive.journal_archive_files(
@@ -317,14 +313,17 @@ class Archiver:
         for entry in unfinished:
             path = Path(entry["path"])
             source = entry["source_table"]
-            if path.exists():
-                ids = read_ids(path)
-                # The cutoff of that run is unknown; "finished at all" still guards replays.
-                with self._engine.begin() as conn:
-                    deleted = archive.delete_archived(
-                        conn, self._tables, source, datetime.max.replace(tzinfo=UTC), ids
-                    )
-                    archive.forget_archive_files(conn, self._tables, [entry["id"]])
+            written = path.exists()
+            ids = read_ids(path) if written else []
+            if not written:
+                _temporary(path).unlink(missing_ok=True)
+            # The cutoff of that run is unknown; "finished at all" still guards replays.
+            with self._engine.begin() as conn:
+                deleted = archive.delete_archived(
+                    conn, self._tables, source, datetime.max.replace(tzinfo=UTC), ids
+                )
+                archive.forget_archive_files(conn, self._tables, [entry["id"]])
+            if written:
                 result.recovered_files += 1
                 result.rows[source] += deleted
                 result.kept_rows += len(ids) - deleted
@@ -334,9 +333,6 @@ class Archiver:
                     deleted,
                 )
             else:
-                _temporary(path).unlink(missing_ok=True)
-                with self._engine.begin() as conn:
-                    archive.forget_archive_files(conn, self._tables, [entry["id"]])
                 result.abandoned_files += 1
                 log.warning("archive: %s of an interrupted run was never written", path)
 
@@ -376,11 +372,7 @@ def partition_exporter(
             batch = archive.history_rows(conn, tables, source, limit=chunk, of=rows, after_id=after)
             if not batch:
                 return count
-            by_date: dict[date, list[Any]] = {}
-            for row in batch:
-                day = (_utc(row[DATE_COLUMN[source]]) or archived_at).date()  # type: ignore[union-attr]
-                by_date.setdefault(day, []).append(row)
-            for day, day_rows in sorted(by_date.items()):
+            for day, day_rows in _by_day(source, batch, archived_at):
                 folder = base / source / f"service={service}" / f"date={day.isoformat()}"
                 path = folder / f"part-{rows.name}-{n:05d}.parquet"
                 write_parquet(path, source, to_records(source, day_rows, archived_at))
@@ -389,6 +381,14 @@ def partition_exporter(
             after = int(batch[-1]["id"])
 
     return export
+
+
+def _by_day(source: str, rows: list[Any], archived_at: Any) -> list[tuple[date, list[Any]]]:
+    """`rows` by the UTC day of their date column (`DATE_COLUMN`), earliest first."""
+    by_day: dict[date, list[Any]] = {}
+    for row in rows:
+        by_day.setdefault((_utc(row[DATE_COLUMN[source]]) or archived_at).date(), []).append(row)
+    return sorted(by_day.items())
 
 
 # --- files --------------------------------------------------------------------------------

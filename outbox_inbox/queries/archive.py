@@ -151,10 +151,10 @@ def try_archive_lock(conn: Connection, schema: str) -> bool:
     return bool(conn.execute(stmt).scalar_one())
 
 
-def release_archive_lock(conn: Connection, schema: str) -> None:
-    """Release the lock of `try_archive_lock` on `schema`: end the transaction that holds it
-    (it wrote nothing). Leaves no state on the connection, which may go back to a pool."""
-    del schema  # the lock is the transaction's: ending it releases every such lock
+def release_archive_lock(conn: Connection) -> None:
+    """Release the lock of `try_archive_lock`: end the transaction that holds it (it wrote
+    nothing, and ending it releases every such lock). Leaves no state on the connection,
+    which may go back to a pool."""
     conn.rollback()
 
 

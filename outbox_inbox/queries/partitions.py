@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import Connection, Table, bindparam, column, exists, func, or_, select, table, text
 
 from ..tables import DEAD, PARKED, PENDING, Tables, outbox_unsent
+from .operations import dead_since
 
 _LOCK_KEY = "outbox_inbox.partitions.{schema}"
 
@@ -91,10 +92,6 @@ def table_kinds(conn: Connection, schema: str, names: list[str]) -> dict[str, st
         {"schema": schema, "names": names},
     ).all()
     return {str(name): str(kind) for name, kind in rows}
-
-
-def database_now(conn: Connection) -> datetime:
-    return conn.execute(select(func.now())).scalar_one()
 
 
 # --- the DDL -------------------------------------------------------------------------------
@@ -189,13 +186,10 @@ def unfinished(parent: str, rows: Any, dead_cutoff: datetime | None) -> Any:
     """The rows of `parent` that keep their partition: work still to do, and dead or parked
     rows that died after `dead_cutoff` (None: dead rows are kept for ever)."""
     if parent == "outbox_messages":
-        dead = rows.c.dead_at.is_not(None)
-        young = dead if dead_cutoff is None else dead & (rows.c.dead_at >= dead_cutoff)
-        return or_(outbox_unsent(rows), young)
-    dead = rows.c.status.in_([DEAD, PARKED])
-    died = func.coalesce(rows.c.processed_at, rows.c.received_at)
-    young = dead if dead_cutoff is None else dead & (died >= dead_cutoff)
-    return or_(rows.c.status == PENDING, young)
+        work, dead = outbox_unsent(rows), rows.c.dead_at.is_not(None)
+    else:
+        work, dead = rows.c.status == PENDING, rows.c.status.in_([DEAD, PARKED])
+    return or_(work, dead if dead_cutoff is None else dead & (dead_since(rows) >= dead_cutoff))
 
 
 def holds_unfinished(conn: Connection, rows: Table, parent: str, dead_cutoff: Any) -> bool:
