@@ -229,7 +229,6 @@ class Archiver:
         return result
 
     def _archive(self, stop: threading.Event, result: ArchiveResult) -> None:
-        """The run under the lock: recovery, subscriptions, batches, pruning."""
         self._recover(result)
         with self._engine.connect() as conn:
             cutoff = result.cutoff = self._cutoff(conn)
@@ -398,14 +397,11 @@ def write_parquet(path: Path, source: str, records: Sequence[Mapping[str, Any]])
     """Write `records` to `path` durably: temporary name, fsync, atomic rename, fsync the
     directory. An existing file at `path` is replaced. Raises ArchiveError."""
     pa = require_pyarrow()
-    import pyarrow.parquet as pq
-
-    schema = arrow_schema(source)
-    table = pa.Table.from_pylist(list(records), schema=schema)
+    table = pa.Table.from_pylist(list(records), schema=arrow_schema(source))
     tmp = _temporary(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(table, tmp, compression="zstd")
+        pa.parquet.write_table(table, tmp, compression="zstd")
         _fsync(tmp)
         os.replace(tmp, path)
         _fsync(path.parent)
@@ -416,10 +412,8 @@ def write_parquet(path: Path, source: str, records: Sequence[Mapping[str, Any]])
 
 def read_ids(path: Path) -> list[int]:
     """The row ids held by an archive file."""
-    require_pyarrow()
-    import pyarrow.parquet as pq
-
-    return [int(v) for v in pq.read_table(path, columns=["id"]).column("id").to_pylist()]
+    ids = require_pyarrow().parquet.read_table(path, columns=["id"]).column("id")
+    return [int(v) for v in ids.to_pylist()]
 
 
 def _temporary(path: Path) -> Path:

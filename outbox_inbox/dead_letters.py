@@ -142,21 +142,18 @@ class Filters:
         return not self.types or any(topic_matches(p, routing_key) for p in self.types)
 
     def matches(self, letter: DeadLetter) -> bool:
-        if not self.matches_type(letter.type):
-            return False
-        if self.message_ids and letter.message_id not in self.message_ids:
-            return False
-        if self.reason is not None and letter.reason != self.reason:
-            return False
-        if self.fingerprint is not None and letter.fingerprint != self.fingerprint:
-            return False
-        if self.error is not None and self.error.lower() not in (letter.error or "").lower():
-            return False
-        if self.older_than is not None:
-            age = letter.age_seconds
-            if age is None or age < self.older_than.total_seconds():
-                return False
-        return True
+        age = letter.age_seconds
+        return (
+            self.matches_type(letter.type)
+            and (not self.message_ids or letter.message_id in self.message_ids)
+            and self.reason in (None, letter.reason)
+            and self.fingerprint in (None, letter.fingerprint)
+            and (self.error is None or self.error.lower() in (letter.error or "").lower())
+            and (
+                self.older_than is None
+                or (age is not None and age >= self.older_than.total_seconds())
+            )
+        )
 
 
 @dataclass(frozen=True)
@@ -426,12 +423,9 @@ class QueueSelection:
         service: str | None,
         limit: int | None = None,
     ) -> None:
-        if source == QUEUE:
-            if service is None:
-                raise ValueError("the queue source needs a service")
-            self.queue = dead_letter_queue(service)
-        else:
-            self.queue = UNROUTABLE_QUEUE
+        if source == QUEUE and service is None:
+            raise ValueError("the queue source needs a service")
+        self.queue = _queue(source, service)
         self.source = source
         self._service = service
         self._reader: QueueReader = admin.reader(self.queue)
@@ -524,6 +518,11 @@ class QueueSelection:
     def close(self) -> None:
         """Release every message read and not acknowledged back to the queue."""
         self._reader.close()
+
+
+def _queue(source: str, service: str | None) -> str:
+    """The queue of a broker source: ``<service>.dead_letter`` or ``unroutable``."""
+    return dead_letter_queue(service or "") if source == QUEUE else UNROUTABLE_QUEUE
 
 
 def replay_headers(message: WireMessage) -> dict[str, Any]:
@@ -807,10 +806,7 @@ class DeadLetters:
             if source in (TABLE, OUTBOX) and not any(_is_pattern(t) for t in filters.types):
                 counts[source] = self._count_rows(source, filters)
             elif source in (QUEUE, UNROUTABLE) and filters.empty and self.broker is not None:
-                queue = (
-                    dead_letter_queue(self.service or "") if source == QUEUE else UNROUTABLE_QUEUE
-                )
-                counts[source] = self.broker.queue_depth(queue) or 0
+                counts[source] = self.broker.queue_depth(_queue(source, self.service)) or 0
             else:
                 with self.select([source], filters) as [selection]:
                     counts[source] = len(selection.letters)

@@ -96,18 +96,16 @@ class Demo:
         self._register()
 
     def _business_tables(self) -> tuple[Table, Table]:
-        orders_schema = None if self.orders.sqlite else "demo_orders"
-        billing_schema = None if self.billing.sqlite else "demo_billing"
         orders = Table(
             "orders",
-            MetaData(schema=orders_schema),
+            MetaData(schema=None if self.orders.sqlite else "demo_orders"),
             Column("id", Integer, primary_key=True),
             Column("total", Integer, nullable=False),
             Column("state", String(20), nullable=False),
         )
         invoices = Table(
             "invoices",
-            MetaData(schema=billing_schema),
+            MetaData(schema=None if self.billing.sqlite else "demo_billing"),
             Column("id", Integer, primary_key=True),
             Column("order_id", Integer, nullable=False),
         )

@@ -355,12 +355,9 @@ class _StateCollector(Collector):
 def _read_state(engine: Engine, tables: Tables) -> dict[str, Any] | None:
     try:
         with engine.connect() as conn:
-            options = (
-                {"isolation_level": "REPEATABLE READ"}
-                if engine.dialect.name == "postgresql"
-                else {}
-            )
-            with conn.execution_options(**options).begin():
+            # SQLite's transactions are serializable already and it knows no REPEATABLE READ.
+            level = "REPEATABLE READ" if engine.dialect.name == "postgresql" else "SERIALIZABLE"
+            with conn.execution_options(isolation_level=level).begin():
                 return {
                     "outbox": operations.outbox_status(conn, tables),
                     "inbox": operations.inbox_status(conn, tables),

@@ -11,14 +11,12 @@ from typing import Any
 
 from sqlalchemy import (
     Connection,
-    String,
     Table,
     and_,
     delete,
     exists,
     func,
     insert,
-    literal,
     or_,
     select,
 )
@@ -144,11 +142,9 @@ def try_archive_lock(conn: Connection, schema: str) -> bool:
     SQLite has no such lock: one process writes it at a time anyway, and the archive of a
     development database is run by hand.
     """
-    if conn.dialect.name != "postgresql":
-        return True
-    conn.execute(select(func.set_config("idle_in_transaction_session_timeout", "0", True)))
-    stmt = select(func.pg_try_advisory_xact_lock(_archive_key(schema)))
-    return bool(conn.execute(stmt).scalar_one())
+    return conn.dialect.name != "postgresql" or try_xact_lock(
+        conn, f"outbox_inbox.archive.{schema}"
+    )
 
 
 def release_archive_lock(conn: Connection) -> None:
@@ -158,8 +154,17 @@ def release_archive_lock(conn: Connection) -> None:
     conn.rollback()
 
 
-def _archive_key(schema: str) -> Any:
-    return func.hashtext(literal(f"outbox_inbox.archive.{schema}", String()))
+def try_xact_lock(conn: Connection, key: str) -> bool:
+    """Take the transaction-level advisory lock of `key` if it is free, held until `conn`'s
+    transaction ends, which no idle timeout ends early."""
+    conn.execute(select(func.set_config("idle_in_transaction_session_timeout", "0", True)))
+    held = bool(conn.execute(select(func.pg_try_advisory_xact_lock(func.hashtext(key)))).scalar())
+    # A statement with parameters leaves its portal open, and with it a snapshot, until the
+    # next statement; one without goes by the simple protocol and closes it. Kept, that
+    # snapshot would make a DETACH … FINALIZE, which waits for every older snapshot, wait for
+    # ever (and hold back vacuum while the lock is held).
+    conn.exec_driver_sql("SELECT 1")
+    return held
 
 
 def prune_deliveries(conn: Connection, tables: Tables, cutoff: datetime) -> int:

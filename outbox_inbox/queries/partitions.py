@@ -12,12 +12,11 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Connection, Table, bindparam, column, exists, func, or_, select, table, text
+from sqlalchemy import Connection, Table, bindparam, column, exists, or_, select, table, text
 
 from ..tables import DEAD, PARKED, PENDING, Tables, outbox_unsent
+from .archive import try_xact_lock
 from .operations import dead_since
-
-_LOCK_KEY = "outbox_inbox.partitions.{schema}"
 
 
 def _quote(conn: Connection, name: str) -> str:
@@ -57,28 +56,26 @@ def partition_catalog(conn: Connection, schema: str, parent: str) -> list[Any]:
 
 def plain_tables(conn: Connection, schema: str) -> list[str]:
     """The tables of `schema` that are neither partitioned nor partitions (a detached one)."""
-    return list(
-        conn.execute(
-            text(
-                "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-                "WHERE n.nspname = :schema AND c.relkind = 'r' AND NOT c.relispartition"
-            ),
-            {"schema": schema},
-        ).scalars()
+    return _texts(
+        conn,
+        "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = :schema AND c.relkind = 'r' AND NOT c.relispartition",
+        schema=schema,
     )
 
 
 def check_constraints(conn: Connection, schema: str, name: str) -> list[str]:
     """The definitions of the CHECK constraints of table `schema`.`name`."""
-    return list(
-        conn.execute(
-            text(
-                "SELECT pg_get_constraintdef(oid) FROM pg_constraint "
-                "WHERE conrelid = to_regclass(:name) AND contype = 'c'"
-            ),
-            {"name": f"{_quote(conn, schema)}.{name}"},
-        ).scalars()
+    return _texts(
+        conn,
+        "SELECT pg_get_constraintdef(oid) FROM pg_constraint "
+        "WHERE conrelid = to_regclass(:name) AND contype = 'c'",
+        name=f"{_quote(conn, schema)}.{name}",
     )
+
+
+def _texts(conn: Connection, query: str, **params: str) -> list[str]:
+    return list(conn.execute(text(query), params).scalars())
 
 
 def table_kinds(conn: Connection, schema: str, names: list[str]) -> dict[str, str]:
@@ -163,15 +160,7 @@ def drop_table(conn: Connection, schema: str, name: str) -> None:
 def try_maintenance_lock(conn: Connection, schema: str) -> bool:
     """Take the maintenance lock of `schema` if it is free: a transaction-level advisory lock,
     held until `conn`'s transaction ends, which no idle timeout ends early."""
-    conn.execute(select(func.set_config("idle_in_transaction_session_timeout", "0", True)))
-    key = func.hashtext(_LOCK_KEY.format(schema=schema))
-    held = bool(conn.execute(select(func.pg_try_advisory_xact_lock(key))).scalar_one())
-    # A statement with parameters leaves its portal open, and with it a snapshot, until the
-    # next statement; one without goes by the simple protocol and closes it. Kept, that
-    # snapshot would make the pass's own DETACH … FINALIZE, which waits for every older
-    # snapshot, wait for ever (and hold back vacuum for the whole pass).
-    conn.exec_driver_sql("SELECT 1")
-    return held
+    return try_xact_lock(conn, f"outbox_inbox.partitions.{schema}")
 
 
 def partition_rows(tables: Tables, parent: str, name: str) -> Table:
