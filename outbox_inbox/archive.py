@@ -40,6 +40,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from .errors import ConfigurationError, OutboxInboxError, storage_error
+from .partitions import Retention, held_lock, maintain
 from .queries import archive, operations
 from .tables import Tables
 
@@ -206,24 +207,14 @@ class Archiver:
         """
         stop = stop or threading.Event()
         result = ArchiveResult()
+        schema = self._tables.schema
         try:
-            with self._engine.connect() as lock_conn:
-                if not archive.try_archive_lock(lock_conn, self._tables.schema):
-                    raise ArchiveBusy(
-                        f"another archive run holds the lock of schema {self._tables.schema!r}"
-                    )
-                # The lock belongs to lock_conn's open transaction, held for the whole run:
-                # through a connection pooler in transaction mode that transaction keeps one
-                # server connection, and the lock ends with it, whatever becomes of the run.
-                try:
-                    self._archive(stop, result)
-                finally:
-                    try:
-                        archive.release_archive_lock(lock_conn)
-                    except SQLAlchemyError:
-                        # Closing the connection ends the transaction and its lock.
-                        log.warning("archive: could not release its lock; closing the connection")
-                        lock_conn.invalidate()
+            with held_lock(
+                self._engine, lambda conn: archive.try_archive_lock(conn, schema)
+            ) as held:
+                if not held:
+                    raise ArchiveBusy(f"another archive run holds the lock of schema {schema!r}")
+                self._archive(stop, result)
         except SQLAlchemyError as exc:
             raise storage_error(exc, "archiving") from exc
         return result
@@ -247,8 +238,6 @@ class Archiver:
     def _retire_partitions(self, result: ArchiveResult) -> None:
         """Export and drop the partitions wholly past `older_than` (dead rows included):
         what the rows path below would move row by row, moved a partition at a time."""
-        from .partitions import Retention, maintain
-
         done = maintain(
             self._engine,
             self._tables,
@@ -337,13 +326,10 @@ class Archiver:
 
     def _write_subscriptions(self) -> None:
         with self._engine.connect() as conn:
-            rows = [
-                r
-                for r in operations.subscriptions_of(conn, self._tables)
-                if r["service"] == self.service
-            ]
+            rows = operations.subscriptions_of(conn, self._tables)
         path = self.root / SUBSCRIPTIONS / f"service={self.service}" / "subscriptions.parquet"
-        write_parquet(path, SUBSCRIPTIONS, [subscription_record(r) for r in rows])
+        mine = [r for r in rows if r["service"] == self.service]
+        write_parquet(path, SUBSCRIPTIONS, to_records(SUBSCRIPTIONS, mine, None))
 
     def _path(self, source: str, day: date, file_id: uuid.UUID) -> Path:
         partition = self.root / source / f"service={self.service}" / f"date={day.isoformat()}"

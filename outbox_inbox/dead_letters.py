@@ -239,17 +239,12 @@ class Pacer:
 
     def batch_size(self, largest: int = 100) -> int:
         """Items per step: small enough to spread the work evenly over each second."""
-        if not self._rate:
-            return largest
-        return max(1, min(largest, int(self._rate / 10)))
+        return max(1, min(largest, int(self._rate / 10))) if self._rate else largest
 
     def before(self, count: int) -> None:
         """Wait until `count` more items may go."""
-        if self._rate:
-            due = self._start + self._sent / self._rate
-            delay = due - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
+        if self._rate and (delay := self._start + self._sent / self._rate - time.monotonic()) > 0:
+            time.sleep(delay)
         self._sent += count
 
 

@@ -264,10 +264,8 @@ def run_demo(
         trace("demo", f"orders: {summary['orders']}")
         for routing_key, payload, status, reason in summary["billing_inbox"]:
             about = f"{routing_key}{_of_order(payload)}"
-            trace(
-                "demo",
-                f"billing inbox: {about:<37} {status}" + (f" ({reason})" if reason else ""),
-            )
+            why = f" ({reason})" if reason else ""
+            trace("demo", f"billing inbox: {about:<37} {status}{why}")
         return done and dead
     finally:
         demo.close()

@@ -120,17 +120,13 @@ def partition_name(parent: str, start: datetime, interval: str) -> str:
 
 def partitions(conn: Connection, schema: str, parent: str) -> list[Partition]:
     """The partitions of `schema`.`parent`, oldest first."""
-    rows = sql.partition_catalog(conn, schema, parent)
-    found = [_partition(parent, r.name, r.bound, r.pending) for r in rows]
+    found = []
+    for row in sql.partition_catalog(conn, schema, parent):
+        if (match := _BOUND.search(row.bound)) is None:
+            raise ValueError(f"{row.name}: not a range partition ({row.bound})")
+        lower, upper = (_bound_time(v) for v in match.groups())
+        found.append(Partition(parent, row.name, lower, upper, bool(row.pending)))
     return sorted(found, key=lambda p: p.lower or datetime.min.replace(tzinfo=UTC))
-
-
-def _partition(parent: str, name: str, bound: str, pending: bool) -> Partition:
-    match = _BOUND.search(bound)
-    if match is None:
-        raise ValueError(f"{name}: not a range partition ({bound})")
-    lower, upper = (_bound_time(v) for v in match.groups())
-    return Partition(parent, name, lower, upper, bool(pending))
 
 
 def _bound_time(value: str) -> datetime | None:
@@ -156,8 +152,7 @@ def make_ahead(conn: Connection, tables: Tables, interval: str | None, now: date
         length = interval or _interval_of(existing)
         step = INTERVALS[length]
         until = floor_time(now, length) + step * AHEAD[length]
-        start = max((p.upper for p in existing if p.upper is not None), default=None)
-        start = floor_time(now, length) if start is None else start
+        start = max((p.upper for p in existing if p.upper), default=floor_time(now, length))
         while start < until:
             end = start + step
             name = partition_name(parent, start, length)
@@ -210,7 +205,7 @@ def maintain(
     """
     result = MaintenanceResult()
     try:
-        with _lock(engine, tables.schema) as held:
+        with held_lock(engine, lambda conn: sql.try_maintenance_lock(conn, tables.schema)) as held:
             if not held:
                 result.busy = True
                 return result
@@ -223,15 +218,21 @@ def maintain(
 
 
 @contextmanager
-def _lock(engine: Engine, schema: str) -> Iterator[bool]:
-    """The maintenance lock of `schema`: a transaction-level advisory lock held by an open
-    transaction on a connection of its own (through a pooler it keeps one server session)."""
+def held_lock(engine: Engine, take: Callable[[Connection], bool]) -> Iterator[bool]:
+    """Whether `take` got its transaction-level advisory lock, on a connection of its own whose
+    transaction stays open, holding the lock, until the block ends: through a connection pooler
+    in transaction mode that transaction keeps one server session, and the lock ends with it,
+    whatever becomes of the block. Ending it leaves no state on the connection."""
     with engine.connect() as conn:
-        held = sql.try_maintenance_lock(conn, schema)
+        held = take(conn)
         try:
             yield held
         finally:
-            conn.rollback()
+            try:
+                conn.rollback()
+            except SQLAlchemyError:  # closing the connection ends the transaction and its lock
+                log.warning("could not end the transaction of a lock: closing its connection")
+                conn.invalidate()
 
 
 def _maintain(
@@ -327,9 +328,7 @@ def _detached_range(
         return start, start + INTERVALS["hour" if hourly else "day"]
     if not found:
         raise ValueError(f"{name}: no range found to attach it again")
-    if name.endswith("_legacy"):
-        return None, found[-1]
-    return found[0], found[-1]
+    return (None if name.endswith("_legacy") else found[0]), found[-1]
 
 
 # --- what there is ------------------------------------------------------------------------

@@ -63,7 +63,6 @@ A_DUPLICATE = "outbox_inbox.duplicate"
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _NOTHING: AbstractContextManager[None] = nullcontext()
-_PUBLISHED = (PublishOutcome.CONFIRMED, PublishOutcome.RETURNED)
 
 
 class _HeaderGetter(Getter[Mapping[str, Any]]):
@@ -96,9 +95,8 @@ class Tracing:
 
     def tracer(self) -> Tracer | None:
         """The tracer to use now, or None when tracing is off (the cheap check of hot paths)."""
-        tracer = self._tracer
-        if tracer is not None:
-            return tracer
+        if self._tracer is not None:
+            return self._tracer
         provider = self.provider if self.provider is not None else trace.get_tracer_provider()
         if isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider):
             return None  # the API's defaults: nothing is recorded anywhere

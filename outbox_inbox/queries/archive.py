@@ -9,17 +9,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import (
-    Connection,
-    Table,
-    and_,
-    delete,
-    exists,
-    func,
-    insert,
-    or_,
-    select,
-)
+from sqlalchemy import Connection, Table, and_, delete, exists, func, insert, or_, select
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -111,10 +101,8 @@ def journal_archive_files(
 ) -> None:
     """Record (id, source, path) of Parquet files about to be written."""
     if files:
-        a = tables.archive_files
-        conn.execute(
-            insert(a), [{"id": f, "source_table": src, "path": path} for f, src, path in files]
-        )
+        rows = [{"id": f, "source_table": src, "path": path} for f, src, path in files]
+        conn.execute(insert(tables.archive_files), rows)
 
 
 def unfinished_archive_files(conn: Connection, tables: Tables) -> list[RowMapping]:
@@ -145,13 +133,6 @@ def try_archive_lock(conn: Connection, schema: str) -> bool:
     return conn.dialect.name != "postgresql" or try_xact_lock(
         conn, f"outbox_inbox.archive.{schema}"
     )
-
-
-def release_archive_lock(conn: Connection) -> None:
-    """Release the lock of `try_archive_lock`: end the transaction that holds it (it wrote
-    nothing, and ending it releases every such lock). Leaves no state on the connection,
-    which may go back to a pool."""
-    conn.rollback()
 
 
 def try_xact_lock(conn: Connection, key: str) -> bool:

@@ -226,13 +226,12 @@ def outbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
     """Unsent outbox rows, how many of them failed at least once, the oldest one's age, and
     the dead rows (refused by the broker on every attempt)."""
     o = tables.outbox
-    unsent = outbox_unsent(o)
     row = conn.execute(
         select(
             func.count().label("unpublished"),
             func.count().filter(o.c.attempts > 0).label("retrying"),
             func.max(db_age(o.c.created_at)).label("oldest_age_seconds"),
-        ).where(unsent)
+        ).where(outbox_unsent(o))
     ).one()
     dead = conn.execute(select(func.count()).where(_dead_or_parked(o, False))).scalar_one()
     return {

@@ -101,20 +101,10 @@ def create_partition(
     for [start, end): ``ATTACH PARTITION`` takes a lock writers do not wait for."""
     # INCLUDING CONSTRAINTS: ATTACH refuses a table without the parent's CHECKs (the
     # outbox's `kind`), and the migration's week of partitions runs out after 7 days.
-    _ddl(
-        conn,
-        "CREATE TABLE {s}.{name} (LIKE {s}.{parent} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)",
-        schema,
-        name=name,
-        parent=parent,
-    )
-    _ddl(
-        conn,
-        "CREATE UNIQUE INDEX {index} ON {s}.{name} (message_id)",
-        schema,
-        index=f"{name}_message_id",
-        name=name,
-    )
+    like = "CREATE TABLE {s}.{name} (LIKE {s}.{parent} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
+    _ddl(conn, like, schema, name=name, parent=parent)
+    index = "CREATE UNIQUE INDEX {index} ON {s}.{name} (message_id)"
+    _ddl(conn, index, schema, index=f"{name}_message_id", name=name)
     attach(conn, schema, parent, name, start, end)
 
 
@@ -128,26 +118,16 @@ def attach(
 ) -> None:
     """Attach table `name` to `parent` for [lower, upper) (`lower` None: MINVALUE)."""
     bounds = f"FROM ({_literal(lower)}) TO ({_literal(upper)})"
-    _ddl(
-        conn,
-        "ALTER TABLE {s}.{parent} ATTACH PARTITION {s}.{name} FOR VALUES " + bounds,
-        schema,
-        parent=parent,
-        name=name,
-    )
+    statement = "ALTER TABLE {s}.{parent} ATTACH PARTITION {s}.{name} FOR VALUES " + bounds
+    _ddl(conn, statement, schema, parent=parent, name=name)
 
 
 def detach(conn: Connection, schema: str, parent: str, name: str, *, finalize: bool) -> None:
     """``DETACH PARTITION … CONCURRENTLY`` (writers and readers go on), or ``… FINALIZE`` to
     finish one a pass left pending."""
     how = "FINALIZE" if finalize else "CONCURRENTLY"
-    _ddl(
-        conn,
-        "ALTER TABLE {s}.{parent} DETACH PARTITION {s}.{name} " + how,
-        schema,
-        parent=parent,
-        name=name,
-    )
+    statement = "ALTER TABLE {s}.{parent} DETACH PARTITION {s}.{name} " + how
+    _ddl(conn, statement, schema, parent=parent, name=name)
 
 
 def drop_table(conn: Connection, schema: str, name: str) -> None:
