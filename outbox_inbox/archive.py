@@ -40,6 +40,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from .errors import ConfigurationError, OutboxInboxError, storage_error
+from .partitions import Retention, held_lock, maintain
 from .queries import archive, operations
 from .tables import Tables
 
@@ -51,13 +52,8 @@ log = logging.getLogger(__name__)
 OUTBOX, INBOX, SUBSCRIPTIONS = "outbox", "inbox", "subscriptions"
 SOURCES = (OUTBOX, INBOX)
 
-#: Columns of the archived outbox rows, in file order, with their Arrow type names.
-OUTBOX_COLUMNS: tuple[tuple[str, str], ...] = (
-    ("id", "int64"),
-    ("message_id", "string"),
-    ("kind", "string"),
-    ("exchange", "string"),
-    ("routing_key", "string"),
+#: The columns the outbox and the inbox rows share, between their routing and their times.
+_MESSAGE_COLUMNS: tuple[tuple[str, str], ...] = (
     ("payload", "string"),  # JSON text
     ("headers", "string"),  # JSON text
     ("version", "int32"),
@@ -66,6 +62,16 @@ OUTBOX_COLUMNS: tuple[tuple[str, str], ...] = (
     ("key", "string"),
     ("priority", "int32"),
     ("created_at", "timestamp"),
+)
+
+#: Columns of the archived outbox rows, in file order, with their Arrow type names.
+OUTBOX_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("id", "int64"),
+    ("message_id", "string"),
+    ("kind", "string"),
+    ("exchange", "string"),
+    ("routing_key", "string"),
+    *_MESSAGE_COLUMNS,
     ("available_at", "timestamp"),
     ("expires_at", "timestamp"),
     ("published_at", "timestamp"),
@@ -82,14 +88,7 @@ INBOX_COLUMNS: tuple[tuple[str, str], ...] = (
     ("source", "string"),
     ("kind", "string"),
     ("routing_key", "string"),
-    ("payload", "string"),
-    ("headers", "string"),
-    ("version", "int32"),
-    ("correlation_id", "string"),
-    ("causation_id", "string"),
-    ("key", "string"),
-    ("priority", "int32"),
-    ("created_at", "timestamp"),
+    *_MESSAGE_COLUMNS,
     ("expires_at", "timestamp"),
     ("received_at", "timestamp"),
     ("status", "string"),
@@ -208,30 +207,19 @@ class Archiver:
         """
         stop = stop or threading.Event()
         result = ArchiveResult()
+        schema = self._tables.schema
         try:
-            with self._engine.connect() as lock_conn:
-                if not archive.try_archive_lock(lock_conn, self._tables.schema):
-                    raise ArchiveBusy(
-                        f"another archive run holds the lock of schema {self._tables.schema!r}"
-                    )
-                # The lock belongs to lock_conn's open transaction, held for the whole run:
-                # through a connection pooler in transaction mode that transaction keeps one
-                # server connection, and the lock ends with it, whatever becomes of the run.
-                try:
-                    self._archive(stop, result)
-                finally:
-                    try:
-                        archive.release_archive_lock(lock_conn, self._tables.schema)
-                    except SQLAlchemyError:
-                        # Closing the connection ends the transaction and its lock.
-                        log.warning("archive: could not release its lock; closing the connection")
-                        lock_conn.invalidate()
+            with held_lock(
+                self._engine, lambda conn: archive.try_archive_lock(conn, schema)
+            ) as held:
+                if not held:
+                    raise ArchiveBusy(f"another archive run holds the lock of schema {schema!r}")
+                self._archive(stop, result)
         except SQLAlchemyError as exc:
             raise storage_error(exc, "archiving") from exc
         return result
 
     def _archive(self, stop: threading.Event, result: ArchiveResult) -> None:
-        """The run under the lock: recovery, subscriptions, batches, pruning."""
         self._recover(result)
         with self._engine.connect() as conn:
             cutoff = result.cutoff = self._cutoff(conn)
@@ -250,8 +238,6 @@ class Archiver:
     def _retire_partitions(self, result: ArchiveResult) -> None:
         """Export and drop the partitions wholly past `older_than` (dead rows included):
         what the rows path below would move row by row, moved a partition at a time."""
-        from .partitions import Retention, maintain
-
         done = maintain(
             self._engine,
             self._tables,
@@ -279,11 +265,9 @@ class Archiver:
             archived_at = _utc(operations.database_now(conn))
         if not rows:
             return 0
-        by_date: dict[date, list[Any]] = {}
-        for row in rows:
-            day = (_utc(row[DATE_COLUMN[source]]) or archived_at).date()  # type: ignore[union-attr]
-            by_date.setdefault(day, []).append(row)
-        files = [(uuid.uuid4(), day, day_rows) for day, day_rows in sorted(by_date.items())]
+        files = [
+            (uuid.uuid4(), day, day_rows) for day, day_rows in _by_day(source, rows, archived_at)
+        ]
         paths = {file_id: self._path(source, day, file_id) for file_id, day, _ in files}
         with self._engine.begin() as conn:
             archive.journal_archive_files(
@@ -317,14 +301,17 @@ class Archiver:
         for entry in unfinished:
             path = Path(entry["path"])
             source = entry["source_table"]
-            if path.exists():
-                ids = read_ids(path)
-                # The cutoff of that run is unknown; "finished at all" still guards replays.
-                with self._engine.begin() as conn:
-                    deleted = archive.delete_archived(
-                        conn, self._tables, source, datetime.max.replace(tzinfo=UTC), ids
-                    )
-                    archive.forget_archive_files(conn, self._tables, [entry["id"]])
+            written = path.exists()
+            ids = read_ids(path) if written else []
+            if not written:
+                _temporary(path).unlink(missing_ok=True)
+            # The cutoff of that run is unknown; "finished at all" still guards replays.
+            with self._engine.begin() as conn:
+                deleted = archive.delete_archived(
+                    conn, self._tables, source, datetime.max.replace(tzinfo=UTC), ids
+                )
+                archive.forget_archive_files(conn, self._tables, [entry["id"]])
+            if written:
                 result.recovered_files += 1
                 result.rows[source] += deleted
                 result.kept_rows += len(ids) - deleted
@@ -334,21 +321,15 @@ class Archiver:
                     deleted,
                 )
             else:
-                _temporary(path).unlink(missing_ok=True)
-                with self._engine.begin() as conn:
-                    archive.forget_archive_files(conn, self._tables, [entry["id"]])
                 result.abandoned_files += 1
                 log.warning("archive: %s of an interrupted run was never written", path)
 
     def _write_subscriptions(self) -> None:
         with self._engine.connect() as conn:
-            rows = [
-                r
-                for r in operations.subscriptions_of(conn, self._tables)
-                if r["service"] == self.service
-            ]
+            rows = operations.subscriptions_of(conn, self._tables)
         path = self.root / SUBSCRIPTIONS / f"service={self.service}" / "subscriptions.parquet"
-        write_parquet(path, SUBSCRIPTIONS, [subscription_record(r) for r in rows])
+        mine = [r for r in rows if r["service"] == self.service]
+        write_parquet(path, SUBSCRIPTIONS, to_records(SUBSCRIPTIONS, mine, None))
 
     def _path(self, source: str, day: date, file_id: uuid.UUID) -> Path:
         partition = self.root / source / f"service={self.service}" / f"date={day.isoformat()}"
@@ -376,11 +357,7 @@ def partition_exporter(
             batch = archive.history_rows(conn, tables, source, limit=chunk, of=rows, after_id=after)
             if not batch:
                 return count
-            by_date: dict[date, list[Any]] = {}
-            for row in batch:
-                day = (_utc(row[DATE_COLUMN[source]]) or archived_at).date()  # type: ignore[union-attr]
-                by_date.setdefault(day, []).append(row)
-            for day, day_rows in sorted(by_date.items()):
+            for day, day_rows in _by_day(source, batch, archived_at):
                 folder = base / source / f"service={service}" / f"date={day.isoformat()}"
                 path = folder / f"part-{rows.name}-{n:05d}.parquet"
                 write_parquet(path, source, to_records(source, day_rows, archived_at))
@@ -391,6 +368,14 @@ def partition_exporter(
     return export
 
 
+def _by_day(source: str, rows: list[Any], archived_at: Any) -> list[tuple[date, list[Any]]]:
+    """`rows` by the UTC day of their date column (`DATE_COLUMN`), earliest first."""
+    by_day: dict[date, list[Any]] = {}
+    for row in rows:
+        by_day.setdefault((_utc(row[DATE_COLUMN[source]]) or archived_at).date(), []).append(row)
+    return sorted(by_day.items())
+
+
 # --- files --------------------------------------------------------------------------------
 
 
@@ -398,14 +383,11 @@ def write_parquet(path: Path, source: str, records: Sequence[Mapping[str, Any]])
     """Write `records` to `path` durably: temporary name, fsync, atomic rename, fsync the
     directory. An existing file at `path` is replaced. Raises ArchiveError."""
     pa = require_pyarrow()
-    import pyarrow.parquet as pq
-
-    schema = arrow_schema(source)
-    table = pa.Table.from_pylist(list(records), schema=schema)
+    table = pa.Table.from_pylist(list(records), schema=arrow_schema(source))
     tmp = _temporary(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(table, tmp, compression="zstd")
+        pa.parquet.write_table(table, tmp, compression="zstd")
         _fsync(tmp)
         os.replace(tmp, path)
         _fsync(path.parent)
@@ -416,10 +398,8 @@ def write_parquet(path: Path, source: str, records: Sequence[Mapping[str, Any]])
 
 def read_ids(path: Path) -> list[int]:
     """The row ids held by an archive file."""
-    require_pyarrow()
-    import pyarrow.parquet as pq
-
-    return [int(v) for v in pq.read_table(path, columns=["id"]).column("id").to_pylist()]
+    ids = require_pyarrow().parquet.read_table(path, columns=["id"]).column("id")
+    return [int(v) for v in ids.to_pylist()]
 
 
 def _temporary(path: Path) -> Path:

@@ -31,6 +31,7 @@ redelivered, when the selection is closed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Engine, Table
 from sqlalchemy.exc import SQLAlchemyError
 
 from .audit_trail import audit_log_path, write_audit
@@ -120,54 +121,39 @@ class Filters:
 
     @property
     def empty(self) -> bool:
-        return not (
-            self.types
-            or self.older_than
-            or self.reason
-            or self.error
-            or self.message_ids
-            or self.fingerprint is not None
-            or self.parked
-        )
+        return not self.as_dict()
 
     def as_dict(self) -> dict[str, Any]:
         """The filters given, as JSON values (for output and the audit log)."""
-        out: dict[str, Any] = {}
-        if self.types:
-            out["type"] = list(self.types)
-        if self.older_than is not None:
-            out["older_than_seconds"] = self.older_than.total_seconds()
-        if self.reason is not None:
-            out["reason"] = self.reason
-        if self.error is not None:
-            out["error"] = self.error
-        if self.message_ids:
-            out["id"] = list(self.message_ids)
-        if self.fingerprint is not None:
-            out["fingerprint"] = self.fingerprint
-        if self.parked:
-            out["parked"] = True
-        return out
+        given = {
+            "type": list(self.types) or None,
+            "older_than_seconds": None
+            if self.older_than is None
+            else self.older_than.total_seconds(),
+            "reason": self.reason,
+            "error": self.error,
+            "id": list(self.message_ids) or None,
+            "fingerprint": self.fingerprint,
+            "parked": self.parked or None,
+        }
+        return {name: value for name, value in given.items() if value is not None}
 
     def matches_type(self, routing_key: str) -> bool:
         return not self.types or any(topic_matches(p, routing_key) for p in self.types)
 
     def matches(self, letter: DeadLetter) -> bool:
-        if not self.matches_type(letter.type):
-            return False
-        if self.message_ids and letter.message_id not in self.message_ids:
-            return False
-        if self.reason is not None and letter.reason != self.reason:
-            return False
-        if self.fingerprint is not None and letter.fingerprint != self.fingerprint:
-            return False
-        if self.error is not None and self.error.lower() not in (letter.error or "").lower():
-            return False
-        if self.older_than is not None:
-            age = letter.age_seconds
-            if age is None or age < self.older_than.total_seconds():
-                return False
-        return True
+        age = letter.age_seconds
+        return (
+            self.matches_type(letter.type)
+            and (not self.message_ids or letter.message_id in self.message_ids)
+            and self.reason in (None, letter.reason)
+            and self.fingerprint in (None, letter.fingerprint)
+            and (self.error is None or self.error.lower() in (letter.error or "").lower())
+            and (
+                self.older_than is None
+                or (age is not None and age >= self.older_than.total_seconds())
+            )
+        )
 
 
 @dataclass(frozen=True)
@@ -253,17 +239,12 @@ class Pacer:
 
     def batch_size(self, largest: int = 100) -> int:
         """Items per step: small enough to spread the work evenly over each second."""
-        if not self._rate:
-            return largest
-        return max(1, min(largest, int(self._rate / 10)))
+        return max(1, min(largest, int(self._rate / 10))) if self._rate else largest
 
     def before(self, count: int) -> None:
         """Wait until `count` more items may go."""
-        if self._rate:
-            due = self._start + self._sent / self._rate
-            delay = due - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
+        if self._rate and (delay := self._start + self._sent / self._rate - time.monotonic()) > 0:
+            time.sleep(delay)
         self._sent += count
 
 
@@ -280,7 +261,7 @@ class TableSelection:
         self, engine: Engine, tables: Tables, filters: Filters, limit: int | None = None
     ) -> None:
         self._engine = engine
-        self._tables = tables
+        self._table = tables.inbox if self.source == TABLE else tables.outbox
         self.letters: list[DeadLetter] = []
         self._ids: list[int] = []
         self.more = False  # True when `limit` cut the selection short
@@ -289,7 +270,7 @@ class TableSelection:
         self._parked = filters.parked
         try:
             with engine.connect() as conn:
-                for row in self._rows(conn, tables, **self._query(filters)):
+                for row in operations.dead_rows(conn, self._table, **self._query(filters)):
                     if not filters.matches_type(row["routing_key"]):
                         continue
                     if limit is not None and len(self.letters) >= limit:
@@ -321,14 +302,9 @@ class TableSelection:
         # Inbox rows of a message id that is not a UUID are stored under its uuid5.
         return [inbox_id(m) for m in message_ids]
 
-    _rows = staticmethod(operations.dead_inbox_rows)
-    _replay = staticmethod(operations.replay_dead_inbox)
-    _purge = staticmethod(operations.purge_dead_inbox)
-    _park = staticmethod(operations.park_dead_inbox)
-
     def _each_batch(
         self,
-        action: Callable[[Any, Tables, list[int]], list[int]],
+        action: Callable[[Any, Table, list[int]], list[int]],
         pacer: Pacer,
         progress: Progress,
         why_not: str,
@@ -343,7 +319,7 @@ class TableSelection:
             pacer.before(len(batch))
             try:
                 with self._engine.begin() as conn:
-                    changed = set(action(conn, self._tables, batch))
+                    changed = set(action(conn, self._table, batch))
             except SQLAlchemyError as exc:
                 raise storage_error(exc, f"changing {self.what}") from exc
             for row_id in batch:
@@ -362,17 +338,17 @@ class TableSelection:
     def replay(self, pacer: Pacer, progress: Progress) -> Outcome:
         """Make the selected rows due again (those still dead, or parked when the selection
         is of parked rows), batch by batch in id order, counting the replay on each."""
-        replay = functools.partial(self._replay, parked=self._parked)
+        replay = functools.partial(operations.replay_dead, parked=self._parked)
         return self._each_batch(replay, pacer, progress, f"no longer {self._state}")
 
     def purge(self, pacer: Pacer, progress: Progress) -> Outcome:
         """Delete the selected rows that are still dead (or parked)."""
-        purge = functools.partial(self._purge, parked=self._parked)
+        purge = functools.partial(operations.purge_dead, parked=self._parked)
         return self._each_batch(purge, pacer, progress, f"no longer {self._state}")
 
     def park(self, pacer: Pacer, progress: Progress) -> Outcome:
         """Set the selected rows that are still dead aside as parked."""
-        return self._each_batch(self._park, pacer, progress, "not dead")
+        return self._each_batch(operations.park_dead, pacer, progress, "not dead")
 
     def close(self) -> None:
         """Nothing to release: the rows were read in a finished transaction."""
@@ -400,11 +376,6 @@ class OutboxSelection(TableSelection):
         if wanted and not found:
             return [uuid.UUID(int=0)]  # ids were given and none can match: select nothing
         return found
-
-    _rows = staticmethod(operations.dead_outbox_rows)
-    _replay = staticmethod(operations.replay_dead_outbox)
-    _purge = staticmethod(operations.purge_dead_outbox)
-    _park = staticmethod(operations.park_dead_outbox)
 
 
 def _row_letter(row: Mapping[Any, Any], source: str) -> DeadLetter:
@@ -447,12 +418,9 @@ class QueueSelection:
         service: str | None,
         limit: int | None = None,
     ) -> None:
-        if source == QUEUE:
-            if service is None:
-                raise ValueError("the queue source needs a service")
-            self.queue = dead_letter_queue(service)
-        else:
-            self.queue = UNROUTABLE_QUEUE
+        if source == QUEUE and service is None:
+            raise ValueError("the queue source needs a service")
+        self.queue = _queue(source, service)
         self.source = source
         self._service = service
         self._reader: QueueReader = admin.reader(self.queue)
@@ -547,6 +515,11 @@ class QueueSelection:
         self._reader.close()
 
 
+def _queue(source: str, service: str | None) -> str:
+    """The queue of a broker source: ``<service>.dead_letter`` or ``unroutable``."""
+    return dead_letter_queue(service or "") if source == QUEUE else UNROUTABLE_QUEUE
+
+
 def replay_headers(message: WireMessage) -> dict[str, Any]:
     """Headers of the copy of a dead-lettered message sent back to the inbox queue.
 
@@ -625,11 +598,8 @@ def _created(message: WireMessage) -> datetime | None:
     if isinstance(value, bytes):
         value = value.decode("utf-8", "replace")
     if isinstance(value, str):
-        try:
+        with contextlib.suppress(ValueError):
             parsed = datetime.fromisoformat(value)
-        except ValueError:
-            parsed = None
-        if parsed is not None:
             return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
     if message.timestamp:
         return datetime.fromtimestamp(message.timestamp, UTC)
@@ -715,16 +685,7 @@ class Group:
         return group_id(self.fingerprint)
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "fingerprint": self.fingerprint,
-            "count": self.count,
-            "types": list(self.types),
-            "sources": list(self.sources),
-            "first_seen": self.first_seen.isoformat() if self.first_seen else None,
-            "last_seen": self.last_seen.isoformat() if self.last_seen else None,
-            "replayed": self.replayed,
-        }
+        return {"id": self.id, **jsonable(dataclasses.asdict(self))}
 
 
 def _listed(value: Any) -> tuple[str, ...]:
@@ -840,10 +801,7 @@ class DeadLetters:
             if source in (TABLE, OUTBOX) and not any(_is_pattern(t) for t in filters.types):
                 counts[source] = self._count_rows(source, filters)
             elif source in (QUEUE, UNROUTABLE) and filters.empty and self.broker is not None:
-                queue = (
-                    dead_letter_queue(self.service or "") if source == QUEUE else UNROUTABLE_QUEUE
-                )
-                counts[source] = self.broker.queue_depth(queue) or 0
+                counts[source] = self.broker.queue_depth(_queue(source, self.service)) or 0
             else:
                 with self.select([source], filters) as [selection]:
                     counts[source] = len(selection.letters)
@@ -853,10 +811,10 @@ class DeadLetters:
         if self.engine is None or self.tables is None:
             raise ConfigurationError(f"the {source} source needs a database")
         selector = TableSelection if source == TABLE else OutboxSelection
+        table = self.tables.inbox if source == TABLE else self.tables.outbox
         try:
             with self.engine.connect() as conn:
-                table = "inbox" if source == TABLE else "outbox"
-                return operations.count_dead(conn, self.tables, table, **selector._query(filters))
+                return operations.count_dead(conn, table, **selector._query(filters))
         except SQLAlchemyError as exc:
             raise storage_error(exc, f"counting the {selector.what}") from exc
 

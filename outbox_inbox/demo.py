@@ -96,18 +96,16 @@ class Demo:
         self._register()
 
     def _business_tables(self) -> tuple[Table, Table]:
-        orders_schema = None if self.orders.sqlite else "demo_orders"
-        billing_schema = None if self.billing.sqlite else "demo_billing"
         orders = Table(
             "orders",
-            MetaData(schema=orders_schema),
+            MetaData(schema=None if self.orders.sqlite else "demo_orders"),
             Column("id", Integer, primary_key=True),
             Column("total", Integer, nullable=False),
             Column("state", String(20), nullable=False),
         )
         invoices = Table(
             "invoices",
-            MetaData(schema=billing_schema),
+            MetaData(schema=None if self.billing.sqlite else "demo_billing"),
             Column("id", Integer, primary_key=True),
             Column("order_id", Integer, nullable=False),
         )
@@ -266,10 +264,8 @@ def run_demo(
         trace("demo", f"orders: {summary['orders']}")
         for routing_key, payload, status, reason in summary["billing_inbox"]:
             about = f"{routing_key}{_of_order(payload)}"
-            trace(
-                "demo",
-                f"billing inbox: {about:<37} {status}" + (f" ({reason})" if reason else ""),
-            )
+            why = f" ({reason})" if reason else ""
+            trace("demo", f"billing inbox: {about:<37} {status}{why}")
         return done and dead
     finally:
         demo.close()

@@ -23,15 +23,9 @@ if TYPE_CHECKING:
 
 #: Where code that is not the user's lives: this package, the standard library, installed
 #: packages.
-_NOT_USER = tuple(
-    str(Path(p).resolve()) + os.sep
-    for p in {
-        str(Path(__file__).resolve().parent),
-        sysconfig.get_paths()["stdlib"],
-        sysconfig.get_paths()["purelib"],
-        sysconfig.get_paths()["platlib"],
-    }
-)
+_PATHS = sysconfig.get_paths()
+_PLACES = [os.path.dirname(__file__), _PATHS["stdlib"], _PATHS["purelib"], _PATHS["platlib"]]
+_NOT_USER = tuple({str(Path(p).resolve()) + os.sep for p in _PLACES})
 #: Fingerprints fit the column that holds them.
 MAX_LENGTH = 255
 

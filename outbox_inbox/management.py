@@ -124,12 +124,14 @@ class ManagementAPI:
 
     def exchange(self, name: str) -> dict[str, Any] | None:
         """The exchange `name` (type, durable, auto_delete, arguments), or None if absent."""
-        found = self._get("exchanges", self._vhost, name)
-        return dict(found) if found is not None else None
+        return self._one("exchanges", name)
 
     def queue(self, name: str) -> dict[str, Any] | None:
         """The queue `name` (durable, auto_delete, arguments, messages...), or None if absent."""
-        found = self._get("queues", self._vhost, name)
+        return self._one("queues", name)
+
+    def _one(self, kind: str, name: str) -> dict[str, Any] | None:
+        found = self._get(kind, self._vhost, name)
         return dict(found) if found is not None else None
 
     def queue_bindings(self, name: str) -> list[dict[str, Any]]:

@@ -64,7 +64,7 @@ class _Families:
         def counter(name: str, doc: str, *labels: str) -> Counter:
             return Counter(f"{PREFIX}_{name}", doc, ["service", *labels], registry=registry)
 
-        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+        def histogram(name: str, doc: str, buckets: Sequence[float] = LAG_BUCKETS) -> Histogram:
             return Histogram(
                 f"{PREFIX}_{name}", doc, ["service"], buckets=buckets, registry=registry
             )
@@ -87,17 +87,14 @@ class _Families:
         self.publish_lag = histogram(
             "publish_lag_seconds",
             "From the outbox row's created_at (its transaction) to its publish being marked.",
-            LAG_BUCKETS,
         )
         self.receive_lag = histogram(
             "receive_lag_seconds",
             "From the message's created_at (the sender's transaction) to its inbox row's commit.",
-            LAG_BUCKETS,
         )
         self.handle_lag = histogram(
             "handle_lag_seconds",
             "From the inbox row's received_at to its handlers having returned.",
-            LAG_BUCKETS,
         )
         self.handler_duration = histogram(
             "handler_duration_seconds",
@@ -114,10 +111,9 @@ _families: weakref.WeakKeyDictionary[CollectorRegistry, _Families] = weakref.Wea
 
 def _families_of(registry: CollectorRegistry) -> _Families:
     with _lock:
-        families = _families.get(registry)
-        if families is None:
-            families = _families[registry] = _Families(registry)
-        return families
+        if registry not in _families:
+            _families[registry] = _Families(registry)
+        return _families[registry]
 
 
 class Metrics(Listener):
@@ -173,10 +169,8 @@ class Metrics(Listener):
                 self._publish_lag.observe(max(0.0, now - message.created_at.timestamp()))
 
     def received(self, stored: int, duplicates: int) -> None:
-        if stored:
-            self._received.inc(stored)
-        if duplicates:
-            self._duplicates.inc(duplicates)
+        self._received.inc(stored)
+        self._duplicates.inc(duplicates)
 
     def stored(self, messages: Sequence[Message]) -> None:
         now = time.time()
@@ -355,12 +349,9 @@ class _StateCollector(Collector):
 def _read_state(engine: Engine, tables: Tables) -> dict[str, Any] | None:
     try:
         with engine.connect() as conn:
-            options = (
-                {"isolation_level": "REPEATABLE READ"}
-                if engine.dialect.name == "postgresql"
-                else {}
-            )
-            with conn.execution_options(**options).begin():
+            # SQLite's transactions are serializable already and it knows no REPEATABLE READ.
+            level = "REPEATABLE READ" if engine.dialect.name == "postgresql" else "SERIALIZABLE"
+            with conn.execution_options(isolation_level=level).begin():
                 return {
                     "outbox": operations.outbox_status(conn, tables),
                     "inbox": operations.inbox_status(conn, tables),

@@ -226,9 +226,7 @@ def _describe(diff: Any) -> str:
 
 
 def _down(value: Any) -> str | None:
-    if value is None:
-        return None
-    return value if isinstance(value, str) else ", ".join(value)
+    return value if value is None or isinstance(value, str) else ", ".join(value)
 
 
 __all__ = ["alembic_config", "check", "current", "downgrade", "upgrade"]

@@ -44,6 +44,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from .errors import SchemaMissing, storage_error
 from .queries import archive
 from .queries import partitions as sql
+from .queries.operations import database_now
 from .queries.partitions import holds_unfinished, partition_rows
 from .tables import Tables
 
@@ -57,6 +58,8 @@ AHEAD = {"day": 7, "hour": 48}
 KEYS = {"outbox_messages": "created_at", "inbox_messages": "received_at"}
 SOURCES = {"outbox_messages": "outbox", "inbox_messages": "inbox"}
 
+#: The time in a partition's name, by whether its interval is an hour.
+_STAMPS = {False: "%Y%m%d", True: "%Y%m%d%H"}
 _NAME = re.compile(r"^(outbox_messages|inbox_messages)_(legacy|p\d{8}|p\d{10})$")
 _BOUND = re.compile(r"FROM \((MINVALUE|'[^']+')\) TO \((MAXVALUE|'[^']+')\)")
 #: Why a partition past the retention is kept (`maintain`, `survey`).
@@ -112,26 +115,18 @@ def floor_time(moment: datetime, interval: str) -> datetime:
 
 def partition_name(parent: str, start: datetime, interval: str) -> str:
     """``<parent>_pYYYYMMDD`` (a day) or ``<parent>_pYYYYMMDDHH`` (an hour)."""
-    return (
-        f"{parent}_p{start.astimezone(UTC):%Y%m%d%H}"
-        if interval == "hour"
-        else (f"{parent}_p{start.astimezone(UTC):%Y%m%d}")
-    )
+    return f"{parent}_p{start.astimezone(UTC):{_STAMPS[interval == 'hour']}}"
 
 
 def partitions(conn: Connection, schema: str, parent: str) -> list[Partition]:
     """The partitions of `schema`.`parent`, oldest first."""
-    rows = sql.partition_catalog(conn, schema, parent)
-    found = [_partition(parent, r.name, r.bound, r.pending) for r in rows]
+    found = []
+    for row in sql.partition_catalog(conn, schema, parent):
+        if (match := _BOUND.search(row.bound)) is None:
+            raise ValueError(f"{row.name}: not a range partition ({row.bound})")
+        lower, upper = (_bound_time(v) for v in match.groups())
+        found.append(Partition(parent, row.name, lower, upper, bool(row.pending)))
     return sorted(found, key=lambda p: p.lower or datetime.min.replace(tzinfo=UTC))
-
-
-def _partition(parent: str, name: str, bound: str, pending: bool) -> Partition:
-    match = _BOUND.search(bound)
-    if match is None:
-        raise ValueError(f"{name}: not a range partition ({bound})")
-    lower, upper = (_bound_time(v) for v in match.groups())
-    return Partition(parent, name, lower, upper, bool(pending))
 
 
 def _bound_time(value: str) -> datetime | None:
@@ -157,8 +152,7 @@ def make_ahead(conn: Connection, tables: Tables, interval: str | None, now: date
         length = interval or _interval_of(existing)
         step = INTERVALS[length]
         until = floor_time(now, length) + step * AHEAD[length]
-        start = max((p.upper for p in existing if p.upper is not None), default=None)
-        start = floor_time(now, length) if start is None else start
+        start = max((p.upper for p in existing if p.upper), default=floor_time(now, length))
         while start < until:
             end = start + step
             name = partition_name(parent, start, length)
@@ -189,6 +183,11 @@ class Retention:
     finished: timedelta | None
     dead: timedelta | None
 
+    def cutoffs(self, now: datetime) -> tuple[datetime | None, datetime | None]:
+        """The times before which finished and dead rows are past their retention."""
+        finished, dead = (None if t is None else now - t for t in (self.finished, self.dead))
+        return finished, dead
+
 
 def maintain(
     engine: Engine,
@@ -206,7 +205,7 @@ def maintain(
     """
     result = MaintenanceResult()
     try:
-        with _lock(engine, tables.schema) as held:
+        with held_lock(engine, lambda conn: sql.try_maintenance_lock(conn, tables.schema)) as held:
             if not held:
                 result.busy = True
                 return result
@@ -219,15 +218,21 @@ def maintain(
 
 
 @contextmanager
-def _lock(engine: Engine, schema: str) -> Iterator[bool]:
-    """The maintenance lock of `schema`: a transaction-level advisory lock held by an open
-    transaction on a connection of its own (through a pooler it keeps one server session)."""
+def held_lock(engine: Engine, take: Callable[[Connection], bool]) -> Iterator[bool]:
+    """Whether `take` got its transaction-level advisory lock, on a connection of its own whose
+    transaction stays open, holding the lock, until the block ends: through a connection pooler
+    in transaction mode that transaction keeps one server session, and the lock ends with it,
+    whatever becomes of the block. Ending it leaves no state on the connection."""
     with engine.connect() as conn:
-        held = sql.try_maintenance_lock(conn, schema)
+        held = take(conn)
         try:
             yield held
         finally:
-            conn.rollback()
+            try:
+                conn.rollback()
+            except SQLAlchemyError:  # closing the connection ends the transaction and its lock
+                log.warning("could not end the transaction of a lock: closing its connection")
+                conn.invalidate()
 
 
 def _maintain(
@@ -242,9 +247,10 @@ def _maintain(
         # Migration 0006 not applied yet: a service started before it (a rolling upgrade)
         # has nothing to maintain, and a partition made here could not be attached.
         return
-    now = sql.database_now(conn)
+    now = database_now(conn)
+    cutoff, dead_cutoff = retention.cutoffs(now)
     for name, parent in _detached(conn, tables.schema):  # left by a pass that died
-        _retire(conn, tables, parent, name, None, retention, now, exporter, result)
+        _retire(conn, tables, parent, name, None, dead_cutoff, exporter, result)
     # Finalised first, whatever its range: while one partition of a table is pending detach,
     # PostgreSQL refuses every other DETACH CONCURRENTLY on that table, so an older partition
     # reached first in the loop below would fail every pass from then on.
@@ -252,15 +258,13 @@ def _maintain(
         for p in partitions(conn, tables.schema, parent):
             if p.detach_pending:
                 sql.detach(conn, tables.schema, parent, p.name, finalize=True)
-                _retire(conn, tables, parent, p.name, p, retention, now, exporter, result)
+                _retire(conn, tables, parent, p.name, p, dead_cutoff, exporter, result)
     result.created = make_ahead(conn, tables, interval, now)
     # A worker that died keeps its row until another worker of its service advertises
     # (queries.roles.advertise_instance): a service that no longer runs would keep it for ever.
     result.pruned_instances = archive.prune_instances(conn, tables, now - STALE_INSTANCE)
-    if retention.finished is None:
+    if cutoff is None:
         return
-    cutoff = now - retention.finished
-    dead_cutoff = None if retention.dead is None else now - retention.dead
     for parent in KEYS:
         for p in partitions(conn, tables.schema, parent):
             if p.upper is None or p.upper > cutoff:
@@ -269,7 +273,7 @@ def _maintain(
                 result.kept[p.name] = KEPT_UNFINISHED
                 continue
             sql.detach(conn, tables.schema, parent, p.name, finalize=False)
-            _retire(conn, tables, parent, p.name, p, retention, now, exporter, result)
+            _retire(conn, tables, parent, p.name, p, dead_cutoff, exporter, result)
     result.pruned_deliveries = archive.prune_deliveries(conn, tables, cutoff)
 
 
@@ -279,15 +283,13 @@ def _retire(
     parent: str,
     name: str,
     was: Partition | None,
-    retention: Retention,
-    now: datetime,
+    dead_cutoff: datetime | None,
     exporter: Exporter | None,
     result: MaintenanceResult,
 ) -> None:
     """A detached partition: export and drop it, or attach it again if a row in it is
     unfinished (`was`: its range; None: read from the CHECK its detach left)."""
     rows = partition_rows(tables, parent, name)
-    dead_cutoff = None if retention.dead is None else now - retention.dead
     if holds_unfinished(conn, rows, parent, dead_cutoff):
         lower, upper = (was.lower, was.upper) if was else _detached_range(conn, tables.schema, name)
         sql.attach(conn, tables.schema, parent, name, lower, upper)  # type: ignore[arg-type]
@@ -304,12 +306,9 @@ def _retire(
 
 def _detached(conn: Connection, schema: str) -> list[tuple[str, str]]:
     """Partitions of the library's tables that a pass detached and did not drop."""
-    found = []
-    for name in sql.plain_tables(conn, schema):
-        match = _NAME.match(name)
-        if match is not None:
-            found.append((name, match.group(1)))
-    return found
+    return [
+        (name, m.group(1)) for name in sql.plain_tables(conn, schema) if (m := _NAME.match(name))
+    ]
 
 
 def _detached_range(
@@ -325,13 +324,11 @@ def _detached_range(
         # the length its name gives (partition_name).
         stamp = name.rsplit("_p", 1)[1]
         hourly = len(stamp) == 10
-        start = datetime.strptime(stamp, "%Y%m%d%H" if hourly else "%Y%m%d").replace(tzinfo=UTC)
+        start = datetime.strptime(stamp, _STAMPS[hourly]).replace(tzinfo=UTC)
         return start, start + INTERVALS["hour" if hourly else "day"]
     if not found:
         raise ValueError(f"{name}: no range found to attach it again")
-    if name.endswith("_legacy"):
-        return None, found[-1]
-    return found[0], found[-1]
+    return (None if name.endswith("_legacy") else found[0]), found[-1]
 
 
 # --- what there is ------------------------------------------------------------------------
@@ -383,9 +380,7 @@ def survey(conn: Connection, tables: Tables, retention: Retention) -> list[Parti
     catalog, and each partition past the retention once (an EXISTS on its unfinished rows).
     Raises StorageError when the database fails, SchemaMissing without tables."""
     try:
-        now = sql.database_now(conn)
-        cutoff = None if retention.finished is None else now - retention.finished
-        dead_cutoff = None if retention.dead is None else now - retention.dead
+        cutoff, dead_cutoff = retention.cutoffs(database_now(conn))
         found: list[PartitionState] = []
         for parent in partitioned(conn, tables.schema):
             catalog = sql.partition_catalog(conn, tables.schema, parent)

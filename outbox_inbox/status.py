@@ -141,7 +141,6 @@ def wakeup_status(engine: Engine, tables: Tables, listen_url: str | None) -> dic
     if engine.dialect.name != "postgresql":
         return {"mode": None, "via": None}
     channel = notify_channel(tables.schema or "", tables.outbox.name)
-
     waker = Waker(
         psycopg_conninfo(listen_url or engine.url), channel, threading.Event(), probe=engine
     )
@@ -205,14 +204,11 @@ def problems(
             age = status[part][field]
             if age is not None and age > max_lag:
                 out.append(f"{part} lag {age:.1f}s exceeds --max-lag {max_lag:g}s")
-    stalled = _stalled(status["inbox"], STALLED_AFTER if max_lag is None else max_lag)
-    if stalled:
+    if stalled := _stalled(status["inbox"], STALLED_AFTER if max_lag is None else max_lag):
         out.append(stalled)
-    if max_dead is not None:
-        dead = dead_count(status)
-        if dead > max_dead:
-            letters = "dead letter exceeds" if dead == 1 else "dead letters exceed"
-            out.append(f"{dead} {letters} --max-dead {max_dead}")
+    if max_dead is not None and (dead := dead_count(status)) > max_dead:
+        letters = "dead letter exceeds" if dead == 1 else "dead letters exceed"
+        out.append(f"{dead} {letters} --max-dead {max_dead}")
     broker = status.get("broker")
     if broker and broker.get("error"):
         out.append(f"broker: {broker['error']}")

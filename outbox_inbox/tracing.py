@@ -63,7 +63,6 @@ A_DUPLICATE = "outbox_inbox.duplicate"
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _NOTHING: AbstractContextManager[None] = nullcontext()
-_PUBLISHED = (PublishOutcome.CONFIRMED, PublishOutcome.RETURNED)
 
 
 class _HeaderGetter(Getter[Mapping[str, Any]]):
@@ -96,9 +95,8 @@ class Tracing:
 
     def tracer(self) -> Tracer | None:
         """The tracer to use now, or None when tracing is off (the cheap check of hot paths)."""
-        tracer = self._tracer
-        if tracer is not None:
-            return tracer
+        if self._tracer is not None:
+            return self._tracer
         provider = self.provider if self.provider is not None else trace.get_tracer_provider()
         if isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider):
             return None  # the API's defaults: nothing is recorded anywhere
@@ -134,9 +132,7 @@ def creating(tracing: Tracing, row: dict[str, Any]) -> AbstractContextManager[No
 @contextmanager
 def _creating(tracer: Tracer, service: str, row: dict[str, Any]) -> Iterator[None]:
     attributes = {
-        **_common(row["exchange"], row["routing_key"], str(row["message_id"])),
-        A_OPERATION_TYPE: "create",
-        A_OPERATION_NAME: "create",
+        **_common("create", row["exchange"], row["routing_key"], str(row["message_id"])),
         A_CONVERSATION_ID: row.get("correlation_id") or "",
         A_KIND: row["kind"],
         A_SERVICE: service,
@@ -159,12 +155,7 @@ def processing(
         return _NOTHING
     # record_exception / set_status_on_exception: a handler's error (Retry and Reject too)
     # marks the span, and propagates unchanged.
-    return tracer.start_as_current_span(
-        f"process {message.type}",
-        context=extract(message.headers),
-        kind=SpanKind.CONSUMER,
-        attributes=_process_attributes(service, message),
-    )
+    return tracer.start_as_current_span(**_process(service, message))
 
 
 def processing_batch(
@@ -182,15 +173,7 @@ def processing_batch(
 def _processing_batch(
     tracer: Tracer, service: str, messages: Sequence[Message]
 ) -> Iterator[list[Span]]:
-    spans = [
-        tracer.start_span(
-            f"process {m.type}",
-            context=extract(m.headers),
-            kind=SpanKind.CONSUMER,
-            attributes=_process_attributes(service, m),
-        )
-        for m in messages
-    ]
+    spans = [tracer.start_span(**_process(service, m)) for m in messages]
     try:
         yield spans
     except BaseException as exc:
@@ -208,21 +191,18 @@ def current(span: Span | None) -> AbstractContextManager[Any]:
     return _NOTHING if span is None else trace.use_span(span, end_on_exit=False)
 
 
-def _process_attributes(service: str, message: Message) -> dict[str, Any]:
-    exchange = COMMANDS_EXCHANGE if message.kind == COMMAND else EVENTS_EXCHANGE
+def _process(service: str, message: Message) -> dict[str, Any]:
+    """The arguments of a message's ``process`` span."""
     attributes = {
-        **_common(exchange, message.type, message.original_id),
-        A_OPERATION_TYPE: "process",
-        A_OPERATION_NAME: "process",
+        **_common("process", _exchange(message.kind), message.type, message.original_id),
         A_CONVERSATION_ID: message.correlation_id or "",
         A_KIND: message.kind,
         A_ATTEMPT: message.attempt,
     }
     if service:  # a Worker built without a Service does not know its service's name
-        attributes[A_CONSUMER_GROUP] = service
-        attributes[A_SUBSCRIPTION] = f"{service}.inbox"
-        attributes[A_SERVICE] = service
-    return attributes
+        attributes |= _consumer(service)
+    span = {"name": f"process {message.type}", "kind": SpanKind.CONSUMER}
+    return {**span, "context": extract(message.headers), "attributes": attributes}
 
 
 def record_sends(
@@ -248,8 +228,9 @@ def record_sends(
                 kind=SpanKind.CLIENT,
                 start_time=started_ns,
                 attributes={
-                    **_common(message.exchange, message.routing_key, str(message.message_id)),
-                    A_OPERATION_TYPE: "send",
+                    **_common(
+                        "send", message.exchange, message.routing_key, str(message.message_id)
+                    ),
                     A_OPERATION_NAME: "publish",
                     A_CONVERSATION_ID: message.correlation_id or "",
                     A_KIND: message.kind,
@@ -278,7 +259,6 @@ def record_receives(
         for row, duplicate in rows:
             headers = row["headers"]
             original = headers.get(H_ORIGINAL_ID)
-            exchange = COMMANDS_EXCHANGE if row["kind"] == COMMAND else EVENTS_EXCHANGE
             span = tracer.start_span(
                 f"receive {row['routing_key']}",
                 context=extract(headers),
@@ -286,18 +266,15 @@ def record_receives(
                 start_time=started_ns,
                 attributes={
                     **_common(
-                        exchange,
+                        "receive",
+                        _exchange(row["kind"]),
                         row["routing_key"],
                         original if isinstance(original, str) else str(row["message_id"]),
                     ),
-                    A_OPERATION_TYPE: "receive",
-                    A_OPERATION_NAME: "receive",
                     A_CONVERSATION_ID: row.get("correlation_id") or "",
-                    A_CONSUMER_GROUP: service,
-                    A_SUBSCRIPTION: f"{service}.inbox",
+                    **_consumer(service),
                     A_KIND: row["kind"],
                     A_DUPLICATE: duplicate,
-                    A_SERVICE: service,
                 },
             )
             span.end(end_time=end)
@@ -305,10 +282,21 @@ def record_receives(
         log.warning("tracing: recording the receiver's spans failed", exc_info=True)
 
 
-def _common(exchange: str, routing_key: str, message_id: str) -> dict[str, Any]:
+def _common(operation: str, exchange: str, routing_key: str, message_id: str) -> dict[str, Any]:
     return {
         A_SYSTEM: SYSTEM,
+        A_OPERATION_TYPE: operation,
+        A_OPERATION_NAME: operation,
         A_DESTINATION: exchange,
         A_ROUTING_KEY: routing_key,
         A_MESSAGE_ID: message_id,
     }
+
+
+def _consumer(service: str) -> dict[str, Any]:
+    return {A_CONSUMER_GROUP: service, A_SUBSCRIPTION: f"{service}.inbox", A_SERVICE: service}
+
+
+def _exchange(kind: str) -> str:
+    """The exchange a message of `kind` travels through."""
+    return COMMANDS_EXCHANGE if kind == COMMAND else EVENTS_EXCHANGE

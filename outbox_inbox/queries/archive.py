@@ -9,19 +9,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import (
-    Connection,
-    String,
-    Table,
-    and_,
-    delete,
-    exists,
-    func,
-    insert,
-    literal,
-    or_,
-    select,
-)
+from sqlalchemy import Connection, Table, and_, delete, exists, func, insert, or_, select
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -113,10 +101,8 @@ def journal_archive_files(
 ) -> None:
     """Record (id, source, path) of Parquet files about to be written."""
     if files:
-        a = tables.archive_files
-        conn.execute(
-            insert(a), [{"id": f, "source_table": src, "path": path} for f, src, path in files]
-        )
+        rows = [{"id": f, "source_table": src, "path": path} for f, src, path in files]
+        conn.execute(insert(tables.archive_files), rows)
 
 
 def unfinished_archive_files(conn: Connection, tables: Tables) -> list[RowMapping]:
@@ -144,22 +130,22 @@ def try_archive_lock(conn: Connection, schema: str) -> bool:
     SQLite has no such lock: one process writes it at a time anyway, and the archive of a
     development database is run by hand.
     """
-    if conn.dialect.name != "postgresql":
-        return True
+    return conn.dialect.name != "postgresql" or try_xact_lock(
+        conn, f"outbox_inbox.archive.{schema}"
+    )
+
+
+def try_xact_lock(conn: Connection, key: str) -> bool:
+    """Take the transaction-level advisory lock of `key` if it is free, held until `conn`'s
+    transaction ends, which no idle timeout ends early."""
     conn.execute(select(func.set_config("idle_in_transaction_session_timeout", "0", True)))
-    stmt = select(func.pg_try_advisory_xact_lock(_archive_key(schema)))
-    return bool(conn.execute(stmt).scalar_one())
-
-
-def release_archive_lock(conn: Connection, schema: str) -> None:
-    """Release the lock of `try_archive_lock` on `schema`: end the transaction that holds it
-    (it wrote nothing). Leaves no state on the connection, which may go back to a pool."""
-    del schema  # the lock is the transaction's: ending it releases every such lock
-    conn.rollback()
-
-
-def _archive_key(schema: str) -> Any:
-    return func.hashtext(literal(f"outbox_inbox.archive.{schema}", String()))
+    held = bool(conn.execute(select(func.pg_try_advisory_xact_lock(func.hashtext(key)))).scalar())
+    # A statement with parameters leaves its portal open, and with it a snapshot, until the
+    # next statement; one without goes by the simple protocol and closes it. Kept, that
+    # snapshot would make a DETACH … FINALIZE, which waits for every older snapshot, wait for
+    # ever (and hold back vacuum while the lock is held).
+    conn.exec_driver_sql("SELECT 1")
+    return held
 
 
 def prune_deliveries(conn: Connection, tables: Tables, cutoff: datetime) -> int:

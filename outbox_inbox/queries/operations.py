@@ -68,37 +68,19 @@ class DeadFilters(TypedDict, total=False):
     parked: bool
 
 
-def dead_outbox_rows(
-    conn: Connection, tables: Tables, **filters: Unpack[DeadFilters]
-) -> Iterator[RowMapping]:
-    """Dead outbox rows matching every given filter, in id order, streamed; each row carries
+def dead_rows(conn: Connection, t: Table, **filters: Unpack[DeadFilters]) -> Iterator[RowMapping]:
+    """Dead rows of table `t` (the inbox or the outbox) matching every given filter, in id
+    order, streamed 500 at a time; each row carries ``dead_at`` (when it died) and
     ``age_seconds``."""
-    o = tables.outbox
-    stmt = select(o, db_age(o.c.dead_at).label("age_seconds"))
-    yield from _stream(conn, o, stmt, filters)
+    dead_at = dead_since(t)
+    died = [dead_at.label("dead_at")] if "status" in t.c else []  # the outbox has its dead_at
+    stmt = select(t, *died, db_age(dead_at).label("age_seconds")).where(*_dead_where(t, filters))
+    yield from conn.execute(stmt.order_by(t.c.id).execution_options(yield_per=500)).mappings()
 
 
-def dead_inbox_rows(
-    conn: Connection, tables: Tables, **filters: Unpack[DeadFilters]
-) -> Iterator[RowMapping]:
-    """Dead inbox rows matching every given filter, in id order, streamed; each row carries
-    ``dead_at`` (when it died) and ``age_seconds``."""
-    i = tables.inbox
-    dead_at = dead_since(i)
-    stmt = select(i, dead_at.label("dead_at"), db_age(dead_at).label("age_seconds"))
-    yield from _stream(conn, i, stmt, filters)
-
-
-def _stream(conn: Connection, t: Table, stmt: Any, filters: DeadFilters) -> Iterator[RowMapping]:
-    """The rows of `stmt` over table `t` that match `filters`, in id order, 500 at a time."""
-    stmt = stmt.where(*_dead_where(t, filters)).order_by(t.c.id)
-    yield from conn.execute(stmt.execution_options(yield_per=500)).mappings()
-
-
-def count_dead(conn: Connection, tables: Tables, table: str, **filters: Unpack[DeadFilters]) -> int:
-    """How many dead rows of `table` ("inbox" or "outbox") match every given filter; one count
-    query, no row is loaded."""
-    t = tables.inbox if table == "inbox" else tables.outbox
+def count_dead(conn: Connection, t: Table, **filters: Unpack[DeadFilters]) -> int:
+    """How many dead rows of table `t` (the inbox or the outbox) match every given filter; one
+    count query, no row is loaded."""
     stmt = select(func.count()).select_from(t).where(*_dead_where(t, filters))
     return int(conn.execute(stmt).scalar_one())
 
@@ -133,11 +115,6 @@ def _dead_or_parked(t: Any, parked: bool) -> ColumnElement[bool]:
     return and_(t.c.dead_at.is_not(None), set_aside)
 
 
-def _replayed(t: Any) -> dict[str, Any]:
-    """What a replay records on a row: one more replay, and when."""
-    return {"replays": t.c.replays + 1, "replayed_at": db_now()}
-
-
 def _change_dead(
     conn: Connection, t: Table, ids: Sequence[int], parked: bool, **values: Any
 ) -> list[int]:
@@ -148,90 +125,41 @@ def _change_dead(
     return sorted(conn.execute(stmt.returning(t.c.id)).scalars())
 
 
-def replay_dead_outbox(
-    conn: Connection, tables: Tables, ids: Sequence[int], *, parked: bool = False
+def replay_dead(
+    conn: Connection, t: Table, ids: Sequence[int], *, parked: bool = False
 ) -> list[int]:
-    """Make dead (`parked`: parked) outbox rows unsent again, due now, with their attempts
-    reset and the replay counted; return the ids.
-
-    Only rows still dead (parked) are touched. last_error and the fingerprint stay until the
-    next attempt ends.
-    """
-    o = tables.outbox
-    return _change_dead(
-        conn,
-        o,
-        ids,
-        parked,
-        dead_at=None,
-        dead_reason=None,
-        parked_at=None,
-        attempts=0,
-        available_at=db_now(),
-        **_replayed(o),
-    )
-
-
-def replay_dead_inbox(
-    conn: Connection, tables: Tables, ids: Sequence[int], *, parked: bool = False
-) -> list[int]:
-    """Make dead (`parked`: parked) rows pending again, due now, with fresh counters and the
-    replay counted; return the ids changed.
+    """Make the dead (`parked`: parked) rows of `ids` of table `t` due now with their attempts
+    reset and the replay counted (inbox rows pending again with fresh counters, outbox rows
+    unsent again); return the ids changed.
 
     Only rows still dead (parked) are touched (another operator may have replayed or purged
     some). last_error and the fingerprint stay as the history of the earlier failure until
     the next attempt ends.
     """
-    i = tables.inbox
-    return _change_dead(
-        conn,
-        i,
-        ids,
-        parked,
-        status=PENDING,
-        next_attempt_at=db_now(),
-        attempts=0,
-        finished=0,
-        dead_reason=None,
-        processed_at=None,
-        locked_until=None,
-        locked_by=None,
-        **_replayed(i),
-    )
+    if "status" in t.c:
+        again: dict[str, Any] = {"status": PENDING, "next_attempt_at": db_now(), "finished": 0}
+        again |= {"processed_at": None, "locked_until": None, "locked_by": None}
+    else:
+        again = {"dead_at": None, "parked_at": None, "available_at": db_now()}
+    replayed = {"replays": t.c.replays + 1, "replayed_at": db_now()}
+    return _change_dead(conn, t, ids, parked, attempts=0, dead_reason=None, **again, **replayed)
 
 
-def purge_dead_outbox(
-    conn: Connection, tables: Tables, ids: Sequence[int], *, parked: bool = False
+def purge_dead(
+    conn: Connection, t: Table, ids: Sequence[int], *, parked: bool = False
 ) -> list[int]:
-    """Delete the outbox rows of `ids` that are still dead (`parked`: parked); return the ids
+    """Delete the rows of `ids` of table `t` still dead (`parked`: parked); return the ids
     deleted."""
-    return _delete_dead(conn, tables.outbox, ids, parked)
-
-
-def purge_dead_inbox(
-    conn: Connection, tables: Tables, ids: Sequence[int], *, parked: bool = False
-) -> list[int]:
-    """Delete the rows of `ids` that are still dead (`parked`: parked); return the ids
-    deleted."""
-    return _delete_dead(conn, tables.inbox, ids, parked)
-
-
-def _delete_dead(conn: Connection, t: Table, ids: Sequence[int], parked: bool) -> list[int]:
-    """Delete the rows of `ids` still dead (`parked`: parked); return the ids deleted."""
     if not ids:
         return []
     stmt = delete(t).where(t.c.id.in_(list(ids)), _dead_or_parked(t, parked)).returning(t.c.id)
     return sorted(conn.execute(stmt).scalars())
 
 
-def park_dead_outbox(conn: Connection, tables: Tables, ids: Sequence[int]) -> list[int]:
-    """Set the outbox rows of `ids` that are still dead aside as parked; return their ids."""
-    return _change_dead(conn, tables.outbox, ids, False, parked_at=db_now())
-
-
-def park_dead_inbox(conn: Connection, tables: Tables, ids: Sequence[int]) -> list[int]:
-    """Set the inbox rows of `ids` that are still dead aside as parked; return their ids."""
-    return _change_dead(conn, tables.inbox, ids, False, status=PARKED)
+def park_dead(conn: Connection, t: Table, ids: Sequence[int]) -> list[int]:
+    """Set the rows of `ids` of table `t` that are still dead aside as parked; return their ids."""
+    parked = {"status": PARKED} if "status" in t.c else {"parked_at": db_now()}
+    return _change_dead(conn, t, ids, False, **parked)
 
 
 def dead_groups(conn: Connection, tables: Tables, *, parked: bool = False) -> list[RowMapping]:
@@ -298,13 +226,12 @@ def outbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
     """Unsent outbox rows, how many of them failed at least once, the oldest one's age, and
     the dead rows (refused by the broker on every attempt)."""
     o = tables.outbox
-    unsent = outbox_unsent(o)
     row = conn.execute(
         select(
             func.count().label("unpublished"),
             func.count().filter(o.c.attempts > 0).label("retrying"),
             func.max(db_age(o.c.created_at)).label("oldest_age_seconds"),
-        ).where(unsent)
+        ).where(outbox_unsent(o))
     ).one()
     dead = conn.execute(select(func.count()).where(_dead_or_parked(o, False))).scalar_one()
     return {

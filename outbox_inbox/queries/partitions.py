@@ -12,11 +12,11 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Connection, Table, bindparam, column, exists, func, or_, select, table, text
+from sqlalchemy import Connection, Table, bindparam, column, exists, or_, select, table, text
 
 from ..tables import DEAD, PARKED, PENDING, Tables, outbox_unsent
-
-_LOCK_KEY = "outbox_inbox.partitions.{schema}"
+from .archive import try_xact_lock
+from .operations import dead_since
 
 
 def _quote(conn: Connection, name: str) -> str:
@@ -56,28 +56,26 @@ def partition_catalog(conn: Connection, schema: str, parent: str) -> list[Any]:
 
 def plain_tables(conn: Connection, schema: str) -> list[str]:
     """The tables of `schema` that are neither partitioned nor partitions (a detached one)."""
-    return list(
-        conn.execute(
-            text(
-                "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-                "WHERE n.nspname = :schema AND c.relkind = 'r' AND NOT c.relispartition"
-            ),
-            {"schema": schema},
-        ).scalars()
+    return _texts(
+        conn,
+        "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = :schema AND c.relkind = 'r' AND NOT c.relispartition",
+        schema=schema,
     )
 
 
 def check_constraints(conn: Connection, schema: str, name: str) -> list[str]:
     """The definitions of the CHECK constraints of table `schema`.`name`."""
-    return list(
-        conn.execute(
-            text(
-                "SELECT pg_get_constraintdef(oid) FROM pg_constraint "
-                "WHERE conrelid = to_regclass(:name) AND contype = 'c'"
-            ),
-            {"name": f"{_quote(conn, schema)}.{name}"},
-        ).scalars()
+    return _texts(
+        conn,
+        "SELECT pg_get_constraintdef(oid) FROM pg_constraint "
+        "WHERE conrelid = to_regclass(:name) AND contype = 'c'",
+        name=f"{_quote(conn, schema)}.{name}",
     )
+
+
+def _texts(conn: Connection, query: str, **params: str) -> list[str]:
+    return list(conn.execute(text(query), params).scalars())
 
 
 def table_kinds(conn: Connection, schema: str, names: list[str]) -> dict[str, str]:
@@ -93,10 +91,6 @@ def table_kinds(conn: Connection, schema: str, names: list[str]) -> dict[str, st
     return {str(name): str(kind) for name, kind in rows}
 
 
-def database_now(conn: Connection) -> datetime:
-    return conn.execute(select(func.now())).scalar_one()
-
-
 # --- the DDL -------------------------------------------------------------------------------
 
 
@@ -107,20 +101,10 @@ def create_partition(
     for [start, end): ``ATTACH PARTITION`` takes a lock writers do not wait for."""
     # INCLUDING CONSTRAINTS: ATTACH refuses a table without the parent's CHECKs (the
     # outbox's `kind`), and the migration's week of partitions runs out after 7 days.
-    _ddl(
-        conn,
-        "CREATE TABLE {s}.{name} (LIKE {s}.{parent} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)",
-        schema,
-        name=name,
-        parent=parent,
-    )
-    _ddl(
-        conn,
-        "CREATE UNIQUE INDEX {index} ON {s}.{name} (message_id)",
-        schema,
-        index=f"{name}_message_id",
-        name=name,
-    )
+    like = "CREATE TABLE {s}.{name} (LIKE {s}.{parent} INCLUDING DEFAULTS INCLUDING CONSTRAINTS)"
+    _ddl(conn, like, schema, name=name, parent=parent)
+    index = "CREATE UNIQUE INDEX {index} ON {s}.{name} (message_id)"
+    _ddl(conn, index, schema, index=f"{name}_message_id", name=name)
     attach(conn, schema, parent, name, start, end)
 
 
@@ -134,26 +118,16 @@ def attach(
 ) -> None:
     """Attach table `name` to `parent` for [lower, upper) (`lower` None: MINVALUE)."""
     bounds = f"FROM ({_literal(lower)}) TO ({_literal(upper)})"
-    _ddl(
-        conn,
-        "ALTER TABLE {s}.{parent} ATTACH PARTITION {s}.{name} FOR VALUES " + bounds,
-        schema,
-        parent=parent,
-        name=name,
-    )
+    statement = "ALTER TABLE {s}.{parent} ATTACH PARTITION {s}.{name} FOR VALUES " + bounds
+    _ddl(conn, statement, schema, parent=parent, name=name)
 
 
 def detach(conn: Connection, schema: str, parent: str, name: str, *, finalize: bool) -> None:
     """``DETACH PARTITION … CONCURRENTLY`` (writers and readers go on), or ``… FINALIZE`` to
     finish one a pass left pending."""
     how = "FINALIZE" if finalize else "CONCURRENTLY"
-    _ddl(
-        conn,
-        "ALTER TABLE {s}.{parent} DETACH PARTITION {s}.{name} " + how,
-        schema,
-        parent=parent,
-        name=name,
-    )
+    statement = "ALTER TABLE {s}.{parent} DETACH PARTITION {s}.{name} " + how
+    _ddl(conn, statement, schema, parent=parent, name=name)
 
 
 def drop_table(conn: Connection, schema: str, name: str) -> None:
@@ -166,15 +140,7 @@ def drop_table(conn: Connection, schema: str, name: str) -> None:
 def try_maintenance_lock(conn: Connection, schema: str) -> bool:
     """Take the maintenance lock of `schema` if it is free: a transaction-level advisory lock,
     held until `conn`'s transaction ends, which no idle timeout ends early."""
-    conn.execute(select(func.set_config("idle_in_transaction_session_timeout", "0", True)))
-    key = func.hashtext(_LOCK_KEY.format(schema=schema))
-    held = bool(conn.execute(select(func.pg_try_advisory_xact_lock(key))).scalar_one())
-    # A statement with parameters leaves its portal open, and with it a snapshot, until the
-    # next statement; one without goes by the simple protocol and closes it. Kept, that
-    # snapshot would make the pass's own DETACH … FINALIZE, which waits for every older
-    # snapshot, wait for ever (and hold back vacuum for the whole pass).
-    conn.exec_driver_sql("SELECT 1")
-    return held
+    return try_xact_lock(conn, f"outbox_inbox.partitions.{schema}")
 
 
 def partition_rows(tables: Tables, parent: str, name: str) -> Table:
@@ -189,13 +155,10 @@ def unfinished(parent: str, rows: Any, dead_cutoff: datetime | None) -> Any:
     """The rows of `parent` that keep their partition: work still to do, and dead or parked
     rows that died after `dead_cutoff` (None: dead rows are kept for ever)."""
     if parent == "outbox_messages":
-        dead = rows.c.dead_at.is_not(None)
-        young = dead if dead_cutoff is None else dead & (rows.c.dead_at >= dead_cutoff)
-        return or_(outbox_unsent(rows), young)
-    dead = rows.c.status.in_([DEAD, PARKED])
-    died = func.coalesce(rows.c.processed_at, rows.c.received_at)
-    young = dead if dead_cutoff is None else dead & (died >= dead_cutoff)
-    return or_(rows.c.status == PENDING, young)
+        work, dead = outbox_unsent(rows), rows.c.dead_at.is_not(None)
+    else:
+        work, dead = rows.c.status == PENDING, rows.c.status.in_([DEAD, PARKED])
+    return or_(work, dead if dead_cutoff is None else dead & (dead_since(rows) >= dead_cutoff))
 
 
 def holds_unfinished(conn: Connection, rows: Table, parent: str, dead_cutoff: Any) -> bool:

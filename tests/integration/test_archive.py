@@ -250,7 +250,7 @@ def test_a_second_run_is_refused_while_one_holds_the_schema_lock(
         assert result.returncode == 1
         assert "another archive run holds the lock" in result.stderr
         assert "Traceback" not in result.stderr
-        archive.release_archive_lock(holder, "outbox_inbox")
+        holder.rollback()  # ends the transaction and its lock
     assert _count(engine, tables.outbox) == 2
     assert not list(tmp_path.rglob("*.parquet"))
 
@@ -260,9 +260,9 @@ def test_a_second_run_is_refused_while_one_holds_the_schema_lock(
         Archiver(engine, tables, "orders", tmp_path, older_than=timedelta(0)).run()
     with engine.connect() as other, engine.connect() as another:
         assert archive.try_archive_lock(other, "outbox_inbox")
-        archive.release_archive_lock(other, "outbox_inbox")
+        other.rollback()  # ends the transaction and its lock
         assert archive.try_archive_lock(another, "outbox_inbox")
-        archive.release_archive_lock(another, "outbox_inbox")
+        another.rollback()  # ends the transaction and its lock
     assert _count(engine, tables.outbox) == 0
 
 

@@ -275,8 +275,8 @@ def test_status_reads_no_finished_row(engine: Any, tables: Tables, query: Any) -
 @pytest.mark.parametrize(
     "query",
     [
-        lambda conn, tables: operations.dead_inbox_rows(conn, tables),
-        lambda conn, tables: operations.dead_outbox_rows(conn, tables),
+        lambda conn, tables: operations.dead_rows(conn, tables.inbox),
+        lambda conn, tables: operations.dead_rows(conn, tables.outbox),
         lambda conn, tables: operations.dead_groups(conn, tables),
     ],
     ids=["dead_inbox_rows", "dead_outbox_rows", "dead_groups"],
