@@ -32,13 +32,23 @@ from ..svgchart import (
     x_axis_label,
     y_axis,
 )
+from . import server
+from .audit import (
+    PERCENTILES,
+    SCHEMA_VERSION,
+    STAGES,
+    AuditError,
+    Window,
+    _first_line,
+    check_archives,
+    read_live,
+    require_pyspark,
+    run_audit,
+    spark_session,
+)
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
-
-    from .audit import Window
-
-SCHEMA_VERSION = 1
 
 LATENCY_COLOR = "#7c3aed"
 PUBLISHED_COLOR = "#2563eb"
@@ -48,8 +58,6 @@ OK_COLOR = "#15803d"
 BAD_COLOR = "#b91c1c"
 PAGE_BACKGROUND = "#f3f4f6"
 
-STAGES = ("publish", "transit", "processing", "end_to_end")
-PERCENTILES = ("p50", "p90", "p99", "max")
 SERVICE_COUNTS = ("sent", "received", "processed", "dead", "lost", "duplicates_absorbed")
 RETRY_COUNTS = ("messages", "retried_messages", "retries", "max_attempts")
 COUNTS = {*SERVICE_COUNTS, *RETRY_COUNTS, "count", "copies"}  # the numeric table columns
@@ -146,16 +154,6 @@ def write_audit(
     do not hold the window; the job failed: Spark's error in one line), OSError (the
     directory cannot be written); a live database that cannot be read raises SQLAlchemy's
     error."""
-    from . import server
-    from .audit import (
-        AuditError,
-        _first_line,
-        check_archives,
-        read_live,
-        require_pyspark,
-        run_audit,
-    )
-
     roots = [p if "://" in p else str(Path(p).absolute()) for p in archives]
     check_archives(roots, window, live=bool(db_urls))
     require_pyspark()
@@ -200,8 +198,6 @@ def _one_shot(
     log: Path | None,
 ) -> Iterator[tuple[SparkSession, str]]:
     """A Spark session started for one audit, stopped after; and the line that says so."""
-    from .audit import spark_session
-
     spark = spark_session(master, driver_memory=driver_memory, config=config, log=log)
     try:
         output = f" (Spark's output: {log})" if log else ""
@@ -297,9 +293,15 @@ def _header(summary: Mapping[str, Any], totals: Mapping[str, Any]) -> str:
     # The job masks these already; masking again costs nothing and keeps a password that slipped
     # through out of a file that gets mailed around.
     databases = [_esc(mask_url(str(url))) for url in inputs.get("live_databases") or []]
+    audited: Mapping[str, Any] = inputs.get("window") or {}
+    published = (
+        f"{_fmt_time(audited.get('since'))} → {_fmt_time(audited.get('until'))} "
+        f"(margin {_fmt_duration(audited.get('margin_seconds'))})"
+    )
     rows = [
         ("Archives", "<br>".join(archives) or "none"),
         ("Live databases", "<br>".join(databases) or "none"),
+        *([("Messages published", published)] if audited else []),
         ("Spark master", _esc_or_dash(inputs.get("master"))),
         ("Horizon", _fmt_time(inputs.get("horizon"))),
         ("Grace period", _fmt_duration(inputs.get("grace_seconds"))),
@@ -310,16 +312,6 @@ def _header(summary: Mapping[str, Any], totals: Mapping[str, Any]) -> str:
         ),
         ("Generated", _fmt_time(summary.get("generated_at"))),
     ]
-    audited: Mapping[str, Any] = inputs.get("window") or {}
-    if audited:
-        rows.insert(
-            2,
-            (
-                "Messages published",
-                f"{_fmt_time(audited.get('since'))} → {_fmt_time(audited.get('until'))} "
-                f"(margin {_fmt_duration(audited.get('margin_seconds'))})",
-            ),
-        )
     items = "".join(f"<dt>{label}</dt><dd>{value}</dd>" for label, value in rows)
     return f'<header>{verdict}<dl class="inputs">{items}</dl></header>'
 
@@ -416,7 +408,18 @@ def _throughput_chart(series: Sequence[Mapping[str, Any]], bucket_seconds: Any) 
     lines = (("published", published, PUBLISHED_COLOR), ("processed", processed, PROCESSED_COLOR))
     for name, values, color in lines:
         parts.extend(series_line(name, values, color, xs, ticks[-1], bottom))
-    parts.extend(_throughput_time_labels(series, xs, bottom))
+    # At most MAX_X_LABELS bucket start times, with the date when the window spans days.
+    times = [_parse_time(point.get("start")) for point in series]
+    known = [time for time in times if time is not None]
+    time_format = "%m-%d %H:%M" if known and known[0].date() != known[-1].date() else "%H:%M"
+    for index in range(0, len(series), math.ceil(len(series) / MAX_X_LABELS)):
+        time = times[index]
+        label = (
+            _esc_or_dash(series[index].get("start")) if time is None else time.strftime(time_format)
+        )
+        parts.append(
+            f'<text x="{xs[index]:.1f}" y="{bottom + 16}" text-anchor="middle">{label}</text>'
+        )
     for offset, (name, _, color) in enumerate(lines):  # the legend
         x = PLOT_RIGHT - 190 + offset * 100
         parts.append(
@@ -428,28 +431,6 @@ def _throughput_chart(series: Sequence[Mapping[str, Any]], bucket_seconds: Any) 
     )
     parts.append("</svg>")
     return "".join(parts)
-
-
-def _throughput_time_labels(
-    series: Sequence[Mapping[str, Any]], xs: Sequence[float], bottom: int
-) -> list[str]:
-    """At most MAX_X_LABELS bucket start times under the x axis, with the date when the
-    window spans days."""
-    times = [_parse_time(point.get("start")) for point in series]
-    known = [time for time in times if time is not None]
-    spans_days = bool(known) and known[0].date() != known[-1].date()
-    stride = math.ceil(len(series) / MAX_X_LABELS)
-    parts = []
-    for index in range(0, len(series), stride):
-        time = times[index]
-        if time is None:
-            label = _esc_or_dash(series[index].get("start"))
-        else:
-            label = time.strftime("%m-%d %H:%M" if spans_days else "%H:%M")
-        parts.append(
-            f'<text x="{xs[index]:.1f}" y="{bottom + 16}" text-anchor="middle">{label}</text>'
-        )
-    return parts
 
 
 def _dead_letter_chart(causes: Sequence[Mapping[str, Any]]) -> str:
@@ -467,7 +448,13 @@ def _dead_letter_chart(causes: Sequence[Mapping[str, Any]]) -> str:
     ticks = count_ticks(max(counts))
     bars_left = DEAD_LETTER_LABEL_WIDTH
     width = PLOT_RIGHT - 40 - bars_left  # room for the count after the longest bar
-    parts.extend(_dead_letter_x_axis(ticks, bars_left, width, top, bottom))
+    for tick in ticks:  # vertical grid lines with count labels
+        x = bars_left + width * tick / ticks[-1]
+        parts.append(
+            f'<line class="grid" x1="{x:.1f}" x2="{x:.1f}" y1="{top}" y2="{bottom}"/>'
+            f'<text x="{x:.1f}" y="{bottom + 16}" text-anchor="middle">{fmt_count(tick)}</text>'
+        )
+    parts.append(f'<line class="axis" x1="{bars_left}" x2="{bars_left}" y1="{top}" y2="{bottom}"/>')
     # Labels start at the left edge and are clipped short of the bars: text metrics are the
     # browser's, so a label that turns out too wide is cut at its end instead of running off
     # the chart or over the bars.
@@ -477,50 +464,27 @@ def _dead_letter_chart(causes: Sequence[Mapping[str, Any]]) -> str:
     )
     for index, (cause, count) in enumerate(zip(causes, counts, strict=True)):
         y = top + index * DEAD_LETTER_ROW_HEIGHT
-        parts.extend(_dead_letter_row(cause, count, y, bars_left, width * count / ticks[-1]))
+        text_y = y + DEAD_LETTER_ROW_HEIGHT / 2 + 4
+        bar_width = width * count / ticks[-1]
+        reason = str(cause.get("reason") or "")
+        error = str(cause.get("error") or "")
+        label = f"{reason}: {_truncate(error, DEAD_LETTER_ERROR_CHARS)}" if error else reason
+        parts.append(
+            f'<text x="8" y="{text_y:.1f}" clip-path="url(#dead-letter-labels)">'
+            f"<title>{_esc(reason)}: {_esc(error)}</title>"
+            f"{_esc(_truncate(label, DEAD_LETTER_LABEL_CHARS))}</text>"
+        )
+        if count > 0:
+            parts.append(
+                f'<rect class="bar" x="{bars_left}" y="{y + 4}" width="{bar_width:.1f}" '
+                f'height="{DEAD_LETTER_ROW_HEIGHT - 8}" fill="{DEAD_LETTER_COLOR}"/>'
+            )
+        parts.append(
+            f'<text x="{bars_left + bar_width + 4:.1f}" y="{text_y:.1f}">{fmt_count(count)}</text>'
+        )
     parts.append(x_axis_label("dead letters", height - 12))
     parts.append("</svg>")
     return "".join(parts)
-
-
-def _dead_letter_x_axis(
-    ticks: Sequence[int], bars_left: int, width: int, top: int, bottom: int
-) -> list[str]:
-    """Vertical grid lines with count labels, and the axis line the bars start from."""
-    parts = []
-    for tick in ticks:
-        x = bars_left + width * tick / ticks[-1]
-        parts.append(
-            f'<line class="grid" x1="{x:.1f}" x2="{x:.1f}" y1="{top}" y2="{bottom}"/>'
-            f'<text x="{x:.1f}" y="{bottom + 16}" text-anchor="middle">{fmt_count(tick)}</text>'
-        )
-    parts.append(f'<line class="axis" x1="{bars_left}" x2="{bars_left}" y1="{top}" y2="{bottom}"/>')
-    return parts
-
-
-def _dead_letter_row(
-    cause: Mapping[str, Any], count: int, y: int, bars_left: int, bar_width: float
-) -> list[str]:
-    """One cause: its label (clipped), its bar and its count."""
-    reason = str(cause.get("reason") or "")
-    error = str(cause.get("error") or "")
-    label = f"{reason}: {_truncate(error, DEAD_LETTER_ERROR_CHARS)}" if error else reason
-    label = _truncate(label, DEAD_LETTER_LABEL_CHARS)
-    parts = [
-        f'<text x="8" y="{y + DEAD_LETTER_ROW_HEIGHT / 2 + 4:.1f}" '
-        f'clip-path="url(#dead-letter-labels)"><title>{_esc(reason)}: {_esc(error)}</title>'
-        f"{_esc(label)}</text>"
-    ]
-    if count > 0:
-        parts.append(
-            f'<rect class="bar" x="{bars_left}" y="{y + 4}" width="{bar_width:.1f}" '
-            f'height="{DEAD_LETTER_ROW_HEIGHT - 8}" fill="{DEAD_LETTER_COLOR}"/>'
-        )
-    parts.append(
-        f'<text x="{bars_left + bar_width + 4:.1f}" '
-        f'y="{y + DEAD_LETTER_ROW_HEIGHT / 2 + 4:.1f}">{fmt_count(count)}</text>'
-    )
-    return parts
 
 
 # --- tables ----------------------------------------------------------------------------------
