@@ -337,7 +337,15 @@ def run_audit(
             "schema_version": SCHEMA_VERSION,
             "generated_at": _iso(now),
             "ok": figures.totals["lost"] == 0 and figures.totals["handled_more_than_once"] == 0,
-            "inputs": _inputs(spark, archives, grace, horizon, window, inputs or {}),
+            "inputs": {  # what was read, where, and the grace; `inputs` adds to it
+                "archives": list(archives),
+                "live_databases": [],
+                "master": spark.conf.get("spark.master"),
+                "grace_seconds": grace.total_seconds(),
+                "horizon": _iso(horizon),
+                **({"window": window.describe()} if window is not None else {}),
+                **(inputs or {}),
+            },
             "window": {
                 "first_created_at": _iso(figures.first_created_at),
                 "last_processed_at": _iso(figures.last_processed_at),
@@ -370,26 +378,6 @@ def _kept(spark: SparkSession, rows: DataFrame) -> DataFrame:
             spark.conf.unset(setting)
         else:
             spark.conf.set(setting, before)
-
-
-def _inputs(
-    spark: SparkSession,
-    archives: Sequence[str],
-    grace: timedelta,
-    horizon: datetime,
-    window: Window | None,
-    inputs: Mapping[str, Any],
-) -> dict[str, Any]:
-    """The summary's ``inputs``: what was read, where, and the grace; `inputs` adds to it."""
-    return {
-        "archives": list(archives),
-        "live_databases": [],
-        "master": spark.conf.get("spark.master"),
-        "grace_seconds": grace.total_seconds(),
-        "horizon": _iso(horizon),
-        **({"window": window.describe()} if window is not None else {}),
-        **inputs,
-    }
 
 
 def _read_inputs(
@@ -629,40 +617,20 @@ def _reconcile(expected: DataFrame, received: DataFrame, window: Window | None) 
     restricted to `window`'s messages."""
     from pyspark.sql import functions as F
 
-    # Both sides spread by message id; the receipts come sorted from their aggregation.
+    # Both sides spread by message id; the receipts come sorted from their aggregation. The
+    # rows keep only the columns the figures read: they are kept in memory.
     joined = expected.join(received, ["h", "message_id", "consumer"], "full_outer")
     rows = joined.select(
-        *_KEPT,
+        "*",
         F.coalesce("routing_key", "r_type").alias("type"),
         F.coalesce("expected", F.lit(False)).alias("is_expected"),
         F.coalesce("got", F.lit(False)).alias("is_received"),
         F.coalesce("sent_row", F.lit(False)).alias("is_sent"),
-    )
+    ).drop("h", "pos", "routing_key", "r_type", "expected", "got", "sent_row")
     if window is not None:
         at = F.coalesce("published_at", "created_at", "received_at")
         rows = rows.where((at >= F.lit(window.since)) & (at < F.lit(window.until)))
     return rows
-
-
-# The columns of a reconciled row that the figures read.
-_KEPT = (
-    "message_id",
-    "consumer",
-    "producer",
-    "kind",
-    "created_at",
-    "published_at",
-    "expired_at",
-    "publish_attempts",
-    "received_at",
-    "processed_at",
-    "status",
-    "attempts",
-    "copies",
-    "duplicates",
-    "dead_reason",
-    "last_error",
-)
 
 
 def _states(horizon: datetime) -> dict[str, Column]:
@@ -716,7 +684,7 @@ def _aggregate(rows: DataFrame, horizon: datetime) -> list[Row]:
         "expired": in_a & sent & F.col("expired_at").isNotNull(),
         "twice": in_a & (F.col("copies") > 1),
         "retried": in_a & s["received"] & (F.col("attempts") > 1),
-        "bucket": F.when(in_a & s["done"], _e2e_bucket()),
+        "bucket": F.when(in_a & s["done"], _e2e_bucket(_stage_seconds()["end_to_end"])),
         "reason": F.when(~in_a, F.coalesce("dead_reason", F.lit("unknown"))),
         "error": F.when(~in_a, error),
     }
@@ -755,11 +723,10 @@ def _stage_seconds() -> dict[str, Column]:
     }
 
 
-def _e2e_bucket() -> Column:
-    """The latency histogram's bucket of a row's end-to-end time (null when unknown)."""
+def _e2e_bucket(seconds: Column) -> Column:
+    """The latency histogram's bucket of an end-to-end time (null when unknown)."""
     from pyspark.sql import functions as F
 
-    seconds = _seconds("processed_at", "created_at")
     return F.when(
         seconds <= 10.0 ** (HISTOGRAM_LOW / HISTOGRAM_PER_DECADE), HISTOGRAM_LOW
     ).otherwise(F.least(F.ceil(F.log10(seconds) * HISTOGRAM_PER_DECADE), F.lit(HISTOGRAM_HIGH + 1)))
