@@ -511,17 +511,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     faults = Faults(**{name: getattr(args, name) for name in Faults.__dataclass_fields__})
     expected = generate(args.directory, args.messages, faults, seed=args.seed)
-    print(
-        json.dumps(
-            {
-                "roots": expected.roots,
-                "now": expected.now.isoformat() if expected.now else None,
-                "grace_seconds": expected.grace.total_seconds(),
-                "totals": expected.totals,
-            },
-            indent=2,
-        )
-    )
+    printed = {
+        "roots": expected.roots,
+        "now": expected.now.isoformat() if expected.now else None,
+        "grace_seconds": expected.grace.total_seconds(),
+        "totals": expected.totals,
+    }
+    print(json.dumps(printed, indent=2))
 
 
 if __name__ == "__main__":
