@@ -32,12 +32,15 @@ buckets depend on the window the first job found.
 from __future__ import annotations
 
 import math
+import operator
 import os
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from functools import reduce
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +63,7 @@ if TYPE_CHECKING:
 SCHEMA_VERSION = 1
 EXAMPLES = 100  # lost and doubly handled messages listed by id in the summary
 STAGES = ("publish", "transit", "processing", "end_to_end")
+PERCENTILES = ("p50", "p90", "p99", "max")  # of each stage's latency, per type
 # Throughput buckets: the smallest that gives at most MAX_BUCKETS points over the window.
 BUCKET_STEPS = (1, 5, 10, 30, 60, 300, 600, 1800, 3600, 10800, 21600, 43200, 86400, 604800)
 MAX_BUCKETS = 240
@@ -318,12 +322,7 @@ def run_audit(
     full audit's restricted to those messages, as long as every receipt is within the window's
     margin of its publication. Raises AuditError when a window's days are in no archive and
     no live rows were given. Reads but never writes the archives. Raises pyspark's errors
-    when Spark fails.
-
-    One pass: the archives are read once, the sent messages expanded to their expected
-    deliveries and joined with the receipts (one shuffle of each side), and every figure
-    but the throughput and the examples comes out of one job over the joined rows, kept in
-    memory for a second, small query that gives those two.
+    when Spark fails. How it runs: see the module docstring.
     """
     now = now or datetime.now(UTC)
     horizon = now - grace
@@ -338,7 +337,15 @@ def run_audit(
             "schema_version": SCHEMA_VERSION,
             "generated_at": _iso(now),
             "ok": figures.totals["lost"] == 0 and figures.totals["handled_more_than_once"] == 0,
-            "inputs": _inputs(spark, archives, grace, horizon, window, inputs or {}),
+            "inputs": {  # what was read, where, and the grace; `inputs` adds to it
+                "archives": list(archives),
+                "live_databases": [],
+                "master": spark.conf.get("spark.master"),
+                "grace_seconds": grace.total_seconds(),
+                "horizon": _iso(horizon),
+                **({"window": window.describe()} if window is not None else {}),
+                **(inputs or {}),
+            },
             "window": {
                 "first_created_at": _iso(figures.first_created_at),
                 "last_processed_at": _iso(figures.last_processed_at),
@@ -371,26 +378,6 @@ def _kept(spark: SparkSession, rows: DataFrame) -> DataFrame:
             spark.conf.unset(setting)
         else:
             spark.conf.set(setting, before)
-
-
-def _inputs(
-    spark: SparkSession,
-    archives: Sequence[str],
-    grace: timedelta,
-    horizon: datetime,
-    window: Window | None,
-    inputs: Mapping[str, Any],
-) -> dict[str, Any]:
-    """The summary's ``inputs``: what was read, where, and the grace; `inputs` adds to it."""
-    return {
-        "archives": list(archives),
-        "live_databases": [],
-        "master": spark.conf.get("spark.master"),
-        "grace_seconds": grace.total_seconds(),
-        "horizon": _iso(horizon),
-        **({"window": window.describe()} if window is not None else {}),
-        **inputs,
-    }
 
 
 def _read_inputs(
@@ -454,10 +441,7 @@ def _read(
                 raise
     if not frames:
         return spark.createDataFrame([], schema), False
-    frame = frames[0]
-    for other in frames[1:]:
-        frame = frame.unionByName(other)
-    return frame, True
+    return reduce(lambda a, b: a.unionByName(b), frames), True
 
 
 def _listed(base: str, days: Sequence[str] | None) -> list[str] | None:
@@ -536,7 +520,7 @@ def _expected(
                 condition = condition & (published_at >= F.lit(since))
             by_service.setdefault(service, []).append(condition)
     matching = [
-        F.when(_any(conditions), F.lit(service))
+        F.when(reduce(operator.or_, conditions), F.lit(service))
         for service, conditions in sorted(by_service.items())
     ]
     # Arrays with a null where a service is not expected: a message keeps its first row (its
@@ -576,13 +560,6 @@ def _hash() -> Column:
     from pyspark.sql import functions as F
 
     return F.xxhash64("message_id")
-
-
-def _any(conditions: Sequence[Column]) -> Column:
-    out = conditions[0]
-    for condition in conditions[1:]:
-        out = out | condition
-    return out
 
 
 def _parts(spark: SparkSession, *inputs: DataFrame) -> int:
@@ -640,40 +617,20 @@ def _reconcile(expected: DataFrame, received: DataFrame, window: Window | None) 
     restricted to `window`'s messages."""
     from pyspark.sql import functions as F
 
-    # Both sides spread by message id; the receipts come sorted from their aggregation.
+    # Both sides spread by message id; the receipts come sorted from their aggregation. The
+    # rows keep only the columns the figures read: they are kept in memory.
     joined = expected.join(received, ["h", "message_id", "consumer"], "full_outer")
     rows = joined.select(
-        *_KEPT,
+        "*",
         F.coalesce("routing_key", "r_type").alias("type"),
         F.coalesce("expected", F.lit(False)).alias("is_expected"),
         F.coalesce("got", F.lit(False)).alias("is_received"),
         F.coalesce("sent_row", F.lit(False)).alias("is_sent"),
-    )
+    ).drop("h", "pos", "routing_key", "r_type", "expected", "got", "sent_row")
     if window is not None:
         at = F.coalesce("published_at", "created_at", "received_at")
         rows = rows.where((at >= F.lit(window.since)) & (at < F.lit(window.until)))
     return rows
-
-
-# The columns of a reconciled row that the figures read.
-_KEPT = (
-    "message_id",
-    "consumer",
-    "producer",
-    "kind",
-    "created_at",
-    "published_at",
-    "expired_at",
-    "publish_attempts",
-    "received_at",
-    "processed_at",
-    "status",
-    "attempts",
-    "copies",
-    "duplicates",
-    "dead_reason",
-    "last_error",
-)
 
 
 def _states(horizon: datetime) -> dict[str, Column]:
@@ -727,7 +684,7 @@ def _aggregate(rows: DataFrame, horizon: datetime) -> list[Row]:
         "expired": in_a & sent & F.col("expired_at").isNotNull(),
         "twice": in_a & (F.col("copies") > 1),
         "retried": in_a & s["received"] & (F.col("attempts") > 1),
-        "bucket": F.when(in_a & s["done"], _e2e_bucket()),
+        "bucket": F.when(in_a & s["done"], _e2e_bucket(_stage_seconds()["end_to_end"])),
         "reason": F.when(~in_a, F.coalesce("dead_reason", F.lit("unknown"))),
         "error": F.when(~in_a, error),
     }
@@ -766,11 +723,10 @@ def _stage_seconds() -> dict[str, Column]:
     }
 
 
-def _e2e_bucket() -> Column:
-    """The latency histogram's bucket of a row's end-to-end time (null when unknown)."""
+def _e2e_bucket(seconds: Column) -> Column:
+    """The latency histogram's bucket of an end-to-end time (null when unknown)."""
     from pyspark.sql import functions as F
 
-    seconds = _seconds("processed_at", "created_at")
     return F.when(
         seconds <= 10.0 ** (HISTOGRAM_LOW / HISTOGRAM_PER_DECADE), HISTOGRAM_LOW
     ).otherwise(F.least(F.ceil(F.log10(seconds) * HISTOGRAM_PER_DECADE), F.lit(HISTOGRAM_HIGH + 1)))
@@ -783,29 +739,9 @@ class _Figures:
         self.a = [r for r in groups if r[_SET] == "a"]
         self.b = sorted((r for r in groups if r[_SET] == "b"), key=lambda r: r["type"])
         self.c = [r for r in groups if r[_SET] == "c"]
-        states = {
-            "sent": lambda r: r["sent"],
-            "commands": lambda r: r["kind"] == "command",
-            "events": lambda r: r["kind"] == "event",
-            "published": lambda r: r["published"],
-            "expired": lambda r: r["expired"],
-            "unpublished": lambda r: r["sent"] and not r["published"] and not r["expired"],
-            "expected_deliveries": lambda r: r["expected"],
-            "delivered": lambda r: r["expected"] and r["received"],
-            "lost": lambda r: r["lost"],
-            "in_flight": lambda r: r["expected"] and not r["received"] and not r["lost"],
-            "handled_more_than_once": lambda r: r["twice"],
-            "unexpected": lambda r: r["received"] and not r["expected"],
-            "processed": lambda r: r["status"] == "processed",
-            "pending": lambda r: r["status"] == "pending",
-            "dead": lambda r: r["status"] == "dead",
-            "retried_messages": lambda r: r["retried"],
-        }
         self.totals = {
-            name: self._count(states[name])
-            if name in states
-            else sum(int(r[name] or 0) for r in self.a)
-            for name in TOTALS
+            name: sum(int(r[name] or 0) for r in self.a) if state is None else self._count(state)
+            for name, state in _TOTALS.items()
         }
         self.first_created_at = _least(r["first_created_at"] for r in self.a)
         self.first_published_at = _least(r["first_published_at"] for r in self.a)
@@ -830,22 +766,21 @@ class _Figures:
     def services(self) -> list[dict[str, Any]]:
         sent = self._by("producer", lambda r: r["sent"])
         got = self._by("consumer", lambda r: True)
-        return [
-            {
-                "service": service,
-                "sent": self._count(lambda r: True, sent.get(service, [])),
-                "received": self._count(lambda r: r["received"], got.get(service, [])),
-                "processed": self._count(
-                    lambda r: r["status"] == "processed", got.get(service, [])
-                ),
-                "dead": self._count(lambda r: r["status"] == "dead", got.get(service, [])),
-                "lost": self._count(lambda r: r["lost"], got.get(service, [])),
-                "duplicates_absorbed": sum(
-                    int(r["duplicates_absorbed"] or 0) for r in got.get(service, [])
-                ),
-            }
-            for service in sorted(set(sent) | set(got))
-        ]
+        out = []
+        for service in sorted(set(sent) | set(got)):
+            mine = got.get(service, [])
+            out.append(
+                {
+                    "service": service,
+                    "sent": self._count(lambda r: True, sent.get(service, [])),
+                    "received": self._count(lambda r: r["received"], mine),
+                    "processed": self._count(lambda r: r["status"] == "processed", mine),
+                    "dead": self._count(lambda r: r["status"] == "dead", mine),
+                    "lost": self._count(lambda r: r["lost"], mine),
+                    "duplicates_absorbed": sum(int(r["duplicates_absorbed"] or 0) for r in mine),
+                }
+            )
+        return out
 
     def latency(self) -> list[dict[str, Any]]:
         done = self._by("type", lambda r: r["expected"] and r["status"] == "processed")
@@ -853,22 +788,17 @@ class _Figures:
         for r in self.b:
             stages = {}
             for stage in STAGES:
-                p = r[f"{stage}_p"] or [None, None, None]
-                stages[stage] = {
-                    "p50": _float(p[0]),
-                    "p90": _float(p[1]),
-                    "p99": _float(p[2]),
-                    "max": _float(r[f"{stage}_max"]),
-                }
+                p = [_float(v) for v in r[f"{stage}_p"] or [None] * 3]
+                p.append(_float(r[f"{stage}_max"]))
+                stages[stage] = dict(zip(PERCENTILES, p, strict=True))
             count = self._count(lambda _: True, done.get(r["type"], []))
             out.append({"type": r["type"], "count": count, "stages": stages})
         return out
 
     def histogram(self) -> list[dict[str, Any]]:
-        counts: dict[int, int] = {}
-        for r in self.a:
-            if r["bucket"] is not None:
-                counts[int(r["bucket"])] = counts.get(int(r["bucket"]), 0) + int(r["n"])
+        counts: Counter[int] = Counter()
+        for r in (r for r in self.a if r["bucket"] is not None):
+            counts[int(r["bucket"])] += int(r["n"])
         if not counts:
             return []
         return [
@@ -896,10 +826,10 @@ class _Figures:
 
     def dead_letters(self) -> dict[str, list[dict[str, Any]]]:
         by_type: dict[tuple[str, str], list[Row]] = {}
-        causes: dict[tuple[str, str], int] = {}
+        causes: Counter[tuple[str, str]] = Counter()
         for r in self.c:
             by_type.setdefault((r["type"], r["reason"]), []).append(r)
-            causes[(r["reason"], r["error"])] = causes.get((r["reason"], r["error"]), 0) + r["n"]
+            causes[(r["reason"], r["error"])] += r["n"]
         letters = [
             {
                 "type": t,
@@ -942,28 +872,31 @@ _INBOX_USED = (
     "duplicates",
     "archived_at",
 )
+# Every count of the summary's ``totals``: the rows of the "a" groups in a state, or (None)
+# the sum of the column of that name.
+_TOTALS: dict[str, Callable[[Row], Any] | None] = {
+    "sent": lambda r: r["sent"],
+    "commands": lambda r: r["kind"] == "command",
+    "events": lambda r: r["kind"] == "event",
+    "published": lambda r: r["published"],
+    "expired": lambda r: r["expired"],
+    "unpublished": lambda r: r["sent"] and not r["published"] and not r["expired"],
+    "publish_retries": None,
+    "expected_deliveries": lambda r: r["expected"],
+    "delivered": lambda r: r["expected"] and r["received"],
+    "lost": lambda r: r["lost"],
+    "in_flight": lambda r: r["expected"] and not r["received"] and not r["lost"],
+    "duplicates_absorbed": None,
+    "handled_more_than_once": lambda r: r["twice"],
+    "unexpected": lambda r: r["received"] and not r["expected"],
+    "processed": lambda r: r["status"] == "processed",
+    "pending": lambda r: r["status"] == "pending",
+    "dead": lambda r: r["status"] == "dead",
+    "retried_messages": lambda r: r["retried"],
+    "retries": None,
+}
 #: Every count of the summary's ``totals``.
-TOTALS = (
-    "sent",
-    "commands",
-    "events",
-    "published",
-    "expired",
-    "unpublished",
-    "publish_retries",
-    "expected_deliveries",
-    "delivered",
-    "lost",
-    "in_flight",
-    "duplicates_absorbed",
-    "handled_more_than_once",
-    "unexpected",
-    "processed",
-    "pending",
-    "dead",
-    "retried_messages",
-    "retries",
-)
+TOTALS = tuple(_TOTALS)
 
 
 def _seconds(later: str, earlier: str) -> Column:
@@ -1010,30 +943,17 @@ class _Details:
             (r for r in self.rows if r[_SET] == "l"),
             key=lambda r: (r["published_at"], r["message_id"]),
         )
+        fields = ("message_id", "type", "producer", "consumer")
         return [
-            {
-                "message_id": r["message_id"],
-                "type": r["type"],
-                "producer": r["producer"],
-                "consumer": r["consumer"],
-                "published_at": _iso(r["published_at"]),
-            }
-            for r in found
+            {**{f: r[f] for f in fields}, "published_at": _iso(r["published_at"])} for r in found
         ]
 
     def handled_more_than_once(self) -> list[dict[str, Any]]:
         found = sorted(
             (r for r in self.rows if r[_SET] == "w"), key=lambda r: (-r["copies"], r["message_id"])
         )
-        return [
-            {
-                "message_id": r["message_id"],
-                "type": r["type"],
-                "consumer": r["consumer"],
-                "copies": int(r["copies"]),
-            }
-            for r in found
-        ]
+        fields = ("message_id", "type", "consumer")
+        return [{**{f: r[f] for f in fields}, "copies": int(r["copies"])} for r in found]
 
     def throughput(self) -> dict[str, Any]:
         """Published and processed per time bucket, from the first publication on."""

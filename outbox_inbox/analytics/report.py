@@ -32,13 +32,23 @@ from ..svgchart import (
     x_axis_label,
     y_axis,
 )
+from . import server
+from .audit import (
+    PERCENTILES,
+    SCHEMA_VERSION,
+    STAGES,
+    AuditError,
+    Window,
+    _first_line,
+    check_archives,
+    read_live,
+    require_pyspark,
+    run_audit,
+    spark_session,
+)
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
-
-    from .audit import Window
-
-SCHEMA_VERSION = 1
 
 LATENCY_COLOR = "#7c3aed"
 PUBLISHED_COLOR = "#2563eb"
@@ -48,8 +58,21 @@ OK_COLOR = "#15803d"
 BAD_COLOR = "#b91c1c"
 PAGE_BACKGROUND = "#f3f4f6"
 
-STAGES = ("publish", "transit", "processing", "end_to_end")
-PERCENTILES = ("p50", "p90", "p99", "max")
+SERVICE_COUNTS = ("sent", "received", "processed", "dead", "lost", "duplicates_absorbed")
+RETRY_COUNTS = ("messages", "retried_messages", "retries", "max_attempts")
+COUNTS = {*SERVICE_COUNTS, *RETRY_COUNTS, "count", "copies"}  # the numeric table columns
+HEADLINE = (  # the totals shown as tiles above the charts
+    "sent",
+    "expected_deliveries",
+    "delivered",
+    "lost",
+    "in_flight",
+    "duplicates_absorbed",
+    "handled_more_than_once",
+    "unexpected",
+    "dead",
+    "retries",
+)
 
 # Every chart shares one coordinate system (outbox_inbox.svgchart).
 DEAD_LETTER_LABEL_WIDTH = 330
@@ -131,9 +154,6 @@ def write_audit(
     do not hold the window; the job failed: Spark's error in one line), OSError (the
     directory cannot be written); a live database that cannot be read raises SQLAlchemy's
     error."""
-    from . import server
-    from .audit import AuditError, check_archives, read_live, require_pyspark, run_audit
-
     roots = [p if "://" in p else str(Path(p).absolute()) for p in archives]
     check_archives(roots, window, live=bool(db_urls))
     require_pyspark()
@@ -160,9 +180,8 @@ def write_audit(
         except AuditError:
             raise
         except Exception as exc:  # Spark's failures come as py4j and pyspark errors of many kinds
-            lines = (str(exc).strip() or type(exc).__name__).splitlines()
             raise AuditError(
-                f"the Spark job failed: {type(exc).__name__}: {lines[0][:500]}"
+                f"the Spark job failed: {type(exc).__name__}: {_first_line(exc)}"
             ) from exc
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
@@ -179,8 +198,6 @@ def _one_shot(
     log: Path | None,
 ) -> Iterator[tuple[SparkSession, str]]:
     """A Spark session started for one audit, stopped after; and the line that says so."""
-    from .audit import spark_session
-
     spark = spark_session(master, driver_memory=driver_memory, config=config, log=log)
     try:
         output = f" (Spark's output: {log})" if log else ""
@@ -221,16 +238,13 @@ def render_html(summary: Mapping[str, Any]) -> str:
 def _charts(summary: Mapping[str, Any]) -> str:
     """The three charts, side by side."""
     throughput: Mapping[str, Any] = summary.get("throughput") or {}
+    charts = (
+        _latency_chart(summary.get("latency_histogram") or []),
+        _throughput_chart(throughput.get("series") or [], throughput.get("bucket_seconds")),
+        _dead_letter_chart(summary.get("dead_letter_causes") or []),
+    )
     return "\n".join(
-        [
-            '<div class="charts">',
-            _chart_section(_latency_chart(summary.get("latency_histogram") or [])),
-            _chart_section(
-                _throughput_chart(throughput.get("series") or [], throughput.get("bucket_seconds"))
-            ),
-            _chart_section(_dead_letter_chart(summary.get("dead_letter_causes") or [])),
-            "</div>",
-        ]
+        ['<div class="charts">', *(f"<section>{c}</section>" for c in charts), "</div>"]
     )
 
 
@@ -238,22 +252,23 @@ def _tables(summary: Mapping[str, Any], totals: Mapping[str, Any]) -> list[str]:
     """The tables under the charts, in reading order."""
     return [
         _latency_table(summary.get("latency") or []),
-        _count_table(
-            "Services",
-            "service",
-            ("sent", "received", "processed", "dead", "lost", "duplicates_absorbed"),
-            summary.get("services") or [],
+        _table("Services", ("service", *SERVICE_COUNTS), summary.get("services")),
+        _table("Retries per type", ("type", *RETRY_COUNTS), summary.get("retries")),
+        _table(
+            "Dead letters by type and reason",
+            ("type", "reason", "count", "example_error"),
+            summary.get("dead_letters"),
         ),
-        _count_table(
-            "Retries per type",
-            "type",
-            ("messages", "retried_messages", "retries", "max_attempts"),
-            summary.get("retries") or [],
+        _table(
+            "Lost messages",
+            ("message_id", "type", "producer", "consumer", "published_at"),
+            summary.get("lost"),
+            _count(totals.get("lost")),
         ),
-        _dead_letters_table(summary.get("dead_letters") or []),
-        _lost_table(summary.get("lost") or [], _count(totals.get("lost"))),
-        _handled_more_than_once_table(
-            summary.get("handled_more_than_once") or [],
+        _table(
+            "Handled more than once",
+            ("message_id", "type", "consumer", "copies"),
+            summary.get("handled_more_than_once"),
             _count(totals.get("handled_more_than_once")),
         ),
     ]
@@ -278,9 +293,15 @@ def _header(summary: Mapping[str, Any], totals: Mapping[str, Any]) -> str:
     # The job masks these already; masking again costs nothing and keeps a password that slipped
     # through out of a file that gets mailed around.
     databases = [_esc(mask_url(str(url))) for url in inputs.get("live_databases") or []]
+    audited: Mapping[str, Any] = inputs.get("window") or {}
+    published = (
+        f"{_fmt_time(audited.get('since'))} → {_fmt_time(audited.get('until'))} "
+        f"(margin {_fmt_duration(audited.get('margin_seconds'))})"
+    )
     rows = [
         ("Archives", "<br>".join(archives) or "none"),
         ("Live databases", "<br>".join(databases) or "none"),
+        *([("Messages published", published)] if audited else []),
         ("Spark master", _esc_or_dash(inputs.get("master"))),
         ("Horizon", _fmt_time(inputs.get("horizon"))),
         ("Grace period", _fmt_duration(inputs.get("grace_seconds"))),
@@ -291,50 +312,25 @@ def _header(summary: Mapping[str, Any], totals: Mapping[str, Any]) -> str:
         ),
         ("Generated", _fmt_time(summary.get("generated_at"))),
     ]
-    audited: Mapping[str, Any] = inputs.get("window") or {}
-    if audited:
-        rows.insert(
-            2,
-            (
-                "Messages published",
-                f"{_fmt_time(audited.get('since'))} → {_fmt_time(audited.get('until'))} "
-                f"(margin {_fmt_duration(audited.get('margin_seconds'))})",
-            ),
-        )
     items = "".join(f"<dt>{label}</dt><dd>{value}</dd>" for label, value in rows)
     return f'<header>{verdict}<dl class="inputs">{items}</dl></header>'
 
 
 def _headline(totals: Mapping[str, Any]) -> str:
-    # (key, label, whether a non-zero value is a failure of the delivery guarantee)
-    numbers = [
-        ("sent", "sent", False),
-        ("expected_deliveries", "expected deliveries", False),
-        ("delivered", "delivered", False),
-        ("lost", "lost", True),
-        ("in_flight", "in flight", False),
-        ("duplicates_absorbed", "duplicates absorbed", False),
-        ("handled_more_than_once", "handled more than once", True),
-        ("unexpected", "unexpected", False),
-        ("dead", "dead", False),
-        ("retries", "retries", False),
-    ]
     tiles = []
-    for key, label, failure in numbers:
+    for key in HEADLINE:
         value = _count(totals.get(key))
-        css = "tile bad" if failure and value > 0 else "tile"
+        # A lost message or one handled twice is a failure of the delivery guarantee.
+        failed = value > 0 and key in ("lost", "handled_more_than_once")
         tiles.append(
-            f'<div class="{css}" id="total-{key.replace("_", "-")}">'
-            f'<div class="value">{fmt_count(value)}</div><div class="label">{label}</div></div>'
+            f'<div class="{"tile bad" if failed else "tile"}" id="total-{key.replace("_", "-")}">'
+            f'<div class="value">{fmt_count(value)}</div>'
+            f'<div class="label">{key.replace("_", " ")}</div></div>'
         )
     return f'<div class="headline">{"".join(tiles)}</div>'
 
 
 # --- charts ----------------------------------------------------------------------------------
-
-
-def _chart_section(svg: str) -> str:
-    return f"<section>{svg}</section>"
 
 
 def _latency_chart(histogram: Sequence[Mapping[str, Any]]) -> str:
@@ -403,65 +399,38 @@ def _throughput_chart(series: Sequence[Mapping[str, Any]], bucket_seconds: Any) 
     processed = [_count(point.get("processed")) for point in series]
     ticks = count_ticks(max(*published, *processed))
     parts.extend(y_axis(ticks, PLOT_TOP, bottom, "messages per bucket"))
-    xs = _throughput_xs(len(series))
-    for name, values, color in (
-        ("published", published, PUBLISHED_COLOR),
-        ("processed", processed, PROCESSED_COLOR),
-    ):
+    # One point sits in the middle; more points span the plot from edge to edge.
+    step = (PLOT_RIGHT - PLOT_LEFT) / max(len(series) - 1, 1)
+    xs = [
+        PLOT_LEFT + step * i if len(series) > 1 else (PLOT_LEFT + PLOT_RIGHT) / 2
+        for i in range(len(series))
+    ]
+    lines = (("published", published, PUBLISHED_COLOR), ("processed", processed, PROCESSED_COLOR))
+    for name, values, color in lines:
         parts.extend(series_line(name, values, color, xs, ticks[-1], bottom))
-    parts.extend(_throughput_time_labels(series, xs, bottom))
-    parts.extend(_throughput_legend())
+    # At most MAX_X_LABELS bucket start times, with the date when the window spans days.
+    times = [_parse_time(point.get("start")) for point in series]
+    known = [time for time in times if time is not None]
+    time_format = "%m-%d %H:%M" if known and known[0].date() != known[-1].date() else "%H:%M"
+    for index in range(0, len(series), math.ceil(len(series) / MAX_X_LABELS)):
+        time = times[index]
+        label = (
+            _esc_or_dash(series[index].get("start")) if time is None else time.strftime(time_format)
+        )
+        parts.append(
+            f'<text x="{xs[index]:.1f}" y="{bottom + 16}" text-anchor="middle">{label}</text>'
+        )
+    for offset, (name, _, color) in enumerate(lines):  # the legend
+        x = PLOT_RIGHT - 190 + offset * 100
+        parts.append(
+            f'<g class="legend"><rect x="{x}" y="12" width="14" height="14" fill="{color}"/>'
+            f'<text x="{x + 20}" y="23">{name}</text></g>'
+        )
     parts.append(
         x_axis_label(f"time (UTC), buckets of {_fmt_duration(bucket_seconds)}", height - 12)
     )
     parts.append("</svg>")
     return "".join(parts)
-
-
-def _throughput_xs(points: int) -> list[float]:
-    """The x of each point of the throughput series."""
-    # One point sits in the middle; more points span the plot from edge to edge.
-    step = (PLOT_RIGHT - PLOT_LEFT) / max(points - 1, 1)
-    return [
-        PLOT_LEFT + step * index if points > 1 else (PLOT_LEFT + PLOT_RIGHT) / 2
-        for index in range(points)
-    ]
-
-
-def _throughput_time_labels(
-    series: Sequence[Mapping[str, Any]], xs: Sequence[float], bottom: int
-) -> list[str]:
-    """At most MAX_X_LABELS bucket start times under the x axis, with the date when the
-    window spans days."""
-    times = [_parse_time(point.get("start")) for point in series]
-    known = [time for time in times if time is not None]
-    spans_days = bool(known) and known[0].date() != known[-1].date()
-    stride = math.ceil(len(series) / MAX_X_LABELS)
-    parts = []
-    for index in range(0, len(series), stride):
-        time = times[index]
-        if time is None:
-            label = _esc_or_dash(series[index].get("start"))
-        else:
-            label = time.strftime("%m-%d %H:%M" if spans_days else "%H:%M")
-        parts.append(
-            f'<text x="{xs[index]:.1f}" y="{bottom + 16}" text-anchor="middle">{label}</text>'
-        )
-    return parts
-
-
-def _throughput_legend() -> list[str]:
-    legend_x = PLOT_RIGHT - 190
-    parts = []
-    for offset, (name, color) in enumerate(
-        (("published", PUBLISHED_COLOR), ("processed", PROCESSED_COLOR))
-    ):
-        x = legend_x + offset * 100
-        parts.append(
-            f'<g class="legend"><rect x="{x}" y="12" width="14" height="14" fill="{color}"/>'
-            f'<text x="{x + 20}" y="23">{name}</text></g>'
-        )
-    return parts
 
 
 def _dead_letter_chart(causes: Sequence[Mapping[str, Any]]) -> str:
@@ -479,7 +448,13 @@ def _dead_letter_chart(causes: Sequence[Mapping[str, Any]]) -> str:
     ticks = count_ticks(max(counts))
     bars_left = DEAD_LETTER_LABEL_WIDTH
     width = PLOT_RIGHT - 40 - bars_left  # room for the count after the longest bar
-    parts.extend(_dead_letter_x_axis(ticks, bars_left, width, top, bottom))
+    for tick in ticks:  # vertical grid lines with count labels
+        x = bars_left + width * tick / ticks[-1]
+        parts.append(
+            f'<line class="grid" x1="{x:.1f}" x2="{x:.1f}" y1="{top}" y2="{bottom}"/>'
+            f'<text x="{x:.1f}" y="{bottom + 16}" text-anchor="middle">{fmt_count(tick)}</text>'
+        )
+    parts.append(f'<line class="axis" x1="{bars_left}" x2="{bars_left}" y1="{top}" y2="{bottom}"/>')
     # Labels start at the left edge and are clipped short of the bars: text metrics are the
     # browser's, so a label that turns out too wide is cut at its end instead of running off
     # the chart or over the bars.
@@ -489,50 +464,27 @@ def _dead_letter_chart(causes: Sequence[Mapping[str, Any]]) -> str:
     )
     for index, (cause, count) in enumerate(zip(causes, counts, strict=True)):
         y = top + index * DEAD_LETTER_ROW_HEIGHT
-        parts.extend(_dead_letter_row(cause, count, y, bars_left, width * count / ticks[-1]))
+        text_y = y + DEAD_LETTER_ROW_HEIGHT / 2 + 4
+        bar_width = width * count / ticks[-1]
+        reason = str(cause.get("reason") or "")
+        error = str(cause.get("error") or "")
+        label = f"{reason}: {_truncate(error, DEAD_LETTER_ERROR_CHARS)}" if error else reason
+        parts.append(
+            f'<text x="8" y="{text_y:.1f}" clip-path="url(#dead-letter-labels)">'
+            f"<title>{_esc(reason)}: {_esc(error)}</title>"
+            f"{_esc(_truncate(label, DEAD_LETTER_LABEL_CHARS))}</text>"
+        )
+        if count > 0:
+            parts.append(
+                f'<rect class="bar" x="{bars_left}" y="{y + 4}" width="{bar_width:.1f}" '
+                f'height="{DEAD_LETTER_ROW_HEIGHT - 8}" fill="{DEAD_LETTER_COLOR}"/>'
+            )
+        parts.append(
+            f'<text x="{bars_left + bar_width + 4:.1f}" y="{text_y:.1f}">{fmt_count(count)}</text>'
+        )
     parts.append(x_axis_label("dead letters", height - 12))
     parts.append("</svg>")
     return "".join(parts)
-
-
-def _dead_letter_x_axis(
-    ticks: Sequence[int], bars_left: int, width: int, top: int, bottom: int
-) -> list[str]:
-    """Vertical grid lines with count labels, and the axis line the bars start from."""
-    parts = []
-    for tick in ticks:
-        x = bars_left + width * tick / ticks[-1]
-        parts.append(
-            f'<line class="grid" x1="{x:.1f}" x2="{x:.1f}" y1="{top}" y2="{bottom}"/>'
-            f'<text x="{x:.1f}" y="{bottom + 16}" text-anchor="middle">{fmt_count(tick)}</text>'
-        )
-    parts.append(f'<line class="axis" x1="{bars_left}" x2="{bars_left}" y1="{top}" y2="{bottom}"/>')
-    return parts
-
-
-def _dead_letter_row(
-    cause: Mapping[str, Any], count: int, y: int, bars_left: int, bar_width: float
-) -> list[str]:
-    """One cause: its label (clipped), its bar and its count."""
-    reason = str(cause.get("reason") or "")
-    error = str(cause.get("error") or "")
-    label = f"{reason}: {_truncate(error, DEAD_LETTER_ERROR_CHARS)}" if error else reason
-    label = _truncate(label, DEAD_LETTER_LABEL_CHARS)
-    parts = [
-        f'<text x="8" y="{y + DEAD_LETTER_ROW_HEIGHT / 2 + 4:.1f}" '
-        f'clip-path="url(#dead-letter-labels)"><title>{_esc(reason)}: {_esc(error)}</title>'
-        f"{_esc(label)}</text>"
-    ]
-    if count > 0:
-        parts.append(
-            f'<rect class="bar" x="{bars_left}" y="{y + 4}" width="{bar_width:.1f}" '
-            f'height="{DEAD_LETTER_ROW_HEIGHT - 8}" fill="{DEAD_LETTER_COLOR}"/>'
-        )
-    parts.append(
-        f'<text x="{bars_left + bar_width + 4:.1f}" '
-        f'y="{y + DEAD_LETTER_ROW_HEIGHT / 2 + 4:.1f}">{fmt_count(count)}</text>'
-    )
-    return parts
 
 
 # --- tables ----------------------------------------------------------------------------------
@@ -548,21 +500,16 @@ def _table_section(title: str, head: str, rows: Sequence[str], note: str = "") -
     )
 
 
-def _head(*columns: str, numeric_from: int) -> str:
-    cells = [
-        f'<th class="num">{name}</th>' if index >= numeric_from else f"<th>{name}</th>"
-        for index, name in enumerate(columns)
-    ]
-    return f"<tr>{''.join(cells)}</tr>"
-
-
-def _text_cell(value: Any, css: str = "") -> str:
-    class_attr = f' class="{css}"' if css else ""
-    return f"<td{class_attr}>{_esc_or_dash(value)}</td>"
-
-
-def _count_cell(value: Any) -> str:
-    return f'<td class="num">{fmt_count(_count(value))}</td>'
+def _cell(key: str, value: Any) -> str:
+    """The table cell of a summary entry's `key`."""
+    if key in COUNTS:
+        return f'<td class="num">{fmt_count(_count(value))}</td>'
+    if key == "published_at":
+        return f"<td>{_fmt_time(value)}</td>"
+    if key == "example_error":
+        value = _truncate(str(value or ""), TABLE_ERROR_CHARS)
+    css = ' class="code"' if key in ("message_id", "example_error") else ""
+    return f"<td{css}>{_esc_or_dash(value)}</td>"
 
 
 def _latency_table(latency: Sequence[Mapping[str, Any]]) -> str:
@@ -580,7 +527,7 @@ def _latency_table(latency: Sequence[Mapping[str, Any]]) -> str:
     rows = []
     for entry in latency:
         stages: Mapping[str, Any] = entry.get("stages") or {}
-        cells = [_text_cell(entry.get("type")), _count_cell(entry.get("count"))]
+        cells = [_cell("type", entry.get("type")), _cell("count", entry.get("count"))]
         for stage in STAGES:
             values: Mapping[str, Any] = stages.get(stage) or {}
             cells.extend(
@@ -590,68 +537,18 @@ def _latency_table(latency: Sequence[Mapping[str, Any]]) -> str:
     return _table_section("Latency per type", head, rows)
 
 
-def _count_table(
-    title: str, key: str, columns: Sequence[str], entries: Sequence[Mapping[str, Any]]
+def _table(
+    title: str, keys: Sequence[str], entries: Sequence[Mapping[str, Any]] | None, total: int = 0
 ) -> str:
-    """A table of one text column `key` followed by count `columns`, one row per entry."""
-    head = _head(key, *(name.replace("_", " ") for name in columns), numeric_from=1)
+    """A table of one row per entry, a column per key; `total`: how many entries there are, of
+    which these are examples."""
+    numeric = ' class="num"'
+    heads = "".join(f"<th{numeric if k in COUNTS else ''}>{k.replace('_', ' ')}</th>" for k in keys)
     rows = [
-        "<tr>"
-        + _text_cell(entry.get(key))
-        + "".join(_count_cell(entry.get(name)) for name in columns)
-        + "</tr>"
-        for entry in entries
+        "<tr>" + "".join(_cell(k, entry.get(k)) for k in keys) + "</tr>" for entry in entries or []
     ]
-    return _table_section(title, head, rows)
-
-
-def _dead_letters_table(dead_letters: Sequence[Mapping[str, Any]]) -> str:
-    head = "<tr><th>type</th><th>reason</th><th class='num'>count</th><th>example error</th></tr>"
-    rows = [
-        "<tr>"
-        + _text_cell(entry.get("type"))
-        + _text_cell(entry.get("reason"))
-        + _count_cell(entry.get("count"))
-        + _text_cell(_truncate(str(entry.get("example_error") or ""), TABLE_ERROR_CHARS), "code")
-        + "</tr>"
-        for entry in dead_letters
-    ]
-    return _table_section("Dead letters by type and reason", head, rows)
-
-
-def _examples_note(shown: int, total: int) -> str:
-    if total > shown:
-        return f"Showing {fmt_count(shown)} of {fmt_count(total)}."
-    return ""
-
-
-def _lost_table(lost: Sequence[Mapping[str, Any]], total: int) -> str:
-    head = _head("message id", "type", "producer", "consumer", "published at", numeric_from=5)
-    rows = [
-        "<tr>"
-        + _text_cell(entry.get("message_id"), "code")
-        + _text_cell(entry.get("type"))
-        + _text_cell(entry.get("producer"))
-        + _text_cell(entry.get("consumer"))
-        + f"<td>{_fmt_time(entry.get('published_at'))}</td>"
-        + "</tr>"
-        for entry in lost
-    ]
-    return _table_section("Lost messages", head, rows, _examples_note(len(rows), total))
-
-
-def _handled_more_than_once_table(entries: Sequence[Mapping[str, Any]], total: int) -> str:
-    head = _head("message id", "type", "consumer", "copies", numeric_from=3)
-    rows = [
-        "<tr>"
-        + _text_cell(entry.get("message_id"), "code")
-        + _text_cell(entry.get("type"))
-        + _text_cell(entry.get("consumer"))
-        + _count_cell(entry.get("copies"))
-        + "</tr>"
-        for entry in entries
-    ]
-    return _table_section("Handled more than once", head, rows, _examples_note(len(rows), total))
+    note = f"Showing {fmt_count(len(rows))} of {fmt_count(total)}." if total > len(rows) else ""
+    return _table_section(title, f"<tr>{heads}</tr>", rows, note)
 
 
 # --- formatting ------------------------------------------------------------------------------

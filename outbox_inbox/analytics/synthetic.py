@@ -25,6 +25,7 @@ Run as ``python -m outbox_inbox.analytics.synthetic DIRECTORY --messages N``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 from collections import Counter
 from dataclasses import dataclass, field
@@ -32,8 +33,13 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..archive import INBOX, OUTBOX, SUBSCRIPTIONS, arrow_schema, require_pyarrow
 from .audit import TOTALS
+
+pa: Any = require_pyarrow()
+pc: Any = importlib.import_module("pyarrow.compute")
 
 SERVICES = ("orders", "billing", "shipping")
 _US = 1_000_000  # microseconds in a second: times are integer microseconds
@@ -57,6 +63,8 @@ SUBSCRIPTIONS_OF = {
 }
 LATE_PATTERN = ("shipping", "billing.invoice.*")  # subscribed at LATE_SHARE of the window
 LATE_SHARE = 0.1
+MESSAGE_FAULTS = ("lost", "in_flight", "handled_twice", "expired")  # on whole messages
+ROW_FAULTS = ("duplicates", "retried", "dead")  # injected on deliveries, not messages
 DEAD_REASONS = ("max_attempts", "rejected", "abandoned", "expired")
 DEAD_ERRORS = {
     "max_attempts": (
@@ -108,8 +116,26 @@ def generate(
     """Write `messages` messages of history under `directory`; return what the audit must
     report when run with ``now=Expected.now`` and ``grace=Expected.grace``."""
     faults = faults or Faults()
-    history = _History.begin(Path(directory), messages, faults, seed, start, span, chunk)
-    _write_subscriptions(history.root, start, history.late_us, history.pa, history.pq)
+    rng = np.random.default_rng(seed)
+    start_us = int(start.timestamp() * _US)
+    span_us = int(span.total_seconds() * _US)
+    now = start + span + timedelta(minutes=1)
+    grace = timedelta(minutes=5)
+    history = _History(
+        root=Path(directory),
+        messages=messages,
+        chunk=chunk,
+        rng=rng,
+        start_us=start_us,
+        span_us=span_us,
+        now=now,
+        grace=grace,
+        horizon_us=int((now - grace).timestamp() * _US),
+        late_us=start_us + int(span_us * LATE_SHARE),
+        fault_index=_pick_fault_messages(rng, faults, messages, chunk),
+        row_faults={name: getattr(faults, name) for name in ROW_FAULTS},
+    )
+    _write_subscriptions(history.root, start, history.late_us)
     for first in range(0, messages, chunk):
         batch = _chunk_messages(history, first)
         _write_outbox(history, batch)
@@ -129,9 +155,6 @@ class _History:
     messages: int
     chunk: int
     rng: Any
-    pa: Any
-    pc: Any
-    pq: Any
     start_us: int
     span_us: int
     now: datetime
@@ -145,51 +168,6 @@ class _History:
     retries_by: Counter[str] = field(default_factory=Counter)
     samples: list[Any] = field(default_factory=list)
     inbox_ids: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SERVICES, 0))
-
-    @classmethod
-    def begin(
-        cls,
-        root: Path,
-        messages: int,
-        faults: Faults,
-        seed: int,
-        start: datetime,
-        span: timedelta,
-        chunk: int,
-    ) -> _History:
-        """The window's clock and the fault messages picked; nothing written yet."""
-        import numpy as np
-
-        pa = require_pyarrow()
-        import pyarrow.compute as pc
-        import pyarrow.parquet as pq
-
-        rng = np.random.default_rng(seed)
-        start_us = int(start.timestamp() * _US)
-        span_us = int(span.total_seconds() * _US)
-        grace = timedelta(minutes=5)
-        now = start + span + timedelta(minutes=1)
-        return cls(
-            root=root,
-            messages=messages,
-            chunk=chunk,
-            rng=rng,
-            pa=pa,
-            pc=pc,
-            pq=pq,
-            start_us=start_us,
-            span_us=span_us,
-            now=now,
-            grace=grace,
-            horizon_us=int((now - grace).timestamp() * _US),
-            late_us=start_us + int(span_us * LATE_SHARE),
-            fault_index=_pick_fault_messages(rng, faults, messages, chunk),
-            row_faults={
-                "duplicates": faults.duplicates,
-                "retried": faults.retried,
-                "dead": faults.dead,
-            },
-        )
 
 
 @dataclass
@@ -225,33 +203,19 @@ class _Deliveries:
 
 def _pick_fault_messages(rng: Any, faults: Faults, messages: int, chunk: int) -> dict[str, Any]:
     """The positions of each message fault's messages."""
-    import numpy as np
-
     # Fault messages are commands to billing (one delivery each, always expected) taken from
     # the first chunk's indices; each fault has its own messages.
-    fault_sizes = [
-        ("lost", faults.lost),
-        ("in_flight", faults.in_flight),
-        ("handled_twice", faults.handled_twice),
-        ("expired", faults.expired),
-    ]
-    needed = sum(n for _, n in fault_sizes)
-    if needed > min(messages, chunk) // 2:
+    sizes = [getattr(faults, name) for name in MESSAGE_FAULTS]
+    if sum(sizes) > min(messages, chunk) // 2:
         raise ValueError("too many message faults for the number of messages")
-    picked = rng.choice(min(messages, chunk), size=needed, replace=False)
-    fault_index: dict[str, Any] = {}
-    offset = 0
-    for name, n in fault_sizes:
-        fault_index[name] = np.sort(picked[offset : offset + n])
-        offset += n
-    return fault_index
+    picked = rng.choice(min(messages, chunk), size=sum(sizes), replace=False)
+    parts = np.split(picked, np.cumsum(sizes)[:-1])
+    return {name: np.sort(part) for name, part in zip(MESSAGE_FAULTS, parts, strict=True)}
 
 
 def _chunk_messages(h: _History, first: int) -> _Chunk:
     """The messages from position `first` on: their types and times, with the message faults
     placed in the first chunk."""
-    import numpy as np
-
     n = min(h.chunk, h.messages - first)
     index = np.arange(first, first + n, dtype=np.int64)
     shares = np.array([t[3] for t in TYPES])
@@ -260,21 +224,19 @@ def _chunk_messages(h: _History, first: int) -> _Chunk:
     published = created + h.rng.exponential(50_000, size=n).astype(np.int64) + 1
     expired = np.zeros(n, dtype=bool)
     if first == 0:
-        for name in ("lost", "in_flight", "handled_twice", "expired"):
+        for name in MESSAGE_FAULTS:
             kind_of[h.fault_index[name]] = CREATE
         expired[h.fault_index["expired"]] = True
         # In flight: published a minute before the audit, inside its grace period.
         late = h.fault_index["in_flight"]
         published[late] = h.horizon_us + 60 * _US
         created[late] = published[late] - 1000
-    message_id = _ids(h.pc, h.pa, "0", index)
+    message_id = _ids("0", index)
     return _Chunk(first, n, index, kind_of, created, published, expired, message_id)
 
 
 def _write_outbox(h: _History, c: _Chunk) -> None:
     """The chunk's outbox rows, by producer, and their counts."""
-    import numpy as np
-
     kinds = np.array([TYPES[k][1] for k in range(len(TYPES))])
     for producer in SERVICES:
         mask = np.isin(c.kind_of, [i for i, t in enumerate(TYPES) if t[2] == producer])
@@ -282,7 +244,7 @@ def _write_outbox(h: _History, c: _Chunk) -> None:
             continue
         rows = {
             "id": c.index[mask] + 1,
-            "message_id": h.pc.filter(c.message_id, h.pa.array(mask)),
+            "message_id": pc.filter(c.message_id, pa.array(mask)),
             "kind": kinds[c.kind_of[mask]],
             "exchange": np.where(kinds[c.kind_of[mask]] == "event", "events", "commands"),
             "routing_key": np.array([t[0] for t in TYPES])[c.kind_of[mask]],
@@ -293,7 +255,7 @@ def _write_outbox(h: _History, c: _Chunk) -> None:
             "attempts": np.where(h.rng.random(mask.sum()) < 0.01, 1, 0).astype(np.int32),
         }
         h.totals["publish_retries"] += int(rows["attempts"][~c.expired[mask]].sum())
-        _write(h.root / producer, OUTBOX, producer, rows, c.created[mask], h.pa, h.pq, c.first)
+        _write(h.root / producer, OUTBOX, producer, rows, c.created[mask], c.first)
         h.totals["sent"] += int(mask.sum())
     h.totals["commands"] += int(np.isin(c.kind_of, [CREATE, SHIP]).sum())
     h.totals["events"] += int(np.isin(c.kind_of, [PLACED, CREATED, SHIPPED]).sum())
@@ -304,21 +266,13 @@ def _write_outbox(h: _History, c: _Chunk) -> None:
 def _expected_deliveries(h: _History, c: _Chunk) -> tuple[Any, Any, Any]:
     """The chunk's deliveries that reached their consumer: (message position, consumer,
     handled twice), with the expected, lost and in-flight ones counted."""
-    import numpy as np
-
-    pos_parts, consumer_parts = [], []
-    for target, types in (
-        ("billing", [PLACED, CREATE]),
-        ("shipping", [PLACED, SHIP]),
-    ):
-        sel = np.flatnonzero(np.isin(c.kind_of, types) & ~c.expired)
-        pos_parts.append(sel)
-        consumer_parts.append(np.full(sel.size, target))
-    sel = np.flatnonzero((c.kind_of == CREATED) & ~c.expired & (c.published >= h.late_us))
-    pos_parts.append(sel)
-    consumer_parts.append(np.full(sel.size, "shipping"))
-    pos = np.concatenate(pos_parts)
-    consumer = np.concatenate(consumer_parts)
+    routes = (
+        ("billing", np.isin(c.kind_of, [PLACED, CREATE]) & ~c.expired),
+        ("shipping", np.isin(c.kind_of, [PLACED, SHIP]) & ~c.expired),
+        ("shipping", (c.kind_of == CREATED) & ~c.expired & (c.published >= h.late_us)),
+    )
+    pos = np.concatenate([np.flatnonzero(mask) for _, mask in routes])
+    consumer = np.concatenate([np.full(np.count_nonzero(mask), target) for target, mask in routes])
     h.totals["expected_deliveries"] += pos.size
 
     keep = np.ones(pos.size, dtype=bool)
@@ -337,8 +291,6 @@ def _expected_deliveries(h: _History, c: _Chunk) -> tuple[Any, Any, Any]:
 
 def _handle_deliveries(h: _History, c: _Chunk, pos: Any, consumer: Any, twice: Any) -> _Deliveries:
     """How each delivery went: received, handled (with the row faults injected), processed."""
-    import numpy as np
-
     m = pos.size
     d = _Deliveries(
         pos=pos,
@@ -365,8 +317,6 @@ def _handle_deliveries(h: _History, c: _Chunk, pos: Any, consumer: Any, twice: A
 def _inject_row_faults(h: _History, c: _Chunk, d: _Deliveries) -> None:
     """This chunk's share of the duplicates, retries and dead letters, on deliveries not
     handled twice."""
-    import numpy as np
-
     share = c.n / h.messages
     candidates = h.rng.permutation(np.flatnonzero(~d.twice))
     cursor = 0
@@ -392,8 +342,6 @@ def _inject_row_faults(h: _History, c: _Chunk, d: _Deliveries) -> None:
 
 def _count_handlings(h: _History, d: _Deliveries) -> None:
     """The chunk's handling counts: processed, dead (by type and reason), retries (by type)."""
-    import numpy as np
-
     ok = d.status == "processed"
     h.totals["duplicates_absorbed"] += int(d.duplicates.sum())
     h.totals["processed"] += int(ok.sum())
@@ -409,8 +357,6 @@ def _count_handlings(h: _History, d: _Deliveries) -> None:
 
 def _write_inbox(h: _History, c: _Chunk, d: _Deliveries) -> None:
     """The chunk's inbox rows, by consumer."""
-    import numpy as np
-
     for service in ("billing", "shipping"):
         mine = np.asarray(d.consumer == service)
         # A message handled twice gets a second inbox row, a day later (after the first
@@ -424,7 +370,7 @@ def _write_inbox(h: _History, c: _Chunk, d: _Deliveries) -> None:
         p = d.pos[take]
         rows = {
             "id": ids,
-            "message_id": h.pc.take(c.message_id, h.pa.array(p)),
+            "message_id": pc.take(c.message_id, pa.array(p)),
             "source": np.array([t[2] for t in TYPES])[c.kind_of[p]],
             "kind": np.array([t[1] for t in TYPES])[c.kind_of[p]],
             "routing_key": d.routing[take],
@@ -440,17 +386,15 @@ def _write_inbox(h: _History, c: _Chunk, d: _Deliveries) -> None:
             "duplicates": np.where(shift > 0, 0, d.duplicates[take]).astype(np.int32),
         }
         dated_by = d.received[take] + shift
-        _write(h.root / service, INBOX, service, rows, dated_by, h.pa, h.pq, c.first)
+        _write(h.root / service, INBOX, service, rows, dated_by, c.first)
 
 
 def _write_unexpected(h: _History, k: int) -> None:
     """Receipts of messages nobody in the mesh sent: a producer outside it."""
-    import numpy as np
-
     stamps = h.start_us + h.rng.integers(0, h.span_us, size=k)
     rows = {
         "id": h.inbox_ids["billing"] + np.arange(1, k + 1, dtype=np.int64),
-        "message_id": _ids(h.pc, h.pa, "f", np.arange(k, dtype=np.int64)),
+        "message_id": _ids("f", np.arange(k, dtype=np.int64)),
         "source": np.full(k, "legacy"),
         "kind": np.full(k, "event"),
         "routing_key": np.full(k, "legacy.customer.updated"),
@@ -460,21 +404,17 @@ def _write_unexpected(h: _History, k: int) -> None:
         "attempts": np.ones(k, np.int32),
         "finished": np.ones(k, np.int32),
         "processed_at": stamps + 2000,
-        "last_error": np.full(k, None, dtype=object),
-        "dead_reason": np.full(k, None, dtype=object),
         "deliveries": np.zeros(k, np.int32),
         "duplicates": np.zeros(k, np.int32),
     }
-    _write(h.root / "billing", INBOX, "billing", rows, stamps + 1000, h.pa, h.pq, h.messages)
+    _write(h.root / "billing", INBOX, "billing", rows, stamps + 1000, h.messages)
     h.totals["unexpected"] += k
     h.totals["processed"] += k
 
 
 def _expected(h: _History, faults: Faults) -> Expected:
     """What the audit must report, from the counts taken while writing."""
-    import numpy as np
-
-    for name in ("duplicates", "retried", "dead"):
+    for name in ROW_FAULTS:
         if h.totals.pop(f"_injected_{name}", 0) != getattr(faults, name):
             raise ValueError(f"not enough deliveries to inject {getattr(faults, name)} {name}")
     # Every count the audit reports, zero where nothing of the kind was generated.
@@ -498,7 +438,7 @@ def _portion(total: int, share: float, last: bool, totals: Counter[str], name: s
     return total - done if last else min(total - done, round(total * share))
 
 
-def _ids(pc: Any, pa: Any, prefix: str, index: Any) -> Any:
+def _ids(prefix: str, index: Any) -> Any:
     """UUID-shaped message ids from integers, built by Arrow without a Python loop."""
     digits = pc.utf8_lpad(pc.cast(pa.array(index), pa.string()), 12, "0")
     return pc.binary_join_element_wise(f"{prefix * 8}-0000-4000-8000-", digits, "")
@@ -510,13 +450,9 @@ def _write(
     service: str,
     columns: dict[str, Any],
     dated_by: Any,
-    pa: Any,
-    pq: Any,
     part: int,
 ) -> None:
     """Write `columns` as `source` files of `service` under `root`, one file per date."""
-    import numpy as np
-
     schema = arrow_schema(source)
     size = len(dated_by)
     arrays = []
@@ -539,14 +475,14 @@ def _write(
         date = (datetime(1970, 1, 1, tzinfo=UTC) + timedelta(days=int(day))).date()
         directory = root / source / f"service={service}" / f"date={date.isoformat()}"
         directory.mkdir(parents=True, exist_ok=True)
-        pq.write_table(
+        pa.parquet.write_table(
             table.filter(pa.array(days == day)),
             directory / f"part-{part:012d}.parquet",
             compression="zstd",
         )
 
 
-def _write_subscriptions(root: Path, start: datetime, late_us: int, pa: Any, pq: Any) -> None:
+def _write_subscriptions(root: Path, start: datetime, late_us: int) -> None:
     for service, patterns in SUBSCRIPTIONS_OF.items():
         records = [
             {
@@ -561,7 +497,7 @@ def _write_subscriptions(root: Path, start: datetime, late_us: int, pa: Any, pq:
         directory = root / service / SUBSCRIPTIONS / f"service={service}"
         directory.mkdir(parents=True, exist_ok=True)
         table = pa.Table.from_pylist(records, schema=arrow_schema(SUBSCRIPTIONS))
-        pq.write_table(table, directory / "subscriptions.parquet")
+        pa.parquet.write_table(table, directory / "subscriptions.parquet")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -575,17 +511,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     faults = Faults(**{name: getattr(args, name) for name in Faults.__dataclass_fields__})
     expected = generate(args.directory, args.messages, faults, seed=args.seed)
-    print(
-        json.dumps(
-            {
-                "roots": expected.roots,
-                "now": expected.now.isoformat() if expected.now else None,
-                "grace_seconds": expected.grace.total_seconds(),
-                "totals": expected.totals,
-            },
-            indent=2,
-        )
-    )
+    printed = {
+        "roots": expected.roots,
+        "now": expected.now.isoformat() if expected.now else None,
+        "grace_seconds": expected.grace.total_seconds(),
+        "totals": expected.totals,
+    }
+    print(json.dumps(printed, indent=2))
 
 
 if __name__ == "__main__":

@@ -150,8 +150,8 @@ class Dashboard:
             )
         cookie = self.guard.csrf_cookie(environ)
         if cookie is None:
-            cookie = self.guard.new_cookie_value()
-            headers.append(self.guard.set_cookie_header(cookie))
+            cookie, set_cookie = self.guard.new_cookie()
+            headers.append(set_cookie)
         method = str(environ.get("REQUEST_METHOD", "GET"))
         path = str(environ.get("PATH_INFO", "/"))
         try:

@@ -137,15 +137,10 @@ class Guard:
         return value if 20 <= len(value) <= 100 and value.isascii() else None
 
     @staticmethod
-    def new_cookie_value() -> str:
-        return secrets.token_urlsafe(32)
-
-    @staticmethod
-    def set_cookie_header(value: str) -> tuple[str, str]:
-        return (
-            "Set-Cookie",
-            f"{CSRF_COOKIE}={value}; Path=/; HttpOnly; SameSite=Strict",
-        )
+    def new_cookie() -> tuple[str, tuple[str, str]]:
+        """A new CSRF cookie value, and the header that gives it to the browser."""
+        value = secrets.token_urlsafe(32)
+        return value, ("Set-Cookie", f"{CSRF_COOKIE}={value}; Path=/; HttpOnly; SameSite=Strict")
 
     def csrf_token(self, cookie: str) -> str:
         """The form token that goes with `cookie`."""
