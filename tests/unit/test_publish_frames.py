@@ -8,13 +8,27 @@ import pika
 import pika.frame
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pika.spec import Basic
+from pika.spec import Basic, BasicProperties
 
-from bench.wire import pika_properties
 from outbox_inbox.brokers.rabbitmq import _PublishFrames
 from outbox_inbox.messages import WireMessage
 
 CHANNEL = 3
+
+
+def _properties(message: WireMessage) -> BasicProperties:
+    """The properties the relay publishes a message with, as pika's own objects."""
+    return BasicProperties(
+        message_id=message.message_id,
+        type=message.type,
+        correlation_id=message.correlation_id,
+        content_type=message.content_type,
+        timestamp=message.timestamp,
+        priority=message.priority,
+        app_id=message.app_id,
+        delivery_mode=pika.DeliveryMode.Persistent,
+        headers=dict(message.headers),
+    )
 
 
 def pika_frames(message: WireMessage, body_max: int) -> bytes:
@@ -24,7 +38,7 @@ def pika_frames(message: WireMessage, body_max: int) -> bytes:
     )
     out = [
         pika.frame.Method(CHANNEL, publish).marshal(),
-        pika.frame.Header(CHANNEL, len(message.body), pika_properties(message)).marshal(),
+        pika.frame.Header(CHANNEL, len(message.body), _properties(message)).marshal(),
     ]
     for start in range(0, len(message.body), body_max):
         out.append(pika.frame.Body(CHANNEL, message.body[start : start + body_max]).marshal())
