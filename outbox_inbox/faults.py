@@ -17,7 +17,6 @@ import uuid
 from dataclasses import dataclass
 
 from sqlalchemy import Connection
-from sqlalchemy.engine import RowMapping
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
@@ -25,7 +24,7 @@ from .config import validate_service_name
 from .context import handling
 from .errors import ConfigurationError, MessageError, StorageError, first_line
 from .fingerprint import fingerprint
-from .messages import COMMAND, EVENT, Message, message_from_row
+from .messages import COMMAND, EVENT, Message
 from .outbox import Outbox, _check_name
 
 log = logging.getLogger(__name__)
@@ -78,15 +77,15 @@ def is_fault(routing_key: str) -> bool:
 def send_fault(
     conn: Connection,
     outbox: Outbox,
-    row: RowMapping,
+    message: Message,
     reason: str,
     error: str | None,
     cause: BaseException | None,
     *,
     events: bool,
 ) -> uuid.UUID | None:
-    """Write the fault of the inbox `row`, dead for `reason`, into `outbox` in `conn`'s
-    transaction (never committed here); return its message id, or None when it gets none.
+    """Write the fault of the inbox row of `message`, dead for `reason`, into `outbox` in
+    `conn`'s transaction (never committed here); return its message id, or None if none.
 
     None: an event while `events` is False, a fault itself, a row without a sender that can
     be a service (a foreign client without ``app_id``: logged at debug), or a routing key
@@ -94,13 +93,13 @@ def send_fault(
     database refuses the write: the caller's transaction, and with it the dead mark, then
     fails too.
     """
-    kind, routing_key, sender = row["kind"], row["routing_key"], row["source"]
+    kind, routing_key = message.kind, message.type
     if (kind == EVENT and not events) or (kind == COMMAND and is_fault(routing_key)):
         return None
     try:
-        validate_service_name(sender)
+        sender = validate_service_name(message.source or "")
     except ConfigurationError:
-        log.debug("no fault for %s: its sender %r is not a service", row["message_id"], sender)
+        log.debug("no fault for %s: %r is not a service", message.message_id, message.source)
         return None
     key = fault_routing_key(sender, routing_key)
     try:
@@ -108,9 +107,8 @@ def send_fault(
         if len(key.encode()) > _MAX_KEY:
             raise MessageError(f"fault routing key {key!r} is over {_MAX_KEY} bytes")
     except MessageError as exc:
-        log.warning("no fault for %s: %s", row["message_id"], exc)
+        log.warning("no fault for %s: %s", message.message_id, exc)
         return None
-    message = message_from_row(row)
     line = first_line(cause) if cause is not None else (error or "").split("\n", 1)[0]
     fault = Fault(
         message_id=message.original_id,

@@ -6,7 +6,7 @@ import inspect
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypedDict, Unpack
+from typing import Any, NamedTuple, TypedDict, Unpack
 
 from opentelemetry.trace import Span
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -370,6 +370,15 @@ class Subscription:
         return AsyncSession(sync_session_class=lambda **_: session)  # type: ignore[arg-type]
 
 
+class Found(NamedTuple):
+    """`Handlers.find`'s answer: every subscription, those called per message, the batch
+    handlers."""
+
+    every: list[Subscription]
+    single: list[Subscription]
+    batch: list[Subscription]
+
+
 class Handlers:
     """Subscriptions of one service. Register before `start()`; lookups are thread-safe."""
 
@@ -377,7 +386,7 @@ class Handlers:
         self._subscriptions: list[Subscription] = []
         # find()'s answers by (kind, routing key): the worker asks for every message, and the
         # set of routing keys a service sees is small. Cleared whenever a handler is added.
-        self._found: dict[tuple[str, str, int], _Found] = {}
+        self._found: dict[tuple[str, str, int], Found] = {}
 
     def add(self, subscription: Subscription) -> None:
         if not callable(subscription.handler):
@@ -425,39 +434,10 @@ class Handlers:
     def event_patterns(self) -> list[str]:
         return [s.pattern for s in self._subscriptions if s.kind == EVENT]
 
-    def find(self, kind: str, routing_key: str, version: int = 1) -> list[Subscription]:
+    def find(self, kind: str, routing_key: str, version: int = 1) -> Found:
         """Every subscription of `kind` matching `routing_key` and handling payload `version`
-        (its own, or every version), in registration order.
-
-        The returned list is shared between callers: do not change it.
-        """
-        return self._lookup(kind, routing_key, version)[0]
-
-    def split(
-        self, kind: str, routing_key: str, version: int = 1
-    ) -> tuple[list[Subscription], list[Subscription]]:
-        """`find`'s subscriptions as (called per message, batch handlers); shared lists."""
-        _, single, batch = self._lookup(kind, routing_key, version)
-        return single, batch
-
-    def advertised(self) -> list[dict[str, Any]]:
-        """What this service handles, as the instances table stores it: one
-        ``{"kind", "pattern", "versions"}`` per kind and pattern, ``versions`` a sorted list,
-        or None when a handler takes every version."""
-        versions: dict[tuple[str, str], set[int] | None] = {}
-        for s in self._subscriptions:
-            key = (s.kind, s.pattern)
-            known = versions.setdefault(key, set())
-            if s.options.version is None or known is None:
-                versions[key] = None
-            else:
-                known.add(s.options.version)
-        return [
-            {"kind": k, "pattern": p, "versions": None if v is None else sorted(v)}
-            for (k, p), v in versions.items()
-        ]
-
-    def _lookup(self, kind: str, routing_key: str, version: int) -> _Found:
+        (its own, or every version), in registration order, and those split into handlers
+        called per message and batch handlers. The lists are shared: do not change them."""
         found = self._found.get((kind, routing_key, version))
         if found is None:
             if kind == COMMAND:
@@ -476,7 +456,7 @@ class Handlers:
                     if s.kind == EVENT and topic_matches(s.pattern, routing_key)
                 ]
             every = [s for s in every if s.handles(version)]
-            found = (
+            found = Found(
                 every,
                 [s for s in every if not s.options.batch],
                 [s for s in every if s.options.batch],
@@ -484,6 +464,23 @@ class Handlers:
             if len(self._found) < 10_000:  # routing keys come from senders: keep it bounded
                 self._found[(kind, routing_key, version)] = found
         return found
+
+    def advertised(self) -> list[dict[str, Any]]:
+        """What this service handles, as the instances table stores it: one
+        ``{"kind", "pattern", "versions"}`` per kind and pattern, ``versions`` a sorted list,
+        or None when a handler takes every version."""
+        versions: dict[tuple[str, str], set[int] | None] = {}
+        for s in self._subscriptions:
+            key = (s.kind, s.pattern)
+            known = versions.setdefault(key, set())
+            if s.options.version is None or known is None:
+                versions[key] = None
+            else:
+                known.add(s.options.version)
+        return [
+            {"kind": k, "pattern": p, "versions": None if v is None else sorted(v)}
+            for (k, p), v in versions.items()
+        ]
 
 
 def handled_by(advertised: Sequence[Mapping[str, Any]], kind: str, key: str, version: int) -> bool:
@@ -500,5 +497,3 @@ def handled_by(advertised: Sequence[Mapping[str, Any]], kind: str, key: str, ver
 
 #: What handles a fault no `Service.on_fault` handler matches: an INFO line.
 _UNHANDLED_FAULT = Subscription(FAULT, "#", log_unhandled_fault)
-#: A lookup's answer: every subscription, those called per message, the batch handlers.
-_Found = tuple[list[Subscription], list[Subscription], list[Subscription]]

@@ -1,11 +1,28 @@
-"""Retry policy: how long to wait before handling a failed message again, and when to stop."""
+"""Retry policy: what becomes of a message whose handler failed, and when it is handled again."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
 
-from .errors import ConfigurationError
+from .errors import ConfigurationError, Reject, Retry
+
+#: The dead reason of a message whose last allowed attempt failed.
+MAX_ATTEMPTS = "max_attempts"
+
+
+@dataclass(frozen=True)
+class Later:
+    """Handle the message again in `delay` seconds."""
+
+    delay: float
+
+
+@dataclass(frozen=True)
+class Dead:
+    """Handle the message no more: dead, with `reason` (the inbox row's ``dead_reason``)."""
+
+    reason: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,3 +62,15 @@ class RetryPolicy:
     def gives_up_after(self, failed_attempt: int) -> bool:
         """True when attempt number `failed_attempt` was the last one allowed."""
         return failed_attempt >= max(self.max_attempts, 1)
+
+    def decide(self, exc: BaseException, failed_attempt: int) -> Later | Dead:
+        """What becomes of a message whose attempt number `failed_attempt` raised `exc`:
+        `Reject` ends it at once with its ``dead_reason``; past the last attempt it is dead
+        (`MAX_ATTEMPTS`); else it is handled again after `Retry`'s delay, or this policy's."""
+        if isinstance(exc, Reject):
+            return Dead(exc.dead_reason)
+        if self.gives_up_after(failed_attempt):
+            return Dead(MAX_ATTEMPTS)
+        if isinstance(exc, Retry) and exc.delay is not None:
+            return Later(exc.delay)
+        return Later(self.delay(failed_attempt))

@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import NamedTuple
 
 import psycopg
 from opentelemetry.trace import Tracer
@@ -27,14 +28,16 @@ from sqlalchemy.pool import NullPool
 from .config import Settings
 from .context import handling
 from .database import client_bounds
-from .errors import Reject, Retry, database_unreachable, first_line
+from .errors import Reject, database_unreachable, first_line
 from .faults import send_fault
 from .fingerprint import fingerprint
-from .handlers import Handlers, Subscription, handled_by, run_writes
+from .handlers import Found, Handlers, Subscription, run_writes
+from .instances import Instances
 from .listener import Listener, call
 from .messages import Message, message_from_row
 from .outbox import Outbox
 from .queries import roles
+from .retry import Dead, Later
 from .role_loop import DRIVER_OUTAGES, RoleLoop
 from .tables import Tables
 from .tracing import Tracing, processing, processing_batch
@@ -42,14 +45,8 @@ from .waker import Waker
 
 log = logging.getLogger(__name__)
 
-#: Dead reasons the worker writes.
-NO_HANDLER, EXPIRED, ABANDONED, MAX_ATTEMPTS, REJECTED = (
-    "no_handler",
-    "expired",
-    "abandoned",
-    "max_attempts",
-    "rejected",
-)
+#: Dead reasons the worker writes from a claim alone (and the handlers': `retry.Dead`).
+NO_HANDLER, EXPIRED, ABANDONED = "no_handler", "expired", "abandoned"
 
 
 def worker_name() -> str:
@@ -78,27 +75,37 @@ class _HandlerFailed(Exception):
         self.error = error
 
 
+class _Job(NamedTuple):
+    """A claimed row, mapped once to the message its handlers get, and the handlers that take
+    it, looked up once."""
+
+    id: int
+    row: RowMapping
+    message: Message
+    handlers: Found
+
+
 @dataclass
 class _Batch:
     """What one claim decided: rows to run, and rows that end dead without running."""
 
-    run: list[RowMapping] = field(default_factory=list)
-    dead: list[tuple[RowMapping, str, str | None, bool]] = field(default_factory=list)
+    run: list[_Job] = field(default_factory=list)
+    #: (row, dead reason, finished: whether the attempt counts as finished).
+    dead: list[tuple[_Job, str, bool]] = field(default_factory=list)
     #: Rows no handler of this worker takes (their routing key or version): left for a live
-    #: instance that has one, or dead once none has been seen for ``no_handler_grace``.
-    away: list[RowMapping] = field(default_factory=list)
-    #: The reasons of the rows of `dead` marked by the last transaction that tried.
+    #: instance that has one (`instances.Instances.leave`), or dead.
+    away: list[_Job] = field(default_factory=list)
+    #: The dead reasons marked by the last transaction that tried.
     marked: list[str] = field(default_factory=list)
 
     @property
-    def ids(self) -> list[int]:
-        return [r["id"] for r in (*self.run, *(d[0] for d in self.dead), *self.away)]
+    def jobs(self) -> list[_Job]:
+        return [*self.run, *(d[0] for d in self.dead), *self.away]
 
     @property
     def since(self) -> datetime | None:
         """The earliest receipt of the batch's rows: their partitions start there."""
-        rows = [*self.run, *(d[0] for d in self.dead), *self.away]
-        return min((r["received_at"] for r in rows), default=None)
+        return min((j.row["received_at"] for j in self.jobs), default=None)
 
 
 class Worker:
@@ -165,14 +172,8 @@ class Worker:
         self._liveness_engine: Engine | None = None
         self._liveness_conn: Connection | None = None
         self._stop = threading.Event()
-        #: The service whose instances table this worker advertises its handlers in (see
-        #: `_leave_away_rows`); None: it advertises nothing and a row it has no handler for is
-        #: dead at once.
-        self._service = service
-        self._advertised_at = -float("inf")
-        #: When the warning about each (kind, routing key, version) left to others was last
-        #: logged (time.monotonic()).
-        self._warned: dict[tuple[str, str, int], float] = {}
+        #: This worker's handlers in the instances table of `service` (rolling deploys).
+        self._instances = Instances(tables, handlers, settings, service, self.name)
         #: Rows the last batch's transaction claimed for the next batch (see `_run_batch`).
         self._next: list[RowMapping] = []
         #: The routing key of the last row of the last claim (`roles.claim_inbox`'s `after`).
@@ -319,7 +320,7 @@ class Worker:
         errors never escape.
         """
         s = self._settings
-        self._advertise(conn)
+        self._instances.advertise(conn)
         rows, self._next = self._next, []
         if not rows:
             with conn.begin():
@@ -388,38 +389,9 @@ class Worker:
         except SQLAlchemyError as exc:
             log.debug("worker %s: giving back %d claims failed: %s", self.name, len(ids), exc)
 
-    def _advertise(self, conn: Connection) -> None:
-        """Refresh this worker's row of the instances table (its handlers, seen now) when a
-        quarter of ``no_handler_grace`` has passed since the last time: in its own short
-        transaction, before a claim, so that a busy worker stays live as an idle one does."""
-        if self._service is None:
-            return
-        grace = self._settings.no_handler_grace
-        if time.monotonic() - self._advertised_at < grace / 4:
-            return
-        with conn.begin():
-            roles.advertise_instance(
-                conn,
-                self._tables,
-                self._service,
-                self.name,
-                self._handlers.advertised(),
-                forget_after=timedelta(seconds=10 * grace),
-            )
-        self._advertised_at = time.monotonic()
-
     def retire(self, conn: Connection) -> None:
-        """Delete this worker's row of the instances table: it stops, and no longer keeps
-        messages only it could handle waiting. A database error is only logged: the row then
-        stops counting as live after ``no_handler_grace``."""
-        if self._service is None or conn.invalidated or conn.closed:
-            return
-        try:
-            with conn.begin():
-                roles.forget_instance(conn, self._tables, self._service, self.name)
-        except SQLAlchemyError as exc:
-            log.debug("worker %s: forgetting its instance row failed: %s", self.name, exc)
-        self._advertised_at = -float("inf")
+        """Delete this worker's row of the instances table (`Instances.retire`): it stops."""
+        self._instances.retire(conn)
 
     def _work(self, conn: Connection, rows: list[RowMapping], *, claim_next: bool) -> None:
         """Handle claimed rows: all in one transaction, or one savepoint each on a failure.
@@ -442,7 +414,9 @@ class Worker:
                 failed = exc if isinstance(exc, _HandlerFailed) else None
                 handled = self._run_batch(conn, batch, one_by_one=True, failed=failed)
         except ConnectionLost:
-            self._release(conn, batch.ids)  # the database is there but cannot work: uncounted
+            self._release(
+                conn, [j.id for j in batch.jobs]
+            )  # the database is there but cannot work: uncounted
             raise
         self.processed += len(handled)
         if self._listener is not None:
@@ -455,6 +429,8 @@ class Worker:
         """Decide, from the claimed rows alone, which run and which end dead without running."""
         batch = _Batch()
         for row in rows:
+            handlers = self._handlers.find(row["kind"], row["routing_key"], row["version"])
+            job = _Job(row["id"], row, message_from_row(row), handlers)
             unfinished = row["attempts"] - row["finished"]
             if unfinished > self._settings.abandon_after:
                 log.error(
@@ -462,13 +438,13 @@ class Worker:
                     row["message_id"],
                     unfinished - 1,
                 )
-                batch.dead.append((row, ABANDONED, None, False))  # keeps its last error
+                batch.dead.append((job, ABANDONED, False))  # keeps its last error
             elif row["expires_at"] is not None and row["expires_at"] <= row["claimed_at"]:
-                batch.dead.append((row, EXPIRED, None, True))
-            elif not self._handlers.find(row["kind"], row["routing_key"], row["version"]):
-                batch.away.append(row)  # decided in the batch's transaction: _leave_away_rows
+                batch.dead.append((job, EXPIRED, True))
+            elif not handlers.every:
+                batch.away.append(job)  # decided in the batch's transaction: _mark_dead_rows
             else:
-                batch.run.append(row)
+                batch.run.append(job)
         return batch
 
     def _run_batch(
@@ -493,22 +469,23 @@ class Worker:
         processed: list[int] = []
         unrun: list[int] = []
         with conn.begin():
-            mine = roles.lock_claimed(conn, self._tables, batch.ids, self.claimant, batch.since)
+            ids = [j.id for j in batch.jobs]
+            mine = roles.lock_claimed(conn, self._tables, ids, self.claimant, batch.since)
             self._mark_dead_rows(conn, batch, mine)
-            rows = self._to_run(batch.run, mine, unrun)
+            jobs = self._to_run(batch.run, mine, unrun)
             if one_by_one:
-                for row in rows:
-                    if failed is not None and row["id"] == failed.row_id:
-                        self._record_failure(conn, row, failed.error)
-                    elif (message := self._handle_alone(conn, row)) is not None:
-                        handled.append(message)
-                        processed.append(row["id"])
+                for job in jobs:
+                    if failed is not None and job.id == failed.row_id:
+                        self._record_failure(conn, job, failed.error)
+                    elif self._handle_alone(conn, job):
+                        handled.append(job.message)
+                        processed.append(job.id)
             else:
                 # join_transaction_mode="rollback_only": a handler's session.commit() only
                 # flushes; this transaction is the worker's to commit.
                 session = Session(bind=conn, join_transaction_mode="rollback_only")
                 try:
-                    self._handle(rows, session, handled, processed)
+                    self._handle(jobs, session, handled, processed)
                     session.flush()
                     run_writes(session)
                 finally:
@@ -520,27 +497,25 @@ class Worker:
             self._next = claimed  # once committed
         return handled
 
-    def _to_run(
-        self, rows: list[RowMapping], mine: set[int], unrun: list[int]
-    ) -> Iterator[RowMapping]:
+    def _to_run(self, jobs: list[_Job], mine: set[int], unrun: list[int]) -> Iterator[_Job]:
         """The rows still leased here (`mine`), one at a time, until the worker is stopping:
         the rest go to `unrun`."""
-        for row in rows:
-            if row["id"] not in mine:
+        for job in jobs:
+            if job.id not in mine:
                 continue  # lease lost to another worker in the meantime
             if self._stop.is_set():
-                unrun.append(row["id"])
+                unrun.append(job.id)
                 continue
-            yield row
+            yield job
 
     def _handle(
         self,
-        rows: Iterator[RowMapping],
+        jobs: Iterator[_Job],
         session: Session,
         handled: list[Message],
         processed: list[int],
     ) -> None:
-        """Run the handlers of `rows` with `session`, filling the lists.
+        """Run the handlers of `jobs` with `session`, filling the lists.
 
         Message by message, its handlers called per message run at once; each batch handler
         runs once at the end with all the messages it handles. A message begun runs every
@@ -549,113 +524,55 @@ class Worker:
         """
         tracer = self._tracing.tracer()
         batches: dict[int, tuple[Subscription, list[Message]]] = {}
-        for row in rows:
-            message = message_from_row(row)
-            single, batched = self._handlers.split(message.kind, message.type, message.version)
-            if single:
+        for job in jobs:
+            if job.handlers.single:
                 try:
-                    self._run_handlers(message, single, session, tracer)
+                    self._run_handlers(job.message, job.handlers.single, session, tracer)
                 except Exception as exc:
-                    raise _HandlerFailed(row["id"], exc) from exc
-            for subscription in batched:
-                batches.setdefault(id(subscription), (subscription, []))[1].append(message)
-            handled.append(message)
-            processed.append(row["id"])
+                    raise _HandlerFailed(job.id, exc) from exc
+            for subscription in job.handlers.batch:
+                batches.setdefault(id(subscription), (subscription, []))[1].append(job.message)
+            handled.append(job.message)
+            processed.append(job.id)
         for subscription, messages in batches.values():
             self._run_batch_handler(subscription, messages, session, tracer)
 
-    def _leave_away_rows(self, conn: Connection, batch: _Batch, mine: set[int]) -> None:
-        """Decide the rows no handler of this worker takes, in the batch's transaction.
-
-        A row that a live instance of the service advertises a handler for (one seen within
-        ``no_handler_grace``: `roles.live_instances`) is given back uncounted, due again to
-        other workers in `roles.AWAY` and to this one in twice that (`roles.release_claims`):
-        still pending, so its key's later rows stay behind it, and another worker's first.
-        One warning per routing key and version a minute says so. A row no live instance
-        handles is dead, reason ``no_handler``; so is every such row of a worker without a
-        service.
-        """
-        rows = [r for r in batch.away if r["id"] in mine]
-        if not rows:
-            return
-        grace = self._settings.no_handler_grace
-        live = (
-            []
-            if self._service is None
-            else roles.live_instances(conn, self._tables, self._service, timedelta(seconds=grace))
-        )
-        left: list[int] = []
-        for row in rows:
-            kind, key, version = row["kind"], row["routing_key"], row["version"]
-            others = [i["instance"] for i in live if handled_by(i["handlers"], kind, key, version)]
-            if others:
-                left.append(row["id"])
-                self._warn_away(kind, key, version, others)
-                continue
-            log.error(
-                "worker %s: no handler for %s %s version %d here, nor on any instance seen in"
-                " the last %gs; dead",
-                self.name,
-                kind,
-                key,
-                version,
-                grace,
-            )
-            error = f"no handler for {key} version {version} on any live instance"
-            self._mark_dead(conn, row, NO_HANDLER, error, finished=True)
-            batch.marked.append(NO_HANDLER)
-        roles.release_claims(conn, self._tables, left, self.claimant, away=True)
-
-    def _warn_away(self, kind: str, key: str, version: int, others: list[str]) -> None:
-        """Log that this worker leaves (kind, key, version) to `others`: once a minute."""
-        now = time.monotonic()
-        if now - self._warned.get((kind, key, version), -float("inf")) < 60:
-            return
-        if len(self._warned) >= 10_000:  # routing keys come from senders: keep it bounded
-            self._warned.clear()
-        self._warned[(kind, key, version)] = now
-        log.warning(
-            "worker %s (service %s) has no handler for %s %s version %d: left, uncounted, to"
-            " live instances that have one: %s",
-            self.name,
-            self._service,
-            kind,
-            key,
-            version,
-            ", ".join(sorted(others)[:3]) + (" …" if len(others) > 3 else ""),
-        )
-
     def _mark_dead_rows(self, conn: Connection, batch: _Batch, mine: set[int]) -> None:
+        """Mark the batch's dead ends in its transaction: the rows its plan ended, and the
+        rows no handler here takes that no live instance takes either (`Instances.leave`)."""
         batch.marked = []  # told to the listener once the transaction committed
-        self._leave_away_rows(conn, batch, mine)
-        for row, reason, error, finished in batch.dead:
-            if row["id"] in mine:
-                self._mark_dead(conn, row, reason, error, finished=finished)
-                batch.marked.append(reason)
+        away = {j.id: j for j in batch.away if j.id in mine}
+        dead: list[tuple[_Job, str, str | None, bool]]
+        dead = [(j, reason, None, done) for j, reason, done in batch.dead if j.id in mine]
+        left = self._instances.leave(conn, [j.row for j in away.values()], self.claimant)
+        dead += [(away[row["id"]], NO_HANDLER, why, True) for row, why in left]
+        for job, reason, error, finished in dead:
+            self._mark_dead(conn, job, reason, error, finished=finished)
+            batch.marked.append(reason)
 
     def _mark_dead(
         self,
         conn: Connection,
-        row: RowMapping,
+        job: _Job,
         reason: str,
         error: str | None,
         *,
         finished: bool,
         cause: BaseException | None = None,
     ) -> None:
-        """Mark `row` dead, in the caller's transaction: the one way every dead end of the
-        worker goes (abandoned, expired, no handler, rejected, invalid payload, attempts
+        """Mark `job`'s row dead, in the caller's transaction: the one way every dead end of
+        the worker goes (abandoned, expired, no handler, rejected, invalid payload, attempts
         exhausted). `cause`: the handler's exception, when one ended it.
 
         The fault back to the row's sender is written after the mark, in the same
         transaction: neither commits without the other (outbox_inbox.faults)."""
         cause_print = fingerprint(reason, cause)
         roles.mark_dead(
-            conn, self._tables, row["id"], reason, error, finished=finished, fingerprint=cause_print
+            conn, self._tables, job.id, reason, error, finished=finished, fingerprint=cause_print
         )
         if self._outbox is not None:
             events = self._settings.event_faults
-            send_fault(conn, self._outbox, row, reason, error, cause, events=events)
+            send_fault(conn, self._outbox, job.message, reason, error, cause, events=events)
 
     def _run_handlers(
         self,
@@ -698,70 +615,59 @@ class Worker:
             for message in messages:
                 call(self._listener, "handler_ran", message, share, None)
 
-    def _handle_alone(self, conn: Connection, row: RowMapping) -> Message | None:
-        """Run the handlers of one row in a savepoint; the message if it is to be processed."""
-        message = message_from_row(row)
+    def _handle_alone(self, conn: Connection, job: _Job) -> bool:
+        """Run the handlers of `job` in a savepoint; True if it is to be processed."""
         session = Session(bind=conn, join_transaction_mode="create_savepoint")
         try:
-            subscriptions = self._handlers.find(message.kind, message.type, message.version)
-            self._run_handlers(message, subscriptions, session, self._tracing.tracer())
+            self._run_handlers(job.message, job.handlers.every, session, self._tracing.tracer())
             session.flush()
             run_writes(session)
             session.commit()  # releases the savepoint; the outer transaction commits later
-            return message
+            return True
         except Exception as exc:
             _raise_if_outage(conn, exc)
             session.rollback()
-            self._record_failure(conn, row, exc)
-            return None
+            self._record_failure(conn, job, exc)
+            return False
         finally:
             session.close()
 
-    def _record_failure(self, conn: Connection, row: RowMapping, exc: Exception) -> None:
-        """A handler of `row` raised `exc`: dead at once (Reject), or retried per its policy."""
-        message = message_from_row(row)
-        if isinstance(exc, Reject):
-            reason = exc.dead_reason or REJECTED
-            log.warning("worker: %s %s: %s", message.message_id, reason, exc.reason)
-            self._mark_dead(conn, row, reason, exc.reason, finished=True, cause=exc)
-            call(self._listener, "failed", message, exc, dead=True)
-            call(self._listener, "dead", reason, 1)
-            return
-        subscriptions = self._handlers.find(message.kind, message.type, message.version)
-        dead = self._failed(conn, row, subscriptions, exc)
-        call(self._listener, "failed", message, exc, dead=dead)
-        if dead:
-            call(self._listener, "dead", MAX_ATTEMPTS, 1)
-
-    def _failed(
-        self, conn: Connection, row: RowMapping, subscriptions: list[Subscription], exc: Exception
-    ) -> bool:
-        """Record a handler failure: retry later, or dead past the policy. True if dead."""
-        policy = next(  # the first subscription's own, else the service's
-            (s.options.retry for s in subscriptions if s.options.retry is not None),
+    def _record_failure(self, conn: Connection, job: _Job, exc: Exception) -> None:
+        """A handler of `job` raised `exc`: retried later or dead, as the policy decides (the
+        first of its handlers' own, else the service's: `RetryPolicy.decide`)."""
+        message, attempt = job.message, job.row["finished"] + 1
+        policy = next(
+            (s.options.retry for s in job.handlers.every if s.options.retry is not None),
             self._settings.retry,
         )
-        attempt = row["finished"] + 1
-        error = "".join(traceback.format_exception(exc))[-8000:]
-        if isinstance(exc, Retry) and exc.delay is not None:
-            delay = exc.delay
-        else:
-            delay = policy.delay(attempt)
-        if policy.gives_up_after(attempt):
-            log.error(
-                "worker: %s failed on attempt %d, giving up: %r", row["message_id"], attempt, exc
-            )
-            self._mark_dead(conn, row, MAX_ATTEMPTS, error, finished=True, cause=exc)
-            return True
-        log.warning(
-            "worker: %s failed on attempt %d, retrying in %.1fs: %r",
-            row["message_id"],
-            attempt,
-            delay,
-            exc,
-        )
-        roles.mark_retry(conn, self._tables, row["id"], error, timedelta(seconds=delay))
-        return False
+        rejected = isinstance(exc, Reject)
+        error = exc.reason if isinstance(exc, Reject) else "".join(traceback.format_exception(exc))
+        match policy.decide(exc, attempt):
+            case Later(delay):
+                log.warning(
+                    "worker: %s failed on attempt %d, retrying in %.1fs: %r",
+                    message.message_id,
+                    attempt,
+                    delay,
+                    exc,
+                )
+                roles.mark_retry(
+                    conn, self._tables, job.id, error[-8000:], timedelta(seconds=delay)
+                )
+                call(self._listener, "failed", message, exc, dead=False)
+            case Dead(reason):
+                if rejected:
+                    log.warning("worker: %s %s: %s", message.message_id, reason, error)
+                else:
+                    log.error(
+                        "worker: %s failed on attempt %d, giving up: %r",
+                        message.message_id,
+                        attempt,
+                        exc,
+                    )
+                self._mark_dead(conn, job, reason, error[-8000:], finished=True, cause=exc)
+                call(self._listener, "failed", message, exc, dead=True)
+                call(self._listener, "dead", reason, 1)
 
 
 def _limit_each_transaction(lease: float) -> Callable[[Connection], None]:

@@ -8,6 +8,7 @@ import pytest
 
 from outbox_inbox import ConfigurationError, Message, Service
 from outbox_inbox.faults import fault_routing_key, is_fault
+from outbox_inbox.handlers import Subscription
 from outbox_inbox.messages import COMMAND
 from outbox_inbox.outbox import _check_name
 from outbox_inbox.topology import service_topology, topic_matches
@@ -36,7 +37,9 @@ def test_on_fault_takes_the_faults_its_pattern_matches_and_nothing_else() -> Non
     orders.on_fault("billing.invoice.create")(exact)
     orders.on_fault("billing.#")(every)
     orders.on_command("invoice.create")(command)
-    find = orders.handlers.find
+    def find(kind: str, key: str) -> list[Subscription]:
+        return orders.handlers.find(kind, key).every
+
     assert [s.handler for s in find(COMMAND, "orders.fault.billing.invoice.create")] == [
         exact,
         every,

@@ -38,15 +38,15 @@ def test_a_handler_without_version_takes_every_version_and_one_with_a_version_on
     )
 
     def found(kind: str, key: str, version: int) -> list[Any]:
-        return [s.handler for s in handlers.find(kind, key, version)]
+        return [s.handler for s in handlers.find(kind, key, version).every]
 
     assert found("event", "orders.order.placed", 1) == [_handler, _v1]
     assert found("event", "orders.order.placed", 2) == [_handler, _v2]
     assert found("event", "orders.order.placed", 3) == [_handler]
     assert found("command", "billing.invoice.create", 2) == [_v2]
     assert found("command", "billing.invoice.create", 1) == []  # left for another instance
-    assert handlers.split("event", "orders.order.placed", 2) == (
-        handlers.find("event", "orders.order.placed", 2),
+    assert handlers.find("event", "orders.order.placed", 2)[1:] == (
+        handlers.find("event", "orders.order.placed", 2).every,
         [],
     )
 
