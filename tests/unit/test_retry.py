@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from outbox_inbox import ConfigurationError, RetryPolicy
+from outbox_inbox import ConfigurationError, InvalidPayload, Reject, Retry, RetryPolicy
+from outbox_inbox.retry import Dead, Later
 
 
 def test_delay_grows_exponentially_and_is_capped_by_max_interval() -> None:
@@ -31,3 +32,21 @@ def test_gives_up_after_max_attempts_and_zero_means_no_retry(max_attempts: int, 
 def test_invalid_policy_is_refused(kwargs: dict[str, float]) -> None:
     with pytest.raises(ConfigurationError):
         RetryPolicy(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("exc", "attempt", "decision"),
+    [
+        (ValueError("boom"), 1, Later(2.0)),
+        (ValueError("boom"), 2, Later(4.0)),
+        (ValueError("boom"), 3, Dead("max_attempts")),
+        (Retry(delay=30), 2, Later(30)),  # the handler's delay, not the policy's
+        (Retry(), 1, Later(2.0)),
+        (Retry(delay=30), 3, Dead("max_attempts")),  # a handler's Retry cannot pass the last
+        (Reject("never"), 1, Dead("rejected")),
+        (InvalidPayload("not an order"), 1, Dead("invalid_payload")),
+    ],
+)
+def test_the_policy_decides_each_failure(exc: Exception, attempt: int, decision: object) -> None:
+    policy = RetryPolicy(initial=2, multiplier=2, max_interval=60, max_attempts=3)
+    assert policy.decide(exc, attempt) == decision
