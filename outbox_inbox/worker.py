@@ -90,7 +90,7 @@ class _Batch:
     """What one claim decided: rows to run, and rows that end dead without running."""
 
     run: list[_Job] = field(default_factory=list)
-    #: (row, dead reason, finished: whether the attempt counts as finished).
+    #: (job, dead reason, finished: whether the attempt counts as finished).
     dead: list[tuple[_Job, str, bool]] = field(default_factory=list)
     #: Rows no handler of this worker takes (their routing key or version): left for a live
     #: instance that has one (`instances.Instances.leave`), or dead.
