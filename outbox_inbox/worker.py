@@ -413,10 +413,8 @@ class Worker:
                 log.debug("worker %s: batch failed (%r), one by one", self.name, cause)
                 failed = exc if isinstance(exc, _HandlerFailed) else None
                 handled = self._run_batch(conn, batch, one_by_one=True, failed=failed)
-        except ConnectionLost:
-            self._release(
-                conn, [j.id for j in batch.jobs]
-            )  # the database is there but cannot work: uncounted
+        except ConnectionLost:  # the database is there but cannot work: given back uncounted
+            self._release(conn, [j.id for j in batch.jobs])
             raise
         self.processed += len(handled)
         if self._listener is not None:
