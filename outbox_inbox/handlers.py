@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import inspect
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypedDict, Unpack
 
-from opentelemetry.trace import Span
+from opentelemetry.trace import Span, Tracer
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import Executable
@@ -18,12 +19,13 @@ from sqlalchemy.util.concurrency import in_greenlet
 from .context import handling
 from .errors import ConfigurationError, HandlerExited
 from .faults import FAULT, is_fault, log_unhandled_fault
+from .listener import Listener, call
 from .messages import COMMAND, EVENT, Message
 from .outbox import Outbox, WriteKeywords
 from .payloads import declared_payload_type, decode
 from .retry import RetryPolicy
 from .topology import topic_matches
-from .tracing import current
+from .tracing import current, processing, processing_batch
 
 Handler = Callable[[Message, Session], Any]
 #: A coroutine function handler: ``async def handler(message, session: AsyncSession)``.
@@ -377,6 +379,50 @@ class Found(NamedTuple):
     every: list[Subscription]
     single: list[Subscription]
     batch: list[Subscription]
+
+    @property
+    def retry(self) -> RetryPolicy | None:
+        """The first handler's own retry policy, if one has any (else the service's applies)."""
+        return next((s.options.retry for s in self.every if s.options.retry is not None), None)
+
+
+@dataclass(frozen=True)
+class Calls:
+    """How the worker calls handlers: each message in its ``process`` span (`tracer`, of
+    `service`), with the listener told how long its handlers ran (`Listener.handler_ran`).
+    What goes around a handler call goes here, beside the options that steer it."""
+
+    service: str
+    tracer: Tracer | None
+    listener: Listener | None
+
+    def each(self, message: Message, subscriptions: list[Subscription], session: Session) -> None:
+        """Run `subscriptions` for `message` (a batch handler with a batch of it alone), as
+        the current message. Raises what a handler raises."""
+        started = time.perf_counter()
+        try:
+            with handling(message), processing(self.tracer, self.service, message):
+                for subscription in subscriptions:
+                    subscription.call(message, session)
+        except Exception as exc:
+            self._ran(message, time.perf_counter() - started, exc)
+            raise
+        self._ran(message, time.perf_counter() - started, None)
+
+    def batch(self, subscription: Subscription, messages: list[Message], session: Session) -> None:
+        """Run a batch handler once for `messages`; the listener gets each message's share of
+        the time it ran. Raises what it raises (the worker then runs the messages one at a
+        time, which tells each one's outcome)."""
+        started = time.perf_counter()
+        with processing_batch(self.tracer, self.service, messages) as spans:
+            subscription.call_batch(messages, session, spans)
+        share = (time.perf_counter() - started) / len(messages)
+        for message in messages:
+            self._ran(message, share, None)
+
+    def _ran(self, message: Message, seconds: float, error: Exception | None) -> None:
+        if self.listener is not None:
+            call(self.listener, "handler_ran", message, seconds, error)
 
 
 class Handlers:

@@ -8,7 +8,6 @@ import logging
 import os
 import socket
 import threading
-import time
 import traceback
 import uuid
 from collections import Counter
@@ -18,7 +17,6 @@ from datetime import datetime, timedelta
 from typing import NamedTuple
 
 import psycopg
-from opentelemetry.trace import Tracer
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import RowMapping, make_url
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
@@ -26,12 +24,11 @@ from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
 from .config import Settings
-from .context import handling
 from .database import client_bounds
 from .errors import Reject, database_unreachable, first_line
 from .faults import send_fault
 from .fingerprint import fingerprint
-from .handlers import Found, Handlers, Subscription, run_writes
+from .handlers import Calls, Found, Handlers, Subscription, run_writes
 from .instances import Instances
 from .listener import Listener, call
 from .messages import Message, message_from_row
@@ -40,7 +37,7 @@ from .queries import roles
 from .retry import Dead, Later
 from .role_loop import DRIVER_OUTAGES, RoleLoop
 from .tables import Tables
-from .tracing import Tracing, processing, processing_batch
+from .tracing import Tracing
 from .waker import Waker
 
 log = logging.getLogger(__name__)
@@ -520,12 +517,12 @@ class Worker:
         handler. Raises `_HandlerFailed` (a handler called per message), or what a batch
         handler raised.
         """
-        tracer = self._tracing.tracer()
+        calls = self._calls()
         batches: dict[int, tuple[Subscription, list[Message]]] = {}
         for job in jobs:
             if job.handlers.single:
                 try:
-                    self._run_handlers(job.message, job.handlers.single, session, tracer)
+                    calls.each(job.message, job.handlers.single, session)
                 except Exception as exc:
                     raise _HandlerFailed(job.id, exc) from exc
             for subscription in job.handlers.batch:
@@ -533,7 +530,10 @@ class Worker:
             handled.append(job.message)
             processed.append(job.id)
         for subscription, messages in batches.values():
-            self._run_batch_handler(subscription, messages, session, tracer)
+            calls.batch(subscription, messages, session)
+
+    def _calls(self) -> Calls:
+        return Calls(self._tracing.service, self._tracing.tracer(), self._listener)
 
     def _mark_dead_rows(self, conn: Connection, batch: _Batch, mine: set[int]) -> None:
         """Mark the batch's dead ends in its transaction: the rows its plan ended, and the
@@ -572,52 +572,11 @@ class Worker:
             events = self._settings.event_faults
             send_fault(conn, self._outbox, job.message, reason, error, cause, events=events)
 
-    def _run_handlers(
-        self,
-        message: Message,
-        subscriptions: list[Subscription],
-        session: Session,
-        tracer: Tracer | None,
-    ) -> None:
-        """Run `subscriptions` for `message` (a batch handler with a batch of it alone), as the
-        current message, in its ``process`` span if `tracer`; tell the listener how long they
-        ran. Raises what a handler raises."""
-        listener = self._listener
-        started = time.perf_counter() if listener is not None else 0.0
-        try:
-            with handling(message), processing(tracer, self._tracing.service, message):
-                for subscription in subscriptions:
-                    subscription.call(message, session)
-        except Exception as exc:
-            if listener is not None:
-                call(listener, "handler_ran", message, time.perf_counter() - started, exc)
-            raise
-        if listener is not None:
-            call(listener, "handler_ran", message, time.perf_counter() - started, None)
-
-    def _run_batch_handler(
-        self,
-        subscription: Subscription,
-        messages: list[Message],
-        session: Session,
-        tracer: Tracer | None,
-    ) -> None:
-        """Run a batch handler once for `messages`, each in its ``process`` span if `tracer`;
-        tell the listener each message's share of the time it ran. Raises what it raises
-        (the worker then runs the messages one at a time, which tells each one's outcome)."""
-        started = time.perf_counter()
-        with processing_batch(tracer, self._tracing.service, messages) as spans:
-            subscription.call_batch(messages, session, spans)
-        if self._listener is not None:
-            share = (time.perf_counter() - started) / len(messages)
-            for message in messages:
-                call(self._listener, "handler_ran", message, share, None)
-
     def _handle_alone(self, conn: Connection, job: _Job) -> bool:
         """Run the handlers of `job` in a savepoint; True if it is to be processed."""
         session = Session(bind=conn, join_transaction_mode="create_savepoint")
         try:
-            self._run_handlers(job.message, job.handlers.every, session, self._tracing.tracer())
+            self._calls().each(job.message, job.handlers.every, session)
             session.flush()
             run_writes(session)
             session.commit()  # releases the savepoint; the outer transaction commits later
@@ -631,13 +590,10 @@ class Worker:
             session.close()
 
     def _record_failure(self, conn: Connection, job: _Job, exc: Exception) -> None:
-        """A handler of `job` raised `exc`: retried later or dead, as the policy decides (the
-        first of its handlers' own, else the service's: `RetryPolicy.decide`)."""
+        """A handler of `job` raised `exc`: retried later or dead, as the policy decides (its
+        handlers' own, else the service's: `RetryPolicy.decide`)."""
         message, attempt = job.message, job.row["finished"] + 1
-        policy = next(
-            (s.options.retry for s in job.handlers.every if s.options.retry is not None),
-            self._settings.retry,
-        )
+        policy = job.handlers.retry or self._settings.retry
         rejected = isinstance(exc, Reject)
         error = exc.reason if isinstance(exc, Reject) else "".join(traceback.format_exception(exc))
         match policy.decide(exc, attempt):

@@ -37,6 +37,7 @@ def test_on_fault_takes_the_faults_its_pattern_matches_and_nothing_else() -> Non
     orders.on_fault("billing.invoice.create")(exact)
     orders.on_fault("billing.#")(every)
     orders.on_command("invoice.create")(command)
+
     def find(kind: str, key: str) -> list[Subscription]:
         return orders.handlers.find(kind, key).every
 
