@@ -21,6 +21,7 @@ import click
 from outbox_inbox.dashboard.views import format_age
 from outbox_inbox.dead_letters import (
     DONE,
+    FILTER_FIELDS,
     OUTBOX,
     PARK,
     SOURCES,
@@ -28,13 +29,13 @@ from outbox_inbox.dead_letters import (
     ActionReport,
     DeadLetter,
     DeadLetters,
+    FilterError,
     Filters,
     Selection,
     TableSelection,
     error_summary,
     parse_message_id,
 )
-from outbox_inbox.errors import ConfigurationError
 
 from .audit import audit_log_option
 from .output import (
@@ -47,7 +48,7 @@ from .output import (
     progress,
     render_table,
 )
-from .target import Target, fail, json_option, parse_duration, resolve, target_options
+from .target import Target, fail, json_option, resolve, target_options
 
 #: How many rows of a selection replay and purge print before acting.
 SHOWN = 50
@@ -74,77 +75,22 @@ def dead_letters() -> None:
     """
 
 
-_FILTER_OPTIONS = (
-    click.option(
-        "--type",
-        "types",
-        multiple=True,
-        metavar="PATTERN",
-        help="Message type: a routing key or topic pattern (orders.#). Repeatable.",
-    ),
-    click.option(
-        "--older-than",
-        metavar="DURATION",
-        callback=parse_duration,
-        help="Dead for at least this long (30m, 2h, 7d).",
-    ),
-    click.option(
-        "--reason",
-        metavar="REASON",
-        help="Dead reason: max_attempts, rejected, invalid_payload, no_handler, expired, "
-        "abandoned (table); refused (outbox); invalid, store_failed, redelivered, or the "
-        "broker's rejected / expired / delivery_limit (queue).",
-    ),
-    click.option("--error", metavar="TEXT", help="Text in the error (case-insensitive)."),
-    click.option(
-        "--id", "ids", multiple=True, metavar="MESSAGE_ID", help="A message id. Repeatable."
-    ),
-    click.option(
-        "--group",
-        metavar="GROUP",
-        help="One dead-letter group: its ID as `groups` prints it, or its fingerprint.",
-    ),
-    click.option(
-        "--parked",
-        is_flag=True,
-        help="The parked rows instead of the dead ones (table and outbox sources).",
-    ),
-)
-
-
 def filter_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Add the filter options to `command`, which gets them as one `Filters`, its ``filters``
-    argument (--group as given: `_resolved` reads its fingerprint). A --type that Filters
-    refuses is a usage error (exit 2) before the command runs."""
+    """Add the options of `FILTER_FIELDS` to `command`, which gets them as one `Filters`, its
+    ``filters`` argument (--group as given: `_resolved` reads its fingerprint). A filter that
+    does not read is a usage error (exit 2) before the command runs."""
 
     @functools.wraps(command)
-    def with_filters(
-        *,
-        types: tuple[str, ...],
-        older_than: timedelta | None,
-        reason: str | None,
-        error: str | None,
-        ids: tuple[str, ...],
-        group: str | None,
-        parked: bool,
-        **options: Any,
-    ) -> Any:
+    def with_filters(**options: Any) -> Any:
         try:
-            filters = Filters(
-                types=types,
-                older_than=older_than,
-                reason=reason,
-                error=error,
-                message_ids=tuple(parse_message_id(i) for i in ids),
-                fingerprint=group,
-                parked=parked,
-            )
-        except ConfigurationError as exc:
-            raise click.BadParameter(str(exc), param_hint="--type") from exc
+            filters = Filters.read({f.name: options.pop(f.name) for f in FILTER_FIELDS})
+        except FilterError as exc:
+            raise click.BadParameter(str(exc), param_hint=f"--{exc.flag}") from exc
         return command(filters=filters, **options)
 
-    for option in reversed(_FILTER_OPTIONS):
-        with_filters = option(with_filters)
+    for f in reversed(FILTER_FIELDS):
+        kind = {"is_flag": True} if f.switch else {"multiple": f.many, "metavar": f.metavar}
+        with_filters = click.option(f"--{f.flag}", f.name, help=f.help, **kind)(with_filters)
     return with_filters
 
 

@@ -13,6 +13,7 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
+from outbox_inbox import clock
 from outbox_inbox.broker import Broker
 from outbox_inbox.brokers import broker_at
 from outbox_inbox.config import (
@@ -250,19 +251,14 @@ def target_options(function: F) -> F:
     return function
 
 
-_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-
-
 def parse_duration(
     ctx: click.Context, param: click.Parameter, value: str | None
 ) -> timedelta | None:
-    """Option callback: ``90``, ``90s``, ``10m``, ``2h``, ``7d``, ``1.5h`` as a timedelta."""
-    if value is None:
-        return None
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", value)
-    if not match:
-        raise click.BadParameter(f"{value!r} is not a duration like 30s, 10m, 2h or 7d")
-    return timedelta(seconds=float(match[1]) * _DURATION_UNITS[match[2] or "s"])
+    """Option callback: `clock.parse_duration`, a usage error when it does not read."""
+    try:
+        return None if value is None else clock.parse_duration(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
 
 
 def parse_time(ctx: click.Context, param: click.Parameter, value: str | None) -> datetime | None:

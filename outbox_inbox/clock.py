@@ -9,6 +9,7 @@ on SQLite through ``julianday``, since a time there is text and text minus text 
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 from typing import Any
 
@@ -17,6 +18,18 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import BindParameter
 from sqlalchemy.sql.functions import FunctionElement
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(text: str) -> timedelta:
+    """A duration as a user writes one (``90``, ``90s``, ``10m``, ``2h``, ``7d``, ``1w``,
+    ``1.5h``); ValueError for anything else."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text)
+    if not match:
+        raise ValueError(f"{text!r} is not a duration like 30s, 10m, 2h or 7d")
+    return timedelta(seconds=float(match[1]) * _UNITS[match[2] or "s"])
+
 
 # SQLite's %f gives milliseconds; three zeros make the six digits SQLAlchemy writes.
 _SQLITE_FORMAT = "%Y-%m-%d %H:%M:%f000"

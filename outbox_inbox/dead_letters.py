@@ -49,6 +49,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from .audit_trail import audit_log_path, write_audit
 from .broker import Broker, Operator, QueuedMessage, QueueReader
+from .clock import parse_duration
 from .config import Settings
 from .errors import ConfigurationError, storage_error
 from .logsafe import mask_url
@@ -95,10 +96,96 @@ FAILURE_HEADERS = frozenset(
 Progress = Callable[[int], None]
 
 
+def parse_message_id(value: str) -> str:
+    """A message id as given: a UUID is normalized, anything else kept (foreign senders)."""
+    try:
+        return str(uuid.UUID(value))
+    except ValueError:
+        return value
+
+
+class FilterError(ConfigurationError):
+    """A filter the user gave that does not read; `flag` names it (`FilterField.flag`)."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        super().__init__(message)
+        self.flag = flag
+
+
+@dataclass(frozen=True)
+class FilterField:
+    """One field of `Filters` as users give it: the CLI's ``--<flag>``, and the dashboard's
+    form field `key` when it has an `example` to show. `parse` reads one text (None: kept
+    as text); `many`: repeatable (comma-separated on the form); `switch`: takes no value."""
+
+    name: str
+    flag: str
+    metavar: str
+    help: str
+    example: str | None = None
+    parse: Callable[[str], Any] | None = None
+    many: bool = False
+    switch: bool = False
+
+    @property
+    def key(self) -> str:
+        return self.flag.replace("-", "_")
+
+
+#: Every filter, in the order the CLI's help and the dashboard's form list them: what the
+#: CLI's options, the form and `Filters.read` are built from.
+FILTER_FIELDS = (
+    FilterField(
+        "types",
+        "type",
+        "PATTERN",
+        "Message type: a routing key or topic pattern (orders.#). Repeatable.",
+        "orders.#",
+        many=True,
+    ),
+    FilterField(
+        "reason",
+        "reason",
+        "REASON",
+        "Dead reason: max_attempts, rejected, invalid_payload, no_handler, expired, abandoned"
+        " (table); refused (outbox); invalid, store_failed, redelivered, or the broker's"
+        " rejected / expired / delivery_limit (queue).",
+        "rejected",
+    ),
+    FilterField(
+        "error", "error", "TEXT", "Text in the error (case-insensitive).", "text in the error"
+    ),
+    FilterField(
+        "older_than",
+        "older-than",
+        "DURATION",
+        "Dead for at least this long (30m, 2h, 7d).",
+        "30m",
+        parse=parse_duration,
+    ),
+    FilterField(
+        "message_ids", "id", "MESSAGE_ID", "A message id. Repeatable.", None, parse_message_id, True
+    ),
+    FilterField(
+        "fingerprint",
+        "group",
+        "GROUP",
+        "One dead-letter group: its ID as `groups` prints it, or its fingerprint.",
+    ),
+    FilterField(
+        "parked",
+        "parked",
+        "",
+        "The parked rows instead of the dead ones (table and outbox sources).",
+        switch=True,
+    ),
+)
+
+
 @dataclass(frozen=True)
 class Filters:
     """What to select. Every given filter must match; none given selects everything.
-    ConfigurationError for a type that is not a routing key or pattern (`is_pattern`)."""
+    `FilterError` for a type that is not a routing key or pattern (`is_pattern`)."""
 
     types: tuple[str, ...] = ()  # topic patterns (`orders.#`) or exact routing keys
     older_than: timedelta | None = None  # dead for at least this long
@@ -112,7 +199,26 @@ class Filters:
     def __post_init__(self) -> None:
         for pattern in self.types:
             if not self.is_pattern(pattern):
-                raise ConfigurationError(f"{pattern!r} is not a routing key or pattern")
+                raise FilterError("type", f"{pattern!r} is not a routing key or pattern")
+
+    @classmethod
+    def read(cls, given: Mapping[str, Any]) -> Filters:
+        """The filters a user gave as text, by `FilterField.name`: a text, several texts
+        (`many`), or a bool (`switch`); a missing or blank text is not given. `FilterError`
+        names the filter that does not read."""
+        values: dict[str, Any] = {}
+        for f in FILTER_FIELDS:
+            raw = given.get(f.name)
+            if f.switch:
+                values[f.name] = bool(raw)
+                continue
+            texts = [t.strip() for t in ((raw or ()) if f.many else (raw or "",)) if t.strip()]
+            try:
+                read = [f.parse(t) if f.parse else t for t in texts]
+            except ValueError as exc:
+                raise FilterError(f.flag, str(exc)) from exc
+            values[f.name] = tuple(read) if f.many else next(iter(read), None)
+        return cls(**values)
 
     @staticmethod
     def is_pattern(pattern: str) -> bool:
@@ -640,14 +746,6 @@ def _aware(value: Any) -> datetime | None:
     if isinstance(value, datetime) and value.tzinfo is None:
         return value.replace(tzinfo=UTC)
     return value if isinstance(value, datetime) else None
-
-
-def parse_message_id(value: str) -> str:
-    """A message id as given: a UUID is normalized, anything else kept (foreign senders)."""
-    try:
-        return str(uuid.UUID(value))
-    except ValueError:
-        return value
 
 
 # --- one service's dead letters -----------------------------------------------------------

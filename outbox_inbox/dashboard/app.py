@@ -19,14 +19,20 @@ service, not the sum of them.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qs
 
-from ..dead_letters import ACTIONS, OUTBOX, PARK, TABLE, Filters, parse_message_id
+from ..dead_letters import (
+    ACTIONS,
+    FILTER_FIELDS,
+    OUTBOX,
+    PARK,
+    TABLE,
+    Filters,
+    parse_message_id,
+)
 from ..errors import ConfigurationError, OutboxInboxError
 from ..logsafe import mask_url
 from . import views
@@ -58,9 +64,6 @@ SECURITY_HEADERS = [
     ("Cache-Control", "no-store"),
 ]
 
-_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*")
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-
 
 class BadRequest(Exception):
     """The request's parameters are wrong: shown to the user with status 400."""
@@ -80,21 +83,16 @@ _ERROR_PAGES: dict[type[Exception], tuple[str, str]] = {
 
 
 def parse_filters(query: dict[str, str]) -> Filters:
-    """The filters of a service page's form (the CLI's `--type`, `--reason`, ...)."""
-    older_than = None
-    if query.get("older_than", "").strip():
-        match = _DURATION.fullmatch(query["older_than"])
-        if not match:
-            raise BadRequest(f"{query['older_than']!r} is not a duration like 30s, 10m, 2h or 7d")
-        older_than = timedelta(seconds=float(match[1]) * _UNITS[match[2] or "s"])
+    """The filters of a service page's form (`FILTER_FIELDS` that have an example)."""
     try:
-        return Filters(
-            types=tuple(t.strip() for t in query.get("type", "").split(",") if t.strip()),
-            older_than=older_than,
-            reason=query.get("reason", "").strip() or None,
-            error=query.get("error", "").strip() or None,
+        return Filters.read(
+            {
+                f.name: query.get(f.key, "").split(",") if f.many else query.get(f.key)
+                for f in FILTER_FIELDS
+                if f.example
+            }
         )
-    except ConfigurationError as exc:  # a type that is not a routing key or pattern
+    except ConfigurationError as exc:
         raise BadRequest(str(exc)) from exc
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode
 
-from ..dead_letters import DONE, DeadLetter, Filters, Group, error_summary
+from ..dead_letters import DONE, FILTER_FIELDS, DeadLetter, Filters, Group, error_summary
 from ..logsafe import mask_url
 from ..status import dead_count
 from ..svgchart import CHART_CSS
@@ -313,26 +313,25 @@ def filter_form(name: str, sources: list[str], values: dict[str, str]) -> Safe:
         for s in ["all", *sources]
     )
 
-    def field(label: str, key: str, placeholder: str) -> Safe:
-        return html(
+    fields = (
+        html(
             '<label>{} <input name="{}" value="{}" placeholder="{}" size=14></label>',
-            label,
-            key,
-            values.get(key, ""),
-            placeholder,
+            f.flag.replace("-", " "),
+            f.key,
+            values.get(f.key, ""),
+            f.example,
         )
-
+        for f in FILTER_FIELDS
+        if f.example
+    )
     return html(
         '<form class=filters method=get action="/service">'
         '<input type=hidden name=name value="{}">'
-        "<label>source <select name=source>{}</select></label>{}{}{}{}"
+        "<label>source <select name=source>{}</select></label>{}"
         '<button class="button replay" type=submit>Filter</button></form>',
         name,
         options,
-        field("type", "type", "orders.#"),
-        field("reason", "reason", "rejected"),
-        field("error", "error", "text in the error"),
-        field("older than", "older_than", "30m"),
+        join(fields),
     )
 
 
