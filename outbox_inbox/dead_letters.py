@@ -1,26 +1,11 @@
-"""Dead letters: dead inbox rows and the messages in the broker's dead-letter queues.
+"""Dead letters: dead inbox and outbox rows and the messages in the broker's dead-letter queues.
 
-Four sources, for `outbox-inbox dead-letters`:
-
-* ``table``: inbox rows with status ``dead`` (the worker gave up: max_attempts, rejected,
-  no_handler, expired, abandoned). Replay makes them pending again, due now, with fresh
-  counters; purge deletes them.
-* ``outbox``: outbox rows the broker refused on every attempt (reason ``refused``: larger
-  than its max_message_size, or another refusal of the message itself). Replay makes them
-  unsent again, due now, with their attempts reset; purge deletes them.
-* ``queue``: ``<service>.dead_letter``, what the receiver could never store (or the broker
-  dead-lettered from the inbox queue). Replay republishes each message, confirmed, through the
-  default exchange to ``<service>.inbox`` without the transport headers of its failure (keeping
-  ``x-original-*`` so the receiver restores the routing key), then acks it; purge acks it.
-* ``unroutable``: commands sent to a service that had no queue. Replay republishes each to the
-  exchange and routing key it was sent with; purge acks it.
-
-Every dead letter has a fingerprint of why it died (outbox_inbox.fingerprint): `groups()`
-counts the dead rows of the table and outbox sources by it, and a filter on it selects a
-whole group to replay, purge or park. Park sets dead rows aside (table and outbox sources):
-out of the dead letters and of their replays and purges, kept, selected with
-``Filters(parked=True)`` to be listed, replayed or purged later. A replay counts itself on each
-row (``replays``, ``replayed_at``): a row dead again after a replay says so.
+Four sources, for `outbox-inbox dead-letters` (docs/runbook.md, "Dead letters"): ``table``
+(dead inbox rows), ``outbox`` (outbox rows the broker refused on every attempt), ``queue``
+(``<service>.dead_letter``) and ``unroutable`` (commands sent to a service that had no queue).
+What a replay and a purge do to each is said by `TableSelection`, `OutboxSelection` and
+`QueueSelection`; grouping by fingerprint and parking are in docs/failures.md ("Dead letters
+grouped by cause").
 
 A selection is made first (and can be shown), then acted on: rows by id, still dead; queue
 messages are held unacknowledged by the selection until it is closed, so exactly what was
@@ -252,7 +237,11 @@ class Pacer:
 
 
 class TableSelection:
-    """Dead inbox rows matching `filters`, at most `limit`, in id order (arrival order)."""
+    """Dead inbox rows matching `filters`, at most `limit`, in id order (arrival order).
+
+    Replay makes them pending again, due now, with fresh counters, and counts itself on each
+    row (``replays``, ``replayed_at``); purge deletes them.
+    """
 
     source = TABLE
     what = "dead inbox rows"
@@ -449,7 +438,9 @@ class QueueSelection:
     def replay(
         self, pacer: Pacer, progress: Progress, *, before: Callable[[list[str]], None] | None = None
     ) -> Outcome:
-        """Republish each selected message, in queue order, and ack it once confirmed.
+        """Republish each selected message, in queue order, and ack it once confirmed: a
+        ``queue`` message through the default exchange to ``<service>.inbox`` (`replay_headers`),
+        an ``unroutable`` one to the exchange and routing key it was sent with.
 
         `before(message_ids)` runs first (the CLI resets the redelivery counters there).
         """

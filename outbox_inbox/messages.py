@@ -1,19 +1,8 @@
-"""Messages as immutable values, and their wire format on AMQP (documented in docs/wire-format.md).
+"""Messages as immutable values, and their wire format on AMQP (docs/wire-format.md).
 
-A message travels as a JSON body plus AMQP properties and headers:
-
-* properties: ``message_id``, ``type`` (the routing key), ``correlation_id``, ``content_type``
-  (``application/json``), ``timestamp`` (created_at, whole seconds), ``priority``, ``app_id``
-  (the sending service), ``delivery_mode`` 2 (persistent);
-* headers: ``x-kind`` (``command``/``event``), ``x-version``, ``x-causation-id``, ``x-key``
-  (ordering key), ``x-created-at`` (ISO 8601, microseconds), ``x-expires-at``, ``x-attempt``,
-  ``traceparent`` / ``tracestate`` (W3C Trace Context, where tracing is on: `tracing`), and the
-  sender's own headers.
-
-Only ``message_id`` and a JSON body are required, so a plain AMQP client in any language can send.
-`from_wire` checks every rule a received message must meet: the routing key (not ``type``)
-names the handler, a ``timestamp`` may be in seconds or milliseconds (or µs, ns), and nothing
-it accepts is refused by PostgreSQL.
+A message travels as a JSON body plus AMQP properties and headers; docs/wire-format.md lists
+each of them. `to_wire` encodes an outbox row; `from_wire` checks every rule a received message
+must meet, so that nothing it accepts is refused by PostgreSQL.
 """
 
 from __future__ import annotations
@@ -261,10 +250,6 @@ def check_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(headers)
 
 
-def _iso(value: datetime | None) -> str | None:
-    return value.isoformat() if value is not None else None
-
-
 def to_wire(message: OutgoingMessage, body: bytes | None = None) -> WireMessage:
     """Encode an outbox row for the broker."""
     headers: dict[str, Any] = dict(message.headers)
@@ -276,9 +261,9 @@ def to_wire(message: OutgoingMessage, body: bytes | None = None) -> WireMessage:
     if message.key is not None:
         headers[H_KEY] = message.key
     if message.created_at is not None:
-        headers[H_CREATED] = _iso(message.created_at)
+        headers[H_CREATED] = message.created_at.isoformat()
     if message.expires_at is not None:
-        headers[H_EXPIRES] = _iso(message.expires_at)
+        headers[H_EXPIRES] = message.expires_at.isoformat()
     return WireMessage(
         exchange=message.exchange,
         routing_key=message.routing_key,
@@ -382,12 +367,7 @@ def _informational(value: Any) -> str | None:
 
 
 def _header_text(value: Any, name: str) -> str:
-    if isinstance(value, bytes):
-        try:
-            return value.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise InvalidMessage(f"header {name} is not UTF-8 text") from exc
-    return str(value)
+    return _property(value if isinstance(value, bytes) else str(value), f"header {name}") or ""
 
 
 def _property(value: Any, name: str) -> str | None:
