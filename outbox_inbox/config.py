@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, fields
-from typing import Literal
+from typing import Literal, TypeGuard
 
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
@@ -248,11 +248,8 @@ class Settings:
             object.__setattr__(self, "db_url", validate_db_url(self.db_url))
         if self.listen_url:
             object.__setattr__(self, "listen_url", validate_db_url(self.listen_url))
-        if self.prepare_threshold not in (None, "auto") and (
-            isinstance(self.prepare_threshold, bool)
-            or not isinstance(self.prepare_threshold, int)
-            or self.prepare_threshold < 0
-        ):
+        threshold = self.prepare_threshold
+        if threshold not in (None, "auto") and not (_whole(threshold) and threshold >= 0):
             raise ConfigurationError(
                 f'prepare_threshold must be "auto", None or a whole number >= 0, '
                 f"got {self.prepare_threshold!r}"
@@ -264,23 +261,17 @@ class Settings:
             broker_urls(self.mq_url)  # raises ConfigurationError unless AMQP URLs
         for f in fields(self):
             value = getattr(self, f.name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int | float)
-                or f.name == "prepare_threshold"  # 0 is valid: prepare at once
-            ):
-                continue
-            if value <= 0:
+            number = _whole(value) or isinstance(value, float)
+            # prepare_threshold 0 is valid: prepare at once
+            if number and value <= 0 and f.name != "prepare_threshold":
                 raise ConfigurationError(f"{f.name} must be > 0, got {value!r}")
-        if self.processes is not None and (
-            isinstance(self.processes, bool) or not isinstance(self.processes, int)
-        ):
+        if self.processes is not None and not _whole(self.processes):
             raise ConfigurationError(
                 f"processes must be None or a whole number >= 1, got {self.processes!r}"
             )
         if self.publish_window > self.relay_batch_size:
             object.__setattr__(self, "publish_window", self.relay_batch_size)
-        if isinstance(self.max_message_bytes, bool) or not isinstance(self.max_message_bytes, int):
+        if not _whole(self.max_message_bytes):
             raise ConfigurationError(
                 f"max_message_bytes must be a whole number of bytes, got {self.max_message_bytes!r}"
             )
@@ -351,6 +342,10 @@ def duplicate_horizon(settings: Settings) -> dict[str, float]:
         attempt += 1
     relay = settings.relay_max_attempts * settings.relay_retry_max
     return {"receiver delay tiers": receive, "relay retries": relay}
+
+
+def _whole(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _duration(seconds: float) -> str:

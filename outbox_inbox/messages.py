@@ -178,14 +178,12 @@ def _first_unserializable(value: Any, path: str) -> str | None:
         for key, item in value.items():
             if not isinstance(key, str):
                 return f"{path} key {key!r}"
-            found = _first_unserializable(item, f"{path}.{key}")
-            if found:
+            if found := _first_unserializable(item, f"{path}.{key}"):
                 return found
         return None
     if isinstance(value, list | tuple):
         for n, item in enumerate(value):
-            found = _first_unserializable(item, f"{path}[{n}]")
-            if found:
+            if found := _first_unserializable(item, f"{path}[{n}]"):
                 return found
         return None
     if isinstance(value, float) and not math.isfinite(value):

@@ -94,11 +94,7 @@ def _dataclass(value: Any, wanted: type, path: str) -> Any:
             continue
         where = f"{path}.{field.name}"
         if field.name not in value:
-            required = (
-                field.default is dataclasses.MISSING
-                and field.default_factory is dataclasses.MISSING
-            )
-            if required:
+            if field.default is dataclasses.MISSING is field.default_factory:  # required
                 raise InvalidPayload(f"{where} is missing (required by {wanted.__name__})")
             continue
         values[field.name] = _value(value[field.name], hints.get(field.name, Any), where)

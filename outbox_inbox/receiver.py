@@ -98,7 +98,7 @@ class Receiver:
         `on_started` is called once the first consumer is open. Any error is retried (see
         `RoleLoop`): a fault of the receiver itself must not end it. The consumer is closed
         first, so its unacked deliveries come back flagged redelivered and are then counted
-        one by one. A consumer is opened only once the database answers (`_database_answers`).
+        one by one. A consumer is opened only once the database answers.
         After TopologyMissing (a queue gone: its consumer cancelled by the broker, a forward
         that found no queue) the topology is declared again first (`declare`); one warning.
         """
@@ -110,7 +110,11 @@ class Receiver:
         def step() -> int:
             nonlocal consumer, announce, declare
             if consumer is None:
-                self._database_answers()
+                # Only once the database answers (a checkout pings a pooled connection or
+                # opens one, both bounded: database.CLIENT_BOUNDS): while it cannot be reached,
+                # nothing is taken from the queue, and every message keeps its delivery count.
+                with self._engine.connect():
+                    pass
                 if declare is not None:
                     declare()
                     declare = None
@@ -137,17 +141,6 @@ class Receiver:
         finally:
             if consumer is not None:
                 consumer.close()
-
-    def _database_answers(self) -> None:
-        """Return once a connection of the engine works; raise SQLAlchemyError if none does.
-
-        Called before each consumer is opened: while the database cannot be reached, the
-        receiver takes nothing from the queue, where every message keeps its place and its
-        delivery count. (A checkout pings a pooled connection, ``pool_pre_ping``, or opens one:
-        `database.CLIENT_BOUNDS` bound both.)
-        """
-        with self._engine.connect():
-            pass
 
     def store(self, consumer: Consumer, batch: list[Delivery]) -> None:
         """Store one batch; acknowledge, delay or dead-letter every delivery in it.
