@@ -151,13 +151,10 @@ class Settings:
     #: needs a session of its own: LISTEN (wake-ups) and the workers' liveness locks. None: the
     #: roles use db_url for them when a probe shows it keeps sessions, else they poll.
     listen_url: str | None = None
-    #: psycopg's ``prepare_threshold`` for the engines the library creates from db_url (the
-    #: service's engine, which `Service.session()` uses too, and the workers'): the executions
-    #: of a statement after which it is prepared on the server. "auto": 5 on a direct
-    #: connection, and never on a connection that goes through a pooler (each connection is
-    #: checked once when it opens: `queries.roles.unprepared_behind_pooler`). None never prepares; a
-    #: number always prepares after that many, which a pooler must then support (PgBouncer 1.21
-    #: and later with max_prepared_statements > 0).
+    #: psycopg's ``prepare_threshold`` for the engines the library creates from db_url: "auto"
+    #: is 5 on a direct connection and never through a pooler (checked as each connection
+    #: opens: `queries.roles.unprepared_behind_pooler`); None never prepares; a number always
+    #: does, which a pooler must then support (docs/configuration.md).
     prepare_threshold: int | Literal["auto"] | None = "auto"
 
     # outbox

@@ -257,6 +257,7 @@ class TableSelection:
         #: What the action under way has done so far (kept when it fails half-way).
         self.outcome: Outcome | None = None
         self._parked = filters.parked
+        self._gone = "no longer parked" if filters.parked else "no longer dead"  # why one is kept
         try:
             with engine.connect() as conn:
                 for row in operations.dead_rows(conn, self._table, **self._query(filters)):
@@ -320,20 +321,16 @@ class TableSelection:
             progress(len(batch))
         return outcome
 
-    @property
-    def _state(self) -> str:
-        return "parked" if self._parked else "dead"
-
     def replay(self, pacer: Pacer, progress: Progress) -> Outcome:
         """Make the selected rows due again (those still dead, or parked when the selection
         is of parked rows), batch by batch in id order, counting the replay on each."""
         replay = functools.partial(operations.replay_dead, parked=self._parked)
-        return self._each_batch(replay, pacer, progress, f"no longer {self._state}")
+        return self._each_batch(replay, pacer, progress, self._gone)
 
     def purge(self, pacer: Pacer, progress: Progress) -> Outcome:
         """Delete the selected rows that are still dead (or parked)."""
         purge = functools.partial(operations.purge_dead, parked=self._parked)
-        return self._each_batch(purge, pacer, progress, f"no longer {self._state}")
+        return self._each_batch(purge, pacer, progress, self._gone)
 
     def park(self, pacer: Pacer, progress: Progress) -> Outcome:
         """Set the selected rows that are still dead aside as parked."""
@@ -553,9 +550,7 @@ def _queued_letter(message: WireMessage, source: str, position: int, now: dateti
     )
     dead_at = death.get("time") if isinstance(death.get("time"), datetime) else None
     created = _created(message)
-    since = dead_at or created
-    if since is not None and since.tzinfo is None:
-        since = since.replace(tzinfo=UTC)
+    since = _aware(dead_at) or created
     return DeadLetter(
         source=source,
         ref=f"#{position}",

@@ -51,40 +51,17 @@ H_DEAD_REASON = "x-dead-reason"
 H_DEAD_QUEUE = "x-dead-queue"
 #: The fingerprint of why the receiver dead-lettered a message (outbox_inbox.fingerprint).
 H_DEAD_FINGERPRINT = "x-dead-fingerprint"
-TRANSPORT_HEADERS = frozenset(
-    {
-        H_ORIGINAL_EXCHANGE,
-        H_ORIGINAL_ROUTING_KEY,
-        H_RECEIVE_ATTEMPT,
-        H_RETRY_DELAY,
-        H_LAST_ERROR,
-        H_DEAD_REASON,
-        H_DEAD_QUEUE,
-        H_DEAD_FINGERPRINT,
-        "x-death",
-        "x-first-death-exchange",
-        "x-first-death-queue",
-        "x-first-death-reason",
-        "x-last-death-exchange",
-        "x-last-death-queue",
-        "x-last-death-reason",
-    }
+#: The transport headers, and those the broker writes when it dead-letters a message itself.
+TRANSPORT_HEADERS = frozenset[str]().union(
+    (H_ORIGINAL_EXCHANGE, H_ORIGINAL_ROUTING_KEY, H_RECEIVE_ATTEMPT, H_RETRY_DELAY, H_LAST_ERROR),
+    (H_DEAD_REASON, H_DEAD_QUEUE, H_DEAD_FINGERPRINT, "x-death"),
+    ("x-first-death-exchange", "x-first-death-queue", "x-first-death-reason"),
+    ("x-last-death-exchange", "x-last-death-queue", "x-last-death-reason"),
 )
-RESERVED_HEADERS = (
-    frozenset(
-        {
-            H_KIND,
-            H_VERSION,
-            H_CAUSATION,
-            H_KEY,
-            H_CREATED,
-            H_EXPIRES,
-            H_ATTEMPT,
-            H_ORIGINAL_ID,
-            H_AMQP_TYPE,
-        }
-    )
-    | TRANSPORT_HEADERS
+#: Every header the library owns.
+RESERVED_HEADERS = TRANSPORT_HEADERS.union(
+    (H_KIND, H_VERSION, H_CAUSATION, H_KEY, H_CREATED, H_EXPIRES),
+    (H_ATTEMPT, H_ORIGINAL_ID, H_AMQP_TYPE),
 )
 
 #: Namespace for turning a sender's non-UUID message id into the UUID the inbox keys on.
