@@ -241,10 +241,9 @@ class Settings:
 
     def __post_init__(self) -> None:
         validate_identifier(self.schema)
-        if self.db_url:
-            object.__setattr__(self, "db_url", validate_db_url(self.db_url))
-        if self.listen_url:
-            object.__setattr__(self, "listen_url", validate_db_url(self.listen_url))
+        for name in ("db_url", "listen_url"):
+            if url := getattr(self, name):
+                object.__setattr__(self, name, validate_db_url(url))
         threshold = self.prepare_threshold
         if threshold not in (None, "auto") and not (_whole(threshold) and threshold >= 0):
             raise ConfigurationError(
@@ -274,9 +273,7 @@ class Settings:
             )
         if self.receive_batch_size > self.prefetch:
             raise ConfigurationError("receive_batch_size must not exceed prefetch")
-        if not isinstance(self.retry, RetryPolicy) or not isinstance(
-            self.receive_retry, RetryPolicy
-        ):
+        if not all(isinstance(p, RetryPolicy) for p in (self.retry, self.receive_retry)):
             raise ConfigurationError("retry and receive_retry must be RetryPolicy objects")
         tiers = tuple(float(t) for t in self.delay_tiers)
         if not tiers or any(t <= 0 for t in tiers) or list(tiers) != sorted(set(tiers)):

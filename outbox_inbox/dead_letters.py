@@ -50,6 +50,7 @@ from .messages import (
     H_RETRY_DELAY,
     TRANSPORT_HEADERS,
     WireMessage,
+    _int,
     _text,
     from_row,
     inbox_id,
@@ -597,13 +598,6 @@ def _payload(body: bytes) -> Any:
         return json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
         return body.decode("utf-8", "replace")
-
-
-def _int(value: Any) -> int | None:
-    try:
-        return int(value) if value is not None else None
-    except (TypeError, ValueError):
-        return None
 
 
 def error_summary(text: str | None, width: int = 200) -> str | None:

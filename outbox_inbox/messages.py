@@ -215,8 +215,7 @@ def check_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
         return {}
     if not isinstance(headers, Mapping):
         raise MessageError("headers must be a mapping of str to JSON values")
-    clash = RESERVED_HEADERS.intersection(headers)
-    if clash:
+    if clash := RESERVED_HEADERS.intersection(headers):
         raise MessageError(f"headers {sorted(clash)} are reserved by outbox_inbox")
     for name in headers:
         if not isinstance(name, str):
@@ -332,6 +331,13 @@ def _text(value: Any) -> str | None:
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
     return str(value)
+
+
+def _int(value: Any) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
 
 
 def _informational(value: Any) -> str | None:

@@ -33,6 +33,7 @@ from .messages import (
     H_RETRY_DELAY,
     Message,
     WireMessage,
+    _int,
     _property,
     from_row,
     from_wire,
@@ -303,7 +304,7 @@ class Receiver:
     def _delay(self, consumer: Consumer, delivery: Delivery, error: str) -> None:
         """Send a message that could not be stored to its delay tier, or dead past the limit."""
         policy = self._settings.receive_retry
-        attempt = _int(delivery.message.headers.get(H_RECEIVE_ATTEMPT)) + 1
+        attempt = (_int(delivery.message.headers.get(H_RECEIVE_ATTEMPT)) or 0) + 1
         if policy.gives_up_after(attempt):
             self._dead(
                 consumer, delivery, STORE_FAILED, f"not stored after {attempt} attempts: {error}"
@@ -359,10 +360,3 @@ def _database_unavailable(exc: SQLAlchemyError) -> bool:
     return isinstance(exc, OperationalError) or (
         isinstance(exc, DBAPIError) and exc.connection_invalidated
     )
-
-
-def _int(value: Any) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return 0
