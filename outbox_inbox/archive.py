@@ -233,8 +233,6 @@ class Archiver:
             result.rows[source] += rows
         result.partitions = done.dropped
 
-    # --- steps ----------------------------------------------------------------------------
-
     def _cutoff(self, conn: Any) -> datetime:
         now = _utc(operations.database_now(conn))
         assert now is not None
@@ -358,9 +356,6 @@ def _by_day(source: str, rows: list[Any], archived_at: Any) -> list[tuple[date, 
     for row in rows:
         by_day.setdefault((_utc(row[DATE_COLUMN[source]]) or archived_at).date(), []).append(row)
     return sorted(by_day.items())
-
-
-# --- files --------------------------------------------------------------------------------
 
 
 def write_parquet(path: Path, source: str, records: Sequence[Mapping[str, Any]]) -> None:

@@ -234,9 +234,6 @@ class Pacer:
         self._sent += count
 
 
-# --- the table ----------------------------------------------------------------------------
-
-
 class TableSelection:
     """Dead inbox rows matching `filters`, at most `limit`, in id order (arrival order).
 
@@ -382,9 +379,6 @@ def _row_letter(row: Mapping[Any, Any], source: str) -> DeadLetter:
 
 def _is_pattern(routing_key: str) -> bool:
     return any(word in ("*", "#") for word in routing_key.split("."))
-
-
-# --- the queues ---------------------------------------------------------------------------
 
 
 class QueueSelection:
