@@ -1,26 +1,10 @@
 """Move finished messages from the hot tables into Parquet files: the message history.
 
-Layout under the archive root (Hive-style directories, read by Spark as partition columns)::
-
-    outbox/service=<service>/date=<YYYY-MM-DD>/part-<uuid>.parquet   published or expired rows,
-                                                                      dated by created_at (UTC)
-    inbox/service=<service>/date=<YYYY-MM-DD>/part-<uuid>.parquet    processed or dead rows,
-                                                                      dated by received_at (UTC)
-    subscriptions/service=<service>/subscriptions.parquet            the service's bindings
-
-A batch is crash-safe without a distributed transaction:
-
-1. read up to `batch_size` rows finished before the cutoff (database clock minus retention);
-2. journal the files about to be written in ``archive_files`` and commit;
-3. write each file under a hidden temporary name, fsync it, rename it into place, fsync the
-   directory;
-4. in one transaction, delete the rows that still qualify and the journal rows.
-
-A crash before 4 leaves journal rows. The next run finishes them first: a file that exists is
-complete (the rename is atomic), so the rows it holds are deleted; a file that does not exist
-was never written, so its journal row is dropped and the rows are archived again later. No row
-is lost, and no row reaches two files. One run at a time per schema (a transaction-level
-advisory lock, held by a transaction that stays open for the run).
+The layout of the files (Hive-style, one directory per service and UTC date) and the steps that
+make a batch crash-safe without a distributed transaction (journal in ``archive_files``, write,
+fsync and rename, then delete the rows) are in docs/history.md ("Archive layout", "Crash
+safety"). One run at a time per schema (a transaction-level advisory lock, held by a
+transaction that stays open for the run).
 """
 
 from __future__ import annotations
@@ -249,8 +233,6 @@ class Archiver:
             result.rows[source] += rows
         result.partitions = done.dropped
 
-    # --- steps ----------------------------------------------------------------------------
-
     def _cutoff(self, conn: Any) -> datetime:
         now = _utc(operations.database_now(conn))
         assert now is not None
@@ -374,9 +356,6 @@ def _by_day(source: str, rows: list[Any], archived_at: Any) -> list[tuple[date, 
     for row in rows:
         by_day.setdefault((_utc(row[DATE_COLUMN[source]]) or archived_at).date(), []).append(row)
     return sorted(by_day.items())
-
-
-# --- files --------------------------------------------------------------------------------
 
 
 def write_parquet(path: Path, source: str, records: Sequence[Mapping[str, Any]]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, fields
-from typing import Literal
+from typing import Literal, TypeGuard
 
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
@@ -151,13 +151,10 @@ class Settings:
     #: needs a session of its own: LISTEN (wake-ups) and the workers' liveness locks. None: the
     #: roles use db_url for them when a probe shows it keeps sessions, else they poll.
     listen_url: str | None = None
-    #: psycopg's ``prepare_threshold`` for the engines the library creates from db_url (the
-    #: service's engine, which `Service.session()` uses too, and the workers'): the executions
-    #: of a statement after which it is prepared on the server. "auto": 5 on a direct
-    #: connection, and never on a connection that goes through a pooler (each connection is
-    #: checked once when it opens: `queries.roles.unprepared_behind_pooler`). None never prepares; a
-    #: number always prepares after that many, which a pooler must then support (PgBouncer 1.21
-    #: and later with max_prepared_statements > 0).
+    #: psycopg's ``prepare_threshold`` for the engines the library creates from db_url: "auto"
+    #: is 5 on a direct connection and never through a pooler (checked as each connection
+    #: opens: `queries.roles.unprepared_behind_pooler`); None never prepares; a number always
+    #: does, which a pooler must then support (docs/configuration.md).
     prepare_threshold: int | Literal["auto"] | None = "auto"
 
     # outbox
@@ -244,15 +241,11 @@ class Settings:
 
     def __post_init__(self) -> None:
         validate_identifier(self.schema)
-        if self.db_url:
-            object.__setattr__(self, "db_url", validate_db_url(self.db_url))
-        if self.listen_url:
-            object.__setattr__(self, "listen_url", validate_db_url(self.listen_url))
-        if self.prepare_threshold not in (None, "auto") and (
-            isinstance(self.prepare_threshold, bool)
-            or not isinstance(self.prepare_threshold, int)
-            or self.prepare_threshold < 0
-        ):
+        for name in ("db_url", "listen_url"):
+            if url := getattr(self, name):
+                object.__setattr__(self, name, validate_db_url(url))
+        threshold = self.prepare_threshold
+        if threshold not in (None, "auto") and not (_whole(threshold) and threshold >= 0):
             raise ConfigurationError(
                 f'prepare_threshold must be "auto", None or a whole number >= 0, '
                 f"got {self.prepare_threshold!r}"
@@ -264,31 +257,23 @@ class Settings:
             broker_urls(self.mq_url)  # raises ConfigurationError unless AMQP URLs
         for f in fields(self):
             value = getattr(self, f.name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int | float)
-                or f.name == "prepare_threshold"  # 0 is valid: prepare at once
-            ):
-                continue
-            if value <= 0:
+            number = _whole(value) or isinstance(value, float)
+            # prepare_threshold 0 is valid: prepare at once
+            if number and value <= 0 and f.name != "prepare_threshold":
                 raise ConfigurationError(f"{f.name} must be > 0, got {value!r}")
-        if self.processes is not None and (
-            isinstance(self.processes, bool) or not isinstance(self.processes, int)
-        ):
+        if self.processes is not None and not _whole(self.processes):
             raise ConfigurationError(
                 f"processes must be None or a whole number >= 1, got {self.processes!r}"
             )
         if self.publish_window > self.relay_batch_size:
             object.__setattr__(self, "publish_window", self.relay_batch_size)
-        if isinstance(self.max_message_bytes, bool) or not isinstance(self.max_message_bytes, int):
+        if not _whole(self.max_message_bytes):
             raise ConfigurationError(
                 f"max_message_bytes must be a whole number of bytes, got {self.max_message_bytes!r}"
             )
         if self.receive_batch_size > self.prefetch:
             raise ConfigurationError("receive_batch_size must not exceed prefetch")
-        if not isinstance(self.retry, RetryPolicy) or not isinstance(
-            self.receive_retry, RetryPolicy
-        ):
+        if not all(isinstance(p, RetryPolicy) for p in (self.retry, self.receive_retry)):
             raise ConfigurationError("retry and receive_retry must be RetryPolicy objects")
         tiers = tuple(float(t) for t in self.delay_tiers)
         if not tiers or any(t <= 0 for t in tiers) or list(tiers) != sorted(set(tiers)):
@@ -351,6 +336,10 @@ def duplicate_horizon(settings: Settings) -> dict[str, float]:
         attempt += 1
     relay = settings.relay_max_attempts * settings.relay_retry_max
     return {"receiver delay tiers": receive, "relay retries": relay}
+
+
+def _whole(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _duration(seconds: float) -> str:

@@ -1,26 +1,11 @@
-"""Dead letters: dead inbox rows and the messages in the broker's dead-letter queues.
+"""Dead letters: dead inbox and outbox rows and the messages in the broker's dead-letter queues.
 
-Four sources, for `outbox-inbox dead-letters`:
-
-* ``table``: inbox rows with status ``dead`` (the worker gave up: max_attempts, rejected,
-  no_handler, expired, abandoned). Replay makes them pending again, due now, with fresh
-  counters; purge deletes them.
-* ``outbox``: outbox rows the broker refused on every attempt (reason ``refused``: larger
-  than its max_message_size, or another refusal of the message itself). Replay makes them
-  unsent again, due now, with their attempts reset; purge deletes them.
-* ``queue``: ``<service>.dead_letter``, what the receiver could never store (or the broker
-  dead-lettered from the inbox queue). Replay republishes each message, confirmed, through the
-  default exchange to ``<service>.inbox`` without the transport headers of its failure (keeping
-  ``x-original-*`` so the receiver restores the routing key), then acks it; purge acks it.
-* ``unroutable``: commands sent to a service that had no queue. Replay republishes each to the
-  exchange and routing key it was sent with; purge acks it.
-
-Every dead letter has a fingerprint of why it died (outbox_inbox.fingerprint): `groups()`
-counts the dead rows of the table and outbox sources by it, and a filter on it selects a
-whole group to replay, purge or park. Park sets dead rows aside (table and outbox sources):
-out of the dead letters and of their replays and purges, kept, selected with
-``Filters(parked=True)`` to be listed, replayed or purged later. A replay counts itself on each
-row (``replays``, ``replayed_at``): a row dead again after a replay says so.
+Four sources, for `outbox-inbox dead-letters` (docs/runbook.md, "Dead letters"): ``table``
+(dead inbox rows), ``outbox`` (outbox rows the broker refused on every attempt), ``queue``
+(``<service>.dead_letter``) and ``unroutable`` (commands sent to a service that had no queue).
+What a replay and a purge do to each is said by `TableSelection`, `OutboxSelection` and
+`QueueSelection`; grouping by fingerprint and parking are in docs/failures.md ("Dead letters
+grouped by cause").
 
 A selection is made first (and can be shown), then acted on: rows by id, still dead; queue
 messages are held unacknowledged by the selection until it is closed, so exactly what was
@@ -66,6 +51,7 @@ from .messages import (
     H_RETRY_DELAY,
     TRANSPORT_HEADERS,
     WireMessage,
+    _int,
     _text,
     from_row,
     inbox_id,
@@ -354,11 +340,12 @@ class Pacer:
         self._sent += count
 
 
-# --- the table ----------------------------------------------------------------------------
-
-
 class TableSelection:
-    """Dead inbox rows matching `filters`, at most `limit`, in id order (arrival order)."""
+    """Dead inbox rows matching `filters`, at most `limit`, in id order (arrival order).
+
+    Replay makes them pending again, due now, with fresh counters, and counts itself on each
+    row (``replays``, ``replayed_at``); purge deletes them.
+    """
 
     source = TABLE
     what = "dead inbox rows"
@@ -374,6 +361,7 @@ class TableSelection:
         #: What the action under way has done so far (kept when it fails half-way).
         self.outcome: Outcome | None = None
         self._parked = filters.parked
+        self._gone = "no longer parked" if filters.parked else "no longer dead"  # why one is kept
         try:
             with engine.connect() as conn:
                 for row in operations.dead_rows(conn, self._table, **self._query(filters)):
@@ -437,20 +425,16 @@ class TableSelection:
             progress(len(batch))
         return outcome
 
-    @property
-    def _state(self) -> str:
-        return "parked" if self._parked else "dead"
-
     def replay(self, pacer: Pacer, progress: Progress) -> Outcome:
         """Make the selected rows due again (those still dead, or parked when the selection
         is of parked rows), batch by batch in id order, counting the replay on each."""
         replay = functools.partial(operations.replay_dead, parked=self._parked)
-        return self._each_batch(replay, pacer, progress, f"no longer {self._state}")
+        return self._each_batch(replay, pacer, progress, self._gone)
 
     def purge(self, pacer: Pacer, progress: Progress) -> Outcome:
         """Delete the selected rows that are still dead (or parked)."""
         purge = functools.partial(operations.purge_dead, parked=self._parked)
-        return self._each_batch(purge, pacer, progress, f"no longer {self._state}")
+        return self._each_batch(purge, pacer, progress, self._gone)
 
     def park(self, pacer: Pacer, progress: Progress) -> Outcome:
         """Set the selected rows that are still dead aside as parked."""
@@ -503,9 +487,6 @@ def _is_pattern(routing_key: str) -> bool:
     return any(word in ("*", "#") for word in routing_key.split("."))
 
 
-# --- the queues ---------------------------------------------------------------------------
-
-
 class QueueSelection:
     """Messages of a dead-letter queue matching `filters`, held unacknowledged until `close()`.
 
@@ -555,7 +536,9 @@ class QueueSelection:
     def replay(
         self, pacer: Pacer, progress: Progress, *, before: Callable[[list[str]], None] | None = None
     ) -> Outcome:
-        """Republish each selected message, in queue order, and ack it once confirmed.
+        """Republish each selected message, in queue order, and ack it once confirmed: a
+        ``queue`` message through the default exchange to ``<service>.inbox`` (`replay_headers`),
+        an ``unroutable`` one to the exchange and routing key it was sent with.
 
         `before(message_ids)` runs first (the CLI resets the redelivery counters there).
         """
@@ -668,9 +651,7 @@ def _queued_letter(message: WireMessage, source: str, position: int, now: dateti
     )
     dead_at = death.get("time") if isinstance(death.get("time"), datetime) else None
     created = _created(message)
-    since = dead_at or created
-    if since is not None and since.tzinfo is None:
-        since = since.replace(tzinfo=UTC)
+    since = _aware(dead_at) or created
     return DeadLetter(
         source=source,
         ref=f"#{position}",
@@ -717,13 +698,6 @@ def _payload(body: bytes) -> Any:
         return json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
         return body.decode("utf-8", "replace")
-
-
-def _int(value: Any) -> int | None:
-    try:
-        return int(value) if value is not None else None
-    except (TypeError, ValueError):
-        return None
 
 
 def error_summary(text: str | None, width: int = 200) -> str | None:

@@ -1,19 +1,8 @@
-"""Messages as immutable values, and their wire format on AMQP (documented in docs/wire-format.md).
+"""Messages as immutable values, and their wire format on AMQP (docs/wire-format.md).
 
-A message travels as a JSON body plus AMQP properties and headers:
-
-* properties: ``message_id``, ``type`` (the routing key), ``correlation_id``, ``content_type``
-  (``application/json``), ``timestamp`` (created_at, whole seconds), ``priority``, ``app_id``
-  (the sending service), ``delivery_mode`` 2 (persistent);
-* headers: ``x-kind`` (``command``/``event``), ``x-version``, ``x-causation-id``, ``x-key``
-  (ordering key), ``x-created-at`` (ISO 8601, microseconds), ``x-expires-at``, ``x-attempt``,
-  ``traceparent`` / ``tracestate`` (W3C Trace Context, where tracing is on: `tracing`), and the
-  sender's own headers.
-
-Only ``message_id`` and a JSON body are required, so a plain AMQP client in any language can send.
-`from_wire` checks every rule a received message must meet: the routing key (not ``type``)
-names the handler, a ``timestamp`` may be in seconds or milliseconds (or µs, ns), and nothing
-it accepts is refused by PostgreSQL.
+A message travels as a JSON body plus AMQP properties and headers; docs/wire-format.md lists
+each of them. `to_wire` encodes an outbox row; `from_wire` checks every rule a received message
+must meet, so that nothing it accepts is refused by PostgreSQL.
 """
 
 from __future__ import annotations
@@ -62,40 +51,17 @@ H_DEAD_REASON = "x-dead-reason"
 H_DEAD_QUEUE = "x-dead-queue"
 #: The fingerprint of why the receiver dead-lettered a message (outbox_inbox.fingerprint).
 H_DEAD_FINGERPRINT = "x-dead-fingerprint"
-TRANSPORT_HEADERS = frozenset(
-    {
-        H_ORIGINAL_EXCHANGE,
-        H_ORIGINAL_ROUTING_KEY,
-        H_RECEIVE_ATTEMPT,
-        H_RETRY_DELAY,
-        H_LAST_ERROR,
-        H_DEAD_REASON,
-        H_DEAD_QUEUE,
-        H_DEAD_FINGERPRINT,
-        "x-death",
-        "x-first-death-exchange",
-        "x-first-death-queue",
-        "x-first-death-reason",
-        "x-last-death-exchange",
-        "x-last-death-queue",
-        "x-last-death-reason",
-    }
+#: The transport headers, and those the broker writes when it dead-letters a message itself.
+TRANSPORT_HEADERS = frozenset[str]().union(
+    (H_ORIGINAL_EXCHANGE, H_ORIGINAL_ROUTING_KEY, H_RECEIVE_ATTEMPT, H_RETRY_DELAY, H_LAST_ERROR),
+    (H_DEAD_REASON, H_DEAD_QUEUE, H_DEAD_FINGERPRINT, "x-death"),
+    ("x-first-death-exchange", "x-first-death-queue", "x-first-death-reason"),
+    ("x-last-death-exchange", "x-last-death-queue", "x-last-death-reason"),
 )
-RESERVED_HEADERS = (
-    frozenset(
-        {
-            H_KIND,
-            H_VERSION,
-            H_CAUSATION,
-            H_KEY,
-            H_CREATED,
-            H_EXPIRES,
-            H_ATTEMPT,
-            H_ORIGINAL_ID,
-            H_AMQP_TYPE,
-        }
-    )
-    | TRANSPORT_HEADERS
+#: Every header the library owns.
+RESERVED_HEADERS = TRANSPORT_HEADERS.union(
+    (H_KIND, H_VERSION, H_CAUSATION, H_KEY, H_CREATED, H_EXPIRES),
+    (H_ATTEMPT, H_ORIGINAL_ID, H_AMQP_TYPE),
 )
 
 #: Namespace for turning a sender's non-UUID message id into the UUID the inbox keys on.
@@ -189,14 +155,12 @@ def _first_unserializable(value: Any, path: str) -> str | None:
         for key, item in value.items():
             if not isinstance(key, str):
                 return f"{path} key {key!r}"
-            found = _first_unserializable(item, f"{path}.{key}")
-            if found:
+            if found := _first_unserializable(item, f"{path}.{key}"):
                 return found
         return None
     if isinstance(value, list | tuple):
         for n, item in enumerate(value):
-            found = _first_unserializable(item, f"{path}[{n}]")
-            if found:
+            if found := _first_unserializable(item, f"{path}[{n}]"):
                 return found
         return None
     if isinstance(value, float) and not math.isfinite(value):
@@ -251,18 +215,13 @@ def check_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
         return {}
     if not isinstance(headers, Mapping):
         raise MessageError("headers must be a mapping of str to JSON values")
-    clash = RESERVED_HEADERS.intersection(headers)
-    if clash:
+    if clash := RESERVED_HEADERS.intersection(headers):
         raise MessageError(f"headers {sorted(clash)} are reserved by outbox_inbox")
     for name in headers:
         if not isinstance(name, str):
             raise MessageError(f"header names must be str, got {name!r}")
     encode_payload(dict(headers))
     return dict(headers)
-
-
-def _iso(value: datetime | None) -> str | None:
-    return value.isoformat() if value is not None else None
 
 
 def to_wire(message: OutgoingMessage, body: bytes | None = None) -> WireMessage:
@@ -276,9 +235,9 @@ def to_wire(message: OutgoingMessage, body: bytes | None = None) -> WireMessage:
     if message.key is not None:
         headers[H_KEY] = message.key
     if message.created_at is not None:
-        headers[H_CREATED] = _iso(message.created_at)
+        headers[H_CREATED] = message.created_at.isoformat()
     if message.expires_at is not None:
-        headers[H_EXPIRES] = _iso(message.expires_at)
+        headers[H_EXPIRES] = message.expires_at.isoformat()
     return WireMessage(
         exchange=message.exchange,
         routing_key=message.routing_key,
@@ -374,6 +333,13 @@ def _text(value: Any) -> str | None:
     return str(value)
 
 
+def _int(value: Any) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
 def _informational(value: Any) -> str | None:
     """A text kept only for information (``app_id``, ``type``): never refused. What is not
     UTF-8, and U+0000, is replaced by U+FFFD."""
@@ -382,12 +348,7 @@ def _informational(value: Any) -> str | None:
 
 
 def _header_text(value: Any, name: str) -> str:
-    if isinstance(value, bytes):
-        try:
-            return value.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise InvalidMessage(f"header {name} is not UTF-8 text") from exc
-    return str(value)
+    return _property(value if isinstance(value, bytes) else str(value), f"header {name}") or ""
 
 
 def _property(value: Any, name: str) -> str | None:

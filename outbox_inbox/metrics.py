@@ -1,15 +1,9 @@
-"""Prometheus metrics of a service's messaging (names, types and labels: docs/observability.md).
+"""Prometheus metrics of a service's messaging (names, types, labels, use: docs/observability.md).
 
 ``metrics = instrument(service)`` before ``service.start()`` / ``run()``: counters and
 histograms are fed by a `Listener` next to the service's own, and the backlog gauges are read
-from the service's tables at each scrape with the queries `outbox-inbox status` runs, so both
-show the same numbers. Expose them with ``metrics.serve(port)`` (what ``outbox-inbox run
---metrics-port`` does), or mount ``metrics.wsgi_app()`` / ``metrics.asgi_app()`` in your own
-web app; by default they are in prometheus_client's global registry, so a ``/metrics`` your
-app already serves has them too.
-
-Lags (commit→publish, commit→receive, receive→handled) subtract a time the database wrote
-from the host's clock: clock skew between the hosts shows in them.
+from the service's tables at each scrape with the queries `outbox-inbox status` runs. Lags
+subtract a time the database wrote from the host's clock: clock skew between the hosts shows.
 """
 
 from __future__ import annotations

@@ -92,9 +92,10 @@ class Outbox:
     whose W3C context the row's headers keep as ``traceparent`` / ``tracestate``.
 
     `publish_async` and `send_async` are the same writes for asyncio code: awaited, in the
-    caller's `AsyncSession` or `AsyncConnection` (psycopg's async driver), with the same checks,
-    the same row and the same guarantees (docs/async-services.md). The sync methods refuse an
-    AsyncSession: a write that must be awaited is named so at the call site.
+    caller's `AsyncSession` or `AsyncConnection` (psycopg's async driver; its transaction begins
+    if it has not, as at any statement), with the same checks, the same row and the same
+    guarantees (docs/async-services.md). The sync methods refuse an AsyncSession: a write that
+    must be awaited is named so at the call site.
     """
 
     def __init__(
@@ -150,11 +151,8 @@ class Outbox:
         payload: Any,
         **options: Unpack[WriteKeywords],
     ) -> uuid.UUID:
-        """`publish`, awaited in the caller's `AsyncSession` or `AsyncConnection`.
-
-        Adds the row in the caller's transaction (beginning it if it has not begun, as any
-        statement does) and never commits it. Raises what `publish` raises.
-        """
+        """`publish`, awaited in the caller's `AsyncSession` or `AsyncConnection`: adds the row
+        in the caller's transaction and never commits it. Raises what `publish` raises."""
         _check_name(event, "event name")
         row = self._row(EVENT, EVENTS_EXCHANGE, f"{self._service}.{event}", payload, options)
         return await self._insert_async(_async(session), row)
@@ -167,11 +165,8 @@ class Outbox:
         payload: Any,
         **options: Unpack[WriteKeywords],
     ) -> uuid.UUID:
-        """`send`, awaited in the caller's `AsyncSession` or `AsyncConnection`.
-
-        Adds the row in the caller's transaction and never commits it. Raises what `send`
-        raises.
-        """
+        """`send`, awaited in the caller's `AsyncSession` or `AsyncConnection`: adds the row in
+        the caller's transaction and never commits it. Raises what `send` raises."""
         validate_service_name(to_service)
         _check_name(command, "command name")
         row = self._row(COMMAND, COMMANDS_EXCHANGE, f"{to_service}.{command}", payload, options)

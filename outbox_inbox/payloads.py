@@ -1,22 +1,9 @@
 """Typed payloads: a handler's declared payload type, decoding into it, and plain JSON values.
 
 A handler declares the type of its payload with a parameter named ``payload`` annotated with a
-dataclass or a pydantic model (pydantic is optional: the dataclass decoder needs nothing)::
-
-    @dataclass
-    class CreateInvoice:
-        order_id: int
-        amount_cents: int
-        note: str | None = None
-
-    @service.on_command("invoice.create")
-    def create(message: Message, session: Session, payload: CreateInvoice) -> None: ...
-
-The payload is decoded before the handler runs. One that does not fit (not an object, a
-required field missing, a field of the wrong JSON type) raises `InvalidPayload`: the message
-is dead at once with the reason ``invalid_payload`` and the decoder's words, never retried.
-Fields the type does not name are ignored, so a sender may add fields before its consumers
-know them. `publish` and `send` take such objects as payloads too (`plain`).
+dataclass or a pydantic model (docs/concepts.md, "A typed payload"). The payload is decoded
+before the handler runs; one that does not fit raises `InvalidPayload` (the message is dead at
+once as ``invalid_payload``). `publish` and `send` take such objects as payloads too (`plain`).
 """
 
 from __future__ import annotations
@@ -107,11 +94,7 @@ def _dataclass(value: Any, wanted: type, path: str) -> Any:
             continue
         where = f"{path}.{field.name}"
         if field.name not in value:
-            required = (
-                field.default is dataclasses.MISSING
-                and field.default_factory is dataclasses.MISSING
-            )
-            if required:
+            if field.default is dataclasses.MISSING is field.default_factory:  # required
                 raise InvalidPayload(f"{where} is missing (required by {wanted.__name__})")
             continue
         values[field.name] = _value(value[field.name], hints.get(field.name, Any), where)

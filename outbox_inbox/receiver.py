@@ -33,6 +33,8 @@ from .messages import (
     H_RETRY_DELAY,
     Message,
     WireMessage,
+    _int,
+    _property,
     from_row,
     from_wire,
     inbox_id,
@@ -60,29 +62,10 @@ class Receiver:
     acknowledged only after that commit, with one multiple-ack. A crash before the ack brings
     the batch back from the broker; the stored copies are then skipped as duplicates and acked.
 
-    No delivery can stop the others (docs/wire-format.md lists the rules):
-
-    * each delivery is decoded and checked on its own; one that breaks a rule (or is over
-      `max_message_bytes`) goes to ``<service>.dead_letter`` at once, retrying cannot help;
-    * a row the database refuses for its values (SQLSTATE classes 22 and 23: what decoding
-      does not foresee, such as a trigger's check) is dead-lettered too, and the rest of its
-      batch is stored row by row;
-    * when the database cannot be reached (`_database_unavailable`), the receiver stops
-      consuming: it closes its consumer, so that what it holds (at most `prefetch`) goes back
-      to the queue, once, and opens another only once the database answers again. Nothing is
-      taken from the queue meanwhile: an outage, whatever its length, counts a message once at
-      most toward `max_redeliveries` and a quorum queue's delivery limit;
-    * when storing one row fails otherwise (a missing partition, a trigger's error that is not
-      about its values) the message goes to the delay tier the `receive_retry` backoff
-      chooses and comes back through the ``retry`` exchange; after
-      `receive_retry.max_attempts` it goes to ``<service>.dead_letter``;
-    * a redelivered message (the broker's flag: a receiver may have died holding it) is a
-      suspect: it is counted in ``inbox_deliveries``, committed, before anything else is done
-      with it, and then decoded and stored alone; past `max_redeliveries` it is dead-lettered.
-      So a message that kills or hangs the process is counted and ends, and the messages
-      delivered with it are never blamed for it.
-
-    The receiver does no business work.
+    No delivery can stop the others: what each failure does (a delivery that breaks a rule, a
+    row the database refuses, a database that cannot be reached, a row that cannot be stored
+    now, a redelivered suspect) is the "Receiver" table of docs/failures.md. The receiver does
+    no business work.
     """
 
     def __init__(
@@ -116,7 +99,7 @@ class Receiver:
         `on_started` is called once the first consumer is open. Any error is retried (see
         `RoleLoop`): a fault of the receiver itself must not end it. The consumer is closed
         first, so its unacked deliveries come back flagged redelivered and are then counted
-        one by one. A consumer is opened only once the database answers (`_database_answers`).
+        one by one. A consumer is opened only once the database answers.
         After TopologyMissing (a queue gone: its consumer cancelled by the broker, a forward
         that found no queue) the topology is declared again first (`declare`); one warning.
         """
@@ -128,7 +111,11 @@ class Receiver:
         def step() -> int:
             nonlocal consumer, announce, declare
             if consumer is None:
-                self._database_answers()
+                # Only once the database answers (a checkout pings a pooled connection or
+                # opens one, both bounded: database.CLIENT_BOUNDS): while it cannot be reached,
+                # nothing is taken from the queue, and every message keeps its delivery count.
+                with self._engine.connect():
+                    pass
                 if declare is not None:
                     declare()
                     declare = None
@@ -156,23 +143,12 @@ class Receiver:
             if consumer is not None:
                 consumer.close()
 
-    def _database_answers(self) -> None:
-        """Return once a connection of the engine works; raise SQLAlchemyError if none does.
-
-        Called before each consumer is opened: while the database cannot be reached, the
-        receiver takes nothing from the queue, where every message keeps its place and its
-        delivery count. (A checkout pings a pooled connection, ``pool_pre_ping``, or opens one:
-        `database.CLIENT_BOUNDS` bound both.)
-        """
-        with self._engine.connect():
-            pass
-
     def store(self, consumer: Consumer, batch: list[Delivery]) -> None:
         """Store one batch; acknowledge, delay or dead-letter every delivery in it.
 
         Deliveries are taken in order: runs of first deliveries are stored together and
         acknowledged with one multiple-ack, each redelivered one alone and acknowledged at
-        once (see the class documentation), so that a stored message is not delivered, and
+        once (docs/failures.md), so that a stored message is not delivered, and
         counted, again when a suspect after it kills the process.
 
         Raises the SQLAlchemyError of a database that cannot be reached, the deliveries not
@@ -328,7 +304,7 @@ class Receiver:
     def _delay(self, consumer: Consumer, delivery: Delivery, error: str) -> None:
         """Send a message that could not be stored to its delay tier, or dead past the limit."""
         policy = self._settings.receive_retry
-        attempt = _int(delivery.message.headers.get(H_RECEIVE_ATTEMPT)) + 1
+        attempt = (_int(delivery.message.headers.get(H_RECEIVE_ATTEMPT)) or 0) + 1
         if policy.gives_up_after(attempt):
             self._dead(
                 consumer, delivery, STORE_FAILED, f"not stored after {attempt} attempts: {error}"
@@ -373,17 +349,10 @@ class Receiver:
 def _counted_id(message: WireMessage) -> uuid.UUID | None:
     """The inbox id a delivery is counted under; None without a usable message_id (such a
     message is dead-lettered when decoded, which cannot hang or kill the process)."""
-    message_id: Any = message.message_id
-    if isinstance(message_id, bytes):
-        try:
-            message_id = message_id.decode("utf-8")
-        except UnicodeDecodeError:
-            return None
-    if not isinstance(message_id, str) or not message_id:
-        return None
     try:
-        return inbox_id(message_id)
-    except Exception:  # e.g. a lone surrogate from an in-process broker
+        message_id = _property(message.message_id, "message_id")  # text, or bytes of UTF-8
+        return inbox_id(message_id) if message_id else None
+    except Exception:  # not text; or a lone surrogate from an in-process broker
         return None
 
 
@@ -391,10 +360,3 @@ def _database_unavailable(exc: SQLAlchemyError) -> bool:
     return isinstance(exc, OperationalError) or (
         isinstance(exc, DBAPIError) and exc.connection_invalidated
     )
-
-
-def _int(value: Any) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return 0

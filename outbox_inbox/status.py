@@ -141,13 +141,10 @@ def wakeup_status(engine: Engine, tables: Tables, listen_url: str | None) -> dic
     if engine.dialect.name != "postgresql":
         return {"mode": None, "via": None}
     channel = notify_channel(tables.schema or "", tables.outbox.name)
-    waker = Waker(
-        psycopg_conninfo(listen_url or engine.url), channel, threading.Event(), probe=engine
-    )
-    try:
+    with contextlib.closing(
+        Waker(psycopg_conninfo(listen_url or engine.url), channel, threading.Event(), probe=engine)
+    ) as waker:
         verdict = waker.check()
-    finally:
-        waker.close()
     mode = {True: "notify", False: "polling", None: "unknown"}[verdict]
     return {"mode": mode, "via": "listen_url" if listen_url else "db_url"}
 
