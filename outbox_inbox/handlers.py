@@ -16,6 +16,7 @@ from sqlalchemy.sql import Executable
 from sqlalchemy.util import await_only
 from sqlalchemy.util.concurrency import in_greenlet
 
+from .config import Settings
 from .context import handling
 from .errors import ConfigurationError, HandlerExited
 from .faults import FAULT, is_fault, log_unhandled_fault
@@ -390,8 +391,10 @@ class Found(NamedTuple):
 class Calls:
     """How the worker calls handlers: each message in its ``process`` span (`tracer`, of
     `service`), with the listener told how long its handlers ran (`Listener.handler_ran`).
-    What goes around a handler call goes here, beside the options that steer it."""
+    What goes around a handler call goes here, beside the options that steer it and the
+    service's `settings`."""
 
+    settings: Settings
     service: str
     tracer: Tracer | None
     listener: Listener | None

@@ -533,7 +533,7 @@ class Worker:
             calls.batch(subscription, messages, session)
 
     def _calls(self) -> Calls:
-        return Calls(self._tracing.service, self._tracing.tracer(), self._listener)
+        return Calls(self._settings, self._tracing.service, self._tracing.tracer(), self._listener)
 
     def _mark_dead_rows(self, conn: Connection, batch: _Batch, mine: set[int]) -> None:
         """Mark the batch's dead ends in its transaction: the rows its plan ended, and the
