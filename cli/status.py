@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from outbox_inbox.dashboard.views import format_age
+from outbox_inbox.dashboard.views import cap_shown, format_age
 from outbox_inbox.status import health
 
 from .output import EXIT_UNHEALTHY, echo, echo_json, one_line, render_table
@@ -114,8 +114,11 @@ def _print(report: dict[str, Any]) -> None:
     )
     if inbox["by_type"]:
         echo()
-        types = [(t["type"], t["pending"], t["in_progress"], t["dead"]) for t in inbox["by_type"]]
-        echo(render_table(["TYPE", "PENDING", "IN PROGRESS", "DEAD"], types))
+        types = [
+            (t["type"], t["pending"], t["in_progress"], t["dead"], cap_shown(t))
+            for t in inbox["by_type"]
+        ]
+        echo(render_table(["TYPE", "PENDING", "IN PROGRESS", "DEAD", "CAP"], types))
     _print_wakeups(report.get("wakeups") or {})
     _print_held_keys(report["held_keys"])
     _print_broker(report["broker"])

@@ -517,7 +517,7 @@ class Handlers:
     def advertised(self) -> list[dict[str, Any]]:
         """What this service handles, as the instances table stores it: one
         ``{"kind", "pattern", "versions"}`` per kind and pattern, ``versions`` a sorted list,
-        or None when a handler takes every version."""
+        or None when a handler takes every version; and ``cap``, its `caps`, if it has one."""
         versions: dict[tuple[str, str], set[int] | None] = {}
         for s in self._subscriptions:
             key = (s.kind, s.pattern)
@@ -526,8 +526,10 @@ class Handlers:
                 versions[key] = None
             else:
                 known.add(s.options.version)
+        caps = self.caps()
         return [
             {"kind": k, "pattern": p, "versions": None if v is None else sorted(v)}
+            | ({"cap": caps[p]} if p in caps else {})
             for (k, p), v in versions.items()
         ]
 

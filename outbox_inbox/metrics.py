@@ -324,6 +324,11 @@ class _StateCollector(Collector):
             for name, _doc, field in _GAUGES:
                 value = state[name.split("_", 1)[0]][field]  # "outbox" or "inbox"
                 families[name].add_metric([service], float(value or 0))
+            for t in state["inbox"]["by_type"]:
+                families["inbox_type_pending"].add_metric([service, t["type"]], t["pending"])
+                if t["cap"] is not None:
+                    binding = float(t["cap_binding"])
+                    families["inbox_cap_binding"].add_metric([service, t["type"]], binding)
         return list(families.values())
 
     @staticmethod
@@ -337,6 +342,11 @@ class _StateCollector(Collector):
         }
         for name, doc, _field in _GAUGES:
             families[name] = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["service"])
+        for name, doc in (
+            ("inbox_type_pending", "Inbox rows of the type waiting for a worker."),
+            ("inbox_cap_binding", "1 while the type's max_concurrency holds back work, else 0."),
+        ):
+            families[name] = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["service", "type"])
         return families
 
 

@@ -272,9 +272,12 @@ def service_status(entry: Shown, charts: Safe) -> Safe:
         parts.append(html("<h2>Inbox by type</h2>"))
         parts.append(
             table(
-                ["type", "pending", "in progress", "dead"],
+                ["type", "pending", "in progress", "dead", "cap"],
                 (
-                    row((t["type"], t["pending"], t["in_progress"], t["dead"]), {1, 2, 3})
+                    row(
+                        (t["type"], t["pending"], t["in_progress"], t["dead"], cap_shown(t)),
+                        {1, 2, 3},
+                    )
                     for t in inbox["by_type"]
                 ),
             )
@@ -333,6 +336,13 @@ def filter_form(name: str, sources: list[str], values: dict[str, str]) -> Safe:
         options,
         join(fields),
     )
+
+
+def cap_shown(by_type: dict[str, Any]) -> str:
+    """A type's ``max_concurrency`` as status shows it: ``2``, ``2 binding`` while it holds
+    back work, or nothing without a cap."""
+    cap = by_type.get("cap")
+    return "" if cap is None else f"{cap} binding" if by_type.get("cap_binding") else str(cap)
 
 
 def letters_table(name: str, letters: list[DeadLetter]) -> Safe:

@@ -243,7 +243,8 @@ def outbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
 
 
 def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
-    """Inbox rows by state, the age of the oldest pending row, and the counts per type.
+    """Inbox rows by state, the age of the oldest pending row, and the counts per type, with
+    the type's concurrency cap (``max_concurrency``) and whether it holds back work now.
 
     ``pending`` rows wait for a worker (due or scheduled for a retry); ``in_progress`` rows are
     pending rows a worker holds a lease on (database clock). ``claimable`` rows are those a
@@ -294,6 +295,11 @@ def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
         ).where(unfinished)
     ).one()
     processed = conn.execute(select(func.count()).where(i.c.status == PROCESSED)).scalar_one()
+    caps: dict[str, int] = {}  # as the service's instances advertise them (`Handlers.caps`)
+    for handlers in conn.execute(select(tables.instances.c.handlers)).scalars():
+        for h in handlers or ():
+            if h.get("cap") is not None:
+                caps[h["pattern"]] = min(h["cap"], caps.get(h["pattern"], h["cap"]))
     per_type = conn.execute(
         select(i.c.routing_key, *counts)
         .where(unfinished)
@@ -315,6 +321,11 @@ def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
                 "pending": int(r.pending),
                 "in_progress": int(r.in_progress),
                 "dead": int(r.dead),
+                "cap": caps.get(r.routing_key),
+                # Work waits that the cap holds back now.
+                "cap_binding": r.routing_key in caps
+                and r.pending > 0
+                and r.in_progress >= caps[r.routing_key],
             }
             for r in per_type
         ],

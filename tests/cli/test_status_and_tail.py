@@ -106,6 +106,8 @@ def test_status_numbers_match_the_database_and_thresholds_set_the_exit_code(
         "pending": 5,
         "in_progress": 1,
         "dead": 1,
+        "cap": None,  # no max_concurrency
+        "cap_binding": False,
     }
     assert by_type["orders.order.placed"]["pending"] == 1
     held = status["held_keys"]

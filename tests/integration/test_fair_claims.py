@@ -20,11 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 from sqlalchemy import Connection, text
 
 from helpers import make_service, received_row, rows, scalar, wait_until
 from outbox_inbox import Message, Service
+from outbox_inbox.metrics import instrument
 from outbox_inbox.queries import roles
+from outbox_inbox.status import collect_status
 from outbox_inbox.worker import Worker
 
 INBOX = "outbox_inbox.inbox_messages"
@@ -196,6 +199,42 @@ def test_a_message_held_back_by_a_cap_is_neither_leased_nor_counted(db_url: str)
     with engine.begin() as conn:
         roles.mark_processed(conn, tables, [first])
     assert len(claim("w-2" + roles.LEASE_ONLY)) == 1  # as soon as the cap allows
+    service.close()
+
+
+def test_status_and_metrics_show_each_types_waiting_work_and_a_cap_that_holds_it_back(
+    db_url: str,
+) -> None:
+    service = make_service("billing", db_url, None)
+    service.on_command("job.run", max_concurrency=1)(lambda message, session: None)
+    service.on_command("mail.send")(lambda message, session: None)
+    engine, tables = service.engine, service.tables
+    registry = CollectorRegistry()
+    instrument(service, registry=registry)
+    _store(service, "job.run", 3)
+    _store(service, "mail.send", 2)
+    with engine.begin() as conn:  # what a worker of this service advertises
+        advertised = service.handlers.advertised()
+        roles.advertise_instance(conn, tables, "billing", "i-1", advertised, forget_after=LEASE)
+
+    def shown() -> dict[str, tuple[Any, ...]]:
+        report = collect_status(engine, tables, service="billing", admin=None)
+        return {
+            t["type"]: (t["pending"], t["in_progress"], t["cap"], t["cap_binding"])
+            for t in report["inbox"]["by_type"]
+        }
+
+    def gauge(name: str, command: str) -> float | None:
+        labels = {"service": "billing", "type": f"billing.{command}"}
+        return registry.get_sample_value(f"outbox_inbox_inbox_{name}", labels)
+
+    caps = service.handlers.caps()
+    assert shown()["billing.job.run"] == (3, 0, 1, False)  # nothing held back yet
+    with engine.begin() as conn:
+        roles.claim_inbox(conn, tables, "w-1" + roles.LEASE_ONLY, 10, LEASE, caps=caps)
+    assert shown() == {"billing.job.run": (2, 1, 1, True), "billing.mail.send": (0, 2, None, False)}
+    assert (gauge("type_pending", "job.run"), gauge("cap_binding", "job.run")) == (2, 1)
+    assert (gauge("type_pending", "mail.send"), gauge("cap_binding", "mail.send")) == (0, None)
     service.close()
 
 
