@@ -10,6 +10,8 @@ on each alike.
 from __future__ import annotations
 
 import statistics
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -47,20 +49,29 @@ def _service(ctx: Context, **settings: Any) -> Service:
     def urgent(message: Message, session: Any) -> None:
         session.execute(insert(handled).values(n=message.payload["n"], at=func.clock_timestamp()))
 
+    svc.on_command("cap.run")(lambda message, session: None)  # run by _CAPPED's processes
+    for command in ("split.run", "whole.run"):  # the order they are handled in, noted
+        svc.on_command(command)(lambda message, session: served.append(message.type))
     return svc
 
 
-def _seed(ctx: Context, svc: Service, command: str, rows: int) -> None:
-    """F's inbox emptied, then `rows` pending `command` rows."""
+#: The types of the key-splitting scenario as they were handled, in order (threads append).
+served: list[str] = []
+
+
+def _seed(ctx: Context, svc: Service, command: str, rows: int, keys: int = 0) -> None:
+    """F's inbox emptied, then `rows` pending `command` rows (over `keys` ordering keys, or
+    none); with `keys` < 0 the rows are added to what is there."""
     inbox = sql.Identifier(svc.settings.schema, "inbox_messages")
-    ctx.sql(sql.SQL("TRUNCATE {}").format(inbox))
+    if keys >= 0:
+        ctx.sql(sql.SQL("TRUNCATE {}").format(inbox))
     ctx.sql(
         sql.SQL(
-            "INSERT INTO {} (message_id, source, kind, routing_key, payload, headers)"
-            " SELECT gen_random_uuid(), %s, 'command', %s, {}, '{{}}'::jsonb"
-            " FROM generate_series(1, %s) AS i"
+            "INSERT INTO {} (message_id, source, kind, routing_key, payload, headers, key)"
+            " SELECT gen_random_uuid(), %s, 'command', %s, {}, '{{}}'::jsonb,"
+            " CASE WHEN %s > 0 THEN 'k' || i %% %s END FROM generate_series(1, %s) AS i"
         ).format(inbox, sql.SQL(PAYLOAD_SQL)),
-        params=(svc.name, f"{svc.name}.{command}", rows),
+        params=(svc.name, f"{svc.name}.{command}", keys, max(keys, 1), rows),
     )
     ctx.vacuum(inbox)
 
@@ -162,6 +173,99 @@ def urgent_latency(ctx: Context, fair: bool) -> dict[str, Any]:
     return result
 
 
+def key_split_share(ctx: Context) -> dict[str, Any]:
+    """Two types wait, N/2 rows each: ``split.run`` spread over 100 ordering keys and
+    ``whole.run`` with none; 2 worker threads drain them. The split type's share of what was
+    handled while both had work (fair: 0.5)."""
+    svc = _service(ctx, worker_batch_size=50)
+    half = max(ctx.n // 2, 100)
+    _seed(ctx, svc, "split.run", half, keys=100)
+    _seed(ctx, svc, "whole.run", half, keys=-1)
+    served.clear()
+    workers = [svc.worker() for _ in range(2)]
+    for k, worker in enumerate(workers):
+        ctx.threads.start(f"split-worker-{k}", worker.run)
+    wait_until(lambda: len(served) >= 2 * half, ctx.timeout, "split", ctx.threads)
+    ctx.threads.stop_all()
+    svc.close()
+    split = f"{svc.name}.split.run"
+    both = served[: min(_last(served, t) for t in (split, f"{svc.name}.whole.run")) + 1]
+    share = both.count(split) / len(both)
+    print(
+        f"  fk  a type over 100 keys against one with none: its share while both wait"
+        f" {share:.2f} (fair 0.50; {len(both):,} of {2 * half:,} handled then)",
+        flush=True,
+    )
+    return {"split_share": share, "handled_while_both_wait": len(both), "total": 2 * half}
+
+
+def _last(order: list[str], kind: str) -> int:
+    """The position of the last `kind` in `order`: both types wait until the first of them
+    has its last message handled."""
+    return len(order) - 1 - order[::-1].index(kind)
+
+
+#: One process of the cap scenario: 2 instances of service F (argv: db_url, schema, name,
+#: cap), one worker thread each, handling ``cap.run`` (10 ms) under the cap, each call noting
+#: how many calls ran at once in ``cap_gauge``; until stdin closes.
+_CAPPED = """
+import sys, threading, time
+from sqlalchemy import create_engine, text
+from outbox_inbox import Service
+
+db_url, schema, name, cap = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+gauge = create_engine(db_url, isolation_level="AUTOCOMMIT",
+                      connect_args={"options": "-csearch_path=" + schema})
+stop, threads = threading.Event(), []
+for _ in range(2):
+    svc = Service(name, db_url=db_url, schema=schema, worker_batch_size=10)
+
+    @svc.on_command("cap.run", max_concurrency=cap)
+    def run(message, session):
+        with gauge.connect() as conn:
+            conn.execute(text("UPDATE cap_gauge SET n = n + 1, top = greatest(top, n + 1)"))
+            time.sleep(0.01)
+            conn.execute(text("UPDATE cap_gauge SET n = n - 1"))
+
+    threads.append(threading.Thread(target=svc.worker().run, args=(stop,)))
+    threads[-1].start()
+sys.stdin.read()
+stop.set()
+for thread in threads:
+    thread.join(30)
+"""
+
+
+def cap_across_processes(ctx: Context, cap: int = 2, rows: int = 400) -> dict[str, Any]:
+    """`rows` ``cap.run`` messages (10 ms each) under ``max_concurrency=cap``, handled by 2
+    processes of 2 service instances each: the most calls the handlers saw at once."""
+    svc = _service(ctx)
+    schema = svc.settings.schema
+    gauge = sql.Identifier(schema, "cap_gauge")
+    ctx.sql(sql.SQL("DROP TABLE IF EXISTS {}").format(gauge))
+    ctx.sql(sql.SQL("CREATE TABLE {} AS SELECT 0 AS n, 0 AS top").format(gauge))
+    _seed(ctx, svc, "cap.run", rows)
+    inbox = sql.Identifier(schema, "inbox_messages")
+    left = sql.SQL("SELECT count(*) FROM {} WHERE status = 'pending'").format(inbox)
+    argv = [sys.executable, "-c", _CAPPED, ctx.db_url, schema, svc.name, str(cap)]
+    began = time.monotonic()
+    children = [subprocess.Popen(argv, stdin=subprocess.PIPE) for _ in range(2)]
+    try:
+        wait_until(lambda: ctx.scalar(left) == 0, ctx.timeout, "cap", ctx.threads)
+    finally:
+        for child in children:
+            child.communicate(timeout=60)  # closes stdin: the child stops its workers
+    took = time.monotonic() - began
+    top = ctx.scalar(sql.SQL("SELECT top FROM {}").format(gauge))
+    svc.close()
+    print(
+        f"  fc  max_concurrency={cap} over 2 processes x 2 instances: at most {top} at once"
+        f" ({rows} x 10 ms in {took:.1f} s, the cap allows {rows * 0.01 / cap:.1f} s)",
+        flush=True,
+    )
+    return {"cap": cap, "most_at_once": top, "seconds": took, "rows": rows}
+
+
 def measure(ctx: Context) -> None:
     svc = _service(ctx)
     ctx.services.append(svc)
@@ -170,3 +274,5 @@ def measure(ctx: Context) -> None:
     ctx.sql(sql.SQL("CREATE TABLE {} (n int, at timestamptz)").format(handled))
     noop_rates(ctx)
     ctx.results["fair"] = [urgent_latency(ctx, fair) for fair in (True, False)]
+    ctx.results["fair_split"] = key_split_share(ctx)
+    ctx.results["fair_cap"] = cap_across_processes(ctx)
