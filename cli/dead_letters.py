@@ -382,10 +382,8 @@ def _act(
     """Select, show, (confirm,) act and audit (DeadLetters.run): replay's and purge's body,
     with the options of `_action_options` as click gives them."""
     if filters.empty and not everything:
-        raise click.UsageError(
-            f"choose what to {action}: --id, a filter (--type, --older-than, --reason, "
-            "--error, --group, --parked), or --all"
-        )
+        given = ", ".join(f"--{f.flag}" for f in FILTER_FIELDS if f.flag != "id")
+        raise click.UsageError(f"choose what to {action}: --id, a filter ({given}), or --all")
     target = resolve(**target_options)
     tables_only = filters.parked or action == PARK
     sources = _sources(target, source, strict=True, tables_only=tables_only)
