@@ -223,6 +223,7 @@ class HandlerKeywords(TypedDict, total=False):
     batch: bool
     version: int | None
     max_concurrency: int | None
+    weight: int | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,15 +232,17 @@ class HandlerOptions:
     `batch`: called once for many messages (`Subscription`). `version`: the one payload
     version (``message.version``) it handles; None: every version. `max_concurrency`: the
     most messages of its routing key handled at once by every worker of the database
-    together (`queries.roles.claim_inbox`); None: no cap."""
+    together (`queries.roles.claim_inbox`); None: no cap. `weight`: the turns its routing key
+    gets in fair claims for each turn of the other types (None: 1)."""
 
     retry: RetryPolicy | None = None
     batch: bool = False
     version: int | None = None
     max_concurrency: int | None = None
+    weight: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("version", "max_concurrency"):
+        for name in ("version", "max_concurrency", "weight"):
             value = getattr(self, name)
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
@@ -452,24 +455,25 @@ class Handlers:
                 raise ConfigurationError(
                     f"command {subscription.pattern!r}{which} already has a handler"
                 )
-        if subscription.options.max_concurrency is not None and (
-            {"*", "#"} & set(subscription.pattern.split("."))
-        ):
-            raise ConfigurationError(
-                f"max_concurrency caps one routing key; {subscription.pattern!r} is a pattern"
-            )
+        for name in ("max_concurrency", "weight"):
+            if getattr(subscription.options, name) is not None and (
+                {"*", "#"} & set(subscription.pattern.split("."))
+            ):
+                raise ConfigurationError(
+                    f"{name} applies to one routing key; {subscription.pattern!r} is a pattern"
+                )
         self._subscriptions.append(subscription)
         self._found = {}
 
-    def caps(self) -> dict[str, int]:
-        """The `HandlerOptions.max_concurrency` of each routing key that has one (the
-        smallest, where several handlers of the key have one)."""
-        caps: dict[str, int] = {}
+    def per_key(self, option: str) -> dict[str, int]:
+        """The `HandlerOptions` `option` (``max_concurrency``, ``weight``) of each routing key
+        that has one (the smallest, where several handlers of the key have one)."""
+        found: dict[str, int] = {}
         for s in self._subscriptions:
-            n = s.options.max_concurrency
+            n = getattr(s.options, option)
             if n is not None:
-                caps[s.pattern] = min(n, caps.get(s.pattern, n))
-        return caps
+                found[s.pattern] = min(n, found.get(s.pattern, n))
+        return found
 
     @property
     def subscriptions(self) -> tuple[Subscription, ...]:
@@ -517,7 +521,8 @@ class Handlers:
     def advertised(self) -> list[dict[str, Any]]:
         """What this service handles, as the instances table stores it: one
         ``{"kind", "pattern", "versions"}`` per kind and pattern, ``versions`` a sorted list,
-        or None when a handler takes every version; and ``cap``, its `caps`, if it has one."""
+        or None when a handler takes every version; and ``cap``, its ``max_concurrency``, if it
+        has one."""
         versions: dict[tuple[str, str], set[int] | None] = {}
         for s in self._subscriptions:
             key = (s.kind, s.pattern)
@@ -526,7 +531,7 @@ class Handlers:
                 versions[key] = None
             else:
                 known.add(s.options.version)
-        caps = self.caps()
+        caps = self.per_key("max_concurrency")
         return [
             {"kind": k, "pattern": p, "versions": None if v is None else sorted(v)}
             | ({"cap": caps[p]} if p in caps else {})

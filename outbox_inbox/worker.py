@@ -354,7 +354,8 @@ class Worker:
             lease,
             fair=s.fair_claims,
             after=self._served,
-            caps=self._handlers.caps(),
+            caps=self._handlers.per_key("max_concurrency"),
+            weights=self._handlers.per_key("weight"),
         )
         if rows and s.fair_claims:  # the next claim's turn starts after the last type served
             self._served = rows[-1]["routing_key"]

@@ -528,6 +528,7 @@ def claim_inbox(
     fair: bool = True,
     after: str | None = None,
     caps: Mapping[str, int] | None = None,
+    weights: Mapping[str, int] | None = None,
 ) -> list[RowMapping]:
     """Lease up to `limit` due pending rows to `worker`; count the claim in `attempts`.
 
@@ -535,8 +536,9 @@ def claim_inbox(
     keys) in turn: each type's oldest claimable row, then each one's second, and so on,
     starting with the types after `after` (the last type the worker was served; a
     worker passes it on from claim to claim, so a batch of one goes round the types too);
-    without `fair`, arrival order. A keyed row qualifies only when no earlier pending row has
-    its key: a key is handled one message at a time, in order. A leased row qualifies once
+    without `fair`, arrival order. `weights`: the turns a routing key gets in each round
+    (weighted round robin; 1 without one). A keyed row qualifies only when no earlier pending
+    row has its key: a key is handled one message at a time, in order. A leased row qualifies once
     its lease ran out on the database clock, or, on PostgreSQL, as soon as its claimant no
     longer holds its liveness lock (`hold_claimant_lock`): its worker died or lost its
     connection. Rows a live worker is handling are row-locked and skipped.
@@ -554,30 +556,34 @@ def claim_inbox(
     """
     postgres = conn.dialect.name == "postgresql"
     capped = tuple(sorted((caps or {}).items()))
+    weighted = tuple(sorted((weights or {}).items())) if fair else ()
     if capped and postgres:
         conn.execute(_LOCK_CAPS, {"keys": [key for key, _ in capped]})
     params = {"claimant": worker, "limit": limit, "lease": lease.total_seconds()}
     if fair or capped:
-        stmt = _fair_claim_statement(tables, postgres, fair, capped)
+        stmt = _fair_claim_statement(tables, postgres, fair, capped, weighted)
         if fair:
             params["after"] = after or ""
     else:
         stmt = _claim_statement(tables, postgres)
     rows = list(conn.execute(stmt, params).mappings().all())  # one fetchall, not row by row
     rows.sort(key=lambda r: (-r["priority"], r["id"]))
-    return served_order(rows, after or "") if fair else rows
+    return served_order(rows, after or "", dict(weighted)) if fair else rows
 
 
-def served_order(rows: list[RowMapping], after: str) -> list[RowMapping]:
-    """`rows` (by priority, then id) in the order a fair claim with `after` served them: by
-    priority, then in turns (each type's first row, then each one's second…), in a turn the
-    types after `after` first, then arrival."""
+def served_order(
+    rows: list[RowMapping], after: str, weights: Mapping[str, int] | None = None
+) -> list[RowMapping]:
+    """`rows` (by priority, then id) in the order a fair claim with `after` and `weights`
+    served them: by priority, then in rounds (each type's first `weight` rows, then its
+    next…), in a round the types after `after` first, then arrival."""
     turns: Counter[tuple[int, str]] = Counter()
     served = []
     for row in rows:
-        rk = row["routing_key"]
+        rk, w = row["routing_key"], (weights or {}).get(row["routing_key"], 1)
         turns[row["priority"], rk] += 1
-        served.append((-row["priority"], turns[row["priority"], rk], rk <= after, row["id"], row))
+        turn = (turns[row["priority"], rk] + w - 1) // w
+        served.append((-row["priority"], turn, rk <= after, row["id"], row))
     return [entry[-1] for entry in sorted(served, key=lambda e: e[:4])]
 
 
@@ -621,10 +627,14 @@ def _lease(tables: Tables, ids: Any) -> Any:
 
 @cache
 def _fair_claim_statement(
-    tables: Tables, postgres: bool, fair: bool, caps: tuple[tuple[str, int], ...]
+    tables: Tables,
+    postgres: bool,
+    fair: bool,
+    caps: tuple[tuple[str, int], ...],
+    weights: tuple[tuple[str, int], ...] = (),
 ) -> Any:
-    """The claim of `claim_inbox` with `caps`, in turns (`fair`) or arrival order, built once
-    per schema and caps.
+    """The claim of `claim_inbox` with `caps`, in rounds of `weights` (`fair`) or arrival
+    order, built once per schema, caps and weights.
 
     On PostgreSQL the types waiting are read from the index of pending rows by type, one
     probe per type (a recursive scan), and each type's first `limit` claimable rows from the
@@ -684,7 +694,16 @@ def _fair_claim_statement(
             ranked = ranked.where(source.c.nth <= func.coalesce(cap, source.c.nth))
     r = ranked.subquery("ranked")
     after = bindparam("after", type_=String)
-    turns = (r.c.turn, r.c.routing_key <= after, r.c.id) if fair else (r.c.id,)
+    # A type of weight w gets w turns a round: round = ceil(turn / w), in integers.
+    rounds = (
+        case(
+            *((r.c.routing_key == key, (r.c.turn + (w - 1)) // w) for key, w in weights),
+            else_=r.c.turn,
+        )
+        if weights
+        else r.c.turn
+    )
+    turns = (rounds, r.c.routing_key <= after, r.c.id) if fair else (r.c.id,)
     picked = select(r.c.id).order_by(r.c.priority.desc(), *turns).limit(limit).scalar_subquery()
     return _lease(tables, picked)
 

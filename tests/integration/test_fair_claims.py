@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy import Connection, text
 
 from helpers import make_service, received_row, rows, scalar, wait_until
-from outbox_inbox import Message, Service
+from outbox_inbox import ConfigurationError, Message, Service
 from outbox_inbox.metrics import instrument
 from outbox_inbox.queries import roles
 from outbox_inbox.status import collect_status
@@ -77,6 +77,43 @@ def test_three_types_with_five_waiting_each_are_served_in_turn(db_url: str, batc
         while worker.work_once(conn):
             pass
     assert handled == ["a.run", "b.run", "c.run"] * 5
+    service.close()
+
+
+@pytest.mark.parametrize("batch", [4, 20])
+@pytest.mark.parametrize("where", ["postgresql", "sqlite"])
+def test_a_type_of_weight_three_gets_three_turns_to_each_turn_of_the_others(
+    db_url: str, tmp_path: Path, batch: int, where: str
+) -> None:
+    if where == "postgresql":
+        service = make_service("billing", db_url, None, worker_batch_size=batch)
+    else:
+        sqlite = f"sqlite:///{tmp_path / 'billing.db'}"
+        service = Service("billing", db_url=sqlite, mq_url=None, worker_batch_size=batch)
+        service.migrate()
+    handled: list[str] = []
+    for command, weight in (("a.run", 3), ("b.run", None)):
+
+        def handle(message: Message, session: Any) -> None:
+            handled.append(message.type.removeprefix("billing."))
+
+        service.on_command(command, weight=weight)(handle)
+    _store(service, "a.run", 6)
+    _store(service, "b.run", 4)
+    worker = service.worker()
+    with _connected(worker) as conn:
+        while worker.work_once(conn):
+            pass
+    assert handled == (["a.run"] * 3 + ["b.run"]) * 2 + ["b.run"] * 2
+    service.close()
+
+
+def test_a_weight_applies_to_one_routing_key(db_url: str) -> None:
+    service = make_service("billing", db_url, None)
+    with pytest.raises(ConfigurationError, match="weight applies to one routing key"):
+        service.on_event("orders.#", weight=2)(lambda message, session: None)
+    with pytest.raises(ConfigurationError, match="weight must be an int >= 1"):
+        service.on_command("a.run", weight=0)(lambda message, session: None)
     service.close()
 
 
@@ -228,7 +265,7 @@ def test_status_and_metrics_show_each_types_waiting_work_and_a_cap_that_holds_it
         labels = {"service": "billing", "type": f"billing.{command}"}
         return registry.get_sample_value(f"outbox_inbox_inbox_{name}", labels)
 
-    caps = service.handlers.caps()
+    caps = service.handlers.per_key("max_concurrency")
     assert shown()["billing.job.run"] == (3, 0, 1, False)  # nothing held back yet
     with engine.begin() as conn:
         roles.claim_inbox(conn, tables, "w-1" + roles.LEASE_ONLY, 10, LEASE, caps=caps)
