@@ -285,7 +285,7 @@ class Relay:
         Rows whose time to live ran out are marked expired instead. The claim's row locks are
         bounded first: cut off, the session must not keep them past the partition
         (`roles.bound_on_server`); the transaction commits without a disk flush, as a mark a
-        server crash undoes only publishes its rows again (`roles.no_flush_wait`).
+        server crash undoes only publishes its rows again (`roles.bound_on_server`).
         """
         roles.bound_on_server(conn, flush_wait=False)
         claimed = roles.claim_outbox(conn, self._tables, self._settings.relay_batch_size)

@@ -320,9 +320,8 @@ class Worker:
         self._instances.advertise(conn)
         rows, self._next = self._next, []
         if not rows:
-            with conn.begin():
-                roles.no_flush_wait(conn)  # a claim a server crash undoes is claimed again
-                rows = self._claim(conn)
+            with conn.begin():  # without a flush wait: a claim a crash undoes is claimed again
+                rows = self._claim(conn, flush_wait=False)
         if not rows:
             return 0
         suspects = [r for r in rows if r["attempts"] - r["finished"] > 1]
@@ -343,7 +342,7 @@ class Worker:
         self._work(conn, rows, claim_next=True)
         return len(rows)
 
-    def _claim(self, conn: Connection) -> list[RowMapping]:
+    def _claim(self, conn: Connection, *, flush_wait: bool = True) -> list[RowMapping]:
         s = self._settings
         lease = timedelta(seconds=s.lease)
         rows = roles.claim_inbox(
@@ -356,6 +355,7 @@ class Worker:
             after=self._served,
             caps=self._handlers.per_key("max_concurrency"),
             weights=self._handlers.per_key("weight"),
+            flush_wait=flush_wait,
         )
         if rows and s.fair_claims:  # the next claim's turn starts after the last type served
             self._served = rows[-1]["routing_key"]

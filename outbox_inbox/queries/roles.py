@@ -529,6 +529,7 @@ def claim_inbox(
     after: str | None = None,
     caps: Mapping[str, int] | None = None,
     weights: Mapping[str, int] | None = None,
+    flush_wait: bool = True,
 ) -> list[RowMapping]:
     """Lease up to `limit` due pending rows to `worker`; count the claim in `attempts`.
 
@@ -549,12 +550,20 @@ def claim_inbox(
     transaction lock per capped type (`CAP_LOCK`), so that two claims never count the same
     free places: it is held until the caller's transaction ends (keep it short).
 
+    On PostgreSQL the rest of the caller's transaction runs with ``enable_sort`` off (``SET
+    LOCAL``, in a statement before the claim; without `flush_wait`, also ``synchronous_commit``
+    off: `_CLAIM_SETTINGS`): planned on the statistics of an inbox analyzed nearly empty, the
+    claim would otherwise sort every pending row of a backlog at each execution, for as long
+    as the connection keeps that plan. Run it last in its transaction.
+
     The claim commits with the caller's transaction, so the count survives a crash of the
     handler. The rows come in the order they were served (`served_order`; without `fair`, by
     priority then arrival), each with the `_CLAIMED` columns and ``claimed_at``, the
     database's time.
     """
     postgres = conn.dialect.name == "postgresql"
+    if postgres:
+        conn.execute(_CLAIM_SETTINGS[flush_wait])
     capped = tuple(sorted((caps or {}).items()))
     weighted = tuple(sorted((weights or {}).items())) if fair else ()
     if capped and postgres:
@@ -1186,7 +1195,8 @@ def bound_on_server(conn: Connection, *, flush_wait: bool = True) -> None:
     unacknowledged, `WORKER_KEEPALIVE` once the client is silent. The transaction's locks go
     with the session. What the relay and the receiver run first in each transaction; the
     server's defaults would keep such a session for minutes (retransmissions) or two hours
-    (the kernel's keepalive). Without `flush_wait`, also `no_flush_wait`, in the same statement.
+    (the kernel's keepalive). Without `flush_wait`, also ``synchronous_commit = off`` in the same
+    statement (see `_CLAIM_SETTINGS`).
 
     ``SET LOCAL``: nothing outlives the transaction, on whichever server connection a pooler in
     transaction mode picked. Does nothing on SQLite.
@@ -1195,18 +1205,21 @@ def bound_on_server(conn: Connection, *, flush_wait: bool = True) -> None:
         conn.execute(_tcp_bounds(local=True, user_timeout=True, flush_wait=flush_wait))
 
 
-def no_flush_wait(conn: Connection) -> None:
-    """The transaction in hand commits without waiting for its WAL to reach the disk (``SET
-    LOCAL synchronous_commit = off``): a commit then costs no disk flush, one to several
-    milliseconds. Only for the library's own transactions that a server crash may undo without
-    harm: the relay's marks (undone, the rows are published again and the inbox absorbs the
-    copies) and the worker's claims (undone, so is every later transaction, the handler's
-    included, since WAL is flushed in order: the row is claimed again, its crash-time attempt
-    uncounted). Never a transaction that acks a delivery or holds a handler's effect. Does
-    nothing on SQLite.
-    """
-    if is_postgres(conn):
-        conn.execute(select(func.set_config("synchronous_commit", "off", True)))
+#: What `claim_inbox` sets for the rest of its transaction, by its `flush_wait`. Without a
+#: flush wait (``synchronous_commit`` off) the transaction commits without waiting for its WAL
+#: to reach the disk: no disk flush, one to several milliseconds. Only for the library's own
+#: transactions that a server crash may undo without harm: the relay's marks (undone, the rows
+#: are published again and the inbox absorbs the copies; `bound_on_server`) and the worker's
+#: lone claims (undone, so is every later transaction, the handler's included, since WAL is
+#: flushed in order: the row is claimed again, its crash-time attempt uncounted). Never a
+#: transaction that acks a delivery or holds a handler's effect.
+_CLAIM_SETTINGS = {
+    wait: select(
+        func.set_config("enable_sort", "off", True),
+        *([] if wait else [func.set_config("synchronous_commit", "off", True)]),
+    )
+    for wait in (True, False)
+}
 
 
 def _tcp_bounds(*, local: bool, user_timeout: bool = False, flush_wait: bool = True) -> Select[Any]:

@@ -9,6 +9,7 @@ claims and batches, never timed.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -19,9 +20,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import psycopg
+import psycopg.sql
 import pytest
 from prometheus_client import CollectorRegistry
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, event, text
 
 from helpers import make_service, received_row, rows, scalar, wait_until
 from outbox_inbox import ConfigurationError, Message, Service
@@ -368,3 +371,75 @@ def test_sqlite_serves_the_types_in_the_same_turns(tmp_path: Path) -> None:
     # The turn after the urgent a.run goes on from the next type.
     assert handled == ["a.run"] + ["b.run", "c.run", "a.run"] * 5
     service.close()
+
+
+def _sorted_rows(plan: Any) -> int:
+    """The most rows any Sort node of an EXPLAIN (ANALYZE, FORMAT JSON) plan was fed."""
+    node = plan[0]["Plan"] if isinstance(plan, list) else plan
+    children = node.get("Plans", [])
+    fed = [c["Actual Rows"] * c["Actual Loops"] for c in children]
+    own = sum(fed) if node["Node Type"] == "Sort" else 0
+    return max([own, *(_sorted_rows(child) for child in children)])
+
+
+def test_a_claim_planned_on_an_empty_inbox_reads_its_heads_not_the_whole_backlog_later(
+    db_url: str,
+) -> None:
+    """The worker's claim is a prepared statement whose generic plan the connection keeps
+    (`roles.limit_worker`). Planned while the inbox is empty, as at a start, that plan must
+    not sort every pending row once a backlog has come: the claim's settings see to it."""
+    service = make_service("billing", db_url, None)
+    engine, tables = service.engine, service.tables
+    partitions = rows(
+        db_url,
+        "SELECT inhrelid::regclass::text FROM pg_inherits"
+        " WHERE inhparent = 'outbox_inbox.inbox_messages'::regclass",
+    )
+    with engine.begin() as conn:
+        for (partition,) in partitions:  # no analyze of its own while the test runs
+            conn.execute(text(f"ALTER TABLE {partition} SET (autovacuum_enabled = false)"))
+        conn.execute(text("ANALYZE outbox_inbox.inbox_messages"))  # empty, as at a start
+    sent: list[tuple[str, Any]] = []  # the claim as the driver gets it: SQL and values
+
+    def note(conn: Any, cursor: Any, statement: str, values: Any, *_: Any) -> None:
+        sent.append((statement, values))
+
+    with engine.connect() as conn, conn.begin() as transaction:
+        event.listen(conn, "before_cursor_execute", note)
+        roles.claim_inbox(conn, tables, "w-1" + roles.LEASE_ONLY, 50, LEASE)
+        transaction.rollback()
+    [(settings, set_values), (claim, values)] = sent  # the settings, then the claim
+    assert "set_config" in settings and "enable_sort" in str(set_values)
+    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", claim)))  # as PREPARE's $n
+    numbered = re.sub(r"%\((\w+)\)s", lambda m: f"${names.index(m[1]) + 1}", claim)
+    kinds = {bool: "bool", int: "int8", float: "float8", str: "text"}
+    types = ", ".join(kinds[type(values[name])] for name in names)
+    arguments = [values[name] for name in names]
+    sessions = {settings: psycopg.connect(db_url.replace("+psycopg", "")) for settings in (0, 1)}
+
+    def sorted_by_a_claim(settings: int) -> int:
+        session = sessions[settings]
+        with session.transaction(force_rollback=True):
+            if settings:
+                literal = {"literal_binds": True}  # what claim_inbox runs before its claim
+                session.execute(
+                    str(roles._CLAIM_SETTINGS[True].compile(engine, compile_kwargs=literal))
+                )
+            given = psycopg.sql.SQL(", ").join(map(psycopg.sql.Literal, arguments))
+            explain = psycopg.sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE claim({})")
+            plan = session.execute(explain.format(given)).fetchone()
+        assert plan is not None
+        return _sorted_rows(plan[0])
+
+    try:
+        for session in sessions.values():
+            session.execute("SET plan_cache_mode = force_generic_plan")
+            session.execute(f"PREPARE claim ({types}) AS {numbered}")
+            sorted_by_a_claim(0)  # planned now, on the empty inbox, and kept
+        _store(service, "bulk.item", 3000)
+        assert sorted_by_a_claim(0) >= 3000  # the backlog sorted: what the settings avoid
+        assert sorted_by_a_claim(1) <= 100
+    finally:
+        for session in sessions.values():
+            session.close()
+        service.close()
