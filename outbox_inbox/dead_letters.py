@@ -179,8 +179,7 @@ class Filters:
     error: str | None = None  # case-insensitive substring of the error text
     message_ids: tuple[str, ...] = ()
     fingerprint: str | None = None  # one dead-letter group: see DeadLetters.groups
-    #: Select the parked rows instead of the dead ones (table and outbox sources only).
-    parked: bool = False
+    parked: bool = False  # the parked rows instead of the dead ones (table and outbox)
 
     def __post_init__(self) -> None:
         for pattern in self.types:

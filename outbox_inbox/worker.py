@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import traceback
 import uuid
 from collections import Counter
@@ -147,7 +148,7 @@ class Worker:
         self._outbox = outbox
         #: The channel on which a claim that took a whole batch wakes the other workers (those
         #: its waker does not lead: `waker.Waker`); None wakes none.
-        self._helpers = helpers
+        self._helpers, self._woke = helpers, -float("inf")
         self._listener = listener
         self._tracing = tracing or Tracing("")
         self._engine = engine
@@ -359,8 +360,11 @@ class Worker:
         )
         if rows and s.fair_claims:  # the next claim's turn starts after the last type served
             self._served = rows[-1]["routing_key"]
-        if self._helpers is not None and len(rows) >= s.worker_batch_size:
-            roles.notify(conn, self._helpers, "")  # more may be due than one batch takes
+        # More may be due: wake the others, unless done a moment ago (they claim on still).
+        full = len(rows) >= s.worker_batch_size
+        if self._helpers is not None and full and time.monotonic() - self._woke > 0.1:
+            roles.notify(conn, self._helpers, "")
+            self._woke = time.monotonic()
         return rows
 
     @property

@@ -1205,14 +1205,11 @@ def bound_on_server(conn: Connection, *, flush_wait: bool = True) -> None:
         conn.execute(_tcp_bounds(local=True, user_timeout=True, flush_wait=flush_wait))
 
 
-#: What `claim_inbox` sets for the rest of its transaction, by its `flush_wait`. Without a
-#: flush wait (``synchronous_commit`` off) the transaction commits without waiting for its WAL
-#: to reach the disk: no disk flush, one to several milliseconds. Only for the library's own
-#: transactions that a server crash may undo without harm: the relay's marks (undone, the rows
-#: are published again and the inbox absorbs the copies; `bound_on_server`) and the worker's
-#: lone claims (undone, so is every later transaction, the handler's included, since WAL is
-#: flushed in order: the row is claimed again, its crash-time attempt uncounted). Never a
-#: transaction that acks a delivery or holds a handler's effect.
+#: What `claim_inbox` sets for the rest of its transaction, by its `flush_wait`. Without one
+#: (``synchronous_commit`` off) the commit waits for no disk flush: only for transactions a
+#: server crash may undo harmlessly, the relay's marks (`bound_on_server`; the copies it
+#: publishes again are dropped by the inbox) and a lone claim (undone with every later
+#: transaction, WAL being flushed in order: claimed again, the attempt uncounted).
 _CLAIM_SETTINGS = {
     wait: select(
         func.set_config("enable_sort", "off", True),
