@@ -545,8 +545,9 @@ def claim_inbox(
     connection. Rows a live worker is handling are row-locked and skipped.
 
     `caps`: the most rows of a routing key leased at once, by every worker of the database
-    together. A claim takes at most the cap less the rows of that type leased now; the rows
-    held back are neither leased nor counted. On PostgreSQL the claim first takes a
+    together. A claim takes at most half (rounded up) of the cap less the rows of that type
+    leased now, so the places go to several workers; the rows held back are neither leased
+    nor counted. On PostgreSQL the claim first takes a
     transaction lock per capped type (`CAP_LOCK`), so that two claims never count the same
     free places: it is held until the caller's transaction ends (keep it short).
 
@@ -720,8 +721,9 @@ def _fair_claim_statement(
 def _cap_of(
     tables: Tables, routing_key: Any, caps: tuple[tuple[str, int], ...], *, liveness: bool
 ) -> Any:
-    """The places left under the cap of `routing_key` (None without caps): its cap less its
-    rows leased now, by a live claimant."""
+    """The places a claim may take under the cap of `routing_key` (None without caps): half,
+    rounded up, of those left, its cap less its rows leased now by a live claimant. A worker
+    runs its batch one message at a time: taking every place, it would run the type alone."""
     if not caps:
         return None
     i = tables.inbox
@@ -738,7 +740,8 @@ def _cap_of(
         .scalar_subquery()
     )
     # Counted in the branch of a capped type only: an uncapped one costs nothing.
-    return case(*((routing_key == key, literal(n) - in_flight) for key, n in caps), else_=None)
+    left = [(key, (literal(n) - in_flight + 1) // 2) for key, n in caps]
+    return case(*((routing_key == key, half) for key, half in left), else_=None)
 
 
 def claimable(i: Any, *, liveness: bool, claimant: bool = False) -> ColumnElement[bool]:

@@ -278,6 +278,20 @@ def test_status_and_metrics_show_each_types_waiting_work_and_a_cap_that_holds_it
     service.close()
 
 
+def test_a_cap_of_two_gives_its_places_to_two_workers_not_both_to_the_first(db_url: str) -> None:
+    service = make_service("billing", db_url, None)
+    _store(service, "job.run", 5)
+    caps = {"billing.job.run": 2}
+
+    def claimed(worker: str) -> int:
+        with service.engine.begin() as conn:
+            return len(roles.claim_inbox(conn, service.tables, worker, 10, LEASE, caps=caps))
+
+    # A worker runs its batch one message at a time: both places in one claim would run one.
+    assert [claimed(f"w-{n}" + roles.LEASE_ONLY) for n in (1, 2, 3)] == [1, 1, 0]
+    service.close()
+
+
 _CAPPED_APP = """
 import sys, threading, time
 from sqlalchemy import create_engine, text
