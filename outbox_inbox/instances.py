@@ -29,8 +29,7 @@ class Instances:
         self._tables, self._handlers, self._service, self.name = tables, handlers, service, name
         self._grace = settings.no_handler_grace
         self._advertised_at = -float("inf")
-        #: When the warning about each (kind, routing key, version) left to others was last
-        #: logged (time.monotonic()).
+        #: When each (kind, routing key, version) left to others was last warned of (monotonic).
         self._warned: dict[tuple[str, str, int], float] = {}
 
     def advertise(self, conn: Connection) -> None:

@@ -165,8 +165,8 @@ class Waker:
             self._polling(conn)
             return None
         try:
-            if self._helpers is not None:
-                self.leading = _take_lead(conn, self._lead)
+            if self._helpers is not None:  # lead (a session lock) only on a proven path
+                self.leading = self._probe is None and _take_lead(conn, self._lead)
                 self._channel = self._lead if self.leading else self._helpers
             # The pid says which server holds the registration, should it have to be taken back.
             self._pid = _pid_after(conn, sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
@@ -177,6 +177,8 @@ class Waker:
         self._conn = conn
         if self._probe is not None and not self._proven(conn):
             return None
+        if self._helpers is not None and not self.leading:
+            self._took_lead(conn)
         self._heard_at = time.monotonic()
         return self._conn
 

@@ -33,14 +33,17 @@ def _pooled(bouncer: PgBouncerServer, db_url: str) -> str:
 
 
 def _listening_in_pool(conninfo: str) -> list[tuple[int, int]]:
-    """(backend pid, channels it listens on) of every server connection of the pool: one
-    client in a transaction per server connection, so that each is a different one."""
+    """(backend pid, channels it listens on and advisory locks it holds) of every server
+    connection of the pool: one client in a transaction per server connection, so that each
+    is a different one. Either would stay with the server connection for its next clients."""
     clients = [psycopg.connect(conninfo) for _ in range(POOL_SIZE)]
     try:
         seen = []
         for client in clients:
             row = client.execute(
                 "SELECT pg_backend_pid(), (SELECT count(*) FROM pg_listening_channels())"
+                " + (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+                " AND pid = pg_backend_pid())"
             ).fetchone()
             assert row is not None
             seen.append((int(row[0]), int(row[1])))
@@ -170,12 +173,14 @@ def test_a_waker_whose_probe_cannot_be_sent_keeps_no_listen_in_the_pool(
     db_url: str, bouncers: dict[str, PgBouncerServer]
 ) -> None:
     """No verdict (the probe's engine cannot reach the database) is no registration kept: the
-    LISTEN is taken back, not left on a pooled server connection until the next probe."""
+    LISTEN is taken back, not left on a pooled server connection until the next probe; and a
+    waker of a fleet (`helpers`) takes no lead, whose session lock would stay there too."""
     url = bouncers["transaction"].url(db_url)
     unreachable = create_engine(
         url.rsplit("/", 1)[0] + "/no_such_database", connect_args={"prepare_threshold": None}
     )
-    w = Waker(psycopg_conninfo(url), CHANNEL, threading.Event(), probe=unreachable)
+    stop = threading.Event()
+    w = Waker(psycopg_conninfo(url), CHANNEL, stop, probe=unreachable, helpers=CHANNEL + "_h")
     try:
         assert w.check() is None
     finally:
