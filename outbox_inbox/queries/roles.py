@@ -1222,9 +1222,11 @@ _CLAIM_SETTINGS = {
 }
 
 
+@cache
 def _tcp_bounds(*, local: bool, user_timeout: bool = False, flush_wait: bool = True) -> Select[Any]:
     """``SELECT set_config(...)`` of `WORKER_KEEPALIVE` (and `WORKER_USER_TIMEOUT`; without
-    `flush_wait`, ``synchronous_commit = off``), for the transaction (`local`) or the session."""
+    `flush_wait`, ``synchronous_commit = off``), for the transaction (`local`) or the session.
+    Built once: the relay and the receiver run it in every transaction."""
     idle, interval, count = WORKER_KEEPALIVE
     settings: dict[str, Any] = {"tcp_keepalives_idle": idle, "tcp_keepalives_interval": interval}
     settings["tcp_keepalives_count"] = count
