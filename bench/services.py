@@ -69,6 +69,13 @@ HANDLERS = {
 }
 
 
+#: The handler of service B as `serve` runs it (figures h and L): ``ctx.write``, the
+#: documented way for a handler to write a row it does not read back (docs/concepts.md). It
+#: sends what the hand-written worker of h_raw and L_raw sends, one INSERT per row in one
+#: round trip a batch; a handler with a round trip per message is figure g.
+SERVED_HANDLER = "write"
+
+
 def _subscribe(svc: Service, pattern: str, effects: Table, style: str = "execute") -> None:
     if style == "noop":
         svc.on_event(pattern)(lambda message, session: None)
@@ -153,13 +160,14 @@ def serve(
 ) -> None:
     """Child process: service A or B (`which`) as users run it, `svc.run()` with its default
     settings (relay and receiver here, the workers in one process per CPU; `processes` if
-    given, as ``outbox-inbox run --processes``), until `stop`."""
+    given, as ``outbox-inbox run --processes``), until `stop`. B's handler writes its row
+    the `SERVED_HANDLER` way."""
     _child_logging(which.upper())
     settings: dict[str, Any] = {} if processes is None else {"processes": processes}
     svc = (
         build_service_a(tag, db_url, mq_url, **settings)
         if which == "a"
-        else build_service_b(tag, db_url, mq_url, **settings)[0]
+        else build_service_b(tag, db_url, mq_url, SERVED_HANDLER, **settings)[0]
     )
 
     def stop_on_event() -> None:
