@@ -3,7 +3,8 @@
 PostgreSQL: every connection the library opens has client-side bounds (`CLIENT_BOUNDS`), so
 that a server that stops answering (a network partition, a host gone without a word) is an
 outage within seconds instead of a call that hangs for the kernel's quarter of an hour;
-connections are checked before use (``pool_pre_ping``), and statements are
+a connection idle in the pool for over `PING_AFTER` is checked before use (a ping: a
+round trip the roles would otherwise pay in every transaction), and statements are
 prepared (the ``prepare_threshold`` setting, "auto") on a direct connection, never through a
 pooler in transaction mode, where the next execution may land on a server connection that
 never saw them prepared (`queries.roles.unprepared_behind_pooler`, docs/runbook.md).
@@ -19,12 +20,14 @@ correct for the roles of one process (threads), and slow by design.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from sqlalchemy import Engine as Engine  # re-exported: the type of `Database.engine`
 from sqlalchemy import create_engine, event
 from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import DisconnectionError
 
 from .errors import CommitOutcomeUnknown, database_unreachable, first_line, read_only_session
 from .queries import roles
@@ -119,15 +122,41 @@ def connect(
         return Database(_sqlite_engine(url), tables_for(url, schema))
     engine = create_engine(
         url,
-        pool_pre_ping=True,
         pool_size=pool_size,
         max_overflow=10,
         connect_args={**roles.prepare_args(prepare_threshold), **client_bounds(url)},
     )
+    ping_after_idle(engine)
     if prepare_threshold == "auto":
         roles.unprepared_behind_pooler(engine)
     read_only_drops_the_pool(engine)
     return Database(engine, tables_for(url, schema))
+
+
+#: Seconds a connection may wait in the pool and be used without a ping. A server gone within
+#: this second (a restart, a failover) fails the next statement instead, once: the error
+#: drops the pool, and the roles back off as from any outage.
+PING_AFTER = 1.0
+
+
+def ping_after_idle(engine: Engine) -> None:
+    """Ping a connection of `engine`'s pool at checkout once it has been idle `PING_AFTER`; a
+    dead one is replaced, as ``pool_pre_ping`` does for every checkout."""
+
+    @event.listens_for(engine, "checkin")
+    def _returned(_dbapi_connection: Any, record: Any) -> None:
+        record.info["returned"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _checked(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+        if time.monotonic() - record.info.pop("returned", time.monotonic()) <= PING_AFTER:
+            return
+        try:
+            engine.dialect.do_ping(dbapi_connection)
+        except engine.dialect.loaded_dbapi.Error as exc:
+            if engine.dialect.is_disconnect(exc, dbapi_connection, None):
+                raise DisconnectionError(first_line(exc)) from exc
+            raise
 
 
 def read_only_drops_the_pool(engine: Engine | AsyncEngine) -> None:

@@ -8,6 +8,7 @@ a restart or a partition does to a commit in flight.
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -84,3 +85,62 @@ def test_the_failover_url_of_the_docs_connects_with_a_users_own_engine(db_url: s
     finally:
         own.dispose()
         service.close()
+
+
+def _last_query(admin: psycopg.Connection[Any], pid: int) -> str:
+    row = admin.execute("SELECT query FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
+    return str(row[0]) if row else ""
+
+
+def test_a_pooled_connection_is_pinged_only_after_a_second_idle(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Back within `PING_AFTER`, a connection is used as it is (no round trip before the
+    caller's first statement); idle longer, it is pinged first. Seen on the server: the
+    backend's last query is the caller's, or the ping's empty one."""
+    from outbox_inbox import database
+
+    monkeypatch.setattr(database, "PING_AFTER", 0.5)
+    engine = database.connect(db_url).engine
+    admin = psycopg.connect(make_url(db_url).set(drivername="postgresql").render_as_string(False))
+    admin.autocommit = True  # a fresh view of pg_stat_activity at each read
+    try:
+        with engine.connect() as conn:
+            pid = conn.connection.dbapi_connection.info.backend_pid  # type: ignore[union-attr]
+            conn.execute(text("SELECT 'mine'"))
+        # The pool's reset on return (a rollback) is the session's last query.
+        assert _last_query(admin, pid) == "ROLLBACK"
+        with engine.connect() as conn:  # back at once: no ping
+            assert conn.connection.dbapi_connection.info.backend_pid == pid  # type: ignore[union-attr]
+            assert _last_query(admin, pid) == "ROLLBACK"
+        time.sleep(0.7)
+        with engine.connect() as conn:  # idle past PING_AFTER: pinged before it is handed out
+            assert _last_query(admin, pid) not in ("ROLLBACK", "")
+    finally:
+        admin.close()
+        engine.dispose()
+
+
+def test_a_connection_that_died_while_idle_is_replaced_at_checkout(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server session ended while its connection waited in the pool (a restart, an idle
+    timeout) costs the caller nothing once the connection was idle `PING_AFTER`: the ping
+    finds it dead and the pool connects again."""
+    from outbox_inbox import database
+
+    monkeypatch.setattr(database, "PING_AFTER", 0.2)
+    engine = database.connect(db_url).engine
+    admin = psycopg.connect(make_url(db_url).set(drivername="postgresql").render_as_string(False))
+    admin.autocommit = True
+    try:
+        with engine.connect() as conn:
+            pid = conn.connection.dbapi_connection.info.backend_pid  # type: ignore[union-attr]
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        time.sleep(0.4)
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT 1")).scalar() == 1
+            assert conn.connection.dbapi_connection.info.backend_pid != pid  # type: ignore[union-attr]
+    finally:
+        admin.close()
+        engine.dispose()
