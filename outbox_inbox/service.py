@@ -701,11 +701,12 @@ class Service:
 
     def worker_processes(self) -> int:
         """How many worker processes `run()` and `run_worker()` start: the ``processes``
-        setting, else `supervisor.available_cpus()`; always 1 on SQLite (one process) and in
-        a daemonic multiprocessing process (which may not have children)."""
+        setting, else `supervisor.available_cpus()`, or 1 for a service without handlers (its
+        worker only marks what it is sent ``no_handler``); always 1 on SQLite (one process) and
+        in a daemonic multiprocessing process (which may not have children)."""
         if self.sqlite or multiprocessing.current_process().daemon:
             return 1
-        return self.settings.processes or available_cpus()
+        return self.settings.processes or (available_cpus() if self.handlers.subscriptions else 1)
 
     def _run_with_workers(self, *, relay: bool, receiver: bool, fail_fast: bool | None) -> None:
         count = self.worker_processes()

@@ -53,3 +53,19 @@ def test_a_child_whose_sentinel_fires_early_is_reaped_and_its_signal_named(
     assert f"(pid {first}) was killed by SIGKILL" in ended
     with pytest.raises(ChildProcessError):
         os.waitpid(first, os.WNOHANG)  # reaped already: no zombie left behind
+
+
+def test_a_service_without_handlers_forks_no_worker_processes_by_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A publisher's worker only marks what it is sent ``no_handler``: by default it runs in
+    the service's own process, not in one idle process per CPU; ``processes`` set still wins."""
+    monkeypatch.setattr("outbox_inbox.service.available_cpus", lambda: 4)
+    url = "postgresql+psycopg://app@127.0.0.1:1/orders"  # never connected to
+    with MemoryBroker() as broker:
+        publisher = Service("orders", db_url=url, broker=broker)
+        assert publisher.worker_processes() == 1
+        assert Service("orders", db_url=url, broker=broker, processes=3).worker_processes() == 3
+        consumer = Service("billing", db_url=url, broker=broker)
+        consumer.on_event("orders.order.placed")(lambda message, session: None)
+        assert consumer.worker_processes() == 4
