@@ -2,26 +2,12 @@
 
 A `FaultKit` runs your service's roles as processes of their own on private servers (a
 PostgreSQL and a RabbitMQ it is given), commits business transactions of yours at a steady rate
-(`FaultKit.load`), injects faults by name (`FaultKit.inject`), measures how long after each
-fault everything committed by its end took effect, and checks the outcome against your own
-effect table with `outbox_inbox.testing.checker`:
-
-    kit.start("relay", service="orders", db_url=orders_url)
-    kit.start("receiver", app="app:from_env", db_url=billing_url)
-    kit.start("worker", app="app:from_env", db_url=billing_url)
-    kit.effects(billing_url, read_effects)  # one item per effect row you wrote
-    with kit.load(orders, produce):         # produce(orders, session, n) -> expected effects
-        kit.inject("kill", role="worker", at="worker.handled")
-        kit.inject("postgres-restart")
-    verdict = kit.check()
-    assert verdict.valid, verdict.report()
-
-Injection is deterministic where a fault has a moment: ``kill`` with ``at=`` makes the role
-process SIGKILL itself when it reaches that point of its work the n-th time (`KILL_POINTS`,
-through the `Listener` hooks); nothing waits on a sleep to hit a window. Every other fault is
-in force from `inject`'s start to its return (a server down, rules in place), then recovery is
-measured: `Fault.recovered_s`. docs/testing.md describes the roles (run as ``outbox-inbox run
---app`` would), the load, each fault of `FAULTS` with its options, and the pytest fixtures.
+(`FaultKit.load`), injects faults by name (`FaultKit.inject`, `FAULTS`), measures how long after
+each fault everything committed by its end took effect (`Fault.recovered_s`), and checks the
+outcome against your own effect table with `outbox_inbox.testing.checker`. ``kill`` with ``at=``
+needs no sleep to hit its window: the role process SIGKILLs itself the n-th time it reaches that
+point (`KILL_POINTS`, through the `Listener` hooks). docs/testing.md ("Your service under
+faults") shows a whole test and describes the roles, the load, each fault and the fixtures.
 """
 
 from __future__ import annotations
@@ -142,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 class RoleProcess:
-    """One role of a service, as a process of its own (see the module documentation)."""
+    """One role of a service, as a process of its own (docs/testing.md, "The roles")."""
 
     def __init__(
         self, kit: FaultKit, role: str, app: str | None, service: str | None, db_url: str
