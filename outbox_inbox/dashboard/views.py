@@ -87,8 +87,10 @@ def format_age(seconds: float | None) -> str:
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
-def per_second(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}/s"
+def per_second(rates: Rates | None) -> list[str]:
+    """Handled, new dead and backlog change, per second; ``-`` before there are rates."""
+    values = (rates.processed, rates.dead, rates.backlog) if rates else (None, None, None)
+    return ["-" if v is None else f"{v:.2f}/s" for v in values]
 
 
 def trace_id(headers: dict[str, Any]) -> str | None:
@@ -210,9 +212,7 @@ def overview(entries: Sequence[Shown], charts: Safe, refresh: int | None) -> Saf
                 link("/service", name=name) + "#dead-letters",
                 dead_count(status),
             ),
-            per_second(rates.processed if rates else None),
-            per_second(rates.dead if rates else None),
-            per_second(rates.backlog if rates else None),
+            *per_second(rates),
             "-" if queue is None else queue["messages"],
         ]
         rows.append(row(cells, range(2, len(cells))))
@@ -257,9 +257,7 @@ def service_status(entry: Shown, charts: Safe) -> Safe:
         inbox["dead"],
         inbox["processed"],
         format_age(inbox["oldest_pending_age_seconds"]),
-        per_second(rates.processed if rates else None),
-        per_second(rates.dead if rates else None),
-        per_second(rates.backlog if rates else None),
+        *per_second(rates),
         f" over {rates.span:.0f}s" if rates else " (after the next reload)",
         status["database_time"],
         status["schema"],
