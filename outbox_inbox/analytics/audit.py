@@ -162,9 +162,6 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0][:500]
 
 
-# --- reading ------------------------------------------------------------------------------
-
-
 def spark_schema(source: str, *, partitioned: bool) -> StructType:
     """The Spark schema of an archived `source`, with the ``service`` (and ``date``)
     partition columns when `partitioned`."""
@@ -224,9 +221,6 @@ def read_live(db_url: str, schema: str | None = None) -> LiveRows:
             )
     finally:
         engine.dispose()
-
-
-# --- the audit ----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -974,9 +968,6 @@ def _buckets(rows: DataFrame, step: int) -> DataFrame:
         .groupBy(F.lit("t").alias(_SET), "b")
         .agg(F.sum(1 - F.col("k")).alias("sent"), F.sum("k").alias("done"))
     )
-
-
-# --- small conversions --------------------------------------------------------------------
 
 
 def _least(values: Iterable[Any]) -> datetime | None:

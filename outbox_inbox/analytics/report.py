@@ -267,9 +267,6 @@ def _tables(summary: Mapping[str, Any], totals: Mapping[str, Any]) -> list[str]:
     ]
 
 
-# --- header and headline numbers -------------------------------------------------------------
-
-
 def _header(summary: Mapping[str, Any], totals: Mapping[str, Any]) -> str:
     lost = _count(totals.get("lost"))
     handled_twice = _count(totals.get("handled_more_than_once"))
@@ -321,9 +318,6 @@ def _headline(totals: Mapping[str, Any]) -> str:
             f'<div class="label">{key.replace("_", " ")}</div></div>'
         )
     return f'<div class="headline">{"".join(tiles)}</div>'
-
-
-# --- charts ----------------------------------------------------------------------------------
 
 
 def _latency_chart(histogram: Sequence[Mapping[str, Any]]) -> str:
@@ -474,9 +468,6 @@ def _dead_letter_chart(causes: Sequence[Mapping[str, Any]]) -> str:
     return "".join([*parts, x_axis_label("dead letters", height - 12), "</svg>"])
 
 
-# --- tables ----------------------------------------------------------------------------------
-
-
 def _table_section(title: str, head: str, rows: Sequence[str], note: str = "") -> str:
     if not rows:
         return f'<section><h2>{title}</h2><p class="none">none</p></section>'
@@ -536,9 +527,6 @@ def _table(
     ]
     note = f"Showing {fmt_count(len(rows))} of {fmt_count(total)}." if total > len(rows) else ""
     return _table_section(title, f"<tr>{heads}</tr>", rows, note)
-
-
-# --- formatting ------------------------------------------------------------------------------
 
 
 def _esc(value: Any) -> str:
