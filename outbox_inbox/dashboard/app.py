@@ -113,8 +113,6 @@ class Dashboard:
         self.max_lag = max_lag
         self.rates = RateTracker()
 
-    # --- WSGI -------------------------------------------------------------------------------
-
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         headers = list(SECURITY_HEADERS)
         if not self.guard.host_allowed(environ):
@@ -182,8 +180,6 @@ class Dashboard:
                 f"it has {', '.join(service.sources())}"
             )
         return source
-
-    # --- pages ------------------------------------------------------------------------------
 
     def _get(self, path: str, query: dict[str, str], environ: dict[str, Any], cookie: str) -> Safe:
         if path == "/":

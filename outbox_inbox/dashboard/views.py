@@ -160,9 +160,6 @@ def health_badge(found: list[str]) -> Safe:
     return html('<span class="badge healthy">healthy</span>')
 
 
-# --- the overview ----------------------------------------------------------------------------
-
-
 OVERVIEW_HEADERS = (
     "service",
     "health",
@@ -226,9 +223,6 @@ def overview(entries: Sequence[Shown], charts: Safe, refresh: int | None) -> Saf
         charts,
     )
     return page("Services", body, refresh=refresh)
-
-
-# --- one service -----------------------------------------------------------------------------
 
 
 def service_status(entry: Shown, charts: Safe) -> Safe:
@@ -441,9 +435,6 @@ def _confirm_button(label: str, name: str, source: str, action: str, **params: A
     """A button to the confirmation page of `action` on the letters of `source` `params` pick."""
     target = link("/confirm", service=name, source=source, action=action, **params)
     return html('<a class="button {}" href="{}">{}</a>', action, target, label)
-
-
-# --- one dead letter -------------------------------------------------------------------------
 
 
 def _json(value: Any) -> str:
