@@ -160,9 +160,8 @@ class ServiceHarness:
         self._closed = False
 
     def _claim(self) -> list[str]:
-        """The service's queues on a real broker that do not exist yet. Raises
-        ConfigurationError (one line) when its inbox queue has a consumer (a running service
-        would take the test's messages) or one of them holds messages the test did not send."""
+        """The service's queues on a real broker that do not exist yet; raises what the class
+        docstring says of a running service's queues."""
         name = self.service.name
         queues = [inbox_queue(name), dead_letter_queue(name)]
         queues += [delay_queue(name, t) for t in self.service.settings.delay_tiers]
@@ -326,13 +325,10 @@ class ServiceHarness:
         return (self.broker.queue_depth(inbox_queue(self.service.name)) or 0) if self.real else 0
 
     def work(self) -> int:
-        """Run the handlers of every due inbox row (`Worker.work_once` until none is due).
-
-        Returns the rows claimed: each is one handling attempt, whatever its outcome. A
-        service with an ``async def`` handler is worked by its asyncio worker, in an event
-        loop of a thread of its own (so that this works from an async test too); that needs
-        PostgreSQL, as the asyncio worker does: on SQLite it raises ConfigurationError.
-        """
+        """Run the handlers of every due inbox row (`Worker.work_once` until none is due);
+        return the rows claimed, each one handling attempt. A service with ``async def``
+        handlers is worked as docs/testing.md ("The harness") says: on SQLite this raises
+        ConfigurationError."""
         if self.service.handlers.any_async:
             return self._work_async()
         with self._worker.connect() as conn:

@@ -182,14 +182,10 @@ class RoleProcess:
 
 
 class Load(threading.Thread):
-    """Commits transactions of `produce` through `service` at `rate` a second, into `history`.
-
-    ``produce(service, session, n)`` writes the n-th business transaction (its outbox rows
-    through ``service.outbox``) in `session` and returns the effects it expects downstream
-    (None: ``[n]``). Every `abort_every`-th transaction is rolled back after `produce` on
-    purpose: its effects must never appear. A commit that raises is UNKNOWN (the fault may
-    have taken only the answer); a failure before the commit is FAILED. Either way the load
-    goes on with the next n.
+    """Commits transactions of `produce` through `service` at `rate` a second, into `history`,
+    as docs/testing.md ("The load") says; a `produce` that returns None expects ``[n]``. A
+    commit that raises is UNKNOWN (the fault may have taken only the answer); a failure before
+    the commit is FAILED. Either way the load goes on with the next n.
     """
 
     def __init__(
