@@ -333,14 +333,13 @@ class Dashboard:
         if problem is not None:
             raise PermissionError(problem)
         service, source, action, ids, group = self._action_params(fields)
-        client = f"{user}@{environ.get('REMOTE_ADDR', '?')}"
         result = act(
             service,
             action,
             source,
             ids,
             audit=self.audit,
-            client=client,
+            client=f"{user}@{environ.get('REMOTE_ADDR', '?')}",
             fingerprint=group.fingerprint,
             parked=group.parked,
         )

@@ -431,10 +431,14 @@ def bulk_links(name: str, by_source: dict[str, list[str]]) -> Safe:
     return html("<p>{}</p>", join(links)) if links else Safe("")
 
 
-def _confirm_button(label: str, name: str, source: str, action: str, **params: Any) -> Safe:
-    """A button to the confirmation page of `action` on the letters of `source` `params` pick."""
+def _confirm_button(
+    label: str, name: str, source: str, action: str, element_id: str = "", **params: Any
+) -> Safe:
+    """A button to the confirmation page of `action` on the letters of `source` `params` pick
+    (with the HTML id `element_id`, if one is given)."""
     target = link("/confirm", service=name, source=source, action=action, **params)
-    return html('<a class="button {}" href="{}">{}</a>', action, target, label)
+    attribute = html(' id="{}"', element_id) if element_id else Safe("")
+    return html('<a class="button {}"{} href="{}">{}</a>', action, attribute, target, label)
 
 
 def _json(value: Any) -> str:
@@ -469,14 +473,8 @@ def letter_page(name: str, letter: DeadLetter) -> Safe:
     ]
     cause_dl = join(html("<dt>{}</dt><dd>{}</dd>", k, "" if v is None else v) for k, v in cause)
     actions = join(
-        html(
-            '<a class="button {}" id="{}" href="{}">{}…</a>',
-            action,
-            action,
-            link(
-                "/confirm", service=name, source=letter.source, action=action, id=letter.message_id
-            ),
-            action.capitalize(),
+        _confirm_button(
+            f"{action.capitalize()}…", name, letter.source, action, action, id=letter.message_id
         )
         for action in ("replay", "purge")
     )
