@@ -127,12 +127,11 @@ class ServiceHarness:
 
     Raises ConfigurationError for the process's shared in-memory broker (``mq_url=None``),
     which would carry messages from one test to the next; and on RabbitMQ, when the service's
-    inbox queue has a consumer or one of its queues holds messages (a running service's:
-    see `_claim`). It never purges a queue.
+    inbox queue has a consumer or one of its queues holds messages (a running service's). It
+    never purges a queue.
 
     Not thread-safe; the service must not be started (it would run competing roles). `close()`
-    (or leaving the ``with`` block) stops consuming, and on a real broker deletes the queues
-    the harness declared; the service and the broker stay open, they belong to the caller.
+    (also at the end of a ``with`` block) leaves the service and the broker open: the caller's.
     """
 
     def __init__(self, service: Service, *, migrate: bool = True) -> None:

@@ -446,8 +446,7 @@ class FaultKit:
         self, times: int = 2, last: int = 50, db_url: str | None = None, service: str | None = None
     ) -> None:
         """Publish the `last` messages a producer published again, `times` times each."""
-        producer = db_url or self._producer_url()
-        database = connect(producer)
+        database = connect(db_url or self._producer_url())
         try:
             outbox = database.tables.outbox
             published = select(outbox).where(outbox.c.published_at.is_not(None))
@@ -456,8 +455,7 @@ class FaultKit:
                 rows = conn.execute(stmt).mappings().all()
         finally:
             database.engine.dispose()
-        source = service or ""
-        wires = [to_wire(outgoing(row, source)) for row in reversed(rows)] * times
+        wires = [to_wire(outgoing(row, service or "")) for row in reversed(rows)] * times
         from ..brokers.rabbitmq import RabbitMQBroker
 
         broker = RabbitMQBroker(self.mq_url)
@@ -562,8 +560,7 @@ if importlib.util.find_spec("pytest") is not None:
     @pytest.fixture(scope="session")
     def outbox_inbox_servers() -> Iterator[tuple[PostgresServer, RabbitMQServer]]:
         """A private PostgreSQL and RabbitMQ on loopback for the session's fault kits, started
-        once and removed at its end. Override it in your conftest.py to bring your own (local
-        servers the kit may stop and kill: `PostgresServer`, `RabbitMQServer`)."""
+        once and removed at its end (docs/testing.md, "The fixtures": how to bring your own)."""
         with PostgresServer() as postgres, RabbitMQServer() as rabbitmq:
             yield postgres, rabbitmq
 
@@ -573,9 +570,8 @@ if importlib.util.find_spec("pytest") is not None:
         tmp_path: Path,
         request: pytest.FixtureRequest,
     ) -> Iterator[FaultKit]:
-        """A `FaultKit` on the session's servers; the test's directory and the rootdir are
-        importable by its role processes. Closed after the test (roles stopped, databases and
-        virtual host removed); a failed test's role logs stay in ``tmp_path``."""
+        """A `FaultKit` on the session's servers, its role logs in ``tmp_path``, closed after
+        the test (docs/testing.md: "The fixtures"; what its roles import: "The roles")."""
         path = [Path(request.node.path).parent, request.config.rootpath]
         with contextlib.closing(FaultKit(*outbox_inbox_servers, tmp_path, path=path)) as kit:
             yield kit
