@@ -226,14 +226,9 @@ def read_live(db_url: str, schema: str | None = None) -> LiveRows:
 @dataclass(frozen=True)
 class Window:
     """The messages an incremental audit covers: those published in ``[since, until)`` (an
-    unpublished one by its creation, a receipt nobody sent by its receipt).
-
-    Only the archive's date partitions that can hold them are read: outbox days from
-    ``since - margin`` (a message waits in its outbox before it is published), inbox days
-    from ``since - margin`` to ``until + margin`` (receipts come after publication, late ones
-    after retries and redeliveries; earlier ones by clock skew). A receipt further than
-    `margin` from its publication is not joined: outside the margin, the incremental audit
-    can report lost what the full audit reports delivered.
+    unpublished one by its creation, a receipt nobody sent by its receipt). Only the date
+    partitions within `margin` are read, so a receipt further than `margin` from its
+    publication is not joined (docs/history.md, "One day at a time").
     """
 
     since: datetime
@@ -552,8 +547,7 @@ def _parts(spark: SparkSession, *inputs: DataFrame) -> int:
     most = int(spark.conf.get("spark.sql.shuffle.partitions") or 200)
     if size is None:
         return most
-    least = spark.sparkContext.defaultParallelism
-    return max(least, min(most, math.ceil(size / PART_BYTES)))
+    return max(spark.sparkContext.defaultParallelism, min(most, math.ceil(size / PART_BYTES)))
 
 
 def _received(inbox: DataFrame, parts: int) -> DataFrame:

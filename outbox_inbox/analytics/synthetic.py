@@ -385,8 +385,7 @@ def _write_inbox(h: _History, c: _Chunk, d: _Deliveries) -> None:
             "deliveries": np.zeros(count, np.int32),
             "duplicates": np.where(shift > 0, 0, d.duplicates[take]).astype(np.int32),
         }
-        dated_by = d.received[take] + shift
-        _write(h.root / service, INBOX, service, rows, dated_by, c.first)
+        _write(h.root / service, INBOX, service, rows, rows["received_at"], c.first)
 
 
 def _write_unexpected(h: _History, k: int) -> None:
