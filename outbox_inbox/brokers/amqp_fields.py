@@ -232,8 +232,7 @@ def decode_leniently(connection: pika.BlockingConnection) -> None:
 
 def kept_properties(props: BasicProperties) -> dict[str, Any]:
     """The properties of a delivery in `KEPT_PROPERTIES` that it has."""
-    kept = {name: getattr(props, name, None) for name in KEPT_PROPERTIES}
-    return {name: value for name, value in kept.items() if value is not None}
+    return {n: v for n in KEPT_PROPERTIES if (v := getattr(props, n, None)) is not None}
 
 
 def _encode_short_string(pieces: list[bytes], value: str | bytes) -> None:
