@@ -17,9 +17,8 @@ shipping.parcel.shipped    event      nobody
 and injects exact numbers of lost deliveries, deliveries still in flight, messages handled
 twice, expired messages, receipts from outside the mesh, absorbed duplicates, retried and dead
 messages. `generate` returns what an audit must report, computed from the generated rows
-themselves. Vectorised with numpy and Arrow: ten million messages take a few minutes.
-
-Run as ``python -m outbox_inbox.analytics.synthetic DIRECTORY --messages N``.
+themselves. Vectorised with numpy and Arrow: ten million messages take a few minutes. Its
+command line: docs/history.md, "Trying it without a history".
 """
 
 from __future__ import annotations
