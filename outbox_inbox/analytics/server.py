@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -166,11 +166,9 @@ def _serve(port: int, idle: float, driver_memory: str) -> None:
         while not done.wait(min(idle / 4, 5.0)):
             if time.time() - use.stat().st_mtime < idle:
                 continue
-            try:  # no audit holds it: stop; else one runs, and touches it when it ends
+            with suppress(BlockingIOError):  # held: an audit runs, and touches it when it ends
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                continue
+                break  # no audit holds it: stop
         (directory / "server.json").unlink(missing_ok=True)
     jvm_process = spark.sparkContext._gateway.proc  # type: ignore[union-attr]
     spark.stop()
