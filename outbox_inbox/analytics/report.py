@@ -1,9 +1,8 @@
 """The audit summary (JSON, schema version 1) as one self-contained HTML page; `write_audit`
-runs the audit and writes both into a directory.
+runs the audit and writes both into a directory (docs/history.md, "The audit").
 
-The page is meant to be read at a glance and passed around as a single file: one inline
-``<style>``, charts drawn here as inline ``<svg>``, no scripts, fonts, images or network. Every
-string taken from the summary is user data (message types, error texts) and is escaped.
+The page has one inline ``<style>`` and inline ``<svg>`` charts: no scripts, fonts, images or
+network. Every string taken from the summary is user data and is escaped.
 """
 
 from __future__ import annotations
