@@ -421,8 +421,7 @@ class FaultKit:
 
     def _disk_full(self, database: str, table: str, seconds: float = 5.0) -> None:
         """Fill the disk under `table` of the kit's `database` (a name `database()` was given)
-        for `seconds`: the table is moved, at its first such fault, to a tablespace on a small
-        tmpfs of the kit's own (root only), which is then filled to the last page."""
+        for `seconds`, as docs/testing.md's table of the faults says."""
         if self._small_disk is None:
             self._small_disk = self._resources.enter_context(
                 tablespace_on_tmpfs(self.postgres, size_mb=64)
