@@ -1,14 +1,8 @@
 """`outbox-inbox demo`: two services, orders and billing, shown as a timed trace.
 
-Without URLs each service gets a SQLite file of its own in a temporary directory and both share
-the process's in-memory broker: nothing to install. With a database URL both services keep their
-tables in schemas of their own (``demo_orders``, ``demo_billing``) of that database; with a
-broker URL they talk over RabbitMQ as services ``demo_orders`` and ``demo_billing``, whose queues
-and routing keys are theirs only: running services ``orders`` and ``billing`` on that virtual
-host are not touched. The demo refuses, in one line, a broker where its inbox queues already
-have consumers (another demo running). The trace shows a command and an event leaving with the
-transaction that wrote them, a handler failing once and retried, and a message rejected into the
-dead letters.
+docs/cli.md (``demo``) says what the trace shows, and where the services keep their tables and
+how they talk without URLs and with them. The demo refuses, in one line, a broker where its
+inbox queues already have consumers (another demo running).
 """
 
 from __future__ import annotations
@@ -92,24 +86,20 @@ class Demo:
         )
         self.invoiced = threading.Event()
         self._failed_once = False
-        self.orders_table, self.invoices_table = self._business_tables()
-        self._register()
-
-    def _business_tables(self) -> tuple[Table, Table]:
-        orders = Table(
+        self.orders_table = Table(
             "orders",
             MetaData(schema=None if self.orders.sqlite else "demo_orders"),
             Column("id", Integer, primary_key=True),
             Column("total", Integer, nullable=False),
             Column("state", String(20), nullable=False),
         )
-        invoices = Table(
+        self.invoices_table = Table(
             "invoices",
             MetaData(schema=None if self.billing.sqlite else "demo_billing"),
             Column("id", Integer, primary_key=True),
             Column("order_id", Integer, nullable=False),
         )
-        return orders, invoices
+        self._register()
 
     def _register(self) -> None:
         orders, billing, trace = self.orders, self.billing, self.trace

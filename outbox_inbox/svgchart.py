@@ -54,10 +54,9 @@ def no_data(height: int) -> str:
 
 def y_axis(ticks: Sequence[int], top: int, bottom: int, label: str) -> list[str]:
     """Horizontal grid lines with count labels, the axis line and the rotated axis label."""
-    scale_max = ticks[-1]
     marks = []
     for tick in ticks:
-        y = bottom - (bottom - top) * tick / scale_max
+        y = bottom - (bottom - top) * tick / ticks[-1]
         marks.append(
             f'<line class="grid" x1="{PLOT_LEFT}" x2="{PLOT_RIGHT}" y1="{y:.1f}" y2="{y:.1f}"/>'
             f'<text x="{PLOT_LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">'

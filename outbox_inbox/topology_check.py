@@ -1,11 +1,8 @@
 """Compare the topology a service needs with what the broker holds (`outbox-inbox topology`).
 
-Exchanges and queues are checked through the management API when it answers (it shows their
-arguments), else through the broker's `Operator` (on RabbitMQ over AMQP: a passive declare
-tells existence; a declare with the expected arguments succeeds exactly when the broker holds
-the object with those arguments). Bindings cannot be listed over AMQP 0-9-1: without the
-management API (always, on the in-memory broker) they stay ``unverified``, unless their
-exchange or queue is missing, which settles it.
+Exchanges and queues are checked through the management API when it answers, else through the
+broker's `Operator`; bindings cannot be listed over AMQP 0-9-1, so without the API they stay
+``unverified`` unless their exchange or queue is missing (docs/cli.md, "How it checks").
 """
 
 from __future__ import annotations
@@ -151,14 +148,6 @@ def apply_topology(
     return before, check_topology(topology, admin, api)
 
 
-def _normalized(arguments: Mapping[str, Any] | None, expected: Mapping[str, Any]) -> dict[str, Any]:
-    actual = dict(arguments or {})
-    # Newer brokers show the default queue type explicitly; it is what "none given" means.
-    if actual.get("x-queue-type") == "classic" and "x-queue-type" not in expected:
-        del actual["x-queue-type"]
-    return actual
-
-
 def _argument_differences(expected: Mapping[str, Any], actual: Mapping[str, Any]) -> list[str]:
     out = []
     for name in sorted(set(expected) | set(actual)):
@@ -181,9 +170,11 @@ def _by_api(declared: Exchange | Queue, found: Mapping[str, Any] | None) -> Foun
         problems.append(f"type: expected {declared.type}, broker has {found.get('type')}")
     if bool(found.get("durable")) != declared.durable:
         problems.append(f"durable: expected {declared.durable}, broker has {found.get('durable')}")
-    problems += _argument_differences(
-        declared.arguments, _normalized(found.get("arguments"), declared.arguments)
-    )
+    actual = dict(found.get("arguments") or {})
+    # Newer brokers show the default queue type explicitly; it is what "none given" means.
+    if actual.get("x-queue-type") == "classic" and "x-queue-type" not in declared.arguments:
+        del actual["x-queue-type"]
+    problems += _argument_differences(declared.arguments, actual)
     return Found(DIFFERS, "; ".join(problems)) if problems else Found(PRESENT)
 
 

@@ -1,15 +1,9 @@
 """OpenTelemetry spans of a service's messages, and their W3C trace context on the wire.
 
-The outbox write opens a ``create`` span and stores its context in the row's headers as
-``traceparent`` / ``tracestate`` (W3C Trace Context); the relay copies them into the AMQP
-headers, so any service that reads W3C headers continues the trace. The relay's ``send``, the
-receiver's ``receive`` and the worker's ``process`` spans are children of that context; the
-``process`` span is the current span while the handlers run, so what a handler writes to its
-outbox is a child of it. docs/observability.md lists the spans and their attributes.
-
-Without a tracer provider (none given to the `Service`, and the global one is OpenTelemetry's
-default no-op) `Tracing.tracer()` is None and the roles create no span and parse no header:
-each hot path pays one attribute check per batch or message. A trace header that is missing or
+docs/observability.md ("Traces") says how the context travels from the outbox write's
+``create`` span through the relay's ``send``, the receiver's ``receive`` and the worker's
+``process`` spans, and lists their attributes. Without a tracer provider `Tracing.tracer()` is
+None and the roles create no span and parse no header. A trace header that is missing or
 invalid only means a new trace; a tracing error is logged and never fails a message.
 """
 

@@ -4,29 +4,9 @@ Input: archive roots written by `outbox-inbox archive` (any path Spark reads: a 
 directory, ``hdfs://``, ``s3a://``), and optionally the live tables of service databases.
 Output: the summary described in docs/history.md (a JSON-ready dict).
 
-What is expected where:
-
-* a published **command** ``<consumer>.<entity>.<verb>`` is expected once at ``<consumer>``;
-* a published **event** is expected once at each service with a recorded subscription whose
-  topic pattern matches its routing key, when the event was published at or after the time the
-  service subscribed (``subscriptions.subscribed_at``);
-* an expected delivery with no inbox row is **lost**, unless it was published after the
-  horizon (now minus the grace period): then it is **in flight**;
-* two inbox rows of one message at one service mean it was **handled more than once** (a
-  duplicate that arrived after the first copy left the inbox: the retention was too short);
-* deliveries the inbox dropped as duplicates (``inbox_deliveries.duplicates``) are
-  **duplicates absorbed**: the at-least-once wire doing its job.
-
-The job uses DataFrame operations only (no Python UDFs), so executors need nothing but Spark:
-the same code runs on ``local[*]`` and on a cluster. Topic patterns become regular expressions
-that match exactly what the broker's topic matching matches (`topic_regex`).
-
-How it runs (`run_audit`): the archives are read once, only the columns the audit uses (and,
-for a `Window`, only the date partitions that can hold it); the sent messages are expanded to
-their expected deliveries and joined with the receipts, both sides spread by message id once;
-the joined rows are kept in memory for two jobs: one aggregation that yields every count,
-histogram bucket and percentile, then one query for the examples and the throughput, whose
-buckets depend on the window the first job found.
+What is expected where, what is reported and how the job runs (DataFrame operations only, no
+Python UDFs: executors need nothing but Spark) are in docs/history.md, "The audit" and "How the
+job runs".
 """
 
 from __future__ import annotations
@@ -182,9 +162,6 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0][:500]
 
 
-# --- reading ------------------------------------------------------------------------------
-
-
 def spark_schema(source: str, *, partitioned: bool) -> StructType:
     """The Spark schema of an archived `source`, with the ``service`` (and ``date``)
     partition columns when `partitioned`."""
@@ -246,20 +223,12 @@ def read_live(db_url: str, schema: str | None = None) -> LiveRows:
         engine.dispose()
 
 
-# --- the audit ----------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Window:
     """The messages an incremental audit covers: those published in ``[since, until)`` (an
-    unpublished one by its creation, a receipt nobody sent by its receipt).
-
-    Only the archive's date partitions that can hold them are read: outbox days from
-    ``since - margin`` (a message waits in its outbox before it is published), inbox days
-    from ``since - margin`` to ``until + margin`` (receipts come after publication, late ones
-    after retries and redeliveries; earlier ones by clock skew). A receipt further than
-    `margin` from its publication is not joined: outside the margin, the incremental audit
-    can report lost what the full audit reports delivered.
+    unpublished one by its creation, a receipt nobody sent by its receipt). Only the date
+    partitions within `margin` are read, so a receipt further than `margin` from its
+    publication is not joined (docs/history.md, "One day at a time").
     """
 
     since: datetime
@@ -316,13 +285,13 @@ def run_audit(
     inputs: Mapping[str, Any] | None = None,
     window: Window | None = None,
 ) -> dict[str, Any]:
-    """Reconcile the message history; return the summary (see the module docstring).
+    """Reconcile the message history; return the summary (docs/history.md).
 
     With `window`, audit only the messages of that window (see `Window`): the result is the
     full audit's restricted to those messages, as long as every receipt is within the window's
     margin of its publication. Raises AuditError when a window's days are in no archive and
     no live rows were given. Reads but never writes the archives. Raises pyspark's errors
-    when Spark fails. How it runs: see the module docstring.
+    when Spark fails.
     """
     now = now or datetime.now(UTC)
     horizon = now - grace
@@ -578,8 +547,7 @@ def _parts(spark: SparkSession, *inputs: DataFrame) -> int:
     most = int(spark.conf.get("spark.sql.shuffle.partitions") or 200)
     if size is None:
         return most
-    least = spark.sparkContext.defaultParallelism
-    return max(least, min(most, math.ceil(size / PART_BYTES)))
+    return max(spark.sparkContext.defaultParallelism, min(most, math.ceil(size / PART_BYTES)))
 
 
 def _received(inbox: DataFrame, parts: int) -> DataFrame:
@@ -994,9 +962,6 @@ def _buckets(rows: DataFrame, step: int) -> DataFrame:
         .groupBy(F.lit("t").alias(_SET), "b")
         .agg(F.sum(1 - F.col("k")).alias("sent"), F.sum("k").alias("done"))
     )
-
-
-# --- small conversions --------------------------------------------------------------------
 
 
 def _least(values: Iterable[Any]) -> datetime | None:

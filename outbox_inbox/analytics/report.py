@@ -1,9 +1,8 @@
 """The audit summary (JSON, schema version 1) as one self-contained HTML page; `write_audit`
-runs the audit and writes both into a directory.
+runs the audit and writes both into a directory (docs/history.md, "The audit").
 
-The page is meant to be read at a glance and passed around as a single file: one inline
-``<style>``, charts drawn here as inline ``<svg>``, no scripts, fonts, images or network. Every
-string taken from the summary is user data (message types, error texts) and is escaped.
+The page has one inline ``<style>`` and inline ``<svg>`` charts: no scripts, fonts, images or
+network. Every string taken from the summary is user data and is escaped.
 """
 
 from __future__ import annotations
@@ -140,20 +139,13 @@ def write_audit(
     note: Callable[[str], None] = lambda _line: None,
 ) -> tuple[dict[str, Any], Path]:
     """`audit.run_audit` of `archives` (relative paths from the current directory) and of
-    the live tables of `db_urls` (`audit.read_live`); the summary written as ``summary.json``
-    and ``report.html`` (`render_html`) into `directory`, created when missing. Returns the
-    summary and the directory.
-
-    The archives are listed first (`audit.check_archives`), before Spark starts. With `warm`
-    and neither `master`, `config` nor spark-submit's JVM, the audit runs on the local Spark
-    Connect server (`server.warm_session`, started when none runs); else on a Spark session
-    started for it (`audit.spark_session`) and stopped after, whose own output goes to
-    ``one-shot.log`` in the server's state directory unless `verbose`. `note` gets the line
-    that says which. Raises ConfigurationError (no PySpark; a live database whose
-    subscriptions name other than one service), AuditError (the archives cannot be read or
-    do not hold the window; the job failed: Spark's error in one line), OSError (the
-    directory cannot be written); a live database that cannot be read raises SQLAlchemy's
-    error."""
+    the live tables of `db_urls`, written as ``summary.json`` and ``report.html`` into
+    `directory` (created when missing); returns the summary and the directory. docs/history.md
+    ("The audit") says how it runs and what it raises; a live database that cannot be read
+    raises SQLAlchemy's error. With `warm`, and neither `master`, `config` nor spark-submit's
+    JVM, it runs on the local Spark Connect server; else on a session of its own, whose output
+    goes to ``one-shot.log`` in the server's state directory unless `verbose`. `note` gets the
+    line that says which."""
     roots = [p if "://" in p else str(Path(p).absolute()) for p in archives]
     check_archives(roots, window, live=bool(db_urls))
     require_pyspark()
@@ -274,9 +266,6 @@ def _tables(summary: Mapping[str, Any], totals: Mapping[str, Any]) -> list[str]:
     ]
 
 
-# --- header and headline numbers -------------------------------------------------------------
-
-
 def _header(summary: Mapping[str, Any], totals: Mapping[str, Any]) -> str:
     lost = _count(totals.get("lost"))
     handled_twice = _count(totals.get("handled_more_than_once"))
@@ -330,9 +319,6 @@ def _headline(totals: Mapping[str, Any]) -> str:
     return f'<div class="headline">{"".join(tiles)}</div>'
 
 
-# --- charts ----------------------------------------------------------------------------------
-
-
 def _latency_chart(histogram: Sequence[Mapping[str, Any]]) -> str:
     height = 320
     bottom = height - 56
@@ -365,9 +351,8 @@ def _latency_chart(histogram: Sequence[Mapping[str, Any]]) -> str:
                 f'<text x="{left + slot:.1f}" y="{bottom + 16}" text-anchor="middle">{bound}</text>'
             )
         previous_bound = bound
-    parts.append(x_axis_label("end-to-end latency (bucket upper bound, log scale)", height - 12))
-    parts.append("</svg>")
-    return "".join(parts)
+    x_label = x_axis_label("end-to-end latency (bucket upper bound, log scale)", height - 12)
+    return "".join([*parts, x_label, "</svg>"])
 
 
 def _latency_labelled_buckets(bounds: Sequence[Any]) -> set[int]:
@@ -426,11 +411,8 @@ def _throughput_chart(series: Sequence[Mapping[str, Any]], bucket_seconds: Any) 
             f'<g class="legend"><rect x="{x}" y="12" width="14" height="14" fill="{color}"/>'
             f'<text x="{x + 20}" y="23">{name}</text></g>'
         )
-    parts.append(
-        x_axis_label(f"time (UTC), buckets of {_fmt_duration(bucket_seconds)}", height - 12)
-    )
-    parts.append("</svg>")
-    return "".join(parts)
+    x_label = x_axis_label(f"time (UTC), buckets of {_fmt_duration(bucket_seconds)}", height - 12)
+    return "".join([*parts, x_label, "</svg>"])
 
 
 def _dead_letter_chart(causes: Sequence[Mapping[str, Any]]) -> str:
@@ -482,12 +464,7 @@ def _dead_letter_chart(causes: Sequence[Mapping[str, Any]]) -> str:
         parts.append(
             f'<text x="{bars_left + bar_width + 4:.1f}" y="{text_y:.1f}">{fmt_count(count)}</text>'
         )
-    parts.append(x_axis_label("dead letters", height - 12))
-    parts.append("</svg>")
-    return "".join(parts)
-
-
-# --- tables ----------------------------------------------------------------------------------
+    return "".join([*parts, x_axis_label("dead letters", height - 12), "</svg>"])
 
 
 def _table_section(title: str, head: str, rows: Sequence[str], note: str = "") -> str:
@@ -549,9 +526,6 @@ def _table(
     ]
     note = f"Showing {fmt_count(len(rows))} of {fmt_count(total)}." if total > len(rows) else ""
     return _table_section(title, f"<tr>{heads}</tr>", rows, note)
-
-
-# --- formatting ------------------------------------------------------------------------------
 
 
 def _esc(value: Any) -> str:

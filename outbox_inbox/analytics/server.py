@@ -1,13 +1,10 @@
 """The warm local Spark: a Spark Connect server that ``outbox-inbox audit`` starts on first use
 and later runs connect to, so that they do not each start a JVM.
 
-One server per state directory (``OUTBOX_INBOX_SPARK_DIR``, default
-``~/.cache/outbox-inbox/spark``): ``server.json`` (mode 0600) names its process, its JVM, its
-port and its token; ``server.log`` takes Spark's output. It listens on loopback only, answers
-only clients with the token, and stops itself once no audit has used it for its idle time
-(``OUTBOX_INBOX_SPARK_IDLE`` seconds, default 600): an audit holds a shared lock on
-``use.lock`` while it runs, and touches it when it ends. Its JVM is the child of its Python
-process and exits with it, however that ends (PySpark's gateway exits when its pipe closes).
+One server per state directory (`state_dir`): ``server.json`` (mode 0600) names its process,
+its JVM, its port and its token; ``server.log`` takes Spark's output; ``use.lock`` is held
+shared by an audit while it runs and touched when it ends. docs/history.md ("A warm Spark
+between runs") says how it listens, when it stops itself and how its JVM ends with it.
 """
 
 from __future__ import annotations
@@ -23,7 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -169,11 +166,9 @@ def _serve(port: int, idle: float, driver_memory: str) -> None:
         while not done.wait(min(idle / 4, 5.0)):
             if time.time() - use.stat().st_mtime < idle:
                 continue
-            try:  # no audit holds it: stop; else one runs, and touches it when it ends
+            with suppress(BlockingIOError):  # held: an audit runs, and touches it when it ends
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                continue
+                break  # no audit holds it: stop
         (directory / "server.json").unlink(missing_ok=True)
     jvm_process = spark.sparkContext._gateway.proc  # type: ignore[union-attr]
     spark.stop()

@@ -17,9 +17,8 @@ shipping.parcel.shipped    event      nobody
 and injects exact numbers of lost deliveries, deliveries still in flight, messages handled
 twice, expired messages, receipts from outside the mesh, absorbed duplicates, retried and dead
 messages. `generate` returns what an audit must report, computed from the generated rows
-themselves. Vectorised with numpy and Arrow: ten million messages take a few minutes.
-
-Run as ``python -m outbox_inbox.analytics.synthetic DIRECTORY --messages N``.
+themselves. Vectorised with numpy and Arrow: ten million messages take a few minutes. Its
+command line: docs/history.md, "Trying it without a history".
 """
 
 from __future__ import annotations
@@ -385,8 +384,7 @@ def _write_inbox(h: _History, c: _Chunk, d: _Deliveries) -> None:
             "deliveries": np.zeros(count, np.int32),
             "duplicates": np.where(shift > 0, 0, d.duplicates[take]).astype(np.int32),
         }
-        dated_by = d.received[take] + shift
-        _write(h.root / service, INBOX, service, rows, dated_by, c.first)
+        _write(h.root / service, INBOX, service, rows, rows["received_at"], c.first)
 
 
 def _write_unexpected(h: _History, k: int) -> None:

@@ -80,9 +80,6 @@ class Float32(float):
     """A float that came as an AMQP ``f`` (32 bits), and is encoded as one again."""
 
 
-# --- decoding ------------------------------------------------------------------------------
-
-
 def _short_string(data: bytes, offset: int) -> tuple[str | bytes, int]:
     """A short string: text, or the bytes themselves when they are not UTF-8 (as pika)."""
     length = data[offset]
@@ -235,11 +232,7 @@ def decode_leniently(connection: pika.BlockingConnection) -> None:
 
 def kept_properties(props: BasicProperties) -> dict[str, Any]:
     """The properties of a delivery in `KEPT_PROPERTIES` that it has."""
-    kept = {name: getattr(props, name, None) for name in KEPT_PROPERTIES}
-    return {name: value for name, value in kept.items() if value is not None}
-
-
-# --- encoding ------------------------------------------------------------------------------
+    return {n: v for n in KEPT_PROPERTIES if (v := getattr(props, n, None)) is not None}
 
 
 def _encode_short_string(pieces: list[bytes], value: str | bytes) -> None:

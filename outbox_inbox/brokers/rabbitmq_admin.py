@@ -65,8 +65,6 @@ class RabbitMQAdmin(Operator):
             close_quietly(self._connection)
             self._connection = None
 
-    # --- checks ---------------------------------------------------------------------------
-
     def flow_control(self, timeout: float = 1.0) -> str | None:
         """RabbitMQ blocks a connection only once it publishes, and then reads nothing more from
         it. So this publishes, on a connection of its own, one empty message to the default
@@ -154,13 +152,9 @@ class RabbitMQAdmin(Operator):
         result = self._on_channel(f"deleting queue {name!r}", lambda ch: ch.queue_delete(name), {})
         return int(result.method.message_count)
 
-    # --- reading and moving messages ------------------------------------------------------
-
     def reader(self, queue: str) -> QueueReader:
         """A reader of `queue` on a channel of its own. Raises BrokerError if it is missing."""
         return QueueReader(self._channel(), self._channel(), queue)
-
-    # --- tail -----------------------------------------------------------------------------
 
     def tail(
         self,

@@ -1,14 +1,5 @@
-"""The dashboard as a WSGI application: a few routes over `WatchedService`.
-
-    GET  /                 every service: lag, backlog, rates, dead letters, health
-    GET  /service?name=    one service's status and its dead letters, with filters
-    GET  /letter?service=&source=&id=      one dead letter: payload, headers, error, trace id
-    GET  /confirm?service=&source=&action=&id=...   what an action would do, and its form
-    GET  /confirm?service=&source=&action=&group=[&parked=1]   the same for a dead-letter
-                           group (its first MAX_IDS letters, chosen by id on the form)
-    POST /act              replay, purge or park exactly the ids confirmed (CSRF-checked,
-                           audited)
-    GET  /dashboard.css
+"""The dashboard as a WSGI application: a few routes over `WatchedService`, those of
+docs/dashboard.md ("What it shows") and ``/dashboard.css``.
 
 Each request runs in its own thread of the server and opens its own broker connections; the
 database engines are shared (SQLAlchemy pools are thread-safe). The overview reads its
@@ -122,30 +113,20 @@ class Dashboard:
         self.max_lag = max_lag
         self.rates = RateTracker()
 
-    # --- WSGI -------------------------------------------------------------------------------
-
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         headers = list(SECURITY_HEADERS)
         if not self.guard.host_allowed(environ):
-            return self._respond(
-                start_response,
-                "421 Misdirected Request",
-                headers,
-                views.message_page(
-                    "Wrong host", "this dashboard answers on a loopback address only"
-                ),
+            wrong_host = views.message_page(
+                "Wrong host", "this dashboard answers on a loopback address only"
             )
+            return self._respond(start_response, "421 Misdirected Request", headers, wrong_host)
         user = self.guard.user(environ)
         if user is None:
             headers.append(
                 ("WWW-Authenticate", 'Basic realm="outbox-inbox dashboard", charset="UTF-8"')
             )
-            return self._respond(
-                start_response,
-                "401 Unauthorized",
-                headers,
-                views.message_page("Log in", "this dashboard needs its token"),
-            )
+            log_in = views.message_page("Log in", "this dashboard needs its token")
+            return self._respond(start_response, "401 Unauthorized", headers, log_in)
         cookie = self.guard.csrf_cookie(environ)
         if cookie is None:
             cookie, set_cookie = self.guard.new_cookie()
@@ -169,9 +150,8 @@ class Dashboard:
             if isinstance(exc, OutboxInboxError):
                 log.warning("dashboard: %s", mask_url(str(exc)))
             status, title = next(p for e, p in _ERROR_PAGES.items() if isinstance(exc, e))
-            return self._respond(
-                start_response, status, headers, views.message_page(title, str(exc))
-            )
+            page = views.message_page(title, str(exc))
+            return self._respond(start_response, status, headers, page)
 
     @staticmethod
     def _respond(
@@ -200,8 +180,6 @@ class Dashboard:
                 f"it has {', '.join(service.sources())}"
             )
         return source
-
-    # --- pages ------------------------------------------------------------------------------
 
     def _get(self, path: str, query: dict[str, str], environ: dict[str, Any], cookie: str) -> Safe:
         if path == "/":
@@ -355,14 +333,13 @@ class Dashboard:
         if problem is not None:
             raise PermissionError(problem)
         service, source, action, ids, group = self._action_params(fields)
-        client = f"{user}@{environ.get('REMOTE_ADDR', '?')}"
         result = act(
             service,
             action,
             source,
             ids,
             audit=self.audit,
-            client=client,
+            client=f"{user}@{environ.get('REMOTE_ADDR', '?')}",
             fingerprint=group.fingerprint,
             parked=group.parked,
         )

@@ -87,8 +87,10 @@ def format_age(seconds: float | None) -> str:
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
-def per_second(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}/s"
+def per_second(rates: Rates | None) -> list[str]:
+    """Handled, new dead and backlog change, per second; ``-`` before there are rates."""
+    values = (rates.processed, rates.dead, rates.backlog) if rates else (None, None, None)
+    return ["-" if v is None else f"{v:.2f}/s" for v in values]
 
 
 def trace_id(headers: dict[str, Any]) -> str | None:
@@ -158,9 +160,6 @@ def health_badge(found: list[str]) -> Safe:
     return html('<span class="badge healthy">healthy</span>')
 
 
-# --- the overview ----------------------------------------------------------------------------
-
-
 OVERVIEW_HEADERS = (
     "service",
     "health",
@@ -210,9 +209,7 @@ def overview(entries: Sequence[Shown], charts: Safe, refresh: int | None) -> Saf
                 link("/service", name=name) + "#dead-letters",
                 dead_count(status),
             ),
-            per_second(rates.processed if rates else None),
-            per_second(rates.dead if rates else None),
-            per_second(rates.backlog if rates else None),
+            *per_second(rates),
             "-" if queue is None else queue["messages"],
         ]
         rows.append(row(cells, range(2, len(cells))))
@@ -226,9 +223,6 @@ def overview(entries: Sequence[Shown], charts: Safe, refresh: int | None) -> Saf
         charts,
     )
     return page("Services", body, refresh=refresh)
-
-
-# --- one service -----------------------------------------------------------------------------
 
 
 def service_status(entry: Shown, charts: Safe) -> Safe:
@@ -257,9 +251,7 @@ def service_status(entry: Shown, charts: Safe) -> Safe:
         inbox["dead"],
         inbox["processed"],
         format_age(inbox["oldest_pending_age_seconds"]),
-        per_second(rates.processed if rates else None),
-        per_second(rates.dead if rates else None),
-        per_second(rates.backlog if rates else None),
+        *per_second(rates),
         f" over {rates.span:.0f}s" if rates else " (after the next reload)",
         status["database_time"],
         status["schema"],
@@ -439,13 +431,14 @@ def bulk_links(name: str, by_source: dict[str, list[str]]) -> Safe:
     return html("<p>{}</p>", join(links)) if links else Safe("")
 
 
-def _confirm_button(label: str, name: str, source: str, action: str, **params: Any) -> Safe:
-    """A button to the confirmation page of `action` on the letters of `source` `params` pick."""
+def _confirm_button(
+    label: str, name: str, source: str, action: str, element_id: str = "", **params: Any
+) -> Safe:
+    """A button to the confirmation page of `action` on the letters of `source` `params` pick
+    (with the HTML id `element_id`, if one is given)."""
     target = link("/confirm", service=name, source=source, action=action, **params)
-    return html('<a class="button {}" href="{}">{}</a>', action, target, label)
-
-
-# --- one dead letter -------------------------------------------------------------------------
+    attribute = html(' id="{}"', element_id) if element_id else Safe("")
+    return html('<a class="button {}"{} href="{}">{}</a>', action, attribute, target, label)
 
 
 def _json(value: Any) -> str:
@@ -480,14 +473,8 @@ def letter_page(name: str, letter: DeadLetter) -> Safe:
     ]
     cause_dl = join(html("<dt>{}</dt><dd>{}</dd>", k, "" if v is None else v) for k, v in cause)
     actions = join(
-        html(
-            '<a class="button {}" id="{}" href="{}">{}…</a>',
-            action,
-            action,
-            link(
-                "/confirm", service=name, source=letter.source, action=action, id=letter.message_id
-            ),
-            action.capitalize(),
+        _confirm_button(
+            f"{action.capitalize()}…", name, letter.source, action, action, id=letter.message_id
         )
         for action in ("replay", "purge")
     )

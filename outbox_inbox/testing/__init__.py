@@ -1,26 +1,12 @@
 """Test helpers: run a service's handlers in a test, in memory or on real servers.
 
-A `ServiceHarness` wraps a `Service` built with ``broker=MemoryBroker()`` (or a RabbitMQ
-broker: see the switch below) and drives its three roles one step at a time in the calling
-thread, through the same code paths the real roles run: `ServiceHarness.deliver` sends it a
-message as another service would, `ServiceHarness.run_until_idle` runs its steps until nothing
-is due (retry backoff fast-forwarded, so a failing handler reaches its end in milliseconds),
-and `published`, `inbox_rows`, `dead` and `processed` read the outcome from its tables.
-
-Harnesses built on one `MemoryBroker` talk to each other like services on one RabbitMQ server:
-`run_all_until_idle(orders, billing)` runs a whole conversation in one test.
-
-With pytest, the package registers the fixtures at the end of this module and the fault kit's
-(entry point ``pytest11``; disable with ``-p no:outbox_inbox``, or import them in a
-conftest.py from this module): ``outbox_inbox_harness``, ``outbox_inbox_db_url_factory``,
-``outbox_inbox_broker``, ``outbox_inbox_fault_kit`` (docs/testing.md).
-
-The switch to real servers: with ``OUTBOX_INBOX_HARNESS_DB_URL`` (a PostgreSQL URL whose user
-may create databases) and ``OUTBOX_INBOX_HARNESS_MQ_URL`` (RabbitMQ) set, the same tests run
-on a fresh PostgreSQL database per harness and on RabbitMQ, on a virtual host of the test's
-own where the management API can make one; a harness never touches a running service's queues
-(`ServiceHarness._claim`) and deletes those it declared when it is closed (after the test).
-The broker contract of `outbox_inbox.testing.broker_contract` tests a broker itself.
+A `ServiceHarness` drives one `Service` (on ``broker=MemoryBroker()``, or on RabbitMQ) one step
+at a time in the calling thread, through the code paths the real roles run; harnesses on one
+`MemoryBroker` talk to each other (`run_all_until_idle`). The pytest fixtures at the end of this
+module (entry point ``pytest11``; ``-p no:outbox_inbox`` disables them) and the switch to real
+servers (``OUTBOX_INBOX_HARNESS_DB_URL``, ``OUTBOX_INBOX_HARNESS_MQ_URL``) are described in
+docs/testing.md. The broker contract of `outbox_inbox.testing.broker_contract` tests a broker
+itself.
 """
 
 from __future__ import annotations
@@ -141,12 +127,11 @@ class ServiceHarness:
 
     Raises ConfigurationError for the process's shared in-memory broker (``mq_url=None``),
     which would carry messages from one test to the next; and on RabbitMQ, when the service's
-    inbox queue has a consumer or one of its queues holds messages (a running service's:
-    see `_claim`). It never purges a queue.
+    inbox queue has a consumer or one of its queues holds messages (a running service's). It
+    never purges a queue.
 
     Not thread-safe; the service must not be started (it would run competing roles). `close()`
-    (or leaving the ``with`` block) stops consuming, and on a real broker deletes the queues
-    the harness declared; the service and the broker stay open, they belong to the caller.
+    (also at the end of a ``with`` block) leaves the service and the broker open: the caller's.
     """
 
     def __init__(self, service: Service, *, migrate: bool = True) -> None:
@@ -174,9 +159,8 @@ class ServiceHarness:
         self._closed = False
 
     def _claim(self) -> list[str]:
-        """The service's queues on a real broker that do not exist yet. Raises
-        ConfigurationError (one line) when its inbox queue has a consumer (a running service
-        would take the test's messages) or one of them holds messages the test did not send."""
+        """The service's queues on a real broker that do not exist yet; raises what the class
+        docstring says of a running service's queues."""
         name = self.service.name
         queues = [inbox_queue(name), dead_letter_queue(name)]
         queues += [delay_queue(name, t) for t in self.service.settings.delay_tiers]
@@ -337,18 +321,13 @@ class ServiceHarness:
     def in_flight(self) -> int:
         """Messages ready in this service's inbox queue, not yet received (0 in memory, where
         a publish lands at once)."""
-        if not self.real:
-            return 0
-        return self.broker.queue_depth(inbox_queue(self.service.name)) or 0
+        return (self.broker.queue_depth(inbox_queue(self.service.name)) or 0) if self.real else 0
 
     def work(self) -> int:
-        """Run the handlers of every due inbox row (`Worker.work_once` until none is due).
-
-        Returns the rows claimed: each is one handling attempt, whatever its outcome. A
-        service with an ``async def`` handler is worked by its asyncio worker, in an event
-        loop of a thread of its own (so that this works from an async test too); that needs
-        PostgreSQL, as the asyncio worker does: on SQLite it raises ConfigurationError.
-        """
+        """Run the handlers of every due inbox row (`Worker.work_once` until none is due);
+        return the rows claimed, each one handling attempt. A service with ``async def``
+        handlers is worked as docs/testing.md ("The harness") says: on SQLite this raises
+        ConfigurationError."""
         if self.service.handlers.any_async:
             return self._work_async()
         with self._worker.connect() as conn:
@@ -529,7 +508,7 @@ def make_retries_due(conn: Connection, tables: Tables) -> int:
 #: kit's role processes run it as ``python -m``, which must find it not imported yet).
 pytest_plugins = ["outbox_inbox.testing.faultkit"]
 
-#: The switch to real servers: the fixtures use these when they are set (see the module doc).
+#: The switch to real servers: the fixtures use these when they are set (docs/testing.md).
 HARNESS_DB_URL_ENV = "OUTBOX_INBOX_HARNESS_DB_URL"
 HARNESS_MQ_URL_ENV = "OUTBOX_INBOX_HARNESS_MQ_URL"
 
@@ -543,12 +522,9 @@ if TYPE_CHECKING or importlib.util.find_spec("pytest") is not None:
 
     @pytest.fixture
     def outbox_inbox_broker() -> Iterator[Broker]:
-        """The broker of this test: a `MemoryBroker` of its own, closed after it; or, with
-        ``OUTBOX_INBOX_HARNESS_MQ_URL`` set, RabbitMQ at that URL on a virtual host of the
-        test's own (``oi_test_<random>``, made and deleted through the management API:
-        ``OUTBOX_INBOX_MANAGEMENT_URL``, else port 15672 of the URL's host with its user, an
-        administrator). When none can be made, the URL's virtual host, where a harness refuses
-        a service whose queues are in use (`ServiceHarness`)."""
+        """The broker of this test: a `MemoryBroker` of its own, closed after it; with
+        ``OUTBOX_INBOX_HARNESS_MQ_URL`` set, RabbitMQ on a virtual host of the test's own, or
+        on the URL's own when none can be made (docs/testing.md, "The switch to real servers")."""
         url = os.environ.get(HARNESS_MQ_URL_ENV)
         if url:
             from urllib.parse import quote, unquote, urlsplit
@@ -574,13 +550,9 @@ if TYPE_CHECKING or importlib.util.find_spec("pytest") is not None:
 
     @pytest.fixture
     def outbox_inbox_db_url_factory(tmp_path: Path) -> Iterator[Callable[[], str]]:
-        """A function returning the URL of a new, empty database at each call.
-
-        By default a SQLite file in the test's ``tmp_path``. With
-        ``OUTBOX_INBOX_HARNESS_DB_URL`` set (a PostgreSQL URL whose user may create
-        databases), a new database on that server at each call, dropped after the test.
-        Override this fixture in your conftest.py for anything else.
-        """
+        """A function returning the URL of a new, empty database at each call: a SQLite file in
+        the test's ``tmp_path``, or with ``OUTBOX_INBOX_HARNESS_DB_URL`` set a database on that
+        server, dropped after the test. Override it in your conftest.py for anything else."""
         url = os.environ.get(HARNESS_DB_URL_ENV)
         if not url:
             numbers = itertools.count(1)

@@ -3,17 +3,11 @@ their guarantees, and what its `Operator` (`Broker.operator`) must do for the op
 commands, as a pytest suite that ships with the library.
 
 It asks for what the library's topology (`outbox_inbox.topology.service_topology`) declares and
-nothing more: a broker that implements exactly that passes it whole. How faithfully a broker
-copies RabbitMQ elsewhere (drop-head overflow, dead-letter cycles) is not part of it.
-
-Subclass `BrokerContract` in a test module of your own, give it a ``broker`` fixture (a fresh
-broker, or a fresh virtual host, per test), and list what your broker cannot do in
-`unsupported`: the cases needing it are skipped, each with the capability named, and every
-other case must pass (docs/testing.md, "Testing a broker", shows one). The in-memory broker and
-RabbitMQ 3.10 pass it whole.
-
-Where RabbitMQ and another broker could differ, RabbitMQ is the reference. Names carry a random
-service name, so the suite also runs against a shared server.
+nothing more. Subclass `BrokerContract` with a ``broker`` fixture (a fresh broker, or a fresh
+virtual host, per test) and list what your broker cannot do in `unsupported`: docs/testing.md,
+"Testing a broker", shows one and says what each capability covers. Where RabbitMQ and another
+broker could differ, RabbitMQ is the reference. Names carry a random service name, so the suite
+also runs against a shared server.
 """
 
 from __future__ import annotations

@@ -2,26 +2,12 @@
 
 A `FaultKit` runs your service's roles as processes of their own on private servers (a
 PostgreSQL and a RabbitMQ it is given), commits business transactions of yours at a steady rate
-(`FaultKit.load`), injects faults by name (`FaultKit.inject`), measures how long after each
-fault everything committed by its end took effect, and checks the outcome against your own
-effect table with `outbox_inbox.testing.checker`:
-
-    kit.start("relay", service="orders", db_url=orders_url)
-    kit.start("receiver", app="app:from_env", db_url=billing_url)
-    kit.start("worker", app="app:from_env", db_url=billing_url)
-    kit.effects(billing_url, read_effects)  # one item per effect row you wrote
-    with kit.load(orders, produce):         # produce(orders, session, n) -> expected effects
-        kit.inject("kill", role="worker", at="worker.handled")
-        kit.inject("postgres-restart")
-    verdict = kit.check()
-    assert verdict.valid, verdict.report()
-
-Injection is deterministic where a fault has a moment: ``kill`` with ``at=`` makes the role
-process SIGKILL itself when it reaches that point of its work the n-th time (`KILL_POINTS`,
-through the `Listener` hooks); nothing waits on a sleep to hit a window. Every other fault is
-in force from `inject`'s start to its return (a server down, rules in place), then recovery is
-measured: `Fault.recovered_s`. docs/testing.md describes the roles (run as ``outbox-inbox run
---app`` would), the load, each fault of `FAULTS` with its options, and the pytest fixtures.
+(`FaultKit.load`), injects faults by name (`FaultKit.inject`, `FAULTS`), measures how long after
+each fault everything committed by its end took effect (`Fault.recovered_s`), and checks the
+outcome against your own effect table with `outbox_inbox.testing.checker`. ``kill`` with ``at=``
+needs no sleep to hit its window: the role process SIGKILLs itself the n-th time it reaches that
+point (`KILL_POINTS`, through the `Listener` hooks). docs/testing.md ("Your service under
+faults") shows a whole test and describes the roles, the load, each fault and the fixtures.
 """
 
 from __future__ import annotations
@@ -142,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 class RoleProcess:
-    """One role of a service, as a process of its own (see the module documentation)."""
+    """One role of a service, as a process of its own (docs/testing.md, "The roles")."""
 
     def __init__(
         self, kit: FaultKit, role: str, app: str | None, service: str | None, db_url: str
@@ -196,14 +182,10 @@ class RoleProcess:
 
 
 class Load(threading.Thread):
-    """Commits transactions of `produce` through `service` at `rate` a second, into `history`.
-
-    ``produce(service, session, n)`` writes the n-th business transaction (its outbox rows
-    through ``service.outbox``) in `session` and returns the effects it expects downstream
-    (None: ``[n]``). Every `abort_every`-th transaction is rolled back after `produce` on
-    purpose: its effects must never appear. A commit that raises is UNKNOWN (the fault may
-    have taken only the answer); a failure before the commit is FAILED. Either way the load
-    goes on with the next n.
+    """Commits transactions of `produce` through `service` at `rate` a second, into `history`,
+    as docs/testing.md ("The load") says; a `produce` that returns None expects ``[n]``. A
+    commit that raises is UNKNOWN (the fault may have taken only the answer); a failure before
+    the commit is FAILED. Either way the load goes on with the next n.
     """
 
     def __init__(
@@ -439,8 +421,7 @@ class FaultKit:
 
     def _disk_full(self, database: str, table: str, seconds: float = 5.0) -> None:
         """Fill the disk under `table` of the kit's `database` (a name `database()` was given)
-        for `seconds`: the table is moved, at its first such fault, to a tablespace on a small
-        tmpfs of the kit's own (root only), which is then filled to the last page."""
+        for `seconds`, as docs/testing.md's table of the faults says."""
         if self._small_disk is None:
             self._small_disk = self._resources.enter_context(
                 tablespace_on_tmpfs(self.postgres, size_mb=64)
@@ -464,8 +445,7 @@ class FaultKit:
         self, times: int = 2, last: int = 50, db_url: str | None = None, service: str | None = None
     ) -> None:
         """Publish the `last` messages a producer published again, `times` times each."""
-        producer = db_url or self._producer_url()
-        database = connect(producer)
+        database = connect(db_url or self._producer_url())
         try:
             outbox = database.tables.outbox
             published = select(outbox).where(outbox.c.published_at.is_not(None))
@@ -474,8 +454,7 @@ class FaultKit:
                 rows = conn.execute(stmt).mappings().all()
         finally:
             database.engine.dispose()
-        source = service or ""
-        wires = [to_wire(outgoing(row, source)) for row in reversed(rows)] * times
+        wires = [to_wire(outgoing(row, service or "")) for row in reversed(rows)] * times
         from ..brokers.rabbitmq import RabbitMQBroker
 
         broker = RabbitMQBroker(self.mq_url)
@@ -580,8 +559,7 @@ if importlib.util.find_spec("pytest") is not None:
     @pytest.fixture(scope="session")
     def outbox_inbox_servers() -> Iterator[tuple[PostgresServer, RabbitMQServer]]:
         """A private PostgreSQL and RabbitMQ on loopback for the session's fault kits, started
-        once and removed at its end. Override it in your conftest.py to bring your own (local
-        servers the kit may stop and kill: `PostgresServer`, `RabbitMQServer`)."""
+        once and removed at its end (docs/testing.md, "The fixtures": how to bring your own)."""
         with PostgresServer() as postgres, RabbitMQServer() as rabbitmq:
             yield postgres, rabbitmq
 
@@ -591,9 +569,8 @@ if importlib.util.find_spec("pytest") is not None:
         tmp_path: Path,
         request: pytest.FixtureRequest,
     ) -> Iterator[FaultKit]:
-        """A `FaultKit` on the session's servers; the test's directory and the rootdir are
-        importable by its role processes. Closed after the test (roles stopped, databases and
-        virtual host removed); a failed test's role logs stay in ``tmp_path``."""
+        """A `FaultKit` on the session's servers, its role logs in ``tmp_path``, closed after
+        the test (docs/testing.md: "The fixtures"; what its roles import: "The roles")."""
         path = [Path(request.node.path).parent, request.config.rootpath]
         with contextlib.closing(FaultKit(*outbox_inbox_servers, tmp_path, path=path)) as kit:
             yield kit

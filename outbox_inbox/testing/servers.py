@@ -103,13 +103,9 @@ _LOWEST_PORT = 10000
 
 
 def free_port(host: str = LOCALHOST) -> int:
-    """Return a TCP port that is free on ``host`` now and was not handed out before here.
-
-    The port is below the kernel's ephemeral range. A server is often stopped and started
-    again on its ports (a restart test, a killed node); while it is down, a port in that range
-    may become the local port of any outgoing connection of the machine, and the restart then
-    fails with "address in use". Ports handed out by this process are never handed out again.
-    """
+    """Return a TCP port that is free on ``host`` now and was never handed out by this
+    process, below the kernel's ephemeral range: docs/testing.md ("Private servers for tests")
+    says why."""
     try:  # the kernel's first port for outgoing connections; off Linux, its default
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):

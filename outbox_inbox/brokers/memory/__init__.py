@@ -6,17 +6,11 @@ it right for development, demos and users' own tests, and wrong for anything els
 is durable**. Every message lives in this process's memory and is gone when the process ends or
 the broker is closed, so the outbox/inbox guarantees stop at the broker.
 
-It keeps what `outbox_inbox.topology.service_topology` declares, as RabbitMQ does it (the
-shipped broker contract runs the same cases on both): ``direct``, ``fanout`` and ``topic``
-exchanges, the default exchange and an ``alternate-exchange``; queues with ``x-message-ttl``
-(expired at the head, on time, by a timer thread), ``x-dead-letter-exchange`` / ``-routing-key``
-with ``x-death`` records, ``x-max-length`` with ``x-overflow`` ``reject-publish``,
-``x-max-priority``, ``x-single-active-consumer``, ``x-queue-type`` ``quorum`` with
-``x-delivery-limit``; redeclares judged on the arguments RabbitMQ compares; confirms, returns,
-prefetch windows, requeues at the original place; the operator port (`MemoryBroker.operator`).
+It keeps what `outbox_inbox.topology.service_topology` declares, as RabbitMQ does it: the
+shipped broker contract runs the same cases on both, and docs/testing.md ("Testing a broker")
+says what it keeps and refuses. TTL messages expire at the head, on time, by a timer thread.
 Beyond that only ``max_message_bytes``, a user's setting: a larger body is refused as RabbitMQ
-refuses it. Other exchange types, overflow modes and queue types raise BrokerError when
-declared; other arguments are ignored.
+refuses it.
 
 Modules: ``_state`` (exchanges, queues, the redeclare rules), ``_core`` (the shared state:
 routing, expiry, dead-lettering), ``_broker`` (the `Broker` protocol over it), ``_clients``

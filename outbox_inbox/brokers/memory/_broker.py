@@ -26,12 +26,9 @@ class MemoryBroker:
 
     @classmethod
     def shared(cls) -> MemoryBroker:
-        """The broker of this process that services without an mq_url share.
-
-        Like a broker on the network, it is one place every service of the process reaches,
-        so two services built with ``mq_url=None`` talk to each other. Pass ``broker=`` to a
-        Service to keep it apart instead. A closed shared broker is replaced by a new one.
-        """
+        """The broker of this process that services without an mq_url share, so that they talk
+        to each other (docs/getting-started.md, "Development without servers"). A closed shared
+        broker is replaced by a new one."""
         with _SHARED_LOCK:
             global _shared
             if _shared is None or _shared.closed:
