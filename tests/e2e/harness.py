@@ -188,6 +188,7 @@ class Processes:
         handle_delay: float | None = None,
         record_relayed: bool = False,
         batch: bool = False,
+        event_log: Path | None = None,
     ) -> ServiceProcess:
         """Start one role of `service` in a new process (from the main thread: see apps.py)."""
         name = f"{service}-{role}-{len(self.started)}"
@@ -203,6 +204,8 @@ class Processes:
             argv.append("--record-relayed")
         if batch:
             argv.append("--batch")
+        if event_log is not None:
+            argv += ["--event-log", str(event_log)]
         env = dict(os.environ)
         env[apps.DB_URL_ENV] = db_url or self._db_url
         env[apps.MQ_URL_ENV] = self._mq_url
