@@ -172,6 +172,7 @@ class Processes:
 
     def __init__(self, log_dir: Path, db_url: str, mq_url: str) -> None:
         self._log_dir = log_dir
+        self.log_dir = log_dir  # the processes' logs: a test may keep files of its own there
         self._db_url = db_url
         self._mq_url = mq_url
         self.started: list[ServiceProcess] = []

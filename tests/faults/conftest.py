@@ -28,6 +28,7 @@ from outbox_inbox.testing.injection import StreamingReplica, iptables_problem
 from servers import PostgresServer
 
 from .flow import RECOVERY_BOUND, TwoServices
+from .replay import REPLAYED
 
 _RECORDED: list[dict[str, Any]] = []
 
@@ -111,6 +112,7 @@ def iptables() -> str:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
+    _replayed_summary(terminalreporter)
     if not _RECORDED:
         return
     terminalreporter.write_sep(
@@ -140,3 +142,22 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         " handled; during: messages committed during the fault; wfail: writer commits that"
         " failed; retry: outbox rows whose publish failed at least once"
     )
+
+
+def _replayed_summary(terminalreporter: Any) -> None:
+    """The runs replayed against the model (replay.py): a run with no fault is not counted."""
+    if not REPLAYED:
+        return
+    counted = [r for r in REPLAYED if r.counts]
+    conform = sum(r.conforms for r in counted)
+    terminalreporter.write_sep(
+        "-",
+        f"fault runs replayed against the model: {conform} of {len(counted)} with a fault"
+        f" conform ({len(REPLAYED) - len(counted)} without a fault not counted)",
+    )
+    for r in REPLAYED:
+        premises = ", ".join(f"{k} {v}" for k, v in sorted(r.premises.items()) if v)
+        verdict = "conforms" if r.conforms else f"{len(r.violations)} violations"
+        terminalreporter.write_line(
+            f"{r.run:<28} {verdict:<14} {r.messages:>5} msgs {r.events:>6} events; {premises}"
+        )

@@ -4,13 +4,19 @@ Importable by the kit's role processes (``--app kit_apps:correct``), which read 
 ``OUTBOX_INBOX_DB_URL`` and ``OUTBOX_INBOX_MQ_URL``. Each ``job.run`` command's effect is one row
 of ``job_effects`` holding the job's number: written through the handler's session by the
 correct service, through a connection of its own (committed at once) by the buggy one.
+
+With ``KIT_EVENT_LOG`` set to a directory, each role records its events there (`EventLog` of
+tests/e2e/apps.py), which replay.py reads to check the run against the model. A job's ordering
+key is its number modulo `KEYS`, so that the runs hold keys whose order the model checks.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
+from e2e.apps import EventLog
 from sqlalchemy import Connection, create_engine, text
 from sqlalchemy.orm import Session
 
@@ -18,12 +24,28 @@ from outbox_inbox import Message, Service
 
 Produce = Callable[[Service, Session, int], list[int]]
 _INSERT = text("INSERT INTO job_effects (n) VALUES (:n)")
+EVENT_LOG_ENV = "KIT_EVENT_LOG"
+KEYS = 4
+
+
+def _role_service(name: str) -> Service:
+    """The service `name` as a role process of the kit runs it, recording its events."""
+    events = os.environ.get(EVENT_LOG_ENV)
+    return Service(
+        name,
+        db_url=os.environ["OUTBOX_INBOX_DB_URL"],
+        mq_url=os.environ["OUTBOX_INBOX_MQ_URL"],
+        listener=EventLog(Path(events)) if events else None,
+    )
+
+
+def producer() -> Service:
+    """The producers' service, whose relay the kit runs."""
+    return _role_service("producer")
 
 
 def _jobs(outside: bool) -> Service:
-    service = Service(
-        "jobs", db_url=os.environ["OUTBOX_INBOX_DB_URL"], mq_url=os.environ["OUTBOX_INBOX_MQ_URL"]
-    )
+    service = _role_service("jobs")
     own = create_engine(os.environ["OUTBOX_INBOX_DB_URL"]) if outside else None
 
     @service.on_command("job.run")
@@ -57,7 +79,7 @@ def prepare(db_url: str, mq_url: str) -> Service:
 
 
 def produce(producer: Service, session: Session, n: int) -> list[int]:
-    producer.outbox.send(session, "jobs", "job.run", {"n": n})
+    producer.outbox.send(session, "jobs", "job.run", {"n": n}, key=f"k{n % KEYS}")
     return [n]
 
 
@@ -65,7 +87,7 @@ def produce_outside(producer: Service, session: Session, n: int) -> list[int]:
     """The bug: the outbox row is written in a transaction of its own, committed at once, so
     it leaves even when the business transaction (`session`) rolls back."""
     with producer.session() as own, own.begin():
-        producer.outbox.send(own, "jobs", "job.run", {"n": n})
+        producer.outbox.send(own, "jobs", "job.run", {"n": n}, key=f"k{n % KEYS}")
     return [n]
 
 

@@ -12,6 +12,11 @@ The same services written correctly pass under the same faults, and examples/bil
 fault test (examples/billing/test_faults.py, shown in docs/testing.md) runs as a user runs it:
 ``python -m pytest test_faults.py`` in examples/billing, in a process of its own, on private
 servers the kit's plugin starts.
+
+Each run's role processes record their events, and the run is replayed against the model
+(replay.py): the correct service's runs conform to it; the buggy handler's run has a second
+effect the model forbids (``exactly-once-effect``), the buggy producer's an effect of a
+transaction that rolled back (``no-effect-without-commit``).
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 from docs.markdown_run import parse_blocks
+from model.conformance import Replay
 from sqlalchemy import func, select
 
 from outbox_inbox import Service
@@ -34,6 +41,7 @@ from outbox_inbox.testing.injection import iptables_problem
 from outbox_inbox.testing.servers import wait_until
 
 from . import kit_apps
+from .replay import kit_run, replayed
 
 pytestmark = pytest.mark.faults
 
@@ -50,16 +58,22 @@ def _run(
     after: Faults | None = None,
 ) -> None:
     """The jobs service of kit_apps (`app`) fed by a producer under `faults`, in order, and
-    `after` the load."""
+    `after` the load. The role processes record their events in ``<workdir>/events``."""
     jobs_url, producer_url = kit.database("jobs"), kit.database("producer")
     service = kit_apps.prepare(jobs_url, kit.mq_url)
     producers = Service("producer", db_url=producer_url, mq_url=kit.mq_url)
     producers.migrate()
-    kit.start("relay", service="producer", db_url=producer_url)
-    kit.start("receiver", app=app, db_url=jobs_url)
-    kit.start("worker", app=app, db_url=jobs_url)
-    kit.effects(jobs_url, kit_apps.effects)
+    events = kit.workdir / "events"
+    events.mkdir()
+    kit.path.append(ROOT / "tests")  # EventLog, from e2e.apps
+    # every role process the kit starts, restarts included, records its events
+    recording = mock.patch.dict(os.environ, {kit_apps.EVENT_LOG_ENV: str(events)})
+    recording.start()
     try:
+        kit.start("relay", app="kit_apps:producer", db_url=producer_url)
+        kit.start("receiver", app=app, db_url=jobs_url)
+        kit.start("worker", app=app, db_url=jobs_url)
+        kit.effects(jobs_url, kit_apps.effects)
         with kit.load(producers, producer, rate=40, abort_every=5) as load:
             for name, options in faults:
                 kit.inject(name, **options)
@@ -67,8 +81,17 @@ def _run(
         for name, options in after or []:
             kit.inject(name, **options)
     finally:
+        recording.stop()
         producers.close()
         service.close()
+
+
+def _replay(kit: FaultKit, name: str) -> Replay:
+    """The run's events and tables (after `kit.check`: every effect is in) against the model."""
+    jobs_url, producer_url = (kit.postgres.url(d) for d in kit.databases[:2])
+    replay = replayed(kit_run(kit, name, producer_url, jobs_url, kit.workdir / "events"))
+    print(replay.report())
+    return replay
 
 
 def _duplicates_dropped(kit: FaultKit) -> int:
@@ -105,6 +128,10 @@ def test_a_correct_service_passes_the_kit(outbox_inbox_fault_kit: FaultKit) -> N
     assert all(f.recovered_s is not None for f in verdict.faults), verdict.report()
     # The copies really reached the receiver, and the inbox dropped them.
     assert _duplicates_dropped(kit) >= 3 * 20
+    replay = _replay(kit, "kit: a correct service")
+    assert replay.conforms, replay.report()
+    # the worker killed after a handler ran: a run without a sequel, explained by the kill
+    assert replay.premises["run-ends"] >= 1 and replay.premises["key-order"] > 0
 
 
 def test_a_handler_writing_its_effect_outside_the_session_is_caught_as_duplicated(
@@ -118,6 +145,8 @@ def test_a_handler_writing_its_effect_outside_the_session_is_caught_as_duplicate
     assert not verdict.valid
     assert verdict.duplicated, verdict.report()
     assert not verdict.lost and not verdict.unexpected, verdict.report()
+    replay = _replay(kit, "kit: effect outside the session")
+    assert "exactly-once-effect" in {rule for rule, _ in replay.violations}
 
 
 def test_a_producer_writing_its_outbox_row_outside_the_transaction_is_caught_as_unexpected(
@@ -132,6 +161,9 @@ def test_a_producer_writing_its_outbox_row_outside_the_transaction_is_caught_as_
     assert not verdict.lost and not verdict.duplicated, verdict.report()
     # It never killed its worker after a handler ran: refused, whatever it found.
     assert any("kill at worker.handled" in reason for reason in verdict.refused)
+    replay = _replay(kit, "kit: outbox row outside the transaction")
+    assert "no-effect-without-commit" in {rule for rule, _ in replay.violations}
+    assert not replay.counts  # no fault injected
 
 
 def test_a_run_whose_only_fault_lies_outside_its_load_is_refused(
@@ -148,6 +180,8 @@ def test_a_run_whose_only_fault_lies_outside_its_load_is_refused(
         "fault kill did not overlap the load (nothing written before its end, or nothing"
         " committed after it): inject it inside `with kit.load(...)`"
     ) in verdict.refused
+    replay = _replay(kit, "kit: a kill after the load")
+    assert replay.conforms, replay.report()
 
 
 def test_the_billing_example_passes_its_own_fault_test_as_docs_testing_md_shows_it() -> None:
