@@ -159,5 +159,5 @@ def _replayed_summary(terminalreporter: Any) -> None:
         premises = ", ".join(f"{k} {v}" for k, v in sorted(r.premises.items()) if v)
         verdict = "conforms" if r.conforms else f"{len(r.violations)} violations"
         terminalreporter.write_line(
-            f"{r.run:<28} {verdict:<14} {r.messages:>5} msgs {r.events:>6} events; {premises}"
+            f"{r.run:<40} {verdict:<14} {r.messages:>5} msgs {r.events:>6} events; {premises}"
         )
