@@ -254,17 +254,29 @@ def check(run: Run) -> Replay:
             bad(("run-after-stored", f"{mid}: its handler ran, never stored"))
 
         # Claims: runs in one process with no outcome between them are one claim (a failed
-        # batch is run again message by message under the same claim).
-        claims, pid_open = 0, set()
+        # batch is run again message by message under the same claim). Each was counted
+        # before its run; where sessions were cut, a claim the worker gave back (its process
+        # alive, no commit) is uncounted again: only those committed processed, and those of
+        # a process that died, are sure to be counted then.
+        claims: list[tuple[Event, str]] = []
+        holding: dict[int, int] = {}  # process -> its open claim
         for e in events:
-            if e.event == RAN and e.pid not in pid_open:
-                claims += 1
-                pid_open.add(e.pid)
-            elif e.event in (PROCESSED, RETRY, DEAD):
-                pid_open.discard(e.pid)
-        seen["claim-counted"] += claims > 1
-        if claims > m.attempts and "session" not in kinds:
-            bad(("claim-counted", f"{mid}: {claims} claims ran, {m.attempts} attempts counted"))
+            if e.event == RAN and e.pid not in holding:
+                holding[e.pid] = len(claims)
+                claims.append((e, ""))
+            elif e.event in (PROCESSED, RETRY, DEAD) and e.pid in holding:
+                i = holding.pop(e.pid)
+                claims[i] = (claims[i][0], e.event)
+        sure = [
+            (first, end)
+            for first, end in claims
+            if "session" not in kinds
+            or end == PROCESSED
+            or (not end and last_outcome.get(first.pid, -1) < first.t)
+        ]
+        seen["claim-counted"] += len(sure) > 1
+        if len(sure) > m.attempts:
+            bad(("claim-counted", f"{mid}: {len(sure)} claims ran, {m.attempts} attempts counted"))
 
         for i, e in enumerate(events):
             if e.event != RAN:

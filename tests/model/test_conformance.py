@@ -144,3 +144,23 @@ def test_the_event_log_written_by_the_role_listener_reads_back(tmp_path: Path) -
         ("retry", ""),
     ]
     assert {e.message for e in events} == {str(message.message_id)}
+
+
+def test_with_sessions_cut_a_claim_given_back_may_be_uncounted_a_killed_one_may_not() -> None:
+    cut = replace(good(), faults=("kill", "terminate-sessions"))
+    # worker 3 runs C, its session is cut, it gives the claim back (uncounted) and goes on
+    # with D; C's one counted claim is worker 2's
+    worker3, d = 33, "d"
+    released = insert(cut, 175, worker3, "ran", C)
+    for t, (pid, event) in enumerate(
+        [(RELAY2, "confirmed"), (RELAY2, "marked"), (RECEIVER, "stored"), (worker3, "ran")]
+    ):
+        released = insert(released, 220 + t, pid, event, d)
+    released = insert(released, 230, worker3, "processed", d)
+    released.events = [
+        replace(e, detail="confirmed") if e.event == "confirmed" else e for e in released.events
+    ]
+    released.messages[d] = Message(order=4, status="processed", attempts=1, effects=1)
+    assert check(released).conforms, check(released).report()
+    # worker 1 was killed after running A: that claim was counted whatever the sessions did
+    assert "claim-counted" in rules(with_message(cut, A, attempts=1))
