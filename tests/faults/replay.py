@@ -74,9 +74,11 @@ def read_run(
     return Run(name, tuple(faults), messages, read_events(events))
 
 
-def replayed(run: Run) -> Replay:
-    """Check `run`, keep its verdict for the session's table, and return it."""
+def replayed(run: Run, *, broken: bool = False) -> Replay:
+    """Check `run`, keep its verdict for the session's table, and return it. A `broken` run
+    (a buggy service's, which the test expects rejected) is shown apart from the others."""
     replay = check(run)
+    replay.broken = broken
     REPLAYED.append(replay)
     return replay
 

@@ -86,10 +86,12 @@ def _run(
         service.close()
 
 
-def _replay(kit: FaultKit, name: str) -> Replay:
-    """The run's events and tables (after `kit.check`: every effect is in) against the model."""
+def _replay(kit: FaultKit, name: str, *, broken: bool = False) -> Replay:
+    """The run's events and tables (after `kit.check`: every effect is in) against the model;
+    `broken`: a buggy service's run, expected to be rejected."""
     jobs_url, producer_url = (kit.postgres.url(d) for d in kit.databases[:2])
-    replay = replayed(kit_run(kit, name, producer_url, jobs_url, kit.workdir / "events"))
+    run = kit_run(kit, name, producer_url, jobs_url, kit.workdir / "events")
+    replay = replayed(run, broken=broken)
     print(replay.report())
     return replay
 
@@ -145,7 +147,7 @@ def test_a_handler_writing_its_effect_outside_the_session_is_caught_as_duplicate
     assert not verdict.valid
     assert verdict.duplicated, verdict.report()
     assert not verdict.lost and not verdict.unexpected, verdict.report()
-    replay = _replay(kit, "kit: effect outside the session")
+    replay = _replay(kit, "kit: effect outside the session", broken=True)
     assert "exactly-once-effect" in {rule for rule, _ in replay.violations}
 
 
@@ -161,7 +163,7 @@ def test_a_producer_writing_its_outbox_row_outside_the_transaction_is_caught_as_
     assert not verdict.lost and not verdict.duplicated, verdict.report()
     # It never killed its worker after a handler ran: refused, whatever it found.
     assert any("kill at worker.handled" in reason for reason in verdict.refused)
-    replay = _replay(kit, "kit: outbox row outside the transaction")
+    replay = _replay(kit, "kit: outbox row outside the transaction", broken=True)
     assert "no-effect-without-commit" in {rule for rule, _ in replay.violations}
     assert not replay.counts  # no fault injected
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from e2e.apps import EventLog
 
-from model.conformance import RULES, Event, Message, Run, check, read_events
+from model.conformance import RULES, Event, Message, Run, check, conforming, read_events
 
 A, B, C = "a", "b", "c"  # A and C share key k (A first); B has none
 RELAY1, RELAY2, RECEIVER, WORKER1, WORKER2 = 11, 12, 21, 31, 32
@@ -164,3 +164,10 @@ def test_with_sessions_cut_a_claim_given_back_may_be_uncounted_a_killed_one_may_
     assert check(released).conforms, check(released).report()
     # worker 1 was killed after running A: that claim was counted whatever the sessions did
     assert "claim-counted" in rules(with_message(cut, A, attempts=1))
+
+
+def test_a_run_with_no_fault_or_a_buggy_service_does_not_count_toward_coverage() -> None:
+    faulted, quiet, buggy = check(good()), check(replace(good(), faults=())), check(good())
+    buggy.broken = True
+    assert not quiet.counts  # (and it does not conform: its worker was killed by no fault)
+    assert conforming([faulted, quiet, buggy]) == (1, 1)
