@@ -122,7 +122,7 @@ def test_a_correct_service_passes_the_kit(outbox_inbox_fault_kit: FaultKit) -> N
         ("memory-alarm", {"seconds": 2}),
         *([("blackhole", {"server": "rabbitmq", "seconds": 5})] if iptables_problem()[0] else []),
     ]
-    _run(kit, app="kit_apps:correct", producer=kit_apps.produce, faults=faults)
+    _run(kit, app="kit_apps:correct", producer=kit_apps.produce_keyed, faults=faults)
     verdict = kit.check()
     print(verdict.report())
     assert verdict.valid, verdict.report()
@@ -141,7 +141,7 @@ def test_a_handler_writing_its_effect_outside_the_session_is_caught_as_duplicate
 ) -> None:
     kit = outbox_inbox_fault_kit
     kill: Faults = [("kill", {"role": "worker", "at": "worker.handled", "nth": 5})]
-    _run(kit, app="kit_apps:outside_the_session", producer=kit_apps.produce, faults=kill)
+    _run(kit, app="kit_apps:outside_the_session", producer=kit_apps.produce_keyed, faults=kill)
     verdict = kit.check()
     print(verdict.report())
     assert not verdict.valid
@@ -173,7 +173,7 @@ def test_a_run_whose_only_fault_lies_outside_its_load_is_refused(
 ) -> None:
     kit = outbox_inbox_fault_kit
     outside: Faults = [("kill", {"role": "receiver"})]
-    _run(kit, app="kit_apps:correct", producer=kit_apps.produce, faults=[], after=outside)
+    _run(kit, app="kit_apps:correct", producer=kit_apps.produce_keyed, faults=[], after=outside)
     verdict = kit.check()
     print(verdict.report())
     assert not (verdict.lost or verdict.duplicated or verdict.unexpected), verdict.report()
