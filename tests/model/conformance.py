@@ -66,6 +66,8 @@ FAULT_KINDS: dict[str, frozenset[str]] = {
         "postgres-disk-full": "session",
         "handlers-table-disk-full": "session",
         "postgres-partition": "session",
+        # tests/cluster (flow.TwoServices.finish too)
+        "cluster-node-sigkill": "",
     }.items()
 }
 
