@@ -12,6 +12,8 @@ need at exact points:
   database clock) and sleeps for ever; a call that finds PATH there handles normally;
 * ``--handle-delay S``: every handler call sleeps S seconds first (work in flight at a signal);
 * ``--record-relayed``: the relay writes which process published each message (``relayed``);
+* ``--event-log DIR``: the role's listener appends each message's events to ``DIR/<pid>.jsonl``
+  (`EventLog`: what tests/model/conformance.py replays against the model);
 * ``--batch``: the handlers are batch handlers (``batch=True``), called once per claimed batch
   with a `BatchContext`: the same effects, one multi-row INSERT per call, the same faults.
 
@@ -32,6 +34,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -43,7 +46,7 @@ from sqlalchemy.orm import Session
 
 from outbox_inbox import BatchContext, Message, Reject, Service
 from outbox_inbox.broker import PublishOutcome
-from outbox_inbox.listener import Listener
+from outbox_inbox.listener import Listener, combine
 from outbox_inbox.messages import OutgoingMessage
 
 DB_URL_ENV = "E2E_DB_URL"
@@ -154,6 +157,53 @@ class RecordRelayed(Listener):
                 ),
                 rows,
             )
+
+
+class EventLog(Listener):
+    """Appends one JSON line per event of a message to ``<directory>/<pid>.jsonl``: its time
+    (``time.monotonic_ns()``), the process, the event, the message id and a detail.
+
+    Each hook's lines go in one unbuffered ``write``: a SIGKILLed process loses at most the
+    hook it was in. A forked worker process writes a file of its own. The events and what
+    each stands for are those of tests/model/conformance.py."""
+
+    def __init__(self, directory: Path) -> None:
+        self._directory = Path(directory)
+        self._lock = threading.Lock()
+        self._pid = 0
+        self._fd = -1
+
+    def _write(self, event: str, ids: Sequence[Any], details: Sequence[str] = ()) -> None:
+        pid, now = os.getpid(), time.monotonic_ns()
+        lines = "".join(
+            json.dumps({"t": now, "pid": pid, "e": event, "m": str(i), "x": x}) + "\n"
+            for i, x in zip(ids, details or [""] * len(ids), strict=True)
+        )
+        with self._lock:
+            if pid != self._pid:  # the first event, or the first in a forked process
+                flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+                self._fd, self._pid = os.open(self._directory / f"{pid}.jsonl", flags, 0o644), pid
+            os.write(self._fd, lines.encode())
+
+    def relay_confirmed(
+        self, messages: Sequence[OutgoingMessage], outcomes: Sequence[PublishOutcome]
+    ) -> None:
+        self._write("confirmed", [m.message_id for m in messages], [o.value for o in outcomes])
+
+    def relay_committed(self, messages: Sequence[OutgoingMessage]) -> None:
+        self._write("marked", [m.message_id for m in messages])
+
+    def stored(self, messages: Sequence[Message]) -> None:
+        self._write("stored", [m.message_id for m in messages])
+
+    def handler_ran(self, message: Message, seconds: float, error: BaseException | None) -> None:
+        self._write("ran", [message.message_id], ["ok" if error is None else type(error).__name__])
+
+    def handled(self, message: Message) -> None:
+        self._write("processed", [message.message_id])
+
+    def failed(self, message: Message, error: BaseException, *, dead: bool) -> None:
+        self._write("dead" if dead else "retry", [message.message_id])
 
 
 class PauseAfterConfirm(Listener):
@@ -309,6 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--handle-delay", type=float, default=0.0)
     parser.add_argument("--record-relayed", action="store_true")
     parser.add_argument("--batch", action="store_true")
+    parser.add_argument("--event-log", type=Path)
     args = parser.parse_args(argv)
 
     _die_with_parent()
@@ -322,6 +373,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         listener = PauseAfterConfirm(args.pause_after_confirm)
     elif args.record_relayed:
         listener = RecordRelayed(create_engine(os.environ[DB_URL_ENV], pool_size=1))
+    if args.event_log:
+        listener = combine(EventLog(args.event_log), listener)
     service = build_service(
         args.service,
         db_url=os.environ[DB_URL_ENV],

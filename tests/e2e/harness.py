@@ -172,6 +172,7 @@ class Processes:
 
     def __init__(self, log_dir: Path, db_url: str, mq_url: str) -> None:
         self._log_dir = log_dir
+        self.log_dir = log_dir  # the processes' logs: a test may keep files of its own there
         self._db_url = db_url
         self._mq_url = mq_url
         self.started: list[ServiceProcess] = []
@@ -188,6 +189,7 @@ class Processes:
         handle_delay: float | None = None,
         record_relayed: bool = False,
         batch: bool = False,
+        event_log: Path | None = None,
     ) -> ServiceProcess:
         """Start one role of `service` in a new process (from the main thread: see apps.py)."""
         name = f"{service}-{role}-{len(self.started)}"
@@ -203,6 +205,8 @@ class Processes:
             argv.append("--record-relayed")
         if batch:
             argv.append("--batch")
+        if event_log is not None:
+            argv += ["--event-log", str(event_log)]
         env = dict(os.environ)
         env[apps.DB_URL_ENV] = db_url or self._db_url
         env[apps.MQ_URL_ENV] = self._mq_url

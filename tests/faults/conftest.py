@@ -21,6 +21,7 @@ from e2e.conftest import (  # noqa: F401
     pytest_runtest_makereport,
 )
 from e2e.harness import Database, Processes, wait_until
+from model.conformance import conforming
 from psycopg import sql
 
 from outbox_inbox import Service
@@ -28,6 +29,7 @@ from outbox_inbox.testing.injection import StreamingReplica, iptables_problem
 from servers import PostgresServer
 
 from .flow import RECOVERY_BOUND, TwoServices
+from .replay import REPLAYED
 
 _RECORDED: list[dict[str, Any]] = []
 
@@ -111,6 +113,7 @@ def iptables() -> str:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
+    _replayed_summary(terminalreporter)
     if not _RECORDED:
         return
     terminalreporter.write_sep(
@@ -140,3 +143,24 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         " handled; during: messages committed during the fault; wfail: writer commits that"
         " failed; retry: outbox rows whose publish failed at least once"
     )
+
+
+def _replayed_summary(terminalreporter: Any) -> None:
+    """The runs replayed against the model (replay.py): a run with no fault is not counted,
+    nor a buggy service's (its test expects it rejected)."""
+    if not REPLAYED:
+        return
+    counted, conform = conforming(REPLAYED)
+    terminalreporter.write_sep(
+        "-",
+        f"fault runs replayed against the model: {conform} of {counted} conform"
+        f" ({len(REPLAYED) - counted} not counted: no fault, or a buggy service's)",
+    )
+    for r in REPLAYED:
+        premises = ", ".join(f"{k} {v}" for k, v in sorted(r.premises.items()) if v)
+        verdict = "conforms" if r.conforms else f"{len(r.violations)} violations"
+        note = " (buggy)" if r.broken else "" if r.counts else " (no fault)"
+        terminalreporter.write_line(
+            f"{r.run + note:<46} {verdict:<14} {r.messages:>5} msgs {r.events:>6} events;"
+            f" {premises}"
+        )

@@ -8,8 +8,10 @@ settings (not apps.py's faster test settings): the bounds are those of a deploye
 A test starts the flow, injects its fault between `fault_begins()` and `fault_over()`, and
 calls `finish()`, which measures how long after the fault was over every message committed
 before it, and then every one committed until its end, was handled; waits for the writer's
-last message; and checks that every committed message had exactly one effect. The test records
-the figures, then fails on any problem found.
+last message; and checks that every committed message had exactly one effect. The role
+processes record their events (`EventLog`), and `finish` replays the run against the model
+(replay.py): a step the model does not allow is a problem too. The test records the figures,
+then fails on any problem found.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from outbox_inbox import Service
 from outbox_inbox.config import Settings
+
+from .replay import effects_by_message_id, read_run, replayed
 
 _DEFAULTS = Settings()
 #: The library's defaults for every setting apps.py would otherwise make faster.
@@ -197,6 +201,8 @@ class TwoServices:
         self._before: list[uuid.UUID] = []
         self._by_over: list[uuid.UUID] = []
         self._handled_during = 0
+        #: The role processes' event logs, replayed against the model by `finish`.
+        self.events = processes.log_dir / f"events-{len(processes.started)}-{uuid.uuid4().hex[:8]}"
 
     @property
     def databases(self) -> list[str]:
@@ -215,10 +221,11 @@ class TwoServices:
         orders.declare_topology()
         billing.declare_topology()
         settings = {**DEFAULT_ROLE_SETTINGS, **self.settings}
-        self.processes.start("relay", service="orders", db_url=self.orders_url, settings=settings)
-        for role in ("receiver", "worker"):
+        self.events.mkdir()
+        roles = (("relay", "orders", self.orders_url), ("receiver", "billing", self.billing_url))
+        for role, service, url in (*roles, ("worker", "billing", self.billing_url)):
             self.processes.start(
-                role, service="billing", db_url=self.billing_url, settings=settings
+                role, service=service, db_url=url, settings=settings, event_log=self.events
             )
         self.processes.wait_started()
         self.writer = Writer(orders)
@@ -394,4 +401,18 @@ class TwoServices:
         dead_letters = queue_depth(self.mq_url, "billing.dead_letter")
         if dead_letters:
             problems.append(f"{dead_letters} messages in billing.dead_letter")
+
+        # 4. The run replayed against the model.
+        run = read_run(
+            case,
+            [case],
+            self.events,
+            producer_url=self.orders_url,
+            consumer_url=self.billing_url,
+            effects=effects_by_message_id(self.billing_url),
+        )
+        replay = replayed(run)
+        result.extra["replayed_events"] = replay.events
+        if not replay.conforms:
+            problems.append(f"steps the model does not allow:\n{replay.report()}")
         return result

@@ -12,6 +12,11 @@ The same services written correctly pass under the same faults, and examples/bil
 fault test (examples/billing/test_faults.py, shown in docs/testing.md) runs as a user runs it:
 ``python -m pytest test_faults.py`` in examples/billing, in a process of its own, on private
 servers the kit's plugin starts.
+
+Each run's role processes record their events, and the run is replayed against the model
+(replay.py): the correct service's runs conform to it; the buggy handler's run has a second
+effect the model forbids (``exactly-once-effect``), the buggy producer's an effect of a
+transaction that rolled back (``no-effect-without-commit``).
 """
 
 from __future__ import annotations
@@ -20,11 +25,14 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 from docs.markdown_run import parse_blocks
+from model.conformance import Replay, check
 from sqlalchemy import func, select
 
 from outbox_inbox import Service
@@ -34,6 +42,7 @@ from outbox_inbox.testing.injection import iptables_problem
 from outbox_inbox.testing.servers import wait_until
 
 from . import kit_apps
+from .replay import kit_run, replayed
 
 pytestmark = pytest.mark.faults
 
@@ -50,16 +59,22 @@ def _run(
     after: Faults | None = None,
 ) -> None:
     """The jobs service of kit_apps (`app`) fed by a producer under `faults`, in order, and
-    `after` the load."""
+    `after` the load. The role processes record their events in ``<workdir>/events``."""
     jobs_url, producer_url = kit.database("jobs"), kit.database("producer")
     service = kit_apps.prepare(jobs_url, kit.mq_url)
     producers = Service("producer", db_url=producer_url, mq_url=kit.mq_url)
     producers.migrate()
-    kit.start("relay", service="producer", db_url=producer_url)
-    kit.start("receiver", app=app, db_url=jobs_url)
-    kit.start("worker", app=app, db_url=jobs_url)
-    kit.effects(jobs_url, kit_apps.effects)
+    events = kit.workdir / "events"
+    events.mkdir()
+    kit.path.append(ROOT / "tests")  # EventLog, from e2e.apps
+    # every role process the kit starts, restarts included, records its events
+    recording = mock.patch.dict(os.environ, {kit_apps.EVENT_LOG_ENV: str(events)})
+    recording.start()
     try:
+        kit.start("relay", app="kit_apps:producer", db_url=producer_url)
+        kit.start("receiver", app=app, db_url=jobs_url)
+        kit.start("worker", app=app, db_url=jobs_url)
+        kit.effects(jobs_url, kit_apps.effects)
         with kit.load(producers, producer, rate=40, abort_every=5) as load:
             for name, options in faults:
                 kit.inject(name, **options)
@@ -67,8 +82,27 @@ def _run(
         for name, options in after or []:
             kit.inject(name, **options)
     finally:
+        recording.stop()
         producers.close()
         service.close()
+
+
+def _replay(kit: FaultKit, name: str, *, broken: bool = False) -> Replay:
+    """The run's events and tables (after `kit.check`: every effect is in) against the model;
+    `broken`: a buggy service's run, expected to be rejected."""
+    jobs_url, producer_url = (kit.postgres.url(d) for d in kit.databases[:2])
+    events = kit.workdir / "events"
+    # `kit.check` waited for the effects it knew to expect; a transaction whose commit raised
+    # (unknown to the kit) may have committed a message still on its way: wait for it
+    deadline = time.monotonic() + 30
+    while True:
+        run = kit_run(kit, name, producer_url, jobs_url, events)
+        if time.monotonic() > deadline or {r for r, _ in check(run).violations} != {"finished"}:
+            break
+        time.sleep(1.0)
+    replay = replayed(run, broken=broken)
+    print(replay.report())
+    return replay
 
 
 def _duplicates_dropped(kit: FaultKit) -> int:
@@ -97,7 +131,7 @@ def test_a_correct_service_passes_the_kit(outbox_inbox_fault_kit: FaultKit) -> N
         ("memory-alarm", {"seconds": 2}),
         *([("blackhole", {"server": "rabbitmq", "seconds": 5})] if iptables_problem()[0] else []),
     ]
-    _run(kit, app="kit_apps:correct", producer=kit_apps.produce, faults=faults)
+    _run(kit, app="kit_apps:correct", producer=kit_apps.produce_keyed, faults=faults)
     verdict = kit.check()
     print(verdict.report())
     assert verdict.valid, verdict.report()
@@ -105,6 +139,10 @@ def test_a_correct_service_passes_the_kit(outbox_inbox_fault_kit: FaultKit) -> N
     assert all(f.recovered_s is not None for f in verdict.faults), verdict.report()
     # The copies really reached the receiver, and the inbox dropped them.
     assert _duplicates_dropped(kit) >= 3 * 20
+    replay = _replay(kit, "kit: a correct service")
+    assert replay.conforms, replay.report()
+    # the worker killed after a handler ran: a run without a sequel, explained by the kill
+    assert replay.premises["run-ends"] >= 1 and replay.premises["key-order"] > 0
 
 
 def test_a_handler_writing_its_effect_outside_the_session_is_caught_as_duplicated(
@@ -112,12 +150,14 @@ def test_a_handler_writing_its_effect_outside_the_session_is_caught_as_duplicate
 ) -> None:
     kit = outbox_inbox_fault_kit
     kill: Faults = [("kill", {"role": "worker", "at": "worker.handled", "nth": 5})]
-    _run(kit, app="kit_apps:outside_the_session", producer=kit_apps.produce, faults=kill)
+    _run(kit, app="kit_apps:outside_the_session", producer=kit_apps.produce_keyed, faults=kill)
     verdict = kit.check()
     print(verdict.report())
     assert not verdict.valid
     assert verdict.duplicated, verdict.report()
     assert not verdict.lost and not verdict.unexpected, verdict.report()
+    replay = _replay(kit, "kit: effect outside the session", broken=True)
+    assert "exactly-once-effect" in {rule for rule, _ in replay.violations}
 
 
 def test_a_producer_writing_its_outbox_row_outside_the_transaction_is_caught_as_unexpected(
@@ -132,6 +172,9 @@ def test_a_producer_writing_its_outbox_row_outside_the_transaction_is_caught_as_
     assert not verdict.lost and not verdict.duplicated, verdict.report()
     # It never killed its worker after a handler ran: refused, whatever it found.
     assert any("kill at worker.handled" in reason for reason in verdict.refused)
+    replay = _replay(kit, "kit: outbox row outside the transaction", broken=True)
+    assert "no-effect-without-commit" in {rule for rule, _ in replay.violations}
+    assert not replay.counts  # no fault injected
 
 
 def test_a_run_whose_only_fault_lies_outside_its_load_is_refused(
@@ -139,7 +182,7 @@ def test_a_run_whose_only_fault_lies_outside_its_load_is_refused(
 ) -> None:
     kit = outbox_inbox_fault_kit
     outside: Faults = [("kill", {"role": "receiver"})]
-    _run(kit, app="kit_apps:correct", producer=kit_apps.produce, faults=[], after=outside)
+    _run(kit, app="kit_apps:correct", producer=kit_apps.produce_keyed, faults=[], after=outside)
     verdict = kit.check()
     print(verdict.report())
     assert not (verdict.lost or verdict.duplicated or verdict.unexpected), verdict.report()
@@ -148,6 +191,8 @@ def test_a_run_whose_only_fault_lies_outside_its_load_is_refused(
         "fault kill did not overlap the load (nothing written before its end, or nothing"
         " committed after it): inject it inside `with kit.load(...)`"
     ) in verdict.refused
+    replay = _replay(kit, "kit: a kill after the load")
+    assert replay.conforms, replay.report()
 
 
 def test_the_billing_example_passes_its_own_fault_test_as_docs_testing_md_shows_it() -> None:
