@@ -387,6 +387,16 @@ def test_sqlite_serves_the_types_in_the_same_turns(tmp_path: Path) -> None:
     service.close()
 
 
+def test_a_batch_of_one_type_is_left_in_the_order_it_was_claimed_in() -> None:
+    """`served_order` returns a batch of one routing key as it is (by priority, then id: its
+    turns follow that order), without sorting it again; a batch of two types it puts in turns."""
+    a = "billing.a"
+    one = [{"id": n, "priority": p, "routing_key": a} for n, p in ((1, 5), (2, 0), (3, 0))]
+    assert roles.served_order(one, "billing.b", {"billing.a": 2}) is one  # type: ignore[arg-type]
+    two = [*one, {"id": 4, "priority": 0, "routing_key": "billing.b"}]
+    assert [r["id"] for r in roles.served_order(two, "")] == [1, 2, 4, 3]  # type: ignore[arg-type]
+
+
 def _sorted_rows(plan: Any) -> int:
     """The most rows any Sort node of an EXPLAIN (ANALYZE, FORMAT JSON) plan was fed."""
     node = plan[0]["Plan"] if isinstance(plan, list) else plan
