@@ -661,12 +661,8 @@ def _fair_claim_statement(
         # other. LIMIT 1 written into the text: as a parameter, the server's generic plan of
         # the prepared claim would expect a tenth of the table from each probe, and each
         # execution would be planned anew (custom plans).
-        first = (
-            select(probe.c.routing_key)
-            .where(probe.c.status == _inline(PENDING))
-            .order_by(probe.c.routing_key.desc())
-            .limit(_inline(1))
-        )
+        first = select(probe.c.routing_key).where(probe.c.status == _inline(PENDING))
+        first = first.order_by(probe.c.routing_key.desc()).limit(_inline(1))
         types = select(first.scalar_subquery().label("rk")).cte("types", recursive=True)
         later = first.where(probe.c.routing_key < types.c.rk).scalar_subquery()
         types = types.union_all(select(later).where(types.c.rk.is_not(None)))
