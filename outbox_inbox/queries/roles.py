@@ -587,6 +587,8 @@ def served_order(
     """`rows` (by priority, then id) in the order a fair claim with `after` and `weights`
     served them: by priority, then in rounds (each type's first `weight` rows, then its
     next…), in a round the types after `after` first, then arrival."""
+    if len({row["routing_key"] for row in rows}) < 2:
+        return rows  # one type's turns follow its arrival order
     turns: Counter[tuple[int, str]] = Counter()
     served = []
     for row in rows:
@@ -655,20 +657,15 @@ def _fair_claim_statement(
     limit = bindparam("limit", type_=Integer, literal_execute=True)
     if postgres:
         probe = i.alias("probe")
-        first = select(probe.c.routing_key).where(probe.c.status == _inline(PENDING))
-        # LIMIT 1 written into the text: as a parameter, the server's generic plan of the
-        # prepared claim would expect a tenth of the table from each probe, and each
+        # From the newest end: a drain's handled rows, in the index until a vacuum, lie at the
+        # other. LIMIT 1 written into the text: as a parameter, the server's generic plan of
+        # the prepared claim would expect a tenth of the table from each probe, and each
         # execution would be planned anew (custom plans).
-        one = _inline(1)
-        types = select(
-            first.order_by(probe.c.routing_key).limit(one).scalar_subquery().label("rk")
-        ).cte("types", recursive=True)
-        later = first.where(probe.c.routing_key > types.c.rk)
-        types = types.union_all(
-            select(later.order_by(probe.c.routing_key).limit(one).scalar_subquery()).where(
-                types.c.rk.is_not(None)
-            )
-        )
+        first = select(probe.c.routing_key).where(probe.c.status == _inline(PENDING))
+        first = first.order_by(probe.c.routing_key.desc()).limit(_inline(1))
+        types = select(first.scalar_subquery().label("rk")).cte("types", recursive=True)
+        later = first.where(probe.c.routing_key < types.c.rk).scalar_subquery()
+        types = types.union_all(select(later).where(types.c.rk.is_not(None)))
         take: Any = limit
         cap = _cap_of(tables, types.c.rk, caps, liveness=True)
         if cap is not None:

@@ -387,6 +387,16 @@ def test_sqlite_serves_the_types_in_the_same_turns(tmp_path: Path) -> None:
     service.close()
 
 
+def test_a_batch_of_one_type_is_left_in_the_order_it_was_claimed_in() -> None:
+    """`served_order` returns a batch of one routing key as it is (by priority, then id: its
+    turns follow that order), without sorting it again; a batch of two types it puts in turns."""
+    a = "billing.a"
+    one = [{"id": n, "priority": p, "routing_key": a} for n, p in ((1, 5), (2, 0), (3, 0))]
+    assert roles.served_order(one, "billing.b", {"billing.a": 2}) is one  # type: ignore[arg-type]
+    two = [*one, {"id": 4, "priority": 0, "routing_key": "billing.b"}]
+    assert [r["id"] for r in roles.served_order(two, "")] == [1, 2, 4, 3]  # type: ignore[arg-type]
+
+
 def _sorted_rows(plan: Any) -> int:
     """The most rows any Sort node of an EXPLAIN (ANALYZE, FORMAT JSON) plan was fed."""
     node = plan[0]["Plan"] if isinstance(plan, list) else plan
@@ -456,4 +466,69 @@ def test_a_claim_planned_on_an_empty_inbox_reads_its_heads_not_the_whole_backlog
     finally:
         for session in sessions.values():
             session.close()
+        service.close()
+
+
+def _node(plan: Any, name: str) -> Any:
+    """The node of an EXPLAIN (FORMAT JSON) plan whose subplan is `name` (None if none)."""
+    node = plan[0]["Plan"] if isinstance(plan, list) else plan
+    if node.get("Subplan Name") == name:
+        return node
+    return next(filter(None, (_node(c, name) for c in node.get("Plans", []))), None)
+
+
+def test_a_claim_finds_the_waiting_types_without_reading_the_rows_handled_before(
+    db_url: str,
+) -> None:
+    """The rows a drain has handled stay in the index of pending rows by type until a vacuum,
+    before each type's waiting rows. The fair claim finds the types waiting from the other end
+    of that index: the pages it reads for them do not grow with the rows handled."""
+    service = make_service("billing", db_url, None)
+    engine, tables = service.engine, service.tables
+    partitions = rows(
+        db_url,
+        "SELECT inhrelid::regclass::text FROM pg_inherits"
+        " WHERE inhparent = 'outbox_inbox.inbox_messages'::regclass",
+    )
+    with engine.begin() as conn:
+        for (partition,) in partitions:  # no vacuum while the test runs
+            conn.execute(text(f"ALTER TABLE {partition} SET (autovacuum_enabled = false)"))
+    _store(service, "bulk.item", 6000)
+    sent: list[tuple[str, Any]] = []
+
+    def note(conn: Any, cursor: Any, statement: str, values: Any, *_: Any) -> None:
+        sent.append((statement, values))
+
+    with engine.connect() as conn, conn.begin() as transaction:
+        event.listen(conn, "before_cursor_execute", note)
+        roles.claim_inbox(conn, tables, "w-1", 50, LEASE)
+        transaction.rollback()
+    (settings, set_values), (claim, values) = sent  # the settings, then the claim
+    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", claim)))
+    numbered = re.sub(r"%\((\w+)\)s", lambda m: f"${names.index(m[1]) + 1}", claim)
+    given = psycopg.sql.SQL(", ").join(psycopg.sql.Literal(values[name]) for name in names)
+    explain = psycopg.sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim({})")
+
+    def pages_read_for_the_types() -> int:
+        with session.transaction(force_rollback=True):
+            session.execute(settings, set_values)
+            plan = session.execute(explain.format(given)).fetchone()
+        assert plan is not None
+        probe = _node(plan[0], "CTE types")
+        return int(probe["Shared Hit Blocks"] + probe["Shared Read Blocks"])
+
+    session = psycopg.connect(db_url.replace("+psycopg", ""))
+    try:
+        session.execute("SET plan_cache_mode = force_generic_plan")
+        session.execute(f"PREPARE claim AS {numbered}")
+        before = pages_read_for_the_types()
+        session.execute(
+            f"UPDATE {INBOX} SET status = 'processed', processed_at = now()"
+            f" WHERE id < (SELECT max(id) - 50 FROM {INBOX})"
+        )
+        session.commit()
+        after = [pages_read_for_the_types() for _ in range(2)]  # the second: entries marked dead
+        assert max(after) <= before + 2, (before, after)
+    finally:
+        session.close()
         service.close()
