@@ -80,16 +80,17 @@ class Report:
     min_length: int = 0
     seconds: float = 0.0
     cpu_seconds: float = 0.0
+    steps: int = 0
     seed: str = ""  # of the violating run: ``--seed SEED --max-samples 1`` replays it
     output: str = ""
 
     def failure(self) -> str:
         """The violated invariants, the command replaying the violation and the report's end."""
-        replay = f"cd spec && npx quint run breaks.qnt --main {self.config} --backend typescript"
         return (
-            f"{self.config} violated {sorted(self.violated)}; replay the run with: {replay}"
-            f" --max-samples 1 --seed {self.seed} --invariants {' '.join(sorted(self.violated))}"
-            f" --verbosity 3\n{self.output[-4000:]}"
+            f"{self.config} violated {sorted(self.violated)}; replay the run with: cd spec &&"
+            f" npx quint run breaks.qnt --main {self.config} --backend typescript --max-samples 1"
+            f" --max-steps {self.steps} --seed {self.seed} --verbosity 3"
+            f" --invariants {' '.join(sorted(self.violated))}\n{self.output[-4000:]}"
         )
 
 
@@ -110,7 +111,7 @@ def _read(job: Job, out: str, returncode: int, seconds: float, cpu: float) -> Re
     seed = _SEED.search(out)
     report = Report(
         job.config, ok, violated, seconds=seconds, cpu_seconds=cpu, output=out,
-        seed=seed.group(1) if seed else "",
+        steps=job.steps, seed=seed.group(1) if seed else "",
     )  # fmt: skip
     for name, count, explored in _WITNESS.findall(out):
         report.witnessed[name] = int(count)
