@@ -43,6 +43,11 @@ from .waker import Waker
 
 log = logging.getLogger(__name__)
 
+#: Seconds of handler work a batch is sized to, from the last batch's time per message (up to
+#: ``worker_batch_size``): a message that arrives while a batch runs waits for it and for the
+#: next one, claimed with its marks, so slow handlers get short batches and fast ones full ones.
+BATCH_WORK = 0.05
+
 #: Dead reasons the worker writes from a claim alone (and the handlers': `retry.Dead`).
 NO_HANDLER, EXPIRED, ABANDONED = "no_handler", "expired", "abandoned"
 
@@ -176,6 +181,9 @@ class Worker:
         self._next: list[RowMapping] = []
         #: The routing key of the last row of the last claim (`roles.claim_inbox`'s `after`).
         self._served: str | None = None
+        #: Seconds the handlers took per message in the last batch (`_limit`); None before one.
+        self._per_message: float | None = None
+        self._full = False  # the last claim took all it asked for
         self.processed = 0
 
     def connect(self, opened: Connection | None = None) -> Connection:
@@ -340,17 +348,21 @@ class Worker:
                 )
             self._work(conn, [alone], claim_next=False)
             return max(len(rows), s.worker_batch_size) if len(rows) > 1 else 1
+        full = self._full  # of this batch's claim: more was waiting
         self._work(conn, rows, claim_next=True)
-        return len(rows)
+        return s.worker_batch_size if full else len(rows)
 
     def _claim(self, conn: Connection, *, flush_wait: bool = True) -> list[RowMapping]:
         s = self._settings
         lease = timedelta(seconds=s.lease)
+        limit = s.worker_batch_size
+        if self._per_message:  # a batch of about BATCH_WORK seconds of handlers, at least one
+            limit = max(1, min(limit, round(BATCH_WORK / self._per_message)))
         rows = roles.claim_inbox(
             conn,
             self._tables,
             self.claimant,
-            s.worker_batch_size,
+            limit,
             lease,
             fair=s.fair_claims,
             after=self._served,
@@ -361,7 +373,7 @@ class Worker:
         if rows and s.fair_claims:  # the next claim's turn starts after the last type served
             self._served = rows[-1]["routing_key"]
         # More may be due: wake the others, unless done a moment ago (they claim on still).
-        full = len(rows) >= s.worker_batch_size
+        self._full = full = len(rows) >= limit
         if self._helpers is not None and full and time.monotonic() - self._woke > 0.1:
             roles.notify(conn, self._helpers, "")
             self._woke = time.monotonic()
@@ -484,12 +496,15 @@ class Worker:
                 # join_transaction_mode="rollback_only": a handler's session.commit() only
                 # flushes; this transaction is the worker's to commit.
                 session = Session(bind=conn, join_transaction_mode="rollback_only")
+                started = time.perf_counter()
                 try:
                     self._handle(jobs, session, handled, processed)
                     session.flush()
                     run_writes(session)
                 finally:
                     session.close()
+                if processed:
+                    self._per_message = (time.perf_counter() - started) / len(processed)
             roles.mark_processed(conn, self._tables, processed, batch.since)
             roles.release_claims(conn, self._tables, unrun, self.claimant)
             claimed = self._claim(conn) if claim_next and not self._stop.is_set() else []

@@ -57,3 +57,63 @@ def test_each_row_is_mapped_once_and_its_handlers_looked_up_once(
     assert sorted(n for k, n in calls.items() if k.startswith("map ")) == [1] * 5
     assert calls["find billing.invoice.create"] == 4
     assert calls["find billing.invoice.void"] == 1
+
+
+def test_slow_handlers_get_batches_of_about_batch_work_seconds_and_fast_ones_full_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A message that arrives while a batch runs waits for that batch and for the next, which
+    is claimed with the marks: the next claim is sized from the last batch's time per message
+    (`BATCH_WORK`), never above ``worker_batch_size``. The handlers advance the worker's clock
+    (10 ms a bulk item, nothing a fast one); claim sizes are counted."""
+    import time
+
+    clock = [0.0]
+
+    class Clock:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(time, name)
+
+        def perf_counter(self) -> float:
+            return clock[0]
+
+    monkeypatch.setattr(worker_module, "time", Clock())
+    monkeypatch.setattr(worker_module, "BATCH_WORK", 0.05)
+    service = Service("billing", db_url=f"sqlite:///{tmp_path / 'b.db'}", worker_batch_size=20)
+    service.migrate()
+    cost = {"billing.bulk.item": 0.01, "billing.fast.item": 0.0}
+
+    @service.on_command("bulk.item")
+    @service.on_command("fast.item")
+    def handle(message: Message, session: Any) -> None:
+        clock[0] += cost[message.type]
+
+    claimed: list[int] = []
+    claim = roles.claim_inbox
+
+    def counted_claim(*args: Any, **kwargs: Any) -> Any:
+        rows = claim(*args, **kwargs)
+        claimed.append(len(rows))
+        return rows
+
+    monkeypatch.setattr(roles, "claim_inbox", counted_claim)
+    worker = service.worker()
+    conn = worker.connect()
+    sizes = {}
+    try:
+        for key in cost:
+            rows = [received_row(routing_key=key) for _ in range(60)]
+            with service.engine.begin() as c:
+                roles.insert_inbox(c, service.tables, rows)
+            claimed.clear()
+            while worker.work_once(conn):
+                pass
+            sizes[key] = list(claimed)
+    finally:
+        conn.close()
+        service.close()
+    assert worker.processed == 120
+    # 20 first (no estimate yet), then 0.05 s / 0.01 s = 5 a batch; the last claims find none.
+    assert sizes["billing.bulk.item"] == [20] + [5] * 8 + [0, 0]
+    # A fast handler: whole batches again, once one batch has shown it.
+    assert sizes["billing.fast.item"] == [5, 20, 20, 15, 0, 0]
