@@ -189,6 +189,8 @@ def test_check_constraints_have_the_declared_names_in_every_partition_and_revert
         downgrade(config, "base")
     finally:
         engine.dispose()
+
+
 def test_db_upgrade_and_check_name_the_grants_a_runtime_role_granted_on_the_old_tables_lacks(
     db_url: str,
 ) -> None:
