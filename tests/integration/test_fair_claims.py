@@ -406,6 +406,18 @@ def _sorted_rows(plan: Any) -> int:
     return max([own, *(_sorted_rows(child) for child in children)])
 
 
+def _no_autovacuum(service: Service, db_url: str) -> None:
+    """Autovacuum (and its analyze) off on every partition of the inbox."""
+    partitions = rows(
+        db_url,
+        "SELECT inhrelid::regclass::text FROM pg_inherits"
+        " WHERE inhparent = 'outbox_inbox.inbox_messages'::regclass",
+    )
+    with service.engine.begin() as conn:
+        for (partition,) in partitions:
+            conn.execute(text(f"ALTER TABLE {partition} SET (autovacuum_enabled = false)"))
+
+
 def test_a_claim_planned_on_an_empty_inbox_reads_its_heads_not_the_whole_backlog_later(
     db_url: str,
 ) -> None:
@@ -414,14 +426,8 @@ def test_a_claim_planned_on_an_empty_inbox_reads_its_heads_not_the_whole_backlog
     not sort every pending row once a backlog has come: the claim's settings see to it."""
     service = make_service("billing", db_url, None)
     engine, tables = service.engine, service.tables
-    partitions = rows(
-        db_url,
-        "SELECT inhrelid::regclass::text FROM pg_inherits"
-        " WHERE inhparent = 'outbox_inbox.inbox_messages'::regclass",
-    )
+    _no_autovacuum(service, db_url)  # no analyze of its own while the test runs
     with engine.begin() as conn:
-        for (partition,) in partitions:  # no analyze of its own while the test runs
-            conn.execute(text(f"ALTER TABLE {partition} SET (autovacuum_enabled = false)"))
         conn.execute(text("ANALYZE outbox_inbox.inbox_messages"))  # empty, as at a start
     sent: list[tuple[str, Any]] = []  # the claim as the driver gets it: SQL and values
 
@@ -485,14 +491,7 @@ def test_a_claim_finds_the_waiting_types_without_reading_the_rows_handled_before
     of that index: the pages it reads for them do not grow with the rows handled."""
     service = make_service("billing", db_url, None)
     engine, tables = service.engine, service.tables
-    partitions = rows(
-        db_url,
-        "SELECT inhrelid::regclass::text FROM pg_inherits"
-        " WHERE inhparent = 'outbox_inbox.inbox_messages'::regclass",
-    )
-    with engine.begin() as conn:
-        for (partition,) in partitions:  # no vacuum while the test runs
-            conn.execute(text(f"ALTER TABLE {partition} SET (autovacuum_enabled = false)"))
+    _no_autovacuum(service, db_url)  # no vacuum while the test runs
     _store(service, "bulk.item", 6000)
     sent: list[tuple[str, Any]] = []
 
