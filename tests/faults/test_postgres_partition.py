@@ -51,7 +51,7 @@ from sqlalchemy.exc import OperationalError
 
 from outbox_inbox import Service
 from outbox_inbox.config import Settings
-from outbox_inbox.database import connect
+from outbox_inbox.database import PING_AFTER, connect
 from outbox_inbox.errors import database_unreachable
 from outbox_inbox.testing.injection import blackhole
 from outbox_inbox.topology import delay_queue
@@ -200,11 +200,11 @@ def test_calls_into_a_partition_fail_within_the_client_side_bounds(
     db_url: str, local_postgres_server: PostgresServer, iptables: str
 ) -> None:
     """The library's engine (`database.connect`, the defaults), each case in a partition of its
-    own: a statement on a connection in hand fails after `tcp_user_timeout` (10 s); a checkout
-    at the partition's start after the ping of the pooled connection (10 s) and a new
-    connection (`connect_timeout`, 5 s), 15 s in all. (A connection idle longer in the
-    partition is found dead by its keepalives, 10 s in: its ping then fails at once.) Both are
-    an outage (`errors.database_unreachable`)."""
+    own: a statement on a connection in hand fails after `tcp_user_timeout` (10 s); a checkout,
+    early in the partition, of a pooled connection idle past `database.PING_AFTER` after its
+    ping (10 s) and a new connection (`connect_timeout`, 5 s), 15 s in all. (A connection idle
+    longer in the partition is found dead by its keepalives, 10 s in: its ping then fails at
+    once.) Both are an outage (`errors.database_unreachable`)."""
     engine = connect(db_url).engine
     took: dict[str, float] = {}
     try:
@@ -213,8 +213,10 @@ def test_calls_into_a_partition_fail_within_the_client_side_bounds(
                 conn.execute(text("SELECT 1"))  # the pool holds a live connection
             conn = engine.connect()
             if case == "checkout":
-                conn.close()  # back to the pool: the checkout pings it
+                conn.close()  # back to the pool
             with blackhole(iptables, local_postgres_server.port):
+                if case == "checkout":
+                    time.sleep(PING_AFTER + 0.2)  # idle past PING_AFTER: the checkout pings it
                 started = time.monotonic()
                 with pytest.raises(OperationalError) as caught:
                     if case == "statement":

@@ -260,7 +260,7 @@ def check(run: Run) -> Replay:
         # batch is run again message by message under the same claim). Each was counted
         # before its run; where sessions were cut, a claim the worker gave back (its process
         # alive, no commit) is uncounted again: only those committed processed, and those of
-        # a process that died, are sure to be counted then.
+        # a process that died (killed by the fault, no outcome after), are sure to be counted.
         claims: list[tuple[Event, str]] = []
         holding: dict[int, int] = {}  # process -> its open claim
         for e in events:
@@ -275,7 +275,7 @@ def check(run: Run) -> Replay:
             for first, end in claims
             if "session" not in kinds
             or end == PROCESSED
-            or (not end and last_outcome.get(first.pid, -1) < first.t)
+            or (not end and "kill" in kinds and last_outcome.get(first.pid, -1) < first.t)
         ]
         seen["claim-counted"] += len(sure) > 1
         if len(sure) > m.attempts:
