@@ -184,6 +184,7 @@ class Worker:
         #: Seconds the handlers took per message in the last batch (`_limit`); None before one.
         self._per_message: float | None = None
         self._full = False  # the last claim took all it asked for
+        self._waker: Waker | None = None  # the current run's (`role_loop`)
         self.processed = 0
 
     def connect(self, opened: Connection | None = None) -> Connection:
@@ -302,14 +303,19 @@ class Worker:
 
     def role_loop(self, kind: str) -> RoleLoop:
         """The loop a run of this worker goes round (`kind` names it in the log lines)."""
-        s = self._settings
+        s, factory = self._settings, self._waker_factory
+
+        def waker(stop: threading.Event) -> Waker | None:
+            self._waker = factory(stop) if factory else None
+            return self._waker
+
         return RoleLoop(
             f"{kind} {self.name}",
             s,
             log,
             full=s.worker_batch_size,
             poll_interval=s.worker_poll_interval,
-            waker_factory=self._waker_factory,
+            waker_factory=waker,
             retried=(SQLAlchemyError, *DRIVER_OUTAGES),
         )
 
@@ -349,7 +355,11 @@ class Worker:
             self._work(conn, [alone], claim_next=False)
             return max(len(rows), s.worker_batch_size) if len(rows) > 1 else 1
         full = self._full  # of this batch's claim: more was waiting
-        self._work(conn, rows, claim_next=True)
+        # A helper (woken by NOTIFY, its waker not leading) claims on with its marks only
+        # while its claims come full: the lead keeps up with what is left, the helper waits.
+        w = self._waker
+        helping = w is not None and w.listening is True and not w.leading
+        self._work(conn, rows, claim_next=full or not helping)
         return s.worker_batch_size if full else len(rows)
 
     def _claim(self, conn: Connection, *, flush_wait: bool = True) -> list[RowMapping]:

@@ -117,3 +117,50 @@ def test_slow_handlers_get_batches_of_about_batch_work_seconds_and_fast_ones_ful
     assert sizes["billing.bulk.item"] == [20] + [5] * 8 + [0, 0]
     # A fast handler: whole batches again, once one batch has shown it.
     assert sizes["billing.fast.item"] == [5, 20, 20, 15, 0, 0]
+
+
+@pytest.mark.parametrize(
+    ("leading", "batch_size", "claims"),
+    [
+        (True, 20, [3, 0]),  # the lead claims the next batch with its marks, as always
+        (False, 20, [3]),  # a helper whose claim was not full claims no next batch: it waits
+        (False, 2, [2, 1]),  # a helper's full claim: more is waiting, it claims on
+    ],
+)
+def test_a_helper_claims_on_with_its_marks_only_while_its_claims_come_full(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    leading: bool,
+    batch_size: int,
+    claims: list[int],
+) -> None:
+    """Under a backlog the lead wakes the helpers (NOTIFY on their channel); a helper then
+    keeps claiming only while its claims come full, and leaves a trickle to the lead instead
+    of splitting it into smaller batches. Claims counted."""
+    from types import SimpleNamespace
+
+    service = Service(
+        "billing", db_url=f"sqlite:///{tmp_path / 'b.db'}", worker_batch_size=batch_size
+    )
+    service.migrate()
+    service.on_command("invoice.create")(lambda message, session: None)
+    with service.engine.begin() as conn:
+        roles.insert_inbox(conn, service.tables, [received_row() for _ in range(3)])
+    claimed: list[int] = []
+    claim = roles.claim_inbox
+
+    def counted_claim(*args: Any, **kwargs: Any) -> Any:
+        rows = claim(*args, **kwargs)
+        claimed.append(len(rows))
+        return rows
+
+    monkeypatch.setattr(roles, "claim_inbox", counted_claim)
+    worker = service.worker()
+    worker._waker = SimpleNamespace(listening=True, leading=leading)  # type: ignore[assignment]
+    conn = worker.connect()
+    try:
+        worker.work_once(conn)
+    finally:
+        conn.close()
+        service.close()
+    assert claimed == claims
