@@ -59,6 +59,20 @@ def test_each_row_is_mapped_once_and_its_handlers_looked_up_once(
     assert calls["find billing.invoice.void"] == 1
 
 
+def _count_claims(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of rows of each `roles.claim_inbox` from now on, in order."""
+    claimed: list[int] = []
+    claim = roles.claim_inbox
+
+    def counted_claim(*args: Any, **kwargs: Any) -> Any:
+        rows = claim(*args, **kwargs)
+        claimed.append(len(rows))
+        return rows
+
+    monkeypatch.setattr(roles, "claim_inbox", counted_claim)
+    return claimed
+
+
 def test_slow_handlers_get_batches_of_about_batch_work_seconds_and_fast_ones_full_batches(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -88,15 +102,7 @@ def test_slow_handlers_get_batches_of_about_batch_work_seconds_and_fast_ones_ful
     def handle(message: Message, session: Any) -> None:
         clock[0] += cost[message.type]
 
-    claimed: list[int] = []
-    claim = roles.claim_inbox
-
-    def counted_claim(*args: Any, **kwargs: Any) -> Any:
-        rows = claim(*args, **kwargs)
-        claimed.append(len(rows))
-        return rows
-
-    monkeypatch.setattr(roles, "claim_inbox", counted_claim)
+    claimed = _count_claims(monkeypatch)
     worker = service.worker()
     conn = worker.connect()
     sizes = {}
@@ -146,15 +152,7 @@ def test_a_helper_claims_on_with_its_marks_only_while_its_claims_come_full(
     service.on_command("invoice.create")(lambda message, session: None)
     with service.engine.begin() as conn:
         roles.insert_inbox(conn, service.tables, [received_row() for _ in range(3)])
-    claimed: list[int] = []
-    claim = roles.claim_inbox
-
-    def counted_claim(*args: Any, **kwargs: Any) -> Any:
-        rows = claim(*args, **kwargs)
-        claimed.append(len(rows))
-        return rows
-
-    monkeypatch.setattr(roles, "claim_inbox", counted_claim)
+    claimed = _count_claims(monkeypatch)
     worker = service.worker()
     worker._waker = SimpleNamespace(listening=True, leading=leading)  # type: ignore[assignment]
     conn = worker.connect()
