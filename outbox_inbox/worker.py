@@ -181,7 +181,7 @@ class Worker:
         self._next: list[RowMapping] = []
         #: The routing key of the last row of the last claim (`roles.claim_inbox`'s `after`).
         self._served: str | None = None
-        #: Seconds the handlers took per message in the last batch (`_limit`); None before one.
+        #: Seconds the handlers took per message in the last batch (`_claim`); None before one.
         self._per_message: float | None = None
         self._full = False  # the last claim took all it asked for
         self._waker: Waker | None = None  # the current run's (`role_loop`)
