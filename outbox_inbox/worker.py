@@ -179,8 +179,8 @@ class Worker:
         self._instances = Instances(tables, handlers, settings, service, self.name)
         #: Rows the last batch's transaction claimed for the next batch (see `_run_batch`).
         self._next: list[RowMapping] = []
-        #: The routing key of the last row of the last claim (`roles.claim_inbox`'s `after`).
-        self._served: str | None = None
+        #: The routing key and tenant of the last row claimed (`roles.claim_inbox`'s `after`).
+        self._served: tuple[str, str] | None = None
         #: Seconds the handlers took per message in the last batch (`_claim`); None before one.
         self._per_message: float | None = None
         self._full = False  # the last claim took all it asked for
@@ -381,7 +381,7 @@ class Worker:
             flush_wait=flush_wait,
         )
         if rows and s.fair_claims:  # the next claim's turn starts after the last type served
-            self._served = rows[-1]["routing_key"]
+            self._served = (rows[-1]["routing_key"], rows[-1]["tenant"])
         # More may be due: wake the others, unless done a moment ago (they claim on still).
         self._full = full = len(rows) >= limit
         if self._helpers is not None and full and time.monotonic() - self._woke > 0.1:
