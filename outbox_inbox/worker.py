@@ -29,7 +29,16 @@ from .database import client_bounds
 from .errors import Reject, database_unreachable, first_line
 from .faults import send_fault
 from .fingerprint import fingerprint
-from .handlers import Calls, Found, Handlers, Subscription, run_writes
+from .handlers import (
+    AT_MOST_ONCE,
+    EXACTLY_ONCE,
+    ONE_ATTEMPT,
+    Calls,
+    Found,
+    Handlers,
+    Subscription,
+    run_writes,
+)
 from .instances import Instances
 from .listener import Listener, call
 from .messages import Message, message_from_row
@@ -50,6 +59,8 @@ BATCH_WORK = 0.05
 
 #: Dead reasons the worker writes from a claim alone (and the handlers': `retry.Dead`).
 NO_HANDLER, EXPIRED, ABANDONED = "no_handler", "expired", "abandoned"
+#: A `ONE_ATTEMPT` row claimed again after its attempt was counted and never finished.
+INTERRUPTED = "interrupted"
 
 
 def worker_name() -> str:
@@ -100,10 +111,14 @@ class _Batch:
     away: list[_Job] = field(default_factory=list)
     #: The dead reasons marked by the last transaction that tried.
     marked: list[str] = field(default_factory=list)
+    #: `AT_MOST_ONCE` rows: marked processed before they run (`Worker._settle`).
+    settled: list[_Job] = field(default_factory=list)
+    #: Rows of at-most-once handlers are here: no handler is run twice (one savepoint each).
+    once: bool = False
 
     @property
     def jobs(self) -> list[_Job]:
-        return [*self.run, *(d[0] for d in self.dead), *self.away]
+        return [*self.run, *(d[0] for d in self.dead), *self.away, *self.settled]
 
     @property
     def since(self) -> datetime | None:
@@ -425,10 +440,14 @@ class Worker:
         batch = self._plan(rows)
         try:
             try:
-                handled = self._run_batch(conn, batch, claim_next=claim_next)
+                if batch.settled:
+                    self._settle(conn, batch)
+                handled = self._run_batch(conn, batch, claim_next=claim_next, one_by_one=batch.once)
             except ConnectionLost:
                 raise
             except Exception as exc:
+                if batch.once:
+                    raise  # not again one by one: a handler that ran would run twice
                 cause = exc.error if isinstance(exc, _HandlerFailed) else exc
                 _raise_if_outage(conn, cause)
                 # A handler failed, or the batch's flush or commit did: redo the batch message
@@ -437,8 +456,9 @@ class Worker:
                 log.debug("worker %s: batch failed (%r), one by one", self.name, cause)
                 failed = exc if isinstance(exc, _HandlerFailed) else None
                 handled = self._run_batch(conn, batch, one_by_one=True, failed=failed)
-        except ConnectionLost:  # the database is there but cannot work: given back uncounted
-            self._release(conn, [j.id for j in batch.jobs])
+        except ConnectionLost:  # the database is there but cannot work: given back uncounted,
+            # but for rows of one attempt, which may have run: counted, they end `INTERRUPTED`
+            self._release(conn, [j.id for j in batch.jobs if j.handlers.delivery != ONE_ATTEMPT])
             raise
         self.processed += len(handled)
         if self._listener is not None:
@@ -467,7 +487,37 @@ class Worker:
                 batch.away.append(job)  # decided in the batch's transaction: _mark_dead_rows
             else:
                 batch.run.append(job)
+        if any(s.options.delivery != EXACTLY_ONCE for s in self._handlers.subscriptions):
+            self._plan_delivery(batch)  # one check per batch
         return batch
+
+    def _plan_delivery(self, batch: _Batch) -> None:
+        """Set apart the rows to run whose handlers run at most once (docs/concepts.md)."""
+        run, batch.run = batch.run, []
+        for job in run:
+            delivery = job.handlers.delivery
+            batch.once = batch.once or delivery != EXACTLY_ONCE
+            if delivery == AT_MOST_ONCE:  # a claimed row never ran: its mark comes first
+                batch.settled.append(job)
+            elif delivery == ONE_ATTEMPT and job.row["attempts"] - job.row["finished"] > 1:
+                log.error(
+                    "worker: message %s (one_attempt) was claimed before without finishing;"
+                    " dead (interrupted), not run again",
+                    job.message.message_id,
+                )
+                batch.dead.append((job, INTERRUPTED, False))  # its attempt is counted
+            else:
+                batch.run.append(job)
+
+    def _settle(self, conn: Connection, batch: _Batch) -> None:
+        """Mark the batch's `AT_MOST_ONCE` rows processed in a transaction that commits before
+        their handlers run (`_run_batch`): a crash or an error then loses them, and nothing
+        runs them again. Rows no longer leased here are left out."""
+        with conn.begin():
+            ids = [j.id for j in batch.settled]
+            mine = roles.lock_claimed(conn, self._tables, ids, self.claimant, batch.since)
+            batch.settled = [j for j in batch.settled if j.id in mine]
+            roles.mark_processed(conn, self._tables, [j.id for j in batch.settled], batch.since)
 
     def _run_batch(
         self,
@@ -496,6 +546,9 @@ class Worker:
             self._mark_dead_rows(conn, batch, mine)
             jobs = self._to_run(batch.run, mine, unrun)
             if one_by_one:
+                for job in batch.settled:  # processed already: run once, not marked
+                    if self._handle_alone(conn, job):
+                        handled.append(job.message)
                 for job in jobs:
                     if failed is not None and job.id == failed.row_id:
                         self._record_failure(conn, job, failed.error)
@@ -623,6 +676,9 @@ class Worker:
         """A handler of `job` raised `exc`: retried later or dead, as the policy decides (its
         handlers' own, else the service's: `RetryPolicy.decide`)."""
         message, attempt = job.message, job.row["finished"] + 1
+        if job.handlers.delivery == AT_MOST_ONCE:  # processed before it ran (`_settle`)
+            log.error("worker: %s failed and is lost (at_most_once): %r", message.message_id, exc)
+            return
         policy = job.handlers.retry or self._settings.retry
         rejected = isinstance(exc, Reject)
         error = exc.reason if isinstance(exc, Reject) else "".join(traceback.format_exception(exc))
