@@ -7,7 +7,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, NamedTuple, TypedDict, Unpack, get_args
+from typing import Any, Literal, NamedTuple, TypedDict, Unpack, get_args
 
 from opentelemetry.trace import Span, Tracer
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -215,13 +215,11 @@ def _takes_context(handler: Callable[..., Any], batch: bool) -> bool:
     )
 
 
-#: `HandlerOptions.delivery`: effects once (retried on failure); settled before the attempt (lost
-#: on a crash or an error); one attempt in the marking transaction (dead on a crash or an error).
-EXACTLY_ONCE: Final = "exactly_once"
-AT_MOST_ONCE: Final = "at_most_once"
-ONE_ATTEMPT: Final = "one_attempt"
+#: `HandlerOptions.delivery`: effects once, retried on failure (``exactly_once``); marked
+#: processed before the attempt, lost on a crash or an error (``at_most_once``); one attempt in
+#: the marking transaction, dead on a crash or an error (``one_attempt``).
 Delivery = Literal["exactly_once", "at_most_once", "one_attempt"]
-#: The retry policy of `ONE_ATTEMPT`: the first failure is final (`retry.MAX_ATTEMPTS`).
+#: The retry policy of ``one_attempt``: the first failure is final (`retry.MAX_ATTEMPTS`).
 _ONCE = RetryPolicy(max_attempts=1)
 
 
@@ -244,21 +242,20 @@ class HandlerOptions:
     version (``message.version``) it handles; None: every version. `max_concurrency`: the
     most messages of its routing key handled at once by every worker of the database
     together (`queries.roles.claim_inbox`); None: no cap. `weight`: the turns its routing key
-    gets in fair claims for each turn of the other types (None: 1). `delivery`: `EXACTLY_ONCE`,
-    `AT_MOST_ONCE` or `ONE_ATTEMPT` (docs/concepts.md#at-most-once-handlers); the last two take
-    no `retry`."""
+    gets in fair claims for each turn of the other types (None: 1). `delivery`: a `Delivery`
+    (docs/concepts.md#at-most-once-handlers); at most once, it takes no `retry`."""
 
     retry: RetryPolicy | None = None
     batch: bool = False
     version: int | None = None
     max_concurrency: int | None = None
     weight: int | None = None
-    delivery: Delivery = EXACTLY_ONCE
+    delivery: Delivery = "exactly_once"
 
     def __post_init__(self) -> None:
         if self.delivery not in get_args(Delivery):
             raise ConfigurationError(f"delivery must be one of {get_args(Delivery)}")
-        if self.delivery != EXACTLY_ONCE and self.retry is not None:
+        if self.delivery != "exactly_once" and self.retry is not None:
             raise ConfigurationError(f"delivery={self.delivery!r} is one attempt: no retry policy")
         for name in ("version", "max_concurrency", "weight"):
             value = getattr(self, name)
@@ -396,19 +393,19 @@ class Subscription:
 
 class Found(NamedTuple):
     """`Handlers.find`'s answer: every subscription, those called per message, the batch
-    handlers, and their `delivery` (`ONE_ATTEMPT` where their options differ: never run twice,
+    handlers, and their `delivery` (``one_attempt`` where their options differ: never run twice,
     never lost without a dead letter)."""
 
     every: list[Subscription]
     single: list[Subscription]
     batch: list[Subscription]
-    delivery: str = EXACTLY_ONCE
+    delivery: Delivery = "exactly_once"
 
     @property
     def retry(self) -> RetryPolicy | None:
-        """`ONE_ATTEMPT`'s policy, else the first handler's own retry policy, if one has any
+        """``one_attempt``'s policy, else the first handler's own retry policy, if one has any
         (else the service's applies)."""
-        if self.delivery == ONE_ATTEMPT:
+        if self.delivery == "one_attempt":
             return _ONCE
         return next((s.options.retry for s in self.every if s.options.retry is not None), None)
 
@@ -532,12 +529,12 @@ class Handlers:
                     if s.kind == EVENT and topic_matches(s.pattern, routing_key)
                 ]
             every = [s for s in every if s.handles(version)]
-            modes = {s.options.delivery for s in every} or {EXACTLY_ONCE}
+            modes: set[Delivery] = {s.options.delivery for s in every} or {"exactly_once"}
             found = Found(
                 every,
                 [s for s in every if not s.options.batch],
                 [s for s in every if s.options.batch],
-                modes.pop() if len(modes) == 1 else ONE_ATTEMPT,
+                modes.pop() if len(modes) == 1 else "one_attempt",
             )
             if len(self._found) < 10_000:  # routing keys come from senders: keep it bounded
                 self._found[(kind, routing_key, version)] = found

@@ -29,16 +29,7 @@ from .database import client_bounds
 from .errors import Reject, database_unreachable, first_line
 from .faults import send_fault
 from .fingerprint import fingerprint
-from .handlers import (
-    AT_MOST_ONCE,
-    EXACTLY_ONCE,
-    ONE_ATTEMPT,
-    Calls,
-    Found,
-    Handlers,
-    Subscription,
-    run_writes,
-)
+from .handlers import Calls, Found, Handlers, Subscription, run_writes
 from .instances import Instances
 from .listener import Listener, call
 from .messages import Message, message_from_row
@@ -57,10 +48,9 @@ log = logging.getLogger(__name__)
 #: next one, claimed with its marks, so slow handlers get short batches and fast ones full ones.
 BATCH_WORK = 0.05
 
-#: Dead reasons the worker writes from a claim alone (and the handlers': `retry.Dead`).
-NO_HANDLER, EXPIRED, ABANDONED = "no_handler", "expired", "abandoned"
-#: A `ONE_ATTEMPT` row claimed again after its attempt was counted and never finished.
-INTERRUPTED = "interrupted"
+#: Dead reasons the worker writes from a claim alone (and the handlers': `retry.Dead`);
+#: INTERRUPTED: a ``one_attempt`` row claimed again after an attempt that never finished.
+NO_HANDLER, EXPIRED, ABANDONED, INTERRUPTED = "no_handler", "expired", "abandoned", "interrupted"
 
 
 def worker_name() -> str:
@@ -111,7 +101,7 @@ class _Batch:
     away: list[_Job] = field(default_factory=list)
     #: The dead reasons marked by the last transaction that tried.
     marked: list[str] = field(default_factory=list)
-    #: `AT_MOST_ONCE` rows: marked processed before they run (`Worker._settle`).
+    #: ``at_most_once`` rows: marked processed before they run (`Worker._settle`).
     settled: list[_Job] = field(default_factory=list)
     #: Rows of at-most-once handlers are here: no handler is run twice (one savepoint each).
     once: bool = False
@@ -458,7 +448,7 @@ class Worker:
                 handled = self._run_batch(conn, batch, one_by_one=True, failed=failed)
         except ConnectionLost:  # the database is there but cannot work: given back uncounted,
             # but for rows of one attempt, which may have run: counted, they end `INTERRUPTED`
-            self._release(conn, [j.id for j in batch.jobs if j.handlers.delivery != ONE_ATTEMPT])
+            self._release(conn, [j.id for j in batch.jobs if j.handlers.delivery != "one_attempt"])
             raise
         self.processed += len(handled)
         if self._listener is not None:
@@ -487,7 +477,7 @@ class Worker:
                 batch.away.append(job)  # decided in the batch's transaction: _mark_dead_rows
             else:
                 batch.run.append(job)
-        if any(s.options.delivery != EXACTLY_ONCE for s in self._handlers.subscriptions):
+        if any(s.options.delivery != "exactly_once" for s in self._handlers.subscriptions):
             self._plan_delivery(batch)  # one check per batch
         return batch
 
@@ -496,21 +486,17 @@ class Worker:
         run, batch.run = batch.run, []
         for job in run:
             delivery = job.handlers.delivery
-            batch.once = batch.once or delivery != EXACTLY_ONCE
-            if delivery == AT_MOST_ONCE:  # a claimed row never ran: its mark comes first
+            batch.once = batch.once or delivery != "exactly_once"
+            if delivery == "at_most_once":  # a claimed row never ran: its mark comes first
                 batch.settled.append(job)
-            elif delivery == ONE_ATTEMPT and job.row["attempts"] - job.row["finished"] > 1:
-                log.error(
-                    "worker: message %s (one_attempt) was claimed before without finishing;"
-                    " dead (interrupted), not run again",
-                    job.message.message_id,
-                )
+            elif delivery == "one_attempt" and job.row["attempts"] - job.row["finished"] > 1:
+                log.error("worker: %s: one attempt cut short; dead (interrupted)", job.id)
                 batch.dead.append((job, INTERRUPTED, False))  # its attempt is counted
             else:
                 batch.run.append(job)
 
     def _settle(self, conn: Connection, batch: _Batch) -> None:
-        """Mark the batch's `AT_MOST_ONCE` rows processed in a transaction that commits before
+        """Mark the batch's ``at_most_once`` rows processed in a transaction that commits before
         their handlers run (`_run_batch`): a crash or an error then loses them, and nothing
         runs them again. Rows no longer leased here are left out."""
         with conn.begin():
@@ -674,40 +660,27 @@ class Worker:
 
     def _record_failure(self, conn: Connection, job: _Job, exc: Exception) -> None:
         """A handler of `job` raised `exc`: retried later or dead, as the policy decides (its
-        handlers' own, else the service's: `RetryPolicy.decide`)."""
+        handlers' own, else the service's: `RetryPolicy.decide`); lost when it was processed
+        before it ran (``at_most_once``: `_settle`)."""
         message, attempt = job.message, job.row["finished"] + 1
-        if job.handlers.delivery == AT_MOST_ONCE:  # processed before it ran (`_settle`)
-            log.error("worker: %s failed and is lost (at_most_once): %r", message.message_id, exc)
-            return
         policy = job.handlers.retry or self._settings.retry
-        rejected = isinstance(exc, Reject)
         error = exc.reason if isinstance(exc, Reject) else "".join(traceback.format_exception(exc))
-        match policy.decide(exc, attempt):
+        settled = job.handlers.delivery == "at_most_once"
+        level, outcome = logging.ERROR, "lost: processed before it ran (at_most_once)"
+        match None if settled else policy.decide(exc, attempt):
             case Later(delay):
-                log.warning(
-                    "worker: %s failed on attempt %d, retrying in %.1fs: %r",
-                    message.message_id,
-                    attempt,
-                    delay,
-                    exc,
-                )
-                roles.mark_retry(
-                    conn, self._tables, job.id, error[-8000:], timedelta(seconds=delay)
-                )
+                level, outcome = logging.WARNING, f"retrying in {delay:.1f}s"
+                due = timedelta(seconds=delay)
+                roles.mark_retry(conn, self._tables, job.id, error[-8000:], due)
                 call(self._listener, "failed", message, exc, dead=False)
             case Dead(reason):
-                if rejected:
-                    log.warning("worker: %s %s: %s", message.message_id, reason, error)
-                else:
-                    log.error(
-                        "worker: %s failed on attempt %d, giving up: %r",
-                        message.message_id,
-                        attempt,
-                        exc,
-                    )
+                level = logging.WARNING if isinstance(exc, Reject) else level
+                outcome = f"dead ({reason})"
                 self._mark_dead(conn, job, reason, error[-8000:], finished=True, cause=exc)
                 call(self._listener, "failed", message, exc, dead=True)
                 call(self._listener, "dead", reason, 1)
+        args = (message.message_id, attempt, outcome, exc)
+        log.log(level, "worker: %s failed on attempt %d, %s: %r", *args)
 
 
 def _limit_each_transaction(lease: float) -> Callable[[Connection], None]:

@@ -14,7 +14,7 @@ from sqlalchemy import select, text
 
 from helpers import received_row
 from outbox_inbox import ConfigurationError, Message, Retry, RetryPolicy, Service
-from outbox_inbox.handlers import AT_MOST_ONCE, EXACTLY_ONCE, ONE_ATTEMPT, HandlerOptions
+from outbox_inbox.handlers import HandlerOptions
 from outbox_inbox.queries import roles
 
 CREATE, VOID = "billing.invoice.create", "billing.invoice.void"
@@ -57,11 +57,11 @@ def _effect(session: Any, message: Message) -> None:
 
 
 def test_the_option_is_checked_when_the_handler_is_registered() -> None:
-    assert HandlerOptions().delivery == EXACTLY_ONCE
+    assert HandlerOptions().delivery == "exactly_once"
     with pytest.raises(ConfigurationError, match="delivery must be"):
         HandlerOptions(delivery="at_least_once")  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="no retry policy"):
-        HandlerOptions(delivery=ONE_ATTEMPT, retry=RetryPolicy())
+        HandlerOptions(delivery="one_attempt", retry=RetryPolicy())
 
 
 @pytest.mark.parametrize("error", [RuntimeError("boom"), Retry(delay=0)])
@@ -72,7 +72,7 @@ def test_at_most_once_is_processed_before_its_handler_and_an_error_loses_it(
     ran: Counter[int] = Counter()
     seen: dict[int, str] = {}
 
-    @service.on_command("invoice.create", delivery=AT_MOST_ONCE)
+    @service.on_command("invoice.create", delivery="at_most_once")
     def create(message: Message, session: Any) -> None:
         n = message.payload["order"]
         ran[n] += 1
@@ -110,7 +110,7 @@ def test_one_attempt_is_dead_at_its_first_error(tmp_path: Path, error: Exception
     service = _service(tmp_path)
     ran: Counter[int] = Counter()
 
-    @service.on_command("invoice.create", delivery=ONE_ATTEMPT)
+    @service.on_command("invoice.create", delivery="one_attempt")
     def create(message: Message, session: Any) -> None:
         ran[message.payload["order"]] += 1
         _effect(session, message)
@@ -128,7 +128,7 @@ def test_one_attempt_claimed_again_after_a_crash_is_dead_without_running(tmp_pat
     service = _service(tmp_path)
     ran: Counter[int] = Counter()
 
-    @service.on_command("invoice.create", delivery=ONE_ATTEMPT)
+    @service.on_command("invoice.create", delivery="one_attempt")
     def create(message: Message, session: Any) -> None:
         ran[message.payload["order"]] += 1
 
@@ -150,10 +150,10 @@ def test_handlers_of_one_event_that_differ_in_delivery_run_as_one_attempt(
     tmp_path: Path,
 ) -> None:
     service = _service(tmp_path)
-    service.on_event("orders.order.*", delivery=AT_MOST_ONCE)(lambda m, s: None)
+    service.on_event("orders.order.*", delivery="at_most_once")(lambda m, s: None)
     service.on_event("orders.order.placed")(lambda m, s: None)
-    assert service.handlers.find("event", "orders.order.placed").delivery == ONE_ATTEMPT
-    assert service.handlers.find("event", "orders.order.paid").delivery == AT_MOST_ONCE
+    assert service.handlers.find("event", "orders.order.placed").delivery == "one_attempt"
+    assert service.handlers.find("event", "orders.order.paid").delivery == "at_most_once"
     assert service.handlers.find("event", "orders.order.paid").retry is None
     assert service.handlers.find("event", "orders.order.placed").retry == RetryPolicy(
         max_attempts=1
