@@ -490,15 +490,14 @@ class Worker:
             if delivery == "at_most_once":  # a claimed row never ran: its mark comes first
                 batch.settled.append(job)
             elif delivery == "one_attempt" and job.row["attempts"] - job.row["finished"] > 1:
-                log.error("worker: %s: one attempt cut short; dead (interrupted)", job.id)
+                log.error("worker: %s dead: its one attempt was cut short", job.message.message_id)
                 batch.dead.append((job, INTERRUPTED, False))  # its attempt is counted
             else:
                 batch.run.append(job)
 
     def _settle(self, conn: Connection, batch: _Batch) -> None:
-        """Mark the batch's ``at_most_once`` rows processed in a transaction that commits before
-        their handlers run (`_run_batch`): a crash or an error then loses them, and nothing
-        runs them again. Rows no longer leased here are left out."""
+        """Mark the batch's ``at_most_once`` rows still leased here processed, committed before
+        their handlers run (`_run_batch`): a crash or an error then loses them, never reruns."""
         with conn.begin():
             ids = [j.id for j in batch.settled]
             mine = roles.lock_claimed(conn, self._tables, ids, self.claimant, batch.since)
