@@ -4,6 +4,7 @@ tests/e2e/test_at_most_once.py kills a real worker process on PostgreSQL."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter
 from pathlib import Path
@@ -14,7 +15,7 @@ from sqlalchemy import select, text
 
 from helpers import received_row
 from outbox_inbox import ConfigurationError, Message, Retry, RetryPolicy, Service
-from outbox_inbox.handlers import HandlerOptions
+from outbox_inbox.handlers import HandlerContext, HandlerOptions
 from outbox_inbox.queries import roles
 
 CREATE, VOID = "billing.invoice.create", "billing.invoice.void"
@@ -159,3 +160,22 @@ def test_handlers_of_one_event_that_differ_in_delivery_run_as_one_attempt(
         max_attempts=1
     )
     service.close()
+
+
+def test_at_most_once_writes_and_publishes_commit_with_its_own_work_only(tmp_path: Path) -> None:
+    service = _service(tmp_path)
+    insert = text("INSERT INTO effects VALUES (:n)")
+
+    @service.on_command("invoice.create", delivery="at_most_once")
+    def create(ctx: HandlerContext) -> None:
+        ctx.write(insert, {"n": ctx.payload["order"]})
+        ctx.publish("invoice.created", {"order": ctx.payload["order"]})
+        if ctx.payload["order"] == 1:
+            raise RuntimeError("boom")
+
+    states = _run(service, [received_row(payload={"order": n}) for n in range(2)])
+    with service.engine.connect() as conn:
+        published = conn.execute(text("SELECT payload FROM outbox_messages")).scalars().all()
+    service.close()
+    assert states == {0: ("processed", None, 1, 1, True), 1: ("processed", None, 1, 1, False)}
+    assert [json.loads(p) if isinstance(p, str) else p for p in published] == [{"order": 0}]
