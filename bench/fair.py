@@ -210,8 +210,9 @@ def key_split_share(ctx: Context, by: str) -> dict[str, Any]:
     both = served[: min(_last(served, t) for t in (split, whole)) + 1]
     share = both.count(split) / len(both)
     print(
-        f"  {'fk ' if by == 'type' else 'fkt'} a {by} over 100 keys against one with none: its share while both wait"
-        f" {share:.2f} (fair 0.50; {len(both):,} of {2 * half:,} handled then)",
+        f"  {'fk ' if by == 'type' else 'fkt'} a {by} over 100 keys against one with none:"
+        f" its share while both wait {share:.2f}"
+        f" (fair 0.50; {len(both):,} of {2 * half:,} handled then)",
         flush=True,
     )
     return {"split_share": share, "handled_while_both_wait": len(both), "total": 2 * half}
