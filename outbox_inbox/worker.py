@@ -383,6 +383,7 @@ class Worker:
             after=self._served,
             caps=self._handlers.per_key("max_concurrency"),
             weights=self._handlers.per_key("weight"),
+            tenant_weights=s.tenant_weights,
             flush_wait=flush_wait,
         )
         if rows and s.fair_claims:  # the next claim's turn starts after the last type served

@@ -530,17 +530,19 @@ def claim_inbox(
     after: tuple[str, str] | None = None,
     caps: Mapping[str, int] | None = None,
     weights: Mapping[str, int] | None = None,
+    tenant_weights: Mapping[str, int] | None = None,
     flush_wait: bool = True,
 ) -> list[RowMapping]:
     """Lease up to `limit` due pending rows to `worker`; count the claim in `attempts`.
 
-    Highest priority first. Within a priority, `fair` serves the message types (routing
-    keys) in turn: each type's oldest claimable row, then each one's second, and so on,
-    starting with the types after `after` (the last type the worker was served; a
-    worker passes it on from claim to claim, so a batch of one goes round the types too);
-    without `fair`, arrival order. `weights`: the turns a routing key gets in each round
-    (weighted round robin; 1 without one). A keyed row qualifies only when no earlier pending
-    row has its key: a key is handled one message at a time, in order. A leased row qualifies once
+    Highest priority first. Within a priority, `fair` serves the groups (routing key and
+    tenant) in turn: each group's oldest claimable row, then each one's second, and so on,
+    starting with the groups after `after` (the last group the worker was served; a worker
+    passes it on from claim to claim, so a batch of one goes round the groups too); without
+    `fair`, arrival order. `weights` and `tenant_weights`: the turns a routing key and a
+    tenant get in each round (weighted round robin; 1 without one; a group's is the product).
+    A keyed row qualifies only when no earlier pending row has its key: a key is handled one
+    message at a time, in order. A leased row qualifies once
     its lease ran out on the database clock, or, on PostgreSQL, as soon as its claimant no
     longer holds its liveness lock (`hold_claimant_lock`): its worker died or lost its
     connection. Rows a live worker is handling are row-locked and skipped.
@@ -568,24 +570,28 @@ def claim_inbox(
         conn.execute(_CLAIM_SETTINGS[flush_wait])
     capped = tuple(sorted((caps or {}).items()))
     weighted = tuple(sorted((weights or {}).items())) if fair else ()
+    tenants = tuple(sorted((tenant_weights or {}).items())) if fair else ()
     if capped and postgres:
         conn.execute(_LOCK_CAPS, {"keys": [key for key, _ in capped]})
     params = {"claimant": worker, "limit": limit, "lease": lease.total_seconds()}
     if fair or capped:
-        stmt = _fair_claim_statement(tables, postgres, fair, capped, weighted)
+        stmt = _fair_claim_statement(tables, postgres, fair, capped, weighted, tenants)
         if fair:
             params["after"], params["after_tenant"] = after or ("", "")
     else:
         stmt = _claim_statement(tables, postgres)
     rows = list(conn.execute(stmt, params).mappings().all())  # one fetchall, not row by row
     rows.sort(key=lambda r: (-r["priority"], r["id"]))
-    return served_order(rows, after or ("", ""), dict(weighted)) if fair else rows
+    return served_order(rows, after or ("", ""), dict(weighted), dict(tenants)) if fair else rows
 
 
 def served_order(
-    rows: list[RowMapping], after: tuple[str, str], weights: Mapping[str, int] | None = None
+    rows: list[RowMapping],
+    after: tuple[str, str],
+    weights: Mapping[str, int] | None = None,
+    tenant_weights: Mapping[str, int] | None = None,
 ) -> list[RowMapping]:
-    """`rows` (by priority, then id) in the order a fair claim with `after` and `weights`
+    """`rows` (by priority, then id) in the order a fair claim with `after` and the weights
     served them: by priority, then in rounds (each group's first `weight` rows, then its
     next…), in a round the groups (routing key, tenant) after `after` first, then arrival."""
     if len({(row["routing_key"], row["tenant"]) for row in rows}) < 2:
@@ -594,7 +600,7 @@ def served_order(
     served = []
     for row in rows:
         group = (row["routing_key"], row["tenant"])
-        w = (weights or {}).get(group[0], 1)
+        w = (weights or {}).get(group[0], 1) * (tenant_weights or {}).get(group[1], 1)
         turns[row["priority"], group] += 1
         turn = (turns[row["priority"], group] + w - 1) // w
         served.append((-row["priority"], turn, group <= after, row["id"], row))
@@ -646,8 +652,9 @@ def _fair_claim_statement(
     fair: bool,
     caps: tuple[tuple[str, int], ...],
     weights: tuple[tuple[str, int], ...] = (),
+    tenant_weights: tuple[tuple[str, int], ...] = (),
 ) -> Any:
-    """The claim of `claim_inbox` with `caps`, in rounds of `weights` (`fair`) or arrival
+    """The claim of `claim_inbox` with `caps`, in rounds of the weights (`fair`) or arrival
     order, built once per schema, caps and weights.
 
     On PostgreSQL the groups (type and tenant) waiting are read from the index of pending rows
@@ -715,10 +722,11 @@ def _fair_claim_statement(
         turns a round: round = ceil(turn / w)), in a round the groups after `after` first."""
         if not fair:
             return (q.c.id,)
-        rounds = q.c.turn
-        if weights:
-            ceil = ((q.c.routing_key == key, (q.c.turn + (w - 1)) // w) for key, w in weights)
-            rounds = case(*ceil, else_=q.c.turn)
+        w: Any = literal(1)
+        for of, given in ((q.c.routing_key, weights), (q.c.tenant, tenant_weights)):
+            if given:
+                w = w * case(*((of == key, n) for key, n in given), else_=1)
+        rounds = (q.c.turn + w - 1) // w if weights or tenant_weights else q.c.turn
         return (rounds, tuple_(q.c.routing_key, q.c.tenant) <= after, q.c.id)
 
     if places is not None:  # a capped type's places, to its rows in served order

@@ -207,6 +207,27 @@ def test_the_tenants_of_one_type_are_served_in_turn(
     service.close()
 
 
+@pytest.mark.parametrize("batch", [4, 20])
+@pytest.mark.parametrize("where", ["postgresql", "sqlite"])
+def test_a_tenant_of_weight_three_gets_three_turns_to_each_turn_of_the_others(
+    db_url: str, tmp_path: Path, where: str, batch: int
+) -> None:
+    weights = {"acme": 3}
+    service, handled = _tenants(
+        db_url, tmp_path, where, worker_batch_size=batch, tenant_weights=weights
+    )
+    _store(service, "job.run", 6, tenant="acme")
+    _store(service, "job.run", 4, tenant="bolt")
+    worker = service.worker()
+    with _connected(worker) as conn:
+        while worker.work_once(conn):
+            pass
+    assert handled == (["acme"] * 3 + ["bolt"]) * 2 + ["bolt"] * 2
+    with pytest.raises(ConfigurationError, match="tenant_weights must map"):
+        Service("billing", db_url=db_url, mq_url=None, tenant_weights={"acme": 0})
+    service.close()
+
+
 def test_a_tenant_spread_over_many_keys_gets_no_more_than_its_share(db_url: str) -> None:
     service, handled = _tenants(db_url, Path(), "postgresql", worker_batch_size=10)
     with service.engine.begin() as conn:
