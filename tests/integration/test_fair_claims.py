@@ -70,15 +70,20 @@ def _connected(worker: Worker) -> Iterator[Connection]:
         worker.close_liveness()
 
 
+def _drain(service: Service) -> None:
+    """One worker of `service` works until nothing is due."""
+    worker = service.worker()
+    with _connected(worker) as conn:
+        while worker.work_once(conn):
+            pass
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_three_types_with_five_waiting_each_are_served_in_turn(db_url: str, batch: int) -> None:
     service, handled = _service(db_url, ("a.run", "b.run", "c.run"), worker_batch_size=batch)
     for command in ("a.run", "b.run", "c.run"):
         _store(service, command, 5)
-    worker = service.worker()
-    with _connected(worker) as conn:
-        while worker.work_once(conn):
-            pass
+    _drain(service)
     assert handled == ["a.run", "b.run", "c.run"] * 5
     service.close()
 
@@ -103,10 +108,7 @@ def test_a_type_of_weight_three_gets_three_turns_to_each_turn_of_the_others(
         service.on_command(command, weight=weight)(handle)
     _store(service, "a.run", 6)
     _store(service, "b.run", 4)
-    worker = service.worker()
-    with _connected(worker) as conn:
-        while worker.work_once(conn):
-            pass
+    _drain(service)
     assert handled == (["a.run"] * 3 + ["b.run"]) * 2 + ["b.run"] * 2
     service.close()
 
@@ -124,10 +126,7 @@ def test_with_fair_claims_off_the_types_are_served_in_arrival_order(db_url: str)
     service, handled = _service(db_url, ("a.run", "b.run"), fair_claims=False)
     for command in ("a.run", "b.run"):
         _store(service, command, 3)
-    worker = service.worker()
-    with _connected(worker) as conn:
-        while worker.work_once(conn):
-            pass
+    _drain(service)
     assert handled == ["a.run"] * 3 + ["b.run"] * 3
     service.close()
 
@@ -199,10 +198,7 @@ def test_the_tenants_of_one_type_are_served_in_turn(
     service, handled = _tenants(db_url, tmp_path, where, worker_batch_size=batch)
     for tenant in ("acme", "bolt", "cask"):
         _store(service, "job.run", 5, tenant=tenant)
-    worker = service.worker()
-    with _connected(worker) as conn:
-        while worker.work_once(conn):
-            pass
+    _drain(service)
     assert handled == ["acme", "bolt", "cask"] * 5
     service.close()
 
@@ -218,10 +214,7 @@ def test_a_tenant_of_weight_three_gets_three_turns_to_each_turn_of_the_others(
     )
     _store(service, "job.run", 6, tenant="acme")
     _store(service, "job.run", 4, tenant="bolt")
-    worker = service.worker()
-    with _connected(worker) as conn:
-        while worker.work_once(conn):
-            pass
+    _drain(service)
     assert handled == (["acme"] * 3 + ["bolt"]) * 2 + ["bolt"] * 2
     with pytest.raises(ConfigurationError, match="tenant_weights must map"):
         Service("billing", db_url=db_url, mq_url=None, tenant_weights={"acme": 0})
@@ -254,10 +247,7 @@ def test_a_capped_types_places_go_to_its_tenants_in_turn(
     service, handled = _tenants(db_url, tmp_path, where, cap=1)
     for tenant in ("acme", "bolt"):
         _store(service, "job.run", 3, tenant=tenant)
-    worker = service.worker()
-    with _connected(worker) as conn:
-        while worker.work_once(conn):
-            pass
+    _drain(service)
     assert handled == ["acme", "bolt"] * 3
     service.close()
 
@@ -267,10 +257,7 @@ def test_priorities_come_before_the_turns_of_the_types(db_url: str) -> None:
     _store(service, "a.run", 3)
     _store(service, "b.run", 3, priority=5)
     _store(service, "c.run", 3, priority=5)
-    worker = service.worker()
-    with _connected(worker) as conn:
-        while worker.work_once(conn):
-            pass
+    _drain(service)
     # Batches of 4, each handled in the order served: b1 c1 b2 c2 | b3 c3 a1 a2 | a3.
     assert handled == ["b.run", "c.run"] * 3 + ["a.run"] * 3
     service.close()
@@ -487,10 +474,7 @@ def test_sqlite_serves_the_types_in_the_same_turns(tmp_path: Path) -> None:
     for command in ("a.run", "b.run", "c.run"):
         _store(service, command, 5)
     _store(service, "a.run", 1, priority=5)
-    worker = service.worker()
-    with _connected(worker) as conn:
-        while worker.work_once(conn):
-            pass
+    _drain(service)
     # The turn after the urgent a.run goes on from the next type.
     assert handled == ["a.run"] + ["b.run", "c.run", "a.run"] * 5
     service.close()
