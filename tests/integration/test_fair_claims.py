@@ -70,6 +70,16 @@ def _connected(worker: Worker) -> Iterator[Connection]:
         worker.close_liveness()
 
 
+def _billing(db_url: str, tmp_path: Path, where: str, **settings: Any) -> Service:
+    """billing with `settings`, on the test's PostgreSQL or (`where` "sqlite") a SQLite file."""
+    if where == "postgresql":
+        return make_service("billing", db_url, None, **settings)
+    sqlite = f"sqlite:///{tmp_path / 'billing.db'}"
+    service = Service("billing", db_url=sqlite, mq_url=None, **settings)
+    service.migrate()
+    return service
+
+
 def _drain(service: Service) -> None:
     """One worker of `service` works until nothing is due."""
     worker = service.worker()
@@ -93,12 +103,7 @@ def test_three_types_with_five_waiting_each_are_served_in_turn(db_url: str, batc
 def test_a_type_of_weight_three_gets_three_turns_to_each_turn_of_the_others(
     db_url: str, tmp_path: Path, batch: int, where: str
 ) -> None:
-    if where == "postgresql":
-        service = make_service("billing", db_url, None, worker_batch_size=batch)
-    else:
-        sqlite = f"sqlite:///{tmp_path / 'billing.db'}"
-        service = Service("billing", db_url=sqlite, mq_url=None, worker_batch_size=batch)
-        service.migrate()
+    service = _billing(db_url, tmp_path, where, worker_batch_size=batch)
     handled: list[str] = []
     for command, weight in (("a.run", 3), ("b.run", None)):
 
@@ -176,14 +181,9 @@ def test_a_type_spread_over_many_keys_gets_no_more_than_its_share(db_url: str) -
 def _tenants(
     db_url: str, tmp_path: Path, where: str, cap: int | None = None, **settings: Any
 ) -> tuple[Service, list[str]]:
-    """billing on PostgreSQL or SQLite with a ``job.run`` handler (of `cap`) that notes the
-    tenant of each message it handled, in order."""
-    if where == "postgresql":
-        service = make_service("billing", db_url, None, **settings)
-    else:
-        sqlite = f"sqlite:///{tmp_path / 'billing.db'}"
-        service = Service("billing", db_url=sqlite, mq_url=None, **settings)
-        service.migrate()
+    """`_billing` with a ``job.run`` handler (of `cap`) that notes the tenant of each message
+    it handled, in order."""
+    service = _billing(db_url, tmp_path, where, **settings)
     handled: list[str] = []
     record = lambda message, session: handled.append(message.tenant)  # noqa: E731
     service.on_command("job.run", max_concurrency=cap)(record)
