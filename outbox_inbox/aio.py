@@ -1,18 +1,10 @@
 """The asyncio side: the worker on the async driver, and the roles in an event loop.
 
-`AsyncWorker` is the worker of `worker.py` on an `AsyncConnection` (psycopg's async driver).
-It does not copy the batch loop: it runs the very same `Worker.work_once` through
-`AsyncConnection.run_sync`, the way SQLAlchemy's asyncio extension runs its own sync core: the
-code runs in a greenlet, and each statement it executes is awaited on the async driver from the
-event loop. Claim, one transaction per batch, savepoint redo on a failure, suspects run alone,
-the liveness lock and `ConnectionLost` are therefore those of the sync worker, line for line.
-An ``async def`` handler is awaited on the loop with an `AsyncSession` that proxies the batch's
-Session, so what it awaits runs on the worker's connection, in the transaction that marks its
-message processed (`handlers.Subscription.call`). A sync handler runs there too, as it would in
-the thread worker (its statements are awaited on the driver behind its back).
-
-The relay and the receiver keep their threads (pika is a blocking client):
-`start_roles` runs them with `Service.start` and the workers as tasks of the running loop.
+`AsyncWorker` does not copy the batch loop: it runs the very same `Worker.work_once` through
+`AsyncConnection.run_sync`, so claim, transaction, redo and liveness lock are the sync
+worker's, line for line; how an ``async def`` handler then gets its transaction is in
+docs/async-services.md ("How the asyncio worker gives it that transaction"). The relay and
+the receiver keep their threads (pika is a blocking client).
 """
 
 from __future__ import annotations
