@@ -1,13 +1,11 @@
 """Fault messages: what a service tells a command's sender when the command ended dead there.
 
-When the worker marks an inbox row dead (rejected, attempts exhausted, abandoned, expired,
-invalid payload, no handler), it writes a fault into the receiving service's outbox in the
-same transaction: the fault leaves if and only if the dead mark commits. The fault is a
-command to the sender (the row's ``source``, the AMQP ``app_id`` its relay set) on the
-``commands`` exchange, routed ``<sender>.fault.<original routing key>``: the sender's inbox
-binding ``<sender>.#`` takes it with no new declaration. Its JSON payload is a `Fault`
-(docs/wire-format.md). Events get faults only when the receiving service opts in
-(the ``event_faults`` setting); a fault never gets a fault of its own.
+When the worker marks an inbox row dead it writes a fault into the receiving service's outbox
+in the same transaction, so the fault leaves if and only if the dead mark commits
+(docs/failures.md, "A fault back to the sender"). The fault is a command to the sender (the
+row's ``source``), routed ``<sender>.fault.<original routing key>`` so that the sender's own
+binding ``<sender>.#`` takes it; its JSON payload is a `Fault` (docs/wire-format.md). Events
+get one only with the ``event_faults`` setting; a fault never gets a fault of its own.
 """
 
 from __future__ import annotations
