@@ -2,9 +2,7 @@
 
 Everything here goes through outbox_inbox.status.health and outbox_inbox.dead_letters.DeadLetters,
 the functions behind `outbox-inbox status` and `dead-letters`: the dashboard shows the same
-numbers and acts the same way. An action selects by message id, so exactly the dead letters the
-operator confirmed are replayed, purged or parked (a group's action confirms the group's letters
-by id as well, and keeps to the group).
+numbers and acts the same way (by message id: see `act`).
 """
 
 from __future__ import annotations
@@ -58,7 +56,7 @@ class WatchedService:
         )
 
 
-#: Writes the audit line of an action: keyword arguments of outbox_inbox.cli.audit.write_audit
+#: Writes the audit line of an action: keyword arguments of outbox_inbox.audit_trail.write_audit
 #: (command, service, source, filters, counts, message_ids, dry_run, error, and `client`).
 AuditWriter = Callable[..., Any]
 
