@@ -233,9 +233,6 @@ class RabbitMQBroker:
 #: Where `RabbitMQBroker.body_limit` sends its probe: a queue name no service can have.
 SIZE_PROBE_ROUTING_KEY = "outbox-inbox.size-probe"
 
-
-# --- publishing frames ---------------------------------------------------------------------
-
 _LONG_STRING = struct.Struct(">cI")
 _INT32 = struct.Struct(">ci")
 _FRAME_END = b"\xce"
