@@ -95,12 +95,9 @@ class RabbitMQBroker:
     (``amqp://user:password@node1:5672,node2:5672/vhost``: see `config.broker_urls`).
 
     Every connection it opens negotiates AMQP heartbeats of `heartbeat` seconds (unless the URL
-    sets ``heartbeat=``); pika checks every `heartbeat` + 5 s that something arrived, so a dead
-    or blackholed link is noticed within 2 * (`heartbeat` + 5) s, 20 s with the default;
-    uses TCP keepalive; gives up connecting after `connect_timeout`; and treats a connection
-    the broker keeps blocked (a memory or disk alarm) for `blocked_connection_timeout` as
-    broken. Blocking and unblocking are logged (with the broker's reason) and counted in
-    `flow_control`.
+    sets ``heartbeat=``), uses TCP keepalive, gives up connecting after `connect_timeout`, and
+    is broken once blocked for `blocked_connection_timeout` (docs/configuration.md says what
+    each bounds). Blocking and unblocking are logged and counted in `flow_control`.
     """
 
     def __init__(
