@@ -80,8 +80,6 @@ class Guard:
     token: str | None = None
     _key: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
 
-    # --- authentication ---------------------------------------------------------------------
-
     def user(self, environ: Environ) -> str | None:
         """Who is asking: the Basic user name, ``token`` for a bearer token, ``local`` without
         a token configured; None when the request is not authenticated."""
@@ -117,8 +115,6 @@ class Guard:
             return ipaddress.ip_address(name).is_loopback
         except ValueError:
             return False
-
-    # --- CSRF --------------------------------------------------------------------------------
 
     def csrf_cookie(self, environ: Environ) -> str | None:
         """The browser's CSRF cookie, when it sent a well-formed one."""
