@@ -178,14 +178,10 @@ class Waker:
         return self._conn
 
     def _pinned(self, conn: psycopg.Connection[tuple[object, ...]]) -> bool:
-        """Whether `conn` keeps its server session while idle (no pooler in transaction mode).
-
-        Another connection (the engine's) opens a transaction; should it get the server
-        connection `conn` used last, which a pooler in transaction mode hands out as soon as
-        `conn` is idle (PgBouncer reuses the most recent one first), `conn`'s next query must
-        run on another. A few tries; True when no other client was ever given our session,
-        which the NOTIFY probe then checks. Sets no state anywhere.
-        """
+        """Whether `conn` keeps its server session while idle (no pooler in transaction mode):
+        once another connection (the engine's) is given the server connection `conn` used
+        last, as PgBouncer does, `conn`'s next query runs on another. True when no other client
+        was given our session in a few tries (the NOTIFY probe then checks). Sets no state."""
         assert self._probe is not None
         try:
             for _ in range(5):
@@ -260,14 +256,9 @@ class Waker:
             )
 
     def _take_back(self, conn: psycopg.Connection[tuple[object, ...]]) -> None:
-        """UNLISTEN on the server connection that holds the registration (`_pid`), so that
-        no other client of a pooler inherits it.
-
-        `conn` asks first, and names the server connection its UNLISTEN ran on: the
-        registration's one when `conn` keeps its session (and, by chance, behind a pooler).
-        When it ran elsewhere, `conn` is behind a pooler in transaction mode and
-        `release_listen` goes and finds the registration's server connection.
-        """
+        """UNLISTEN on the server connection that holds the registration (`_pid`), so that no
+        other client of a pooler inherits it: through `conn`, or, when that ran on another
+        server connection (a pooler in transaction mode), through `release_listen`."""
         pid, self._pid = self._pid, None
         try:
             ran_on = _pid_after(conn, sql.SQL("UNLISTEN {}").format(sql.Identifier(self._channel)))
