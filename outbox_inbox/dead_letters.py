@@ -948,8 +948,7 @@ class DeadLetters:
     ) -> ActionReport:
         """Replay, purge or park the open `selections` (selected, shown and confirmed by the
         caller), at most `rate` letters a second, and write the audit record to `audit_log`
-        (default: `audit_log_path()`, ``$OUTBOX_INBOX_AUDIT_LOG`` else
-        ``outbox-inbox-audit.log`` in the current directory: the CLI's file).
+        (default: `audit_log_path()`, the CLI's file).
 
         The record is written in every case: a dry run or an empty selection (nothing is
         changed then), and an action that fails half-way (with its error, then raised on).
