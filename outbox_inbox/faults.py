@@ -41,13 +41,7 @@ class Fault:
     """The payload of a fault message: a message that ended dead at `service`.
 
     A handler registered with `Service.on_fault` gets it as its typed payload when it
-    declares ``payload: Fault``. `message_id` is the dead message's id as its sender wrote
-    it; `correlation_id` and `causation_id` are the dead message's own; `reason` is its dead
-    reason (``rejected``, ``max_attempts``, ``abandoned``, ``expired``, ``invalid_payload``,
-    ``no_handler``, or a `Reject` subclass's own); `fingerprint` groups deaths of one cause
-    (outbox_inbox.fingerprint); `error` is the first line of the error, if any. The fault
-    message's own correlation id is the dead message's, and its causation id the dead
-    message's id.
+    declares ``payload: Fault``. Each field is described in docs/wire-format.md ("Faults").
     """
 
     message_id: str
