@@ -67,15 +67,10 @@ def worker_engine(url: str | URL, *, prepare_threshold: int | str | None = "auto
 class AsyncWorker:
     """A worker whose transactions run on an `AsyncConnection`, in an event loop.
 
-    Same contract as `Worker` (which it drives): a handler's effects and the processed mark
-    commit together or not at all; retries, dead letters, ordering keys, suspects and the
-    liveness lock are the same. ``async def`` handlers get an `AsyncSession` in that
-    transaction; sync handlers get the Session, as in `Worker`. One task at a time may use an
-    AsyncWorker. Several may run in one loop, each on its own connection.
-
-    A sync handler that blocks (sleeps, calls a blocking client) blocks the loop for that long;
-    an async handler that never returns holds its rows until the server ends the worker's
-    session after ``lease`` idle in transaction, as in `Worker`.
+    Same contract as `Worker` (which it drives; docs/async-services.md, "What differs"):
+    ``async def`` handlers get an `AsyncSession` in the batch's transaction, sync handlers the
+    Session, which a blocking one blocks the loop with. One task at a time may use an
+    AsyncWorker; several may run in one loop, each on its own connection.
     """
 
     def __init__(self, worker: Worker, engine: AsyncEngine) -> None:
