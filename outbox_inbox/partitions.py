@@ -117,10 +117,8 @@ def _bound_time(value: str) -> datetime | None:
 
 def make_ahead(conn: Connection, tables: Tables, interval: str | None, now: datetime) -> list[str]:
     """Create the partitions from the newest one's end to ``AHEAD[interval]`` past `now`
-    (`interval` None: the newest partition's length, an hour or else a day).
-
-    Each new partition is created alone, given its unique index on message_id, and attached:
-    ``ATTACH PARTITION`` takes a lock writers do not wait for. Commits after each partition.
+    (`interval` None: the newest partition's length, an hour or else a day), each by
+    `sql.create_partition` and committed on its own.
     """
     made: list[str] = []
     for parent in KEYS:
