@@ -7,10 +7,8 @@ processes"); `WorkerProcesses` states the contract.
 Children are forked, not spawned: they need the service object with its handlers, which a
 new interpreter could only rebuild from an import path. The parent forks before it starts
 any thread of its own, and each child drops the parent's pooled database connections without
-closing them (psycopg never closes a connection of another process). A child's listener
-hooks run in the child, but for those of a listener marked `Listener.forwarded_from_workers`
-(the Prometheus metrics of `outbox_inbox.metrics`): these are forwarded to the parent, which
-serves them.
+closing them (psycopg never closes a connection of another process). The hooks of a
+listener marked `Listener.forwarded_from_workers` are forwarded to the parent.
 """
 
 from __future__ import annotations
