@@ -511,13 +511,9 @@ class RabbitMQPublisher:
             raise BrokerConnectionError(f"cannot open a publishing channel: {exc!r}") from exc
 
     def _renew(self) -> None:
-        """Publish on a new channel from now on, once the messages in flight are settled.
-
-        After a nack the channel may be what refuses: a RabbitMQ 3.10 channel whose first
-        message to a quorum queue went out while the queue's leader was down keeps sending
-        that message's successors to the dead leader, and nacks them for as long as the
-        channel lives, while a new channel reaches the new leader. A nack for a reason of the
-        queue's own (full, with ``reject-publish``) is given on the new channel alike.
+        """Publish on a new channel from now on, once the messages in flight are settled: after
+        a nack the channel may be what refuses (RabbitMQ 3.10 after a quorum queue's leader
+        died: docs/failures.md); a nack of the queue's own (full) is given on the new one alike.
         """
         while self._batches and not self._broken:
             self.pump(_CONFIRM_WAIT)
