@@ -139,13 +139,10 @@ def ping_after_idle(engine: Engine) -> None:
 
 
 def read_only_drops_the_pool(engine: Engine | AsyncEngine) -> None:
-    """Make a read-only session (`errors.read_only_session`) a lost connection on `engine`.
-
-    A session on a standby stays there: ``pool_pre_ping``'s ``SELECT 1`` works on it, and
-    every write fails, after the failover too, if the standby is not the server promoted.
-    Taken for a disconnect, the error invalidates the pool: the next connection resolves the
-    address, or walks the host list (``target_session_attrs``), again; the roles back off as
-    from any outage, since the error is raised with ``connection_invalidated`` set.
+    """Make a read-only session (`errors.read_only_session`) a lost connection on `engine`:
+    the pool's ping works on a standby and would keep the session for good (docs/failures.md).
+    Taken for a disconnect, the error drops the pool, and the roles back off as from any outage
+    (it is raised with ``connection_invalidated`` set).
     """
     sync_engine = getattr(engine, "sync_engine", engine)
 
