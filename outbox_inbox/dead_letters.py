@@ -441,9 +441,8 @@ class TableSelection:
 class OutboxSelection(TableSelection):
     """Dead outbox rows (the broker refused them on every attempt) matching `filters`.
 
-    Replay makes them unsent again, due now, with their attempts reset: the relay publishes
-    them at its next batch (a keyed row goes before the later unsent rows of its key, though
-    rows of its key published while it was dead have gone before it). Purge deletes them.
+    Replay makes them unsent again, due now, with their attempts reset, for the relay's next
+    batch (docs/cli.md, "replay"). Purge deletes them.
     """
 
     source = OUTBOX
@@ -566,12 +565,8 @@ class QueueSelection:
         return exchange, routing_key, headers
 
     def _find_returned(self, outcome: Outcome, published: dict[str, str]) -> None:
-        """Find replayed commands that came straight back to `unroutable`.
-
-        `commands` has `unroutable` as its alternate exchange, so a command that still has no
-        queue is not returned to the publisher: the broker routes it to `unroutable` again,
-        at the end of the queue, before it confirms. Those copies are left there.
-        """
+        """Find replayed commands that came straight back to the end of `unroutable` (through
+        the alternate exchange of `commands`, before the confirm), and leave them there."""
         for _ in range(self._reader.depth()):
             taken = self._reader.get()
             if taken is None:
