@@ -102,10 +102,9 @@ def act(
     parked rows (park itself takes dead rows, of the table and outbox sources only).
 
     The selection is made again here, by id: a letter replayed or purged by someone else in
-    the meantime is not found (reported as missing), never acted on twice. A queue replay
-    resets the broker-redelivery counters of its messages first, as the CLI does. The audit
-    line is written even when the action fails half-way; errors of the servers are returned
-    in the result, not raised.
+    the meantime is not found (reported as missing), never acted on twice. The action is
+    `DeadLetters.act`'s. The audit line is written even when the action fails half-way;
+    errors of the servers are returned in the result, not raised.
     """
     if action not in ACTIONS:
         raise ValueError(f"unknown action {action!r}")
