@@ -675,8 +675,7 @@ def _created(message: WireMessage) -> datetime | None:
         value = value.decode("utf-8", "replace")
     if isinstance(value, str):
         with contextlib.suppress(ValueError):
-            parsed = datetime.fromisoformat(value)
-            return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+            return _aware(value)
     if message.timestamp:
         return datetime.fromtimestamp(message.timestamp, UTC)
     return None
