@@ -53,6 +53,7 @@ def _service(ctx: Context, **settings: Any) -> Service:
     svc.on_command("cap.run")(lambda message, session: None)  # run by _CAPPED's processes
     for command in ("split.run", "whole.run"):  # the order they are handled in, noted
         svc.on_command(command)(lambda message, session: served.append(message.type))
+    svc.on_command("tenant.run")(lambda message, session: served.append(message.tenant))
     return svc
 
 
@@ -60,19 +61,21 @@ def _service(ctx: Context, **settings: Any) -> Service:
 served: list[str] = []
 
 
-def _seed(ctx: Context, svc: Service, command: str, rows: int, keys: int = 0) -> None:
-    """F's inbox emptied, then `rows` pending `command` rows (over `keys` ordering keys, or
-    none); with `keys` < 0 the rows are added to what is there."""
+def _seed(
+    ctx: Context, svc: Service, command: str, rows: int, keys: int = 0, tenant: str = ""
+) -> None:
+    """F's inbox emptied, then `rows` pending `command` rows of `tenant` (over `keys` ordering
+    keys, or none); with `keys` < 0 the rows are added to what is there."""
     inbox = sql.Identifier(svc.settings.schema, "inbox_messages")
     if keys >= 0:
         ctx.sql(sql.SQL("TRUNCATE {}").format(inbox))
     ctx.sql(
         sql.SQL(
-            "INSERT INTO {} (message_id, source, kind, routing_key, payload, headers, key)"
-            " SELECT gen_random_uuid(), %s, 'command', %s, {}, '{{}}'::jsonb,"
+            "INSERT INTO {} (message_id, source, kind, routing_key, payload, headers, tenant, key)"
+            " SELECT gen_random_uuid(), %s, 'command', %s, {}, '{{}}'::jsonb, %s,"
             " CASE WHEN %s > 0 THEN 'k' || i %% %s END FROM generate_series(1, %s) AS i"
         ).format(inbox, sql.SQL(PAYLOAD_SQL)),
-        params=(svc.name, f"{svc.name}.{command}", keys, max(keys, 1), rows),
+        params=(svc.name, f"{svc.name}.{command}", tenant, keys, max(keys, 1), rows),
     )
     ctx.vacuum(inbox)
 
@@ -182,14 +185,21 @@ def urgent_latency(ctx: Context, fair: bool) -> dict[str, Any]:
     return result
 
 
-def key_split_share(ctx: Context) -> dict[str, Any]:
-    """Two types wait, N/2 rows each: ``split.run`` spread over 100 ordering keys and
-    ``whole.run`` with none; 2 worker threads drain them. The split type's share of what was
-    handled while both had work (fair: 0.5)."""
+def key_split_share(ctx: Context, by: str) -> dict[str, Any]:
+    """Two groups wait, N/2 rows each, one spread over 100 ordering keys and one with none: by
+    ``type``, ``split.run`` and ``whole.run``; by ``tenant``, the tenants ``split`` and
+    ``whole`` of ``tenant.run``. 2 worker threads drain them. The split group's share of what
+    was handled while both had work (fair: 0.5)."""
     svc = _service(ctx, worker_batch_size=50)
     half = max(ctx.n // 2, 100)
-    _seed(ctx, svc, "split.run", half, keys=100)
-    _seed(ctx, svc, "whole.run", half, keys=-1)
+    if by == "type":
+        split, whole = f"{svc.name}.split.run", f"{svc.name}.whole.run"
+        _seed(ctx, svc, "split.run", half, keys=100)
+        _seed(ctx, svc, "whole.run", half, keys=-1)
+    else:
+        split, whole = "split", "whole"
+        _seed(ctx, svc, "tenant.run", half, keys=100, tenant=split)
+        _seed(ctx, svc, "tenant.run", half, keys=-1, tenant=whole)
     served.clear()
     workers = [svc.worker() for _ in range(2)]
     for k, worker in enumerate(workers):
@@ -197,12 +207,12 @@ def key_split_share(ctx: Context) -> dict[str, Any]:
     wait_until(lambda: len(served) >= 2 * half, ctx.timeout, "split", ctx.threads)
     ctx.threads.stop_all()
     svc.close()
-    split = f"{svc.name}.split.run"
-    both = served[: min(_last(served, t) for t in (split, f"{svc.name}.whole.run")) + 1]
+    both = served[: min(_last(served, t) for t in (split, whole)) + 1]
     share = both.count(split) / len(both)
     print(
-        f"  fk  a type over 100 keys against one with none: its share while both wait"
-        f" {share:.2f} (fair 0.50; {len(both):,} of {2 * half:,} handled then)",
+        f"  {'fk ' if by == 'type' else 'fkt'} a {by} over 100 keys against one with none:"
+        f" its share while both wait {share:.2f}"
+        f" (fair 0.50; {len(both):,} of {2 * half:,} handled then)",
         flush=True,
     )
     return {"split_share": share, "handled_while_both_wait": len(both), "total": 2 * half}
@@ -283,5 +293,6 @@ def measure(ctx: Context) -> None:
     ctx.sql(sql.SQL("CREATE TABLE {} (n int, at timestamptz)").format(handled))
     noop_rates(ctx)
     ctx.results["fair"] = [urgent_latency(ctx, fair) for fair in (True, False)]
-    ctx.results["fair_split"] = key_split_share(ctx)
+    ctx.results["fair_split"] = key_split_share(ctx, "type")
+    ctx.results["fair_split_tenant"] = key_split_share(ctx, "tenant")
     ctx.results["fair_cap"] = cap_across_processes(ctx)

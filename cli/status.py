@@ -119,6 +119,10 @@ def _print(report: dict[str, Any]) -> None:
             for t in inbox["by_type"]
         ]
         echo(render_table(["TYPE", "PENDING", "IN PROGRESS", "DEAD", "CAP"], types))
+    if inbox["by_tenant"]:
+        echo(f"\n{inbox['tenants_waiting']} tenants waiting; most waiting:")
+        tenants = [(t["tenant"], t["pending"], t["in_progress"]) for t in inbox["by_tenant"]]
+        echo(render_table(["TENANT", "PENDING", "IN PROGRESS"], tenants))
     _print_wakeups(report.get("wakeups") or {})
     _print_held_keys(report["held_keys"])
     _print_broker(report["broker"])

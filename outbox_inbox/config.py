@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Literal, TypeGuard
 
@@ -195,6 +196,9 @@ class Settings:
     #: Claims serve the message types waiting in turn, within a priority (docs/concepts.md);
     #: False: in arrival order.
     fair_claims: bool = True
+    #: Turns of a tenant in each round of a fair claim, for each turn of the others (1 without
+    #: one), times its type's handler ``weight``.
+    tenant_weights: Mapping[str, int] = field(default_factory=dict)
     worker_threads: int = 1
     #: Worker processes of `Service.run()` / `run_worker()` (``outbox-inbox run``), each with
     #: ``worker_threads`` workers; None: one per CPU this process may use (its affinity and
@@ -265,6 +269,11 @@ class Settings:
             raise ConfigurationError(
                 f"processes must be None or a whole number >= 1, got {self.processes!r}"
             )
+        if not isinstance(self.tenant_weights, Mapping) or not all(
+            isinstance(t, str) and _whole(w) and w >= 1 for t, w in self.tenant_weights.items()
+        ):
+            raise ConfigurationError("tenant_weights must map tenants to whole numbers >= 1")
+        object.__setattr__(self, "tenant_weights", dict(self.tenant_weights))
         if self.publish_window > self.relay_batch_size:
             object.__setattr__(self, "publish_window", self.relay_batch_size)
         if not _whole(self.max_message_bytes):

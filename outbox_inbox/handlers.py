@@ -7,7 +7,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypedDict, Unpack
+from typing import Any, Literal, NamedTuple, TypedDict, Unpack, get_args
 
 from opentelemetry.trace import Span, Tracer
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -215,6 +215,14 @@ def _takes_context(handler: Callable[..., Any], batch: bool) -> bool:
     )
 
 
+#: `HandlerOptions.delivery`: effects once, retried on failure (``exactly_once``); marked
+#: processed before the attempt, lost on a crash or an error (``at_most_once``); one attempt in
+#: the marking transaction, dead on a crash or an error (``one_attempt``).
+Delivery = Literal["exactly_once", "at_most_once", "one_attempt"]
+#: The retry policy of ``one_attempt``: the first failure is final (`retry.MAX_ATTEMPTS`).
+_ONCE = RetryPolicy(max_attempts=1)
+
+
 class HandlerKeywords(TypedDict, total=False):
     """The keywords of `Service.on_command` and `on_event`: the fields of `HandlerOptions`
     (for type checkers; tests/unit/test_handler_options.py holds the two equal)."""
@@ -224,6 +232,7 @@ class HandlerKeywords(TypedDict, total=False):
     version: int | None
     max_concurrency: int | None
     weight: int | None
+    delivery: Delivery
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -233,15 +242,21 @@ class HandlerOptions:
     version (``message.version``) it handles; None: every version. `max_concurrency`: the
     most messages of its routing key handled at once by every worker of the database
     together (`queries.roles.claim_inbox`); None: no cap. `weight`: the turns its routing key
-    gets in fair claims for each turn of the other types (None: 1)."""
+    gets in fair claims for each turn of the other types (None: 1). `delivery`: a `Delivery`
+    (docs/concepts.md#at-most-once-handlers); at most once, it takes no `retry`."""
 
     retry: RetryPolicy | None = None
     batch: bool = False
     version: int | None = None
     max_concurrency: int | None = None
     weight: int | None = None
+    delivery: Delivery = "exactly_once"
 
     def __post_init__(self) -> None:
+        if self.delivery not in get_args(Delivery):
+            raise ConfigurationError(f"delivery must be one of {get_args(Delivery)}")
+        if self.delivery != "exactly_once" and self.retry is not None:
+            raise ConfigurationError(f"delivery={self.delivery!r} is one attempt: no retry policy")
         for name in ("version", "max_concurrency", "weight"):
             value = getattr(self, name)
             if value is not None and (
@@ -378,15 +393,20 @@ class Subscription:
 
 class Found(NamedTuple):
     """`Handlers.find`'s answer: every subscription, those called per message, the batch
-    handlers."""
+    handlers, and their `delivery` (``one_attempt`` where their options differ: never run twice,
+    never lost without a dead letter)."""
 
     every: list[Subscription]
     single: list[Subscription]
     batch: list[Subscription]
+    delivery: Delivery = "exactly_once"
 
     @property
     def retry(self) -> RetryPolicy | None:
-        """The first handler's own retry policy, if one has any (else the service's applies)."""
+        """``one_attempt``'s policy, else the first handler's own retry policy, if one has any
+        (else the service's applies)."""
+        if self.delivery == "one_attempt":
+            return _ONCE
         return next((s.options.retry for s in self.every if s.options.retry is not None), None)
 
 
@@ -509,10 +529,12 @@ class Handlers:
                     if s.kind == EVENT and topic_matches(s.pattern, routing_key)
                 ]
             every = [s for s in every if s.handles(version)]
+            modes: set[Delivery] = {s.options.delivery for s in every} or {"exactly_once"}
             found = Found(
                 every,
                 [s for s in every if not s.options.batch],
                 [s for s in every if s.options.batch],
+                modes.pop() if len(modes) == 1 else "one_attempt",
             )
             if len(self._found) < 10_000:  # routing keys come from senders: keep it bounded
                 self._found[(kind, routing_key, version)] = found

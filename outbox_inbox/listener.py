@@ -49,7 +49,7 @@ class Listener:
 
     def dead(self, reason: str, count: int) -> None:
         """`count` messages are dead for `reason`: a worker's dead reason (``rejected``,
-        ``max_attempts``, ``abandoned``, ``expired``, ``no_handler``), a receiver's
+        ``max_attempts``, ``abandoned``, ``interrupted``, ``expired``, ``no_handler``), a receiver's
         (``invalid``, ``store_failed``, ``redelivered``: sent to the dead-letter queue) or the
         relay's (``refused``: the outbox row)."""
 

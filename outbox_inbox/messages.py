@@ -33,6 +33,8 @@ H_KIND = "x-kind"
 H_VERSION = "x-version"
 H_CAUSATION = "x-causation-id"
 H_KEY = "x-key"
+#: The tenant whose work it is: a fair claim serves tenants in turn (docs/concepts.md).
+H_TENANT = "x-tenant"
 H_CREATED = "x-created-at"
 H_EXPIRES = "x-expires-at"
 H_ATTEMPT = "x-attempt"
@@ -60,7 +62,7 @@ TRANSPORT_HEADERS = frozenset[str]().union(
 )
 #: Every header the library owns.
 RESERVED_HEADERS = TRANSPORT_HEADERS.union(
-    (H_KIND, H_VERSION, H_CAUSATION, H_KEY, H_CREATED, H_EXPIRES),
+    (H_KIND, H_VERSION, H_CAUSATION, H_KEY, H_TENANT, H_CREATED, H_EXPIRES),
     (H_ATTEMPT, H_ORIGINAL_ID, H_AMQP_TYPE),
 )
 
@@ -82,6 +84,8 @@ class Message:
     correlation_id: str | None = None
     causation_id: str | None = None
     key: str | None = None
+    #: The tenant its sender named (``x-tenant``); "" for none.
+    tenant: str = ""
     priority: int = 0
     attempt: int = 1
     created_at: datetime | None = None
@@ -467,6 +471,7 @@ RECEIVED_COLUMNS = (
     "correlation_id",
     "causation_id",
     "key",
+    "tenant",
     "priority",
     "created_at",
     "expires_at",
@@ -549,6 +554,7 @@ def from_wire(wire: WireMessage, *, max_bytes: int | None = None) -> dict[str, A
     version = _version(raw.pop(H_VERSION, None))
     key_value = raw.pop(H_KEY, None)
     key = _header_text(key_value, H_KEY) if key_value is not None else None
+    tenant = _header_text(raw.pop(H_TENANT, None) or "", H_TENANT)
     causation_value = raw.pop(H_CAUSATION, None)
     causation = _header_text(causation_value, H_CAUSATION) if causation_value else None
     correlation = _property(wire.correlation_id, "correlation_id")
@@ -569,6 +575,7 @@ def from_wire(wire: WireMessage, *, max_bytes: int | None = None) -> dict[str, A
         "correlation_id": _column(correlation or message_id, "correlation_id"),
         "causation_id": _column(causation, H_CAUSATION),
         "key": _column(key or None, H_KEY),
+        "tenant": _column(tenant, H_TENANT),
         "priority": priority,
         "created_at": created_at,
         "expires_at": expires_at,

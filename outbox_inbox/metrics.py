@@ -286,6 +286,7 @@ _GAUGES = (
         "oldest_pending_age_seconds",
     ),
     ("inbox_dead", "Dead inbox rows.", "dead"),
+    ("inbox_tenants_waiting", "Tenants with inbox rows pending.", "tenants_waiting"),
 )
 
 
@@ -329,6 +330,8 @@ class _StateCollector(Collector):
                 if t["cap"] is not None:
                     binding = float(t["cap_binding"])
                     families["inbox_cap_binding"].add_metric([service, t["type"]], binding)
+            for t in state["inbox"]["by_tenant"]:
+                families["inbox_tenant_pending"].add_metric([service, t["tenant"]], t["pending"])
         return list(families.values())
 
     @staticmethod
@@ -347,6 +350,11 @@ class _StateCollector(Collector):
             ("inbox_cap_binding", "1 while the type's max_concurrency holds back work, else 0."),
         ):
             families[name] = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["service", "type"])
+        families["inbox_tenant_pending"] = GaugeMetricFamily(
+            f"{PREFIX}_inbox_tenant_pending",
+            "Inbox rows of the tenant waiting, for the 10 tenants with the most.",
+            labels=["service", "tenant"],
+        )
         return families
 
 

@@ -22,6 +22,7 @@ from .messages import (
     COMMANDS_EXCHANGE,
     EVENT,
     EVENTS_EXCHANGE,
+    H_TENANT,
     check_headers,
     payload_json,
 )
@@ -49,6 +50,7 @@ class WriteKeywords(TypedDict, total=False):
     `WriteOptions` (for type checkers; tests/unit/test_outbox_options.py holds them equal)."""
 
     key: str | None
+    tenant: str | None
     headers: Mapping[str, Any] | None
     correlation_id: str | None
     message_id: uuid.UUID | None
@@ -62,14 +64,16 @@ class WriteKeywords(TypedDict, total=False):
 class WriteOptions:
     """How one message is written, besides its name and payload; `Outbox._row` checks them.
 
-    `key`: the ordering key (at most 255 characters). `headers`: the sender's, JSON values,
-    none reserved. `correlation_id`: else the handled message's, else the new message id.
-    `message_id`: else a new UUID. `priority`: 0..255. `ttl`: seconds (or a timedelta) after
-    which it expires unhandled. `version`: the payload version, >= 1. `delay`: seconds (or a
-    timedelta) before it is sent.
+    `key`: the ordering key (at most 255 characters). `tenant`: whose work it is (at most 255
+    characters; else the handled message's): fair claims serve tenants in turn. `headers`:
+    the sender's, JSON values, none reserved. `correlation_id`: else the handled message's,
+    else the new message id. `message_id`: else a new UUID. `priority`: 0..255. `ttl`: seconds
+    (or a timedelta) after which it expires unhandled. `version`: the payload version, >= 1.
+    `delay`: seconds (or a timedelta) before it is sent.
     """
 
     key: str | None = None
+    tenant: str | None = None
     headers: Mapping[str, Any] | None = None
     correlation_id: str | None = None
     message_id: uuid.UUID | None = None
@@ -200,8 +204,10 @@ class Outbox:
         encoded = payload_json(payload, limit=self._limit)
         o = WriteOptions(**options)
         clean_headers = check_headers(o.headers)
-        if o.key is not None and (not isinstance(o.key, str) or not o.key or len(o.key) > 255):
-            raise MessageError("key must be a non-empty string of at most 255 characters")
+        for name in ("key", "tenant"):
+            value = getattr(o, name)
+            if value is not None and (not isinstance(value, str) or not value or len(value) > 255):
+                raise MessageError(f"{name} must be a non-empty string of at most 255 characters")
         if o.priority is not None and (isinstance(o.priority, bool) or not 0 <= o.priority <= 255):
             raise MessageError("priority must be an int in 0..255")
         if not isinstance(o.version, int) or o.version < 1:
@@ -227,9 +233,13 @@ class Outbox:
             # that a sender can match what a handler sends to the message it handled.
             row["correlation_id"] = o.correlation_id or parent.correlation_id or parent.original_id
             row["causation_id"] = parent.original_id
+            tenant: str | None = o.tenant or parent.tenant
         else:  # a message written outside a handler starts a conversation
             row["correlation_id"] = o.correlation_id or str(row["message_id"])
             row["causation_id"] = None
+            tenant = o.tenant
+        if tenant:
+            clean_headers[H_TENANT] = tenant  # the row's headers: checked, then the tenant
         return row
 
 

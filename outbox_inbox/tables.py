@@ -183,6 +183,7 @@ def _inbox_table(metadata: MetaData) -> Table:
         Column("correlation_id", String(255), nullable=True),
         Column("causation_id", String(255), nullable=True),
         Column("key", String(255), nullable=True),
+        Column("tenant", String(255), nullable=False, server_default=text("''")),
         Column("priority", SmallInteger, nullable=False, server_default=text("0")),
         Column("created_at", _Time, nullable=True),
         Column("expires_at", _Time, nullable=True),
@@ -204,9 +205,9 @@ def _inbox_table(metadata: MetaData) -> Table:
     _partial_index("ix_inbox_messages_pending", pending, inbox.c.priority.desc(), inbox.c.id)
     has_key = pending & inbox.c.key.is_not(None)
     _partial_index("ix_inbox_messages_pending_key", has_key, inbox.c.key, inbox.c.id)
-    # The fair claim: the types waiting (one probe each), each one's rows in claim order, and
-    # the rows of a type leased now (counted against its cap; a row leaves it when released).
-    by_type = (inbox.c.routing_key, inbox.c.priority.desc(), inbox.c.id)
+    # The fair claim: the types and tenants waiting (one probe each), each one's rows in claim
+    # order, and the rows of a type leased now (counted against its cap until released).
+    by_type = (inbox.c.routing_key, inbox.c.tenant, inbox.c.priority.desc(), inbox.c.id)
     _partial_index("ix_inbox_messages_pending_type", pending, *by_type)
     leased = pending & inbox.c.locked_until.is_not(None)
     _partial_index("ix_inbox_messages_leased", leased, inbox.c.routing_key)

@@ -48,8 +48,9 @@ log = logging.getLogger(__name__)
 #: next one, claimed with its marks, so slow handlers get short batches and fast ones full ones.
 BATCH_WORK = 0.05
 
-#: Dead reasons the worker writes from a claim alone (and the handlers': `retry.Dead`).
-NO_HANDLER, EXPIRED, ABANDONED = "no_handler", "expired", "abandoned"
+#: Dead reasons the worker writes from a claim alone (and the handlers': `retry.Dead`);
+#: INTERRUPTED: a ``one_attempt`` row claimed again after an attempt that never finished.
+NO_HANDLER, EXPIRED, ABANDONED, INTERRUPTED = "no_handler", "expired", "abandoned", "interrupted"
 
 
 def worker_name() -> str:
@@ -100,10 +101,14 @@ class _Batch:
     away: list[_Job] = field(default_factory=list)
     #: The dead reasons marked by the last transaction that tried.
     marked: list[str] = field(default_factory=list)
+    #: ``at_most_once`` rows: marked processed before they run (`Worker._settle`).
+    settled: list[_Job] = field(default_factory=list)
+    #: Rows of at-most-once handlers are here: no handler is run twice (one savepoint each).
+    once: bool = False
 
     @property
     def jobs(self) -> list[_Job]:
-        return [*self.run, *(d[0] for d in self.dead), *self.away]
+        return [*self.run, *(d[0] for d in self.dead), *self.away, *self.settled]
 
     @property
     def since(self) -> datetime | None:
@@ -179,8 +184,8 @@ class Worker:
         self._instances = Instances(tables, handlers, settings, service, self.name)
         #: Rows the last batch's transaction claimed for the next batch (see `_run_batch`).
         self._next: list[RowMapping] = []
-        #: The routing key of the last row of the last claim (`roles.claim_inbox`'s `after`).
-        self._served: str | None = None
+        #: The routing key and tenant of the last row claimed (`roles.claim_inbox`'s `after`).
+        self._served: tuple[str, str] | None = None
         #: Seconds the handlers took per message in the last batch (`_claim`); None before one.
         self._per_message: float | None = None
         self._full = False  # the last claim took all it asked for
@@ -378,10 +383,11 @@ class Worker:
             after=self._served,
             caps=self._handlers.per_key("max_concurrency"),
             weights=self._handlers.per_key("weight"),
+            tenant_weights=s.tenant_weights,
             flush_wait=flush_wait,
         )
         if rows and s.fair_claims:  # the next claim's turn starts after the last type served
-            self._served = rows[-1]["routing_key"]
+            self._served = (rows[-1]["routing_key"], rows[-1]["tenant"])
         # More may be due: wake the others, unless done a moment ago (they claim on still).
         self._full = full = len(rows) >= limit
         if self._helpers is not None and full and time.monotonic() - self._woke > 0.1:
@@ -425,10 +431,14 @@ class Worker:
         batch = self._plan(rows)
         try:
             try:
-                handled = self._run_batch(conn, batch, claim_next=claim_next)
+                if batch.settled:
+                    self._settle(conn, batch)
+                handled = self._run_batch(conn, batch, claim_next=claim_next, one_by_one=batch.once)
             except ConnectionLost:
                 raise
             except Exception as exc:
+                if batch.once:
+                    raise  # not again one by one: a handler that ran would run twice
                 cause = exc.error if isinstance(exc, _HandlerFailed) else exc
                 _raise_if_outage(conn, cause)
                 # A handler failed, or the batch's flush or commit did: redo the batch message
@@ -437,8 +447,9 @@ class Worker:
                 log.debug("worker %s: batch failed (%r), one by one", self.name, cause)
                 failed = exc if isinstance(exc, _HandlerFailed) else None
                 handled = self._run_batch(conn, batch, one_by_one=True, failed=failed)
-        except ConnectionLost:  # the database is there but cannot work: given back uncounted
-            self._release(conn, [j.id for j in batch.jobs])
+        except ConnectionLost:  # the database is there but cannot work: given back uncounted,
+            # but for rows of one attempt, which may have run: counted, they end `INTERRUPTED`
+            self._release(conn, [j.id for j in batch.jobs if j.handlers.delivery != "one_attempt"])
             raise
         self.processed += len(handled)
         if self._listener is not None:
@@ -467,7 +478,32 @@ class Worker:
                 batch.away.append(job)  # decided in the batch's transaction: _mark_dead_rows
             else:
                 batch.run.append(job)
+        if any(s.options.delivery != "exactly_once" for s in self._handlers.subscriptions):
+            self._plan_delivery(batch)  # one check per batch
         return batch
+
+    def _plan_delivery(self, batch: _Batch) -> None:
+        """Set apart the rows to run whose handlers run at most once (docs/concepts.md)."""
+        run, batch.run = batch.run, []
+        for job in run:
+            delivery = job.handlers.delivery
+            batch.once = batch.once or delivery != "exactly_once"
+            if delivery == "at_most_once":  # a claimed row never ran: its mark comes first
+                batch.settled.append(job)
+            elif delivery == "one_attempt" and job.row["attempts"] - job.row["finished"] > 1:
+                log.error("worker: %s dead: its one attempt was cut short", job.message.message_id)
+                batch.dead.append((job, INTERRUPTED, False))  # its attempt is counted
+            else:
+                batch.run.append(job)
+
+    def _settle(self, conn: Connection, batch: _Batch) -> None:
+        """Mark the batch's ``at_most_once`` rows still leased here processed, committed before
+        their handlers run (`_run_batch`): a crash or an error then loses them, never reruns."""
+        with conn.begin():
+            ids = [j.id for j in batch.settled]
+            mine = roles.lock_claimed(conn, self._tables, ids, self.claimant, batch.since)
+            batch.settled = [j for j in batch.settled if j.id in mine]
+            roles.mark_processed(conn, self._tables, [j.id for j in batch.settled], batch.since)
 
     def _run_batch(
         self,
@@ -496,6 +532,9 @@ class Worker:
             self._mark_dead_rows(conn, batch, mine)
             jobs = self._to_run(batch.run, mine, unrun)
             if one_by_one:
+                for job in batch.settled:  # processed already: run once, not marked
+                    if self._handle_alone(conn, job):
+                        handled.append(job.message)
                 for job in jobs:
                     if failed is not None and job.id == failed.row_id:
                         self._record_failure(conn, job, failed.error)
@@ -621,37 +660,27 @@ class Worker:
 
     def _record_failure(self, conn: Connection, job: _Job, exc: Exception) -> None:
         """A handler of `job` raised `exc`: retried later or dead, as the policy decides (its
-        handlers' own, else the service's: `RetryPolicy.decide`)."""
+        handlers' own, else the service's: `RetryPolicy.decide`); lost when it was processed
+        before it ran (``at_most_once``: `_settle`)."""
         message, attempt = job.message, job.row["finished"] + 1
         policy = job.handlers.retry or self._settings.retry
-        rejected = isinstance(exc, Reject)
         error = exc.reason if isinstance(exc, Reject) else "".join(traceback.format_exception(exc))
-        match policy.decide(exc, attempt):
+        settled = job.handlers.delivery == "at_most_once"
+        level, outcome = logging.ERROR, "lost: processed before it ran (at_most_once)"
+        match None if settled else policy.decide(exc, attempt):
             case Later(delay):
-                log.warning(
-                    "worker: %s failed on attempt %d, retrying in %.1fs: %r",
-                    message.message_id,
-                    attempt,
-                    delay,
-                    exc,
-                )
-                roles.mark_retry(
-                    conn, self._tables, job.id, error[-8000:], timedelta(seconds=delay)
-                )
+                level, outcome = logging.WARNING, f"retrying in {delay:.1f}s"
+                due = timedelta(seconds=delay)
+                roles.mark_retry(conn, self._tables, job.id, error[-8000:], due)
                 call(self._listener, "failed", message, exc, dead=False)
             case Dead(reason):
-                if rejected:
-                    log.warning("worker: %s %s: %s", message.message_id, reason, error)
-                else:
-                    log.error(
-                        "worker: %s failed on attempt %d, giving up: %r",
-                        message.message_id,
-                        attempt,
-                        exc,
-                    )
+                level = logging.WARNING if isinstance(exc, Reject) else level
+                outcome = f"dead ({reason})"
                 self._mark_dead(conn, job, reason, error[-8000:], finished=True, cause=exc)
                 call(self._listener, "failed", message, exc, dead=True)
                 call(self._listener, "dead", reason, 1)
+        args = (message.message_id, attempt, outcome, exc)
+        log.log(level, "worker: %s failed on attempt %d, %s: %r", *args)
 
 
 def _limit_each_transaction(lease: float) -> Callable[[Connection], None]:

@@ -179,6 +179,7 @@ def received_row(**values: Any) -> dict[str, Any]:
         "correlation_id": None,
         "causation_id": None,
         "key": None,
+        "tenant": "",
         "priority": 0,
         "created_at": None,
         "expires_at": None,

@@ -274,6 +274,10 @@ def service_status(entry: Shown, charts: Safe) -> Safe:
                 ),
             )
         )
+    if inbox["by_tenant"]:
+        parts.append(html("<h2>Tenants waiting: {}</h2>", inbox["tenants_waiting"]))
+        cells = ((t["tenant"], t["pending"], t["in_progress"]) for t in inbox["by_tenant"])
+        parts.append(table(["tenant", "pending", "in progress"], (row(c, {1, 2}) for c in cells)))
     held = status["held_keys"]
     parts.append(html("<h2>Held-back keys: {}</h2>", held["count"]))
     if held["keys"]:

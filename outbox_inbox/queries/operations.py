@@ -242,6 +242,10 @@ def outbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
     }
 
 
+#: The tenants `inbox_status` lists: those with the most rows waiting.
+TOP_TENANTS = 10
+
+
 def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
     """Inbox rows by state, the age of the oldest pending row, and the counts per type, with
     the type's concurrency cap (``max_concurrency``) and whether it holds back work now.
@@ -252,7 +256,8 @@ def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
     key); ``oldest_claimable_age_seconds`` is how long the longest-waiting of them has been
     claimable (since its retry came due or its lease ran out); ``last_handled_age_seconds``
     the age of the newest processed or dead row's ``processed_at`` (None without one): how
-    long ago a worker last finished a row.
+    long ago a worker last finished a row. ``tenants_waiting``: the tenants with pending rows;
+    ``by_tenant``: the `TOP_TENANTS` of them with the most rows waiting.
     """
     i = tables.inbox
     claimable_since = case(
@@ -306,6 +311,13 @@ def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
         .group_by(i.c.routing_key)
         .order_by(i.c.routing_key)
     ).all()
+    pending_tenants = select(i.c.tenant, *counts[:2]).where(i.c.status == PENDING, i.c.tenant != "")
+    tenants = pending_tenants.group_by(i.c.tenant).subquery("tenants")
+    per_tenant = conn.execute(
+        select(tenants, func.count().over().label("waiting"))
+        .order_by(tenants.c.pending.desc(), tenants.c.tenant)
+        .limit(TOP_TENANTS)
+    ).all()
     return {
         "pending": int(totals.pending),
         "in_progress": int(totals.in_progress),
@@ -328,6 +340,11 @@ def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
                 and r.in_progress >= caps[r.routing_key],
             }
             for r in per_type
+        ],
+        "tenants_waiting": per_tenant[0].waiting if per_tenant else 0,
+        "by_tenant": [
+            {"tenant": r.tenant, "pending": int(r.pending), "in_progress": int(r.in_progress)}
+            for r in per_tenant
         ],
     }
 

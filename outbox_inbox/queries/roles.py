@@ -41,6 +41,7 @@ from sqlalchemy import (
     table,
     text,
     true,
+    tuple_,
     type_coerce,
     update,
 )
@@ -526,20 +527,22 @@ def claim_inbox(
     lease: timedelta,
     *,
     fair: bool = True,
-    after: str | None = None,
+    after: tuple[str, str] | None = None,
     caps: Mapping[str, int] | None = None,
     weights: Mapping[str, int] | None = None,
+    tenant_weights: Mapping[str, int] | None = None,
     flush_wait: bool = True,
 ) -> list[RowMapping]:
     """Lease up to `limit` due pending rows to `worker`; count the claim in `attempts`.
 
-    Highest priority first. Within a priority, `fair` serves the message types (routing
-    keys) in turn: each type's oldest claimable row, then each one's second, and so on,
-    starting with the types after `after` (the last type the worker was served; a
-    worker passes it on from claim to claim, so a batch of one goes round the types too);
-    without `fair`, arrival order. `weights`: the turns a routing key gets in each round
-    (weighted round robin; 1 without one). A keyed row qualifies only when no earlier pending
-    row has its key: a key is handled one message at a time, in order. A leased row qualifies once
+    Highest priority first. Within a priority, `fair` serves the groups (routing key and
+    tenant) in turn: each group's oldest claimable row, then each one's second, and so on,
+    starting with the groups after `after` (the last group the worker was served; a worker
+    passes it on from claim to claim, so a batch of one goes round the groups too); without
+    `fair`, arrival order. `weights` and `tenant_weights`: the turns a routing key and a
+    tenant get in each round (weighted round robin; 1 without one; a group's is the product).
+    A keyed row qualifies only when no earlier pending row has its key: a key is handled one
+    message at a time, in order. A leased row qualifies once
     its lease ran out on the database clock, or, on PostgreSQL, as soon as its claimant no
     longer holds its liveness lock (`hold_claimant_lock`): its worker died or lost its
     connection. Rows a live worker is handling are row-locked and skipped.
@@ -567,35 +570,40 @@ def claim_inbox(
         conn.execute(_CLAIM_SETTINGS[flush_wait])
     capped = tuple(sorted((caps or {}).items()))
     weighted = tuple(sorted((weights or {}).items())) if fair else ()
+    tenants = tuple(sorted((tenant_weights or {}).items())) if fair else ()
     if capped and postgres:
         conn.execute(_LOCK_CAPS, {"keys": [key for key, _ in capped]})
     params = {"claimant": worker, "limit": limit, "lease": lease.total_seconds()}
     if fair or capped:
-        stmt = _fair_claim_statement(tables, postgres, fair, capped, weighted)
+        stmt = _fair_claim_statement(tables, postgres, fair, capped, weighted, tenants)
         if fair:
-            params["after"] = after or ""
+            params["after"], params["after_tenant"] = after or ("", "")
     else:
         stmt = _claim_statement(tables, postgres)
     rows = list(conn.execute(stmt, params).mappings().all())  # one fetchall, not row by row
     rows.sort(key=lambda r: (-r["priority"], r["id"]))
-    return served_order(rows, after or "", dict(weighted)) if fair else rows
+    return served_order(rows, after or ("", ""), dict(weighted), dict(tenants)) if fair else rows
 
 
 def served_order(
-    rows: list[RowMapping], after: str, weights: Mapping[str, int] | None = None
+    rows: list[RowMapping],
+    after: tuple[str, str],
+    weights: Mapping[str, int] | None = None,
+    tenant_weights: Mapping[str, int] | None = None,
 ) -> list[RowMapping]:
-    """`rows` (by priority, then id) in the order a fair claim with `after` and `weights`
-    served them: by priority, then in rounds (each type's first `weight` rows, then its
-    next…), in a round the types after `after` first, then arrival."""
-    if len({row["routing_key"] for row in rows}) < 2:
-        return rows  # one type's turns follow its arrival order
-    turns: Counter[tuple[int, str]] = Counter()
+    """`rows` (by priority, then id) in the order a fair claim with `after` and the weights
+    served them: by priority, then in rounds (each group's first `weight` rows, then its
+    next…), in a round the groups (routing key, tenant) after `after` first, then arrival."""
+    if len({(row["routing_key"], row["tenant"]) for row in rows}) < 2:
+        return rows  # one group's turns follow its arrival order
+    turns: Counter[tuple[int, tuple[str, str]]] = Counter()
     served = []
     for row in rows:
-        rk, w = row["routing_key"], (weights or {}).get(row["routing_key"], 1)
-        turns[row["priority"], rk] += 1
-        turn = (turns[row["priority"], rk] + w - 1) // w
-        served.append((-row["priority"], turn, rk <= after, row["id"], row))
+        group = (row["routing_key"], row["tenant"])
+        w = (weights or {}).get(group[0], 1) * (tenant_weights or {}).get(group[1], 1)
+        turns[row["priority"], group] += 1
+        turn = (turns[row["priority"], group] + w - 1) // w
+        served.append((-row["priority"], turn, group <= after, row["id"], row))
     return [entry[-1] for entry in sorted(served, key=lambda e: e[:4])]
 
 
@@ -644,75 +652,91 @@ def _fair_claim_statement(
     fair: bool,
     caps: tuple[tuple[str, int], ...],
     weights: tuple[tuple[str, int], ...] = (),
+    tenant_weights: tuple[tuple[str, int], ...] = (),
 ) -> Any:
-    """The claim of `claim_inbox` with `caps`, in rounds of `weights` (`fair`) or arrival
+    """The claim of `claim_inbox` with `caps`, in rounds of the weights (`fair`) or arrival
     order, built once per schema, caps and weights.
 
-    On PostgreSQL the types waiting are read from the index of pending rows by type, one
-    probe per type (a recursive scan), and each type's first `limit` claimable rows from the
-    same index (a lateral subquery that row-locks them, skipping rows another claim holds);
-    SQLite numbers every claimable row instead. The first `limit` in served order are leased.
+    On PostgreSQL the groups (type and tenant) waiting are read from the index of pending rows
+    by type and tenant, one probe per group (a recursive scan), and each group's first `limit`
+    claimable rows from the same index (a lateral subquery that row-locks them, skipping rows
+    another claim holds); SQLite numbers every claimable row instead. A capped type's places
+    go to its rows in turn; the first `limit` in served order are leased.
     """
     i = tables.inbox
     limit = bindparam("limit", type_=Integer, literal_execute=True)
     if postgres:
         probe = i.alias("probe")
+
         # From the newest end: a drain's handled rows, in the index until a vacuum, lie at the
         # other. LIMIT 1 written into the text: as a parameter, the server's generic plan of
         # the prepared claim would expect a tenth of the table from each probe, and each
         # execution would be planned anew (custom plans).
-        first = select(probe.c.routing_key).where(probe.c.status == _inline(PENDING))
-        first = first.order_by(probe.c.routing_key.desc()).limit(_inline(1))
-        types = select(first.scalar_subquery().label("rk")).cte("types", recursive=True)
-        later = first.where(probe.c.routing_key < types.c.rk).scalar_subquery()
-        types = types.union_all(select(later).where(types.c.rk.is_not(None)))
+        def newest(*where: Any) -> Select[Any]:
+            return (
+                select(probe.c.routing_key.label("rk"), probe.c.tenant)
+                .where(probe.c.status == _inline(PENDING), *where)
+                .order_by(probe.c.routing_key.desc(), probe.c.tenant.desc())
+                .limit(_inline(1))
+            )
+
+        groups = select(newest().subquery("first")).cte("groups", recursive=True)
+        below = tuple_(probe.c.routing_key, probe.c.tenant) < tuple_(groups.c.rk, groups.c.tenant)
+        later = newest(below).lateral("later")
+        groups = groups.union_all(select(later).select_from(groups.join(later, true())))
+        places = _cap_of(tables, groups.c.rk, caps, liveness=True)
         take: Any = limit
-        cap = _cap_of(tables, types.c.rk, caps, liveness=True)
-        if cap is not None:
-            take = func.greatest(0, func.least(limit, func.coalesce(cap, limit)))
+        if places is not None:  # counted once per group
+            groups = select(groups, places.label("places")).cte("capped_groups")
+            take = func.greatest(0, func.least(limit, func.coalesce(groups.c.places, limit)))
         heads = (
-            select(i.c.id, i.c.priority, i.c.routing_key)
-            .where(claimable(i, liveness=True, claimant=True), i.c.routing_key == types.c.rk)
-            # The type first, though it is one: the order of the type's index, read alone.
-            .order_by(i.c.routing_key, i.c.priority.desc(), i.c.id)
+            select(i.c.id, i.c.priority, i.c.routing_key, i.c.tenant)
+            .where(
+                claimable(i, liveness=True, claimant=True),
+                i.c.routing_key == groups.c.rk,
+                i.c.tenant == groups.c.tenant,
+            )
+            # The group first, though it is one: the order of the index, read alone.
+            .order_by(i.c.routing_key, i.c.tenant, i.c.priority.desc(), i.c.id)
             .limit(take)
             .with_for_update(skip_locked=True)
             .lateral("heads")
         )
-        source: Any = select(heads).select_from(types.join(heads, true()))
-        source = source.where(types.c.rk.is_not(None)).subquery("source")
-        nth = None
+        cap = [groups.c.places] if places is not None else []
+        source = select(heads, *cap).select_from(groups.join(heads, true())).subquery("source")
     else:
-        nth = func.row_number().over(
-            partition_by=i.c.routing_key, order_by=(i.c.priority.desc(), i.c.id)
-        )
+        places = _cap_of(tables, i.c.routing_key, caps, liveness=False)
+        cap = [places.label("places")] if places is not None else []
         source = (
-            select(i.c.id, i.c.priority, i.c.routing_key, nth.label("nth"))
+            select(i.c.id, i.c.priority, i.c.routing_key, i.c.tenant, *cap)
             .where(claimable(i, liveness=False, claimant=True))
             .subquery("source")
         )
-    turn = func.row_number().over(
-        partition_by=(source.c.routing_key, source.c.priority), order_by=source.c.id
-    )
-    ranked = select(source.c.id, source.c.priority, source.c.routing_key, turn.label("turn"))
-    if nth is not None:
-        cap = _cap_of(tables, source.c.routing_key, caps, liveness=False)
-        if cap is not None:
-            ranked = ranked.where(source.c.nth <= func.coalesce(cap, source.c.nth))
-    r = ranked.subquery("ranked")
-    after = bindparam("after", type_=String)
-    # A type of weight w gets w turns a round: round = ceil(turn / w), in integers.
-    rounds = (
-        case(
-            *((r.c.routing_key == key, (r.c.turn + (w - 1)) // w) for key, w in weights),
-            else_=r.c.turn,
-        )
-        if weights
-        else r.c.turn
-    )
-    turns = (rounds, r.c.routing_key <= after, r.c.id) if fair else (r.c.id,)
-    picked = select(r.c.id).order_by(r.c.priority.desc(), *turns).limit(limit).scalar_subquery()
-    return _lease(tables, picked)
+    group = (source.c.routing_key, source.c.tenant)
+    turn = func.row_number().over(partition_by=(*group, source.c.priority), order_by=source.c.id)
+    r = select(source, turn.label("turn")).subquery("ranked")
+    after = tuple_(bindparam("after", type_=String), bindparam("after_tenant", type_=String))
+
+    def served(q: Any) -> tuple[Any, ...]:
+        """The order of the rows of `q` within a priority: rounds (a type of weight w gets w
+        turns a round: round = ceil(turn / w)), in a round the groups after `after` first."""
+        if not fair:
+            return (q.c.id,)
+        w: Any = literal(1)
+        for of, given in ((q.c.routing_key, weights), (q.c.tenant, tenant_weights)):
+            if given:
+                w = w * case(*((of == key, n) for key, n in given), else_=1)
+        rounds = (q.c.turn + w - 1) // w if weights or tenant_weights else q.c.turn
+        return (rounds, tuple_(q.c.routing_key, q.c.tenant) <= after, q.c.id)
+
+    if places is not None:  # a capped type's places, to its rows in served order
+        order = (r.c.priority.desc(), *served(r))
+        nth = func.row_number().over(partition_by=r.c.routing_key, order_by=order)
+        r = select(r, nth.label("nth")).subquery("numbered")
+    picked = select(r.c.id).order_by(r.c.priority.desc(), *served(r)).limit(limit)
+    if places is not None:
+        picked = picked.where(r.c.nth <= func.coalesce(r.c.places, r.c.nth))
+    return _lease(tables, picked.scalar_subquery())
 
 
 def _cap_of(

@@ -98,7 +98,7 @@ class InboxRow:
 
     `status` is ``pending``, ``processed`` or ``dead``; `attempts` counts the times a worker
     took it, `last_error` holds the last handler failure (a traceback) and `dead_reason` why it
-    is dead (``max_attempts``, ``rejected``, ``no_handler``, ``expired``, ``abandoned``).
+    is dead (``max_attempts``, ``rejected``, ``no_handler``, ``expired``, ``abandoned``, …).
     """
 
     message_id: uuid.UUID

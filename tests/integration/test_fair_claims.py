@@ -174,6 +174,94 @@ def test_a_type_spread_over_many_keys_gets_no_more_than_its_share(db_url: str) -
     service.close()
 
 
+def _tenants(
+    db_url: str, tmp_path: Path, where: str, cap: int | None = None, **settings: Any
+) -> tuple[Service, list[str]]:
+    """billing on PostgreSQL or SQLite with a ``job.run`` handler (of `cap`) that notes the
+    tenant of each message it handled, in order."""
+    if where == "postgresql":
+        service = make_service("billing", db_url, None, **settings)
+    else:
+        sqlite = f"sqlite:///{tmp_path / 'billing.db'}"
+        service = Service("billing", db_url=sqlite, mq_url=None, **settings)
+        service.migrate()
+    handled: list[str] = []
+    record = lambda message, session: handled.append(message.tenant)  # noqa: E731
+    service.on_command("job.run", max_concurrency=cap)(record)
+    return service, handled
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("where", ["postgresql", "sqlite"])
+def test_the_tenants_of_one_type_are_served_in_turn(
+    db_url: str, tmp_path: Path, where: str, batch: int
+) -> None:
+    service, handled = _tenants(db_url, tmp_path, where, worker_batch_size=batch)
+    for tenant in ("acme", "bolt", "cask"):
+        _store(service, "job.run", 5, tenant=tenant)
+    worker = service.worker()
+    with _connected(worker) as conn:
+        while worker.work_once(conn):
+            pass
+    assert handled == ["acme", "bolt", "cask"] * 5
+    service.close()
+
+
+@pytest.mark.parametrize("batch", [4, 20])
+@pytest.mark.parametrize("where", ["postgresql", "sqlite"])
+def test_a_tenant_of_weight_three_gets_three_turns_to_each_turn_of_the_others(
+    db_url: str, tmp_path: Path, where: str, batch: int
+) -> None:
+    weights = {"acme": 3}
+    service, handled = _tenants(
+        db_url, tmp_path, where, worker_batch_size=batch, tenant_weights=weights
+    )
+    _store(service, "job.run", 6, tenant="acme")
+    _store(service, "job.run", 4, tenant="bolt")
+    worker = service.worker()
+    with _connected(worker) as conn:
+        while worker.work_once(conn):
+            pass
+    assert handled == (["acme"] * 3 + ["bolt"]) * 2 + ["bolt"] * 2
+    with pytest.raises(ConfigurationError, match="tenant_weights must map"):
+        Service("billing", db_url=db_url, mq_url=None, tenant_weights={"acme": 0})
+    service.close()
+
+
+def test_a_tenant_spread_over_many_keys_gets_no_more_than_its_share(db_url: str) -> None:
+    service, handled = _tenants(db_url, Path(), "postgresql", worker_batch_size=10)
+    with service.engine.begin() as conn:
+        spread = [
+            received_row(routing_key="billing.job.run", key=f"k{n % 100}", tenant="split")
+            for n in range(200)
+        ]
+        roles.insert_inbox(conn, service.tables, spread)
+    _store(service, "job.run", 200, tenant="whole")
+    worker = service.worker()
+    with _connected(worker) as conn:
+        for _ in range(10):
+            worker.work_once(conn)
+    assert Counter(handled[:100]) == {"split": 50, "whole": 50}
+    service.close()
+
+
+@pytest.mark.parametrize("where", ["postgresql", "sqlite"])
+def test_a_capped_types_places_go_to_its_tenants_in_turn(
+    db_url: str, tmp_path: Path, where: str
+) -> None:
+    """With a cap of one, each claim takes one row of the type: the tenant after the last one
+    served gets it, not the oldest row's tenant every time."""
+    service, handled = _tenants(db_url, tmp_path, where, cap=1)
+    for tenant in ("acme", "bolt"):
+        _store(service, "job.run", 3, tenant=tenant)
+    worker = service.worker()
+    with _connected(worker) as conn:
+        while worker.work_once(conn):
+            pass
+    assert handled == ["acme", "bolt"] * 3
+    service.close()
+
+
 def test_priorities_come_before_the_turns_of_the_types(db_url: str) -> None:
     service, handled = _service(db_url, ("a.run", "b.run", "c.run"), worker_batch_size=4)
     _store(service, "a.run", 3)
@@ -275,6 +363,27 @@ def test_status_and_metrics_show_each_types_waiting_work_and_a_cap_that_holds_it
     assert shown() == {"billing.job.run": (2, 1, 1, True), "billing.mail.send": (0, 2, None, False)}
     assert (gauge("type_pending", "job.run"), gauge("cap_binding", "job.run")) == (2, 1)
     assert (gauge("type_pending", "mail.send"), gauge("cap_binding", "mail.send")) == (0, None)
+    service.close()
+
+
+def test_status_and_metrics_show_the_tenants_with_the_most_work_waiting(db_url: str) -> None:
+    service = make_service("billing", db_url, None)
+    registry = CollectorRegistry()
+    instrument(service, registry=registry)
+    for tenant, count in (("acme", 3), ("bolt", 1), ("", 2)):
+        _store(service, "job.run", count, tenant=tenant)
+    with service.engine.begin() as conn:
+        roles.claim_inbox(conn, service.tables, "w-1" + roles.LEASE_ONLY, 1, LEASE)
+    inbox = collect_status(service.engine, service.tables, service="billing", admin=None)["inbox"]
+    assert inbox["tenants_waiting"] == 2  # "" is no tenant
+    assert inbox["by_tenant"] == [
+        {"tenant": "acme", "pending": 2, "in_progress": 1},
+        {"tenant": "bolt", "pending": 1, "in_progress": 0},
+    ]
+    sample = registry.get_sample_value
+    assert sample("outbox_inbox_inbox_tenants_waiting", {"service": "billing"}) == 2
+    labels = {"service": "billing", "tenant": "acme"}
+    assert sample("outbox_inbox_inbox_tenant_pending", labels) == 2
     service.close()
 
 
@@ -391,10 +500,14 @@ def test_a_batch_of_one_type_is_left_in_the_order_it_was_claimed_in() -> None:
     """`served_order` returns a batch of one routing key as it is (by priority, then id: its
     turns follow that order), without sorting it again; a batch of two types it puts in turns."""
     a = "billing.a"
-    one = [{"id": n, "priority": p, "routing_key": a} for n, p in ((1, 5), (2, 0), (3, 0))]
-    assert roles.served_order(one, "billing.b", {"billing.a": 2}) is one  # type: ignore[arg-type]
-    two = [*one, {"id": 4, "priority": 0, "routing_key": "billing.b"}]
-    assert [r["id"] for r in roles.served_order(two, "")] == [1, 2, 4, 3]  # type: ignore[arg-type]
+    one = [
+        {"id": n, "priority": p, "routing_key": a, "tenant": ""}
+        for n, p in ((1, 5), (2, 0), (3, 0))
+    ]
+    after = ("billing.b", "")
+    assert roles.served_order(one, after, {"billing.a": 2}) is one  # type: ignore[arg-type]
+    two = [*one, {"id": 4, "priority": 0, "routing_key": "billing.b", "tenant": ""}]
+    assert [r["id"] for r in roles.served_order(two, ("", ""))] == [1, 2, 4, 3]  # type: ignore[arg-type]
 
 
 def _sorted_rows(plan: Any) -> int:
@@ -513,7 +626,7 @@ def test_a_claim_finds_the_waiting_types_without_reading_the_rows_handled_before
             session.execute(settings, set_values)
             plan = session.execute(explain.format(given)).fetchone()
         assert plan is not None
-        probe = _node(plan[0], "CTE types")
+        probe = _node(plan[0], "CTE groups")
         return int(probe["Shared Hit Blocks"] + probe["Shared Read Blocks"])
 
     session = psycopg.connect(db_url.replace("+psycopg", ""))

@@ -55,6 +55,8 @@ def test_wire_round_trip_keeps_every_envelope_field() -> None:
     assert row["correlation_id"] == "corr-1"
     assert row["causation_id"] == "cause-1"
     assert row["key"] == "order-1"
+    assert row["tenant"] == ""
+    assert from_wire(to_wire(_outgoing(headers={"x-tenant": "acme"})))["tenant"] == "acme"
     assert row["priority"] == 5
     assert row["created_at"] == message.created_at  # microseconds survive
     assert row["expires_at"] == message.expires_at
@@ -147,9 +149,22 @@ def test_an_outbox_write_of_a_payload_json_cannot_hold_names_the_key_and_writes_
 
 
 def test_reserved_headers_are_refused() -> None:
-    with pytest.raises(MessageError, match="reserved"):
-        check_headers({"x-key": "k"})
+    for name in ("x-key", "x-tenant"):
+        with pytest.raises(MessageError, match="reserved"):
+            check_headers({name: "k"})
     assert check_headers({"tenant": "acme"}) == {"tenant": "acme"}
+
+
+@pytest.mark.parametrize("tenant", ["", "t" * 256, 7])
+def test_an_outbox_write_refuses_a_tenant_that_is_no_short_text(
+    tmp_path: Path, tenant: object
+) -> None:
+    service = Service("orders", db_url=f"sqlite:///{tmp_path}/orders.db")
+    service.migrate()
+    refused = pytest.raises(MessageError, match="tenant must be a non-empty string")
+    with refused, service.session() as session, session.begin():
+        service.outbox.publish(session, "orders.order.placed", {}, tenant=tenant)  # type: ignore[arg-type]
+    service.close()
 
 
 def test_the_outbox_insert_sent_on_the_db_api_cursor_takes_the_row_as_it_is() -> None:

@@ -57,10 +57,12 @@ def test_two_services_on_sqlite_exchange_command_event_retry_and_dead_letter(
             retry=RetryPolicy(initial=0.05, max_attempts=3),
         )
         seen: list[tuple[str, int]] = []
+        tenants: list[str] = []  # each handler's message's: sent, then inherited by the event
 
         @billing.on_command("invoice.create")
         def create(message: Message, session: Any) -> None:
             seen.append(("create", message.attempt))
+            tenants.append(message.tenant)
             if message.attempt == 1:
                 raise RuntimeError("flaky")
             session.execute(text("INSERT INTO effects VALUES (:m)"), {"m": str(message.message_id)})
@@ -73,18 +75,22 @@ def test_two_services_on_sqlite_exchange_command_event_retry_and_dead_letter(
         @orders.on_event("billing.invoice.created")
         def created(message: Message, session: Any) -> None:
             seen.append(("created", message.payload["order"]))
+            tenants.append(message.tenant)
 
         orders.start()
         billing.start()
         try:
             with orders.session() as session, session.begin():
-                orders.outbox.send(session, "billing", "invoice.create", {"order": 7})
+                orders.outbox.send(
+                    session, "billing", "invoice.create", {"order": 7}, tenant="acme"
+                )
                 orders.outbox.send(session, "billing", "invoice.void", {"order": 8})
             wait_until(lambda: ("created", 7) in seen, timeout=20)
         finally:
             orders.stop()
             billing.stop()
         assert seen == [("create", 1), ("create", 2), ("created", 7)]
+        assert tenants == ["acme"] * 3
         with billing.engine.connect() as conn:
             states = dict(
                 conn.execute(

@@ -221,6 +221,8 @@ def test_what_a_handler_sends_names_the_original_id() -> None:
         ({"headers": {"x-version": True}}, "x-version"),
         ({"headers": {"x-key": "k" * 256}}, "longer than 255"),
         ({"headers": {"x-causation-id": "c" * 256}}, "longer than 255"),
+        ({"headers": {"x-tenant": "t" * 256}}, "x-tenant is longer than 255"),
+        ({"headers": {"x-tenant": "a\x00b"}}, "x-tenant holds the character U\\+0000"),
         ({"headers": {"x-kind": "query"}}, "command or event"),
         ({"headers": {"x-created-at": "soon"}}, "ISO 8601"),
         ({"headers": {"x-expires-at": b"\xff"}}, "not UTF-8"),
@@ -246,6 +248,7 @@ def test_liberal_where_it_is_safe() -> None:
                 "x-kind": "Event",
                 "x-version": "3",
                 "x-key": "",
+                "x-tenant": 42,
                 "price": float("nan"),
                 b"\xffname": decimal.Decimal("1.5"),
                 "when": NOW,
@@ -257,6 +260,7 @@ def test_liberal_where_it_is_safe() -> None:
     assert row["kind"] == "event"
     assert row["version"] == 3
     assert row["key"] is None
+    assert (row["tenant"], "x-tenant" in row["headers"]) == ("42", False)
     assert row["headers"]["price"] == "nan"
     assert row["headers"]["\ufffdname"] == "1.5"
     assert row["headers"]["when"] == NOW.isoformat()
