@@ -1,18 +1,10 @@
 """The asyncio side: the worker on the async driver, and the roles in an event loop.
 
-`AsyncWorker` is the worker of `worker.py` on an `AsyncConnection` (psycopg's async driver).
-It does not copy the batch loop: it runs the very same `Worker.work_once` through
-`AsyncConnection.run_sync`, the way SQLAlchemy's asyncio extension runs its own sync core: the
-code runs in a greenlet, and each statement it executes is awaited on the async driver from the
-event loop. Claim, one transaction per batch, savepoint redo on a failure, suspects run alone,
-the liveness lock and `ConnectionLost` are therefore those of the sync worker, line for line.
-An ``async def`` handler is awaited on the loop with an `AsyncSession` that proxies the batch's
-Session, so what it awaits runs on the worker's connection, in the transaction that marks its
-message processed (`handlers.Subscription.call`). A sync handler runs there too, as it would in
-the thread worker (its statements are awaited on the driver behind its back).
-
-The relay and the receiver keep their threads (pika is a blocking client):
-`start_roles` runs them with `Service.start` and the workers as tasks of the running loop.
+`AsyncWorker` does not copy the batch loop: it runs the very same `Worker.work_once` through
+`AsyncConnection.run_sync`, so claim, transaction, redo and liveness lock are the sync
+worker's, line for line; how an ``async def`` handler then gets its transaction is in
+docs/async-services.md ("How the asyncio worker gives it that transaction"). The relay and
+the receiver keep their threads (pika is a blocking client).
 """
 
 from __future__ import annotations
@@ -75,15 +67,10 @@ def worker_engine(url: str | URL, *, prepare_threshold: int | str | None = "auto
 class AsyncWorker:
     """A worker whose transactions run on an `AsyncConnection`, in an event loop.
 
-    Same contract as `Worker` (which it drives): a handler's effects and the processed mark
-    commit together or not at all; retries, dead letters, ordering keys, suspects and the
-    liveness lock are the same. ``async def`` handlers get an `AsyncSession` in that
-    transaction; sync handlers get the Session, as in `Worker`. One task at a time may use an
-    AsyncWorker. Several may run in one loop, each on its own connection.
-
-    A sync handler that blocks (sleeps, calls a blocking client) blocks the loop for that long;
-    an async handler that never returns holds its rows until the server ends the worker's
-    session after ``lease`` idle in transaction, as in `Worker`.
+    Same contract as `Worker` (which it drives; docs/async-services.md, "What differs"):
+    ``async def`` handlers get an `AsyncSession` in the batch's transaction, sync handlers the
+    Session, which a blocking one blocks the loop with. One task at a time may use an
+    AsyncWorker; several may run in one loop, each on its own connection.
     """
 
     def __init__(self, worker: Worker, engine: AsyncEngine) -> None:

@@ -1,9 +1,7 @@
 """The audit trail of operator actions: one JSON line per replay or purge, in a file.
 
 Written by `DeadLetters.run` for every action — dry runs and empty selections included —
-whoever asked: the CLI, the dashboard, or a service's own code. The file is `audit_log_path()`
-unless the caller names another. The log gets one short line per record (what, how many,
-where the record is), the record itself in the log record's ``audit`` attribute.
+whoever asked: the CLI, the dashboard, or a service's own code (`write_audit`).
 """
 
 from __future__ import annotations

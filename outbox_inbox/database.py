@@ -1,13 +1,9 @@
 """The engine and tables of a database URL, made by one rule (`connect`).
 
-PostgreSQL: every connection the library opens has client-side bounds (`CLIENT_BOUNDS`), so
-that a server that stops answering (a network partition, a host gone without a word) is an
-outage within seconds instead of a call that hangs for the kernel's quarter of an hour;
-a connection idle in the pool for over `PING_AFTER` is checked before use (a ping: a
-round trip the roles would otherwise pay in every transaction), and statements are
-prepared (the ``prepare_threshold`` setting, "auto") on a direct connection, never through a
-pooler in transaction mode, where the next execution may land on a server connection that
-never saw them prepared (`queries.roles.unprepared_behind_pooler`, docs/runbook.md).
+PostgreSQL: every connection the library opens has client-side bounds (`CLIENT_BOUNDS`), a
+pooled connection idle over `PING_AFTER` is pinged before use, and statements are prepared
+only on a direct connection, never through a pooler in transaction mode
+(`queries.roles.unprepared_behind_pooler`, docs/runbook.md).
 
 SQLite, the development store (one process, one file, no schemas), has no row locks, so
 `SKIP LOCKED` claims cannot keep two claimers apart. Instead every transaction on its engine
@@ -42,26 +38,9 @@ DEFAULT_SCHEMA = "outbox_inbox"
 
 #: libpq's client-side bounds on every PostgreSQL connection the library opens (the engines of
 #: `connect` and `aio.worker_engine`, the LISTEN connections of `waker.Waker`), unless the
-#: db_url names them itself (``?tcp_user_timeout=30000``; `client_bounds`). Without them a
-#: partitioned server makes a call hang until the kernel gives up retransmitting (15 minutes
-#: by default: ``tcp_retries2``), and psycopg waits 130 s for a connection.
-#:
-#: * ``tcp_user_timeout`` 10 s: data sent and not acknowledged (a statement or a commit sent
-#:   into the partition, the ``pool_pre_ping`` of a pooled connection) is given up after as
-#:   long. The server's kernel acknowledges what it receives at once, however long the
-#:   statement then runs, so no slow statement is cut. 10 s is what RabbitMQ gives a client
-#:   that stops answering heartbeats (twice the default `heartbeat`): a role blocked in a
-#:   database call does not service its broker connection, nor hear `Service.stop`.
-#: * ``keepalives`` after 5 s of silence, every 5 s, 2 unanswered: a connection that waits for
-#:   an answer (a long statement, a LISTEN) sends nothing the timeout above could time; a
-#:   live server's kernel answers the probes while its backend works. The path is given up
-#:   after 10 s on Linux (the user timeout governs the probes too), 15 s elsewhere.
-#: * ``connect_timeout`` 5 s per host (psycopg's minimum is 2): a handshake takes milliseconds
-#:   on a live network, and 5 s leaves room for a lost SYN (sent again after 1 and 3 s).
-#:
-#: A call the partition catches fails within 10 s (15 s for a pooled connection found dead by
-#: its ping, then connected again) with an OperationalError: `errors.database_unreachable`,
-#: the outage every role already waits out. docs/failures.md has the measured figures.
+#: db_url names them itself (`client_bounds`): without them a partitioned server makes a call
+#: hang for the kernel's 15 minutes. What each bounds, and why these values, is the table of
+#: docs/failures.md ("A partition from PostgreSQL").
 CLIENT_BOUNDS: dict[str, int] = {
     "connect_timeout": 5,
     "keepalives": 1,
@@ -160,13 +139,10 @@ def ping_after_idle(engine: Engine) -> None:
 
 
 def read_only_drops_the_pool(engine: Engine | AsyncEngine) -> None:
-    """Make a read-only session (`errors.read_only_session`) a lost connection on `engine`.
-
-    A session on a standby stays there: ``pool_pre_ping``'s ``SELECT 1`` works on it, and
-    every write fails, after the failover too, if the standby is not the server promoted.
-    Taken for a disconnect, the error invalidates the pool: the next connection resolves the
-    address, or walks the host list (``target_session_attrs``), again; the roles back off as
-    from any outage, since the error is raised with ``connection_invalidated`` set.
+    """Make a read-only session (`errors.read_only_session`) a lost connection on `engine`:
+    the pool's ping works on a standby and would keep the session for good (docs/failures.md).
+    Taken for a disconnect, the error drops the pool, and the roles back off as from any outage
+    (it is raised with ``connection_invalidated`` set).
     """
     sync_engine = getattr(engine, "sync_engine", engine)
 

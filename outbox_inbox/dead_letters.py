@@ -1,16 +1,11 @@
 """Dead letters: dead inbox and outbox rows and the messages in the broker's dead-letter queues.
 
-Four sources, for `outbox-inbox dead-letters` (docs/runbook.md, "Dead letters"): ``table``
-(dead inbox rows), ``outbox`` (outbox rows the broker refused on every attempt), ``queue``
-(``<service>.dead_letter``) and ``unroutable`` (commands sent to a service that had no queue).
-What a replay and a purge do to each is said by `TableSelection`, `OutboxSelection` and
-`QueueSelection`; grouping by fingerprint and parking are in docs/failures.md ("Dead letters
-grouped by cause").
-
-A selection is made first (and can be shown), then acted on: rows by id, still dead; queue
-messages are held unacknowledged by the selection until it is closed, so exactly what was
-selected is replayed or purged. Messages read and not acted on go back to their queue, flagged
-redelivered, when the selection is closed.
+The four sources (``table``, ``outbox``, ``queue``, ``unroutable``) are those of `outbox-inbox
+dead-letters` (docs/cli.md, "Sources"); what a replay and a purge do to each is said by
+`TableSelection`, `OutboxSelection` and `QueueSelection`. A selection is made first (and can be
+shown), then acted on: rows by id, still dead; queue messages are held unacknowledged until it
+is closed, so exactly what was selected is acted on, and those not acted on go back, flagged
+redelivered.
 """
 
 from __future__ import annotations
@@ -446,9 +441,8 @@ class TableSelection:
 class OutboxSelection(TableSelection):
     """Dead outbox rows (the broker refused them on every attempt) matching `filters`.
 
-    Replay makes them unsent again, due now, with their attempts reset: the relay publishes
-    them at its next batch (a keyed row goes before the later unsent rows of its key, though
-    rows of its key published while it was dead have gone before it). Purge deletes them.
+    Replay makes them unsent again, due now, with their attempts reset, for the relay's next
+    batch (docs/cli.md, "replay"). Purge deletes them.
     """
 
     source = OUTBOX
@@ -571,12 +565,8 @@ class QueueSelection:
         return exchange, routing_key, headers
 
     def _find_returned(self, outcome: Outcome, published: dict[str, str]) -> None:
-        """Find replayed commands that came straight back to `unroutable`.
-
-        `commands` has `unroutable` as its alternate exchange, so a command that still has no
-        queue is not returned to the publisher: the broker routes it to `unroutable` again,
-        at the end of the queue, before it confirms. Those copies are left there.
-        """
+        """Find replayed commands that came straight back to the end of `unroutable` (through
+        the alternate exchange of `commands`, before the confirm), and leave them there."""
         for _ in range(self._reader.depth()):
             taken = self._reader.get()
             if taken is None:
@@ -685,8 +675,7 @@ def _created(message: WireMessage) -> datetime | None:
         value = value.decode("utf-8", "replace")
     if isinstance(value, str):
         with contextlib.suppress(ValueError):
-            parsed = datetime.fromisoformat(value)
-            return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+            return _aware(value)
     if message.timestamp:
         return datetime.fromtimestamp(message.timestamp, UTC)
     return None
@@ -720,8 +709,6 @@ def _aware(value: Any) -> datetime | None:
         return value.replace(tzinfo=UTC)
     return value if isinstance(value, datetime) else None
 
-
-# --- one service's dead letters -----------------------------------------------------------
 
 #: A selection of one source, held until closed (queue messages stay unacknowledged).
 Selection = TableSelection | QueueSelection
@@ -769,25 +756,11 @@ def _listed(value: Any) -> tuple[str, ...]:
 class DeadLetters:
     """The dead letters of one service, from every source it can reach: list, count, replay.
 
-    The one implementation of what `outbox-inbox dead-letters` and the dashboard do; build it
-    with `of(service)` or from the parts (`engine` and `tables` for the table and outbox
-    sources, `broker` for the broker queues, `service` for ``<service>.dead_letter``). The
-    queues are read through the broker's `Operator`: RabbitMQ's and the in-memory broker's.
-
-    Typical use (each call appends its audit record to the file the CLI writes,
-    outbox_inbox.audit_trail.audit_log_path(), unless `audit_log=` names another)::
-
-        letters = DeadLetters.of(service)
-        rejected = Filters(reason="rejected")
-        report = letters.replay(["table"], rejected)
-
-    or, to show a selection and ask before acting::
-
-        with letters.select(["table"], rejected) as selections:
-            ...  # show selections[0].letters and ask
-            report = letters.run("replay", selections, filters=rejected, source="table")
-
-    `act` is the bare step under `run`: it writes no audit record.
+    The one implementation of what `outbox-inbox dead-letters` and the dashboard do
+    (docs/cli.md, "dead-letters"); build it with `of(service)` or from the parts (`engine` and
+    `tables` for the table and outbox sources, `broker` for the broker queues, `service` for
+    ``<service>.dead_letter``). `replay`, `purge`, `park` and `run` append an audit record to
+    `audit_log=`, else `audit_trail.audit_log_path()`; `act`, the bare step under `run`, none.
     """
 
     engine: Engine | None = None
@@ -969,8 +942,7 @@ class DeadLetters:
     ) -> ActionReport:
         """Replay, purge or park the open `selections` (selected, shown and confirmed by the
         caller), at most `rate` letters a second, and write the audit record to `audit_log`
-        (default: `audit_log_path()`, ``$OUTBOX_INBOX_AUDIT_LOG`` else
-        ``outbox-inbox-audit.log`` in the current directory: the CLI's file).
+        (default: `audit_log_path()`, the CLI's file).
 
         The record is written in every case: a dry run or an empty selection (nothing is
         changed then), and an action that fails half-way (with its error, then raised on).

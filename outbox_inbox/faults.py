@@ -1,13 +1,11 @@
 """Fault messages: what a service tells a command's sender when the command ended dead there.
 
-When the worker marks an inbox row dead (rejected, attempts exhausted, abandoned, expired,
-invalid payload, no handler), it writes a fault into the receiving service's outbox in the
-same transaction: the fault leaves if and only if the dead mark commits. The fault is a
-command to the sender (the row's ``source``, the AMQP ``app_id`` its relay set) on the
-``commands`` exchange, routed ``<sender>.fault.<original routing key>``: the sender's inbox
-binding ``<sender>.#`` takes it with no new declaration. Its JSON payload is a `Fault`
-(docs/wire-format.md). Events get faults only when the receiving service opts in
-(the ``event_faults`` setting); a fault never gets a fault of its own.
+When the worker marks an inbox row dead it writes a fault into the receiving service's outbox
+in the same transaction, so the fault leaves if and only if the dead mark commits
+(docs/failures.md, "A fault back to the sender"). The fault is a command to the sender (the
+row's ``source``), routed ``<sender>.fault.<original routing key>`` so that the sender's own
+binding ``<sender>.#`` takes it; its JSON payload is a `Fault` (docs/wire-format.md). Events
+get one only with the ``event_faults`` setting; a fault never gets a fault of its own.
 """
 
 from __future__ import annotations
@@ -43,13 +41,7 @@ class Fault:
     """The payload of a fault message: a message that ended dead at `service`.
 
     A handler registered with `Service.on_fault` gets it as its typed payload when it
-    declares ``payload: Fault``. `message_id` is the dead message's id as its sender wrote
-    it; `correlation_id` and `causation_id` are the dead message's own; `reason` is its dead
-    reason (``rejected``, ``max_attempts``, ``abandoned``, ``interrupted``, ``expired``,
-    ``invalid_payload``, ``no_handler``, or a `Reject` subclass's own); `fingerprint` groups
-    deaths of one cause (outbox_inbox.fingerprint); `error` is the first line of the error, if
-    any. The fault message's own correlation id is the dead message's, and its causation id
-    the dead message's id.
+    declares ``payload: Fault``. Each field is described in docs/wire-format.md ("Faults").
     """
 
     message_id: str

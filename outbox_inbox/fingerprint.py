@@ -1,11 +1,8 @@
 """The fingerprint of why a message died: what groups thousands of dead letters into a few causes.
 
-A handler's exception is fingerprinted by its type and the innermost frame of the traceback
-that is the user's own code (not this library's, not the standard library's or an installed
-package's): ``TimeoutError at billing/app.py:create_invoice``. The function, not the line, so
-that an unrelated edit of the file between two deploys does not split a group. A death the
-library decides (expired, abandoned, no handler, invalid payload, redelivered) is
-fingerprinted by its reason alone.
+A handler's exception is fingerprinted by its type and the innermost frame of the user's own
+code in its traceback (``TimeoutError at billing/app.py:create_invoice``), a death the library
+decides by its reason alone: the table of docs/failures.md ("Dead letters grouped by cause").
 """
 
 from __future__ import annotations
@@ -39,6 +36,7 @@ def fingerprint(reason: str, cause: BaseException | None = None) -> str:
         cause = cause.exit  # the handler's own SystemExit, with its traceback
     found = users_frame(cause)
     name = type(cause).__qualname__
+    # The function, not the line: an unrelated edit of the file must not split a group.
     text = f"{name} at {found[0]}:{found[1].name}" if found else name
     return text[:MAX_LENGTH]
 

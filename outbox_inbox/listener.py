@@ -1,9 +1,7 @@
-"""Hooks into the life of messages, for metrics, tracing and tests.
-
-Every method is a no-op; override the ones you need. A hook runs in the thread of the role that
-calls it, in its hot path: keep it short (count, observe, enqueue). An exception it raises is
-logged and otherwise ignored. `Listeners` (or `combine`) makes several listeners one, e.g. the
-Prometheus metrics of `outbox_inbox.metrics` next to your own.
+"""Hooks into the life of messages, for metrics, tracing and tests (docs/observability.md,
+"Listener hooks"): every method is a no-op, override the ones you need. A hook runs in its
+role's hot path; one that raises is logged and otherwise ignored. `Listeners` (or `combine`)
+makes several listeners one.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 AMQP has no way to list bindings or read the arguments a queue was declared with, so
 `outbox-inbox topology plan/verify` ask the management plugin when it answers. Standard library
-only (urllib). Read-only: nothing here changes the broker.
+only (urllib). Only `add_vhost` and `delete_vhost` change the broker (the test servers' vhosts).
 """
 
 from __future__ import annotations

@@ -1,31 +1,11 @@
 """Time partitions of the outbox and the inbox on PostgreSQL: made ahead, dropped after the
 retention, exported to the archive first when it has a target.
 
-``outbox_messages`` is partitioned by range of ``created_at``, ``inbox_messages`` by range of
-``received_at`` (migration 0006), in UTC days or hours (the ``partition_interval`` setting).
-Partitions are named ``<table>_p<YYYYMMDD>`` or ``<table>_p<YYYYMMDDHH>``; the first,
-``<table>_legacy``, holds every time before the migration's bound. There is no DEFAULT
-partition: a row whose time has no partition is refused, so the partitions are made
-`ahead` of time, and a DEFAULT partition would keep a partition from being detached
-concurrently.
-
-`maintain` is one maintenance pass, run by every role at its start and then every
-``maintenance_interval`` seconds; one pass at a time per schema (an advisory lock, held by a
-transaction kept open on a connection of its own, as the archive's), the others skip:
-
-1. finish what a pass that died left: a partition whose detach is pending is finalised, a
-   detached one is handled as in 3;
-2. make the partitions from the newest one's end to ``ahead`` intervals past now, each created
-   alone and attached (``ATTACH`` takes no lock that stops writers), and delete the rows of
-   the instances table not seen for a day (workers that died, of any service);
-3. for each partition whose range ended more than the retention ago: if it holds no
-   unfinished row (pending, unsent, or dead or parked for less than the dead retention), detach
-   it CONCURRENTLY (writers and readers go on; it waits for transactions already using the
-   table), check it again, export it when the archive has a target, then drop it. A partition
-   with an unfinished row is kept whole until that row is finished; a row made unfinished
-   between the check and the detach (a dead letter replayed) puts the partition back.
-
-The retention is the inbox's duplicate window: see `config.duplicate_horizon`.
+The tables, the partitions' names and what one maintenance pass (`maintain`) does, step by
+step, are in docs/history.md ("Retention"). There is no DEFAULT partition: a row whose time
+has no partition is refused, so the partitions are made `ahead` of time, and a DEFAULT
+partition would keep a partition from being detached concurrently. The retention is the
+inbox's duplicate window: see `config.duplicate_horizon`.
 """
 
 from __future__ import annotations
@@ -135,15 +115,10 @@ def _bound_time(value: str) -> datetime | None:
     return datetime.fromisoformat(value.strip("'")).astimezone(UTC)
 
 
-# --- making ahead -----------------------------------------------------------------------------
-
-
 def make_ahead(conn: Connection, tables: Tables, interval: str | None, now: datetime) -> list[str]:
     """Create the partitions from the newest one's end to ``AHEAD[interval]`` past `now`
-    (`interval` None: the newest partition's length, an hour or else a day).
-
-    Each new partition is created alone, given its unique index on message_id, and attached:
-    ``ATTACH PARTITION`` takes a lock writers do not wait for. Commits after each partition.
+    (`interval` None: the newest partition's length, an hour or else a day), each by
+    `sql.create_partition` and committed on its own.
     """
     made: list[str] = []
     for parent in KEYS:
@@ -172,9 +147,6 @@ def _interval_of(existing: list[Partition]) -> str:
     return "hour" if newest.upper - newest.lower <= INTERVALS["hour"] else "day"
 
 
-# --- retention -----------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Retention:
     """How long partitions are kept: the retention of finished rows (None: for ever), and
@@ -197,8 +169,8 @@ def maintain(
     retention: Retention,
     exporter: Exporter | None = None,
 ) -> MaintenanceResult:
-    """One maintenance pass (see the module documentation); PostgreSQL only. `interval`: of
-    the partitions to make (None: as long as the newest one).
+    """One maintenance pass (docs/history.md, "The maintenance pass"); PostgreSQL only.
+    `interval`: of the partitions to make (None: as long as the newest one).
 
     Uses connections of its own in autocommit mode and never touches a caller's
     transaction. Raises StorageError when the database fails; what was done stays done.
@@ -329,9 +301,6 @@ def _detached_range(
     if not found:
         raise ValueError(f"{name}: no range found to attach it again")
     return (None if name.endswith("_legacy") else found[0]), found[-1]
-
-
-# --- what there is ------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

@@ -97,11 +97,9 @@ class Receiver:
         """Receive until `stop` is set; the batch in hand is stored and acked first.
 
         `on_started` is called once the first consumer is open. Any error is retried (see
-        `RoleLoop`): a fault of the receiver itself must not end it. The consumer is closed
-        first, so its unacked deliveries come back flagged redelivered and are then counted
-        one by one. A consumer is opened only once the database answers.
-        After TopologyMissing (a queue gone: its consumer cancelled by the broker, a forward
-        that found no queue) the topology is declared again first (`declare`); one warning.
+        `RoleLoop`), the consumer closed first: its unacked deliveries come back flagged
+        redelivered. After TopologyMissing (a queue gone) the topology is declared again first
+        (`declare`).
         """
         s = self._settings
         consumer: Consumer | None = None

@@ -52,13 +52,9 @@ class Relay:
     again and the receiving inbox drops the copy. A returned event (no queue subscribes to
     it) counts as published; a returned command does not.
 
-    A message the broker refuses by closing the channel (RabbitMQ: larger than its
-    ``max_message_size``) cannot stop the others: the messages in doubt are published again
-    one by one in the batch's transaction, the refused one is found, its cause kept in
-    ``last_error``, and it is retried on its own schedule until it is dead after
-    ``relay_max_attempts`` (see `_isolate`). `run` keeps up to three batches
-    open at once, each in its own transaction, so that the broker confirms one while the
-    relay claims and encodes the next (see `_relay_stream`).
+    A message the broker refuses by closing the channel cannot stop the others (`_isolate`;
+    docs/failures.md); it is dead after ``relay_max_attempts``. `run` keeps up to three
+    batches open at once, each in its own transaction (`_relay_stream`).
     """
 
     def __init__(
@@ -332,15 +328,11 @@ class Relay:
     ) -> tuple[list[PublishOutcome], dict[int, Refusal]]:
         """Publish the messages in doubt of a refused batch one by one; return their outcomes.
 
-        The broker closed the channel over one message of the batch without saying which:
-        the unconfirmed ones (REFUSED) and the unsent ones (SKIPPED) are published again, alone,
-        in id order, each on a channel of its own until one is refused; that one is refused by
-        itself. The rows are still locked by the batch's transaction, so nobody else
-        publishes them meanwhile. A key whose message failed keeps its later messages unsent
-        (SKIPPED), as in any batch. When the broker refuses one alone for its destination (a
-        missing exchange, no permission), the rest for that exchange would be refused the same
-        way and are not tried; when the connection fails, the rest stay unsent for the next
-        batch.
+        The broker closed the channel over one message without saying which: the unconfirmed
+        (REFUSED) and unsent (SKIPPED) ones are published again, alone, in id order, under the
+        batch's row locks (docs/failures.md). A key whose message failed keeps its later ones
+        SKIPPED; a destination refused (missing exchange, no permission) is not tried again
+        for the rest; a lost connection leaves the rest unsent for the next batch.
         """
         self._learn_limit(refusal.max_body)
         result = list(outcomes)

@@ -1,18 +1,12 @@
 """The loop every role runs: its own step again and again until it is asked to stop.
 
 The relay, the receiver and the worker differ only in their step (relay a batch, store a
-batch, handle a batch). What happens around it is this module's, and the same for each:
-
-* **stop**: the loop ends once the role's `stop` event is set, after the step in hand;
-* **failures**: a step that raises one of the role's `retried` errors (a server that cannot
-  be reached) is followed by the role's `recover` (drop the broken connection) and a capped,
-  jittered wait (`Backoff`), and then by the next step; an outage is logged as one warning and,
-  once a step works again, one info line with its length. An error outside `BrokerError`,
-  `SQLAlchemyError` and the driver's `DRIVER_OUTAGES` that a role retries anyway is logged
-  with its traceback first. What a role does not retry ends its `run` (its supervisor restarts it);
-* **the poll wait**: a step that found less than a full batch is followed by the role's `idle`
-  (if any) and a wait of ``poll_interval`` seconds, cut short by a NOTIFY on the role's table
-  (`Waker`) or by `stop`. A full batch is followed by the next step at once.
+batch, handle a batch). Around it, the same for each: the loop ends once `stop` is set, after
+the step in hand; a step that raises one of the role's `retried` errors is followed by its
+`recover` and a `Backoff` wait (which logs the outage), and one outside `UNAVAILABLE` is
+logged with its traceback first; what a role does not retry ends its `run`. A step that found
+less than a full batch is followed by `idle` and a poll wait, cut short by a NOTIFY (`Waker`)
+or by `stop`; a full batch by the next step at once.
 
 `RoleLoop.run` runs a sync step in the calling thread; `RoleLoop.run_async` awaits an async
 one on the running event loop, doing its waits in a thread so that the loop runs on.

@@ -1,29 +1,14 @@
 """Worker processes: a service's workers in several OS processes, supervised by the one that
 runs the service, so that its handlers use every CPU (one interpreter lock per process).
 
-`Service.run()` and `Service.run_worker()` (and so ``outbox-inbox run``) fork ``processes``
-children (the setting; by default the CPUs this process may use, `available_cpus`). Each child
-runs ``worker_threads`` workers of the same service, with the handlers the parent registered;
-the parent keeps the relay and the receiver (one of each is enough for thousands of messages a
-second, and the receiver's queue has a single active consumer anyway) and watches the
-children:
-
-* a child that dies, of a signal or an error, is logged with how it ended and started again:
-  at once, or after a pause that doubles (1 s, 2 s, ... at most 30 s) while children keep
-  dying within 10 s of their start; its claims are free at once, since its liveness locks died
-  with it;
-* SIGTERM or SIGINT to the parent stops every child gracefully: each finishes or gives back
-  its batch (`Worker.run`) and exits; a child still running after ``stop_timeout`` is killed,
-  which a SIGKILL never makes worse than a crash;
-* a child whose parent dies (SIGKILL included) stops by itself.
+How many are forked, and how the parent restarts and stops them, is docs/runbook.md ("Worker
+processes"); `WorkerProcesses` states the contract.
 
 Children are forked, not spawned: they need the service object with its handlers, which a
 new interpreter could only rebuild from an import path. The parent forks before it starts
 any thread of its own, and each child drops the parent's pooled database connections without
-closing them (psycopg never closes a connection of another process). A child's listener
-hooks run in the child, but for those of a listener marked `Listener.forwarded_from_workers`
-(the Prometheus metrics of `outbox_inbox.metrics`): these are forwarded to the parent, which
-serves them.
+closing them (psycopg never closes a connection of another process). The hooks of a
+listener marked `Listener.forwarded_from_workers` are forwarded to the parent.
 """
 
 from __future__ import annotations
@@ -94,8 +79,9 @@ class WorkerProcesses:
     `forwarded`: the parent's listeners that receive the hooks the children forward.
 
     Use from the thread that runs the service (the main thread, for signals): `start()`
-    forks them, `watch(stop)` restarts any that dies until `stop` is set, `stop()` ends them
-    gracefully. Not thread-safe.
+    forks them, `watch(stop)` restarts any that dies until `stop` is set (at once, or after
+    1, 2, ... `MAX_RESTART_DELAY` s while they keep dying within `STABLE_AFTER` s), `stop()`
+    ends them gracefully (SIGTERM, then a kill after `stop_timeout`). Not thread-safe.
     """
 
     def __init__(
@@ -259,9 +245,6 @@ def _stop_with_parent(sentinel: int, stop: threading.Event) -> None:
     if not stop.is_set():
         log.warning("worker process %d: its parent is gone; stopping", os.getpid())
         stop.set()
-
-
-# --- metrics across processes ---------------------------------------------------------------
 
 
 class _MetricsForwarder(Listener):

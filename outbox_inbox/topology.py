@@ -84,14 +84,10 @@ def service_topology(
     max_length: int | None = None,
     max_priority: int | None = None,
 ) -> Topology:
-    """Build the topology of `service`, subscribed to `event_patterns` on the events exchange.
-
-    The shared exchanges are declared by every service with the same arguments, so the order in
-    which services start does not matter. The `commands` exchange has `unroutable` as its
-    alternate exchange: a command to a service that has no queue yet is kept there. Each delay
-    tier is a queue of its own with one fixed TTL whose expired messages go back to the inbox
-    through the `retry` exchange. With `queue_type="quorum"` (for clusters) every queue is a
-    quorum queue, `unroutable` included: the services sharing a broker must agree on it.
+    """Build the topology of `service`, subscribed to `event_patterns` on the events exchange:
+    the objects of docs/topology.md. The shared exchanges are declared by every service with
+    the same arguments, so the order in which services start does not matter; with
+    `queue_type="quorum"` the services sharing a broker must agree on it (`unroutable`).
     """
     quorum = queue_type == "quorum"
     inbox_args: dict[str, Any] = {

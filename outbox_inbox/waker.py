@@ -1,13 +1,9 @@
 """Waking a loop on PostgreSQL NOTIFY, with polling as the fallback.
 
-LISTEN needs a database session of its own. Through a connection pooler in transaction mode
-(PgBouncer ``pool_mode=transaction``) there is none: the registration lands on whichever server
-connection the pooler picked, notifications reach whichever client that connection serves next,
-and the listener hears nothing. So a waker proves its path with a self-NOTIFY probe when it
-connects and whenever it has heard nothing for `PROBE_INTERVAL`: the probe is sent through
-another connection (the service's engine), and must come back on the LISTEN connection within
-`PROBE_TIMEOUT`. When it does not, the waker takes its registration back, logs one warning
-naming the cause and the ``listen_url`` setting, and polls; it tries again now and then.
+LISTEN needs a database session of its own, which a connection pooler in transaction mode
+does not give: so a waker proves its path with a self-NOTIFY probe, and polls when the probe
+does not come back. How it checks, when it tries again, and what it logs are in
+docs/runbook.md ("Connection poolers"); the waker's contract is in `Waker`.
 """
 
 from __future__ import annotations
@@ -104,18 +100,17 @@ class Waker:
 
     Owns one autocommit connection (`conninfo`) used only for LISTEN; if it breaks, waiting
     degrades to polling and the connection is opened again on the next wait. With `probe`
-    (an engine of the same database: the service's) the path is proven as the module says;
-    `setting` names, in the warning, what the operator sets to fix a path that cannot deliver
-    (``listen_url``). `listening` is True once a probe came back, False while the waker polls
-    because one did not, None before any verdict.
+    (an engine of the same database: the service's) the path is proven: a NOTIFY sent through
+    it must come back within `PROBE_TIMEOUT`, on connecting and after `PROBE_INTERVAL` without
+    one; else the waker takes its LISTEN back and polls. `setting` names, in the warning, what
+    the operator sets to fix a path that cannot deliver (``listen_url``). `listening` is True
+    once a probe came back, False while the waker polls because one did not, None before any
+    verdict.
 
-    With `helpers`, the wakers of one `channel` take turns: one at a time in the database, the
-    holder of a session advisory lock on the channel's name (`leading`), listens on `channel`;
-    the others listen on `helpers`, on which a loop that found more work than it could take
-    wakes them (NOTIFY), and try to take the lead every quarter second while they wait. So a
-    lone message wakes one loop, not every loop of the fleet, and under load all of them work;
-    a leader whose session ends is followed within a quarter second.
-    Not thread-safe: one per loop.
+    With `helpers`, one waker of `channel` at a time in the database (`leading`: it holds a
+    session advisory lock on the channel's name) listens on `channel`; the others listen on
+    `helpers`, and try to take the lead every quarter second while they wait (docs/runbook.md,
+    "Only one worker listens at a time"). Not thread-safe: one per loop.
     """
 
     def __init__(
@@ -183,14 +178,10 @@ class Waker:
         return self._conn
 
     def _pinned(self, conn: psycopg.Connection[tuple[object, ...]]) -> bool:
-        """Whether `conn` keeps its server session while idle (no pooler in transaction mode).
-
-        Another connection (the engine's) opens a transaction; should it get the server
-        connection `conn` used last, which a pooler in transaction mode hands out as soon as
-        `conn` is idle (PgBouncer reuses the most recent one first), `conn`'s next query must
-        run on another. A few tries; True when no other client was ever given our session,
-        which the NOTIFY probe then checks. Sets no state anywhere.
-        """
+        """Whether `conn` keeps its server session while idle (no pooler in transaction mode):
+        once another connection (the engine's) is given the server connection `conn` used
+        last, as PgBouncer does, `conn`'s next query runs on another. True when no other client
+        was given our session in a few tries (the NOTIFY probe then checks). Sets no state."""
         assert self._probe is not None
         try:
             for _ in range(5):
@@ -265,14 +256,9 @@ class Waker:
             )
 
     def _take_back(self, conn: psycopg.Connection[tuple[object, ...]]) -> None:
-        """UNLISTEN on the server connection that holds the registration (`_pid`), so that
-        no other client of a pooler inherits it.
-
-        `conn` asks first, and names the server connection its UNLISTEN ran on: the
-        registration's one when `conn` keeps its session (and, by chance, behind a pooler).
-        When it ran elsewhere, `conn` is behind a pooler in transaction mode and
-        `release_listen` goes and finds the registration's server connection.
-        """
+        """UNLISTEN on the server connection that holds the registration (`_pid`), so that no
+        other client of a pooler inherits it: through `conn`, or, when that ran on another
+        server connection (a pooler in transaction mode), through `release_listen`."""
         pid, self._pid = self._pid, None
         try:
             ran_on = _pid_after(conn, sql.SQL("UNLISTEN {}").format(sql.Identifier(self._channel)))
@@ -363,13 +349,10 @@ def release_listen(conninfo: str, channel: str, pid: int, *, probe: Engine | Non
 
     A pooler in transaction mode gives each transaction an idle server connection of its
     choosing (PgBouncer: the one used last), so the one that holds a registration is reached
-    by taking the others out of its way: each step opens a client connection and a transaction
-    (``BEGIN; UNLISTEN; SELECT pg_backend_pid()``) and holds it while its server is not `pid`'s.
-    On `pid`'s server it commits. A step given no server within `RELEASE_WAIT` (the pool is
-    busy) lets go of every transaction held, so that it never waits while holding, and the
-    search starts again; `RELEASE_HOLD` and `RELEASE_TIMEOUT` bound it. Other clients of the
-    pool wait for a server meanwhile, for milliseconds. `probe` (an engine of the same
-    database) tells whether backend `pid` still exists. Logs a warning when it gives up.
+    by holding a transaction on each server it hands out that is not `pid`'s; a step given no
+    server within `RELEASE_WAIT` lets go of all of them, so that it never waits while holding.
+    `RELEASE_HOLD` and `RELEASE_TIMEOUT` bound it. `probe` (an engine of the same database)
+    tells whether backend `pid` still exists. Logs a warning when it gives up.
     """
     query = (
         sql.SQL("BEGIN; UNLISTEN {}; SELECT pg_backend_pid()")

@@ -95,12 +95,9 @@ class RabbitMQBroker:
     (``amqp://user:password@node1:5672,node2:5672/vhost``: see `config.broker_urls`).
 
     Every connection it opens negotiates AMQP heartbeats of `heartbeat` seconds (unless the URL
-    sets ``heartbeat=``); pika checks every `heartbeat` + 5 s that something arrived, so a dead
-    or blackholed link is noticed within 2 * (`heartbeat` + 5) s, 20 s with the default;
-    uses TCP keepalive; gives up connecting after `connect_timeout`; and treats a connection
-    the broker keeps blocked (a memory or disk alarm) for `blocked_connection_timeout` as
-    broken. Blocking and unblocking are logged (with the broker's reason) and counted in
-    `flow_control`.
+    sets ``heartbeat=``), uses TCP keepalive, gives up connecting after `connect_timeout`, and
+    is broken once blocked for `blocked_connection_timeout` (docs/configuration.md says what
+    each bounds). Blocking and unblocking are logged and counted in `flow_control`.
     """
 
     def __init__(
@@ -232,9 +229,6 @@ class RabbitMQBroker:
 
 #: Where `RabbitMQBroker.body_limit` sends its probe: a queue name no service can have.
 SIZE_PROBE_ROUTING_KEY = "outbox-inbox.size-probe"
-
-
-# --- publishing frames ---------------------------------------------------------------------
 
 _LONG_STRING = struct.Struct(">cI")
 _INT32 = struct.Struct(">ci")
@@ -517,13 +511,9 @@ class RabbitMQPublisher:
             raise BrokerConnectionError(f"cannot open a publishing channel: {exc!r}") from exc
 
     def _renew(self) -> None:
-        """Publish on a new channel from now on, once the messages in flight are settled.
-
-        After a nack the channel may be what refuses: a RabbitMQ 3.10 channel whose first
-        message to a quorum queue went out while the queue's leader was down keeps sending
-        that message's successors to the dead leader, and nacks them for as long as the
-        channel lives, while a new channel reaches the new leader. A nack for a reason of the
-        queue's own (full, with ``reject-publish``) is given on the new channel alike.
+        """Publish on a new channel from now on, once the messages in flight are settled: after
+        a nack the channel may be what refuses (RabbitMQ 3.10 after a quorum queue's leader
+        died: docs/failures.md); a nack of the queue's own (full) is given on the new one alike.
         """
         while self._batches and not self._broken:
             self.pump(_CONFIRM_WAIT)

@@ -1,9 +1,6 @@
 """The dashboard's charts: backlog, lag, handled and dead letters over the last hour, one
 line per service, drawn as inline SVG (outbox_inbox.svgchart) from the snapshots the rates
-are computed from (rates.RateTracker): no script, nothing fetched.
-
-Snapshots are taken when a page shows a service, so the lines cover the time the dashboard
-was watched; snapshots more than GAP seconds apart are not joined (nobody looked between).
+are computed from (rates.RateTracker): docs/dashboard.md ("Charts").
 """
 
 from __future__ import annotations

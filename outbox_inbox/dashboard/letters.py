@@ -2,9 +2,7 @@
 
 Everything here goes through outbox_inbox.status.health and outbox_inbox.dead_letters.DeadLetters,
 the functions behind `outbox-inbox status` and `dead-letters`: the dashboard shows the same
-numbers and acts the same way. An action selects by message id, so exactly the dead letters the
-operator confirmed are replayed, purged or parked (a group's action confirms the group's letters
-by id as well, and keeps to the group).
+numbers and acts the same way (by message id: see `act`).
 """
 
 from __future__ import annotations
@@ -58,7 +56,7 @@ class WatchedService:
         )
 
 
-#: Writes the audit line of an action: keyword arguments of outbox_inbox.cli.audit.write_audit
+#: Writes the audit line of an action: keyword arguments of outbox_inbox.audit_trail.write_audit
 #: (command, service, source, filters, counts, message_ids, dry_run, error, and `client`).
 AuditWriter = Callable[..., Any]
 
@@ -104,10 +102,9 @@ def act(
     parked rows (park itself takes dead rows, of the table and outbox sources only).
 
     The selection is made again here, by id: a letter replayed or purged by someone else in
-    the meantime is not found (reported as missing), never acted on twice. A queue replay
-    resets the broker-redelivery counters of its messages first, as the CLI does. The audit
-    line is written even when the action fails half-way; errors of the servers are returned
-    in the result, not raised.
+    the meantime is not found (reported as missing), never acted on twice. The action is
+    `DeadLetters.act`'s. The audit line is written even when the action fails half-way;
+    errors of the servers are returned in the result, not raised.
     """
     if action not in ACTIONS:
         raise ValueError(f"unknown action {action!r}")

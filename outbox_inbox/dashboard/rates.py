@@ -1,11 +1,10 @@
 """Rates and the last hour's history from successive status snapshots: the dashboard asks
 nothing more of the database.
 
-Each time a service's status is collected its counters are remembered with the database time
-they were read at (at most one every `spacing` seconds, for `history` seconds). A rate is the
-change between the newest snapshot and the oldest one of the last `window` seconds (at least
-`min_span` apart). A counter that went down (processed rows archived, rows purged) gives no
-rate for that span rather than a wrong one.
+Each status collected is remembered with its database time (at most one every `spacing`
+seconds, for `history` seconds). A rate is the change since the oldest snapshot of the last
+`window` seconds (at least `min_span` apart); a counter that went down (rows archived or
+purged) gives no rate rather than a wrong one.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Who may use the dashboard and from where: the bind check, authentication, CSRF, Host.
 
-* Bound to a loopback address by default. `check_bind` refuses any other address unless a
-  token is configured: a dashboard that can replay and purge is never open to a network.
-* With a token, every request must carry it: ``Authorization: Bearer <token>``, or HTTP Basic
-  with the token as the password (any user name, which the audit line records), so that a
-  browser can log in with its own prompt. Compared in constant time.
-* Without a token (loopback only), the ``Host`` header must name a loopback address, so a web
-  page on another site cannot reach the dashboard through a DNS name rebound to 127.0.0.1.
-* Every form that changes something carries a CSRF token: an HMAC, under a key made when the
-  process starts, of a random cookie the browser holds (``SameSite=Strict``, ``HttpOnly``).
-  A POST must carry both, matching, and an ``Origin`` (when the browser sends one) equal to the
-  dashboard's own.
+The rules are docs/dashboard.md ("Who can reach it"): loopback by default, and `check_bind`
+refuses any other address without a token; with one, every request carries it (Bearer, or
+Basic with the token as password), compared in constant time; without one, the ``Host`` must
+be a loopback name (DNS rebinding); every POST carries a CSRF token, an HMAC under a key made
+at start of a cookie the browser holds, and an ``Origin`` (when sent) equal to the dashboard's.
 """
 
 from __future__ import annotations
@@ -86,8 +80,6 @@ class Guard:
     token: str | None = None
     _key: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
 
-    # --- authentication ---------------------------------------------------------------------
-
     def user(self, environ: Environ) -> str | None:
         """Who is asking: the Basic user name, ``token`` for a bearer token, ``local`` without
         a token configured; None when the request is not authenticated."""
@@ -123,8 +115,6 @@ class Guard:
             return ipaddress.ip_address(name).is_loopback
         except ValueError:
             return False
-
-    # --- CSRF --------------------------------------------------------------------------------
 
     def csrf_cookie(self, environ: Environ) -> str | None:
         """The browser's CSRF cookie, when it sent a well-formed one."""

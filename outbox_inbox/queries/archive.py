@@ -119,16 +119,9 @@ def forget_archive_files(conn: Connection, tables: Tables, ids: Sequence[uuid.UU
 
 
 def try_archive_lock(conn: Connection, schema: str) -> bool:
-    """Take the lock that lets one archive run per schema; False when it is held.
-
-    A transaction-level lock: it lives until `conn`'s transaction ends (commit, rollback, or
-    the connection closing), so the caller keeps that transaction open for the whole run and a
-    connection pooler can never hand the lock to another client. The transaction also turns
-    off ``idle_in_transaction_session_timeout`` for itself (``SET LOCAL``), so that a
-    server-wide limit does not end the lock while the run works on other connections.
-
-    SQLite has no such lock: one process writes it at a time anyway, and the archive of a
-    development database is run by hand.
+    """Take the lock that lets one archive run per schema (`try_xact_lock`: the caller keeps
+    the transaction open for the whole run); False when it is held. SQLite has no such lock:
+    one process writes it at a time anyway, and its archive is run by hand.
     """
     return conn.dialect.name != "postgresql" or try_xact_lock(
         conn, f"outbox_inbox.archive.{schema}"
@@ -137,7 +130,8 @@ def try_archive_lock(conn: Connection, schema: str) -> bool:
 
 def try_xact_lock(conn: Connection, key: str) -> bool:
     """Take the transaction-level advisory lock of `key` if it is free, held until `conn`'s
-    transaction ends, which no idle timeout ends early."""
+    transaction ends (so a pooler can never hand it to another client), which no idle timeout
+    ends early: the transaction sets ``idle_in_transaction_session_timeout`` to 0 for itself."""
     conn.execute(select(func.set_config("idle_in_transaction_session_timeout", "0", True)))
     held = bool(conn.execute(select(func.pg_try_advisory_xact_lock(func.hashtext(key)))).scalar())
     # A statement with parameters leaves its portal open, and with it a snapshot, until the

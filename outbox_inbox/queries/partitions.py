@@ -34,9 +34,6 @@ def _ddl(conn: Connection, statement: str, schema: str, **names: str) -> None:
     conn.execute(text(statement.format(s=_quote(conn, schema), **quoted)))
 
 
-# --- the catalog ---------------------------------------------------------------------------
-
-
 def partition_catalog(conn: Connection, schema: str, parent: str) -> list[Any]:
     """A row per partition of `schema`.`parent`: name, bound (its expression), pending (a
     detach), rows (estimated, -1 if never analysed), size (bytes with indexes and TOAST)."""
@@ -91,9 +88,6 @@ def table_kinds(conn: Connection, schema: str, names: list[str]) -> dict[str, st
     return {str(name): str(kind) for name, kind in rows}
 
 
-# --- the DDL -------------------------------------------------------------------------------
-
-
 def create_partition(
     conn: Connection, schema: str, parent: str, name: str, start: datetime, end: datetime
 ) -> None:
@@ -132,9 +126,6 @@ def detach(conn: Connection, schema: str, parent: str, name: str, *, finalize: b
 
 def drop_table(conn: Connection, schema: str, name: str) -> None:
     _ddl(conn, "DROP TABLE {s}.{name}", schema, name=name)
-
-
-# --- the lock and what keeps a partition ----------------------------------------------------
 
 
 def try_maintenance_lock(conn: Connection, schema: str) -> bool:
