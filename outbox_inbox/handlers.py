@@ -231,6 +231,7 @@ class HandlerKeywords(TypedDict, total=False):
     batch: bool
     version: int | None
     max_concurrency: int | None
+    rate: tuple[int, float] | None
     weight: int | None
     delivery: Delivery
 
@@ -241,14 +242,16 @@ class HandlerOptions:
     `batch`: called once for many messages (`Subscription`). `version`: the one payload
     version (``message.version``) it handles; None: every version. `max_concurrency`: the
     most messages of its routing key handled at once by every worker of the database
-    together (`queries.roles.claim_inbox`); None: no cap. `weight`: the turns its routing key
-    gets in fair claims for each turn of the other types (None: 1). `delivery`: a `Delivery`
+    together (`queries.roles.claim_inbox`), and `rate`, ``(n, seconds)``, the most claimed in
+    any `seconds`; None: no cap. `weight`: the turns its routing key gets in fair claims for
+    each turn of the other types (None: 1). `delivery`: a `Delivery`
     (docs/concepts.md#at-most-once-handlers); at most once, it takes no `retry`."""
 
     retry: RetryPolicy | None = None
     batch: bool = False
     version: int | None = None
     max_concurrency: int | None = None
+    rate: tuple[int, float] | None = None
     weight: int | None = None
     delivery: Delivery = "exactly_once"
 
@@ -259,10 +262,12 @@ class HandlerOptions:
             raise ConfigurationError(f"delivery={self.delivery!r} is one attempt: no retry policy")
         for name in ("version", "max_concurrency", "weight"):
             value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
-            ):
+            if value is not None and (type(value) is not int or value < 1):
                 raise ConfigurationError(f"{name} must be an int >= 1, got {value!r}")
+        r = self.rate  # (n, seconds); type() refuses a bool for either
+        ok = type(r) is tuple and len(r) == 2 and type(r[0]) is int and type(r[1]) in (int, float)
+        if r is not None and not (ok and r[0] >= 1 and r[1] > 0):
+            raise ConfigurationError(f"rate must be (int n >= 1, seconds > 0), got {r!r}")
 
 
 @dataclass(frozen=True)
@@ -475,7 +480,7 @@ class Handlers:
                 raise ConfigurationError(
                     f"command {subscription.pattern!r}{which} already has a handler"
                 )
-        for name in ("max_concurrency", "weight"):
+        for name in ("max_concurrency", "rate", "weight"):
             if getattr(subscription.options, name) is not None and (
                 {"*", "#"} & set(subscription.pattern.split("."))
             ):
@@ -485,10 +490,10 @@ class Handlers:
         self._subscriptions.append(subscription)
         self._found = {}
 
-    def per_key(self, option: str) -> dict[str, int]:
-        """The `HandlerOptions` `option` (``max_concurrency``, ``weight``) of each routing key
-        that has one (the smallest, where several handlers of the key have one)."""
-        found: dict[str, int] = {}
+    def per_key(self, option: str) -> dict[str, Any]:
+        """The `HandlerOptions` `option` (``max_concurrency``, ``rate``, ``weight``) of each
+        routing key that has one (the smallest, where several handlers of the key have one)."""
+        found: dict[str, Any] = {}
         for s in self._subscriptions:
             n = getattr(s.options, option)
             if n is not None:
@@ -543,8 +548,8 @@ class Handlers:
     def advertised(self) -> list[dict[str, Any]]:
         """What this service handles, as the instances table stores it: one
         ``{"kind", "pattern", "versions"}`` per kind and pattern, ``versions`` a sorted list,
-        or None when a handler takes every version; and ``cap``, its ``max_concurrency``, if it
-        has one."""
+        or None when a handler takes every version; and ``cap``, its ``max_concurrency``, and
+        ``rate``, if it has them."""
         versions: dict[tuple[str, str], set[int] | None] = {}
         for s in self._subscriptions:
             key = (s.kind, s.pattern)
@@ -553,10 +558,10 @@ class Handlers:
                 versions[key] = None
             else:
                 known.add(s.options.version)
-        caps = self.per_key("max_concurrency")
+        caps = {"cap": self.per_key("max_concurrency"), "rate": self.per_key("rate")}
         return [
             {"kind": k, "pattern": p, "versions": None if v is None else sorted(v)}
-            | ({"cap": caps[p]} if p in caps else {})
+            | {name: cap[p] for name, cap in caps.items() if p in cap}
             for (k, p), v in versions.items()
         ]
 

@@ -327,7 +327,7 @@ class _StateCollector(Collector):
                 families[name].add_metric([service], float(value or 0))
             for t in state["inbox"]["by_type"]:
                 families["inbox_type_pending"].add_metric([service, t["type"]], t["pending"])
-                if t["cap"] is not None:
+                if t["cap"] is not None or t["rate"] is not None:
                     binding = float(t["cap_binding"])
                     families["inbox_cap_binding"].add_metric([service, t["type"]], binding)
             for t in state["inbox"]["by_tenant"]:
@@ -347,7 +347,10 @@ class _StateCollector(Collector):
             families[name] = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["service"])
         for name, doc in (
             ("inbox_type_pending", "Inbox rows of the type waiting for a worker."),
-            ("inbox_cap_binding", "1 while the type's max_concurrency holds back work, else 0."),
+            (
+                "inbox_cap_binding",
+                "1 while the type's max_concurrency or rate holds back work, else 0.",
+            ),
         ):
             families[name] = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["service", "type"])
         families["inbox_tenant_pending"] = GaugeMetricFamily(

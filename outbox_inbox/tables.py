@@ -211,6 +211,11 @@ def _inbox_table(metadata: MetaData) -> Table:
     _partial_index("ix_inbox_messages_pending_type", pending, *by_type)
     leased = pending & inbox.c.locked_until.is_not(None)
     _partial_index("ix_inbox_messages_leased", leased, inbox.c.routing_key)
+    # A rate cap counts the rows of its type finished (processed or dead) within its period.
+    finished = inbox.c.processed_at.is_not(None)
+    _partial_index(
+        "ix_inbox_messages_finished", finished, inbox.c.routing_key, inbox.c.processed_at
+    )
     # `status`: the newest processed row, and the count of processed rows, read from this
     # narrow index (the newest: one entry per partition) instead of from every finished row.
     processed = inbox.c.status == PROCESSED

@@ -382,6 +382,7 @@ class Worker:
             fair=s.fair_claims,
             after=self._served,
             caps=self._handlers.per_key("max_concurrency"),
+            rates=self._handlers.per_key("rate"),
             weights=self._handlers.per_key("weight"),
             tenant_weights=s.tenant_weights,
             flush_wait=flush_wait,

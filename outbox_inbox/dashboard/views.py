@@ -335,10 +335,11 @@ def filter_form(name: str, sources: list[str], values: dict[str, str]) -> Safe:
 
 
 def cap_shown(by_type: dict[str, Any]) -> str:
-    """A type's ``max_concurrency`` as status shows it: ``2``, ``2 binding`` while it holds
-    back work, or nothing without a cap."""
-    cap = by_type.get("cap")
-    return "" if cap is None else f"{cap} binding" if by_type.get("cap_binding") else str(cap)
+    """A type's caps as status shows them: ``2`` (``max_concurrency``), ``10/1s`` (rate),
+    ``2, 10/1s``, each followed by ``binding`` while they hold back work; nothing without."""
+    cap, rate = by_type.get("cap"), by_type.get("rate")
+    shown = ", ".join(str(c) for c in (cap, rate and f"{rate[0]}/{rate[1]:g}s") if c)
+    return f"{shown} binding" if shown and by_type.get("cap_binding") else shown
 
 
 def letters_table(name: str, letters: list[DeadLetter]) -> Safe:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
+from math import inf
 from typing import Any, TypedDict, Unpack
 
 from sqlalchemy import (
@@ -248,7 +249,8 @@ TOP_TENANTS = 10
 
 def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
     """Inbox rows by state, the age of the oldest pending row, and the counts per type, with
-    the type's concurrency cap (``max_concurrency``) and whether it holds back work now.
+    the type's caps (``cap``: ``max_concurrency``; ``rate``: ``[n, seconds]``) and whether one
+    holds back work now.
 
     ``pending`` rows wait for a worker (due or scheduled for a retry); ``in_progress`` rows are
     pending rows a worker holds a lease on (database clock). ``claimable`` rows are those a
@@ -300,11 +302,21 @@ def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
         ).where(unfinished)
     ).one()
     processed = conn.execute(select(func.count()).where(i.c.status == PROCESSED)).scalar_one()
-    caps: dict[str, int] = {}  # as the service's instances advertise them (`Handlers.caps`)
+    # The caps as the service's instances advertise them (`Handlers.advertised`).
+    caps: dict[str, dict[str, Any]] = {"cap": {}, "rate": {}}
     for handlers in conn.execute(select(tables.instances.c.handlers)).scalars():
         for h in handlers or ():
-            if h.get("cap") is not None:
-                caps[h["pattern"]] = min(h["cap"], caps.get(h["pattern"], h["cap"]))
+            for name, found in caps.items():
+                if h.get(name) is not None:
+                    found[h["pattern"]] = min(h[name], found.get(h["pattern"], h[name]))
+    finished = {  # a rate's count, with the rows leased now: those finished in its period
+        key: conn.execute(
+            select(func.count()).where(
+                i.c.routing_key == key, i.c.processed_at >= db_now_plus(timedelta(seconds=-s))
+            )
+        ).scalar_one()
+        for key, (_n, s) in caps["rate"].items()
+    }
     per_type = conn.execute(
         select(i.c.routing_key, *counts)
         .where(unfinished)
@@ -333,11 +345,15 @@ def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
                 "pending": int(r.pending),
                 "in_progress": int(r.in_progress),
                 "dead": int(r.dead),
-                "cap": caps.get(r.routing_key),
-                # Work waits that the cap holds back now.
-                "cap_binding": r.routing_key in caps
-                and r.pending > 0
-                and r.in_progress >= caps[r.routing_key],
+                "cap": caps["cap"].get(r.routing_key),
+                "rate": caps["rate"].get(r.routing_key),
+                # Work waits that a cap holds back now.
+                "cap_binding": r.pending > 0
+                and (
+                    r.in_progress >= caps["cap"].get(r.routing_key, inf)
+                    or r.in_progress + finished.get(r.routing_key, 0)
+                    >= caps["rate"].get(r.routing_key, (inf,))[0]
+                ),
             }
             for r in per_type
         ],

@@ -529,6 +529,7 @@ def claim_inbox(
     fair: bool = True,
     after: tuple[str, str] | None = None,
     caps: Mapping[str, int] | None = None,
+    rates: Mapping[str, tuple[int, float]] | None = None,
     weights: Mapping[str, int] | None = None,
     tenant_weights: Mapping[str, int] | None = None,
     flush_wait: bool = True,
@@ -549,10 +550,12 @@ def claim_inbox(
 
     `caps`: the most rows of a routing key leased at once, by every worker of the database
     together. A claim takes at most half (rounded up) of the cap less the rows of that type
-    leased now, so the places go to several workers; the rows held back are neither leased
-    nor counted. On PostgreSQL the claim first takes a
-    transaction lock per capped type (`CAP_LOCK`), so that two claims never count the same
-    free places: it is held until the caller's transaction ends (keep it short).
+    leased now, so the places go to several workers. `rates`: ``(n, seconds)``, the most rows
+    of a routing key claimed in any `seconds`: a claim takes at most n less the rows of the
+    type leased now and those finished (processed or dead) in the last `seconds` of the
+    database clock. The rows held back are neither leased nor counted. On PostgreSQL the claim
+    first takes a transaction lock per capped type (`CAP_LOCK`), so that two claims never count
+    the same free places: it is held until the caller's transaction ends (keep it short).
 
     On PostgreSQL the rest of the caller's transaction runs with ``enable_sort`` off (``SET
     LOCAL``, in a statement before the claim; without `flush_wait`, also ``synchronous_commit``
@@ -568,11 +571,12 @@ def claim_inbox(
     postgres = conn.dialect.name == "postgresql"
     if postgres:
         conn.execute(_CLAIM_SETTINGS[flush_wait])
-    capped = tuple(sorted((caps or {}).items()))
+    caps, rates = caps or {}, rates or {}
+    capped = tuple((k, caps.get(k), rates.get(k)) for k in sorted({*caps, *rates}))
     weighted = tuple(sorted((weights or {}).items())) if fair else ()
     tenants = tuple(sorted((tenant_weights or {}).items())) if fair else ()
     if capped and postgres:
-        conn.execute(_LOCK_CAPS, {"keys": [key for key, _ in capped]})
+        conn.execute(_LOCK_CAPS, {"keys": [key for key, _, _ in capped]})
     params = {"claimant": worker, "limit": limit, "lease": lease.total_seconds()}
     if fair or capped:
         stmt = _fair_claim_statement(tables, postgres, fair, capped, weighted, tenants)
@@ -650,7 +654,7 @@ def _fair_claim_statement(
     tables: Tables,
     postgres: bool,
     fair: bool,
-    caps: tuple[tuple[str, int], ...],
+    caps: tuple[_Cap, ...],
     weights: tuple[tuple[str, int], ...] = (),
     tenant_weights: tuple[tuple[str, int], ...] = (),
 ) -> Any:
@@ -739,30 +743,40 @@ def _fair_claim_statement(
     return _lease(tables, picked.scalar_subquery())
 
 
-def _cap_of(
-    tables: Tables, routing_key: Any, caps: tuple[tuple[str, int], ...], *, liveness: bool
-) -> Any:
-    """The places a claim may take under the cap of `routing_key` (None without caps): half,
-    rounded up, of those left, its cap less its rows leased now by a live claimant. A worker
-    runs its batch one message at a time: taking every place, it would run the type alone."""
+#: A capped routing key, its ``max_concurrency`` and its rate ``(n, seconds)`` (None: none).
+_Cap = tuple[str, int | None, tuple[int, float] | None]
+
+
+def _cap_of(tables: Tables, routing_key: Any, caps: tuple[_Cap, ...], *, liveness: bool) -> Any:
+    """The places a claim may take under the caps of `routing_key` (None without caps): under
+    ``max_concurrency``, half, rounded up, of those left, the cap less its rows leased now by a
+    live claimant (a worker runs its batch one message at a time: taking every place, it would
+    run the type alone); under a rate, n less those rows and the type's rows finished within
+    its last `seconds` (a row finishes after its claim, in a later transaction, so a row
+    claimed in the window counts); the fewer of the two."""
     if not caps:
         return None
-    i = tables.inbox
-    leased = i.alias("leased")
-    in_flight = (
-        select(func.count())
-        .where(
-            leased.c.status == _inline(PENDING),
-            leased.c.routing_key == routing_key,
-            leased.c.locked_until.is_not(None),
-            ~_free(leased, liveness=liveness),
-        )
-        .correlate_except(leased)
-        .scalar_subquery()
+    leased = tables.inbox.alias("leased")
+
+    def counted(*where: Any) -> Any:
+        rows = select(func.count()).where(leased.c.routing_key == routing_key, *where)
+        return rows.correlate_except(leased).scalar_subquery()
+
+    in_flight = counted(
+        leased.c.status == _inline(PENDING),
+        leased.c.locked_until.is_not(None),
+        ~_free(leased, liveness=liveness),
     )
     # Counted in the branch of a capped type only: an uncapped one costs nothing.
-    left = [(key, (literal(n) - in_flight + 1) // 2) for key, n in caps]
-    return case(*((routing_key == key, half) for key, half in left), else_=None)
+    left = []
+    for key, n, rate in caps:
+        places = None if n is None else (literal(n) - in_flight + 1) // 2
+        if rate is not None:
+            since = db_now_plus(timedelta(seconds=-rate[1]))
+            more = literal(rate[0]) - in_flight - counted(leased.c.processed_at >= since)
+            places = more if places is None else case((more < places, more), else_=places)
+        left.append((routing_key == key, places))
+    return case(*left, else_=None)
 
 
 def claimable(i: Any, *, liveness: bool, claimant: bool = False) -> ColumnElement[bool]:

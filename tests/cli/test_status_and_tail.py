@@ -107,6 +107,7 @@ def test_status_numbers_match_the_database_and_thresholds_set_the_exit_code(
         "in_progress": 1,
         "dead": 1,
         "cap": None,  # no max_concurrency
+        "rate": None,
         "cap_binding": False,
     }
     assert by_type["orders.order.placed"]["pending"] == 1
