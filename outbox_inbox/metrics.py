@@ -347,10 +347,7 @@ class _StateCollector(Collector):
             families[name] = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["service"])
         for name, doc in (
             ("inbox_type_pending", "Inbox rows of the type waiting for a worker."),
-            (
-                "inbox_cap_binding",
-                "1 while the type's max_concurrency or rate holds back work, else 0.",
-            ),
+            ("inbox_cap_binding", "1 while a cap of the type holds back work, else 0."),
         ):
             families[name] = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["service", "type"])
         families["inbox_tenant_pending"] = GaugeMetricFamily(

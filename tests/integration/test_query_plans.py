@@ -241,6 +241,30 @@ def test_the_workers_claim_uses_the_index_of_pending_rows(engine: Any, tables: T
     )
 
 
+def test_a_claim_under_a_cap_and_a_rate_counts_on_the_indexes(engine: Any, tables: Tables) -> None:
+    caps, rates = {"billing.invoice.create": 4}, {"billing.invoice.create": (5, 60.0)}
+    plans = _assert_no_scan_of_a_large_relation(
+        engine,
+        lambda conn: roles.claim_inbox(
+            conn, tables, "w-1", 10, timedelta(seconds=30), caps=caps, rates=rates
+        ),
+    )
+    read = {n.get("Index Name", "") for plan in plans for n in _scans(plan)}
+    # On each partition, the index a migration made on the partitioned table is named so.
+    assert any(name.endswith("routing_key_processed_at_idx") for name in read), read
+
+
+def test_status_counts_a_rate_on_the_index_of_finished_rows(engine: Any, tables: Tables) -> None:
+    def status(conn: Connection) -> Any:
+        rated = [{"kind": "command", "pattern": "billing.invoice.create", "rate": [5, 60.0]}]
+        roles.advertise_instance(
+            conn, tables, "billing", "i-1", rated, forget_after=timedelta(minutes=1)
+        )
+        return operations.inbox_status(conn, tables)
+
+    _assert_no_scan_of_a_large_relation(engine, status)
+
+
 def test_the_workers_mark_reads_rows_by_id(engine: Any, tables: Tables) -> None:
     ids = _pending_ids(engine, "inbox_messages")
     _assert_no_scan_of_a_large_relation(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from datetime import datetime, timedelta
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy import text
 
 from helpers import make_service, received_row, scalar, wait_until
-from outbox_inbox import ConfigurationError, Message, Service
+from outbox_inbox import ConfigurationError, Service
 from outbox_inbox.dashboard.views import cap_shown
 from outbox_inbox.metrics import instrument
 from outbox_inbox.queries import roles
@@ -95,7 +96,9 @@ def test_a_rate_is_never_exceeded_by_two_workers_on_two_connections(service: Ser
         thread.join(120)
     # 30 claims, each after the last one's rows were processed: 4 within the hour, no more.
     assert len(handled) == 4
-    assert _select(service, "SELECT status, attempts, count(*) FROM {INBOX} GROUP BY 1, 2 ORDER BY 1") == [
+    assert _select(
+        service, "SELECT status, attempts, count(*) FROM {INBOX} GROUP BY 1, 2 ORDER BY 1"
+    ) == [
         ("pending", 0, 16),
         ("processed", 1, 4),
     ]
@@ -135,7 +138,7 @@ def test_a_held_back_message_is_claimed_by_a_running_worker_once_the_window_pass
     ]
     if isinstance(finished[0], str):  # SQLite's text
         finished = [datetime.fromisoformat(t) for t in finished]
-    gaps = [(b - a).total_seconds() for a, b in zip(finished, finished[1:], strict=False)]
+    gaps = [(b - a).total_seconds() for a, b in pairwise(finished)]
     assert min(gaps) >= 1.0
     assert _select(service, "SELECT max(attempts) FROM {INBOX}") == [(1,)]
 
