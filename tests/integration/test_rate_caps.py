@@ -104,6 +104,33 @@ def test_a_rate_is_never_exceeded_by_two_workers_on_two_connections(service: Ser
     ]
 
 
+def test_a_claim_waits_for_the_open_claim_of_a_rate_capped_type_and_counts_its_rows(
+    db_url: str,
+) -> None:
+    service = make_service("billing", db_url, None)
+    _store(service, JOB, 6)
+    rates = {JOB: (2, HOUR)}
+    claimed: list[Any] = []
+
+    def second() -> None:
+        claimed.extend(_claim(service, "w-2", rates=rates))
+
+    with service.engine.connect() as conn:
+        first = roles.claim_inbox(
+            conn, service.tables, "w-1" + roles.LEASE_ONLY, 10, LEASE, rates=rates
+        )
+        other = threading.Thread(target=second)
+        other.start()
+        # The second claim runs while the first one's transaction is open: it waits on the
+        # type's lock (or, without one, would count none of the first one's rows).
+        waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory'"
+        wait_until(lambda: not other.is_alive() or scalar(db_url, waiting) == 1, what="a wait")
+        conn.commit()
+    other.join(30)
+    assert (len(first), claimed) == (2, [])
+    service.close()
+
+
 def test_a_message_held_back_by_a_rate_is_neither_leased_nor_counted(service: Service) -> None:
     _store(service, JOB, 3)
     rates = {JOB: (2, HOUR)}
