@@ -329,7 +329,7 @@ def test_tables_are_partitioned_live_while_a_service_writes_relays_receives_and_
                     assert (day.upper - day.lower).days == 1  # type: ignore[operator]
                 # Every index the attach needed was built beforehand and adopted: none was
                 # built under its lock (PostgreSQL would have named it …_idx). Indexes a later
-                # migration made on the partitioned table (0008's, 0009's) are named so too.
+                # migration made on the partitioned table (0008's to 0010's) are named so too.
                 built = conn.execute(
                     text(
                         "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid"
