@@ -34,13 +34,13 @@ BULK, BULK_SECONDS, URGENT, URGENT_GAP = 4000, 0.003, 20, 0.1
 def _service(ctx: Context, **settings: Any) -> Service:
     """Service F: ``noop.run`` (a no-op), ``bulk.item`` (sleeps `BULK_SECONDS`) and
     ``urgent.ping``, which notes ``clock_timestamp()`` in ``urgent_handled``."""
-    cap = settings.pop("cap", None)
+    cap, rate = settings.pop("cap", None), settings.pop("rate", None)
     schema = f"bench_{ctx.tag}_f"
     svc = Service(
         f"bench{ctx.tag}f", db_url=ctx.db_url, mq_url=ctx.mq_url, schema=schema, **settings
     )
     handled = table("urgent_handled", column("n"), column("at"), schema=schema)
-    svc.on_command("noop.run", max_concurrency=cap)(lambda message, session: None)
+    svc.on_command("noop.run", max_concurrency=cap, rate=rate)(lambda message, session: None)
 
     @svc.on_command("bulk.item")
     def bulk(message: Message, session: Any) -> None:
@@ -94,12 +94,13 @@ def _drain(ctx: Context, svc: Service, threads: int = 1) -> Timer:
 
 
 def noop_rates(ctx: Context) -> None:
-    """(f0) fair claims, (f0x) fair_claims=False, (f0c) a cap of 1,000 that never binds: one
-    worker thread, a no-op handler, N rows of one type."""
+    """(f0) fair claims, (f0x) fair_claims=False, (f0c) a cap of 1,000 and (f0r) a rate of a
+    million a second that never bind: one worker thread, a no-op handler, N rows of one type."""
     variants = {
         "f0": ("worker, no-op, fair claims (default)", {}),
         "f0x": ("worker, no-op, fair_claims=False", {"fair_claims": False}),
         "f0c": ("worker, no-op, fair, max_concurrency=1000", {"cap": 1000}),
+        "f0r": ("worker, no-op, fair, rate=(1000000, 1.0)", {"rate": (1_000_000, 1.0)}),
     }
     best: dict[str, Timer] = {}
     samples: dict[str, list[float]] = {k: [] for k in variants}

@@ -40,6 +40,7 @@ TARGETS = (
     Target("2 asyncio workers (ga2) / 2 threads (g2)", "ga2", "g2", None),
     Target("no-op worker, fair claims (f0) / fair_claims=False (f0x)", "f0", "f0x", 0.95),
     Target("no-op worker, a cap that never binds (f0c) / no cap (f0)", "f0c", "f0", 0.9),
+    Target("no-op worker, a rate that never binds (f0r) / no cap (f0)", "f0r", "f0", 0.9),
     Target("relay (e) / raw confirmed publish (a)", "e", "a", 0.6),
     Target("pipeline, B's default run() (h) / raw confirmed publish (a)", "h", "a", 0.35),
     Target("pipeline, B's default run() (h) / hand-written pipeline (h_raw)", "h", "h_raw", 0.6),
