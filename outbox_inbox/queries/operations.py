@@ -7,7 +7,6 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
-from math import inf
 from typing import Any, TypedDict, Unpack
 
 from sqlalchemy import (
@@ -28,7 +27,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from ..clock import db_age, db_now, db_now_plus
 from ..tables import DEAD, PARKED, PENDING, PROCESSED, Tables, outbox_unsent
-from .roles import claimable, is_postgres
+from .roles import claimable, is_postgres, places_left
 
 
 def database_now(conn: Connection) -> Any:
@@ -309,14 +308,7 @@ def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
             for name, found in caps.items():
                 if h.get(name) is not None:
                     found[h["pattern"]] = min(h[name], found.get(h["pattern"], h[name]))
-    finished = {  # a rate's count, with the rows leased now: those finished in its period
-        key: conn.execute(
-            select(func.count()).where(
-                i.c.routing_key == key, i.c.processed_at >= db_now_plus(timedelta(seconds=-s))
-            )
-        ).scalar_one()
-        for key, (_n, s) in caps["rate"].items()
-    }
+    left = places_left(conn, tables, caps["cap"], caps["rate"])
     per_type = conn.execute(
         select(i.c.routing_key, *counts)
         .where(unfinished)
@@ -347,13 +339,8 @@ def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
                 "dead": int(r.dead),
                 "cap": caps["cap"].get(r.routing_key),
                 "rate": caps["rate"].get(r.routing_key),
-                # Work waits that a cap holds back now.
-                "cap_binding": r.pending > 0
-                and (
-                    r.in_progress >= caps["cap"].get(r.routing_key, inf)
-                    or r.in_progress + finished.get(r.routing_key, 0)
-                    >= caps["rate"].get(r.routing_key, (inf,))[0]
-                ),
+                # Work waits that a cap holds back now: a claim would find no place.
+                "cap_binding": r.pending > 0 and left.get(r.routing_key, 1) <= 0,
             }
             for r in per_type
         ],

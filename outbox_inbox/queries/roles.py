@@ -611,6 +611,16 @@ def served_order(
     return [entry[-1] for entry in sorted(served, key=lambda e: e[:4])]
 
 
+def places_left(
+    conn: Connection, tables: Tables, caps: Mapping[str, int], rates: Mapping[str, Any]
+) -> dict[str, int]:
+    """The places a claim would find left now under the `caps` and `rates` of each capped
+    routing key (`claim_inbox`); 0 or less while a cap holds back work."""
+    capped = tuple((k, caps.get(k), rates.get(k)) for k in sorted({*caps, *rates}))
+    left = _cap_of(tables, bindparam("k", type_=String), capped, liveness=is_postgres(conn))
+    return {key: conn.execute(select(left), {"k": key}).scalar_one() for key, _, _ in capped}
+
+
 #: Claims of a capped type, in key order (no two claims deadlock).
 _LOCK_CAPS = text(
     "SELECT pg_advisory_xact_lock(:namespace, h) FROM (SELECT DISTINCT hashtext(k) AS h"
