@@ -492,12 +492,15 @@ class Handlers:
 
     def per_key(self, option: str) -> dict[str, Any]:
         """The `HandlerOptions` `option` (``max_concurrency``, ``rate``, ``weight``) of each
-        routing key that has one (the smallest, where several handlers of the key have one)."""
+        routing key that has one. Where several handlers of the key have one, the smallest; of
+        rates, the fewest n over the longest period, which keeps to each handler's rate."""
         found: dict[str, Any] = {}
         for s in self._subscriptions:
             n = getattr(s.options, option)
             if n is not None:
-                found[s.pattern] = min(n, found.get(s.pattern, n))
+                was = found.get(s.pattern, n)
+                rate = option == "rate"
+                found[s.pattern] = (min(n[0], was[0]), max(n[1], was[1])) if rate else min(n, was)
         return found
 
     @property

@@ -230,3 +230,10 @@ def test_a_rate_is_an_int_of_at_least_one_per_positive_seconds(rate: Any) -> Non
     with pytest.raises(ConfigurationError, match="rate applies to one routing key"):
         service.on_event("orders.#", rate=(1, 1.0))(lambda message, session: None)
     service.on_command("b.run", rate=(1, 0.5))(lambda message, session: None)
+
+
+def test_two_handlers_of_one_event_keep_to_both_rates() -> None:
+    service = Service("billing", db_url="sqlite://", mq_url=None)
+    service.on_event("orders.order.placed", rate=(10, 2.0))(lambda message, session: None)
+    service.on_event("orders.order.placed", rate=(6, 1.0))(lambda message, session: None)
+    assert service.handlers.per_key("rate") == {"orders.order.placed": (6, 2.0)}
