@@ -212,10 +212,8 @@ def _inbox_table(metadata: MetaData) -> Table:
     leased = pending & inbox.c.locked_until.is_not(None)
     _partial_index("ix_inbox_messages_leased", leased, inbox.c.routing_key)
     # A rate cap counts the rows of its type finished (processed or dead) within its period.
-    finished = inbox.c.processed_at.is_not(None)
-    _partial_index(
-        "ix_inbox_messages_finished", finished, inbox.c.routing_key, inbox.c.processed_at
-    )
+    by_time = (inbox.c.routing_key, inbox.c.processed_at)
+    _partial_index("ix_inbox_messages_finished", inbox.c.processed_at.is_not(None), *by_time)
     # `status`: the newest processed row, and the count of processed rows, read from this
     # narrow index (the newest: one entry per partition) instead of from every finished row.
     processed = inbox.c.status == PROCESSED

@@ -758,12 +758,11 @@ _Cap = tuple[str, int | None, tuple[int, float] | None]
 
 
 def _cap_of(tables: Tables, routing_key: Any, caps: tuple[_Cap, ...], *, liveness: bool) -> Any:
-    """The places a claim may take under the caps of `routing_key` (None without caps): under
-    ``max_concurrency``, half, rounded up, of those left, the cap less its rows leased now by a
-    live claimant (a worker runs its batch one message at a time: taking every place, it would
-    run the type alone); under a rate, n less those rows and the type's rows finished within
-    its last `seconds` (a row finishes after its claim, in a later transaction, so a row
-    claimed in the window counts); the fewer of the two."""
+    """The places a claim may take under the caps of `routing_key` (None without caps): of a
+    cap, half, rounded up, of those left, its cap less its rows leased now by a live claimant
+    (a worker runs its batch one message at a time: taking every place, it would run the type
+    alone); of a rate, n less those rows and the type's rows finished in its last `seconds` (in
+    a later transaction than their claim: every row claimed then); of both, the fewer."""
     if not caps:
         return None
     leased = tables.inbox.alias("leased")
