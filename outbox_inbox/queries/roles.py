@@ -767,9 +767,11 @@ def _cap_of(tables: Tables, routing_key: Any, caps: tuple[_Cap, ...], *, livenes
         return None
     leased = tables.inbox.alias("leased")
 
-    def counted(*where: Any) -> Any:
-        rows = select(func.count()).where(leased.c.routing_key == routing_key, *where)
-        return rows.correlate_except(leased).scalar_subquery()
+    def counted(*where: Any, most: int | None = None) -> Any:
+        """The rows of `routing_key` `where`; with `most`, no more than that are read."""
+        rows = select(leased.c.routing_key).where(leased.c.routing_key == routing_key, *where)
+        rows = rows.limit(None if most is None else _inline(most)).correlate_except(leased)
+        return select(func.count()).select_from(rows.subquery("found")).scalar_subquery()
 
     in_flight = counted(
         leased.c.status == _inline(PENDING),
@@ -782,7 +784,9 @@ def _cap_of(tables: Tables, routing_key: Any, caps: tuple[_Cap, ...], *, livenes
         places = None if n is None else (literal(n) - in_flight + 1) // 2
         if rate is not None:
             since = db_now_plus(timedelta(seconds=-rate[1]))
-            more = literal(rate[0]) - in_flight - counted(leased.c.processed_at >= since)
+            more = (
+                literal(rate[0]) - in_flight - counted(leased.c.processed_at >= since, most=rate[0])
+            )
             places = more if places is None else case((more < places, more), else_=places)
         left.append((routing_key == key, places))
     return case(*left, else_=None)
