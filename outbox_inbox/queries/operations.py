@@ -301,8 +301,7 @@ def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
         ).where(unfinished)
     ).one()
     processed = conn.execute(select(func.count()).where(i.c.status == PROCESSED)).scalar_one()
-    # The caps as the service's instances advertise them (`Handlers.advertised`).
-    caps: dict[str, dict[str, Any]] = {"cap": {}, "rate": {}}
+    caps: dict[str, dict[str, Any]] = {"cap": {}, "rate": {}}  # as `Handlers.advertised`
     for handlers in conn.execute(select(tables.instances.c.handlers)).scalars():
         for h in handlers or ():
             for name, found in caps.items():

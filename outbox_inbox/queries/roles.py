@@ -784,9 +784,8 @@ def _cap_of(tables: Tables, routing_key: Any, caps: tuple[_Cap, ...], *, livenes
         places = None if n is None else (literal(n) - in_flight + 1) // 2
         if rate is not None:
             since = db_now_plus(timedelta(seconds=-rate[1]))
-            more = (
-                literal(rate[0]) - in_flight - counted(leased.c.processed_at >= since, most=rate[0])
-            )
+            done = counted(leased.c.processed_at >= since, most=rate[0])
+            more = literal(rate[0]) - in_flight - done
             places = more if places is None else case((more < places, more), else_=places)
         left.append((routing_key == key, places))
     return case(*left, else_=None)
