@@ -56,7 +56,7 @@ from outbox_inbox.topology import dead_letter_queue, inbox_queue
 
 COMMAND = "thing.do"
 KEYS = ("k0", "k1")
-OUTCOMES = ("fail", "ok", "retry", "reject")
+OUTCOMES = ("fail", "ok", "retry", "reject", "crash")
 PLANS = st.lists(
     st.lists(st.sampled_from(OUTCOMES), min_size=1, max_size=3), min_size=1, max_size=3
 )
@@ -70,6 +70,11 @@ effects = Table(
     Column("n", Integer, nullable=False),
     Column("key", String(8), nullable=False),
 )
+
+
+class WorkerDies(BaseException):
+    """Raised by a handler: the worker process dies there (no handler error: nothing in the
+    library catches it)."""
 
 
 class Place:
@@ -225,6 +230,8 @@ class Protocol(RuleBasedStateMachine):
             raise RuntimeError(f"message {n} fails")
         if outcome == "reject":
             raise Reject(f"message {n} is refused")
+        if outcome == "crash":
+            raise WorkerDies(f"the worker dies in message {n}'s handler")
 
     def teardown(self) -> None:
         try:
@@ -303,7 +310,21 @@ class Protocol(RuleBasedStateMachine):
 
     @rule()
     def work(self) -> None:
-        self.harness.work()
+        """A worker pass; a worker that dies in a handler leaves its transaction rolled back
+        and its claims held until their lease ends."""
+        with contextlib.suppress(WorkerDies):
+            self.harness.work()
+
+    @rule()
+    def leases_end(self) -> None:
+        """The leases of the claims a dead worker left run out (by the database's clock)."""
+        i = self.service.tables.inbox
+        with self.service.engine.begin() as conn:
+            conn.execute(
+                update(i)
+                .where(i.c.status == "pending", i.c.locked_until.is_not(None))
+                .values(locked_until=i.c.received_at)
+            )
 
     @rule()
     def retries_due(self) -> None:
@@ -371,8 +392,15 @@ class Protocol(RuleBasedStateMachine):
             assert str(uuid.UUID(str(row.message_id))) in causes, f"dead message {n} sent no fault"
 
     def check_liveness(self) -> None:
-        """Once nothing more is injected, every committed message finishes."""
-        self.harness.run_until_idle()
+        """Once nothing more is injected, every committed message finishes: a handler that
+        kills its worker each time ends its message dead (abandoned) after a few leases."""
+        for _ in range((self.service.settings.abandon_after + 2) * (len(self.committed) + 1)):
+            self.leases_end()
+            try:
+                self.harness.run_until_idle()
+                break
+            except WorkerDies:
+                pass
         _, _, rows = self._rows()
         for n in self.committed:
             assert n in rows and rows[n].status in ("processed", "dead"), (n, rows.get(n))
