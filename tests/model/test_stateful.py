@@ -211,6 +211,7 @@ class Protocol(RuleBasedStateMachine):
         self.keys: dict[int, str] = {}
         self.committed: set[int] = set()
         self.next_n = 0
+        self.batches_lost = 0
         self.service.on_command(COMMAND)(self._handler)
         self.harness = ServiceHarness(self.service, migrate=not self.place.migrated)
         if not self.place.migrated:
@@ -240,7 +241,7 @@ class Protocol(RuleBasedStateMachine):
         finally:
             self.place.close()
 
-    def _receive(self, *, lose_acks: bool = False) -> None:
+    def _receive(self, *, lose_acks: bool = False, store: bool = True) -> None:
         """A receiver pass on a consumer of its own, closed at the end: the unacknowledged
         deliveries go back to the queue, flagged redelivered."""
         consumer = self.place.broker.consumer(
@@ -249,7 +250,7 @@ class Protocol(RuleBasedStateMachine):
         target = AcksLost(consumer) if lose_acks else consumer
         try:
             size = self.service.settings.receive_batch_size
-            while batch := consumer.fetch(size, self.wait):
+            while (batch := consumer.fetch(size, self.wait)) and store:
                 self.receiver.store(target, batch)
         finally:
             consumer.close()
@@ -296,6 +297,17 @@ class Protocol(RuleBasedStateMachine):
         pass counts and drops."""
         self.harness.relay()
         self._receive(lose_acks=True)
+
+    @precondition(lambda self: self.batches_lost < self.service.settings.max_redeliveries)
+    @rule()
+    def lose_the_receivers_batch(self) -> None:
+        """The relay publishes; the receiver dies with the batch before storing it: the
+        broker delivers it again, flagged redelivered, which the next pass counts and stores.
+        (Past `max_redeliveries` of these the receiver would dead-letter the message, which
+        the model's liveness does not cover: hence the precondition.)"""
+        self.batches_lost += 1
+        self.harness.relay()
+        self._receive(store=False)
 
     @precondition(lambda self: self.committed)
     @rule(data=st.data())
