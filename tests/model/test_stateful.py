@@ -453,10 +453,11 @@ def test_protocol_on_postgres_and_rabbitmq(
     """The same machine on PostgreSQL and RabbitMQ, fewer and shorter examples (each pass on
     RabbitMQ waits for deliveries on their way); every example's database and queues are gone
     after it, and another test's database (`db_url`) and queue are left as they were."""
+    bystander_queue = f"bystander-{uuid.uuid4().hex[:8]}.inbox"  # another test's
     with pika.BlockingConnection(pika.URLParameters(mq_url)) as conn:
         channel = conn.channel()
-        channel.queue_declare("bystander.inbox")
-        channel.basic_publish("", "bystander.inbox", b"not the examples'")
+        channel.queue_declare(bystander_queue)
+        channel.basic_publish("", bystander_queue, b"not the examples'")
     servers = OnServers(postgres_server, mq_url)
 
     class OnTheseServers(ProtocolThenCalm):
@@ -464,7 +465,7 @@ def test_protocol_on_postgres_and_rabbitmq(
             super().__init__(servers.example)
 
     try:
-        run_state_machine_as_test(OnTheseServers, settings=_settings(25, 25))
+        run_state_machine_as_test(OnTheseServers, settings=_settings(20, 25))
     finally:
         servers.close()
     assert servers.made and servers.leftovers() == []
@@ -473,5 +474,7 @@ def test_protocol_on_postgres_and_rabbitmq(
         assert bystander.exec_driver_sql("SELECT 1").scalar() == 1
     engine.dispose()
     with pika.BlockingConnection(pika.URLParameters(mq_url)) as conn:
-        kept = conn.channel().queue_declare("bystander.inbox", passive=True)
+        channel = conn.channel()
+        kept = channel.queue_declare(bystander_queue, passive=True)
         assert kept.method.message_count == 1
+        channel.queue_delete(bystander_queue)
