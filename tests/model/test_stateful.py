@@ -8,9 +8,11 @@ Rules: a business transaction that writes commands to the service itself and com
 back; a relay pass and a receiver pass; a lost relay mark (the relay crashed after the broker's
 confirm: the row is sent again, a duplicate on the wire); a receiver that stores a batch and
 dies before its ack (the broker redelivers the batch when the channel closes: duplicates with
-the redelivered flag, which the receiver counts and drops); a worker pass, whose handler
-succeeds, raises Retry, fails or rejects as each message's drawn plan says; the retry delays
-running out. In-process the roles cannot be killed, so the model's other crashes are not driven
+the redelivered flag, which the receiver counts and drops), or dies with the batch before
+storing it; a worker pass, whose handler succeeds, raises Retry, fails, rejects or kills the
+worker (a BaseException nothing catches: its transaction rolls back, its claims stay) as each
+message's drawn plan says; the leases of those claims running out; the retry delays running
+out. A process killed outright between two statements, a failover and retention are not driven
 here (the fault suites kill real processes).
 
 On the servers every example gets a database of its own, copied from a template migrated once
@@ -199,6 +201,13 @@ class Protocol(RuleBasedStateMachine):
     def __init__(self, place: Callable[[], Place] = InMemory) -> None:
         super().__init__()
         self.place = place()
+        try:
+            self._open()
+        except BaseException:
+            self.place.close()
+            raise
+
+    def _open(self) -> None:
         self.name = self.place.name
         self.service = Service(
             self.name,
