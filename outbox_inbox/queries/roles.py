@@ -641,15 +641,18 @@ def _claim_statement(tables: Tables, liveness: bool) -> Any:
         .with_for_update(skip_locked=True)
         .scalar_subquery()
     )
-    return _lease(tables, due)
+    return _lease(tables, due, liveness)
 
 
-def _lease(tables: Tables, ids: Any) -> Any:
-    """The UPDATE that leases the rows of the subquery `ids` and counts the claim."""
+def _lease(tables: Tables, ids: Any, postgres: bool) -> Any:
+    """The UPDATE that leases the rows of the subquery `ids` and counts the claim. With
+    `postgres`, the ids are taken as an array (an init plan): the rows are then found by id,
+    never by a hash join over the inbox the planner may choose for ``IN``."""
     i = tables.inbox
+    found = i.c.id == any_(func.array(ids)) if postgres else i.c.id.in_(ids)
     return (
         update(i)
-        .where(i.c.id.in_(ids))
+        .where(found)
         .values(
             locked_until=db_now_plus(bindparam("lease", type_=Float)),
             locked_by=bindparam("claimant", type_=String),
@@ -750,7 +753,7 @@ def _fair_claim_statement(
     picked = select(r.c.id).order_by(r.c.priority.desc(), *served(r)).limit(limit)
     if places is not None:
         picked = picked.where(r.c.nth <= func.coalesce(r.c.places, r.c.nth))
-    return _lease(tables, picked.scalar_subquery())
+    return _lease(tables, picked.scalar_subquery(), postgres)
 
 
 #: A capped routing key, its ``max_concurrency`` and its rate ``(n, seconds)`` (None: none).

@@ -628,3 +628,44 @@ def test_a_claim_finds_the_waiting_types_without_reading_the_rows_handled_before
     finally:
         session.close()
         service.close()
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_a_claims_generic_plan_leases_its_rows_by_id_not_by_reading_the_inbox(
+    db_url: str, fair: bool
+) -> None:
+    """The claim leases the rows it picked found by id. Given as ``IN (subquery)``, the
+    server's generic plan of the worker's prepared claim joined them to every row of an inbox
+    of a few thousand rows (a hash join over a full scan)."""
+    service = make_service("billing", db_url, None)
+    _store(service, "job.run", 5000)
+    with service.engine.begin() as conn:
+        conn.execute(text("ANALYZE outbox_inbox.inbox_messages"))
+    sent: list[tuple[str, Any]] = []
+
+    def note(conn: Any, cursor: Any, statement: str, values: Any, *_: Any) -> None:
+        sent.append((statement, values))
+
+    with service.engine.connect() as conn, conn.begin() as transaction:
+        event.listen(conn, "before_cursor_execute", note)
+        roles.claim_inbox(conn, service.tables, "w-1", 50, LEASE, fair=fair)
+        transaction.rollback()
+    (settings, set_values), (claim, values) = sent
+    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", claim)))
+    numbered = re.sub(r"%\((\w+)\)s", lambda m: f"${names.index(m[1]) + 1}", claim)
+    given = psycopg.sql.SQL(", ").join(psycopg.sql.Literal(values[name]) for name in names)
+    explain = psycopg.sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE claim({})")
+    with psycopg.connect(db_url.replace("+psycopg", "")) as session:
+        session.execute("SET plan_cache_mode = force_generic_plan")
+        session.execute(f"PREPARE claim AS {numbered}")
+        with session.transaction(force_rollback=True):
+            session.execute(settings, set_values)
+            plan = session.execute(explain.format(given)).fetchone()
+    assert plan is not None
+
+    def scanned(node: Any) -> int:
+        own = node["Actual Rows"] * node["Actual Loops"] if node["Node Type"] == "Seq Scan" else 0
+        return own + sum(scanned(child) for child in node.get("Plans", []))
+
+    assert scanned(plan[0][0]["Plan"]) == 0
+    service.close()
