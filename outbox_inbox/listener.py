@@ -38,7 +38,8 @@ class Listener:
         """The handlers of `message` returned; it commits with the worker's batch."""
 
     def failed(self, message: Message, error: BaseException, *, dead: bool) -> None:
-        """A handler failed; the message is retried later, or is dead if `dead`."""
+        """A handler failed; the message is retried later, or, if `dead`, is not: it is dead,
+        or lost (``at_most_once``)."""
 
     def stored(self, messages: Sequence[Message]) -> None:
         """The receiver committed these new inbox rows (not duplicates; `attempt` is 0)."""
@@ -49,7 +50,8 @@ class Listener:
 
     def dead(self, reason: str, count: int) -> None:
         """`count` messages are dead for `reason`: a worker's dead reason (``rejected``,
-        ``max_attempts``, ``abandoned``, ``interrupted``, ``expired``, ``no_handler``), a receiver's
+        ``max_attempts``, ``abandoned``, ``interrupted``, ``expired``, ``no_handler``; ``lost``: an
+        ``at_most_once`` message whose handler failed, its row processed), a receiver's
         (``invalid``, ``store_failed``, ``redelivered``: sent to the dead-letter queue) or the
         relay's (``refused``: the outbox row)."""
 

@@ -680,6 +680,9 @@ class Worker:
                 self._mark_dead(conn, job, reason, error[-8000:], finished=True, cause=exc)
                 call(self._listener, "failed", message, exc, dead=True)
                 call(self._listener, "dead", reason, 1)
+            case None:  # settled before it ran: not retried, and no row is dead
+                call(self._listener, "failed", message, exc, dead=True)
+                call(self._listener, "dead", "lost", 1)
         args = (message.message_id, attempt, outcome, exc)
         log.log(level, "worker: %s failed on attempt %d, %s: %r", *args)
 

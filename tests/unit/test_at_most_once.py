@@ -16,13 +16,24 @@ from sqlalchemy import select, text
 from helpers import received_row
 from outbox_inbox import ConfigurationError, Message, Retry, RetryPolicy, Service
 from outbox_inbox.handlers import HandlerContext, HandlerOptions
+from outbox_inbox.listener import Listener
 from outbox_inbox.queries import roles
 
 CREATE, VOID = "billing.invoice.create", "billing.invoice.void"
 
 
-def _service(tmp_path: Path) -> Service:
-    service = Service("billing", db_url=f"sqlite:///{tmp_path / 'b.db'}")
+class _Ends(Listener):
+    """Notes each `dead` hook's reason and count."""
+
+    def __init__(self) -> None:
+        self.dead_calls: list[tuple[str, int]] = []
+
+    def dead(self, reason: str, count: int) -> None:
+        self.dead_calls.append((reason, count))
+
+
+def _service(tmp_path: Path, listener: Listener | None = None) -> Service:
+    service = Service("billing", db_url=f"sqlite:///{tmp_path / 'b.db'}", listener=listener)
     service.migrate()
     with service.engine.begin() as conn:
         conn.execute(text("CREATE TABLE effects (n INTEGER PRIMARY KEY)"))
@@ -69,7 +80,8 @@ def test_the_option_is_checked_when_the_handler_is_registered() -> None:
 def test_at_most_once_is_processed_before_its_handler_and_an_error_loses_it(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, error: Exception
 ) -> None:
-    service = _service(tmp_path)
+    ends = _Ends()
+    service = _service(tmp_path, ends)
     ran: Counter[int] = Counter()
     seen: dict[int, str] = {}
 
@@ -102,6 +114,7 @@ def test_at_most_once_is_processed_before_its_handler_and_an_error_loses_it(
     assert states[1] == ("processed", None, 1, 1, False)  # lost: no retry, no dead letter
     lost = str(rows[1]["message_id"])
     assert any(lost in r.getMessage() and "lost" in r.getMessage() for r in caplog.records)
+    assert ends.dead_calls == [("lost", 1)]  # counted where the metrics count dead messages
     assert states[10] == states[12] == ("processed", None, 1, 1, True)
     assert states[11][:2] == ("pending", None)  # the exactly-once one is retried
 
