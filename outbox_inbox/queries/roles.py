@@ -557,11 +557,12 @@ def claim_inbox(
     first takes a transaction lock per capped type (`CAP_LOCK`), so that two claims never count
     the same free places: it is held until the caller's transaction ends (keep it short).
 
-    On PostgreSQL the rest of the caller's transaction runs with ``enable_sort`` off (``SET
-    LOCAL``, in a statement before the claim; without `flush_wait`, also ``synchronous_commit``
-    off: `_CLAIM_SETTINGS`): planned on the statistics of an inbox analyzed nearly empty, the
-    claim would otherwise sort every pending row of a backlog at each execution, for as long
-    as the connection keeps that plan. Run it last in its transaction.
+    On PostgreSQL the rest of the caller's transaction runs with ``enable_sort`` and ``jit`` off
+    (``SET LOCAL``, in a statement before the claim; without `flush_wait`, also
+    ``synchronous_commit`` off: `_CLAIM_SETTINGS`): planned on the statistics of an inbox
+    analyzed nearly empty, the claim would otherwise sort every pending row of a backlog at
+    each execution, for as long as the connection keeps that plan; compiled, it would take
+    seconds. Run it last in its transaction.
 
     The claim commits with the caller's transaction, so the count survives a crash of the
     handler. The rows come in the order they were served (`served_order`; without `fair`, by
@@ -1266,6 +1267,7 @@ def bound_on_server(conn: Connection, *, flush_wait: bool = True) -> None:
 _CLAIM_SETTINGS = {
     wait: select(
         func.set_config("enable_sort", "off", True),
+        func.set_config("jit", "off", True),  # compiling the claim takes seconds; it runs in 1 ms
         *([] if wait else [func.set_config("synchronous_commit", "off", True)]),
     )
     for wait in (True, False)

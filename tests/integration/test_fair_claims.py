@@ -537,6 +537,7 @@ def test_a_claim_planned_on_an_empty_inbox_reads_its_heads_not_the_whole_backlog
         transaction.rollback()
     [(settings, set_values), (claim, values)] = sent  # the settings, then the claim
     assert "set_config" in settings and "enable_sort" in str(set_values)
+    assert "jit" in str(set_values)  # never compiled: that took seconds, for a 1 ms claim
     names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", claim)))  # as PREPARE's $n
     numbered = re.sub(r"%\((\w+)\)s", lambda m: f"${names.index(m[1]) + 1}", claim)
     kinds = {bool: "bool", int: "int8", float: "float8", str: "text"}
