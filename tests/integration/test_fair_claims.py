@@ -581,6 +581,26 @@ def _node(plan: Any, name: str) -> Any:
     return next(filter(None, (_node(c, name) for c in node.get("Plans", []))), None)
 
 
+def _claim_to_prepare(service: Service, **options: Any) -> tuple[str, Any, str, Any]:
+    """A claim of 50 by ``w-1`` with `options`, as the driver got it (rolled back): the
+    settings statement and its values, the claim's text for ``PREPARE`` ($n parameters) and
+    its values for ``EXECUTE``."""
+    sent: list[tuple[str, Any]] = []
+
+    def note(conn: Any, cursor: Any, statement: str, values: Any, *_: Any) -> None:
+        sent.append((statement, values))
+
+    with service.engine.connect() as conn, conn.begin() as transaction:
+        event.listen(conn, "before_cursor_execute", note)
+        roles.claim_inbox(conn, service.tables, "w-1", 50, LEASE, **options)
+        transaction.rollback()
+    (settings, set_values), (claim, values) = sent  # the settings, then the claim
+    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", claim)))
+    numbered = re.sub(r"%\((\w+)\)s", lambda m: f"${names.index(m[1]) + 1}", claim)
+    given = psycopg.sql.SQL(", ").join(psycopg.sql.Literal(values[name]) for name in names)
+    return settings, set_values, numbered, given
+
+
 def test_a_claim_finds_the_waiting_types_without_reading_the_rows_handled_before(
     db_url: str,
 ) -> None:
@@ -588,22 +608,9 @@ def test_a_claim_finds_the_waiting_types_without_reading_the_rows_handled_before
     before each type's waiting rows. The fair claim finds the types waiting from the other end
     of that index: the pages it reads for them do not grow with the rows handled."""
     service = make_service("billing", db_url, None)
-    engine, tables = service.engine, service.tables
     _no_autovacuum(service, db_url)  # no vacuum while the test runs
     _store(service, "bulk.item", 6000)
-    sent: list[tuple[str, Any]] = []
-
-    def note(conn: Any, cursor: Any, statement: str, values: Any, *_: Any) -> None:
-        sent.append((statement, values))
-
-    with engine.connect() as conn, conn.begin() as transaction:
-        event.listen(conn, "before_cursor_execute", note)
-        roles.claim_inbox(conn, tables, "w-1", 50, LEASE)
-        transaction.rollback()
-    (settings, set_values), (claim, values) = sent  # the settings, then the claim
-    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", claim)))
-    numbered = re.sub(r"%\((\w+)\)s", lambda m: f"${names.index(m[1]) + 1}", claim)
-    given = psycopg.sql.SQL(", ").join(psycopg.sql.Literal(values[name]) for name in names)
+    settings, set_values, numbered, given = _claim_to_prepare(service)
     explain = psycopg.sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim({})")
 
     def pages_read_for_the_types() -> int:
@@ -642,19 +649,7 @@ def test_a_claims_generic_plan_leases_its_rows_by_id_not_by_reading_the_inbox(
     _store(service, "job.run", 5000)
     with service.engine.begin() as conn:
         conn.execute(text("ANALYZE outbox_inbox.inbox_messages"))
-    sent: list[tuple[str, Any]] = []
-
-    def note(conn: Any, cursor: Any, statement: str, values: Any, *_: Any) -> None:
-        sent.append((statement, values))
-
-    with service.engine.connect() as conn, conn.begin() as transaction:
-        event.listen(conn, "before_cursor_execute", note)
-        roles.claim_inbox(conn, service.tables, "w-1", 50, LEASE, fair=fair)
-        transaction.rollback()
-    (settings, set_values), (claim, values) = sent
-    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", claim)))
-    numbered = re.sub(r"%\((\w+)\)s", lambda m: f"${names.index(m[1]) + 1}", claim)
-    given = psycopg.sql.SQL(", ").join(psycopg.sql.Literal(values[name]) for name in names)
+    settings, set_values, numbered, given = _claim_to_prepare(service, fair=fair)
     explain = psycopg.sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE claim({})")
     with psycopg.connect(db_url.replace("+psycopg", "")) as session:
         session.execute("SET plan_cache_mode = force_generic_plan")
