@@ -65,6 +65,7 @@ class Tables:
     subscriptions: Table
     archive_files: Table
     instances: Table
+    rate_counts: Table
 
 
 def outbox_unsent(outbox: Table | Any) -> ColumnElement[bool]:
@@ -88,10 +89,17 @@ def build_tables(schema: str | None = "outbox_inbox") -> Tables:
     inbox = _inbox_table(metadata)
     deliveries = _deliveries_table(metadata)
     subscriptions = _subscriptions_table(metadata)
-    archive_files = _archive_files_table(metadata)
-    instances = _instances_table(metadata)
+    tables = (_archive_files_table(metadata), _instances_table(metadata))
+    rate_counts = Table(  # the claims of a rate-capped type per tenth of its period (`rate=`)
+        "inbox_rate_counts",
+        metadata,
+        Column("routing_key", String(255), primary_key=True),
+        # The tenth's start: milliseconds since 1970 on the database clock.
+        Column("bucket", BigInteger, primary_key=True, autoincrement=False),
+        Column("claimed", Integer, nullable=False),
+    )
     return Tables(
-        schema or "", metadata, outbox, inbox, deliveries, subscriptions, archive_files, instances
+        schema or "", metadata, outbox, inbox, deliveries, subscriptions, *tables, rate_counts
     )
 
 
@@ -211,9 +219,6 @@ def _inbox_table(metadata: MetaData) -> Table:
     _partial_index("ix_inbox_messages_pending_type", pending, *by_type)
     leased = pending & inbox.c.locked_until.is_not(None)
     _partial_index("ix_inbox_messages_leased", leased, inbox.c.routing_key)
-    # A rate cap counts the rows of its type finished (processed or dead) within its period.
-    by_time = (inbox.c.routing_key, inbox.c.processed_at)
-    _partial_index("ix_inbox_messages_finished", inbox.c.processed_at.is_not(None), *by_time)
     # `status`: the newest processed row, and the count of processed rows, read from this
     # narrow index (the newest: one entry per partition) instead of from every finished row.
     processed = inbox.c.status == PROCESSED

@@ -57,7 +57,7 @@ from sqlalchemy.sql.elements import ColumnElement
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-from ..clock import db_now, db_now_plus
+from ..clock import db_age, db_now, db_now_plus
 from ..errors import read_only_session
 from ..messages import RECEIVED_COLUMNS, RECEIVED_JSON_COLUMNS
 from ..tables import DEAD, PENDING, PROCESSED, Tables, outbox_unsent
@@ -552,8 +552,9 @@ def claim_inbox(
     together. A claim takes at most half (rounded up) of the cap less the rows of that type
     leased now, so the places go to several workers. `rates`: ``(n, seconds)``, the most rows
     of a routing key claimed in any `seconds`: a claim takes at most n less the rows of the
-    type leased now and those finished (processed or dead) in the last `seconds` of the
-    database clock. The rows held back are neither leased nor counted. On PostgreSQL the claim
+    type claimed in the tenths of the period that end within its last `seconds` of the
+    database clock (`inbox_rate_counts`, to which it adds its own). The rows held back are
+    neither leased nor counted. On PostgreSQL the claim
     first takes a transaction lock per capped type (`CAP_LOCK`), so that two claims never count
     the same free places: it is held until the caller's transaction ends (keep it short).
 
@@ -587,7 +588,31 @@ def claim_inbox(
         stmt = _claim_statement(tables, postgres)
     rows = list(conn.execute(stmt, params).mappings().all())  # one fetchall, not row by row
     rows.sort(key=lambda r: (-r["priority"], r["id"]))
+    rated = Counter(row["routing_key"] for row in rows if row["routing_key"] in rates)
+    for key, n in sorted(rated.items()):
+        _count_rate(conn, tables, key, n, rates[key][1], rows[0]["claimed_at"])
     return served_order(rows, after or ("", ""), dict(weighted), dict(tenants)) if fair else rows
+
+
+def _count_rate(
+    conn: Connection, tables: Tables, key: str, n: int, seconds: float, at: datetime
+) -> None:
+    """Add `n` rows claimed of the rate-capped `key` at `at` (the database clock) to the tenth
+    of its period they fall in. Under the type's lock no other claim writes its counts; a
+    tenth's first claim drops the tenths that ended before the period it can see."""
+    rc = tables.rate_counts
+    width = _tenth_ms(seconds)
+    tenth = int((at if at.tzinfo else at.replace(tzinfo=UTC)).timestamp() * 1000) // width * width
+    mine = (rc.c.routing_key == key, rc.c.bucket == tenth)
+    if conn.execute(update(rc).where(*mine).values(claimed=rc.c.claimed + n)).rowcount == 0:
+        gone = rc.c.bucket <= tenth - seconds * 1000 - width
+        conn.execute(delete(rc).where(rc.c.routing_key == key, gone))
+        conn.execute(rc.insert().values(routing_key=key, bucket=tenth, claimed=n))
+
+
+def _tenth_ms(seconds: float) -> int:
+    """The span a rate of period `seconds` is counted in: a tenth of it, in milliseconds."""
+    return max(1, round(seconds * 100))
 
 
 def served_order(
@@ -765,31 +790,25 @@ def _cap_of(tables: Tables, routing_key: Any, caps: tuple[_Cap, ...], *, livenes
     """The places a claim may take under the caps of `routing_key` (None without caps): of a
     cap, half, rounded up, of those left, its cap less its rows leased now by a live claimant
     (a worker runs its batch one message at a time: taking every place, it would run the type
-    alone); of a rate, n less those rows and the type's rows finished in its last `seconds` (in
-    a later transaction than their claim: every row claimed then); of both, the fewer."""
+    alone); of a rate, n less the rows claimed in the tenths of its period that end within its
+    last `seconds` (`_count_rate`); of both, the fewer."""
     if not caps:
         return None
-    leased = tables.inbox.alias("leased")
-
-    def counted(*where: Any, most: int | None = None) -> Any:
-        """The rows of `routing_key` `where`; with `most`, no more than that are read."""
-        rows = select(leased.c.routing_key).where(leased.c.routing_key == routing_key, *where)
-        rows = rows.limit(None if most is None else _inline(most)).correlate_except(leased)
-        return select(func.count()).select_from(rows.subquery("found")).scalar_subquery()
-
-    in_flight = counted(
-        leased.c.status == _inline(PENDING),
-        leased.c.locked_until.is_not(None),
-        ~_free(leased, liveness=liveness),
-    )
+    leased, rc = tables.inbox.alias("leased"), tables.rate_counts
+    mine = leased.c.routing_key == routing_key, leased.c.status == _inline(PENDING)
+    rows = select(leased.c.routing_key).where(*mine, leased.c.locked_until.is_not(None))
+    rows = rows.where(~_free(leased, liveness=liveness)).correlate_except(leased)
+    in_flight = select(func.count()).select_from(rows.subquery("found")).scalar_subquery()
+    now_ms = db_age(literal(datetime(1970, 1, 1, tzinfo=UTC), DateTime(timezone=True))) * 1000
     # Counted in the branch of a capped type only: an uncapped one costs nothing.
     left = []
     for key, n, rate in caps:
         places = None if n is None else (literal(n) - in_flight + 1) // 2
         if rate is not None:
-            since = db_now_plus(timedelta(seconds=-rate[1]))
-            done = counted(leased.c.processed_at >= since, most=rate[0])
-            more = literal(rate[0]) - in_flight - done
+            seen = rc.c.bucket > now_ms - literal(rate[1] * 1000 + _tenth_ms(rate[1]))
+            claimed = select(func.coalesce(func.sum(rc.c.claimed), 0))
+            claimed = claimed.where(rc.c.routing_key == routing_key, seen)
+            more = literal(rate[0]) - claimed.scalar_subquery()
             places = more if places is None else case((more < places, more), else_=places)
         left.append((routing_key == key, places))
     return case(*left, else_=None)

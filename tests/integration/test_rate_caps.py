@@ -1,9 +1,9 @@
 """Rate caps (a handler's ``rate=(n, seconds)``), on the real PostgreSQL and on SQLite.
 
-A claim takes at most n less the type's rows leased now and those finished within the last
-`seconds` of the database clock, under the capped type's transaction lock. Counted in claims
-and rows, never timed: a period of an hour never passes during a test, and the test of a
-short period checks the rows' own times on the database clock.
+A claim takes at most n less the type's rows claimed within the last `seconds` of the
+database clock (counted per tenth of the period in inbox_rate_counts), under the capped type's
+transaction lock. Counted in claims and rows, never timed: a period of an hour never passes
+during a test, and the test of a short period checks the rows' own times on the database clock.
 """
 
 from __future__ import annotations
@@ -68,12 +68,10 @@ def _finish(service: Service, claimed: list[Any]) -> None:
 
 
 def _select(service: Service, sql: str) -> list[Any]:
+    schema = "outbox_inbox." if service.engine.dialect.name == "postgresql" else ""
+    sql = sql.replace("{INBOX}", schema + "inbox_messages")
     with service.engine.connect() as conn:
-        return list(conn.execute(text(sql.replace("{INBOX}", _inbox(service)))).all())
-
-
-def _inbox(service: Service) -> str:
-    return INBOX if service.engine.dialect.name == "postgresql" else "inbox_messages"
+        return list(conn.execute(text(sql.replace("{COUNTS}", schema + "inbox_rate_counts"))))
 
 
 def test_a_rate_is_never_exceeded_by_two_workers_on_two_connections(service: Service) -> None:
@@ -191,7 +189,7 @@ def test_a_message_held_back_by_a_rate_is_neither_leased_nor_counted(service: Se
     rates = {JOB: (2, HOUR)}
     first = _claim(service, "w-1", rates=rates)
     assert len(first) == 2
-    _finish(service, first)  # finished rows count within the period as leased ones do
+    _finish(service, first)  # a claim counts for the period, finished or not
     assert _claim(service, "w-2", rates=rates) == []
     held = ",".join(str(r["id"]) for r in first)
     sql = "SELECT attempts, locked_by, locked_until FROM {INBOX} WHERE id NOT IN (" + held + ")"
@@ -223,6 +221,32 @@ def test_a_held_back_message_is_claimed_by_a_running_worker_once_the_window_pass
     gaps = [(b - a).total_seconds() for a, b in pairwise(finished)]
     assert min(gaps) >= 1.0
     assert _select(service, "SELECT max(attempts) FROM {INBOX}") == [(1,)]
+
+
+def test_each_attempt_counts_toward_the_rate_one_waiting_for_its_retry_too(
+    service: Service,
+) -> None:
+    _store(service, JOB, 4)
+    rates = {JOB: (3, HOUR)}
+    first = _claim(service, "w-1", rates=rates)
+    assert len(first) == 3
+    with service.engine.begin() as conn:  # one fails and is due again at once
+        roles.mark_retry(conn, service.tables, first[0]["id"], "boom", timedelta(0))
+    _finish(service, first[1:])
+    # Two rows are claimable (the retried one and the fourth): the period has no place left.
+    assert _claim(service, "w-2", rates=rates) == []
+    assert len(_claim(service, "w-2", rates={JOB: (5, HOUR)})) == 2
+
+
+def test_the_counts_of_a_rate_keep_only_the_tenths_of_one_period(service: Service) -> None:
+    counts = service.tables.rate_counts
+    with service.engine.begin() as conn:  # an hour-old tenth, and one of another type
+        for key in (JOB, "billing.other.run"):
+            conn.execute(counts.insert().values(routing_key=key, bucket=1000, claimed=7))
+    _store(service, JOB, 3)
+    assert len(_claim(service, "w-1", rates={JOB: (2, 1.0)})) == 2
+    rows = "SELECT routing_key, claimed FROM {COUNTS} ORDER BY routing_key"
+    assert _select(service, rows) == [("billing.job.run", 2), ("billing.other.run", 7)]
 
 
 @pytest.mark.parametrize("fair", [True, False])
