@@ -223,7 +223,7 @@ def test_db_upgrade_and_check_name_the_grants_a_runtime_role_granted_on_the_old_
                 conn.execute(text("SELECT count(*) FROM outbox_inbox.instances"))
         checked = runner.invoke(db, ["check", "--db-url", db_url, "--runtime-role", role])
         assert checked.exit_code == 4, checked.output
-        # 0005 added instances; 0006 made the message tables again, partitioned; 0011 added
+        # 0005 added instances; 0006 made the message tables again, partitioned; 0012 added
         # inbox_rate_counts.
         grants = [
             f"GRANT SELECT, INSERT, UPDATE, DELETE ON outbox_inbox.{table} TO {role}"

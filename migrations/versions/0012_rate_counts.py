@@ -6,8 +6,8 @@ the database clock). A claim sums at most eleven of them. ``ix_inbox_messages_fi
 the claim read instead (every row finished in the period) and every service paid an index
 entry per finished row for, is dropped.
 
-Revision ID: 0011
-Revises: 0010
+Revision ID: 0012
+Revises: 0011
 Create Date: 2026-11-29
 """
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import context, op
 
-revision = "0011"
-down_revision = "0010"
+revision = "0012"
+down_revision = "0011"
 branch_labels = None
 depends_on = None
 
