@@ -336,26 +336,21 @@ class _StateCollector(Collector):
 
     @staticmethod
     def _families() -> dict[str, GaugeMetricFamily]:
-        families = {
-            "state_up": GaugeMetricFamily(
-                f"{PREFIX}_state_up",
-                "1 if the last scrape could read the service's tables, else 0.",
-                labels=["service"],
-            )
+        described = [
+            ("state_up", "1 if the last scrape could read the service's tables, else 0.", ()),
+            *((name, doc, ()) for name, doc, _field in _GAUGES),
+            ("inbox_type_pending", "Inbox rows of the type waiting for a worker.", ("type",)),
+            ("inbox_cap_binding", "1 while a cap of the type holds back work, else 0.", ("type",)),
+            (
+                "inbox_tenant_pending",
+                "Inbox rows of the tenant waiting, for the 10 tenants with the most.",
+                ("tenant",),
+            ),
+        ]
+        return {
+            name: GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["service", *labels])
+            for name, doc, labels in described
         }
-        for name, doc, _field in _GAUGES:
-            families[name] = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["service"])
-        for name, doc in (
-            ("inbox_type_pending", "Inbox rows of the type waiting for a worker."),
-            ("inbox_cap_binding", "1 while a cap of the type holds back work, else 0."),
-        ):
-            families[name] = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["service", "type"])
-        families["inbox_tenant_pending"] = GaugeMetricFamily(
-            f"{PREFIX}_inbox_tenant_pending",
-            "Inbox rows of the tenant waiting, for the 10 tenants with the most.",
-            labels=["service", "tenant"],
-        )
-        return families
 
 
 def _read_state(engine: Engine, tables: Tables) -> dict[str, Any] | None:
