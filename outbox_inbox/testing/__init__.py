@@ -117,21 +117,13 @@ class InboxRow:
 
 
 class ServiceHarness:
-    """Drives one `Service` on a `MemoryBroker` step by step, in the calling thread.
+    """Drives one `Service` on a `MemoryBroker` (or RabbitMQ) step by step, in the calling thread.
 
-    ``ServiceHarness(service)`` declares the service's topology on its broker and, unless
-    ``migrate=False``, applies the migrations to its database (a no-op when they are applied).
-    The service's business tables are the caller's to create. Handlers may be registered
-    before or after the harness is built (the topology is declared again at each `deliver`
-    and `run_until_idle`).
-
-    Raises ConfigurationError for the process's shared in-memory broker (``mq_url=None``),
-    which would carry messages from one test to the next; and on RabbitMQ, when the service's
-    inbox queue has a consumer or one of its queues holds messages (a running service's). It
-    never purges a queue.
-
-    Not thread-safe; the service must not be started (it would run competing roles). `close()`
-    (also at the end of a ``with`` block) leaves the service and the broker open: the caller's.
+    Declares the service's topology and, unless ``migrate=False``, migrates its database (its
+    business tables are the caller's). Raises ConfigurationError for the process's shared
+    in-memory broker, and on RabbitMQ for a running service's queues (docs/testing.md); it never
+    purges a queue. Not thread-safe; the service must not be started. `close()` leaves the
+    service and the broker open.
     """
 
     def __init__(self, service: Service, *, migrate: bool = True) -> None:
@@ -215,21 +207,14 @@ class ServiceHarness:
     ) -> uuid.UUID:
         """Send one message to this service through the broker and store it in its inbox.
 
-        `type` is the full routing key: ``billing.invoice.create`` for a command to
-        ``billing``, ``orders.order.placed`` for an event. The message is encoded as the relay
-        encodes outbox rows, published to the ``commands`` or ``events`` exchange (by `kind`)
-        and taken from ``<service>.inbox`` by the service's receiver, which stores it (a
-        `message_id` already stored is dropped as a duplicate, as in production). Handlers do
-        not run: call `run_until_idle`. `correlation_id` defaults to the message id, as for a
-        message written outside a handler. `source` is the sending service (the message's
-        ``app_id``); None, the default, is a sender that is no service, as a plain AMQP
-        client: a message that dies then sends no fault. Name a service to see the fault its
-        death sends back (`published`, type ``<source>.fault.<type>``).
+        `type` is the full routing key; `kind` picks the ``commands`` or ``events`` exchange.
+        The receiver stores it as in production (a stored `message_id` is dropped as a
+        duplicate); handlers run at `run_until_idle`. `correlation_id` defaults to the message
+        id; `source` names the sending service (None: a plain AMQP client, which gets no fault).
 
-        Returns the id the inbox keys the message on (`message_id` itself when it is a UUID).
-        Raises NotDelivered when the broker would not route the message to this service (a
-        command for another service, an event no handler subscribes to) or the receiver did
-        not store it; MessageError for a payload or headers that cannot be sent.
+        Returns the id the inbox keys the message on. Raises NotDelivered when the broker would
+        not route the message here or the receiver did not store it; MessageError for a payload
+        or headers that cannot be sent.
         """
         name = self.service.name
         self.service.declare_topology()  # picks up handlers registered since (idempotent)
@@ -394,10 +379,7 @@ class ServiceHarness:
         return run_all_until_idle(self, timeout=timeout, skip_delays=skip_delays)
 
     def published(
-        self,
-        type: str | None = None,
-        *,
-        kind: str | None = None,
+        self, type: str | None = None, *, kind: str | None = None
     ) -> list[PublishedMessage]:
         """Messages the service wrote to its outbox, in the order written, sent or not.
 
@@ -578,14 +560,10 @@ if TYPE_CHECKING or importlib.util.find_spec("pytest") is not None:
     def outbox_inbox_harness(
         outbox_inbox_db_url_factory: Callable[[], str], outbox_inbox_broker: Broker
     ) -> Iterator[Callable[..., ServiceHarness]]:
-        """A factory of migrated `ServiceHarness` objects, all on this test's broker.
-
-        ``outbox_inbox_harness(build)`` calls ``build(db_url=<a new database>,
-        broker=<the test's MemoryBroker>)`` and wraps the `Service` it returns; the service is
-        closed after the test. ``outbox_inbox_harness(service)`` wraps a service you built (on
-        any `MemoryBroker`) and leaves closing it to you. Keyword arguments go to
-        `ServiceHarness`. Harnesses are closed after the test.
-        """
+        """A factory of migrated `ServiceHarness` objects on this test's broker, closed after
+        the test (docs/testing.md, "The pytest fixtures"): ``(build)`` calls ``build(db_url=,
+        broker=)`` and closes the service it returns; ``(service)`` leaves closing it to you.
+        Keyword arguments go to `ServiceHarness`."""
         with contextlib.ExitStack() as closed_after:
 
             def make(service: ServiceOrBuilder, **options: Any) -> ServiceHarness:
