@@ -86,14 +86,9 @@ def spark_session(
     config: Mapping[str, str] | None = None,
     log: Path | None = None,
 ) -> SparkSession:
-    """A SparkSession for the audit.
-
-    `master` None means: the master spark-submit configured, else ``local[*]``. A local master
-    gets a small shuffle width and no UI; a cluster's own configuration is left alone. The
-    session's time zone is UTC, so time buckets and dates do not depend on the host. With
-    `log`, Spark's own output (the JVM's start-up lines and later warnings) goes to that file,
-    not to this process's stderr.
-    """
+    """A SparkSession for the audit on `master`, else spark-submit's, else ``local[*]`` (no UI,
+    a small shuffle width; a cluster's configuration is left alone), in the UTC time zone. With
+    `log`, Spark's own output goes to that file, not to this process's stderr."""
     require_pyspark()
     from pyspark.sql import SparkSession
 
@@ -285,14 +280,10 @@ def run_audit(
     inputs: Mapping[str, Any] | None = None,
     window: Window | None = None,
 ) -> dict[str, Any]:
-    """Reconcile the message history; return the summary (docs/history.md).
-
-    With `window`, audit only the messages of that window (see `Window`): the result is the
-    full audit's restricted to those messages, as long as every receipt is within the window's
-    margin of its publication. Raises AuditError when a window's days are in no archive and
-    no live rows were given. Reads but never writes the archives. Raises pyspark's errors
-    when Spark fails.
-    """
+    """Reconcile the message history; return the summary (docs/history.md). With `window`,
+    only that window's messages (see `Window`). Reads but never writes the archives. Raises
+    AuditError when a window's days are in no archive and no live rows were given, pyspark's
+    errors when Spark fails."""
     now = now or datetime.now(UTC)
     horizon = now - grace
     outbox, inbox, subscriptions = _read_inputs(spark, archives, live, window)
