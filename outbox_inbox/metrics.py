@@ -111,12 +111,8 @@ def _families_of(registry: CollectorRegistry) -> _Families:
 
 
 class Metrics(Listener):
-    """The Prometheus metrics of one service: a `Listener` that counts and observes, and the
-    gauges read from its tables at each scrape. Built by `instrument`.
-
-    The hooks only increment counters and observe histograms (thread-safe, a microsecond or
-    two each).
-    """
+    """The Prometheus metrics of one service (built by `instrument`): a `Listener` whose hooks
+    only count and observe (thread-safe, a microsecond or two each), and scrape-time gauges."""
 
     forwarded_from_workers = True  # served by the service's own process
 
@@ -245,14 +241,9 @@ class MetricsServer:
 
 
 def instrument(service: Service, *, registry: CollectorRegistry | None = None) -> Metrics:
-    """Count `service`'s messages in `registry` and read its backlog gauges at each scrape.
-
-    The service's listener becomes the metrics plus the listener it had (both
-    hear every hook); call this before `start()`, `run()` or `run_<role>()`, which hand the
-    listener to the roles. `registry` defaults to prometheus_client's global one. Several
-    services may share a registry (each sample has a ``service`` label); one service name
-    twice in a registry raises ConfigurationError.
-    """
+    """Count `service`'s messages in `registry` (default: prometheus_client's global one) and
+    read its backlog gauges at each scrape; call it before the service starts its roles
+    (docs/observability.md). One service name twice in a registry raises ConfigurationError."""
     registry = REGISTRY if registry is None else registry
     families = _families_of(registry)
     families.state.watch(service.name, service.engine, service.tables)
