@@ -77,14 +77,10 @@ def send_fault(
     events: bool,
 ) -> uuid.UUID | None:
     """Write the fault of the inbox row of `message`, dead for `reason`, into `outbox` in
-    `conn`'s transaction (never committed here); return its message id, or None if none.
-
-    None: an event while `events` is False, a fault itself, a row without a sender that can
-    be a service (a foreign client without ``app_id``: logged at debug), or a routing key
-    that cannot make a fault's (logged as a warning). Raises SQLAlchemyError when the
-    database refuses the write: the caller's transaction, and with it the dead mark, then
-    fails too.
-    """
+    `conn`'s transaction (never committed here); return its message id, or None when none is
+    due: an event while `events` is False, a fault itself, a sender that is no service, a
+    routing key that cannot make a fault's. Raises SQLAlchemyError when the database refuses
+    the write (the caller's transaction, and with it the dead mark, then fails too)."""
     kind, routing_key = message.kind, message.type
     if (kind == EVENT and not events) or (kind == COMMAND and is_fault(routing_key)):
         return None
