@@ -754,13 +754,10 @@ def _listed(value: Any) -> tuple[str, ...]:
 
 @dataclass
 class DeadLetters:
-    """The dead letters of one service, from every source it can reach: list, count, replay.
-
-    The one implementation of what `outbox-inbox dead-letters` and the dashboard do
-    (docs/cli.md, "dead-letters"); build it with `of(service)` or from the parts (`engine` and
-    `tables` for the table and outbox sources, `broker` for the broker queues, `service` for
-    ``<service>.dead_letter``). `replay`, `purge`, `park` and `run` append an audit record to
-    `audit_log=`, else `audit_trail.audit_log_path()`; `act`, the bare step under `run`, none.
+    """The dead letters of one service, from every source it can reach: the one implementation
+    of `outbox-inbox dead-letters` and the dashboard (docs/cli.md, "dead-letters"). Build it
+    with `of(service)` or from its parts. `replay`, `purge`, `park` and `run` append an audit
+    record to `audit_log=` (else `audit_trail.audit_log_path()`); `act`, the bare step, none.
     """
 
     engine: Engine | None = None
@@ -905,13 +902,9 @@ class DeadLetters:
         pacer: Pacer | None = None,
         progress: Progress = lambda _n: None,
     ) -> Outcome:
-        """Replay or purge every letter of `selection` (see each source's replay and purge).
-
-        Writes no audit record: `run`, `replay` and `purge` do; a caller of `act` writes its
-        own (the dashboard does). A dead letter of ``<service>.dead_letter`` that died for too
-        many redeliveries would die again at its first redelivery: its redelivery counter is
-        reset (when a database is known) before it is replayed.
-        """
+        """Replay, purge or park every letter of `selection`, writing no audit record (its
+        caller does). A ``<service>.dead_letter`` letter has its redelivery counter reset (when a
+        database is known) before its replay, so that it does not die again at once."""
         pacer = pacer or Pacer(None)
         if action == PURGE:
             return selection.purge(pacer, progress)
@@ -942,12 +935,9 @@ class DeadLetters:
     ) -> ActionReport:
         """Replay, purge or park the open `selections` (selected, shown and confirmed by the
         caller), at most `rate` letters a second, and write the audit record to `audit_log`
-        (default: `audit_log_path()`, the CLI's file).
-
-        The record is written in every case: a dry run or an empty selection (nothing is
-        changed then), and an action that fails half-way (with its error, then raised on).
-        `source` and `filters` are what was asked, for the record; `command` names the asker
-        (default ``dead-letters <action>``). OSError when the record cannot be written.
+        (default `audit_log_path()`) in every case: a dry run, an empty selection, an action that
+        fails half-way (with its error, then raised on). `source`, `filters` and `command`
+        (default ``dead-letters <action>``) go on the record. OSError when it cannot be written.
         """
         if action not in ACTIONS:
             raise ConfigurationError(f"unknown action {action!r}: one of {ACTIONS}")
