@@ -368,14 +368,10 @@ class ServiceHarness:
         return sum(self.broker.queue_depth(delay_queue(self.service.name, t)) or 0 for t in tiers)
 
     def run_until_idle(self, *, timeout: float = DEFAULT_TIMEOUT, skip_delays: bool = True) -> int:
-        """Run steps until nothing is due; return the handling attempts made.
-
-        Idle means: no outbox row to relay, nothing in the inbox queue or its delay tiers, no
-        inbox row due. With `skip_delays` (the default) retry backoff is fast-forwarded (see
-        `skip_delays`), so a failing message is retried until it is processed or dead; without
-        it, rows waiting for a retry are left waiting. Raises HarnessTimeout after `timeout`
-        seconds of continuous work (handlers that keep sending each other messages).
-        """
+        """Run relay, receiver and worker until nothing is due (no outbox row to relay, nothing
+        in the inbox queue or its delay tiers, no inbox row due); return the handling attempts
+        made. `skip_delays`: fast-forward retry backoff (`skip_delays`). Raises HarnessTimeout
+        after `timeout` seconds of continuous work."""
         return run_all_until_idle(self, timeout=timeout, skip_delays=skip_delays)
 
     def published(
@@ -437,12 +433,8 @@ class ServiceHarness:
 def run_all_until_idle(
     *harnesses: ServiceHarness, timeout: float = DEFAULT_TIMEOUT, skip_delays: bool = True
 ) -> int:
-    """Run steps of every harness, in turn, until none has anything due (see
-    `ServiceHarness.run_until_idle`); return the handling attempts made.
-
-    Give it the harnesses of services that share one `MemoryBroker` to run a conversation
-    between them to its end. Raises HarnessTimeout after `timeout` seconds.
-    """
+    """`ServiceHarness.run_until_idle` of every harness, in turn, until none has anything due:
+    a conversation between services on one broker, run to its end."""
     if not harnesses:
         raise ConfigurationError("run_all_until_idle needs at least one harness")
     for harness in harnesses:  # bind the events of handlers registered since (idempotent)
