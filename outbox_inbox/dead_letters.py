@@ -831,12 +831,8 @@ class DeadLetters:
             yield selections
 
     def count(self, sources: Iterable[str], filters: Filters = Filters()) -> dict[str, int]:
-        """How many dead letters of each source match `filters`.
-
-        Table sources are counted by one query (a topic pattern in `filters.types` is matched
-        row by row instead); a broker queue without filters by its depth, with filters by
-        reading it (and releasing every message again).
-        """
+        """How many dead letters of each source match `filters`: rows by one query (or one by
+        one for a topic pattern), a broker queue by its depth, or by reading it when filtered."""
         counts: dict[str, int] = {}
         for source in sources:
             if source in (TABLE, OUTBOX) and not any(_is_pattern(t) for t in filters.types):
