@@ -1,11 +1,9 @@
 """Fault messages: what a service tells a command's sender when the command ended dead there.
 
-When the worker marks an inbox row dead it writes a fault into the receiving service's outbox
-in the same transaction, so the fault leaves if and only if the dead mark commits
-(docs/failures.md, "A fault back to the sender"). The fault is a command to the sender (the
-row's ``source``), routed ``<sender>.fault.<original routing key>`` so that the sender's own
-binding ``<sender>.#`` takes it; its JSON payload is a `Fault` (docs/wire-format.md). Events
-get one only with the ``event_faults`` setting; a fault never gets a fault of its own.
+Written in the transaction of the dead mark (docs/failures.md, "A fault back to the sender"), a
+fault is a command to the sender routed ``<sender>.fault.<original routing key>``, which the
+sender's own binding ``<sender>.#`` takes; its JSON payload is a `Fault` (docs/wire-format.md).
+Events get one only with ``event_faults``; a fault never gets a fault of its own.
 """
 
 from __future__ import annotations
