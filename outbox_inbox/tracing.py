@@ -1,10 +1,7 @@
-"""OpenTelemetry spans of a service's messages, and their W3C trace context on the wire.
-
-docs/observability.md ("Traces") says how the context travels from the outbox write's
-``create`` span through the relay's ``send``, the receiver's ``receive`` and the worker's
-``process`` spans, and lists their attributes. Without a tracer provider `Tracing.tracer()` is
-None and the roles create no span and parse no header. A trace header that is missing or
-invalid only means a new trace; a tracing error is logged and never fails a message.
+"""OpenTelemetry spans of a service's messages, and their W3C trace context on the wire: the
+spans, their attributes and how the context travels are in docs/observability.md ("Traces").
+A missing or invalid trace header only means a new trace; a tracing error is logged and never
+fails a message.
 """
 
 from __future__ import annotations
