@@ -1,12 +1,8 @@
 """The audit: a PySpark job that reconciles every service's sent messages with their receipts.
 
-Input: archive roots written by `outbox-inbox archive` (any path Spark reads: a local
-directory, ``hdfs://``, ``s3a://``), and optionally the live tables of service databases.
-Output: the summary described in docs/history.md (a JSON-ready dict).
-
-What is expected where, what is reported and how the job runs (DataFrame operations only, no
-Python UDFs: executors need nothing but Spark) are in docs/history.md, "The audit" and "How the
-job runs".
+It reads archive roots written by `outbox-inbox archive` (any path Spark reads) and optionally
+the live tables of service databases, and returns the summary of docs/history.md ("The audit";
+"How the job runs": DataFrame operations only, no Python UDFs).
 """
 
 from __future__ import annotations
