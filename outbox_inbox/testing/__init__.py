@@ -1,12 +1,8 @@
 """Test helpers: run a service's handlers in a test, in memory or on real servers.
 
-A `ServiceHarness` drives one `Service` (on ``broker=MemoryBroker()``, or on RabbitMQ) one step
-at a time in the calling thread, through the code paths the real roles run; harnesses on one
-`MemoryBroker` talk to each other (`run_all_until_idle`). The pytest fixtures at the end of this
-module (entry point ``pytest11``; ``-p no:outbox_inbox`` disables them) and the switch to real
-servers (``OUTBOX_INBOX_HARNESS_DB_URL``, ``OUTBOX_INBOX_HARNESS_MQ_URL``) are described in
-docs/testing.md. The broker contract of `outbox_inbox.testing.broker_contract` tests a broker
-itself.
+A `ServiceHarness` drives one `Service` one step at a time in the calling thread, through the
+code paths the real roles run. The pytest fixtures at the end of this module (entry point
+``pytest11``) and the switch to real servers are described in docs/testing.md.
 """
 
 from __future__ import annotations
