@@ -1,10 +1,8 @@
 """Move finished messages from the hot tables into Parquet files: the message history.
 
-The layout of the files (Hive-style, one directory per service and UTC date) and the steps that
-make a batch crash-safe without a distributed transaction (journal in ``archive_files``, write,
-fsync and rename, then delete the rows) are in docs/history.md ("Archive layout", "Crash
-safety"). One run at a time per schema (a transaction-level advisory lock, held by a
-transaction that stays open for the run).
+The layout of the files and the steps that make a batch crash-safe are in docs/history.md
+("Archive layout", "Crash safety"). One run at a time per schema (a transaction-level advisory
+lock, held by a transaction that stays open for the run).
 """
 
 from __future__ import annotations
