@@ -282,12 +282,9 @@ _GAUGES = (
 
 
 class _StateCollector(Collector):
-    """Reads the backlog gauges of each watched service at scrape time.
-
-    One snapshot per service (repeatable read on PostgreSQL), with `operations.outbox_status` and
-    `operations.inbox_status`: the numbers `outbox-inbox status` shows. A database that cannot be
-    read gives ``outbox_inbox_state_up 0`` and no gauges for that service, and a warning.
-    """
+    """Reads the backlog gauges of each watched service at scrape time, in one snapshot: the
+    numbers `outbox-inbox status` shows. A database that cannot be read gives a warning,
+    ``outbox_inbox_state_up 0`` and no gauges for that service."""
 
     def __init__(self) -> None:
         self._watched: dict[str, tuple[Engine, Tables]] = {}
