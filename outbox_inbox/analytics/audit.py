@@ -804,29 +804,13 @@ class _Figures:
 
 
 _OUTBOX_USED = (
-    "service",
-    "message_id",
-    "kind",
-    "routing_key",
-    "created_at",
-    "published_at",
-    "expired_at",
+    "service", "message_id", "kind", "routing_key", "created_at", "published_at", "expired_at",
     "attempts",
-)
+)  # fmt: skip
 _INBOX_USED = (
-    "service",
-    "message_id",
-    "id",
-    "routing_key",
-    "status",
-    "received_at",
-    "processed_at",
-    "attempts",
-    "dead_reason",
-    "last_error",
-    "duplicates",
-    "archived_at",
-)
+    "service", "message_id", "id", "routing_key", "status", "received_at", "processed_at",
+    "attempts", "dead_reason", "last_error", "duplicates", "archived_at",
+)  # fmt: skip
 # Every count of the summary's ``totals``: the rows of the "a" groups in a state, or (None)
 # the sum of the column of that name.
 _TOTALS: dict[str, Callable[[Row], Any] | None] = {

@@ -61,17 +61,9 @@ SERVICE_COUNTS = ("sent", "received", "processed", "dead", "lost", "duplicates_a
 RETRY_COUNTS = ("messages", "retried_messages", "retries", "max_attempts")
 COUNTS = {*SERVICE_COUNTS, *RETRY_COUNTS, "count", "copies"}  # the numeric table columns
 HEADLINE = (  # the totals shown as tiles above the charts
-    "sent",
-    "expected_deliveries",
-    "delivered",
-    "lost",
-    "in_flight",
-    "duplicates_absorbed",
-    "handled_more_than_once",
-    "unexpected",
-    "dead",
-    "retries",
-)
+    "sent", "expected_deliveries", "delivered", "lost", "in_flight", "duplicates_absorbed",
+    "handled_more_than_once", "unexpected", "dead", "retries",
+)  # fmt: skip
 
 # Every chart shares one coordinate system (outbox_inbox.svgchart).
 DEAD_LETTER_LABEL_WIDTH = 330
