@@ -161,20 +161,9 @@ def health_badge(found: list[str]) -> Safe:
 
 
 OVERVIEW_HEADERS = (
-    "service",
-    "health",
-    "outbox unpublished",
-    "outbox lag",
-    "inbox pending",
-    "in progress",
-    "inbox lag",
-    "processed",
-    "dead",
-    "handled",
-    "new dead",
-    "backlog change",
-    "inbox queue",
-)
+    "service", "health", "outbox unpublished", "outbox lag", "inbox pending", "in progress",
+    "inbox lag", "processed", "dead", "handled", "new dead", "backlog change", "inbox queue",
+)  # fmt: skip
 
 
 def overview(entries: Sequence[Shown], charts: Safe, refresh: int | None) -> Safe:
