@@ -753,13 +753,9 @@ class ExternalPostgres(_External, _Databases):
 
 
 class RabbitMQServer(_LocalServer):
-    """A private RabbitMQ node (Debian's ``rabbitmq-server``) on 127.0.0.1 and free ports.
-
-    Everything of the node lives in one temporary directory: ``HOME`` (with the Erlang cookie),
-    ``mnesia/`` (data), ``log/``, the config, the plugin list, and the output of the start
-    script in ``rabbitmq-server.out``. It uses its own epmd on a free port, started and killed
-    here, so parallel runs never share one. With ``management=True`` (the default) the
-    management plugin listens on 127.0.0.1 and a free port: ``management_url``.
+    """A private RabbitMQ node (Debian's ``rabbitmq-server``) on 127.0.0.1 and free ports, all
+    of it (home, data, logs, config) in one temporary directory, with an epmd of its own. With
+    ``management=True`` (the default) the management plugin listens too: ``management_url``.
     """
 
     _kind = "RabbitMQ"
