@@ -481,13 +481,10 @@ def _is_pattern(routing_key: str) -> bool:
 
 
 class QueueSelection:
-    """Messages of a dead-letter queue matching `filters`, held unacknowledged until `close()`.
-
-    Reads at most `limit` messages (default: as many as the queue holds when the selection
-    starts, so a message that comes back during a replay is not read twice). Every message
-    read is held, matching or not, so the next read gets the next message; those not acted on
-    return to the queue, in their place, on `close()`.
-    """
+    """Messages of a dead-letter queue matching `filters`, held unacknowledged until `close()`
+    returns those not acted on to their place. Reads at most `limit` messages (default: the
+    queue's depth at the start, so a message replayed back is not read twice); every message
+    read is held, matching or not, so the next read gets the next one."""
 
     def __init__(
         self,
@@ -530,11 +527,8 @@ class QueueSelection:
         self, pacer: Pacer, progress: Progress, *, before: Callable[[list[str]], None] | None = None
     ) -> Outcome:
         """Republish each selected message, in queue order, and ack it once confirmed: a
-        ``queue`` message through the default exchange to ``<service>.inbox`` (`replay_headers`),
-        an ``unroutable`` one to the exchange and routing key it was sent with.
-
-        `before(message_ids)` runs first (the CLI resets the redelivery counters there).
-        """
+        ``queue`` message to ``<service>.inbox`` (`replay_headers`), an ``unroutable`` one where
+        it was sent. `before(message_ids)` runs first (where redelivery counters are reset)."""
         outcome = self.outcome = Outcome(self.source, len(self._held))
         if before is not None and self._held:
             before([letter.message_id for letter in self.letters])
