@@ -238,10 +238,7 @@ def record_sends(
 
 
 def record_receives(
-    tracer: Tracer,
-    service: str,
-    rows: Sequence[tuple[Mapping[str, Any], bool]],
-    started_ns: int,
+    tracer: Tracer, service: str, rows: Sequence[tuple[Mapping[str, Any], bool]], started_ns: int
 ) -> None:
     """One ``receive`` span per stored delivery (row values, and whether it was a duplicate),
     from `started_ns` (when the batch's insert began) to now (after its commit)."""
