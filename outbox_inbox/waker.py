@@ -339,14 +339,13 @@ def _take_lead(conn: psycopg.Connection[tuple[object, ...]], channel: str) -> bo
 
 def release_listen(conninfo: str, channel: str, pid: int, *, probe: Engine | None = None) -> bool:
     """UNLISTEN `channel` on the server connection of backend `pid`, behind the pooler at
-    `conninfo` (transaction mode); True once done or once that backend is gone.
+    `conninfo` (transaction mode); True once done or once that backend is gone (`probe`, an
+    engine of the same database, tells), else a warning and False.
 
-    A pooler in transaction mode gives each transaction an idle server connection of its
-    choosing (PgBouncer: the one used last), so the one that holds a registration is reached
-    by holding a transaction on each server it hands out that is not `pid`'s; a step given no
-    server within `RELEASE_WAIT` lets go of all of them, so that it never waits while holding.
-    `RELEASE_HOLD` and `RELEASE_TIMEOUT` bound it. `probe` (an engine of the same database)
-    tells whether backend `pid` still exists. Logs a warning when it gives up.
+    The pooler picks the server connection of each transaction, so `pid`'s is reached by
+    holding a transaction on each other one it hands out; a step given none within
+    `RELEASE_WAIT` lets go of all, so it never waits while holding. `RELEASE_HOLD` and
+    `RELEASE_TIMEOUT` bound it.
     """
     query = (
         sql.SQL("BEGIN; UNLISTEN {}; SELECT pg_backend_pid()")
