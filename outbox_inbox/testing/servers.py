@@ -997,10 +997,6 @@ class RabbitMQServer(_LocalServer):
         if result != "ok":
             raise ServerError(f"mnesia:sync_log() returned {result}")
 
-    def list_vhosts(self) -> list[str]:
-        out = self.eval("[binary_to_list(V) || V <- rabbit_vhost:list_names()].")
-        return re.findall(r'"((?:[^"\\]|\\.)*)"', out)
-
     def __repr__(self) -> str:
         return (
             f"<RabbitMQServer {self.nodename} port={self.port} dir={self.temp_dir} "
