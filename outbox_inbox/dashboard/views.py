@@ -367,16 +367,12 @@ def _groups_table(name: str, groups: list[Group], parked: bool) -> Safe:
     if not groups:
         return html("<p>No dead letters in the table or the outbox.</p>")
     actions = ("replay", "purge") if parked else ("replay", "purge", "park")
+    flag = "1" if parked else None
     rows = []
     for g in groups:
         links = join(
             _confirm_button(
-                f"{action.capitalize()} ({source})",
-                name,
-                source,
-                action,
-                group=g.id,
-                parked="1" if parked else None,
+                f"{action.capitalize()} ({source})", name, source, action, group=g.id, parked=flag
             )
             for source in g.sources
             for action in actions
