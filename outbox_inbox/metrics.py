@@ -195,8 +195,7 @@ class Metrics(Listener):
     def forwarded_handler_ran(self, seconds: float) -> None:
         self._handler_duration.observe(seconds)
 
-    def forwarded_dead(self, reason: str, count: int) -> None:
-        self.dead(reason, count)
+    forwarded_dead = dead  # its values are plain data already
 
     # --- exposition -----------------------------------------------------------------------
 
