@@ -851,10 +851,8 @@ class DeadLetters:
 
     def groups(self, *, parked: bool = False) -> list[Group]:
         """The dead rows of the table and outbox sources (`parked`: the parked rows) grouped
-        by fingerprint, largest first: one GROUP BY in the database, over the partial index of
-        the dead rows by fingerprint. The broker queues are not counted (a queue is read
-        message by message); their letters carry a fingerprint all the same, and a
-        ``Filters(fingerprint=...)`` selects them. StorageError when the database fails."""
+        by fingerprint, largest first, in one query; the broker queues' letters are not counted,
+        though ``Filters(fingerprint=...)`` selects them. StorageError when the database fails."""
         if self.engine is None or self.tables is None:
             raise ConfigurationError("dead-letter groups need a database")
         try:
