@@ -106,11 +106,8 @@ class AsyncWorker:
     async def run(
         self, stop: threading.Event, *, on_started: Callable[[], None] | None = None
     ) -> None:
-        """Handle messages until `stop` is set; the batch in hand is finished first.
-
-        `stop` is a threading.Event so that the batch loop (which checks it between messages)
-        and `Service.stop()` can set it from any thread.
-        """
+        """Handle messages until `stop` is set (from any thread: `Service.stop()` does); the batch
+        in hand is finished first."""
         self.worker._stop = stop
         conn: AsyncConnection | None = None
         loop = self.worker.role_loop("asyncio worker")  # woken as the worker is
