@@ -278,11 +278,9 @@ class ServiceHarness:
         return self.inbox_row(message_id)
 
     def relay(self) -> int:
-        """Publish every due outbox row to the broker (`Relay.relay_once` until none is left).
-
-        Returns the rows claimed. Commands to services without a queue go to the broker's
-        ``unroutable`` queue, as on RabbitMQ; events nobody subscribes to are dropped.
-        """
+        """Publish every due outbox row (`Relay.relay_once` until none is left); return the rows
+        claimed. As on RabbitMQ, a command no queue takes goes to ``unroutable``, an event nobody
+        subscribes to is dropped."""
         return sum(iter(self._relay.relay_once, 0))
 
     def receive(self) -> int:
@@ -373,11 +371,8 @@ class ServiceHarness:
     def published(
         self, type: str | None = None, *, kind: str | None = None
     ) -> list[PublishedMessage]:
-        """Messages the service wrote to its outbox, in the order written, sent or not.
-
-        `type` filters by routing key (``orders.order.placed``; topic patterns such as
-        ``orders.#`` work too); `kind` by ``command`` / ``event``.
-        """
+        """Messages the service wrote to its outbox, in the order written, sent or not; `type`
+        filters by routing key or topic pattern (``orders.#``), `kind` by command or event."""
         o = self.service.tables.outbox
         with self.service.engine.connect() as conn:
             rows = conn.execute(select(o).order_by(o.c.id)).mappings().all()
