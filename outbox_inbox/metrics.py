@@ -208,11 +208,8 @@ class Metrics(Listener):
         return make_asgi_app(self.registry)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> MetricsServer:
-        """Serve this registry over HTTP at ``http://host:port/metrics`` from a daemon thread.
-
-        Port 0 picks a free port (`MetricsServer.port`). Raises OSError if the address cannot
-        be bound. Call `MetricsServer.close()` to stop.
-        """
+        """Serve this registry at ``http://host:port/metrics`` from a daemon thread until
+        `MetricsServer.close()`; port 0 picks a free port. OSError if it cannot be bound."""
         server, thread = start_http_server(port, addr=host, registry=self.registry)
         return MetricsServer(server, thread)
 
