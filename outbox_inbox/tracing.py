@@ -109,11 +109,8 @@ def extract(headers: Mapping[str, Any]) -> Context:
 
 
 def creating(tracing: Tracing, row: dict[str, Any]) -> AbstractContextManager[None]:
-    """The ``create`` span of an outbox row being written: a child of the current span.
-
-    Puts the span's context into ``row["headers"]`` before the block runs. Nothing at all
-    when tracing is off.
-    """
+    """The ``create`` span of an outbox row being written, a child of the current span, its
+    context put into ``row["headers"]`` before the block runs. Nothing when tracing is off."""
     tracer = tracing.tracer()
     if tracer is None:
         return _NOTHING
