@@ -98,6 +98,14 @@ class InvalidPayload(Reject):
     dead_reason = "invalid_payload"
 
 
+class PayloadMissing(Reject):
+    """A payload sent by reference (the claim check) cannot be had: its store is unknown here,
+    it is not there, or it does not match its size and SHA-256. Dead at once as
+    ``payload_missing``, never retried (docs/failures.md)."""
+
+    dead_reason = "payload_missing"
+
+
 class HandlerExited(OutboxInboxError):
     """A handler raised an exception that is not an `Exception` (``SystemExit`` from
     ``sys.exit()``, ``KeyboardInterrupt``, ``GeneratorExit``): a handler failure like any

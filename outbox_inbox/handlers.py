@@ -16,6 +16,7 @@ from sqlalchemy.sql import Executable
 from sqlalchemy.util import await_only
 from sqlalchemy.util.concurrency import in_greenlet
 
+from .claim_check import resolve
 from .config import Settings
 from .context import handling
 from .errors import ConfigurationError, HandlerExited
@@ -432,6 +433,7 @@ class Calls:
         the current message. Raises what a handler raises."""
         started = time.perf_counter()
         try:
+            message = self.resolve(message)
             with handling(message), processing(self.tracer, self.service, message):
                 for subscription in subscriptions:
                     subscription.call(message, session)
@@ -445,11 +447,18 @@ class Calls:
         the time it ran. Raises what it raises (the worker then runs the messages one at a
         time, which tells each one's outcome)."""
         started = time.perf_counter()
+        messages = [self.resolve(m) for m in messages]
         with processing_batch(self.tracer, self.service, messages) as spans:
             subscription.call_batch(messages, session, spans)
         share = (time.perf_counter() - started) / len(messages)
         for message in messages:
             self._ran(message, share, None)
+
+    def resolve(self, message: Message) -> Message:
+        """`message` with the payload its reference names (`claim_check.resolve`): a missing
+        one raises PayloadMissing, which ends the message dead."""
+        s = self.settings
+        return resolve(message, (s.payload_store, *s.payload_sources))
 
     def _ran(self, message: Message, seconds: float, error: Exception | None) -> None:
         if self.listener is not None:

@@ -14,6 +14,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
+from .claim_check import PayloadStore, offload
 from .config import validate_service_name
 from .context import current_message
 from .errors import MessageError, storage_error
@@ -92,6 +93,11 @@ class Outbox:
     Raises `MessageError` for an invalid name, payload or header, `PayloadTooLarge` over the
     size limit, and `StorageError` if the database refuses the row.
 
+    With a `payload_store`, a payload whose JSON is over `claim_check_bytes` (of its routing
+    key in `claim_check_types`; never over `max_payload_bytes`) is put there, before the row,
+    in the same transaction where the store can: the row carries a reference
+    (`claim_check`). StorageError when the store cannot be written: nothing falls back.
+
     With tracing on (`tracing`), each write is a ``create`` span, a child of the current span,
     whose W3C context the row's headers keep as ``traceparent`` / ``tracestate``.
 
@@ -109,10 +115,15 @@ class Outbox:
         *,
         max_payload_bytes: int,
         tracing: Tracing | None = None,
+        payload_store: PayloadStore | None = None,
+        claim_check_bytes: int = 4096,
+        claim_check_types: Mapping[str, int] | None = None,
     ) -> None:
         self._service = validate_service_name(service)
         self._tables = tables
         self._limit = max_payload_bytes
+        self._store = payload_store
+        self._over, self._over_types = claim_check_bytes, dict(claim_check_types or {})
         self._tracing = tracing or Tracing(self._service)
 
     @property
@@ -183,7 +194,7 @@ class Outbox:
         # on the caller's async connection: each statement is awaited on the async driver.
         try:
             with creating(self._tracing, row):  # the span is current in the caller's task
-                await session.run_sync(roles.insert_outbox, self._tables, [row])
+                await session.run_sync(self._write, row)
         except SQLAlchemyError as exc:
             raise storage_error(exc, "writing to the outbox") from exc
         return row["message_id"]  # type: ignore[no-any-return]
@@ -191,19 +202,33 @@ class Outbox:
     def _insert(self, session: Session | Connection, row: dict[str, Any]) -> uuid.UUID:
         try:
             with creating(self._tracing, row):  # nothing at all when tracing is off
-                roles.insert_outbox(session, self._tables, [row])
+                self._write(session, row)
         except SQLAlchemyError as exc:
             raise storage_error(exc, "writing to the outbox") from exc
         return row["message_id"]  # type: ignore[no-any-return]
+
+    def _write(self, session: Session | Connection, row: dict[str, Any]) -> None:
+        if (offloaded := row.pop("offloaded", None)) is not None:
+            assert self._store is not None
+            self._store.put(session, *offloaded)
+        roles.insert_outbox(session, self._tables, [row])
 
     def _row(
         self, kind: str, exchange: str, routing_key: str, payload: Any, options: WriteKeywords
     ) -> dict[str, Any]:
         """The checked outbox row of one message, with the ids of the message being handled."""
         payload = plain(payload)  # a dataclass or pydantic model: its fields
-        encoded = payload_json(payload, limit=self._limit)
+        store = self._store
+        over = min(self._over_types.get(routing_key, self._over), self._limit)
+        encoded = payload_json(payload, limit=None if store else self._limit)
         o = WriteOptions(**options)
         clean_headers = check_headers(o.headers)
+        data = encoded.encode() if store and len(encoded) * 4 > over else b""
+        offloaded = None
+        if store and len(data) > over:  # the claim check: the payload goes by reference
+            key, refs = offload(store, data)
+            payload, encoded, offloaded = None, "null", (key, data)
+            clean_headers.update(refs)
         for name in ("key", "tenant"):
             value = getattr(o, name)
             if value is not None and (not isinstance(value, str) or not value or len(value) > 255):
@@ -227,6 +252,8 @@ class Outbox:
             "ttl": _seconds(o.ttl, "ttl") if o.ttl is not None else None,
             "delay": _seconds(o.delay, "delay") if o.delay is not None else None,
         }
+        if offloaded:
+            row["offloaded"] = offloaded  # put by `_write`, before the row
         parent = current_message()
         if parent is not None:
             # The id its sender wrote (not the UUID the inbox derives from a foreign id), so
