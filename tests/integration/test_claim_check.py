@@ -92,9 +92,7 @@ def test_a_5_mib_payload_goes_by_reference_through_the_postgres_store_and_reache
     db_url_factory: Any, mq_url: str
 ) -> None:
     orders_db = db_url_factory()
-    orders = make_service(
-        "orders", orders_db, mq_url, payload_store=PostgresPayloadStore("orders")
-    )
+    orders = make_service("orders", orders_db, mq_url, payload_store=PostgresPayloadStore("orders"))
     # The receiver reaches the sender's store by its database URL.
     source = PostgresPayloadStore("orders", db_url=orders_db)
     billing = make_service("billing", db_url_factory(), mq_url, payload_sources=[source])
