@@ -14,8 +14,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
-from .claim_check import PayloadStore, offload
-from .config import validate_service_name
+from .claim_check import offload
+from .config import Settings, validate_service_name
 from .context import current_message
 from .errors import MessageError, storage_error
 from .messages import (
@@ -93,8 +93,9 @@ class Outbox:
     Raises `MessageError` for an invalid name, payload or header, `PayloadTooLarge` over the
     size limit, and `StorageError` if the database refuses the row.
 
-    With a `payload_store`, a payload whose JSON is over `claim_check_bytes` (of its routing
-    key in `claim_check_types`; never over `max_payload_bytes`) is put there, before the row,
+    `settings` gives the size limit (`max_payload_bytes`) and the claim check: with a
+    `payload_store`, a payload whose JSON is over `claim_check_bytes` (of its routing key in
+    `claim_check_types`; never over `max_payload_bytes`) is put there, before the row,
     in the same transaction where the store can: the row carries a reference
     (`claim_check`). StorageError when the store cannot be written: nothing falls back.
 
@@ -113,17 +114,12 @@ class Outbox:
         service: str,
         tables: Tables,
         *,
-        max_payload_bytes: int,
+        settings: Settings,
         tracing: Tracing | None = None,
-        payload_store: PayloadStore | None = None,
-        claim_check_bytes: int = 4096,
-        claim_check_types: Mapping[str, int] | None = None,
     ) -> None:
         self._service = validate_service_name(service)
         self._tables = tables
-        self._limit = max_payload_bytes
-        self._store = payload_store
-        self._over, self._over_types = claim_check_bytes, dict(claim_check_types or {})
+        self._settings = settings  # max_payload_bytes and the claim check's
         self._tracing = tracing or Tracing(self._service)
 
     @property
@@ -209,8 +205,7 @@ class Outbox:
 
     def _write(self, session: Session | Connection, row: dict[str, Any]) -> None:
         if (offloaded := row.pop("offloaded", None)) is not None:
-            assert self._store is not None
-            self._store.put(session, *offloaded)
+            self._settings.payload_store.put(session, *offloaded)  # type: ignore[union-attr]
         roles.insert_outbox(session, self._tables, [row])
 
     def _row(
@@ -218,9 +213,9 @@ class Outbox:
     ) -> dict[str, Any]:
         """The checked outbox row of one message, with the ids of the message being handled."""
         payload = plain(payload)  # a dataclass or pydantic model: its fields
-        store = self._store
-        over = min(self._over_types.get(routing_key, self._over), self._limit)
-        encoded = payload_json(payload, limit=None if store else self._limit)
+        s, store = self._settings, self._settings.payload_store
+        over = min(s.claim_check_types.get(routing_key, s.claim_check_bytes), s.max_payload_bytes)
+        encoded = payload_json(payload, limit=None if store else s.max_payload_bytes)
         o = WriteOptions(**options)
         clean_headers = check_headers(o.headers)
         data = encoded.encode() if store and len(encoded) * 4 > over else b""

@@ -113,15 +113,7 @@ class Service:
         self.tables: Tables = tables_for(url, self.settings.schema)
         self.handlers = Handlers()
         self.tracing = Tracing(self.name, tracer_provider)
-        self.outbox = Outbox(
-            self.name,
-            self.tables,
-            max_payload_bytes=self.settings.max_payload_bytes,
-            tracing=self.tracing,
-            payload_store=self.settings.payload_store,
-            claim_check_bytes=self.settings.claim_check_bytes,
-            claim_check_types=self.settings.claim_check_types,
-        )
+        self.outbox = Outbox(self.name, self.tables, settings=self.settings, tracing=self.tracing)
         self._engine = engine
         self._broker = broker
         self.listener = listener
