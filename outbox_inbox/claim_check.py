@@ -1,11 +1,6 @@
-"""The claim check: a payload over a threshold goes to a payload store, and its message carries
-a reference instead (docs/concepts.md, "Large payloads"; the reference: docs/wire-format.md).
-
-The outbox writes the payload with `PayloadStore.put` before its row, in the caller's
-transaction where the store can (`PostgresPayloadStore`); the worker reads it back (`resolve`)
-before a handler sees the message. A store that cannot be written fails the write: there is no
-other store to fall back to. A payload that cannot be had is `PayloadMissing`: dead at once.
-"""
+"""The claim check: a payload over a threshold goes to a payload store, by reference; the
+worker reads it back (`resolve`) before a handler sees it. No store falls back to another
+(docs/concepts.md, "Large payloads"; the reference: docs/wire-format.md)."""
 
 from __future__ import annotations
 
@@ -18,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from sqlalchemy import Connection, create_engine
 from sqlalchemy.exc import SQLAlchemyError
@@ -78,8 +73,11 @@ class PostgresPayloadStore:
 
     def get(self, key: str) -> bytes:
         db = self._database()
-        with db.engine.connect() as conn:
-            data = roles.read_payload(conn, db.tables, key)
+        try:  # a StorageError: a handler failure, retried (not the worker's own connection)
+            with db.engine.connect() as conn:
+                data = roles.read_payload(conn, db.tables, key)
+        except SQLAlchemyError as exc:
+            raise storage_error(exc, f"reading payload store {self.name!r}") from exc
         if data is None:
             raise PayloadMissing(f"payload {self.name}/{key} is not in its store (removed?)")
         return bytes(data)
@@ -139,14 +137,6 @@ class DirectoryPayloadStore:
                 Path(entry.path).unlink(missing_ok=True)
                 deleted += 1
         return deleted
-
-
-def offload(store: PayloadStore, data: bytes) -> tuple[str, dict[str, Any]]:
-    """A new key for `data` in `store`, and the headers that refer to it there."""
-    key = str(uuid.uuid4())
-    digest = hashlib.sha256(data).hexdigest()
-    refs = {H_PAYLOAD_REF: f"{store.name}/{key}", H_PAYLOAD_SIZE: len(data)}
-    return key, refs | {H_PAYLOAD_SHA256: digest}
 
 
 def resolve(message: Message, stores: Iterable[PayloadStore | None]) -> Message:

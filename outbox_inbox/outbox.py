@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 import uuid
 from collections.abc import Mapping
@@ -14,7 +15,6 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
-from .claim_check import offload
 from .config import Settings, validate_service_name
 from .context import current_message
 from .errors import MessageError, storage_error
@@ -23,6 +23,9 @@ from .messages import (
     COMMANDS_EXCHANGE,
     EVENT,
     EVENTS_EXCHANGE,
+    H_PAYLOAD_REF,
+    H_PAYLOAD_SHA256,
+    H_PAYLOAD_SIZE,
     H_TENANT,
     check_headers,
     payload_json,
@@ -221,9 +224,10 @@ class Outbox:
         data = encoded.encode() if store and len(encoded) * 4 > over else b""
         offloaded = None
         if store and len(data) > over:  # the claim check: the payload goes by reference
-            key, refs = offload(store, data)
-            payload, encoded, offloaded = None, "null", (key, data)
-            clean_headers.update(refs)
+            payload, encoded, offloaded = None, "null", (str(uuid.uuid4()), data)
+            clean_headers[H_PAYLOAD_REF] = f"{store.name}/{offloaded[0]}"
+            clean_headers[H_PAYLOAD_SIZE] = len(data)
+            clean_headers[H_PAYLOAD_SHA256] = hashlib.sha256(data).hexdigest()
         for name in ("key", "tenant"):
             value = getattr(o, name)
             if value is not None and (not isinstance(value, str) or not value or len(value) > 255):

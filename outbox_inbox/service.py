@@ -367,7 +367,7 @@ class Service:
     def maintain(self) -> MaintenanceResult:
         """One maintenance pass of the time partitions (outbox_inbox.partitions): make them
         ahead, export to ``archive_to`` and drop those past the ``retention``, and remove the
-        ``payload_store``'s payloads past it (on SQLite too). What every role
+        ``payload_store``'s payloads past it (on SQLite too, where no role runs it). What every role
         runs at its start and every ``maintenance_interval`` seconds; one pass at a time per
         schema (another one running: this one returns ``busy``). No partitions on SQLite.
         Raises StorageError (a refused DDL statement: the service's role lacks the rights,
