@@ -50,10 +50,9 @@ class PayloadStore(Protocol):
 
 @dataclass(frozen=True)
 class PostgresPayloadStore:
-    """Payloads in the ``payloads`` table of the sender's database (its `schema`), written in
-    the sender's transaction: a rolled-back write leaves nothing. `db_url`: that database,
-    where receivers and the retention read it; None in a `Service`'s ``payload_store``: the
-    service's own. Works on SQLite too (development)."""
+    """Payloads in the ``payloads`` table of the sender's database at `db_url` (None in a
+    service's ``payload_store``: its own), written in the sender's transaction (a rollback
+    leaves nothing). Works on SQLite too (development)."""
 
     name: str
     db_url: str | None = None
@@ -141,9 +140,8 @@ class DirectoryPayloadStore:
 
 def resolve(message: Message, stores: Iterable[PayloadStore | None]) -> Message:
     """`message` with the payload its reference names, read from the store of that name among
-    `stores` and checked against its size and SHA-256; `message` itself without a reference.
-    Raises PayloadMissing (no such store here, no such payload, a mismatch, not JSON), or what
-    the store raises when it cannot be read now."""
+    `stores` and checked against its size and SHA-256 (PayloadMissing if it cannot be had);
+    `message` itself without a reference. What a store raises otherwise is raised."""
     ref = message.headers.get(H_PAYLOAD_REF)
     if ref is None:
         return message

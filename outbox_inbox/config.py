@@ -163,14 +163,11 @@ class Settings:
 
     # outbox
     max_payload_bytes: int = 1024 * 1024
-    #: The claim check (docs/concepts.md, "Large payloads"): where payloads over
-    #: `claim_check_bytes` go, the message carrying a reference; None sends every one inline.
-    #: A store whose ``db_url`` is None is in the service's database.
+    #: The claim check (docs/configuration.md): the store of payloads over `claim_check_bytes`
+    #: (per routing key: `claim_check_types`), and the other services' stores read from.
     payload_store: PayloadStore | None = None
     claim_check_bytes: int = 4096
-    #: `claim_check_bytes` of given message types (routing keys).
     claim_check_types: Mapping[str, int] = field(default_factory=dict)
-    #: The stores of other services the worker reads payloads from, found by name.
     payload_sources: tuple[PayloadStore, ...] = ()
 
     # relay
@@ -289,7 +286,7 @@ class Settings:
         if not all(_whole(n) and n > 0 for n in dict(self.claim_check_types).values()):
             raise ConfigurationError("claim_check_types must map types to whole numbers > 0")
         object.__setattr__(self, "payload_sources", tuple(self.payload_sources))
-        if getattr(self.payload_store, "db_url", "") is None and self.db_url:
+        if getattr(self.payload_store, "db_url", "") is None and self.db_url:  # the service's
             store = replace(self.payload_store, db_url=self.db_url, schema=self.schema)  # type: ignore[type-var]
             object.__setattr__(self, "payload_store", store)
         if self.publish_window > self.relay_batch_size:

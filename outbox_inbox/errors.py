@@ -99,9 +99,8 @@ class InvalidPayload(Reject):
 
 
 class PayloadMissing(Reject):
-    """A payload sent by reference (the claim check) cannot be had: its store is unknown here,
-    it is not there, or it does not match its size and SHA-256. Dead at once as
-    ``payload_missing``, never retried (docs/failures.md)."""
+    """A payload sent by reference (the claim check) is not in a store known here, or does not
+    match its size and SHA-256: dead at once as ``payload_missing``, never retried."""
 
     dead_reason = "payload_missing"
 
