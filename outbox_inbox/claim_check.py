@@ -10,7 +10,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
 from typing import Protocol
@@ -55,7 +55,7 @@ class PostgresPayloadStore:
     leaves nothing). Works on SQLite too (development)."""
 
     name: str
-    db_url: str | None = None
+    db_url: str | None = field(default=None, repr=False)  # its password: never in a log line
     schema: str = DEFAULT_SCHEMA
 
     def __post_init__(self) -> None:
