@@ -191,25 +191,23 @@ class Outbox:
     ) -> uuid.UUID:
         # run_sync runs the one insert path (writer locks, the insert the NOTIFY trigger sees)
         # on the caller's async connection: each statement is awaited on the async driver.
-        try:
-            with creating(self._tracing, row):  # the span is current in the caller's task
-                await session.run_sync(self._write, row)
-        except SQLAlchemyError as exc:
-            raise storage_error(exc, "writing to the outbox") from exc
+        with creating(self._tracing, row):  # the span is current in the caller's task
+            await session.run_sync(self._write, row)
         return row["message_id"]  # type: ignore[no-any-return]
 
     def _insert(self, session: Session | Connection, row: dict[str, Any]) -> uuid.UUID:
-        try:
-            with creating(self._tracing, row):  # nothing at all when tracing is off
-                self._write(session, row)
-        except SQLAlchemyError as exc:
-            raise storage_error(exc, "writing to the outbox") from exc
+        with creating(self._tracing, row):  # nothing at all when tracing is off
+            self._write(session, row)
         return row["message_id"]  # type: ignore[no-any-return]
 
     def _write(self, session: Session | Connection, row: dict[str, Any]) -> None:
-        if (offloaded := row.pop("offloaded", None)) is not None:
-            self._settings.payload_store.put(session, *offloaded)  # type: ignore[union-attr]
-        roles.insert_outbox(session, self._tables, [row])
+        """Put the row's offloaded payload, then insert it: the one write of both paths."""
+        try:
+            if (offloaded := row.pop("offloaded", None)) is not None:
+                self._settings.payload_store.put(session, *offloaded)  # type: ignore[union-attr]
+            roles.insert_outbox(session, self._tables, [row])
+        except SQLAlchemyError as exc:
+            raise storage_error(exc, "writing to the outbox") from exc
 
     def _row(
         self, kind: str, exchange: str, routing_key: str, payload: Any, options: WriteKeywords
