@@ -128,9 +128,9 @@ FILTER_FIELDS = (
         "reason",
         "reason",
         "REASON",
-        "Dead reason: max_attempts, rejected, invalid_payload, no_handler, expired, abandoned,"
-        " interrupted (table); refused (outbox); invalid, store_failed, redelivered, or the"
-        " broker's rejected / expired / delivery_limit (queue).",
+        "Dead reason: max_attempts, rejected, invalid_payload, payload_missing, no_handler,"
+        " expired, abandoned, interrupted (table); refused (outbox); invalid, store_failed,"
+        " redelivered, or the broker's rejected / expired / delivery_limit (queue).",
         "rejected",
     ),
     FilterField(

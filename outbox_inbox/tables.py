@@ -15,6 +15,7 @@ from sqlalchemy import (
     Identity,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     SmallInteger,
     String,
@@ -65,6 +66,7 @@ class Tables:
     subscriptions: Table
     archive_files: Table
     instances: Table
+    payloads: Table
 
 
 def outbox_unsent(outbox: Table | Any) -> ColumnElement[bool]:
@@ -90,8 +92,18 @@ def build_tables(schema: str | None = "outbox_inbox") -> Tables:
     subscriptions = _subscriptions_table(metadata)
     archive_files = _archive_files_table(metadata)
     instances = _instances_table(metadata)
+    # The PostgreSQL payload store's (outbox_inbox.claim_check): a payload sent by reference,
+    # written in the sender's transaction, removed after the retention.
+    payloads = Table(
+        "payloads",
+        metadata,
+        Column("key", String(255), primary_key=True),
+        Column("data", LargeBinary, nullable=False),
+        Column("created_at", _Time, nullable=False, server_default=func.now()),
+    )
     return Tables(
-        schema or "", metadata, outbox, inbox, deliveries, subscriptions, archive_files, instances
+        schema or "",
+        *(metadata, outbox, inbox, deliveries, subscriptions, archive_files, instances, payloads),
     )
 
 

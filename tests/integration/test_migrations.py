@@ -215,7 +215,7 @@ def test_db_upgrade_and_check_name_the_grants_a_runtime_role_granted_on_the_old_
     try:
         upgraded = runner.invoke(db, ["upgrade", "--db-url", db_url])
         assert upgraded.exit_code == 0, upgraded.output
-        made = "tables made: inbox_messages, instances, outbox_messages; a runtime role needs"
+        made = "tables made: inbox_messages, instances, outbox_messages, payloads; a runtime"
         assert made in upgraded.output, upgraded.output
         with admin.begin() as conn:
             conn.execute(text(f"SET LOCAL ROLE {role}"))
@@ -223,12 +223,13 @@ def test_db_upgrade_and_check_name_the_grants_a_runtime_role_granted_on_the_old_
                 conn.execute(text("SELECT count(*) FROM outbox_inbox.instances"))
         checked = runner.invoke(db, ["check", "--db-url", db_url, "--runtime-role", role])
         assert checked.exit_code == 4, checked.output
-        # 0005 added instances; 0006 made the message tables again, partitioned.
+        # 0005 added instances; 0006 made the message tables again, partitioned; 0011 added
+        # payloads.
         grants = [
             f"GRANT SELECT, INSERT, UPDATE, DELETE ON outbox_inbox.{table} TO {role}"
-            for table in ("inbox_messages", "instances", "outbox_messages")
+            for table in ("inbox_messages", "instances", "outbox_messages", "payloads")
         ]
-        assert checked.output.count("lacks:") == 3, checked.output
+        assert checked.output.count("lacks:") == 4, checked.output
         assert all(f"lacks: {grant}\n" in checked.output for grant in grants), checked.output
         with admin.begin() as conn:
             for grant in grants:
