@@ -30,12 +30,9 @@ log = logging.getLogger(__name__)
 
 
 def async_url(url: str | URL) -> URL:
-    """The URL of `url`'s PostgreSQL database on psycopg's async driver.
-
-    ``postgresql://`` and ``postgresql+psycopg://`` both become ``postgresql+psycopg://``
-    (the psycopg dialect serves sync and async engines alike). Raises ConfigurationError for
-    another database or driver: the asyncio worker needs PostgreSQL through psycopg 3.
-    """
+    """The URL of `url`'s PostgreSQL database on psycopg's async driver (``postgresql+psycopg``,
+    which serves sync and async engines alike). Raises ConfigurationError for another database
+    or driver."""
     parsed = make_url(url)
     if parsed.get_backend_name() != "postgresql" or parsed.get_driver_name() not in (
         "psycopg",
@@ -65,13 +62,9 @@ def worker_engine(url: str | URL, *, prepare_threshold: int | str | None = "auto
 
 
 class AsyncWorker:
-    """A worker whose transactions run on an `AsyncConnection`, in an event loop.
-
-    Same contract as `Worker` (which it drives; docs/async-services.md, "What differs"):
-    ``async def`` handlers get an `AsyncSession` in the batch's transaction, sync handlers the
-    Session, which a blocking one blocks the loop with. One task at a time may use an
-    AsyncWorker; several may run in one loop, each on its own connection.
-    """
+    """A worker whose transactions run on an `AsyncConnection`, in an event loop: the contract
+    of the `Worker` it drives (docs/async-services.md, "What differs"). One task at a time may
+    use an AsyncWorker; several may run in one loop, each on its own connection."""
 
     def __init__(self, worker: Worker, engine: AsyncEngine) -> None:
         self.worker = worker
@@ -113,12 +106,8 @@ class AsyncWorker:
     async def run(
         self, stop: threading.Event, *, on_started: Callable[[], None] | None = None
     ) -> None:
-        """Handle messages until `stop` is set; the batch in hand is finished first.
-
-        `stop` is a threading.Event so that the batch loop (which checks it between messages)
-        and `Service.stop()` can set it from any thread.
-        """
-        # The batch loop checks its stop flag between the messages of a batch.
+        """Handle messages until `stop` is set (from any thread: `Service.stop()` does); the batch
+        in hand is finished first."""
         self.worker._stop = stop
         conn: AsyncConnection | None = None
         loop = self.worker.role_loop("asyncio worker")  # woken as the worker is

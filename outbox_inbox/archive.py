@@ -1,10 +1,8 @@
 """Move finished messages from the hot tables into Parquet files: the message history.
 
-The layout of the files (Hive-style, one directory per service and UTC date) and the steps that
-make a batch crash-safe without a distributed transaction (journal in ``archive_files``, write,
-fsync and rename, then delete the rows) are in docs/history.md ("Archive layout", "Crash
-safety"). One run at a time per schema (a transaction-level advisory lock, held by a
-transaction that stays open for the run).
+The layout of the files and the steps that make a batch crash-safe are in docs/history.md
+("Archive layout", "Crash safety"). One run at a time per schema (a transaction-level advisory
+lock, held by a transaction that stays open for the run).
 """
 
 from __future__ import annotations
@@ -145,12 +143,9 @@ class ArchiveResult:
 
 
 class Archiver:
-    """Archive one service's finished rows older than `older_than` into `root`.
-
-    The archiver uses connections of its own and commits its own transactions: it is an
-    operations job, not part of a business transaction. `root` is a local or mounted
-    directory. `progress` is called with the source and the number of rows after each batch.
-    """
+    """Archive one service's finished rows older than `older_than` into `root` (a local or
+    mounted directory), on connections of its own, committing its own transactions. `progress`
+    is called with the source and the number of rows after each batch."""
 
     def __init__(
         self,
@@ -321,14 +316,9 @@ class Archiver:
 def partition_exporter(
     tables: Tables, service: str, root: str | os.PathLike[str], *, chunk: int = 50_000
 ) -> Callable[[Any, str, Any], int]:
-    """What `partitions.maintain` calls to export a detached partition before it drops it.
-
-    The partition's rows are read `chunk` at a time in id order and written to
-    ``<source>/service=<service>/date=<day>/part-<partition>-<n>.parquet``: the names depend
-    only on the partition, which no one writes any more, so a pass that dies part-way and is
-    run again writes the same files again (each replaced atomically), and the partition is
-    dropped only after the last one is durable.
-    """
+    """What `partitions.maintain` calls to export a detached partition before it drops it:
+    its rows, `chunk` at a time, into ``part-<partition>-<n>.parquet`` files whose names depend
+    only on the partition, so a pass that dies part-way writes the same files again."""
     require_pyarrow()
     base = Path(root).absolute()
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from typing import Literal, TypeGuard
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Literal, TypeGuard
 
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
@@ -13,6 +13,9 @@ from sqlalchemy.exc import ArgumentError
 from .errors import ConfigurationError
 from .logsafe import mask_text, mask_url, remember
 from .retry import RetryPolicy
+
+if TYPE_CHECKING:
+    from .claim_check import PayloadStore
 
 #: An unquoted PostgreSQL identifier of at most 63 bytes: what a schema name may be.
 _IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
@@ -160,6 +163,12 @@ class Settings:
 
     # outbox
     max_payload_bytes: int = 1024 * 1024
+    #: The claim check (docs/configuration.md): the store of payloads over `claim_check_bytes`
+    #: (per routing key: `claim_check_types`), and the other services' stores read from.
+    payload_store: PayloadStore | None = None
+    claim_check_bytes: int = 4096
+    claim_check_types: Mapping[str, int] = field(default_factory=dict)
+    payload_sources: tuple[PayloadStore, ...] = ()
 
     # relay
     relay_batch_size: int = 500
@@ -274,6 +283,12 @@ class Settings:
         ):
             raise ConfigurationError("tenant_weights must map tenants to whole numbers >= 1")
         object.__setattr__(self, "tenant_weights", dict(self.tenant_weights))
+        if not all(_whole(n) and n > 0 for n in dict(self.claim_check_types).values()):
+            raise ConfigurationError("claim_check_types must map types to whole numbers > 0")
+        object.__setattr__(self, "payload_sources", tuple(self.payload_sources))
+        if getattr(self.payload_store, "db_url", "") is None and self.db_url:  # the service's
+            store = replace(self.payload_store, db_url=self.db_url, schema=self.schema)  # type: ignore[type-var]
+            object.__setattr__(self, "payload_store", store)
         if self.publish_window > self.relay_batch_size:
             object.__setattr__(self, "publish_window", self.relay_batch_size)
         if not _whole(self.max_message_bytes):

@@ -88,14 +88,11 @@ def connect(
     pool_size: int = 5,
     prepare_threshold: int | Literal["auto"] | None = "auto",
 ) -> Database:
-    """The engine and tables for the database at `url`, by the library's one engine policy
-    (the module docstring): what `Service.engine`, the audit's live reads and the CLI use.
-
-    `url` is one `config.validate_db_url` accepts. Connects to nothing: the first connection
-    opens when the engine is first used; the caller disposes of it. Every PostgreSQL
-    connection has the `client_bounds` of `url`. `pool_size` connections
-    are kept, 10 more may open under load (PostgreSQL; SQLite keeps SQLAlchemy's own pool).
-    Raises ConfigurationError for an invalid schema name.
+    """The engine and tables for the database at `url` (one `config.validate_db_url` accepts),
+    by the library's one engine policy (the module docstring): what `Service.engine`, the
+    audit's live reads and the CLI use. Connects to nothing; the caller disposes of the engine.
+    `pool_size` connections are kept, 10 more may open under load (PostgreSQL). Raises
+    ConfigurationError for an invalid schema name.
     """
     if is_sqlite(url):
         return Database(_sqlite_engine(url), tables_for(url, schema))

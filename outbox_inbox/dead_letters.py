@@ -128,9 +128,9 @@ FILTER_FIELDS = (
         "reason",
         "reason",
         "REASON",
-        "Dead reason: max_attempts, rejected, invalid_payload, no_handler, expired, abandoned,"
-        " interrupted (table); refused (outbox); invalid, store_failed, redelivered, or the"
-        " broker's rejected / expired / delivery_limit (queue).",
+        "Dead reason: max_attempts, rejected, invalid_payload, payload_missing, no_handler,"
+        " expired, abandoned, interrupted (table); refused (outbox); invalid, store_failed,"
+        " redelivered, or the broker's rejected / expired / delivery_limit (queue).",
         "rejected",
     ),
     FilterField(
@@ -481,13 +481,10 @@ def _is_pattern(routing_key: str) -> bool:
 
 
 class QueueSelection:
-    """Messages of a dead-letter queue matching `filters`, held unacknowledged until `close()`.
-
-    Reads at most `limit` messages (default: as many as the queue holds when the selection
-    starts, so a message that comes back during a replay is not read twice). Every message
-    read is held, matching or not, so the next read gets the next message; those not acted on
-    return to the queue, in their place, on `close()`.
-    """
+    """Messages of a dead-letter queue matching `filters`, held unacknowledged until `close()`
+    returns those not acted on to their place. Reads at most `limit` messages (default: the
+    queue's depth at the start, so a message replayed back is not read twice); every message
+    read is held, matching or not, so the next read gets the next one."""
 
     def __init__(
         self,
@@ -530,11 +527,8 @@ class QueueSelection:
         self, pacer: Pacer, progress: Progress, *, before: Callable[[list[str]], None] | None = None
     ) -> Outcome:
         """Republish each selected message, in queue order, and ack it once confirmed: a
-        ``queue`` message through the default exchange to ``<service>.inbox`` (`replay_headers`),
-        an ``unroutable`` one to the exchange and routing key it was sent with.
-
-        `before(message_ids)` runs first (the CLI resets the redelivery counters there).
-        """
+        ``queue`` message to ``<service>.inbox`` (`replay_headers`), an ``unroutable`` one where
+        it was sent. `before(message_ids)` runs first (where redelivery counters are reset)."""
         outcome = self.outcome = Outcome(self.source, len(self._held))
         if before is not None and self._held:
             before([letter.message_id for letter in self.letters])
@@ -754,13 +748,10 @@ def _listed(value: Any) -> tuple[str, ...]:
 
 @dataclass
 class DeadLetters:
-    """The dead letters of one service, from every source it can reach: list, count, replay.
-
-    The one implementation of what `outbox-inbox dead-letters` and the dashboard do
-    (docs/cli.md, "dead-letters"); build it with `of(service)` or from the parts (`engine` and
-    `tables` for the table and outbox sources, `broker` for the broker queues, `service` for
-    ``<service>.dead_letter``). `replay`, `purge`, `park` and `run` append an audit record to
-    `audit_log=`, else `audit_trail.audit_log_path()`; `act`, the bare step under `run`, none.
+    """The dead letters of one service, from every source it can reach: the one implementation
+    of `outbox-inbox dead-letters` and the dashboard (docs/cli.md, "dead-letters"). Build it
+    with `of(service)` or from its parts. `replay`, `purge`, `park` and `run` append an audit
+    record to `audit_log=` (else `audit_trail.audit_log_path()`); `act`, the bare step, none.
     """
 
     engine: Engine | None = None
@@ -834,12 +825,8 @@ class DeadLetters:
             yield selections
 
     def count(self, sources: Iterable[str], filters: Filters = Filters()) -> dict[str, int]:
-        """How many dead letters of each source match `filters`.
-
-        Table sources are counted by one query (a topic pattern in `filters.types` is matched
-        row by row instead); a broker queue without filters by its depth, with filters by
-        reading it (and releasing every message again).
-        """
+        """How many dead letters of each source match `filters`: rows by one query (or one by
+        one for a topic pattern), a broker queue by its depth, or by reading it when filtered."""
         counts: dict[str, int] = {}
         for source in sources:
             if source in (TABLE, OUTBOX) and not any(_is_pattern(t) for t in filters.types):
@@ -864,10 +851,8 @@ class DeadLetters:
 
     def groups(self, *, parked: bool = False) -> list[Group]:
         """The dead rows of the table and outbox sources (`parked`: the parked rows) grouped
-        by fingerprint, largest first: one GROUP BY in the database, over the partial index of
-        the dead rows by fingerprint. The broker queues are not counted (a queue is read
-        message by message); their letters carry a fingerprint all the same, and a
-        ``Filters(fingerprint=...)`` selects them. StorageError when the database fails."""
+        by fingerprint, largest first, in one query; the broker queues' letters are not counted,
+        though ``Filters(fingerprint=...)`` selects them. StorageError when the database fails."""
         if self.engine is None or self.tables is None:
             raise ConfigurationError("dead-letter groups need a database")
         try:
@@ -905,13 +890,9 @@ class DeadLetters:
         pacer: Pacer | None = None,
         progress: Progress = lambda _n: None,
     ) -> Outcome:
-        """Replay or purge every letter of `selection` (see each source's replay and purge).
-
-        Writes no audit record: `run`, `replay` and `purge` do; a caller of `act` writes its
-        own (the dashboard does). A dead letter of ``<service>.dead_letter`` that died for too
-        many redeliveries would die again at its first redelivery: its redelivery counter is
-        reset (when a database is known) before it is replayed.
-        """
+        """Replay, purge or park every letter of `selection`, writing no audit record (its
+        caller does). A ``<service>.dead_letter`` letter has its redelivery counter reset (when a
+        database is known) before its replay, so that it does not die again at once."""
         pacer = pacer or Pacer(None)
         if action == PURGE:
             return selection.purge(pacer, progress)
@@ -942,12 +923,9 @@ class DeadLetters:
     ) -> ActionReport:
         """Replay, purge or park the open `selections` (selected, shown and confirmed by the
         caller), at most `rate` letters a second, and write the audit record to `audit_log`
-        (default: `audit_log_path()`, the CLI's file).
-
-        The record is written in every case: a dry run or an empty selection (nothing is
-        changed then), and an action that fails half-way (with its error, then raised on).
-        `source` and `filters` are what was asked, for the record; `command` names the asker
-        (default ``dead-letters <action>``). OSError when the record cannot be written.
+        (default `audit_log_path()`) in every case: a dry run, an empty selection, an action that
+        fails half-way (with its error, then raised on). `source`, `filters` and `command`
+        (default ``dead-letters <action>``) go on the record. OSError when it cannot be written.
         """
         if action not in ACTIONS:
             raise ConfigurationError(f"unknown action {action!r}: one of {ACTIONS}")

@@ -1,8 +1,7 @@
 """`outbox-inbox demo`: two services, orders and billing, shown as a timed trace.
 
-docs/cli.md (``demo``) says what the trace shows, and where the services keep their tables and
-how they talk without URLs and with them. The demo refuses, in one line, a broker where its
-inbox queues already have consumers (another demo running).
+docs/cli.md (``demo``) says what the trace shows, where the services keep their tables and how
+they talk, with URLs and without.
 """
 
 from __future__ import annotations

@@ -98,6 +98,13 @@ class InvalidPayload(Reject):
     dead_reason = "invalid_payload"
 
 
+class PayloadMissing(Reject):
+    """A payload sent by reference (the claim check) is not in a store known here, or does not
+    match its size and SHA-256: dead at once as ``payload_missing``, never retried."""
+
+    dead_reason = "payload_missing"
+
+
 class HandlerExited(OutboxInboxError):
     """A handler raised an exception that is not an `Exception` (``SystemExit`` from
     ``sys.exit()``, ``KeyboardInterrupt``, ``GeneratorExit``): a handler failure like any

@@ -1,11 +1,9 @@
 """Fault messages: what a service tells a command's sender when the command ended dead there.
 
-When the worker marks an inbox row dead it writes a fault into the receiving service's outbox
-in the same transaction, so the fault leaves if and only if the dead mark commits
-(docs/failures.md, "A fault back to the sender"). The fault is a command to the sender (the
-row's ``source``), routed ``<sender>.fault.<original routing key>`` so that the sender's own
-binding ``<sender>.#`` takes it; its JSON payload is a `Fault` (docs/wire-format.md). Events
-get one only with the ``event_faults`` setting; a fault never gets a fault of its own.
+Written in the transaction of the dead mark (docs/failures.md, "A fault back to the sender"), a
+fault is a command to the sender routed ``<sender>.fault.<original routing key>``, which the
+sender's own binding ``<sender>.#`` takes; its JSON payload is a `Fault` (docs/wire-format.md).
+Events get one only with ``event_faults``; a fault never gets a fault of its own.
 """
 
 from __future__ import annotations
@@ -77,14 +75,10 @@ def send_fault(
     events: bool,
 ) -> uuid.UUID | None:
     """Write the fault of the inbox row of `message`, dead for `reason`, into `outbox` in
-    `conn`'s transaction (never committed here); return its message id, or None if none.
-
-    None: an event while `events` is False, a fault itself, a row without a sender that can
-    be a service (a foreign client without ``app_id``: logged at debug), or a routing key
-    that cannot make a fault's (logged as a warning). Raises SQLAlchemyError when the
-    database refuses the write: the caller's transaction, and with it the dead mark, then
-    fails too.
-    """
+    `conn`'s transaction (never committed here); return its message id, or None when none is
+    due: an event while `events` is False, a fault itself, a sender that is no service, a
+    routing key that cannot make a fault's. Raises SQLAlchemyError when the database refuses
+    the write (the caller's transaction, and with it the dead mark, then fails too)."""
     kind, routing_key = message.kind, message.type
     if (kind == EVENT and not events) or (kind == COMMAND and is_fault(routing_key)):
         return None

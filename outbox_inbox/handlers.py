@@ -16,6 +16,7 @@ from sqlalchemy.sql import Executable
 from sqlalchemy.util import await_only
 from sqlalchemy.util.concurrency import in_greenlet
 
+from .claim_check import resolve
 from .config import Settings
 from .context import handling
 from .errors import ConfigurationError, HandlerExited
@@ -343,16 +344,9 @@ class Subscription:
         if self.payload_type is not None:
             payload = decode(payload, self.payload_type)  # InvalidPayload: dead at once
         typed = {"payload": payload} if self.payload_type is not None else {}
-        handler: Callable[..., Any] = self.handler
-        if not self.is_async:
-            if self.takes_context:
-                return handler(HandlerContext(message, session, payload, self._outbox), **typed)
-            return handler(message, session, **typed)
-        proxy = self._async_session(session)
-        if self.takes_context:
-            context = AsyncHandlerContext(message, proxy, payload, self._outbox)
-            return await_only(handler(context, **typed))
-        return await_only(handler(message, proxy, **typed))
+        kind = AsyncHandlerContext if self.is_async else HandlerContext
+        context = lambda s: kind(message, s, payload, self._outbox)  # noqa: E731
+        return self._invoke(message, session, context, typed)
 
     def call_batch(
         self, messages: Sequence[Message], session: Session, spans: Sequence[Span] = ()
@@ -375,17 +369,20 @@ class Subscription:
         if self.payload_type is not None:
             payloads = [decode(p, self.payload_type) for p in payloads]
         typed = {"payloads": payloads} if self.payload_type is not None else {}
-        handler: Callable[..., Any] = self.handler
-        if not self.is_async:
-            if self.takes_context:
-                context = BatchContext(messages, payloads, session, self._outbox, spans)
-                return handler(context, **typed)
-            return handler(list(messages), session, **typed)
-        proxy = self._async_session(session)
-        if self.takes_context:
-            async_context = AsyncBatchContext(messages, payloads, proxy, self._outbox, spans)
-            return await_only(handler(async_context, **typed))
-        return await_only(handler(list(messages), proxy, **typed))
+        kind = AsyncBatchContext if self.is_async else BatchContext
+        context = lambda s: kind(messages, payloads, s, self._outbox, spans)  # noqa: E731
+        return self._invoke(list(messages), session, context, typed)
+
+    def _invoke(
+        self, first: Any, session: Session, context: Callable[[Any], Any], typed: dict[str, Any]
+    ) -> Any:
+        """Call the handler with `first` (the message, or the list of a batch) and the session,
+        or with `context` of the session when it takes one; async: with an `AsyncSession`
+        over it, awaited in the worker's greenlet."""
+        given: Any = self._async_session(session) if self.is_async else session
+        args = (context(given),) if self.takes_context else (first, given)
+        result = self.handler(*args, **typed)
+        return await_only(result) if self.is_async else result
 
     def _async_session(self, session: Session) -> AsyncSession:
         if not in_greenlet():
@@ -432,6 +429,7 @@ class Calls:
         the current message. Raises what a handler raises."""
         started = time.perf_counter()
         try:
+            message = self.resolve(message)
             with handling(message), processing(self.tracer, self.service, message):
                 for subscription in subscriptions:
                     subscription.call(message, session)
@@ -445,11 +443,16 @@ class Calls:
         the time it ran. Raises what it raises (the worker then runs the messages one at a
         time, which tells each one's outcome)."""
         started = time.perf_counter()
+        messages = [self.resolve(m) for m in messages]
         with processing_batch(self.tracer, self.service, messages) as spans:
             subscription.call_batch(messages, session, spans)
         share = (time.perf_counter() - started) / len(messages)
         for message in messages:
             self._ran(message, share, None)
+
+    def resolve(self, message: Message) -> Message:
+        """`message` with the payload its reference names (`claim_check.resolve`)."""
+        return resolve(message, (self.settings.payload_store, *self.settings.payload_sources))
 
     def _ran(self, message: Message, seconds: float, error: Exception | None) -> None:
         if self.listener is not None:

@@ -66,23 +66,14 @@ class Instances:
         self, conn: Connection, rows: list[RowMapping], claimant: str
     ) -> list[tuple[RowMapping, str]]:
         """Decide the claimed `rows` no handler of this worker takes, in the batch's
-        transaction; return those to be dead (reason ``no_handler``), each with its error.
-
-        A row that a live instance of the service advertises a handler for (one seen within
-        ``no_handler_grace``: `roles.live_instances`) is given back uncounted, due again to
-        other workers at once and to this one after `roles.AWAY` (`roles.release_claims`):
-        still pending, so its key's later rows stay behind it. One warning per routing key
-        and version a minute says so.
-        """
+        transaction; return those to be dead (``no_handler``), each with its error. A row that
+        a live instance advertises a handler for (`roles.live_instances`) is given back
+        uncounted and still pending (`roles.release_claims`), so its key's later rows stay
+        behind it; one warning per routing key and version a minute says so."""
         if not rows:
             return []
-        live = (
-            []
-            if self._service is None
-            else roles.live_instances(
-                conn, self._tables, self._service, timedelta(seconds=self._grace)
-            )
-        )
+        grace, service = timedelta(seconds=self._grace), self._service
+        live = [] if service is None else roles.live_instances(conn, self._tables, service, grace)
         left: list[int] = []
         dead: list[tuple[RowMapping, str]] = []
         for row in rows:

@@ -39,6 +39,10 @@ H_CREATED = "x-created-at"
 H_EXPIRES = "x-expires-at"
 H_ATTEMPT = "x-attempt"
 H_ORIGINAL_ID = "x-original-message-id"
+#: The claim check (outbox_inbox.claim_check): the payload's reference ``<store>/<key>``, its
+#: size in bytes and its SHA-256 (hex); the body is then JSON null.
+H_PAYLOAD_REF, H_PAYLOAD_SIZE = "x-payload-ref", "x-payload-size"
+H_PAYLOAD_SHA256 = "x-payload-sha256"
 #: Kept in a stored row's headers: a received message's ``type`` property, when it is not its
 #: routing key (the routing key chooses the handler; ``type`` is informational).
 H_AMQP_TYPE = "x-amqp-type"
@@ -63,7 +67,7 @@ TRANSPORT_HEADERS = frozenset[str]().union(
 #: Every header the library owns.
 RESERVED_HEADERS = TRANSPORT_HEADERS.union(
     (H_KIND, H_VERSION, H_CAUSATION, H_KEY, H_TENANT, H_CREATED, H_EXPIRES),
-    (H_ATTEMPT, H_ORIGINAL_ID, H_AMQP_TYPE),
+    (H_ATTEMPT, H_ORIGINAL_ID, H_AMQP_TYPE, H_PAYLOAD_REF, H_PAYLOAD_SIZE, H_PAYLOAD_SHA256),
 )
 
 #: Namespace for turning a sender's non-UUID message id into the UUID the inbox keys on.

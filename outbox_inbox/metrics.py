@@ -111,12 +111,8 @@ def _families_of(registry: CollectorRegistry) -> _Families:
 
 
 class Metrics(Listener):
-    """The Prometheus metrics of one service: a `Listener` that counts and observes, and the
-    gauges read from its tables at each scrape. Built by `instrument`.
-
-    The hooks only increment counters and observe histograms (thread-safe, a microsecond or
-    two each).
-    """
+    """The Prometheus metrics of one service (built by `instrument`): a `Listener` whose hooks
+    only count and observe (thread-safe, a microsecond or two each), and scrape-time gauges."""
 
     forwarded_from_workers = True  # served by the service's own process
 
@@ -199,8 +195,7 @@ class Metrics(Listener):
     def forwarded_handler_ran(self, seconds: float) -> None:
         self._handler_duration.observe(seconds)
 
-    def forwarded_dead(self, reason: str, count: int) -> None:
-        self.dead(reason, count)
+    forwarded_dead = dead  # its values are plain data already
 
     # --- exposition -----------------------------------------------------------------------
 
@@ -213,11 +208,8 @@ class Metrics(Listener):
         return make_asgi_app(self.registry)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> MetricsServer:
-        """Serve this registry over HTTP at ``http://host:port/metrics`` from a daemon thread.
-
-        Port 0 picks a free port (`MetricsServer.port`). Raises OSError if the address cannot
-        be bound. Call `MetricsServer.close()` to stop.
-        """
+        """Serve this registry at ``http://host:port/metrics`` from a daemon thread until
+        `MetricsServer.close()`; port 0 picks a free port. OSError if it cannot be bound."""
         server, thread = start_http_server(port, addr=host, registry=self.registry)
         return MetricsServer(server, thread)
 
@@ -245,14 +237,9 @@ class MetricsServer:
 
 
 def instrument(service: Service, *, registry: CollectorRegistry | None = None) -> Metrics:
-    """Count `service`'s messages in `registry` and read its backlog gauges at each scrape.
-
-    The service's listener becomes the metrics plus the listener it had (both
-    hear every hook); call this before `start()`, `run()` or `run_<role>()`, which hand the
-    listener to the roles. `registry` defaults to prometheus_client's global one. Several
-    services may share a registry (each sample has a ``service`` label); one service name
-    twice in a registry raises ConfigurationError.
-    """
+    """Count `service`'s messages in `registry` (default: prometheus_client's global one) and
+    read its backlog gauges at each scrape; call it before the service starts its roles
+    (docs/observability.md). One service name twice in a registry raises ConfigurationError."""
     registry = REGISTRY if registry is None else registry
     families = _families_of(registry)
     families.state.watch(service.name, service.engine, service.tables)
@@ -291,12 +278,9 @@ _GAUGES = (
 
 
 class _StateCollector(Collector):
-    """Reads the backlog gauges of each watched service at scrape time.
-
-    One snapshot per service (repeatable read on PostgreSQL), with `operations.outbox_status` and
-    `operations.inbox_status`: the numbers `outbox-inbox status` shows. A database that cannot be
-    read gives ``outbox_inbox_state_up 0`` and no gauges for that service, and a warning.
-    """
+    """Reads the backlog gauges of each watched service at scrape time, in one snapshot: the
+    numbers `outbox-inbox status` shows. A database that cannot be read gives a warning,
+    ``outbox_inbox_state_up 0`` and no gauges for that service."""
 
     def __init__(self) -> None:
         self._watched: dict[str, tuple[Engine, Tables]] = {}
@@ -336,26 +320,21 @@ class _StateCollector(Collector):
 
     @staticmethod
     def _families() -> dict[str, GaugeMetricFamily]:
-        families = {
-            "state_up": GaugeMetricFamily(
-                f"{PREFIX}_state_up",
-                "1 if the last scrape could read the service's tables, else 0.",
-                labels=["service"],
-            )
+        described = [
+            ("state_up", "1 if the last scrape could read the service's tables, else 0.", ()),
+            *((name, doc, ()) for name, doc, _field in _GAUGES),
+            ("inbox_type_pending", "Inbox rows of the type waiting for a worker.", ("type",)),
+            ("inbox_cap_binding", "1 while a cap of the type holds back work, else 0.", ("type",)),
+            (
+                "inbox_tenant_pending",
+                "Inbox rows of the tenant waiting, for the 10 tenants with the most.",
+                ("tenant",),
+            ),
+        ]
+        return {
+            name: GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["service", *labels])
+            for name, doc, labels in described
         }
-        for name, doc, _field in _GAUGES:
-            families[name] = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["service"])
-        for name, doc in (
-            ("inbox_type_pending", "Inbox rows of the type waiting for a worker."),
-            ("inbox_cap_binding", "1 while a cap of the type holds back work, else 0."),
-        ):
-            families[name] = GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["service", "type"])
-        families["inbox_tenant_pending"] = GaugeMetricFamily(
-            f"{PREFIX}_inbox_tenant_pending",
-            "Inbox rows of the tenant waiting, for the 10 tenants with the most.",
-            labels=["service", "tenant"],
-        )
-        return families
 
 
 def _read_state(engine: Engine, tables: Tables) -> dict[str, Any] | None:

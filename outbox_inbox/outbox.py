@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 import uuid
 from collections.abc import Mapping
@@ -14,7 +15,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
-from .config import validate_service_name
+from .config import Settings, validate_service_name
 from .context import current_message
 from .errors import MessageError, storage_error
 from .messages import (
@@ -22,6 +23,9 @@ from .messages import (
     COMMANDS_EXCHANGE,
     EVENT,
     EVENTS_EXCHANGE,
+    H_PAYLOAD_REF,
+    H_PAYLOAD_SHA256,
+    H_PAYLOAD_SIZE,
     H_TENANT,
     check_headers,
     payload_json,
@@ -92,6 +96,12 @@ class Outbox:
     Raises `MessageError` for an invalid name, payload or header, `PayloadTooLarge` over the
     size limit, and `StorageError` if the database refuses the row.
 
+    `settings` gives the size limit (`max_payload_bytes`) and the claim check: with a
+    `payload_store`, a payload whose JSON is over `claim_check_bytes` (of its routing key in
+    `claim_check_types`; never over `max_payload_bytes`) is put there, before the row,
+    in the same transaction where the store can: the row carries a reference
+    (`claim_check`). StorageError when the store cannot be written: nothing falls back.
+
     With tracing on (`tracing`), each write is a ``create`` span, a child of the current span,
     whose W3C context the row's headers keep as ``traceparent`` / ``tracestate``.
 
@@ -107,12 +117,12 @@ class Outbox:
         service: str,
         tables: Tables,
         *,
-        max_payload_bytes: int,
+        settings: Settings,
         tracing: Tracing | None = None,
     ) -> None:
         self._service = validate_service_name(service)
         self._tables = tables
-        self._limit = max_payload_bytes
+        self._settings = settings  # max_payload_bytes and the claim check's
         self._tracing = tracing or Tracing(self._service)
 
     @property
@@ -181,29 +191,41 @@ class Outbox:
     ) -> uuid.UUID:
         # run_sync runs the one insert path (writer locks, the insert the NOTIFY trigger sees)
         # on the caller's async connection: each statement is awaited on the async driver.
-        try:
-            with creating(self._tracing, row):  # the span is current in the caller's task
-                await session.run_sync(roles.insert_outbox, self._tables, [row])
-        except SQLAlchemyError as exc:
-            raise storage_error(exc, "writing to the outbox") from exc
+        with creating(self._tracing, row):  # the span is current in the caller's task
+            await session.run_sync(self._write, row)
         return row["message_id"]  # type: ignore[no-any-return]
 
     def _insert(self, session: Session | Connection, row: dict[str, Any]) -> uuid.UUID:
+        with creating(self._tracing, row):  # nothing at all when tracing is off
+            self._write(session, row)
+        return row["message_id"]  # type: ignore[no-any-return]
+
+    def _write(self, session: Session | Connection, row: dict[str, Any]) -> None:
+        """Put the row's offloaded payload, then insert it: the one write of both paths."""
         try:
-            with creating(self._tracing, row):  # nothing at all when tracing is off
-                roles.insert_outbox(session, self._tables, [row])
+            if (offloaded := row.pop("offloaded", None)) is not None:
+                self._settings.payload_store.put(session, *offloaded)  # type: ignore[union-attr]
+            roles.insert_outbox(session, self._tables, [row])
         except SQLAlchemyError as exc:
             raise storage_error(exc, "writing to the outbox") from exc
-        return row["message_id"]  # type: ignore[no-any-return]
 
     def _row(
         self, kind: str, exchange: str, routing_key: str, payload: Any, options: WriteKeywords
     ) -> dict[str, Any]:
         """The checked outbox row of one message, with the ids of the message being handled."""
         payload = plain(payload)  # a dataclass or pydantic model: its fields
-        encoded = payload_json(payload, limit=self._limit)
+        s, store = self._settings, self._settings.payload_store
+        over = min(s.claim_check_types.get(routing_key, s.claim_check_bytes), s.max_payload_bytes)
+        encoded = payload_json(payload, limit=None if store else s.max_payload_bytes)
         o = WriteOptions(**options)
         clean_headers = check_headers(o.headers)
+        data = encoded.encode() if store and len(encoded) * 4 > over else b""
+        offloaded = None
+        if store and len(data) > over:  # the claim check: the payload goes by reference
+            payload, encoded, offloaded = None, "null", (str(uuid.uuid4()), data)
+            clean_headers[H_PAYLOAD_REF] = f"{store.name}/{offloaded[0]}"
+            clean_headers[H_PAYLOAD_SIZE] = len(data)
+            clean_headers[H_PAYLOAD_SHA256] = hashlib.sha256(data).hexdigest()
         for name in ("key", "tenant"):
             value = getattr(o, name)
             if value is not None and (not isinstance(value, str) or not value or len(value) > 255):
@@ -227,6 +249,8 @@ class Outbox:
             "ttl": _seconds(o.ttl, "ttl") if o.ttl is not None else None,
             "delay": _seconds(o.delay, "delay") if o.delay is not None else None,
         }
+        if offloaded:
+            row["offloaded"] = offloaded  # put by `_write`, before the row
         parent = current_message()
         if parent is not None:
             # The id its sender wrote (not the UUID the inbox derives from a foreign id), so

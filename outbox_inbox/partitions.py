@@ -77,6 +77,8 @@ class MaintenanceResult:
     pruned_deliveries: int = 0
     #: Rows of the instances table not seen for STALE_INSTANCE (workers that died) deleted.
     pruned_instances: int = 0
+    #: Payloads of the service's payload store past the retention removed (the claim check).
+    pruned_payloads: int = 0
     #: Another pass held the lock: this one did nothing.
     busy: bool = False
 

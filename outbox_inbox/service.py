@@ -113,12 +113,7 @@ class Service:
         self.tables: Tables = tables_for(url, self.settings.schema)
         self.handlers = Handlers()
         self.tracing = Tracing(self.name, tracer_provider)
-        self.outbox = Outbox(
-            self.name,
-            self.tables,
-            max_payload_bytes=self.settings.max_payload_bytes,
-            tracing=self.tracing,
-        )
+        self.outbox = Outbox(self.name, self.tables, settings=self.settings, tracing=self.tracing)
         self._engine = engine
         self._broker = broker
         self.listener = listener
@@ -371,28 +366,33 @@ class Service:
 
     def maintain(self) -> MaintenanceResult:
         """One maintenance pass of the time partitions (outbox_inbox.partitions): make them
-        ahead, export to ``archive_to`` and drop those past the ``retention``. What every role
+        ahead, export to ``archive_to`` and drop those past the ``retention``, and remove the
+        ``payload_store``'s payloads past it (on SQLite too, where no role runs it). What every role
         runs at its start and every ``maintenance_interval`` seconds; one pass at a time per
-        schema (another one running: this one returns ``busy``). Nothing to do on SQLite.
+        schema (another one running: this one returns ``busy``). No partitions on SQLite.
         Raises StorageError (a refused DDL statement: the service's role lacks the rights,
         docs/security.md)."""
         from .partitions import MaintenanceResult, Retention, maintain
 
-        if self.sqlite:
-            return MaintenanceResult()
-        s = self.settings
-        exporter = None
-        if s.archive_to:
-            from .archive import partition_exporter
+        s, result = self.settings, MaintenanceResult()
+        if not self.sqlite:
+            exporter = None
+            if s.archive_to:
+                from .archive import partition_exporter
 
-            exporter = partition_exporter(self.tables, self.name, s.archive_to)
-        return maintain(
-            self.engine,
-            self.tables,
-            interval=s.partition_interval,
-            retention=Retention(_seconds(s.retention), _seconds(s.dead_retention)),
-            exporter=exporter,
-        )
+                exporter = partition_exporter(self.tables, self.name, s.archive_to)
+            result = maintain(
+                self.engine,
+                self.tables,
+                interval=s.partition_interval,
+                retention=Retention(_seconds(s.retention), _seconds(s.dead_retention)),
+                exporter=exporter,
+            )
+        if s.payload_store is not None and s.retention is not None and not result.busy:
+            # The retention is at least the duplicate window (Settings): no copy of a message
+            # can still arrive without its payload.
+            result.pruned_payloads = s.payload_store.delete_older_than(s.retention)
+        return result
 
     def _maintain_quietly(self) -> None:
         """A maintenance pass of a running role: an unreachable database is the roles' own

@@ -130,14 +130,10 @@ def collect_status(
 
 
 def wakeup_status(engine: Engine, tables: Tables, listen_url: str | None) -> dict[str, Any]:
-    """How the roles of a service on `engine` are woken: ``notify`` or ``polling``.
-
-    Proves the path with the roles' own self-NOTIFY probe (outbox_inbox.waker): LISTEN on
-    `listen_url` (else the engine's URL), NOTIFY through `engine`. ``mode`` is ``notify`` when
-    the probe came back, ``polling`` when it did not (a pooler in transaction mode without
-    ``listen_url``), ``unknown`` when the database could not be asked, None on SQLite (no
-    NOTIFY: the roles poll). ``via`` says which setting the LISTEN path comes from.
-    """
+    """How the roles of a service on `engine` are woken, proven by their own self-NOTIFY probe
+    (outbox_inbox.waker) on `listen_url`, else the engine's URL: ``mode`` is ``notify``,
+    ``polling``, ``unknown`` (the database could not be asked) or None (SQLite: the roles poll);
+    ``via`` names the setting the LISTEN path comes from."""
     if engine.dialect.name != "postgresql":
         return {"mode": None, "via": None}
     channel = notify_channel(tables.schema or "", tables.outbox.name)
@@ -183,15 +179,9 @@ STALLED_AFTER = 60.0
 def problems(
     status: dict[str, Any], *, max_lag: float | None = None, max_dead: int | None = None
 ) -> list[str]:
-    """What makes `status` unhealthy under the thresholds given; empty when healthy.
-
-    Lag is the age of the oldest unpublished outbox row and of the oldest pending inbox row
-    (a message waiting for its retry counts: it is not handled yet). Whatever the thresholds,
-    the inbox is stalled, a problem, when rows have been claimable for longer than `max_lag`
-    (else STALLED_AFTER) while no row is in progress and none was handled in that time: no
-    worker has claimed for that long. A broker that could not be asked is a problem too, and so
-    is an inbox queue that is missing, or holds messages with no consumer (no receiver runs).
-    """
+    """What makes `status` unhealthy under the thresholds given, as docs/cli.md ("status")
+    lists it: lag, a stalled inbox (`_stalled`, even without thresholds), dead letters, the
+    broker, the inbox queue. Empty when healthy."""
     out = []
     if max_lag is not None:
         for part, field in (

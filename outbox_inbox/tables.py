@@ -15,6 +15,7 @@ from sqlalchemy import (
     Identity,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     SmallInteger,
     String,
@@ -66,6 +67,7 @@ class Tables:
     archive_files: Table
     instances: Table
     rate_counts: Table
+    payloads: Table
 
 
 def outbox_unsent(outbox: Table | Any) -> ColumnElement[bool]:
@@ -98,8 +100,18 @@ def build_tables(schema: str | None = "outbox_inbox") -> Tables:
         Column("bucket", BigInteger, primary_key=True, autoincrement=False),
         Column("claimed", Integer, nullable=False),
     )
+    # The PostgreSQL payload store's (outbox_inbox.claim_check): a payload sent by reference,
+    # written in the sender's transaction, removed after the retention.
+    payloads = Table(
+        "payloads",
+        metadata,
+        Column("key", String(255), primary_key=True),
+        Column("data", LargeBinary, nullable=False),
+        Column("created_at", _Time, nullable=False, server_default=func.now()),
+    )
     return Tables(
-        schema or "", metadata, outbox, inbox, deliveries, subscriptions, *tables, rate_counts
+        schema or "",
+        *(metadata, outbox, inbox, deliveries, subscriptions, *tables, rate_counts, payloads),
     )
 
 

@@ -130,12 +130,8 @@ def _extra_bindings(topology: Topology, actual: Mapping[str, set[tuple[str, str]
 def apply_topology(
     topology: Topology, broker: Broker, admin: Operator, api: ManagementAPI | None
 ) -> tuple[Plan, Plan]:
-    """Declare what is missing; return the plans before and after.
-
-    Refuses, declaring nothing, when an exchange or queue exists with other arguments
-    (TopologyMismatch): RabbitMQ cannot change them in place; the object must be drained and
-    deleted first.
-    """
+    """Declare what is missing; return the plans before and after. Raises TopologyMismatch,
+    declaring nothing, when an exchange or queue exists with other arguments."""
     before = check_topology(topology, admin, api)
     differs = [i for i in before.having(DIFFERS) if i.kind != "binding"]
     if differs:

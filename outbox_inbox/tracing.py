@@ -1,10 +1,7 @@
-"""OpenTelemetry spans of a service's messages, and their W3C trace context on the wire.
-
-docs/observability.md ("Traces") says how the context travels from the outbox write's
-``create`` span through the relay's ``send``, the receiver's ``receive`` and the worker's
-``process`` spans, and lists their attributes. Without a tracer provider `Tracing.tracer()` is
-None and the roles create no span and parse no header. A trace header that is missing or
-invalid only means a new trace; a tracing error is logged and never fails a message.
+"""OpenTelemetry spans of a service's messages, and their W3C trace context on the wire: the
+spans, their attributes and how the context travels are in docs/observability.md ("Traces").
+A missing or invalid trace header only means a new trace; a tracing error is logged and never
+fails a message.
 """
 
 from __future__ import annotations
@@ -112,11 +109,8 @@ def extract(headers: Mapping[str, Any]) -> Context:
 
 
 def creating(tracing: Tracing, row: dict[str, Any]) -> AbstractContextManager[None]:
-    """The ``create`` span of an outbox row being written: a child of the current span.
-
-    Puts the span's context into ``row["headers"]`` before the block runs. Nothing at all
-    when tracing is off.
-    """
+    """The ``create`` span of an outbox row being written, a child of the current span, its
+    context put into ``row["headers"]`` before the block runs. Nothing when tracing is off."""
     tracer = tracing.tracer()
     if tracer is None:
         return _NOTHING
@@ -241,10 +235,7 @@ def record_sends(
 
 
 def record_receives(
-    tracer: Tracer,
-    service: str,
-    rows: Sequence[tuple[Mapping[str, Any], bool]],
-    started_ns: int,
+    tracer: Tracer, service: str, rows: Sequence[tuple[Mapping[str, Any], bool]], started_ns: int
 ) -> None:
     """One ``receive`` span per stored delivery (row values, and whether it was a duplicate),
     from `started_ns` (when the batch's insert began) to now (after its commit)."""

@@ -98,19 +98,13 @@ def _where(conninfo: str) -> str:
 class Waker:
     """Waits until a NOTIFY arrives on `channel`, `timeout` passes, or `stop` is set.
 
-    Owns one autocommit connection (`conninfo`) used only for LISTEN; if it breaks, waiting
-    degrades to polling and the connection is opened again on the next wait. With `probe`
-    (an engine of the same database: the service's) the path is proven: a NOTIFY sent through
-    it must come back within `PROBE_TIMEOUT`, on connecting and after `PROBE_INTERVAL` without
-    one; else the waker takes its LISTEN back and polls. `setting` names, in the warning, what
-    the operator sets to fix a path that cannot deliver (``listen_url``). `listening` is True
-    once a probe came back, False while the waker polls because one did not, None before any
-    verdict.
-
-    With `helpers`, one waker of `channel` at a time in the database (`leading`: it holds a
-    session advisory lock on the channel's name) listens on `channel`; the others listen on
-    `helpers`, and try to take the lead every quarter second while they wait (docs/runbook.md,
-    "Only one worker listens at a time"). Not thread-safe: one per loop.
+    Owns one autocommit connection (`conninfo`) used only for LISTEN; while it is broken the
+    waker polls. With `probe` (an engine of the same database) a self-NOTIFY proves the path
+    (docs/runbook.md, "Connection poolers"): `listening` is True once one came back, False
+    while polling because one did not, None before a verdict; `setting` names what the warning
+    tells the operator to set. With `helpers`, one waker of `channel` leads (`leading`) and the
+    others listen on `helpers` (docs/runbook.md, "Only one worker listens at a time"). Not
+    thread-safe: one per loop.
     """
 
     def __init__(
@@ -345,14 +339,13 @@ def _take_lead(conn: psycopg.Connection[tuple[object, ...]], channel: str) -> bo
 
 def release_listen(conninfo: str, channel: str, pid: int, *, probe: Engine | None = None) -> bool:
     """UNLISTEN `channel` on the server connection of backend `pid`, behind the pooler at
-    `conninfo` (transaction mode); True once done or once that backend is gone.
+    `conninfo` (transaction mode); True once done or once that backend is gone (`probe`, an
+    engine of the same database, tells), else a warning and False.
 
-    A pooler in transaction mode gives each transaction an idle server connection of its
-    choosing (PgBouncer: the one used last), so the one that holds a registration is reached
-    by holding a transaction on each server it hands out that is not `pid`'s; a step given no
-    server within `RELEASE_WAIT` lets go of all of them, so that it never waits while holding.
-    `RELEASE_HOLD` and `RELEASE_TIMEOUT` bound it. `probe` (an engine of the same database)
-    tells whether backend `pid` still exists. Logs a warning when it gives up.
+    The pooler picks the server connection of each transaction, so `pid`'s is reached by
+    holding a transaction on each other one it hands out; a step given none within
+    `RELEASE_WAIT` lets go of all, so it never waits while holding. `RELEASE_HOLD` and
+    `RELEASE_TIMEOUT` bound it.
     """
     query = (
         sql.SQL("BEGIN; UNLISTEN {}; SELECT pg_backend_pid()")

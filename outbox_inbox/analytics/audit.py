@@ -1,12 +1,8 @@
 """The audit: a PySpark job that reconciles every service's sent messages with their receipts.
 
-Input: archive roots written by `outbox-inbox archive` (any path Spark reads: a local
-directory, ``hdfs://``, ``s3a://``), and optionally the live tables of service databases.
-Output: the summary described in docs/history.md (a JSON-ready dict).
-
-What is expected where, what is reported and how the job runs (DataFrame operations only, no
-Python UDFs: executors need nothing but Spark) are in docs/history.md, "The audit" and "How the
-job runs".
+It reads archive roots written by `outbox-inbox archive` (any path Spark reads) and optionally
+the live tables of service databases, and returns the summary of docs/history.md ("The audit";
+"How the job runs": DataFrame operations only, no Python UDFs).
 """
 
 from __future__ import annotations
@@ -86,14 +82,9 @@ def spark_session(
     config: Mapping[str, str] | None = None,
     log: Path | None = None,
 ) -> SparkSession:
-    """A SparkSession for the audit.
-
-    `master` None means: the master spark-submit configured, else ``local[*]``. A local master
-    gets a small shuffle width and no UI; a cluster's own configuration is left alone. The
-    session's time zone is UTC, so time buckets and dates do not depend on the host. With
-    `log`, Spark's own output (the JVM's start-up lines and later warnings) goes to that file,
-    not to this process's stderr.
-    """
+    """A SparkSession for the audit on `master`, else spark-submit's, else ``local[*]`` (no UI,
+    a small shuffle width; a cluster's configuration is left alone), in the UTC time zone. With
+    `log`, Spark's own output goes to that file, not to this process's stderr."""
     require_pyspark()
     from pyspark.sql import SparkSession
 
@@ -285,14 +276,10 @@ def run_audit(
     inputs: Mapping[str, Any] | None = None,
     window: Window | None = None,
 ) -> dict[str, Any]:
-    """Reconcile the message history; return the summary (docs/history.md).
-
-    With `window`, audit only the messages of that window (see `Window`): the result is the
-    full audit's restricted to those messages, as long as every receipt is within the window's
-    margin of its publication. Raises AuditError when a window's days are in no archive and
-    no live rows were given. Reads but never writes the archives. Raises pyspark's errors
-    when Spark fails.
-    """
+    """Reconcile the message history; return the summary (docs/history.md). With `window`,
+    only that window's messages (see `Window`). Reads but never writes the archives. Raises
+    AuditError when a window's days are in no archive and no live rows were given, pyspark's
+    errors when Spark fails."""
     now = now or datetime.now(UTC)
     horizon = now - grace
     outbox, inbox, subscriptions = _read_inputs(spark, archives, live, window)
@@ -817,29 +804,13 @@ class _Figures:
 
 
 _OUTBOX_USED = (
-    "service",
-    "message_id",
-    "kind",
-    "routing_key",
-    "created_at",
-    "published_at",
-    "expired_at",
+    "service", "message_id", "kind", "routing_key", "created_at", "published_at", "expired_at",
     "attempts",
-)
+)  # fmt: skip
 _INBOX_USED = (
-    "service",
-    "message_id",
-    "id",
-    "routing_key",
-    "status",
-    "received_at",
-    "processed_at",
-    "attempts",
-    "dead_reason",
-    "last_error",
-    "duplicates",
-    "archived_at",
-)
+    "service", "message_id", "id", "routing_key", "status", "received_at", "processed_at",
+    "attempts", "dead_reason", "last_error", "duplicates", "archived_at",
+)  # fmt: skip
 # Every count of the summary's ``totals``: the rows of the "a" groups in a state, or (None)
 # the sum of the column of that name.
 _TOTALS: dict[str, Callable[[Row], Any] | None] = {

@@ -61,17 +61,9 @@ SERVICE_COUNTS = ("sent", "received", "processed", "dead", "lost", "duplicates_a
 RETRY_COUNTS = ("messages", "retried_messages", "retries", "max_attempts")
 COUNTS = {*SERVICE_COUNTS, *RETRY_COUNTS, "count", "copies"}  # the numeric table columns
 HEADLINE = (  # the totals shown as tiles above the charts
-    "sent",
-    "expected_deliveries",
-    "delivered",
-    "lost",
-    "in_flight",
-    "duplicates_absorbed",
-    "handled_more_than_once",
-    "unexpected",
-    "dead",
-    "retries",
-)
+    "sent", "expected_deliveries", "delivered", "lost", "in_flight", "duplicates_absorbed",
+    "handled_more_than_once", "unexpected", "dead", "retries",
+)  # fmt: skip
 
 # Every chart shares one coordinate system (outbox_inbox.svgchart).
 DEAD_LETTER_LABEL_WIDTH = 330
@@ -138,14 +130,10 @@ def write_audit(
     verbose: bool = False,
     note: Callable[[str], None] = lambda _line: None,
 ) -> tuple[dict[str, Any], Path]:
-    """`audit.run_audit` of `archives` (relative paths from the current directory) and of
-    the live tables of `db_urls`, written as ``summary.json`` and ``report.html`` into
-    `directory` (created when missing); returns the summary and the directory. docs/history.md
-    ("The audit") says how it runs and what it raises; a live database that cannot be read
-    raises SQLAlchemy's error. With `warm`, and neither `master`, `config` nor spark-submit's
-    JVM, it runs on the local Spark Connect server; else on a session of its own, whose output
-    goes to ``one-shot.log`` in the server's state directory unless `verbose`. `note` gets the
-    line that says which."""
+    """`audit.run_audit` of `archives` and of the live tables of `db_urls`, written as
+    ``summary.json`` and ``report.html`` into `directory`; returns the summary and the directory.
+    How it runs (`warm`, `verbose`; `note` gets the line that says which) and what it raises:
+    docs/history.md, "The audit" and "A warm Spark between runs"."""
     roots = [p if "://" in p else str(Path(p).absolute()) for p in archives]
     check_archives(roots, window, live=bool(db_urls))
     require_pyspark()
@@ -199,14 +187,9 @@ def _one_shot(
 
 
 def render_html(summary: Mapping[str, Any]) -> str:
-    """Return the audit summary as a complete, self-contained HTML document.
-
-    `summary` follows the audit summary format, schema version 1; missing sections and keys
-    render as zero or empty, so a summary with all totals 0 and all lists empty is valid. The
-    verdict is derived from ``totals.lost`` and ``totals.handled_more_than_once``. Every
-    string from the summary is HTML-escaped. Pure function, safe to call from any thread.
-    Raises ValueError when ``schema_version`` is not 1 or a count is not a number.
-    """
+    """The audit summary (schema version 1) as a self-contained HTML page, every string
+    escaped; missing sections and keys render as zero or empty. Thread-safe. Raises ValueError
+    when ``schema_version`` is not 1 or a count is not a number."""
     version = summary.get("schema_version", SCHEMA_VERSION)
     if version != SCHEMA_VERSION:
         raise ValueError(f"audit summary schema_version {version!r} is not {SCHEMA_VERSION}")
@@ -418,10 +401,9 @@ def _throughput_chart(series: Sequence[Mapping[str, Any]], bucket_seconds: Any) 
 def _dead_letter_chart(causes: Sequence[Mapping[str, Any]]) -> str:
     causes = list(causes)[:10]  # the spec promises the top 10; more would not fit anyway
     if not causes:
-        height = 200
-        empty = svg_open("chart-dead-letters", height, "Dead letters by cause")
-        return f"{empty}{no_data(height)}</svg>"
-
+        return (
+            svg_open("chart-dead-letters", 200, "Dead letters by cause") + no_data(200) + "</svg>"
+        )
     top = PLOT_TOP + 6
     bottom = top + DEAD_LETTER_ROW_HEIGHT * len(causes)
     height = bottom + 44

@@ -1,10 +1,6 @@
 """The warm local Spark: a Spark Connect server that ``outbox-inbox audit`` starts on first use
-and later runs connect to, so that they do not each start a JVM.
-
-One server per state directory (`state_dir`): ``server.json`` (mode 0600) names its process,
-its JVM, its port and its token; ``server.log`` takes Spark's output; ``use.lock`` is held
-shared by an audit while it runs and touched when it ends. docs/history.md ("A warm Spark
-between runs") says how it listens, when it stops itself and how its JVM ends with it.
+and later runs connect to, one per state directory (`state_dir`). docs/history.md ("A warm
+Spark between runs") says what it keeps there, how it listens and when it stops itself.
 """
 
 from __future__ import annotations

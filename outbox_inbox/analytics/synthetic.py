@@ -443,12 +443,7 @@ def _ids(prefix: str, index: Any) -> Any:
 
 
 def _write(
-    root: Path,
-    source: str,
-    service: str,
-    columns: dict[str, Any],
-    dated_by: Any,
-    part: int,
+    root: Path, source: str, service: str, columns: dict[str, Any], dated_by: Any, part: int
 ) -> None:
     """Write `columns` as `source` files of `service` under `root`, one file per date."""
     schema = arrow_schema(source)

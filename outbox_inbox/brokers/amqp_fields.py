@@ -340,15 +340,10 @@ class LenientProperties(BasicProperties):  # type: ignore[misc]
 def forward_properties(
     message: WireMessage, added: Mapping[str, Any], *, max_size: int
 ) -> BasicProperties:
-    """The properties of a persistent copy of `message` with the `added` headers.
-
-    The copy keeps the message's properties (those in `KEPT_PROPERTIES` too) and headers,
-    and records where it was first delivered in ``x-original-exchange`` and
-    ``x-original-routing-key`` unless they are there already. When the encoded properties
-    would exceed `max_size` bytes (the frame they travel in), the original headers are
-    dropped: the copy carries the added and the original-route headers, and
-    ``x-dropped-headers`` saying how many bytes were dropped.
-    """
+    """The properties of a persistent copy of `message`: its properties (`KEPT_PROPERTIES` too)
+    and headers, where it was first delivered (``x-original-exchange``, ``-routing-key``) and
+    the `added` headers. Over `max_size` bytes (the frame), only the added and original-route
+    headers stay, with ``x-dropped-headers`` saying how many bytes were dropped."""
     headers = dict(message.headers)
     headers.setdefault(H_ORIGINAL_EXCHANGE, message.exchange)
     headers.setdefault(H_ORIGINAL_ROUTING_KEY, message.routing_key)

@@ -67,11 +67,9 @@ class RabbitMQAdmin(Operator):
 
     def flow_control(self, timeout: float = 1.0) -> str | None:
         """RabbitMQ blocks a connection only once it publishes, and then reads nothing more from
-        it. So this publishes, on a connection of its own, one empty message to the default
-        exchange (dropped: no queue has the probe's name), then a second, mandatory one: the
-        broker returns the second (``basic.return``, no route) only if it read on after the
-        first. The answer is the first of that return (None: not blocked, one round trip) or
-        ``connection.blocked`` (its reason); with neither within `timeout` seconds, None.
+        it. So this publishes, on a connection of its own, a dropped empty message, then a
+        mandatory one the broker returns (no route) only if it read on. None when that return
+        comes first, or nothing within `timeout` seconds; else ``connection.blocked``'s reason.
         Raises BrokerConnectionError if the broker cannot be reached.
         """
         connection = self._connect()

@@ -15,15 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import parse_qs
 
-from ..dead_letters import (
-    ACTIONS,
-    FILTER_FIELDS,
-    OUTBOX,
-    PARK,
-    TABLE,
-    Filters,
-    parse_message_id,
-)
+from ..dead_letters import ACTIONS, FILTER_FIELDS, OUTBOX, PARK, TABLE, Filters, parse_message_id
 from ..errors import ConfigurationError, OutboxInboxError
 from ..logsafe import mask_url
 from . import views

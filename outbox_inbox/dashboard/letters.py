@@ -97,15 +97,11 @@ def act(
     fingerprint: str | None = None,
     parked: bool = False,
 ) -> ActionResult:
-    """Replay, purge or park the dead letters `message_ids` of `source`, and write one audit
-    line. `fingerprint`: only those still of that dead-letter group; `parked`: the ids are
-    parked rows (park itself takes dead rows, of the table and outbox sources only).
-
-    The selection is made again here, by id: a letter replayed or purged by someone else in
-    the meantime is not found (reported as missing), never acted on twice. The action is
-    `DeadLetters.act`'s. The audit line is written even when the action fails half-way;
-    errors of the servers are returned in the result, not raised.
-    """
+    """Replay, purge or park (`DeadLetters.act`) the dead letters `message_ids` of `source`,
+    and write one audit line, even when the action fails half-way. `fingerprint`: only those
+    still of that group; `parked`: the ids are parked rows. The selection is made again, by id:
+    a letter acted on by someone else meanwhile is reported missing, never acted on twice.
+    Errors of the servers are returned in the result, not raised."""
     if action not in ACTIONS:
         raise ValueError(f"unknown action {action!r}")
     if not message_ids:

@@ -1,9 +1,5 @@
-"""Rates and the last hour's history from successive status snapshots: the dashboard asks
-nothing more of the database.
-
-Each status collected is remembered with its database time (at most one every `spacing`
-seconds, for `history` seconds). A rate is the change since the oldest snapshot of the last
-`window` seconds (at least `min_span` apart); a counter that went down (rows archived or
+"""Rates and the last hour's history from successive status snapshots (`RateTracker`): the
+dashboard asks nothing more of the database. A counter that went down (rows archived or
 purged) gives no rate rather than a wrong one.
 """
 
@@ -52,7 +48,8 @@ def sample_of(status: dict[str, Any]) -> Sample:
 
 
 class RateTracker:
-    """Snapshots per service; safe to use from several threads."""
+    """Snapshots per service (one every `spacing` seconds at most, kept `history` seconds); a
+    rate spans about `window` seconds. Safe to use from several threads."""
 
     def __init__(
         self,

@@ -1,10 +1,5 @@
-"""Who may use the dashboard and from where: the bind check, authentication, CSRF, Host.
-
-The rules are docs/dashboard.md ("Who can reach it"): loopback by default, and `check_bind`
-refuses any other address without a token; with one, every request carries it (Bearer, or
-Basic with the token as password), compared in constant time; without one, the ``Host`` must
-be a loopback name (DNS rebinding); every POST carries a CSRF token, an HMAC under a key made
-at start of a cookie the browser holds, and an ``Origin`` (when sent) equal to the dashboard's.
+"""Who may use the dashboard and from where: the bind check, authentication, CSRF, Host, by
+the rules of docs/dashboard.md ("Who can reach it"). Tokens are compared in constant time.
 """
 
 from __future__ import annotations

@@ -33,12 +33,7 @@ class _Handler(WSGIRequestHandler):
     def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
         path = self.path.split("?", 1)[0]
         log.info(
-            "%s %s %s %s",
-            self.address_string(),
-            self.command,
-            path,
-            code,
-            extra={"status": code},
+            "%s %s %s %s", self.address_string(), self.command, path, code, extra={"status": code}
         )
 
 

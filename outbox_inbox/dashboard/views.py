@@ -161,20 +161,9 @@ def health_badge(found: list[str]) -> Safe:
 
 
 OVERVIEW_HEADERS = (
-    "service",
-    "health",
-    "outbox unpublished",
-    "outbox lag",
-    "inbox pending",
-    "in progress",
-    "inbox lag",
-    "processed",
-    "dead",
-    "handled",
-    "new dead",
-    "backlog change",
-    "inbox queue",
-)
+    "service", "health", "outbox unpublished", "outbox lag", "inbox pending", "in progress",
+    "inbox lag", "processed", "dead", "handled", "new dead", "backlog change", "inbox queue",
+)  # fmt: skip
 
 
 def overview(entries: Sequence[Shown], charts: Safe, refresh: int | None) -> Safe:
@@ -262,18 +251,12 @@ def service_status(entry: Shown, charts: Safe) -> Safe:
     parts.append(charts)
     if inbox["by_type"]:
         parts.append(html("<h2>Inbox by type</h2>"))
-        parts.append(
-            table(
-                ["type", "pending", "in progress", "dead", "cap"],
-                (
-                    row(
-                        (t["type"], t["pending"], t["in_progress"], t["dead"], cap_shown(t)),
-                        {1, 2, 3},
-                    )
-                    for t in inbox["by_type"]
-                ),
-            )
+        per_type = (
+            (t["type"], t["pending"], t["in_progress"], t["dead"], cap_shown(t))
+            for t in inbox["by_type"]
         )
+        headers = ["type", "pending", "in progress", "dead", "cap"]
+        parts.append(table(headers, (row(c, {1, 2, 3}) for c in per_type)))
     if inbox["by_tenant"]:
         parts.append(html("<h2>Tenants waiting: {}</h2>", inbox["tenants_waiting"]))
         cells = ((t["tenant"], t["pending"], t["in_progress"]) for t in inbox["by_tenant"])
@@ -282,15 +265,11 @@ def service_status(entry: Shown, charts: Safe) -> Safe:
     parts.append(html("<h2>Held-back keys: {}</h2>", held["count"]))
     if held["keys"]:
         columns = ("key", "message_id", "type", "failures", "waiting", "next_attempt_at")
-        parts.append(
-            table(
-                ["key", "head message", "type", "failures", "waiting", "next attempt", "error"],
-                (
-                    row([*(k[c] for c in columns), k["last_error"] or ""], {3, 4})
-                    for k in held["keys"]
-                ),
-            )
+        headers = ["key", "head message", "type", "failures", "waiting", "next attempt", "error"]
+        rows = (
+            row([*(k[c] for c in columns), k["last_error"] or ""], {3, 4}) for k in held["keys"]
         )
+        parts.append(table(headers, rows))
     broker = status.get("broker")
     if broker is not None:
         parts.append(html("<h2>Queues</h2>"))
@@ -388,16 +367,12 @@ def _groups_table(name: str, groups: list[Group], parked: bool) -> Safe:
     if not groups:
         return html("<p>No dead letters in the table or the outbox.</p>")
     actions = ("replay", "purge") if parked else ("replay", "purge", "park")
+    flag = "1" if parked else None
     rows = []
     for g in groups:
         links = join(
             _confirm_button(
-                f"{action.capitalize()} ({source})",
-                name,
-                source,
-                action,
-                group=g.id,
-                parked="1" if parked else None,
+                f"{action.capitalize()} ({source})", name, source, action, group=g.id, parked=flag
             )
             for source in g.sources
             for action in actions

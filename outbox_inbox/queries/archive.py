@@ -13,6 +13,7 @@ from sqlalchemy import Connection, Table, and_, delete, exists, func, insert, or
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.sql.elements import ColumnElement
 
+from ..clock import db_age
 from ..tables import DEAD, PROCESSED, Tables
 from .operations import dead_since, forget_deliveries
 
@@ -152,6 +153,12 @@ def prune_deliveries(conn: Connection, tables: Tables, cutoff: datetime) -> int:
         d.c.last_seen_at < cutoff, ~exists().where(i.c.message_id == d.c.message_id)
     )
     return int(conn.execute(stmt).rowcount or 0)
+
+
+def prune_payloads(conn: Connection, tables: Tables, seconds: float) -> int:
+    """Delete the payloads stored more than `seconds` ago (database clock); how many."""
+    p = tables.payloads
+    return int(conn.execute(delete(p).where(db_age(p.c.created_at) > seconds)).rowcount or 0)
 
 
 def prune_instances(conn: Connection, tables: Tables, cutoff: datetime) -> int:

@@ -33,6 +33,7 @@ from sqlalchemy import (
     event,
     exists,
     func,
+    insert,
     literal,
     literal_column,
     null,
@@ -212,6 +213,17 @@ def _insert_outbox_statement(tables: Tables, postgres: bool) -> Any:
             values[name] = cast(bindparam(name, type_=Text), JSONB)
     # inline(): no RETURNING of the new id, which nobody reads.
     return tables.outbox.insert().values(**values).inline()
+
+
+def insert_payload(executor: Executor, tables: Tables, key: str, data: bytes) -> None:
+    """Store a payload sent by reference (the claim check) in the caller's transaction."""
+    executor.execute(insert(tables.payloads).values(key=key, data=data))
+
+
+def read_payload(conn: Connection, tables: Tables, key: str) -> bytes | None:
+    """The payload stored under `key`, or None."""
+    p = tables.payloads
+    return conn.execute(select(p.c.data).where(p.c.key == key)).scalar()
 
 
 def claim_outbox(conn: Connection, tables: Tables, limit: int) -> list[RowMapping]:

@@ -1,12 +1,8 @@
 """Test helpers: run a service's handlers in a test, in memory or on real servers.
 
-A `ServiceHarness` drives one `Service` (on ``broker=MemoryBroker()``, or on RabbitMQ) one step
-at a time in the calling thread, through the code paths the real roles run; harnesses on one
-`MemoryBroker` talk to each other (`run_all_until_idle`). The pytest fixtures at the end of this
-module (entry point ``pytest11``; ``-p no:outbox_inbox`` disables them) and the switch to real
-servers (``OUTBOX_INBOX_HARNESS_DB_URL``, ``OUTBOX_INBOX_HARNESS_MQ_URL``) are described in
-docs/testing.md. The broker contract of `outbox_inbox.testing.broker_contract` tests a broker
-itself.
+A `ServiceHarness` drives one `Service` one step at a time in the calling thread, through the
+code paths the real roles run. The pytest fixtures at the end of this module (entry point
+``pytest11``) and the switch to real servers are described in docs/testing.md.
 """
 
 from __future__ import annotations
@@ -117,21 +113,13 @@ class InboxRow:
 
 
 class ServiceHarness:
-    """Drives one `Service` on a `MemoryBroker` step by step, in the calling thread.
+    """Drives one `Service` on a `MemoryBroker` (or RabbitMQ) step by step, in the calling thread.
 
-    ``ServiceHarness(service)`` declares the service's topology on its broker and, unless
-    ``migrate=False``, applies the migrations to its database (a no-op when they are applied).
-    The service's business tables are the caller's to create. Handlers may be registered
-    before or after the harness is built (the topology is declared again at each `deliver`
-    and `run_until_idle`).
-
-    Raises ConfigurationError for the process's shared in-memory broker (``mq_url=None``),
-    which would carry messages from one test to the next; and on RabbitMQ, when the service's
-    inbox queue has a consumer or one of its queues holds messages (a running service's). It
-    never purges a queue.
-
-    Not thread-safe; the service must not be started (it would run competing roles). `close()`
-    (also at the end of a ``with`` block) leaves the service and the broker open: the caller's.
+    Declares the service's topology and, unless ``migrate=False``, migrates its database (its
+    business tables are the caller's). Raises ConfigurationError for the process's shared
+    in-memory broker, and on RabbitMQ for a running service's queues (docs/testing.md); it never
+    purges a queue. Not thread-safe; the service must not be started. `close()` leaves the
+    service and the broker open.
     """
 
     def __init__(self, service: Service, *, migrate: bool = True) -> None:
@@ -215,21 +203,14 @@ class ServiceHarness:
     ) -> uuid.UUID:
         """Send one message to this service through the broker and store it in its inbox.
 
-        `type` is the full routing key: ``billing.invoice.create`` for a command to
-        ``billing``, ``orders.order.placed`` for an event. The message is encoded as the relay
-        encodes outbox rows, published to the ``commands`` or ``events`` exchange (by `kind`)
-        and taken from ``<service>.inbox`` by the service's receiver, which stores it (a
-        `message_id` already stored is dropped as a duplicate, as in production). Handlers do
-        not run: call `run_until_idle`. `correlation_id` defaults to the message id, as for a
-        message written outside a handler. `source` is the sending service (the message's
-        ``app_id``); None, the default, is a sender that is no service, as a plain AMQP
-        client: a message that dies then sends no fault. Name a service to see the fault its
-        death sends back (`published`, type ``<source>.fault.<type>``).
+        `type` is the full routing key; `kind` picks the ``commands`` or ``events`` exchange.
+        The receiver stores it as in production (a stored `message_id` is dropped as a
+        duplicate); handlers run at `run_until_idle`. `correlation_id` defaults to the message
+        id; `source` names the sending service (None: a plain AMQP client, which gets no fault).
 
-        Returns the id the inbox keys the message on (`message_id` itself when it is a UUID).
-        Raises NotDelivered when the broker would not route the message to this service (a
-        command for another service, an event no handler subscribes to) or the receiver did
-        not store it; MessageError for a payload or headers that cannot be sent.
+        Returns the id the inbox keys the message on. Raises NotDelivered when the broker would
+        not route the message here or the receiver did not store it; MessageError for a payload
+        or headers that cannot be sent.
         """
         name = self.service.name
         self.service.declare_topology()  # picks up handlers registered since (idempotent)
@@ -297,11 +278,9 @@ class ServiceHarness:
         return self.inbox_row(message_id)
 
     def relay(self) -> int:
-        """Publish every due outbox row to the broker (`Relay.relay_once` until none is left).
-
-        Returns the rows claimed. Commands to services without a queue go to the broker's
-        ``unroutable`` queue, as on RabbitMQ; events nobody subscribes to are dropped.
-        """
+        """Publish every due outbox row (`Relay.relay_once` until none is left); return the rows
+        claimed. As on RabbitMQ, a command no queue takes goes to ``unroutable``, an event nobody
+        subscribes to is dropped."""
         return sum(iter(self._relay.relay_once, 0))
 
     def receive(self) -> int:
@@ -383,27 +362,17 @@ class ServiceHarness:
         return sum(self.broker.queue_depth(delay_queue(self.service.name, t)) or 0 for t in tiers)
 
     def run_until_idle(self, *, timeout: float = DEFAULT_TIMEOUT, skip_delays: bool = True) -> int:
-        """Run steps until nothing is due; return the handling attempts made.
-
-        Idle means: no outbox row to relay, nothing in the inbox queue or its delay tiers, no
-        inbox row due. With `skip_delays` (the default) retry backoff is fast-forwarded (see
-        `skip_delays`), so a failing message is retried until it is processed or dead; without
-        it, rows waiting for a retry are left waiting. Raises HarnessTimeout after `timeout`
-        seconds of continuous work (handlers that keep sending each other messages).
-        """
+        """Run relay, receiver and worker until nothing is due (no outbox row to relay, nothing
+        in the inbox queue or its delay tiers, no inbox row due); return the handling attempts
+        made. `skip_delays`: fast-forward retry backoff (`skip_delays`). Raises HarnessTimeout
+        after `timeout` seconds of continuous work."""
         return run_all_until_idle(self, timeout=timeout, skip_delays=skip_delays)
 
     def published(
-        self,
-        type: str | None = None,
-        *,
-        kind: str | None = None,
+        self, type: str | None = None, *, kind: str | None = None
     ) -> list[PublishedMessage]:
-        """Messages the service wrote to its outbox, in the order written, sent or not.
-
-        `type` filters by routing key (``orders.order.placed``; topic patterns such as
-        ``orders.#`` work too); `kind` by ``command`` / ``event``.
-        """
+        """Messages the service wrote to its outbox, in the order written, sent or not; `type`
+        filters by routing key or topic pattern (``orders.#``), `kind` by command or event."""
         o = self.service.tables.outbox
         with self.service.engine.connect() as conn:
             rows = conn.execute(select(o).order_by(o.c.id)).mappings().all()
@@ -455,12 +424,8 @@ class ServiceHarness:
 def run_all_until_idle(
     *harnesses: ServiceHarness, timeout: float = DEFAULT_TIMEOUT, skip_delays: bool = True
 ) -> int:
-    """Run steps of every harness, in turn, until none has anything due (see
-    `ServiceHarness.run_until_idle`); return the handling attempts made.
-
-    Give it the harnesses of services that share one `MemoryBroker` to run a conversation
-    between them to its end. Raises HarnessTimeout after `timeout` seconds.
-    """
+    """`ServiceHarness.run_until_idle` of every harness, in turn, until none has anything due:
+    a conversation between services on one broker, run to its end."""
     if not harnesses:
         raise ConfigurationError("run_all_until_idle needs at least one harness")
     for harness in harnesses:  # bind the events of handlers registered since (idempotent)
@@ -578,14 +543,10 @@ if TYPE_CHECKING or importlib.util.find_spec("pytest") is not None:
     def outbox_inbox_harness(
         outbox_inbox_db_url_factory: Callable[[], str], outbox_inbox_broker: Broker
     ) -> Iterator[Callable[..., ServiceHarness]]:
-        """A factory of migrated `ServiceHarness` objects, all on this test's broker.
-
-        ``outbox_inbox_harness(build)`` calls ``build(db_url=<a new database>,
-        broker=<the test's MemoryBroker>)`` and wraps the `Service` it returns; the service is
-        closed after the test. ``outbox_inbox_harness(service)`` wraps a service you built (on
-        any `MemoryBroker`) and leaves closing it to you. Keyword arguments go to
-        `ServiceHarness`. Harnesses are closed after the test.
-        """
+        """A factory of migrated `ServiceHarness` objects on this test's broker, closed after
+        the test (docs/testing.md, "The pytest fixtures"): ``(build)`` calls ``build(db_url=,
+        broker=)`` and closes the service it returns; ``(service)`` leaves closing it to you.
+        Keyword arguments go to `ServiceHarness`."""
         with contextlib.ExitStack() as closed_after:
 
             def make(service: ServiceOrBuilder, **options: Any) -> ServiceHarness:

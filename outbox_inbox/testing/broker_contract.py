@@ -1,13 +1,9 @@
-"""The broker contract: what a `Broker` must do for the relay, receiver and worker to keep
-their guarantees, and what its `Operator` (`Broker.operator`) must do for the operator's
-commands, as a pytest suite that ships with the library.
+"""The broker contract: what a `Broker` and its `Operator` must do for the library to keep its
+guarantees, and nothing more than its topology declares, as a pytest suite shipped with it.
 
-It asks for what the library's topology (`outbox_inbox.topology.service_topology`) declares and
-nothing more. Subclass `BrokerContract` with a ``broker`` fixture (a fresh broker, or a fresh
-virtual host, per test) and list what your broker cannot do in `unsupported`: docs/testing.md,
-"Testing a broker", shows one and says what each capability covers. Where RabbitMQ and another
-broker could differ, RabbitMQ is the reference. Names carry a random service name, so the suite
-also runs against a shared server.
+Subclass `BrokerContract` with a ``broker`` fixture (a fresh broker, or virtual host, per test)
+and list what your broker cannot do in `unsupported` (docs/testing.md, "Testing a broker").
+RabbitMQ is the reference. Names carry a random service name: the suite runs on a shared server.
 """
 
 from __future__ import annotations

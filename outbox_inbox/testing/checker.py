@@ -1,16 +1,9 @@
 """The checker of a faulty run: what was committed against what took effect, message by message.
 
-In the style of the queue checkers of Jepsen's RabbitMQ suite. A run writes business
-transactions while faults are injected and records, for each transaction, the effects it
-expects downstream and what its commit answered (a `History`); at the end `check` sorts every
-expected and every found effect into a `Verdict`: committed, lost, duplicated, recovered,
-unexpected and unknown, with each fault's recovery time; docs/testing.md ("The checker") says
-what each means, and when a run is valid or refused (a fault that did not overlap the load).
-
-Effects are any hashable values the caller chooses (an order id, ``("invoice", 7)``): a
-transaction names the ones it expects, the effect reader yields one per effect row, so a row
-written twice is yielded twice. Nothing here touches a server: the fault kit
-(`outbox_inbox.testing.faultkit`) records the history and reads the effects.
+A `History` records each transaction's expected effects (any hashable values) and what its
+commit answered; `check` sorts every expected and found effect (a row written twice is found
+twice) into a `Verdict`, as docs/testing.md ("The checker") says. Nothing here touches a server:
+the fault kit (`outbox_inbox.testing.faultkit`) records the history and reads the effects.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """The fault kit: your own service, handlers and schema under the faults of production.
 
-A `FaultKit` runs your service's roles as processes of their own on private servers (a
-PostgreSQL and a RabbitMQ it is given), commits business transactions of yours at a steady rate
-(`FaultKit.load`), injects faults by name (`FaultKit.inject`, `FAULTS`), measures how long after
-each fault everything committed by its end took effect (`Fault.recovered_s`), and checks the
-outcome against your own effect table with `outbox_inbox.testing.checker`. ``kill`` with ``at=``
-needs no sleep to hit its window: the role process SIGKILLs itself the n-th time it reaches that
-point (`KILL_POINTS`, through the `Listener` hooks). docs/testing.md ("Your service under
-faults") shows a whole test and describes the roles, the load, each fault and the fixtures.
+A `FaultKit` runs your service's roles as processes of their own on private servers, commits
+your business transactions at a steady rate (`FaultKit.load`), injects faults by name
+(`FaultKit.inject`, `FAULTS`; ``kill`` at one of the `KILL_POINTS`) and checks the outcome with
+`outbox_inbox.testing.checker`. docs/testing.md ("Your service under faults") shows a whole test
+and describes the roles, the load, each fault and the fixtures.
 """
 
 from __future__ import annotations

@@ -49,13 +49,10 @@ def _pg_ctl(server: PostgresServer, *args: str) -> None:
 
 
 class StreamingReplica(PostgresServer):
-    """A hot standby of `primary` (a running local server), on a port and directory of its own.
-
-    Its first `start()` copies the primary with ``pg_basebackup -R`` (which writes
-    ``standby.signal`` and ``primary_conninfo``) as the server's user, then streams the
-    primary's WAL as walreceiver ``cluster_name`` `name` (what ``synchronous_standby_names``
-    names). `promote()` fails over to it; `cleanup()` removes it like any PostgresServer.
-    """
+    """A hot standby of `primary` (a running local server), on a port and directory of its own:
+    its first `start()` copies the primary (``pg_basebackup -R``), then it streams the primary's
+    WAL as ``cluster_name`` `name` (what ``synchronous_standby_names`` names). `promote()` fails
+    over to it; `cleanup()` removes it like any PostgresServer."""
 
     def __init__(self, primary: PostgresServer, name: str = "replica") -> None:
         # Reconnect to a primary back from a restart in 0.2 s, not 5: commits wait for it.
@@ -138,12 +135,10 @@ class SmallDisk:
 
 @contextlib.contextmanager
 def tablespace_on_tmpfs(server: PostgresServer, size_mb: int) -> Iterator[SmallDisk]:
-    """A tablespace on a tmpfs of `size_mb` MB of its own, in the server's temp directory and
-    owned by its OS user, for the duration of the block.
-
-    Raises `MountRefused` before anything is changed when the tmpfs cannot be mounted. At the
-    end the databases that hold something there are dropped (``WITH (FORCE)``: they cannot
-    outlive their disk), then the tablespace, and the tmpfs is unmounted."""
+    """A tablespace on a tmpfs of `size_mb` MB of its own, owned by the server's OS user, for the
+    block; `MountRefused`, before anything changes, when the tmpfs cannot be mounted. At the end
+    the databases that hold something there are dropped (they cannot outlive their disk), then
+    the tablespace, and the tmpfs is unmounted."""
     if os.geteuid() != 0:
         raise MountRefused("mounting a tmpfs needs root")
     assert server.temp_dir is not None

@@ -1,16 +1,14 @@
 """A test tool: private PostgreSQL and RabbitMQ servers on loopback, for tests and benchmarks.
 
-Not part of the runtime library: a service never imports this. Tests, benchmarks and scripts
-start throwaway servers with it (plain Python, no pytest); nothing is shared with a system
-installation, and nothing outlives the Python process that started it.
+Not part of the runtime library: tests, benchmarks and scripts start throwaway servers with it
+(plain Python, no pytest); nothing is shared with a system installation, and nothing outlives
+the Python process that started it.
 
-What it needs: the PostgreSQL 15 server binaries (``initdb``, ``postgres``; directory
-``OUTBOX_INBOX_PG_BIN_DIR``, default ``/usr/lib/postgresql/15/bin``) and RabbitMQ's scripts
-(``rabbitmq-server``, ``rabbitmqctl``; ``OUTBOX_INBOX_RABBITMQ_SBIN_DIR``, default
-``/usr/lib/rabbitmq/bin``), as Debian's ``postgresql-15`` and ``rabbitmq-server`` packages
-install them. A missing binary makes ``start()`` raise :class:`ServerError` naming it; a server
-that does not come up raises :class:`ServerError` with the tail of its log, after everything
-started so far was killed and removed.
+It needs the PostgreSQL 15 server binaries (``OUTBOX_INBOX_PG_BIN_DIR``, default
+``/usr/lib/postgresql/15/bin``) and RabbitMQ's scripts (``OUTBOX_INBOX_RABBITMQ_SBIN_DIR``,
+default ``/usr/lib/rabbitmq/bin``), as Debian's ``postgresql-15`` and ``rabbitmq-server``
+install them. ``start()`` raises :class:`ServerError` naming a missing binary, or with the tail
+of the log of a server that does not come up (everything it started killed and removed).
 
 Example::
 
@@ -21,15 +19,11 @@ Example::
         pg.create_database("app")
         service = Service("app", db_url=pg.url("app"), mq_url=mq.url)
 
-On both local servers ``stop()`` / ``start()`` keep the data, the name and the ports, so tests
-can take a server away and bring it back (durable queues and persistent messages survive), and
-``kill()`` (SIGKILL) simulates a crash. :class:`ExternalPostgres` / :class:`ExternalRabbitMQ`
-wrap servers someone else runs: the same interface, but they cannot be stopped and restarted.
-
-Every process started here is killed by ``cleanup()`` (also when ``start()`` fails halfway), by an
-``atexit`` hook for servers nobody cleaned up, and, should the Python process itself die without
-running either, by a small watchdog process that SIGKILLs the process groups it was told about
-once its stdin pipe from us closes.
+On both local servers ``stop()`` / ``start()`` keep the data, the name and the ports (durable
+queues and persistent messages survive), and ``kill()`` (SIGKILL) simulates a crash.
+:class:`ExternalPostgres` / :class:`ExternalRabbitMQ` wrap servers someone else runs: the same
+interface, without restarts. Every process started here is killed by ``cleanup()``, by an
+``atexit`` hook, or by a watchdog process should the Python process die without either.
 """
 
 from __future__ import annotations
@@ -753,13 +747,9 @@ class ExternalPostgres(_External, _Databases):
 
 
 class RabbitMQServer(_LocalServer):
-    """A private RabbitMQ node (Debian's ``rabbitmq-server``) on 127.0.0.1 and free ports.
-
-    Everything of the node lives in one temporary directory: ``HOME`` (with the Erlang cookie),
-    ``mnesia/`` (data), ``log/``, the config, the plugin list, and the output of the start
-    script in ``rabbitmq-server.out``. It uses its own epmd on a free port, started and killed
-    here, so parallel runs never share one. With ``management=True`` (the default) the
-    management plugin listens on 127.0.0.1 and a free port: ``management_url``.
+    """A private RabbitMQ node (Debian's ``rabbitmq-server``) on 127.0.0.1 and free ports, all
+    of it (home, data, logs, config) in one temporary directory, with an epmd of its own. With
+    ``management=True`` (the default) the management plugin listens too: ``management_url``.
     """
 
     _kind = "RabbitMQ"
@@ -1006,10 +996,6 @@ class RabbitMQServer(_LocalServer):
         result = self.eval("mnesia:sync_log().")
         if result != "ok":
             raise ServerError(f"mnesia:sync_log() returned {result}")
-
-    def list_vhosts(self) -> list[str]:
-        out = self.eval("[binary_to_list(V) || V <- rabbit_vhost:list_names()].")
-        return re.findall(r'"((?:[^"\\]|\\.)*)"', out)
 
     def __repr__(self) -> str:
         return (

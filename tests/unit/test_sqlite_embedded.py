@@ -144,3 +144,38 @@ def test_two_worker_threads_on_sqlite_handle_each_message_once(tmp_path: Path) -
             )
         assert count == 200
         svc.close()
+
+
+def test_the_claim_check_works_on_sqlite_with_both_stores(tmp_path: Path) -> None:
+    """Development mode: the database store in the SQLite file, and a directory store."""
+    from outbox_inbox.claim_check import DirectoryPayloadStore, PostgresPayloadStore
+
+    (tmp_path / "payloads").mkdir()
+    directory = DirectoryPayloadStore("files", str(tmp_path / "payloads"))
+    with MemoryBroker() as broker:
+        orders = _service(
+            "orders", tmp_path / "o.db", broker, payload_store=PostgresPayloadStore("orders")
+        )
+        files = _service("files", tmp_path / "f.db", broker, payload_store=directory)
+        sources = (PostgresPayloadStore("orders", db_url=f"sqlite:///{tmp_path / 'o.db'}"),)
+        billing = _service(
+            "billing", tmp_path / "b.db", broker, payload_sources=(*sources, directory)
+        )
+        got: list[int] = []
+        billing.on_command("blob.store")(lambda m, s: got.append(len(m.payload["blob"])))
+        billing.start()
+        try:
+            for sender in (orders, files):
+                with sender.session() as session, session.begin():
+                    sender.outbox.send(session, "billing", "blob.store", {"blob": "x" * 100_000})
+                sender.start(workers=0)
+            wait_until(lambda: len(got) == 2, timeout=20)
+        finally:
+            for service in (orders, files, billing):
+                service.stop()
+        assert got == [100_000, 100_000]
+        with orders.engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM payloads")).scalar() == 1
+        assert len(list((tmp_path / "payloads").iterdir())) == 1
+        for service in (orders, files, billing):
+            service.close()

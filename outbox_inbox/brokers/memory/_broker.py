@@ -71,11 +71,8 @@ class MemoryBroker:
             return MemoryPublisher(self._core)
 
     def consumer(self, queue: str, *, prefetch: int) -> MemoryConsumer:
-        """A consumer of `queue` with at most `prefetch` unacknowledged deliveries (0: no limit).
-
-        Like a RabbitMQ consumer it starts consuming at its first `fetch`, which raises
-        BrokerError if the queue does not exist.
-        """
+        """A consumer of `queue` with at most `prefetch` unacknowledged deliveries (0: no limit),
+        consuming from its first `fetch` on, which raises BrokerError for a missing queue."""
         with self._core.open():
             return MemoryConsumer(self._core, queue, prefetch=prefetch)
 
