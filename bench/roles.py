@@ -57,6 +57,7 @@ def broker_layer(ctx: Context) -> None:
                     raise BenchError(f"library publisher: {len(bad)} not confirmed: {bad[0]}")
     finally:
         publisher.close()
+        broker.close()  # the publisher pool's connection
     ctx.record(
         Figure(
             "e'",

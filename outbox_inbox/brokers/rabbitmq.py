@@ -66,6 +66,7 @@ for _name in (
     "pika.adapters.utils.connection_workflow",
     "pika.adapters.utils.io_services_utils",
     "pika.adapters.blocking_connection",
+    "pika.adapters.base_connection",  # e.g. an idle pooled connection found closed
 ):
     logging.getLogger(_name).addFilter(_AtDebug())
 # pika.connection's line for those two frames.
@@ -741,8 +742,6 @@ class _PublisherPool:
     """
 
     def __init__(self, broker: RabbitMQBroker, size: int, timeout: float) -> None:
-        if size < 1 or timeout <= 0:
-            raise ConfigurationError("publisher_connections and the checkout timeout must be > 0")
         self._broker, self.size, self._timeout = broker, size, timeout
         self._slots = threading.BoundedSemaphore(size)
         self._lock = threading.Lock()
@@ -770,8 +769,7 @@ class _PublisherPool:
                     publisher = self._free.pop() if self._free else None
                 if publisher is None:
                     publisher = RabbitMQPublisher(self._broker.connect(), self)
-                    with self._lock:
-                        self.opened += 1
+                    self.opened += 1  # a count for tests and status; exactness not needed
                     break
                 publisher.idle()  # heartbeats; a connection the broker closed is replaced
                 if not publisher.broken:
