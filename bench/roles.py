@@ -113,9 +113,9 @@ def relay_threads(ctx: Context, threads: int = 2) -> None:
             f"relay: outbox backlog -> broker ({threads} relay threads, pool)",
             "library",
             limit_of=("a",),
-            note=" + ".join(str(r.published) for r in relays),
         ).took(n, timer)
     )
+    print(f"       messages per relay thread: {', '.join(str(r.published) for r in relays)}")
     ctx.dump_profiles("e2")
     depth = ctx.queue_depth(f"{ctx.b.name}.inbox")
     if depth != n:
