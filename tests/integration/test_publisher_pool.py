@@ -166,3 +166,32 @@ def test_under_a_memory_alarm_the_relay_waits_while_the_receiver_drains_its_queu
         svc.close()
     got = drain(mq_url, "probe")
     assert len(got) == len({p.message_id for p, _ in got}) == 1 + held_back
+
+
+def test_a_pooled_connection_the_broker_closed_is_replaced_at_checkout_before_any_claim(
+    db_url: str, mq_url: str, local_rabbitmq_server: RabbitMQServer
+) -> None:
+    svc = make_service("orders", db_url, mq_url)
+    broker = cast(RabbitMQBroker, svc.broker)
+    svc.declare_topology()
+    _declare_probe(mq_url)
+    svc.broker.publisher().close()  # opened, and now idle in the pool
+    vhost = unquote(urlsplit(mq_url).path[1:])
+    local_rabbitmq_server.rabbitmqctl("close_all_connections", "-p", vhost, "test")
+    wait_until(
+        lambda: (
+            not local_rabbitmq_server.rabbitmqctl(
+                "list_connections", "-q", "--no-table-headers", "-p", vhost, "name"
+            ).strip()
+        ),
+        what="the connections closed",
+    )
+    _publish(svc, 3)
+    relay = svc.relay()
+    assert relay.relay_once() == 3
+    # Published at the first attempt, on a new connection: the dead one was never used.
+    assert scalar(db_url, UNPUBLISHED) == 0
+    assert scalar(db_url, "SELECT max(attempts) FROM outbox_inbox.outbox_messages") == 0
+    assert broker.publishers.opened == 2
+    assert len(drain(mq_url, "probe")) == 3
+    svc.close()
