@@ -167,6 +167,8 @@ class Service:
                         self.settings.mq_url,
                         heartbeat=self.settings.heartbeat,
                         blocked_connection_timeout=self.settings.blocked_connection_timeout,
+                        publisher_connections=self.settings.publisher_connections,
+                        publisher_checkout_timeout=self.settings.publisher_checkout_timeout,
                     )
             return self._broker
 
@@ -598,7 +600,8 @@ class Service:
             return
         roles: list[tuple[str, Callable[..., None]]] = []
         if relay:
-            roles.append(("relay", self.relay().run))
+            for n in range(self.settings.relay_threads):
+                roles.append((f"relay-{n}" if n else "relay", self.relay().run))
         if receiver:
             roles.append(("receiver", self.receiver().run))
         for n in range(self.settings.worker_threads if workers is None else workers):
@@ -894,6 +897,8 @@ class Service:
         self.stop()
         if self._engine is not None:
             self._engine.dispose()
+        if self._broker is not None and self.settings.mq_url:  # the memory broker is shared
+            self._broker.close()
 
 
 @contextlib.contextmanager
