@@ -65,6 +65,10 @@ class PgBouncerServer(_LocalServer):
                 f"default_pool_size = {self.pool_size}",
                 "max_client_conn = 500",
                 f"admin_users = {s.username}",
+                # After a failed server login (a database that does not exist), PgBouncer holds
+                # the next client of that database this long before it answers with the same
+                # error (default 15 s): the same error, sooner.
+                "server_login_retry = 1",
                 f"logfile = {temp_dir / 'pgbouncer.log'}",
                 f"pidfile = {temp_dir / 'pgbouncer.pid'}",
                 "",
