@@ -21,9 +21,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
-from .database import client_bounds, read_only_drops_the_pool
+from .database import postgres_engine
 from .errors import ConfigurationError
-from .queries import roles
 from .worker import Worker
 
 log = logging.getLogger(__name__)
@@ -46,19 +45,11 @@ def async_url(url: str | URL) -> URL:
 
 
 def worker_engine(url: str | URL, *, prepare_threshold: int | str | None = "auto") -> AsyncEngine:
-    """An async engine for one asyncio worker: NullPool, since the worker keeps its one
-    connection, and an engine's pooled connections belong to the loop that made them.
-    `prepare_threshold`: the setting of that name ("auto": not behind a pooler). Its
-    connections have the `database.client_bounds` of `url`."""
-    engine = create_async_engine(
-        async_url(url),
-        poolclass=NullPool,
-        connect_args={**roles.prepare_args(prepare_threshold), **client_bounds(url)},
+    """An async engine for one asyncio worker (`database.postgres_engine`): NullPool, since the
+    worker keeps its one connection, and pooled connections belong to the loop that made them."""
+    return postgres_engine(
+        create_async_engine, async_url(url), prepare_threshold, poolclass=NullPool
     )
-    if prepare_threshold == "auto":
-        roles.unprepared_behind_pooler(engine)
-    read_only_drops_the_pool(engine)
-    return engine
 
 
 class AsyncWorker:

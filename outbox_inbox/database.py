@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from sqlalchemy import Engine as Engine  # re-exported: the type of `Database.engine`
 from sqlalchemy import create_engine, event
@@ -32,6 +33,8 @@ from .tables import Tables, build_tables
 if TYPE_CHECKING:
     from sqlalchemy.engine import ExceptionContext
     from sqlalchemy.ext.asyncio import AsyncEngine
+
+_E = TypeVar("_E", "Engine", "AsyncEngine")
 
 #: The schema of the tables when none is named.
 DEFAULT_SCHEMA = "outbox_inbox"
@@ -92,21 +95,29 @@ def connect(
     by the library's one engine policy (the module docstring): what `Service.engine`, the
     audit's live reads and the CLI use. Connects to nothing; the caller disposes of the engine.
     `pool_size` connections are kept, 10 more may open under load (PostgreSQL). Raises
-    ConfigurationError for an invalid schema name.
-    """
+    ConfigurationError for an invalid schema name."""
     if is_sqlite(url):
         return Database(_sqlite_engine(url), tables_for(url, schema))
-    engine = create_engine(
-        url,
-        pool_size=pool_size,
-        max_overflow=10,
-        connect_args={**roles.prepare_args(prepare_threshold), **client_bounds(url)},
+    engine = postgres_engine(
+        create_engine, url, prepare_threshold, pool_size=pool_size, max_overflow=10
     )
     ping_after_idle(engine)
+    return Database(engine, tables_for(url, schema))
+
+
+def postgres_engine(
+    make: Callable[..., _E], url: str | URL, prepare_threshold: int | str | None, **options: Any
+) -> _E:
+    """`make` (`create_engine` or `create_async_engine`) on `url` and `options`, by the policy
+    of the module docstring: `client_bounds`, statements prepared only on a direct connection
+    (`prepare_threshold` "auto"), a read-only session dropping the pool."""
+    engine = make(
+        url, connect_args={**roles.prepare_args(prepare_threshold), **client_bounds(url)}, **options
+    )
     if prepare_threshold == "auto":
         roles.unprepared_behind_pooler(engine)
     read_only_drops_the_pool(engine)
-    return Database(engine, tables_for(url, schema))
+    return engine
 
 
 #: Seconds a connection may wait in the pool and be used without a ping. A server gone within
