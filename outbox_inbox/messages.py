@@ -152,6 +152,15 @@ class WireMessage:
     properties: Mapping[str, Any] = field(default_factory=dict)
 
 
+def forwarded_headers(message: WireMessage, added: Mapping[str, Any]) -> dict[str, Any]:
+    """`message`'s headers, where it was first delivered (``x-original-exchange``,
+    ``-routing-key``) unless they say already, and `added`: those of a forwarded copy."""
+    headers = dict(message.headers)
+    headers.setdefault(H_ORIGINAL_EXCHANGE, message.exchange)
+    headers.setdefault(H_ORIGINAL_ROUTING_KEY, message.routing_key)
+    return headers | dict(added)
+
+
 #: `json.dumps` with these options, without building an encoder for each call.
 _JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 

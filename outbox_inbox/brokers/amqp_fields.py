@@ -32,7 +32,7 @@ import pika.frame
 import pika.spec
 from pika.spec import BasicProperties
 
-from ..messages import H_ORIGINAL_EXCHANGE, H_ORIGINAL_ROUTING_KEY, WireMessage
+from ..messages import H_ORIGINAL_EXCHANGE, H_ORIGINAL_ROUTING_KEY, WireMessage, forwarded_headers
 
 #: Tables and arrays nested deeper than this are kept as `RawField`s, not decoded.
 MAX_DEPTH = 32
@@ -344,10 +344,7 @@ def forward_properties(
     and headers, where it was first delivered (``x-original-exchange``, ``-routing-key``) and
     the `added` headers. Over `max_size` bytes (the frame), only the added and original-route
     headers stay, with ``x-dropped-headers`` saying how many bytes were dropped."""
-    headers = dict(message.headers)
-    headers.setdefault(H_ORIGINAL_EXCHANGE, message.exchange)
-    headers.setdefault(H_ORIGINAL_ROUTING_KEY, message.routing_key)
-    headers.update(added)
+    headers = forwarded_headers(message, added)
     props = LenientProperties(
         message_id=message.message_id or None,
         type=message.type,
