@@ -11,13 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from sqlalchemy import Engine
-from sqlalchemy.exc import (
-    DataError,
-    DBAPIError,
-    IntegrityError,
-    OperationalError,
-    SQLAlchemyError,
-)
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, OperationalError, SQLAlchemyError
 
 from .broker import Broker, Consumer, Delivery
 from .config import Settings
