@@ -103,12 +103,7 @@ def create_partition(
 
 
 def attach(
-    conn: Connection,
-    schema: str,
-    parent: str,
-    name: str,
-    lower: datetime | None,
-    upper: datetime,
+    conn: Connection, schema: str, parent: str, name: str, lower: datetime | None, upper: datetime
 ) -> None:
     """Attach table `name` to `parent` for [lower, upper) (`lower` None: MINVALUE)."""
     bounds = f"FROM ({_literal(lower)}) TO ({_literal(upper)})"
