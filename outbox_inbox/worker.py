@@ -574,11 +574,7 @@ class Worker:
             yield job
 
     def _handle(
-        self,
-        jobs: Iterator[_Job],
-        session: Session,
-        handled: list[Message],
-        processed: list[int],
+        self, jobs: Iterator[_Job], session: Session, handled: list[Message], processed: list[int]
     ) -> None:
         """Run the handlers of `jobs` with `session`, filling the lists.
 
