@@ -266,8 +266,7 @@ def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
     )
     ready = conn.execute(
         select(
-            func.count().label("claimable"),
-            func.max(db_age(claimable_since)).label("oldest"),
+            func.count().label("claimable"), func.max(db_age(claimable_since)).label("oldest")
         ).where(claimable(i, liveness=False))
     ).one()
     # Each statement reads the partial indexes of its rows, never every finished row: the
