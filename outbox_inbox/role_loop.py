@@ -69,11 +69,9 @@ class RoleLoop:
         recover: Callable[[Exception], None] | None = None,
         idle: Callable[[], None] | None = None,
     ) -> None:
-        """Run `step` until `stop` is set (see the module documentation).
-
-        `step` returns how many rows it found; `recover` is called with a retried error before
-        the backoff wait; `idle` before each poll wait.
-        """
+        """Run `step` until `stop` is set (see the module documentation). `step` returns how
+        many rows it found; `recover` is called with a retried error before the backoff wait;
+        `idle` before each poll wait."""
         waker = self._listening(stop)
         try:
             while not stop.is_set():
@@ -99,11 +97,9 @@ class RoleLoop:
         *,
         recover: Callable[[Exception], Awaitable[None]] | None = None,
     ) -> None:
-        """`run` for an async `step` and `recover`, on the running event loop.
-
-        The waits (backoff, poll, the waker's LISTEN connection) block: they run in a thread.
-        `stop` stays a threading.Event, so that any thread may set it.
-        """
+        """`run` for an async `step` and `recover`, on the running event loop; the waits
+        (backoff, poll, the waker's LISTEN connection) run in a thread. `stop` stays a
+        threading.Event, so that any thread may set it."""
         waker = await asyncio.to_thread(self._listening, stop)
         try:
             while not stop.is_set():
