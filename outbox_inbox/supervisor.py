@@ -1,8 +1,5 @@
 """Worker processes: a service's workers in several OS processes, supervised by the one that
-runs the service, so that its handlers use every CPU (one interpreter lock per process).
-
-How many are forked, and how the parent restarts and stops them, is docs/runbook.md ("Worker
-processes"); `WorkerProcesses` states the contract.
+runs the service (docs/runbook.md, "Worker processes").
 
 Children are forked, not spawned: they need the service object with its handlers, which a
 new interpreter could only rebuild from an import path. The parent forks before it starts
