@@ -79,12 +79,9 @@ class MemoryPublisher:
 
 
 class MemoryConsumer:
-    """Consumes one queue of a `MemoryBroker` with a prefetch window.
-
-    The broker hands it messages as a RabbitMQ server pushes them to a consumer: up to
-    `prefetch` unacknowledged at a time, from its first `fetch` on. Delivery tags start at 1.
-    Each delivery is a deep copy, so what one consumer does to a message no one else sees.
-    """
+    """Consumes one queue of a `MemoryBroker`, as RabbitMQ pushes to a consumer: up to
+    `prefetch` unacknowledged at a time, from its first `fetch` on, tags from 1. Each delivery
+    is a deep copy, so what one consumer does to a message no one else sees."""
 
     def __init__(self, core: BrokerCore, queue: str, *, prefetch: int) -> None:
         self._core = core
