@@ -20,12 +20,9 @@ from .errors import ConfigurationError, InvalidPayload
 
 
 def declared_payload_type(handler: Callable[..., Any], *, batch: bool = False) -> type | None:
-    """The type a handler's ``payload`` parameter is annotated with, or None without one.
-
-    For a batch handler (`batch`), the item type of its ``payloads`` parameter, annotated
-    ``list[T]`` or ``Sequence[T]``. Raises ConfigurationError when it is annotated with
-    something that cannot be decoded into (anything but a dataclass or a pydantic model).
-    """
+    """The type a handler's ``payload`` parameter is annotated with (a `batch` handler: the
+    ``T`` of ``payloads: list[T]`` or ``Sequence[T]``), or None without one. Raises
+    ConfigurationError for a type that is neither a dataclass nor a pydantic model."""
     name = "payloads" if batch else "payload"
     try:
         parameters = inspect.signature(handler).parameters
