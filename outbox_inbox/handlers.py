@@ -63,8 +63,7 @@ class HandlerContext:
         """`Outbox.publish` in this handler's transaction."""
         # The message's ids and span, in a batch handler too.
         with handling(self.message), current(self.span):
-            message_id: uuid.UUID = self.outbox.publish(self.session, event, payload, **options)
-        return message_id
+            return self.outbox.publish(self.session, event, payload, **options)
 
     def send(
         self, *, to: str, command: str, payload: Any, **options: Unpack[WriteKeywords]
@@ -72,8 +71,7 @@ class HandlerContext:
         """`Outbox.send` in this handler's transaction; keywords only, so that the service
         and the command cannot be swapped."""
         with handling(self.message), current(self.span):
-            message_id: uuid.UUID = self.outbox.send(self.session, to, command, payload, **options)
-        return message_id
+            return self.outbox.send(self.session, to, command, payload, **options)
 
     def write(self, statement: Executable, parameters: Mapping[str, Any]) -> None:
         """Execute `statement` with `parameters` later in this handler's transaction: at the
@@ -99,20 +97,14 @@ class AsyncHandlerContext:
     ) -> uuid.UUID:
         """`Outbox.publish_async` in this handler's transaction."""
         with handling(self.message), current(self.span):
-            message_id: uuid.UUID = await self.outbox.publish_async(
-                self.session, event, payload, **options
-            )
-        return message_id
+            return await self.outbox.publish_async(self.session, event, payload, **options)
 
     async def send(
         self, *, to: str, command: str, payload: Any, **options: Unpack[WriteKeywords]
     ) -> uuid.UUID:
         """`Outbox.send_async` in this handler's transaction (keywords only)."""
         with handling(self.message), current(self.span):
-            message_id: uuid.UUID = await self.outbox.send_async(
-                self.session, to, command, payload, **options
-            )
-        return message_id
+            return await self.outbox.send_async(self.session, to, command, payload, **options)
 
     def write(self, statement: Executable, parameters: Mapping[str, Any]) -> None:
         """`HandlerContext.write`: run at the end of the batch (nothing to await here)."""
