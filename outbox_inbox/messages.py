@@ -100,11 +100,8 @@ class Message:
     @property
     def original_id(self) -> str:
         """The id as its sender wrote it: `message_id`, unless the sender's id was not a UUID
-        (then the inbox keys the message on a UUID derived from it, and this is the original).
-
-        What a handler sends carries it as its causation id, so the sender can match a reply
-        to its command.
-        """
+        (the inbox keys the message on a UUID derived from it). What a handler sends carries it
+        as its causation id, so the sender can match a reply to its command."""
         original = self.headers.get(H_ORIGINAL_ID)
         return original if isinstance(original, str) and original else str(self.message_id)
 
@@ -300,10 +297,8 @@ def is_json_media_type(content_type: str) -> bool:
 
 
 def epoch_time(value: int) -> datetime | None:
-    """The time of an epoch number in seconds, milliseconds, microseconds or nanoseconds.
-
-    None for zero, a negative number, or one past the year 9999.
-    """
+    """The time of an epoch number in seconds, milliseconds, microseconds or nanoseconds;
+    None for zero, a negative number, or one past the year 9999."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         return None
     for below, micros in _EPOCH_UNITS:
@@ -502,12 +497,9 @@ def _row_columns(cls: type[DataclassInstance]) -> tuple[tuple[str, str], ...]:
 
 def from_row(cls: type[_M], row: Mapping[Any, Any], **given: Any) -> _M:
     """The message dataclass `cls` (`Message`, `OutgoingMessage`, a test's view) of a table row:
-    the one mapping of outbox and inbox columns to message fields.
-
-    Each field takes the row's column of its name (``type`` the ``routing_key``; ``headers``
-    None as ``{}``) unless `given` sets it; a field whose column the row lacks keeps its
-    default (a decoded delivery has no ``received_at``).
-    """
+    the one mapping of outbox and inbox columns to message fields. Each field takes the row's
+    column of its name (``type`` the ``routing_key``; ``headers`` None as ``{}``) unless `given`
+    sets it; a field whose column the row lacks keeps its default."""
     values = {f: row[c] for f, c in _row_columns(cls) if f not in given and c in row}
     if "headers" in values:
         values["headers"] = dict(values["headers"] or {})
@@ -596,11 +588,8 @@ def from_wire(wire: WireMessage, *, max_bytes: int | None = None) -> dict[str, A
 
 
 def jsonable(value: Any) -> Any:
-    """AMQP header values (bytes, decimals, timestamps, nested tables) as JSON values.
-
-    Bytes become text, each byte that is not UTF-8 (and U+0000, which PostgreSQL cannot
-    store) replaced by U+FFFD.
-    """
+    """AMQP header values (bytes, decimals, timestamps, nested tables) as JSON values; bytes
+    become text, what is not UTF-8 (and U+0000, which PostgreSQL cannot store) U+FFFD."""
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace").replace("\x00", "\ufffd")
     if isinstance(value, datetime):
