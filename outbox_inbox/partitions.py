@@ -337,10 +337,9 @@ def partitioned(conn: Connection, schema: str) -> list[str]:
 
 def survey(conn: Connection, tables: Tables, retention: Retention) -> list[PartitionState]:
     """Every partition of the outbox and the inbox, each table's oldest first, with what
-    `maintain` would do with those past `retention` (judged on the database clock): the
-    read-only view of ``outbox-inbox partitions list``. Empty for plain tables. Reads the
-    catalog, and each partition past the retention once (an EXISTS on its unfinished rows).
-    Raises StorageError when the database fails, SchemaMissing without tables."""
+    `maintain` would do with those past `retention` (database clock): ``outbox-inbox
+    partitions list``, read-only. Empty for plain tables. Raises StorageError when the
+    database fails, SchemaMissing without tables."""
     try:
         cutoff, dead_cutoff = retention.cutoffs(database_now(conn))
         found: list[PartitionState] = []
