@@ -205,14 +205,10 @@ class Worker:
         return conn
 
     def _hold_liveness(self, conn: Connection) -> tuple[str, bool]:
-        """A new claimant name, its liveness lock held (if anywhere) for as long as `conn`;
-        and whether `conn` holds it (then `conn`'s session is the worker's own).
-
-        When the liveness URL is the engine's own (a direct database, or a pooler in session
-        mode: a session per client), the lock is held on `conn` itself, which then never goes
-        back to the engine's pool: a cut connection frees its claims at once. Otherwise (a
-        ``listen_url`` past a pooler in transaction mode) on a session connection of its own.
-        """
+        """A new claimant name, its liveness lock held (if anywhere) for as long as `conn`,
+        and whether `conn` holds it: when the liveness URL is the engine's own, `conn` is
+        detached from the pool and holds it; else (a ``listen_url`` past a pooler in
+        transaction mode) a session connection of its own does."""
         self.close_liveness()
         claimant = f"{self.name}/{next(self._connections)}"
         url = self._liveness_url() if self._liveness_url is not None else None
