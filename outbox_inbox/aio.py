@@ -85,13 +85,9 @@ class AsyncWorker:
         return conn
 
     async def work_once(self, conn: AsyncConnection) -> int:
-        """`Worker.work_once` on `conn` (from `connect()`): claim and handle one batch.
-
-        Returns how many rows were claimed; raises `ConnectionLost` or another SQLAlchemyError
-        when the database fails; handler errors never escape. Cancelling the task inside the
-        batch rolls the batch back (effects and marks alike); its rows return to the queue when
-        the connection closes, as after a crash of the thread worker.
-        """
+        """`Worker.work_once` on `conn` (from `connect()`): what it returns and raises.
+        Cancelling the task inside the batch rolls the batch back; its rows return to the
+        queue when the connection closes, as after a crash of the thread worker."""
         return await conn.run_sync(self.worker.work_once)
 
     async def run(
