@@ -2,15 +2,12 @@
 
 PostgreSQL: every connection the library opens has client-side bounds (`CLIENT_BOUNDS`), a
 pooled connection idle over `PING_AFTER` is pinged before use, and statements are prepared
-only on a direct connection, never through a pooler in transaction mode
-(`queries.roles.unprepared_behind_pooler`, docs/runbook.md).
+only on a direct connection, never through a pooler in transaction mode (docs/runbook.md).
 
-SQLite, the development store (one process, one file, no schemas), has no row locks, so
-`SKIP LOCKED` claims cannot keep two claimers apart. Instead every transaction on its engine
-starts with ``BEGIN IMMEDIATE``, which takes the database's write lock at once: claims,
-handler transactions and outbox writes run one at a time, and a claim never sees a row
-another claim is about to take. Waiting transactions retry for `busy_timeout` seconds:
-correct for the roles of one process (threads), and slow by design.
+SQLite, the development store (one process, one file, no schemas), has no row locks: every
+transaction on its engine starts with ``BEGIN IMMEDIATE``, which takes the write lock at once,
+so claims, handler transactions and outbox writes run one at a time, each waiting up to
+`busy_timeout` seconds: correct for the roles of one process (threads), and slow by design.
 """
 
 from __future__ import annotations
