@@ -1,9 +1,6 @@
-"""Typed payloads: a handler's declared payload type, decoding into it, and plain JSON values.
-
-A handler declares the type of its payload with a parameter named ``payload`` annotated with a
-dataclass or a pydantic model (docs/concepts.md, "A typed payload"). The payload is decoded
-before the handler runs; one that does not fit raises `InvalidPayload` (the message is dead at
-once as ``invalid_payload``). `publish` and `send` take such objects as payloads too (`plain`).
+"""Typed payloads: a handler's declared payload type (a dataclass or a pydantic model:
+docs/concepts.md, "A typed payload"), decoding into it (`InvalidPayload`: dead at once as
+``invalid_payload``), and plain JSON values of such objects for `publish` and `send` (`plain`).
 """
 
 from __future__ import annotations
