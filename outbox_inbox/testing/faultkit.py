@@ -241,10 +241,8 @@ class Load(threading.Thread):
 
 class FaultKit:
     """Roles of your services as processes, a load, faults by name, and the checker.
-
     `postgres` and `rabbitmq` are servers of the kit's own (a fault stops and kills them): the
-    fixture ``outbox_inbox_servers`` starts them. `workdir` keeps the role logs.
-    """
+    fixture ``outbox_inbox_servers`` starts them. `workdir` keeps the role logs."""
 
     def __init__(
         self,
