@@ -1,10 +1,8 @@
 """The asyncio side: the worker on the async driver, and the roles in an event loop.
 
-`AsyncWorker` does not copy the batch loop: it runs the very same `Worker.work_once` through
-`AsyncConnection.run_sync`, so claim, transaction, redo and liveness lock are the sync
-worker's, line for line; how an ``async def`` handler then gets its transaction is in
-docs/async-services.md ("How the asyncio worker gives it that transaction"). The relay and
-the receiver keep their threads (pika is a blocking client).
+`AsyncWorker` runs the very same `Worker.work_once` through `AsyncConnection.run_sync`: claim,
+transaction, redo and liveness lock are the sync worker's (docs/async-services.md, "How the
+asyncio worker gives it that transaction"). The relay and the receiver keep their threads.
 """
 
 from __future__ import annotations
@@ -33,10 +31,8 @@ def async_url(url: str | URL) -> URL:
     which serves sync and async engines alike). Raises ConfigurationError for another database
     or driver."""
     parsed = make_url(url)
-    if parsed.get_backend_name() != "postgresql" or parsed.get_driver_name() not in (
-        "psycopg",
-        "psycopg2",  # the default driver name of a bare postgresql:// URL
-    ):
+    drivers = ("psycopg", "psycopg2")  # psycopg2: the driver name of a bare postgresql://
+    if parsed.get_backend_name() != "postgresql" or parsed.get_driver_name() not in drivers:
         raise ConfigurationError(
             "async handlers and the asyncio worker need PostgreSQL through psycopg 3"
             f" (postgresql+psycopg://), not {parsed.drivername}://"
