@@ -144,11 +144,9 @@ def ping_after_idle(engine: Engine) -> None:
 
 
 def read_only_drops_the_pool(engine: Engine | AsyncEngine) -> None:
-    """Make a read-only session (`errors.read_only_session`) a lost connection on `engine`:
-    the pool's ping works on a standby and would keep the session for good (docs/failures.md).
-    Taken for a disconnect, the error drops the pool, and the roles back off as from any outage
-    (it is raised with ``connection_invalidated`` set).
-    """
+    """Make a read-only session (`errors.read_only_session`) a lost connection on `engine`
+    (the pool's ping works on a standby and would keep it for good: docs/failures.md): the
+    error drops the pool, raised with ``connection_invalidated`` set."""
     sync_engine = getattr(engine, "sync_engine", engine)
 
     @event.listens_for(sync_engine, "handle_error")
