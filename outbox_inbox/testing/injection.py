@@ -133,10 +133,9 @@ class SmallDisk:
 
 @contextlib.contextmanager
 def tablespace_on_tmpfs(server: PostgresServer, size_mb: int) -> Iterator[SmallDisk]:
-    """A tablespace on a tmpfs of `size_mb` MB of its own, owned by the server's OS user, for the
-    block; `MountRefused`, before anything changes, when the tmpfs cannot be mounted. At the end
-    the databases that hold something there are dropped (they cannot outlive their disk), then
-    the tablespace, and the tmpfs is unmounted."""
+    """A tablespace on a tmpfs of `size_mb` MB of its own for the block (`MountRefused`, before
+    anything changes, when it cannot be mounted). At the end the databases that hold something
+    there are dropped (they cannot outlive their disk), then the tablespace and the tmpfs."""
     if os.geteuid() != 0:
         raise MountRefused("mounting a tmpfs needs root")
     assert server.temp_dir is not None
@@ -234,10 +233,9 @@ def disk_alarm(server: RabbitMQServer) -> contextlib.AbstractContextManager[Alar
 def _alarm(
     server: RabbitMQServer, resource: str, raise_it: tuple[str, str], clear_it: tuple[str, str]
 ) -> Iterator[Alarm]:
-    """Run ``rabbitmqctl RAISE_IT`` (through the node's own environment: ``RABBITMQ_NODENAME``,
-    its cookie and epmd port; see ``RabbitMQServer.rabbitmqctl``); the block starts once the
-    node's `resource` alarm is in force, and ends once ``rabbitmqctl CLEAR_IT`` has cleared it
-    again. Yields how long each took."""
+    """Run ``rabbitmqctl RAISE_IT`` (``RabbitMQServer.rabbitmqctl``): the block starts once the
+    node's `resource` alarm is in force, and ends once ``rabbitmqctl CLEAR_IT`` has cleared it.
+    Yields how long each took."""
 
     def on() -> bool:
         return resource in server.eval("rabbit_alarm:get_alarms().")
