@@ -1,8 +1,5 @@
-"""A test tool: private PostgreSQL and RabbitMQ servers on loopback, for tests and benchmarks.
-
-Not part of the runtime library: tests, benchmarks and scripts start throwaway servers with it
-(plain Python, no pytest); nothing is shared with a system installation, and nothing outlives
-the Python process that started it.
+"""A test tool: private PostgreSQL and RabbitMQ servers on loopback, for tests and benchmarks
+(plain Python, no pytest); nothing is shared with a system installation.
 
 It needs the PostgreSQL 15 server binaries (``OUTBOX_INBOX_PG_BIN_DIR``, default
 ``/usr/lib/postgresql/15/bin``) and RabbitMQ's scripts (``OUTBOX_INBOX_RABBITMQ_SBIN_DIR``,
