@@ -469,21 +469,9 @@ def _check_strings(value: Any, where: str) -> None:
 
 #: The inbox columns `from_wire` fills, in this order (the keys of its result).
 RECEIVED_COLUMNS = (
-    "message_id",
-    "source",
-    "kind",
-    "routing_key",
-    "payload",
-    "headers",
-    "version",
-    "correlation_id",
-    "causation_id",
-    "key",
-    "tenant",
-    "priority",
-    "created_at",
-    "expires_at",
-)
+    "message_id", "source", "kind", "routing_key", "payload", "headers", "version",
+    "correlation_id", "causation_id", "key", "tenant", "priority", "created_at", "expires_at",
+)  # fmt: skip
 #: Of those, the ones that hold JSON values.
 RECEIVED_JSON_COLUMNS = ("payload", "headers")
 
