@@ -1,10 +1,8 @@
 """The asyncio side: the worker on the async driver, and the roles in an event loop.
 
-`AsyncWorker` does not copy the batch loop: it runs the very same `Worker.work_once` through
-`AsyncConnection.run_sync`, so claim, transaction, redo and liveness lock are the sync
-worker's, line for line; how an ``async def`` handler then gets its transaction is in
-docs/async-services.md ("How the asyncio worker gives it that transaction"). The relay and
-the receiver keep their threads (pika is a blocking client).
+`AsyncWorker` runs the very same `Worker.work_once` through `AsyncConnection.run_sync`: claim,
+transaction, redo and liveness lock are the sync worker's (docs/async-services.md, "How the
+asyncio worker gives it that transaction"). The relay and the receiver keep their threads.
 """
 
 from __future__ import annotations
@@ -21,9 +19,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import NullPool
 
-from .database import client_bounds, read_only_drops_the_pool
+from .database import postgres_engine
 from .errors import ConfigurationError
-from .queries import roles
 from .worker import Worker
 
 log = logging.getLogger(__name__)
@@ -34,10 +31,8 @@ def async_url(url: str | URL) -> URL:
     which serves sync and async engines alike). Raises ConfigurationError for another database
     or driver."""
     parsed = make_url(url)
-    if parsed.get_backend_name() != "postgresql" or parsed.get_driver_name() not in (
-        "psycopg",
-        "psycopg2",  # the default driver name of a bare postgresql:// URL
-    ):
+    drivers = ("psycopg", "psycopg2")  # psycopg2: the driver name of a bare postgresql://
+    if parsed.get_backend_name() != "postgresql" or parsed.get_driver_name() not in drivers:
         raise ConfigurationError(
             "async handlers and the asyncio worker need PostgreSQL through psycopg 3"
             f" (postgresql+psycopg://), not {parsed.drivername}://"
@@ -46,19 +41,11 @@ def async_url(url: str | URL) -> URL:
 
 
 def worker_engine(url: str | URL, *, prepare_threshold: int | str | None = "auto") -> AsyncEngine:
-    """An async engine for one asyncio worker: NullPool, since the worker keeps its one
-    connection, and an engine's pooled connections belong to the loop that made them.
-    `prepare_threshold`: the setting of that name ("auto": not behind a pooler). Its
-    connections have the `database.client_bounds` of `url`."""
-    engine = create_async_engine(
-        async_url(url),
-        poolclass=NullPool,
-        connect_args={**roles.prepare_args(prepare_threshold), **client_bounds(url)},
+    """An async engine for one asyncio worker (`database.postgres_engine`): NullPool, since the
+    worker keeps its one connection, and pooled connections belong to the loop that made them."""
+    return postgres_engine(
+        create_async_engine, async_url(url), prepare_threshold, poolclass=NullPool
     )
-    if prepare_threshold == "auto":
-        roles.unprepared_behind_pooler(engine)
-    read_only_drops_the_pool(engine)
-    return engine
 
 
 class AsyncWorker:
@@ -94,13 +81,9 @@ class AsyncWorker:
         return conn
 
     async def work_once(self, conn: AsyncConnection) -> int:
-        """`Worker.work_once` on `conn` (from `connect()`): claim and handle one batch.
-
-        Returns how many rows were claimed; raises `ConnectionLost` or another SQLAlchemyError
-        when the database fails; handler errors never escape. Cancelling the task inside the
-        batch rolls the batch back (effects and marks alike); its rows return to the queue when
-        the connection closes, as after a crash of the thread worker.
-        """
+        """`Worker.work_once` on `conn` (from `connect()`): what it returns and raises.
+        Cancelling the task inside the batch rolls the batch back; its rows return to the
+        queue when the connection closes, as after a crash of the thread worker."""
         return await conn.run_sync(self.worker.work_once)
 
     async def run(

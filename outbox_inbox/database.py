@@ -2,23 +2,21 @@
 
 PostgreSQL: every connection the library opens has client-side bounds (`CLIENT_BOUNDS`), a
 pooled connection idle over `PING_AFTER` is pinged before use, and statements are prepared
-only on a direct connection, never through a pooler in transaction mode
-(`queries.roles.unprepared_behind_pooler`, docs/runbook.md).
+only on a direct connection, never through a pooler in transaction mode (docs/runbook.md).
 
-SQLite, the development store (one process, one file, no schemas), has no row locks, so
-`SKIP LOCKED` claims cannot keep two claimers apart. Instead every transaction on its engine
-starts with ``BEGIN IMMEDIATE``, which takes the database's write lock at once: claims,
-handler transactions and outbox writes run one at a time, and a claim never sees a row
-another claim is about to take. Waiting transactions retry for `busy_timeout` seconds:
-correct for the roles of one process (threads), and slow by design.
+SQLite, the development store (one process, one file, no schemas), has no row locks: every
+transaction on its engine starts with ``BEGIN IMMEDIATE``, which takes the write lock at once,
+so claims, handler transactions and outbox writes run one at a time, each waiting up to
+`busy_timeout` seconds: correct for the roles of one process (threads), and slow by design.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from sqlalchemy import Engine as Engine  # re-exported: the type of `Database.engine`
 from sqlalchemy import create_engine, event
@@ -32,6 +30,8 @@ from .tables import Tables, build_tables
 if TYPE_CHECKING:
     from sqlalchemy.engine import ExceptionContext
     from sqlalchemy.ext.asyncio import AsyncEngine
+
+_E = TypeVar("_E", "Engine", "AsyncEngine")
 
 #: The schema of the tables when none is named.
 DEFAULT_SCHEMA = "outbox_inbox"
@@ -92,21 +92,29 @@ def connect(
     by the library's one engine policy (the module docstring): what `Service.engine`, the
     audit's live reads and the CLI use. Connects to nothing; the caller disposes of the engine.
     `pool_size` connections are kept, 10 more may open under load (PostgreSQL). Raises
-    ConfigurationError for an invalid schema name.
-    """
+    ConfigurationError for an invalid schema name."""
     if is_sqlite(url):
         return Database(_sqlite_engine(url), tables_for(url, schema))
-    engine = create_engine(
-        url,
-        pool_size=pool_size,
-        max_overflow=10,
-        connect_args={**roles.prepare_args(prepare_threshold), **client_bounds(url)},
+    engine = postgres_engine(
+        create_engine, url, prepare_threshold, pool_size=pool_size, max_overflow=10
     )
     ping_after_idle(engine)
+    return Database(engine, tables_for(url, schema))
+
+
+def postgres_engine(
+    make: Callable[..., _E], url: str | URL, prepare_threshold: int | str | None, **options: Any
+) -> _E:
+    """`make` (`create_engine` or `create_async_engine`) on `url` and `options`, by the policy
+    of the module docstring: `client_bounds`, statements prepared only on a direct connection
+    (`prepare_threshold` "auto"), a read-only session dropping the pool."""
+    engine = make(
+        url, connect_args={**roles.prepare_args(prepare_threshold), **client_bounds(url)}, **options
+    )
     if prepare_threshold == "auto":
         roles.unprepared_behind_pooler(engine)
     read_only_drops_the_pool(engine)
-    return Database(engine, tables_for(url, schema))
+    return engine
 
 
 #: Seconds a connection may wait in the pool and be used without a ping. A server gone within
@@ -136,11 +144,9 @@ def ping_after_idle(engine: Engine) -> None:
 
 
 def read_only_drops_the_pool(engine: Engine | AsyncEngine) -> None:
-    """Make a read-only session (`errors.read_only_session`) a lost connection on `engine`:
-    the pool's ping works on a standby and would keep the session for good (docs/failures.md).
-    Taken for a disconnect, the error drops the pool, and the roles back off as from any outage
-    (it is raised with ``connection_invalidated`` set).
-    """
+    """Make a read-only session (`errors.read_only_session`) a lost connection on `engine`
+    (the pool's ping works on a standby and would keep it for good: docs/failures.md): the
+    error drops the pool, raised with ``connection_invalidated`` set."""
     sync_engine = getattr(engine, "sync_engine", engine)
 
     @event.listens_for(sync_engine, "handle_error")

@@ -182,23 +182,17 @@ _REFUSALS = ("password authentication failed", "does not exist", "no pg_hba.conf
 
 def read_only_session(exc: BaseException) -> bool:
     """True when `exc` (a SQLAlchemy or psycopg error) is SQLSTATE 25006 ("cannot execute ...
-    in a read-only transaction"): the session is on a standby, as it is during a failover
-    (an address or a host list that reached the replica before its promotion, or the old
-    primary back as a standby). No write can work there: an outage, not the statement's fault.
-    """
+    in a read-only transaction"): the session is on a standby, as during a failover. An
+    outage, not the statement's fault."""
     original = getattr(exc, "orig", None) or exc
     return getattr(original, "sqlstate", None) == "25006"
 
 
 def database_unreachable(exc: BaseException) -> bool:
-    """True when `exc` (a SQLAlchemy or psycopg error) means the database cannot be reached now,
-    or cannot work now.
-
-    A refused, reset or timed-out connection, a server shutting down or starting up, a server
-    out of disk space or memory, or a session on a standby (`read_only_session`): worth
-    waiting for. Wrong credentials, a missing database or role, and every other SQL error are
-    not.
-    """
+    """True when `exc` (a SQLAlchemy or psycopg error) means the database cannot be reached,
+    or cannot work, now: a refused, reset or timed-out connection, a server shutting down or
+    starting up, out of disk or memory, a standby (`read_only_session`). Wrong credentials, a
+    missing database or role, and every other SQL error are not."""
     if getattr(exc, "connection_invalidated", False) or read_only_session(exc):
         return True
     original = getattr(exc, "orig", None) or exc

@@ -63,8 +63,7 @@ class HandlerContext:
         """`Outbox.publish` in this handler's transaction."""
         # The message's ids and span, in a batch handler too.
         with handling(self.message), current(self.span):
-            message_id: uuid.UUID = self.outbox.publish(self.session, event, payload, **options)
-        return message_id
+            return self.outbox.publish(self.session, event, payload, **options)
 
     def send(
         self, *, to: str, command: str, payload: Any, **options: Unpack[WriteKeywords]
@@ -72,19 +71,13 @@ class HandlerContext:
         """`Outbox.send` in this handler's transaction; keywords only, so that the service
         and the command cannot be swapped."""
         with handling(self.message), current(self.span):
-            message_id: uuid.UUID = self.outbox.send(self.session, to, command, payload, **options)
-        return message_id
+            return self.outbox.send(self.session, to, command, payload, **options)
 
     def write(self, statement: Executable, parameters: Mapping[str, Any]) -> None:
         """Execute `statement` with `parameters` later in this handler's transaction: at the
-        end of the batch, in one executemany with every other write of the same statement
-        object (one multi-row INSERT for an insert), after the session's flush.
-
-        For writes whose result the handler does not need. Build the statement once (at
-        module level) so that the batch's writes share it; statements are run in the order
-        they were first written. A write that fails fails the batch, which is then run one
-        message at a time, each message's writes at the end of its own savepoint.
-        """
+        end of the batch, after the session's flush, in one executemany with every other write
+        of the same statement object. A write that fails fails the batch (docs/concepts.md,
+        "A deferred write")."""
         defer_write(self.session, statement, parameters)
 
 
@@ -104,20 +97,14 @@ class AsyncHandlerContext:
     ) -> uuid.UUID:
         """`Outbox.publish_async` in this handler's transaction."""
         with handling(self.message), current(self.span):
-            message_id: uuid.UUID = await self.outbox.publish_async(
-                self.session, event, payload, **options
-            )
-        return message_id
+            return await self.outbox.publish_async(self.session, event, payload, **options)
 
     async def send(
         self, *, to: str, command: str, payload: Any, **options: Unpack[WriteKeywords]
     ) -> uuid.UUID:
         """`Outbox.send_async` in this handler's transaction (keywords only)."""
         with handling(self.message), current(self.span):
-            message_id: uuid.UUID = await self.outbox.send_async(
-                self.session, to, command, payload, **options
-            )
-        return message_id
+            return await self.outbox.send_async(self.session, to, command, payload, **options)
 
     def write(self, statement: Executable, parameters: Mapping[str, Any]) -> None:
         """`HandlerContext.write`: run at the end of the batch (nothing to await here)."""
@@ -273,20 +260,11 @@ class HandlerOptions:
 
 @dataclass(frozen=True)
 class Subscription:
-    """A handler and what it handles. `pattern` is a full routing key or topic pattern.
-
-    `kind` is ``command``, ``event``, or ``fault`` (a handler of faults, `Service.on_fault`:
-    commands whose routing key matches the topic `pattern` ``<service>.fault.<original>``).
-
-    A handler is called as ``handler(message, session)``, or ``handler(ctx)`` when its first
-    parameter is a `HandlerContext` (annotated so, or named ``ctx``); either way a parameter
-    named ``payload`` annotated with a dataclass or a pydantic model gets the decoded payload
-    (outbox_inbox.payloads). `outbox` is the service's, for the context's publish and send.
-
-    A `batch` handler is called once for many messages: ``handler(messages, session)`` with
-    the list of messages, or ``handler(batch)`` with a `BatchContext`; a parameter named
-    ``payloads`` annotated ``list[T]`` gets the decoded payloads (`options` says which).
-    """
+    """A handler and what it handles: `kind` ``command``, ``event`` or ``fault``
+    (`Service.on_fault`), `pattern` a full routing key or topic pattern. How a handler is
+    called (message and session, a context, a typed payload, a batch): docs/concepts.md
+    ("Writing handlers", "Handlers run in batches"). `outbox` is the service's, for the
+    context's publish and send."""
 
     kind: str
     pattern: str
@@ -323,15 +301,11 @@ class Subscription:
         return self.options.version in (None, version)
 
     def call(self, message: Message, session: Session) -> Any:
-        """Run the handler with `session`, the worker's Session in the marking transaction.
-
-        A batch handler gets a batch of this one message. An async handler gets an
-        `AsyncSession` that proxies that same Session, awaited on the event loop of the
-        asyncio worker: the worker's code runs in a greenlet over the async driver
-        (`aio.AsyncWorker`), so what the handler awaits runs on the worker's connection, in
-        its transaction. Outside that worker an async handler cannot run on the transaction:
-        `ConfigurationError`, which the worker records as a handler failure.
-        """
+        """Run the handler with `session`, the worker's Session in the marking transaction
+        (a batch handler: a batch of this one message). An async handler gets an
+        `AsyncSession` over that Session, awaited in the asyncio worker's greenlet
+        (docs/async-services.md); outside that worker it raises `ConfigurationError`, which
+        the worker records as a handler failure."""
         if self.options.batch:
             return self.call_batch([message], session)
         try:
@@ -352,11 +326,8 @@ class Subscription:
         self, messages: Sequence[Message], session: Session, spans: Sequence[Span] = ()
     ) -> Any:
         """Run a batch handler once for `messages` (see `call` for the session), whose
-        ``process`` spans are `spans` (`tracing.processing_batch`).
-
-        Raises InvalidPayload when one of the payloads does not fit the declared type: the
-        worker then runs the messages one at a time, and only that one is dead.
-        """
+        ``process`` spans are `spans`. Raises InvalidPayload when a payload does not fit the
+        declared type: the worker then runs the messages one at a time."""
         try:
             return self._call_batch(messages, session, spans)
         except _EXITS as exc:
@@ -415,9 +386,7 @@ class Found(NamedTuple):
 @dataclass(frozen=True)
 class Calls:
     """How the worker calls handlers: each message in its ``process`` span (`tracer`, of
-    `service`), with the listener told how long its handlers ran (`Listener.handler_ran`).
-    What goes around a handler call goes here, beside the options that steer it and the
-    service's `settings`."""
+    `service`), the listener told how long its handlers ran (`Listener.handler_ran`)."""
 
     settings: Settings
     service: str
@@ -440,8 +409,7 @@ class Calls:
 
     def batch(self, subscription: Subscription, messages: list[Message], session: Session) -> None:
         """Run a batch handler once for `messages`; the listener gets each message's share of
-        the time it ran. Raises what it raises (the worker then runs the messages one at a
-        time, which tells each one's outcome)."""
+        the time it ran. Raises what it raises."""
         started = time.perf_counter()
         messages = [self.resolve(m) for m in messages]
         with processing_batch(self.tracer, self.service, messages) as spans:
@@ -464,8 +432,7 @@ class Handlers:
 
     def __init__(self) -> None:
         self._subscriptions: list[Subscription] = []
-        # find()'s answers by (kind, routing key): the worker asks for every message, and the
-        # set of routing keys a service sees is small. Cleared whenever a handler is added.
+        # find()'s answers, asked for every message; cleared whenever a handler is added.
         self._found: dict[tuple[str, str, int], Found] = {}
 
     def add(self, subscription: Subscription) -> None:
@@ -552,10 +519,9 @@ class Handlers:
         return found
 
     def advertised(self) -> list[dict[str, Any]]:
-        """What this service handles, as the instances table stores it: one
-        ``{"kind", "pattern", "versions"}`` per kind and pattern, ``versions`` a sorted list,
-        or None when a handler takes every version; and ``cap``, its ``max_concurrency``, and
-        ``rate``, if it has them."""
+        """What this service handles, as the instances table stores it: one ``{"kind",
+        "pattern", "versions"}`` per kind and pattern (``versions`` sorted, or None: every
+        version), with ``cap`` (``max_concurrency``) and ``rate`` where it has them."""
         versions: dict[tuple[str, str], set[int] | None] = {}
         for s in self._subscriptions:
             key = (s.kind, s.pattern)

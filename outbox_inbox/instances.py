@@ -66,10 +66,9 @@ class Instances:
         self, conn: Connection, rows: list[RowMapping], claimant: str
     ) -> list[tuple[RowMapping, str]]:
         """Decide the claimed `rows` no handler of this worker takes, in the batch's
-        transaction; return those to be dead (``no_handler``), each with its error. A row that
-        a live instance advertises a handler for (`roles.live_instances`) is given back
-        uncounted and still pending (`roles.release_claims`), so its key's later rows stay
-        behind it; one warning per routing key and version a minute says so."""
+        transaction; return those to be dead (``no_handler``), each with its error. A row a
+        live instance has a handler for is given back uncounted and still pending, its key's
+        later rows behind it; one warning per routing key and version a minute says so."""
         if not rows:
             return []
         grace, service = timedelta(seconds=self._grace), self._service

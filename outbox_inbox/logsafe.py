@@ -49,12 +49,9 @@ def _mask_spaced(match: re.Match[str]) -> str:
 
 
 def mask_url(url: str | None) -> str:
-    """Return `url` (or any text holding URLs) with every password replaced by `***`.
-
-    Works on malformed URLs too: a missing or half ":" or "//" after the scheme, no scheme,
-    no host (``amqp://user:password``), a raw "/", ":", "@" or "%" in the password. None
-    becomes an empty string.
-    """
+    """Return `url` (or any text holding URLs) with every password replaced by `***`, in
+    malformed URLs too: a missing or half ":" or "//" after the scheme, no scheme, no host
+    (``amqp://user:password``), a raw "/", ":", "@" or "%" in the password. None gives ""."""
     if not url:
         return ""
     text = str(url)
@@ -79,11 +76,8 @@ def _mask_word(match: re.Match[str]) -> str:
 
 def url_passwords(text: str | None) -> set[str]:
     """Every password `mask_url` would hide in `text`: as written, percent-decoded, and its
-    pieces between "/", "@", ":" and white space.
-
-    For a caller that must also hide a password where it appears alone, e.g. a parser's
-    "invalid port 'secret'" about a URL without a host.
-    """
+    pieces between "/", "@", ":" and white space; for a caller that must also hide a password
+    where it appears alone (a parser's "invalid port 'secret'" about a URL without a host)."""
     if not text:
         return set()
     found: set[str] = set()

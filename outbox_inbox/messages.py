@@ -100,11 +100,8 @@ class Message:
     @property
     def original_id(self) -> str:
         """The id as its sender wrote it: `message_id`, unless the sender's id was not a UUID
-        (then the inbox keys the message on a UUID derived from it, and this is the original).
-
-        What a handler sends carries it as its causation id, so the sender can match a reply
-        to its command.
-        """
+        (the inbox keys the message on a UUID derived from it). What a handler sends carries it
+        as its causation id, so the sender can match a reply to its command."""
         original = self.headers.get(H_ORIGINAL_ID)
         return original if isinstance(original, str) and original else str(self.message_id)
 
@@ -150,6 +147,15 @@ class WireMessage:
     #: Other AMQP properties of a received message (``content_encoding``, ``reply_to``,
     #: ``cluster_id``): checked or only kept, so that a forwarded copy has them. Not stored.
     properties: Mapping[str, Any] = field(default_factory=dict)
+
+
+def forwarded_headers(message: WireMessage, added: Mapping[str, Any]) -> dict[str, Any]:
+    """`message`'s headers, where it was first delivered (``x-original-exchange``,
+    ``-routing-key``) unless they say already, and `added`: those of a forwarded copy."""
+    headers = dict(message.headers)
+    headers.setdefault(H_ORIGINAL_EXCHANGE, message.exchange)
+    headers.setdefault(H_ORIGINAL_ROUTING_KEY, message.routing_key)
+    return headers | dict(added)
 
 
 #: `json.dumps` with these options, without building an encoder for each call.
@@ -291,10 +297,8 @@ def is_json_media_type(content_type: str) -> bool:
 
 
 def epoch_time(value: int) -> datetime | None:
-    """The time of an epoch number in seconds, milliseconds, microseconds or nanoseconds.
-
-    None for zero, a negative number, or one past the year 9999.
-    """
+    """The time of an epoch number in seconds, milliseconds, microseconds or nanoseconds;
+    None for zero, a negative number, or one past the year 9999."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         return None
     for below, micros in _EPOCH_UNITS:
@@ -465,21 +469,9 @@ def _check_strings(value: Any, where: str) -> None:
 
 #: The inbox columns `from_wire` fills, in this order (the keys of its result).
 RECEIVED_COLUMNS = (
-    "message_id",
-    "source",
-    "kind",
-    "routing_key",
-    "payload",
-    "headers",
-    "version",
-    "correlation_id",
-    "causation_id",
-    "key",
-    "tenant",
-    "priority",
-    "created_at",
-    "expires_at",
-)
+    "message_id", "source", "kind", "routing_key", "payload", "headers", "version",
+    "correlation_id", "causation_id", "key", "tenant", "priority", "created_at", "expires_at",
+)  # fmt: skip
 #: Of those, the ones that hold JSON values.
 RECEIVED_JSON_COLUMNS = ("payload", "headers")
 
@@ -493,12 +485,9 @@ def _row_columns(cls: type[DataclassInstance]) -> tuple[tuple[str, str], ...]:
 
 def from_row(cls: type[_M], row: Mapping[Any, Any], **given: Any) -> _M:
     """The message dataclass `cls` (`Message`, `OutgoingMessage`, a test's view) of a table row:
-    the one mapping of outbox and inbox columns to message fields.
-
-    Each field takes the row's column of its name (``type`` the ``routing_key``; ``headers``
-    None as ``{}``) unless `given` sets it; a field whose column the row lacks keeps its
-    default (a decoded delivery has no ``received_at``).
-    """
+    the one mapping of outbox and inbox columns to message fields. Each field takes the row's
+    column of its name (``type`` the ``routing_key``; ``headers`` None as ``{}``) unless `given`
+    sets it; a field whose column the row lacks keeps its default."""
     values = {f: row[c] for f, c in _row_columns(cls) if f not in given and c in row}
     if "headers" in values:
         values["headers"] = dict(values["headers"] or {})
@@ -587,11 +576,8 @@ def from_wire(wire: WireMessage, *, max_bytes: int | None = None) -> dict[str, A
 
 
 def jsonable(value: Any) -> Any:
-    """AMQP header values (bytes, decimals, timestamps, nested tables) as JSON values.
-
-    Bytes become text, each byte that is not UTF-8 (and U+0000, which PostgreSQL cannot
-    store) replaced by U+FFFD.
-    """
+    """AMQP header values (bytes, decimals, timestamps, nested tables) as JSON values; bytes
+    become text, what is not UTF-8 (and U+0000, which PostgreSQL cannot store) U+FFFD."""
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace").replace("\x00", "\ufffd")
     if isinstance(value, datetime):

@@ -127,11 +127,8 @@ def heads() -> tuple[str, ...]:
 
 
 def current(connection: Connection, schema: str = DEFAULT_SCHEMA) -> Current:
-    """The revisions `schema` is at on `connection` (reads only: creates no version table).
-
-    On SQLite the schema is the database file itself; `schema` names the version table's
-    owner elsewhere. Raises StorageError when the database cannot be read.
-    """
+    """The revisions `schema` is at on `connection` (reads only: creates no version table; on
+    SQLite the database file itself). Raises StorageError when the database cannot be read."""
     where = tables_for(connection.engine.url, schema).metadata.schema
     try:
         context = MigrationContext.configure(
@@ -144,11 +141,8 @@ def current(connection: Connection, schema: str = DEFAULT_SCHEMA) -> Current:
 
 
 def check(connection: Connection, schema: str = DEFAULT_SCHEMA) -> list[str]:
-    """What differs between `schema`'s tables and the newest migration; empty when equal.
-
-    The revision first (not at head: nothing else is compared), then every difference
-    alembic's comparison finds between the database and the library's table metadata.
-    """
+    """What differs between `schema`'s tables and the newest migration; empty when equal: the
+    revision (not at head: nothing else is compared), then every difference alembic finds."""
     state = current(connection, schema)
     if not state.up_to_date:
         at = ", ".join(state.revisions) or "no revision"

@@ -1,12 +1,8 @@
 """Time partitions of the outbox and the inbox on PostgreSQL: made ahead, dropped after the
-retention, exported to the archive first when it has a target.
-
-The tables, the partitions' names and what one maintenance pass (`maintain`) does, step by
-step, are in docs/history.md ("Retention"). There is no DEFAULT partition: a row whose time
-has no partition is refused, so the partitions are made `ahead` of time, and a DEFAULT
-partition would keep a partition from being detached concurrently. The retention is the
-inbox's duplicate window: see `config.duplicate_horizon`.
-"""
+retention, exported to the archive first when it has a target (docs/history.md, "Retention").
+There is no DEFAULT partition (it would keep a partition from being detached concurrently),
+so the partitions are made `ahead` of time. The retention is the inbox's duplicate window:
+see `config.duplicate_horizon`."""
 
 from __future__ import annotations
 
@@ -119,9 +115,7 @@ def _bound_time(value: str) -> datetime | None:
 
 def make_ahead(conn: Connection, tables: Tables, interval: str | None, now: datetime) -> list[str]:
     """Create the partitions from the newest one's end to ``AHEAD[interval]`` past `now`
-    (`interval` None: the newest partition's length, an hour or else a day), each by
-    `sql.create_partition` and committed on its own.
-    """
+    (`interval` None: the newest partition's length), each committed on its own."""
     made: list[str] = []
     for parent in KEYS:
         existing = partitions(conn, tables.schema, parent)
@@ -171,12 +165,9 @@ def maintain(
     retention: Retention,
     exporter: Exporter | None = None,
 ) -> MaintenanceResult:
-    """One maintenance pass (docs/history.md, "The maintenance pass"); PostgreSQL only.
-    `interval`: of the partitions to make (None: as long as the newest one).
-
-    Uses connections of its own in autocommit mode and never touches a caller's
-    transaction. Raises StorageError when the database fails; what was done stays done.
-    """
+    """One maintenance pass (docs/history.md, "The maintenance pass"); PostgreSQL only, on
+    connections of its own in autocommit mode. `interval`: of the partitions to make (None: as
+    long as the newest one). Raises StorageError when the database fails; what was done stays."""
     result = MaintenanceResult()
     try:
         with held_lock(engine, lambda conn: sql.try_maintenance_lock(conn, tables.schema)) as held:
@@ -346,10 +337,9 @@ def partitioned(conn: Connection, schema: str) -> list[str]:
 
 def survey(conn: Connection, tables: Tables, retention: Retention) -> list[PartitionState]:
     """Every partition of the outbox and the inbox, each table's oldest first, with what
-    `maintain` would do with those past `retention` (judged on the database clock): the
-    read-only view of ``outbox-inbox partitions list``. Empty for plain tables. Reads the
-    catalog, and each partition past the retention once (an EXISTS on its unfinished rows).
-    Raises StorageError when the database fails, SchemaMissing without tables."""
+    `maintain` would do with those past `retention` (database clock): ``outbox-inbox
+    partitions list``, read-only. Empty for plain tables. Raises StorageError when the
+    database fails, SchemaMissing without tables."""
     try:
         cutoff, dead_cutoff = retention.cutoffs(database_now(conn))
         found: list[PartitionState] = []

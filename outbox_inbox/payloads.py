@@ -1,9 +1,6 @@
-"""Typed payloads: a handler's declared payload type, decoding into it, and plain JSON values.
-
-A handler declares the type of its payload with a parameter named ``payload`` annotated with a
-dataclass or a pydantic model (docs/concepts.md, "A typed payload"). The payload is decoded
-before the handler runs; one that does not fit raises `InvalidPayload` (the message is dead at
-once as ``invalid_payload``). `publish` and `send` take such objects as payloads too (`plain`).
+"""Typed payloads: a handler's declared payload type (a dataclass or a pydantic model:
+docs/concepts.md, "A typed payload"), decoding into it (`InvalidPayload`: dead at once as
+``invalid_payload``), and plain JSON values of such objects for `publish` and `send` (`plain`).
 """
 
 from __future__ import annotations
@@ -20,12 +17,9 @@ from .errors import ConfigurationError, InvalidPayload
 
 
 def declared_payload_type(handler: Callable[..., Any], *, batch: bool = False) -> type | None:
-    """The type a handler's ``payload`` parameter is annotated with, or None without one.
-
-    For a batch handler (`batch`), the item type of its ``payloads`` parameter, annotated
-    ``list[T]`` or ``Sequence[T]``. Raises ConfigurationError when it is annotated with
-    something that cannot be decoded into (anything but a dataclass or a pydantic model).
-    """
+    """The type a handler's ``payload`` parameter is annotated with (a `batch` handler: the
+    ``T`` of ``payloads: list[T]`` or ``Sequence[T]``), or None without one. Raises
+    ConfigurationError for a type that is neither a dataclass nor a pydantic model."""
     name = "payloads" if batch else "payload"
     try:
         parameters = inspect.signature(handler).parameters

@@ -11,13 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from sqlalchemy import Engine
-from sqlalchemy.exc import (
-    DataError,
-    DBAPIError,
-    IntegrityError,
-    OperationalError,
-    SQLAlchemyError,
-)
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, OperationalError, SQLAlchemyError
 
 from .broker import Broker, Consumer, Delivery
 from .config import Settings
@@ -56,16 +50,10 @@ INVALID, STORE_FAILED, REDELIVERED = "invalid", "store_failed", "redelivered"
 
 
 class Receiver:
-    """Consumes ``<service>.inbox`` and inserts batches into the inbox table.
-
-    A batch is inserted in one transaction (``ON CONFLICT (message_id) DO NOTHING``) and
-    acknowledged only after that commit, with one multiple-ack. A crash before the ack brings
-    the batch back from the broker; the stored copies are then skipped as duplicates and acked.
-
-    No delivery can stop the others: what each failure does (a delivery that breaks a rule, a
-    row the database refuses, a database that cannot be reached, a row that cannot be stored
-    now, a redelivered suspect) is the "Receiver" table of docs/failures.md. The receiver does
-    no business work.
+    """Consumes ``<service>.inbox`` and inserts batches into the inbox table, each in one
+    transaction (``ON CONFLICT (message_id) DO NOTHING``) acknowledged only after its commit:
+    a crash before the ack brings the batch back, its stored copies skipped as duplicates. No
+    delivery can stop the others: the "Receiver" table of docs/failures.md.
     """
 
     def __init__(
@@ -95,12 +83,9 @@ class Receiver:
 
     def run(self, stop: threading.Event, *, on_started: Callable[[], None] | None = None) -> None:
         """Receive until `stop` is set; the batch in hand is stored and acked first.
-
-        `on_started` is called once the first consumer is open. Any error is retried (see
-        `RoleLoop`), the consumer closed first: its unacked deliveries come back flagged
-        redelivered. After TopologyMissing (a queue gone) the topology is declared again first
-        (`declare`).
-        """
+        `on_started` is called once the first consumer is open. Any error is retried
+        (`RoleLoop`), the consumer closed first; after TopologyMissing the topology is declared
+        again first (`declare`)."""
         s = self._settings
         consumer: Consumer | None = None
         announce = on_started
@@ -142,16 +127,10 @@ class Receiver:
                 consumer.close()
 
     def store(self, consumer: Consumer, batch: list[Delivery]) -> None:
-        """Store one batch; acknowledge, delay or dead-letter every delivery in it.
-
-        Deliveries are taken in order: runs of first deliveries are stored together and
-        acknowledged with one multiple-ack, each redelivered one alone and acknowledged at
-        once (docs/failures.md), so that a stored message is not delivered, and
-        counted, again when a suspect after it kills the process.
-
-        Raises the SQLAlchemyError of a database that cannot be reached, the deliveries not
-        stored yet left unacknowledged: the caller closes the consumer (see `run`).
-        """
+        """Store one batch; acknowledge, delay or dead-letter every delivery in it: runs of
+        first deliveries together with one multiple-ack, each redelivered one alone
+        (docs/failures.md). Raises the SQLAlchemyError of a database that cannot be reached,
+        the deliveries not stored yet left unacknowledged (the caller closes the consumer)."""
         run: list[Delivery] = []
         for delivery in batch:
             if delivery.redelivered:
@@ -203,12 +182,10 @@ class Receiver:
             return roles.is_stored(conn, self._tables, message_id)
 
     def _store_together(self, consumer: Consumer, batch: list[Delivery]) -> list[Delivery]:
-        """Decode and insert `batch` in one transaction; return the deliveries to ack.
-
-        What cannot be decoded is dead-lettered; when the insert fails, the error is raised
-        (database unavailable: see `store`) or the rows are inserted one by one, so that only
-        the failing ones are dead-lettered (refused) or delayed.
-        """
+        """Decode and insert `batch` in one transaction; return the deliveries to ack. What
+        cannot be decoded is dead-lettered; when the insert fails (but for an unreachable
+        database: raised), the rows are inserted one by one, only the failing ones
+        dead-lettered or delayed."""
         pending: dict[uuid.UUID, tuple[Delivery, dict[str, Any]]] = {}
         repeats: Counter[uuid.UUID] = Counter()  # copies of a message within this batch
         for delivery in batch:
@@ -263,11 +240,8 @@ class Receiver:
     def _insert(
         self, items: list[tuple[Delivery, dict[str, Any]]], repeats: Mapping[uuid.UUID, int]
     ) -> list[Delivery]:
-        """Insert rows in one transaction; return their deliveries, ready to be acked.
-
-        In the same transaction, every delivery dropped as a duplicate (the message was stored
-        before, or came twice in this batch) is counted in ``inbox_deliveries.duplicates``.
-        """
+        """Insert rows in one transaction; return their deliveries, ready to be acked. Every
+        delivery dropped as a duplicate is counted in ``inbox_deliveries.duplicates`` there."""
         tracer = self._tracing.tracer()
         started = time.time_ns() if tracer is not None else 0
         with self._engine.begin() as conn:

@@ -1,15 +1,9 @@
-"""The loop every role runs: its own step again and again until it is asked to stop.
-
-The relay, the receiver and the worker differ only in their step (relay a batch, store a
-batch, handle a batch). Around it, the same for each: the loop ends once `stop` is set, after
-the step in hand; a step that raises one of the role's `retried` errors is followed by its
-`recover` and a `Backoff` wait (which logs the outage), and one outside `UNAVAILABLE` is
-logged with its traceback first; what a role does not retry ends its `run`. A step that found
-less than a full batch is followed by `idle` and a poll wait, cut short by a NOTIFY (`Waker`)
-or by `stop`; a full batch by the next step at once.
-
-`RoleLoop.run` runs a sync step in the calling thread; `RoleLoop.run_async` awaits an async
-one on the running event loop, doing its waits in a thread so that the loop runs on.
+"""The loop every role (relay, receiver, worker) runs: its own step again and again until
+`stop` is set, after the step in hand. A step that raises one of the role's `retried` errors
+is followed by its `recover` and a `Backoff` wait (which logs the outage), one outside
+`UNAVAILABLE` logged with its traceback first; what a role does not retry ends its `run`. A
+step that found less than a full batch is followed by `idle` and a poll wait, cut short by a
+NOTIFY (`Waker`) or by `stop`; a full batch by the next step at once.
 """
 
 from __future__ import annotations
@@ -38,14 +32,10 @@ UNAVAILABLE: tuple[type[Exception], ...] = (BrokerError, SQLAlchemyError, *DRIVE
 
 @dataclass
 class RoleLoop:
-    """How one role repeats its step. Build one per `run` of the role (it keeps the outage).
-
-    `what` names the role in the log lines ("relay of orders"). `full`: a step returning at
-    least this many rows is followed by the next at once; fewer, by the poll wait of
-    `poll_interval` seconds (None: no wait, the step waits itself, as the receiver's fetch
-    does). `waker_factory` makes the role's NOTIFY listener for a run (None: poll only).
-    `retried`: the errors after which the role backs off and tries again.
-    """
+    """How one role repeats its step; one per `run` of the role (it keeps the outage). `what`
+    names the role in the log lines; `full`: the rows of a full step; `poll_interval` None: no
+    poll wait (the step waits itself, as the receiver's fetch does); `waker_factory` None:
+    poll only; `retried`: the errors after which the role backs off and tries again."""
 
     what: str
     settings: Settings
@@ -69,11 +59,9 @@ class RoleLoop:
         recover: Callable[[Exception], None] | None = None,
         idle: Callable[[], None] | None = None,
     ) -> None:
-        """Run `step` until `stop` is set (see the module documentation).
-
-        `step` returns how many rows it found; `recover` is called with a retried error before
-        the backoff wait; `idle` before each poll wait.
-        """
+        """Run `step` until `stop` is set (see the module documentation). `step` returns how
+        many rows it found; `recover` is called with a retried error before the backoff wait;
+        `idle` before each poll wait."""
         waker = self._listening(stop)
         try:
             while not stop.is_set():
@@ -99,11 +87,9 @@ class RoleLoop:
         *,
         recover: Callable[[Exception], Awaitable[None]] | None = None,
     ) -> None:
-        """`run` for an async `step` and `recover`, on the running event loop.
-
-        The waits (backoff, poll, the waker's LISTEN connection) block: they run in a thread.
-        `stop` stays a threading.Event, so that any thread may set it.
-        """
+        """`run` for an async `step` and `recover`, on the running event loop; the waits
+        (backoff, poll, the waker's LISTEN connection) run in a thread. `stop` stays a
+        threading.Event, so that any thread may set it."""
         waker = await asyncio.to_thread(self._listening, stop)
         try:
             while not stop.is_set():

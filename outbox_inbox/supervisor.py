@@ -1,8 +1,5 @@
 """Worker processes: a service's workers in several OS processes, supervised by the one that
-runs the service, so that its handlers use every CPU (one interpreter lock per process).
-
-How many are forked, and how the parent restarts and stops them, is docs/runbook.md ("Worker
-processes"); `WorkerProcesses` states the contract.
+runs the service (docs/runbook.md, "Worker processes").
 
 Children are forked, not spawned: they need the service object with its handlers, which a
 new interpreter could only rebuild from an import path. The parent forks before it starts
@@ -76,13 +73,11 @@ ChildMain = Callable[[threading.Event, Listener | None], int]
 
 class WorkerProcesses:
     """`count` child processes of service `name`, each running `child`, kept running;
-    `forwarded`: the parent's listeners that receive the hooks the children forward.
-
-    Use from the thread that runs the service (the main thread, for signals): `start()`
-    forks them, `watch(stop)` restarts any that dies until `stop` is set (at once, or after
-    1, 2, ... `MAX_RESTART_DELAY` s while they keep dying within `STABLE_AFTER` s), `stop()`
-    ends them gracefully (SIGTERM, then a kill after `stop_timeout`). Not thread-safe.
-    """
+    `forwarded`: the parent's listeners that receive the hooks the children forward. Not
+    thread-safe: use from the thread that runs the service (the main thread, for signals).
+    `start()` forks them, `watch(stop)` restarts any that dies (after 1, 2, ...
+    `MAX_RESTART_DELAY` s while they keep dying within `STABLE_AFTER` s), `stop()` ends them
+    (SIGTERM, then a kill after `stop_timeout`)."""
 
     def __init__(
         self,
@@ -214,10 +209,8 @@ def _how_it_ended(exitcode: int | None) -> str:
 
 
 def _child_main(child: ChildMain, name: str, slot: int, metrics_pipe: Any) -> None:
-    """A worker process: run `child` until SIGTERM, SIGINT or the parent's end, and exit
-    with its code: 0 after a graceful stop, 1 when a worker role ended by itself or `child`
-    raised (the parent then starts the process again).
-    """
+    """A worker process: run `child` until SIGTERM, SIGINT or the parent's end; exit 0 after
+    a graceful stop, 1 when a worker role ended by itself or `child` raised (restarted)."""
     stop = threading.Event()
     for sig in _STOP_SIGNALS:
         signal.signal(sig, lambda *_: stop.set())

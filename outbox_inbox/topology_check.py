@@ -64,10 +64,8 @@ def binding_name(binding: Binding) -> str:
 
 
 def check_topology(topology: Topology, admin: Operator, api: ManagementAPI | None) -> Plan:
-    """Check every object of `topology` against the broker of `admin`; read-only.
-
-    Raises BrokerError when the broker cannot be reached.
-    """
+    """Check every object of `topology` against the broker of `admin`; read-only. Raises
+    BrokerError when the broker cannot be reached."""
     problem = "no management URL" if api is None else None
     try:
         if api is not None:

@@ -75,9 +75,7 @@ _GETTER = _HeaderGetter()
 
 class Tracing:
     """Where a service's spans go: `provider`, else the global tracer provider once one is set.
-
-    Thread-safe. `tracer()` is None while spans would go nowhere (no provider, or a no-op one).
-    """
+    Thread-safe. `tracer()` is None while spans would go nowhere (no provider, or a no-op one)."""
 
     def __init__(self, service: str, provider: TracerProvider | None = None) -> None:
         self.service = service

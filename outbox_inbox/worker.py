@@ -59,15 +59,10 @@ def worker_name() -> str:
 
 
 class ConnectionLost(SQLAlchemyError):
-    """The worker's database connection broke, or the database could not do the work for a
-    reason of its own (`errors.database_unreachable`: a full disk, a server shutting down),
-    while the worker was handling a batch.
-
-    Not a handler failure: nothing is counted against the messages and no listener hook runs;
-    the worker reconnects, and the claims of its old connection are free at once (given back
-    uncounted first when the connection still works, as when the disk is full: the next
-    claim would otherwise count each message once more, towards ``abandoned``).
-    """
+    """The worker's database connection broke, or the database could not work
+    (`errors.database_unreachable`), while the worker was handling a batch. Not a handler
+    failure: nothing is counted against the messages and no listener hook runs; the worker
+    reconnects, its claims given back uncounted first when the connection still works."""
 
 
 class _HandlerFailed(Exception):
@@ -119,23 +114,12 @@ class _Batch:
 class Worker:
     """Claims due inbox rows and handles them. Run several, in threads or processes.
 
-    A batch is claimed in a short transaction that leases the rows (``locked_until`` on the
-    database clock) to this worker's claimant name and counts the claim. A second transaction
-    row-locks them, runs their handlers with one Session the handlers write their effects
-    through, and marks them processed: the effects and the marks commit together or not at all.
-    When a handler fails, that transaction is rolled back and the batch is run again with a
-    savepoint per message, so only the failing message is retried or dead; the handlers of the
-    others run a second time, in a new transaction (handler contract: effects belong in the
-    session).
-
-    Liveness: a session connection of the worker's own (``listen_url``, or db_url when it
-    keeps sessions) holds an advisory lock on its claimant name. A worker that dies, or whose
-    connection is cut, loses the lock with its session, and other workers claim its rows at
-    once instead of after the lease. The lease stays the bound for a
-    worker that is alive but hung: the server ends its session after ``lease`` idle in a
-    transaction. A row claimed before without finishing (a suspect: it may have killed its
-    worker) is run alone, one suspect per claim, so a poison message cannot take its batch-mates
-    to ``abandoned`` with it.
+    A batch's handler effects and processed marks commit in one transaction; when a handler
+    fails, the batch is run again with a savepoint per message. Leases, the liveness lock and
+    the redo: docs/concepts.md ("Leases and row locks", "Liveness", "Handlers run in batches").
+    A row claimed before without finishing (a suspect: it may have killed its worker) is run
+    alone, one suspect per claim, so a poison message cannot take its batch-mates to
+    ``abandoned`` with it.
     """
 
     def __init__(
@@ -197,17 +181,11 @@ class Worker:
 
         `opened`: a connection to prepare instead of a new one from the engine (the asyncio
         worker passes the sync face of its AsyncConnection); it is closed if this fails.
-
-        The hang limit (`roles.limit_worker`) is set once on a session that is the worker's
-        own (it holds the liveness lock and never goes back to a pool); otherwise each
-        transaction sets it (``SET LOCAL``), so that a pooler in transaction mode passes
-        nothing on to its other clients. Each call gets a new `claimant` name whose liveness
-        lock is held on a session connection of its own (`liveness_url`; see
-        `close_liveness`), so the claims of an earlier connection of this worker, if it
-        broke, are free to every worker at once.
-        Without a liveness URL (behind a transaction pooler and no ``listen_url``) no lock is
-        held, and a dead worker's rows are free once their lease ends. Raises SQLAlchemyError
-        if the database cannot be reached.
+        Each call takes a new `claimant` name (`_hold_liveness`), so the claims of an earlier
+        connection of this worker are free to every worker at once. The hang limit
+        (`roles.limit_worker`) is set once on a session that is the worker's own, else by
+        each transaction (``SET LOCAL``: a pooler passes nothing on to its other clients).
+        Raises SQLAlchemyError if the database cannot be reached.
         """
         conn = self._engine.connect() if opened is None else opened
         self._next = []  # claims of an earlier connection are free with its liveness lock
@@ -215,9 +193,7 @@ class Worker:
             claimant, own_session = self._hold_liveness(conn)
             if conn.dialect.name == "postgresql":
                 lease = self._settings.lease
-                if own_session:
-                    # The session is this worker's alone (never back in a pool): its limits
-                    # are set once, not at each transaction's start (a round trip saved).
+                if own_session:  # never back in a pool: set once, a round trip saved
                     with conn.begin():
                         roles.limit_worker(conn.connection.dbapi_connection, lease, local=False)
                 else:
@@ -229,14 +205,10 @@ class Worker:
         return conn
 
     def _hold_liveness(self, conn: Connection) -> tuple[str, bool]:
-        """A new claimant name, its liveness lock held (if anywhere) for as long as `conn`;
-        and whether `conn` holds it (then `conn`'s session is the worker's own).
-
-        When the liveness URL is the engine's own (a direct database, or a pooler in session
-        mode: a session per client), the lock is held on `conn` itself, which then never goes
-        back to the engine's pool: a cut connection frees its claims at once. Otherwise (a
-        ``listen_url`` past a pooler in transaction mode) on a session connection of its own.
-        """
+        """A new claimant name, its liveness lock held (if anywhere) for as long as `conn`,
+        and whether `conn` holds it: when the liveness URL is the engine's own, `conn` is
+        detached from the pool and holds it; else (a ``listen_url`` past a pooler in
+        transaction mode) a session connection of its own does."""
         self.close_liveness()
         claimant = f"{self.name}/{next(self._connections)}"
         url = self._liveness_url() if self._liveness_url is not None else None
@@ -272,12 +244,10 @@ class Worker:
             self._liveness_conn = None
 
     def run(self, stop: threading.Event, *, on_started: Callable[[], None] | None = None) -> None:
-        """Handle messages until `stop` is set; the batch in hand is finished first.
-
-        Waits between batches and outages are the `RoleLoop`'s; a database error drops the
-        connection (and with it the liveness lock) and the next batch opens another one.
-        Claims of a next batch not yet begun are given back, uncounted, when it stops.
-        """
+        """Handle messages until `stop` is set; the batch in hand is finished first, the
+        claims of a next batch not yet begun are given back, uncounted. Waits between batches
+        and outages are the `RoleLoop`'s; a database error drops the connection (and with it
+        the liveness lock), and the next batch opens another one."""
         self._stop = stop
         conn: Connection | None = None
         full = self._settings.worker_batch_size
@@ -325,16 +295,12 @@ class Worker:
         )
 
     def work_once(self, conn: Connection) -> int:
-        """Handle one batch on `conn`; return how many rows it claimed.
+        """Handle one batch on `conn` (from `connect()`); return how many rows it claimed.
 
-        `conn` should come from `connect()` (on another connection claims still work, but
-        without liveness other workers take them only after the lease). The batch is the one
-        the last batch's transaction claimed for it (see `_run_batch`), else one claimed now.
-        A return value below ``worker_batch_size`` means nothing more was due; after giving
-        suspects back it returns at least ``worker_batch_size``, since they are. Raises
-        `ConnectionLost` or another SQLAlchemyError when the database fails (claims of a next
-        batch are then dropped: they are free with the connection's liveness lock); handler
-        errors never escape.
+        The batch is the one the last batch's transaction claimed for it (`_run_batch`), else
+        one claimed now. Below ``worker_batch_size``: nothing more was due (after giving
+        suspects back, at least ``worker_batch_size``: they are due). Raises `ConnectionLost`
+        or another SQLAlchemyError when the database fails; handler errors never escape.
         """
         s = self._settings
         self._instances.advertise(conn)
@@ -346,12 +312,9 @@ class Worker:
             return 0
         suspects = [r for r in rows if r["attempts"] - r["finished"] > 1]
         if suspects:
-            # A row claimed before without finishing may be what killed its worker, or it was
-            # only that worker's batch-mate. Run the first suspect alone and give every other
-            # row of this claim back uncounted: a row's count then grows only while it runs
-            # alone (or in a batch that dies), so only a row that kills its worker alone keeps
-            # counting towards "abandoned". Each suspect costs one claim of its own, and the
-            # rows given back are due now: claim again at once, not after a poll.
+            # Run the first suspect alone and give the rest back uncounted: a row's count
+            # grows only while it runs alone, so only a row that kills its worker alone counts
+            # towards "abandoned". The rows given back are due: claim again at once.
             alone = suspects[0]
             with conn.begin():
                 roles.release_claims(
@@ -403,9 +366,8 @@ class Worker:
         return bool(self._next)
 
     def give_back(self, conn: Connection) -> None:
-        """Give back the claims of a next batch that will not be handled (the worker stops);
-        they do not count as attempts. A database error is only logged: the claims are then
-        free once this connection's liveness lock is gone."""
+        """Give back, uncounted, the claims of a next batch that will not be handled (the
+        worker stops); a database error is only logged (`_release`)."""
         rows, self._next = self._next, []
         self._release(conn, [r["id"] for r in rows])
 
@@ -425,10 +387,8 @@ class Worker:
         self._instances.retire(conn)
 
     def _work(self, conn: Connection, rows: list[RowMapping], *, claim_next: bool) -> None:
-        """Handle claimed rows: all in one transaction, or one savepoint each on a failure.
-
-        `claim_next`: the batch's transaction also claims the next batch (`_run_batch`).
-        """
+        """Handle claimed rows: all in one transaction, or one savepoint each on a failure;
+        `claim_next`: the batch's transaction also claims the next batch (`_run_batch`)."""
         batch = self._plan(rows)
         try:
             try:
@@ -442,9 +402,8 @@ class Worker:
                     raise  # not again one by one: a handler that ran would run twice
                 cause = exc.error if isinstance(exc, _HandlerFailed) else exc
                 _raise_if_outage(conn, cause)
-                # A handler failed, or the batch's flush or commit did: redo the batch message
-                # by message. The failing handler is not run again for this attempt: its error
-                # is recorded as it was raised.
+                # A handler, or the batch's flush or commit, failed: redo message by message;
+                # the failing handler is not run again, its error is recorded as raised.
                 log.debug("worker %s: batch failed (%r), one by one", self.name, cause)
                 failed = exc if isinstance(exc, _HandlerFailed) else None
                 handled = self._run_batch(conn, batch, one_by_one=True, failed=failed)
@@ -517,12 +476,9 @@ class Worker:
     ) -> list[Message]:
         """Run every handler of the batch in one transaction; raise if any of them fails.
         `one_by_one`: each message in a savepoint of its own, each failure recorded, and the
-        row that `failed` names not run again (its error is recorded as it was).
-
-        With `claim_next`, the same transaction claims the next batch (`_next`) after the
-        marks, unless the worker is stopping: one transaction per batch instead of two, and
-        the next batch's attempts are counted when this one commits, before its handlers run.
-        Stopping between messages leaves the rest unrun (given back uncounted).
+        row that `failed` names not run again (its error is recorded as it was). With
+        `claim_next`, the same transaction claims the next batch (`_next`) after the marks,
+        unless the worker is stopping (the rest are then unrun, given back uncounted).
         """
         handled: list[Message] = []
         processed: list[int] = []
@@ -574,19 +530,11 @@ class Worker:
             yield job
 
     def _handle(
-        self,
-        jobs: Iterator[_Job],
-        session: Session,
-        handled: list[Message],
-        processed: list[int],
+        self, jobs: Iterator[_Job], session: Session, handled: list[Message], processed: list[int]
     ) -> None:
-        """Run the handlers of `jobs` with `session`, filling the lists.
-
-        Message by message, its handlers called per message run at once; each batch handler
-        runs once at the end with all the messages it handles. A message begun runs every
-        handler. Raises `_HandlerFailed` (a handler called per message), or what a batch
-        handler raised.
-        """
+        """Run the handlers of `jobs` with `session`, filling the lists: per-message handlers
+        at once, each batch handler once at the end with all its messages. Raises
+        `_HandlerFailed` (a per-message handler), or what a batch handler raised."""
         calls = self._calls()
         batches: dict[int, tuple[Subscription, list[Message]]] = {}
         for job in jobs:
@@ -629,11 +577,8 @@ class Worker:
         cause: BaseException | None = None,
     ) -> None:
         """Mark `job`'s row dead, in the caller's transaction: the one way every dead end of
-        the worker goes (abandoned, expired, no handler, rejected, invalid payload, attempts
-        exhausted). `cause`: the handler's exception, when one ended it.
-
-        The fault back to the row's sender is written after the mark, in the same
-        transaction: neither commits without the other (outbox_inbox.faults)."""
+        the worker goes. `cause`: the handler's exception, when one ended it. The fault back
+        to the sender is written in the same transaction (outbox_inbox.faults)."""
         cause_print = fingerprint(reason, cause)
         roles.mark_dead(
             conn, self._tables, job.id, reason, error, finished=finished, fingerprint=cause_print
@@ -689,11 +634,8 @@ class Worker:
 
 def _limit_each_transaction(lease: float) -> Callable[[Connection], None]:
     """A ``begin`` hook that sets the worker's limits for the transaction (``SET LOCAL``).
-
-    SQLAlchemy does not wrap what a begin hook raises: a driver error that means the session
-    is gone (AdminShutdown after ``pg_terminate_backend``) is raised as the DBAPIError, with
-    the connection invalidated, that the same failure of a statement would be.
-    """
+    SQLAlchemy does not wrap what a begin hook raises: a driver error is raised as the
+    DBAPIError a statement's would be, the connection invalidated when the session is gone."""
 
     def limit(conn: Connection) -> None:
         dbapi = conn.connection.dbapi_connection
@@ -727,10 +669,8 @@ def _discard(conn: Connection) -> None:
 
 def _raise_if_outage(conn: Connection, exc: BaseException) -> None:
     """Raise `ConnectionLost` when `exc`, raised while handling, is the database's and not a
-    handler's: the connection is gone, or a statement failed because the database cannot work
-    now (a full disk, a server shutting down: `errors.database_unreachable`). A SQLAlchemy
-    error is taken for one of the session the handlers were given, on the worker's database;
-    a driver error a handler raised itself from a connection of its own is the handler's."""
+    handler's: the connection is gone, or `errors.database_unreachable`. A driver error a
+    handler raised from a connection of its own is the handler's."""
     if _connection_broken(conn, exc):
         raise ConnectionLost(f"connection lost while handling: {first_line(exc)}") from exc
     if isinstance(exc, DBAPIError) and database_unreachable(exc):

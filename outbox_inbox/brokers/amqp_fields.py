@@ -1,18 +1,12 @@
 """AMQP 0-9-1 message properties and field tables, decoded so that no sent value can fail.
 
-pika decodes a message's properties when their frame arrives, inside the connection's I/O. A
-value Python cannot represent (a ``T`` timestamp in milliseconds, past the year 9999; tables
-nested deeper than Python's recursion limit) raises there: the connection is dropped, the
-broker delivers the same message again, and the consumer fails on it again, forever. pika also
-turns ``f`` and ``d`` floats into integers (``1.5`` arrives as ``1``), and cannot encode floats
-at all, so a message with a float header could not be forwarded.
-
-`decode_leniently(connection)` makes one connection decode message properties with
-`decode_properties`, which accepts every value RabbitMQ lets through: what Python cannot
-represent is kept as a `RawField` that encodes back to the same bytes. `forward_properties`
-builds the properties of a copy of a received message (delay tiers, dead letters), encoded by
-`encode_table`, which never fails on a value either, and keeps the copy's property frame
-within the connection's frame size.
+pika decodes properties inside the connection's I/O: a value Python cannot represent (a ``T``
+timestamp past the year 9999, tables nested past the recursion limit) drops the connection,
+and the same message comes back, forever. pika also turns ``f`` and ``d`` floats into
+integers, and cannot encode floats at all. `decode_leniently(connection)` makes a connection
+decode with `decode_properties`, which keeps what Python cannot represent as a `RawField`
+that encodes back to the same bytes; `forward_properties` builds a forwarded copy's
+properties, encoded by `encode_table`, which never fails on a value either.
 """
 
 from __future__ import annotations
@@ -32,7 +26,7 @@ import pika.frame
 import pika.spec
 from pika.spec import BasicProperties
 
-from ..messages import H_ORIGINAL_EXCHANGE, H_ORIGINAL_ROUTING_KEY, WireMessage
+from ..messages import H_ORIGINAL_EXCHANGE, H_ORIGINAL_ROUTING_KEY, WireMessage, forwarded_headers
 
 #: Tables and arrays nested deeper than this are kept as `RawField`s, not decoded.
 MAX_DEPTH = 32
@@ -57,12 +51,9 @@ CONTENT_HEADER = struct.Struct(">HHQ")  # class id, weight, body size
 
 @dataclass(frozen=True, slots=True)
 class RawField:
-    """A field value kept as its encoded bytes: a timestamp out of Python's range, a
-    long string that is not UTF-8, or a table or array nested deeper than `MAX_DEPTH`.
-
-    Encodes back to the same bytes. ``str()`` gives a readable form: the number of a
-    timestamp, the text of a string (invalid bytes replaced).
-    """
+    """A field value kept as its encoded bytes: a timestamp out of Python's range, a long
+    string that is not UTF-8, or a table or array nested deeper than `MAX_DEPTH`. ``str()``
+    gives a readable form: a timestamp's number, a string's text (invalid bytes replaced)."""
 
     kind: bytes
     data: bytes
@@ -105,9 +96,7 @@ def decode_table(data: bytes, offset: int, depth: int = 0) -> tuple[dict[Any, An
 
 def decode_value(data: bytes, offset: int, depth: int = 0) -> tuple[Any, int]:
     """One field value (type octet and data) at `offset`; returns it and the offset after it.
-
-    Raises ValueError only for a type octet no AMQP peer sends (RabbitMQ refuses those).
-    """
+    Raises ValueError only for a type octet no AMQP peer sends (RabbitMQ refuses those)."""
     kind = bytes(data[offset : offset + 1])  # bytes: a bytearray's slice cannot be a key
     offset += 1
     number = _NUMBERS.get(kind)
@@ -344,10 +333,7 @@ def forward_properties(
     and headers, where it was first delivered (``x-original-exchange``, ``-routing-key``) and
     the `added` headers. Over `max_size` bytes (the frame), only the added and original-route
     headers stay, with ``x-dropped-headers`` saying how many bytes were dropped."""
-    headers = dict(message.headers)
-    headers.setdefault(H_ORIGINAL_EXCHANGE, message.exchange)
-    headers.setdefault(H_ORIGINAL_ROUTING_KEY, message.routing_key)
-    headers.update(added)
+    headers = forwarded_headers(message, added)
     props = LenientProperties(
         message_id=message.message_id or None,
         type=message.type,

@@ -51,13 +51,10 @@ def _float(value: Any) -> float | None:
 
 
 class DeadFilters(TypedDict, total=False):
-    """The filters of a dead-row selection; a row matches every one given.
-
-    ``routing_keys``: exact routing keys (topic patterns are matched by the caller);
-    ``older_than``: the time the row died (the inbox's processed_at) is at least this long ago
-    on the database clock; ``reason``: its dead_reason; ``error``: a case-insensitive substring
-    of last_error; ``message_ids``; ``fingerprint``; ``parked``: parked rows instead of dead.
-    """
+    """The filters of a dead-row selection; a row matches every one given. ``routing_keys``:
+    exact (topic patterns are matched by the caller); ``older_than``: died at least this long
+    ago (database clock); ``error``: a case-insensitive substring of last_error; ``parked``:
+    parked rows instead of dead."""
 
     routing_keys: Sequence[str]
     older_than: timedelta | None
@@ -128,14 +125,9 @@ def _change_dead(
 def replay_dead(
     conn: Connection, t: Table, ids: Sequence[int], *, parked: bool = False
 ) -> list[int]:
-    """Make the dead (`parked`: parked) rows of `ids` of table `t` due now with their attempts
-    reset and the replay counted (inbox rows pending again with fresh counters, outbox rows
-    unsent again); return the ids changed.
-
-    Only rows still dead (parked) are touched (another operator may have replayed or purged
-    some). last_error and the fingerprint stay as the history of the earlier failure until
-    the next attempt ends.
-    """
+    """Make the rows of `ids` of table `t` still dead (`parked`: parked) due now, their
+    attempts reset and the replay counted; return the ids changed. last_error and the
+    fingerprint stay as the history of the earlier failure until the next attempt ends."""
     if "status" in t.c:
         again: dict[str, Any] = {"status": PENDING, "next_attempt_at": db_now(), "finished": 0}
         again |= {"processed_at": None, "locked_until": None, "locked_by": None}
@@ -166,11 +158,9 @@ def dead_groups(conn: Connection, tables: Tables, *, parked: bool = False) -> li
     """The dead (`parked`: parked) rows of the inbox and the outbox grouped by fingerprint,
     largest group first: each with ``fingerprint``, ``count``, ``types``, ``sources``
     ("table", "outbox"), ``first_seen`` and ``last_seen`` (when they died; a row replayed since
-    counts from its arrival) and ``replayed`` (how many died again after a replay).
-
-    Each table is first grouped by fingerprint and type (a hash aggregate, no sort, over the
-    partial index of its dead rows by fingerprint on PostgreSQL); the few rows that gives are
-    then grouped by fingerprint. 10^6 dead rows take well under a second."""
+    counts from its arrival) and ``replayed`` (how many died again after a replay). Each table
+    is first grouped by fingerprint and type (a hash aggregate over the partial index of its
+    dead rows), then the few rows that gives by fingerprint."""
     i, o = tables.inbox, tables.outbox
     parts = []
     for t, source in ((i, "table"), (o, "outbox")):
@@ -247,18 +237,15 @@ TOP_TENANTS = 10
 
 
 def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
-    """Inbox rows by state, the age of the oldest pending row, and the counts per type, with
-    the type's caps (``cap``: ``max_concurrency``; ``rate``: ``[n, seconds]``) and whether one
-    holds back work now.
-
-    ``pending`` rows wait for a worker (due or scheduled for a retry); ``in_progress`` rows are
-    pending rows a worker holds a lease on (database clock). ``claimable`` rows are those a
+    """Inbox rows by state (docs/cli.md, "status"), the age of the oldest pending row, and the
+    counts per type, with the type's caps (``cap``: ``max_concurrency``; ``rate``:
+    ``[n, seconds]``) and whether one holds back work now. ``claimable`` rows are those a
     worker's claim would take now (due, not leased, not held behind an earlier row of their
     key); ``oldest_claimable_age_seconds`` is how long the longest-waiting of them has been
     claimable (since its retry came due or its lease ran out); ``last_handled_age_seconds``
-    the age of the newest processed or dead row's ``processed_at`` (None without one): how
-    long ago a worker last finished a row. ``tenants_waiting``: the tenants with pending rows;
-    ``by_tenant``: the `TOP_TENANTS` of them with the most rows waiting.
+    the age of the newest processed or dead row's ``processed_at`` (None without one).
+    ``tenants_waiting``: the tenants with pending rows; ``by_tenant``: the `TOP_TENANTS` of
+    them with the most rows waiting.
     """
     i = tables.inbox
     claimable_since = case(
@@ -266,8 +253,7 @@ def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
     )
     ready = conn.execute(
         select(
-            func.count().label("claimable"),
-            func.max(db_age(claimable_since)).label("oldest"),
+            func.count().label("claimable"), func.max(db_age(claimable_since)).label("oldest")
         ).where(claimable(i, liveness=False))
     ).one()
     # Each statement reads the partial indexes of its rows, never every finished row: the
@@ -352,13 +338,10 @@ def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
 
 
 def held_keys(conn: Connection, tables: Tables, limit: int) -> tuple[int, list[RowMapping]]:
-    """Ordering keys whose head message (earliest pending row) has failed and waits for a retry.
-
-    While the head is pending the worker claims none of the later rows of its key (see
-    claim_inbox). Returns the number of such keys and up to `limit` of them, most messages
-    waiting behind first: key, the head's id, message_id, type, failures, next_attempt_at,
-    last_error, and ``waiting`` (pending rows behind the head).
-    """
+    """Ordering keys whose head message (earliest pending row) has failed and waits for a
+    retry, holding back the later rows of its key: how many, and up to `limit` of them, most
+    messages waiting behind first (key, the head's id, message_id, type, failures,
+    next_attempt_at, last_error, ``waiting``)."""
     i = tables.inbox
     heads = (
         select(

@@ -1,9 +1,7 @@
 """The statements of the partition maintenance (`outbox_inbox.partitions`): the catalog reads,
-the DDL that makes, attaches, detaches and drops a partition, the maintenance lock, and the
-check that a partition holds no unfinished row. PostgreSQL only.
-
-DDL takes no bound parameters: the only names placed into it are the library's own schema and
-table names (validated identifiers, quoted by the dialect) and partition names and bounds that
+the DDL of a partition, the maintenance lock, the check that a partition holds no unfinished
+row. PostgreSQL only. DDL takes no bound parameters: the only names placed into it are the
+library's validated schema and table names and the partition names and bounds that
 `outbox_inbox.partitions` computed — never input.
 """
 
@@ -103,12 +101,7 @@ def create_partition(
 
 
 def attach(
-    conn: Connection,
-    schema: str,
-    parent: str,
-    name: str,
-    lower: datetime | None,
-    upper: datetime,
+    conn: Connection, schema: str, parent: str, name: str, lower: datetime | None, upper: datetime
 ) -> None:
     """Attach table `name` to `parent` for [lower, upper) (`lower` None: MINVALUE)."""
     bounds = f"FROM ({_literal(lower)}) TO ({_literal(upper)})"

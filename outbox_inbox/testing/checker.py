@@ -41,9 +41,7 @@ class Fault:
 
 class History:
     """What a run did: each transaction's expected effects and outcome, and each fault.
-
-    Thread-safe: writers record from their threads while faults are recorded from the test's.
-    """
+    Thread-safe: writers record from their threads, faults from the test's."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

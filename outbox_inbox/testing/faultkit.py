@@ -1,10 +1,9 @@
 """The fault kit: your own service, handlers and schema under the faults of production.
 
-A `FaultKit` runs your service's roles as processes of their own on private servers, commits
-your business transactions at a steady rate (`FaultKit.load`), injects faults by name
-(`FaultKit.inject`, `FAULTS`; ``kill`` at one of the `KILL_POINTS`) and checks the outcome with
-`outbox_inbox.testing.checker`. docs/testing.md ("Your service under faults") shows a whole test
-and describes the roles, the load, each fault and the fixtures.
+A `FaultKit` runs your service's roles as processes on private servers, commits your business
+transactions at a steady rate (`FaultKit.load`), injects faults by name (`FaultKit.inject`,
+`FAULTS`, `KILL_POINTS`) and checks the outcome (`outbox_inbox.testing.checker`): docs/testing.md
+("Your service under faults").
 """
 
 from __future__ import annotations
@@ -241,10 +240,8 @@ class Load(threading.Thread):
 
 class FaultKit:
     """Roles of your services as processes, a load, faults by name, and the checker.
-
     `postgres` and `rabbitmq` are servers of the kit's own (a fault stops and kills them): the
-    fixture ``outbox_inbox_servers`` starts them. `workdir` keeps the role logs.
-    """
+    fixture ``outbox_inbox_servers`` starts them. `workdir` keeps the role logs."""
 
     def __init__(
         self,

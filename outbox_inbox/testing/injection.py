@@ -86,10 +86,8 @@ class StreamingReplica(PostgresServer):
 
 
 def terminate_backends(server: PostgresHandle, databases: Sequence[str]) -> list[Any]:
-    """``pg_terminate_backend`` every session connected to one of `databases`.
-
-    Runs on a connection to the server's maintenance database, which is therefore never among
-    them; returns one row (pid, database, state, terminated) per session it hit."""
+    """``pg_terminate_backend`` every session connected to one of `databases` (never the
+    maintenance database it runs on); one row (pid, database, state, terminated) a session."""
     with server.connect() as conn:
         return list(
             conn.execute(
@@ -135,10 +133,9 @@ class SmallDisk:
 
 @contextlib.contextmanager
 def tablespace_on_tmpfs(server: PostgresServer, size_mb: int) -> Iterator[SmallDisk]:
-    """A tablespace on a tmpfs of `size_mb` MB of its own, owned by the server's OS user, for the
-    block; `MountRefused`, before anything changes, when the tmpfs cannot be mounted. At the end
-    the databases that hold something there are dropped (they cannot outlive their disk), then
-    the tablespace, and the tmpfs is unmounted."""
+    """A tablespace on a tmpfs of `size_mb` MB of its own for the block (`MountRefused`, before
+    anything changes, when it cannot be mounted). At the end the databases that hold something
+    there are dropped (they cannot outlive their disk), then the tablespace and the tmpfs."""
     if os.geteuid() != 0:
         raise MountRefused("mounting a tmpfs needs root")
     assert server.temp_dir is not None
@@ -224,11 +221,9 @@ def memory_alarm(server: RabbitMQServer) -> contextlib.AbstractContextManager[Al
 
 
 def disk_alarm(server: RabbitMQServer) -> contextlib.AbstractContextManager[Alarm]:
-    """Hold the node's disk alarm for the duration of the block (see `_alarm`):
-    ``rabbitmqctl set_disk_free_limit 1000000000000000`` (1 PB), then the node's limit again
-    (RabbitMQ's default is 50MB; the test servers set 10MB). The command checks the disk at
-    once: the alarm is on, and off, by the time it returns, not at the monitor's next check
-    (every 0.1 to 10 s, sooner the closer the free space is to the limit)."""
+    """Hold the node's disk alarm for the block (see `_alarm`): a free-disk limit of 1 PB, then
+    the node's limit again (the test servers set 10MB). The command checks the disk at once: the
+    alarm is on, and off, by the time it returns, not at the monitor's next check."""
     before = server.eval("rabbit_disk_monitor:get_disk_free_limit().")
     limit = "set_disk_free_limit"
     return _alarm(server, "disk", (limit, ALARM_DISK_LIMIT), (limit, before))
@@ -238,10 +233,9 @@ def disk_alarm(server: RabbitMQServer) -> contextlib.AbstractContextManager[Alar
 def _alarm(
     server: RabbitMQServer, resource: str, raise_it: tuple[str, str], clear_it: tuple[str, str]
 ) -> Iterator[Alarm]:
-    """Run ``rabbitmqctl RAISE_IT`` (through the node's own environment: ``RABBITMQ_NODENAME``,
-    its cookie and epmd port; see ``RabbitMQServer.rabbitmqctl``); the block starts once the
-    node's `resource` alarm is in force, and ends once ``rabbitmqctl CLEAR_IT`` has cleared it
-    again. Yields how long each took."""
+    """Run ``rabbitmqctl RAISE_IT`` (``RabbitMQServer.rabbitmqctl``): the block starts once the
+    node's `resource` alarm is in force, and ends once ``rabbitmqctl CLEAR_IT`` has cleared it.
+    Yields how long each took."""
 
     def on() -> bool:
         return resource in server.eval("rabbit_alarm:get_alarms().")
@@ -274,10 +268,8 @@ def _rules(port: int) -> list[list[str]]:
 
 
 def iptables_problem() -> tuple[str | None, str]:
-    """(path of a working iptables, "") or (None, why not).
-
-    Installs Debian's ``iptables`` with apt-get when it is missing and we are root, then checks
-    that a rule can be inserted and deleted (a container without CAP_NET_ADMIN cannot)."""
+    """(path of a working iptables, "") or (None, why not): installs Debian's ``iptables``
+    when it is missing and we are root, then checks that a rule can be inserted and deleted."""
     iptables = shutil.which("iptables")
     if iptables is None:
         if os.geteuid() != 0 or shutil.which("apt-get") is None:

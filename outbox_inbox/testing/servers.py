@@ -1,8 +1,5 @@
-"""A test tool: private PostgreSQL and RabbitMQ servers on loopback, for tests and benchmarks.
-
-Not part of the runtime library: tests, benchmarks and scripts start throwaway servers with it
-(plain Python, no pytest); nothing is shared with a system installation, and nothing outlives
-the Python process that started it.
+"""A test tool: private PostgreSQL and RabbitMQ servers on loopback, for tests and benchmarks
+(plain Python, no pytest); nothing is shared with a system installation.
 
 It needs the PostgreSQL 15 server binaries (``OUTBOX_INBOX_PG_BIN_DIR``, default
 ``/usr/lib/postgresql/15/bin``) and RabbitMQ's scripts (``OUTBOX_INBOX_RABBITMQ_SBIN_DIR``,
@@ -954,10 +951,7 @@ class RabbitMQServer(_LocalServer):
 
     def eval(self, expression: str, timeout: float = 60.0) -> str:
         """Evaluate Erlang ``expression`` (ending with '.') on the node; return the printed result.
-
-        Uses ``erl_call``: a small C client of Debian's erlang-base, which rabbitmq-server
-        depends on (~15 ms a call, where ``rabbitmqctl eval`` boots an Erlang VM: ~0.5 s).
-        """
+        Uses ``erl_call`` (erlang-base): ~15 ms a call, where ``rabbitmqctl eval`` takes ~0.5 s."""
         erl_call = shutil.which("erl_call") or "/usr/lib/erlang/bin/erl_call"
         args = [erl_call, "-sname", self.nodename, "-c", self.cookie, "-r", "-e"]
         what, stdin = f"erl_call {expression!r}", expression.rstrip() + "\n"
@@ -986,13 +980,10 @@ class RabbitMQServer(_LocalServer):
             raise ServerError(f"could not delete vhost {name!r}: {result}")
 
     def flush_metadata(self) -> None:
-        """Write the node's metadata (vhosts, queues, exchanges, bindings) to disk now.
-
-        RabbitMQ 3.10 keeps it in Mnesia, whose log writes can sit in a buffer for a moment after
-        ``queue.declare-ok``: a SIGKILL (``kill()``) right after a durable queue was declared can
-        lose the queue, and with it its confirmed persistent messages (seen about 1 in 40 with
-        no delay, and once even 1 s later on a loaded machine). Call this before ``kill()`` when
-        a test needs what it just declared to survive; ``stop()`` needs no such thing."""
+        """Write the node's metadata (vhosts, queues, exchanges, bindings) to disk now: call
+        it before ``kill()`` when a test needs what it just declared to survive. RabbitMQ 3.10's
+        Mnesia can hold it in a buffer after ``queue.declare-ok``, and a SIGKILL then loses the
+        queue with its confirmed persistent messages (about 1 in 40 with no delay)."""
         result = self.eval("mnesia:sync_log().")
         if result != "ok":
             raise ServerError(f"mnesia:sync_log() returned {result}")

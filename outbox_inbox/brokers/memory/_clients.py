@@ -12,7 +12,7 @@ from typing import Any
 
 from ...broker import Delivery, PublishOutcome, Refusal
 from ...errors import BrokerConnectionError, BrokerError
-from ...messages import H_ORIGINAL_EXCHANGE, H_ORIGINAL_ROUTING_KEY, WireMessage
+from ...messages import WireMessage, forwarded_headers
 from ._core import BrokerCore
 from ._state import Entry, Refused
 
@@ -79,12 +79,9 @@ class MemoryPublisher:
 
 
 class MemoryConsumer:
-    """Consumes one queue of a `MemoryBroker` with a prefetch window.
-
-    The broker hands it messages as a RabbitMQ server pushes them to a consumer: up to
-    `prefetch` unacknowledged at a time, from its first `fetch` on. Delivery tags start at 1.
-    Each delivery is a deep copy, so what one consumer does to a message no one else sees.
-    """
+    """Consumes one queue of a `MemoryBroker`, as RabbitMQ pushes to a consumer: up to
+    `prefetch` unacknowledged at a time, from its first `fetch` on, tags from 1. Each delivery
+    is a deep copy, so what one consumer does to a message no one else sees."""
 
     def __init__(self, core: BrokerCore, queue: str, *, prefetch: int) -> None:
         self._core = core
@@ -149,13 +146,12 @@ class MemoryConsumer:
         core = self._core
         with core.lock:
             self._settle_tags(delivery.tag, [])  # checks the tag
-            message = delivery.message
-            merged = dict(message.headers)
-            merged.setdefault(H_ORIGINAL_EXCHANGE, message.exchange)
-            merged.setdefault(H_ORIGINAL_ROUTING_KEY, message.routing_key)
-            merged.update(headers)
             outgoing = replace(
-                message, exchange=exchange, routing_key=routing_key, headers=merged, key=None
+                delivery.message,
+                exchange=exchange,
+                routing_key=routing_key,
+                headers=forwarded_headers(delivery.message, headers),
+                key=None,
             )
             try:
                 outcome = core.publish(outgoing)

@@ -130,12 +130,9 @@ class BrokerCore:
         return [self.queues[name] for name in names]
 
     def publish(self, message: WireMessage) -> PublishOutcome:
-        """Route and enqueue one message as a mandatory publish with confirms.
-
-        Raises Refused (a missing exchange, a body too large). A message routed to several
-        queues is NACKED if any of them refused it, though the others keep their copy, as
-        RabbitMQ does.
-        """
+        """Route and enqueue one message as a mandatory publish with confirms. Raises Refused
+        (a missing exchange, a body too large). Routed to several queues, it is NACKED if any
+        refused it, the others keeping their copy, as RabbitMQ does."""
         self.check_open()
         size = len(message.body)
         if self.max_body is not None and size > self.max_body:

@@ -18,11 +18,9 @@ from ._state import Entry, ExchangeState, QueueSettings, QueueState, Refused
 
 
 class MemoryOperator(Operator):
-    """An operator session on a `MemoryBroker` (the `Operator` protocol).
-
-    Checks judge as a redeclare does; a reader takes messages like ``basic.get`` without ack;
-    a tail consumes a private queue the session deletes when it closes.
-    """
+    """An operator session on a `MemoryBroker` (the `Operator` protocol): checks judge as a
+    redeclare does; a reader takes messages like ``basic.get`` without ack; a tail consumes a
+    private queue the session deletes when it closes."""
 
     def __init__(self, core: BrokerCore) -> None:
         self._core = core

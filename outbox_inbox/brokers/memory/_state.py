@@ -227,10 +227,8 @@ def _same(before: Any, now: Any) -> bool:
 
 
 def private_copy(message: WireMessage) -> WireMessage:
-    """The broker's own copy: nobody holding the original can change what consumers see.
-
-    The ordering key is the publisher's business and does not travel, as on AMQP.
-    """
+    """The broker's own copy: nobody holding the original can change what consumers see. The
+    ordering key is the publisher's business and does not travel, as on AMQP."""
     return replace(
         message, body=bytes(message.body), headers=copy.deepcopy(dict(message.headers)), key=None
     )
@@ -239,11 +237,9 @@ def private_copy(message: WireMessage) -> WireMessage:
 def with_death(
     headers: Mapping[str, Any], reason: str, queue: str, exchange: str, routing_key: str
 ) -> dict[str, Any]:
-    """`headers` with the ``x-death`` record RabbitMQ 3.10 writes when it dead-letters.
-
-    A death in the same queue for the same reason counts up its entry and moves it first;
-    ``x-first-death-*`` are written with the first record only.
-    """
+    """`headers` with the ``x-death`` record RabbitMQ 3.10 writes when it dead-letters: a
+    death in the same queue for the same reason counts up its entry and moves it first;
+    ``x-first-death-*`` are written with the first record only."""
     out = copy.deepcopy(dict(headers))
     deaths = out["x-death"] if isinstance(out.get("x-death"), list) else []
     for index, death in enumerate(deaths):
