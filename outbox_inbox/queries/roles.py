@@ -612,14 +612,25 @@ def _count_rate(
     """Add `n` rows claimed of the rate-capped `key` at `at` (the database clock) to the tenth
     of its period they fall in. Under the type's lock no other claim writes its counts; a
     tenth's first claim drops the tenths that ended before the period it can see."""
-    rc = tables.rate_counts
+    add, drop, start = _rate_statements(tables)
     width = _tenth_ms(seconds)
     tenth = int((at if at.tzinfo else at.replace(tzinfo=UTC)).timestamp() * 1000) // width * width
-    mine = (rc.c.routing_key == key, rc.c.bucket == tenth)
-    if conn.execute(update(rc).where(*mine).values(claimed=rc.c.claimed + n)).rowcount == 0:
-        gone = rc.c.bucket <= tenth - seconds * 1000 - width
-        conn.execute(delete(rc).where(rc.c.routing_key == key, gone))
-        conn.execute(rc.insert().values(routing_key=key, bucket=tenth, claimed=n))
+    params = {"key": key, "tenth": tenth, "n": n}
+    if conn.execute(add, params).rowcount == 0:
+        conn.execute(drop, {"key": key, "gone": tenth - seconds * 1000 - width})
+        conn.execute(start, params)
+
+
+@cache
+def _rate_statements(tables: Tables) -> tuple[Any, Any, Any]:
+    """`_count_rate`'s statements, built once: built at each claim, they cost it 0.1 ms."""
+    rc = tables.rate_counts
+    key, tenth = bindparam("key", type_=String), bindparam("tenth", type_=BigInteger)
+    n = bindparam("n", type_=Integer)
+    add = update(rc).where(rc.c.routing_key == key, rc.c.bucket == tenth)
+    drop = delete(rc).where(rc.c.routing_key == key, rc.c.bucket <= bindparam("gone"))
+    start = rc.insert().values(routing_key=key, bucket=tenth, claimed=n)
+    return add.values(claimed=rc.c.claimed + n), drop, start
 
 
 def _tenth_ms(seconds: float) -> int:
