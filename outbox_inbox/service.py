@@ -64,6 +64,7 @@ from .topology import (
 )
 from .tracing import Tracing
 from .waker import Waker, helpers_channel, notify_channel, psycopg_conninfo
+from .webhooks import WebhookRole
 from .worker import Worker, worker_name
 
 log = logging.getLogger(__name__)
@@ -599,6 +600,11 @@ class Service:
         roles: list[tuple[str, Callable[..., None]]] = []
         if relay:
             roles.append(("relay", self.relay().run))
+        if relay and self.settings.webhooks:  # docs/concepts.md, "Webhooks"
+            hooks = WebhookRole(
+                service=self.name, engine=self.engine, tables=self.tables, settings=self.settings
+            )
+            roles.append(("webhooks", hooks.run))
         if receiver:
             roles.append(("receiver", self.receiver().run))
         for n in range(self.settings.worker_threads if workers is None else workers):

@@ -1,0 +1,221 @@
+"""Webhooks out: events delivered to HTTP endpoints, signed as Standard Webhooks 1.0 says.
+
+Each event an endpoint's patterns match gets a delivery row of its own in the outbox (exchange
+``webhook:<name>``), written by `Outbox.publish` (`outbox.delivery_rows`) in the business
+transaction: a rolled-back event has none, a committed one cannot be missed, and one
+endpoint's failures never send the event again to another. The `WebhookRole` claims a due
+row with a lease, commits, POSTs it and marks it: delivered on a 2xx; else due again after
+the next step of `webhook_schedule`; dead (``exhausted``) after the last one, or at once on a
+410 (``gone``), with a fault event ``<service>.webhook.exhausted``. docs/concepts.md.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import json
+import logging
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import Engine
+
+from .config import Settings
+from .errors import ConfigurationError, first_line
+from .faults import Fault
+from .outbox import Outbox
+from .queries import roles
+from .role_loop import RoleLoop
+from .tables import WEBHOOK, Tables
+
+log = logging.getLogger(__name__)
+
+#: The dead reasons of a delivery: every attempt of the schedule failed; the endpoint said 410.
+EXHAUSTED, GONE = "exhausted", "gone"
+_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Webhook:
+    """An HTTP endpoint subscribed to events (the `webhooks` setting).
+
+    `name` (lower-case letters, digits, _ and -) keys its deliveries; `url` (http or https)
+    is never logged; `patterns` are topic patterns of routing keys (``orders.order.*``);
+    `secrets` (``whsec_<base64>``, one or more during a rotation) sign each request, one
+    signature each; at most `max_in_flight` requests to it are under way per running role.
+    """
+
+    name: str
+    url: str = field(repr=False)
+    patterns: tuple[str, ...]
+    secrets: tuple[str, ...] = field(repr=False)
+    max_in_flight: int = 4
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+            raise ConfigurationError(f"invalid webhook name {self.name!r}")
+        if not str(self.url).startswith(("http://", "https://")):
+            raise ConfigurationError(f"webhook {self.name}: the url must be http(s)")
+        for name in ("patterns", "secrets"):
+            value = getattr(self, name)
+            object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
+        if not self.patterns or not self.secrets:
+            raise ConfigurationError(f"webhook {self.name}: needs patterns and secrets")
+        try:
+            for secret in self.secrets:
+                if not secret.startswith("whsec_"):
+                    raise ValueError
+                base64.b64decode(secret[6:], validate=True)
+        except (ValueError, binascii.Error, AttributeError):
+            raise ConfigurationError(
+                f"webhook {self.name}: a secret must be whsec_ and base64"
+            ) from None
+        if not isinstance(self.max_in_flight, int) or self.max_in_flight < 1:
+            raise ConfigurationError(f"webhook {self.name}: max_in_flight must be >= 1")
+
+
+def signature(secrets: tuple[str, ...], webhook_id: str, timestamp: int, body: bytes) -> str:
+    """The ``webhook-signature`` header: ``v1,<base64 HMAC-SHA256>`` of
+    ``<id>.<timestamp>.<body>`` for each secret, separated by spaces."""
+    signed = f"{webhook_id}.{timestamp}.".encode() + body
+    return " ".join(
+        "v1," + base64.b64encode(hmac.digest(base64.b64decode(s[6:]), signed, "sha256")).decode()
+        for s in secrets
+    )
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None  # a 3xx is an answer: an HTTPError, so a failed attempt
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
+
+
+def post(hook: Webhook, row: Mapping[str, Any], timeout: float, now: float) -> int | str:
+    """POST one delivery row to `hook`: the HTTP status, or the error (no answer)."""
+    body = json.dumps(
+        {
+            "type": row["routing_key"],
+            "timestamp": row["created_at"].isoformat(),
+            "data": row["payload"],
+        },
+        separators=(",", ":"),
+    ).encode()
+    webhook_id, timestamp = row["causation_id"], int(now)
+    headers = {
+        "content-type": "application/json",
+        "webhook-id": webhook_id,
+        "webhook-timestamp": str(timestamp),
+        "webhook-signature": signature(hook.secrets, webhook_id, timestamp, body),
+    }
+    request = urllib.request.Request(hook.url, body, headers, method="POST")  # noqa: S310 - http(s) only (Webhook)
+    try:
+        with _OPENER.open(request, timeout=timeout) as response:
+            response.read(65536)
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        exc.close()
+        return int(exc.code)
+    except (OSError, ValueError) as exc:  # refused, reset, timed out, a malformed answer
+        reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+        return f"no answer: {first_line(reason)}"[:200]
+
+
+class WebhookRole:
+    """Delivers the webhook rows of a service: `max_in_flight` threads per endpoint, each
+    claiming one due row at a time, so a slow or failing endpoint holds only its own threads
+    (and never the relay). At-least-once: a crash between the POST and its mark sends the
+    row again once its lease (`webhook_timeout` + 60 s) ends; receivers dedupe on
+    ``webhook-id``."""
+
+    def __init__(
+        self,
+        *,
+        service: str,
+        engine: Engine,
+        tables: Tables,
+        settings: Settings,
+    ) -> None:
+        self._service, self._engine, self._tables, self._settings = (
+            service,
+            engine,
+            tables,
+            settings,
+        )
+        # Its fault events get no deliveries of their own.
+        self._faults = Outbox(service, tables, settings=replace(settings, webhooks=()))
+        self.delivered = self.failed = self.dead = 0  # for tests and status
+
+    def run(self, stop: threading.Event, *, on_started: Callable[[], None] | None = None) -> None:
+        """Deliver until `stop` is set; each thread finishes the request in hand first."""
+        threads = []
+        for hook in self._settings.webhooks:
+            for n in range(hook.max_in_flight):
+                loop = RoleLoop(
+                    f"webhook {hook.name} of {self._service}",
+                    self._settings,
+                    log,
+                    poll_interval=self._settings.relay_poll_interval,
+                    retried=(Exception,),
+                )
+                thread = threading.Thread(
+                    target=loop.run,
+                    args=(stop, lambda hook=hook: self.deliver_one(hook)),
+                    name=f"outbox-inbox-{self._service}-webhook-{hook.name}-{n}",
+                    daemon=True,
+                )
+                thread.start()
+                threads.append(thread)
+        if on_started:
+            on_started()
+        for thread in threads:
+            thread.join()
+
+    def deliver_one(self, hook: Webhook) -> int:
+        """Claim, send and mark one due row of `hook`; return how many were claimed (0 or 1)."""
+        s, t = self._settings, self._tables
+        with self._engine.begin() as conn:
+            row = roles.claim_webhook(conn, t, WEBHOOK + hook.name, s.webhook_timeout + 60)
+        if row is None:
+            return 0
+        answer = post(hook, row, s.webhook_timeout, time.time())
+        with self._engine.begin() as conn:
+            if isinstance(answer, int) and 200 <= answer < 300:
+                roles.mark_published(conn, t, [row["id"]])
+                self.delivered += 1
+                return 1
+            error = f"webhook {hook.name}: " + (
+                answer if isinstance(answer, str) else f"HTTP {answer}"
+            )
+            attempt = row["attempts"]  # of the schedule: 0 was the immediate one
+            reason = GONE if answer == 410 else EXHAUSTED
+            if answer != 410 and attempt < len(s.webhook_schedule):
+                delay = timedelta(seconds=s.webhook_schedule[attempt])
+                roles.mark_publish_failed(conn, t, [row["id"]], error, delay)
+                self.failed += 1
+                log.info("%s (attempt %d)", error, attempt + 1)
+                return 1
+            roles.mark_outbox_dead(conn, t, [row["id"]], reason, error)
+            fault = Fault(
+                message_id=row["causation_id"],
+                routing_key=row["routing_key"],
+                kind=WEBHOOK + hook.name,
+                service=self._service,
+                reason=reason,
+                fingerprint=reason,
+                error=error,
+                correlation_id=row["correlation_id"],
+            )
+            self._faults.publish(conn, "webhook.exhausted", fault)
+        self.dead += 1
+        log.error("%s: event %s dead (%s)", error, row["causation_id"], reason)
+        return 1
