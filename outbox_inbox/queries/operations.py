@@ -26,7 +26,7 @@ from sqlalchemy.engine import RowMapping
 from sqlalchemy.sql.elements import ColumnElement
 
 from ..clock import db_age, db_now, db_now_plus
-from ..tables import DEAD, PARKED, PENDING, PROCESSED, Tables, outbox_unsent
+from ..tables import DEAD, PARKED, PENDING, PROCESSED, WEBHOOK, Tables, outbox_unsent
 from .roles import claimable, is_postgres, places_left
 
 
@@ -223,22 +223,44 @@ def forget_deliveries(conn: Connection, tables: Tables, message_ids: Sequence[uu
 
 
 def outbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
-    """Unsent outbox rows, how many of them failed at least once, the oldest one's age, and
-    the dead rows (refused by the broker on every attempt)."""
+    """Unsent outbox rows for the relay, how many of them failed at least once, the oldest
+    one's age, the dead rows (refused by the broker on every attempt, or webhook deliveries
+    exhausted), and ``webhooks``: per endpoint with deliveries waiting or dead, how many
+    wait, how many of those failed at least once, how many are dead, and the error of the
+    newest delivery that has one."""
     o = tables.outbox
+    hook, unsent = o.c.exchange.startswith(WEBHOOK), outbox_unsent(o)
     row = conn.execute(
         select(
             func.count().label("unpublished"),
             func.count().filter(o.c.attempts > 0).label("retrying"),
             func.max(db_age(o.c.created_at)).label("oldest_age_seconds"),
-        ).where(outbox_unsent(o))
+        ).where(unsent, ~hook)
     ).one()
     dead = conn.execute(select(func.count()).where(_dead_or_parked(o, False))).scalar_one()
+    kept, failing = or_(unsent, o.c.dead_at.is_not(None)), and_(unsent, o.c.attempts > 0)
+    counts = (unsent, failing, _dead_or_parked(o, False))
+    webhooks = []
+    for name, *numbers in conn.execute(
+        select(o.c.exchange, *(func.count().filter(c) for c in counts))
+        .where(hook, kept)
+        .group_by(o.c.exchange)
+        .order_by(o.c.exchange)
+    ):
+        newest = select(o.c.last_error).where(
+            o.c.exchange == name, kept, o.c.last_error.is_not(None)
+        )
+        error = conn.execute(newest.order_by(o.c.id.desc()).limit(1)).scalar()
+        names = ("endpoint", "waiting", "failing", "dead", "last_error")
+        webhooks.append(
+            dict(zip(names, (name.removeprefix(WEBHOOK), *numbers, error), strict=True))
+        )
     return {
         "unpublished": int(row.unpublished),
         "retrying": int(row.retrying),
         "oldest_age_seconds": _float(row.oldest_age_seconds),
         "dead": int(dead),
+        "webhooks": webhooks,
     }
 
 
