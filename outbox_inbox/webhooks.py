@@ -194,3 +194,6 @@ class WebhookRole:
         self.dead += 1
         log.error("%s: event %s dead (%s)", error, row["causation_id"], reason)
         return 1
+
+
+__all__ = ["EXHAUSTED", "GONE", "Webhook", "WebhookRole", "signature"]
