@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 
 from .config import Settings
 from .errors import ConfigurationError, first_line
@@ -36,6 +36,9 @@ from .role_loop import RoleLoop
 from .tables import WEBHOOK, Tables
 
 log = logging.getLogger(__name__)
+
+#: The most rows one thread claims at once: POSTed one after another, marked together.
+_BATCH = 10
 
 #: The dead reasons of a delivery: every attempt of the schedule failed; the endpoint said 410.
 EXHAUSTED, GONE = "exhausted", "gone"
@@ -119,10 +122,9 @@ def post(hook: Webhook, row: Mapping[str, Any], timeout: float) -> int | str:
 
 class WebhookRole:
     """Delivers the webhook rows of a service: `max_in_flight` threads per endpoint, each
-    claiming one due row at a time, so a slow or failing endpoint holds only its own threads
-    (and never the relay). At-least-once: a crash between the POST and its mark sends the
-    row again once its lease (`webhook_timeout` + 60 s) ends; receivers dedupe on
-    ``webhook-id``."""
+    sending one request at a time, so a slow or failing endpoint holds only its own threads
+    (and never the relay). At-least-once: a crash between a POST and its mark sends the row
+    again once its lease ends; receivers dedupe on ``webhook-id``."""
 
     def __init__(self, *, service: str, engine: Engine, tables: Tables, settings: Settings) -> None:
         self._service, self._engine, self._tables = service, engine, tables
@@ -145,7 +147,7 @@ class WebhookRole:
                 )
                 thread = threading.Thread(
                     target=loop.run,
-                    args=(stop, lambda hook=hook: self.deliver_one(hook)),
+                    args=(stop, lambda hook=hook: self.deliver(hook, stop)),
                     name=f"outbox-inbox-{self._service}-webhook-{hook.name}-{n}",
                     daemon=True,
                 )
@@ -156,44 +158,51 @@ class WebhookRole:
         for thread in threads:
             thread.join()
 
-    def deliver_one(self, hook: Webhook) -> int:
-        """Claim, send and mark one due row of `hook`; return how many were claimed (0 or 1)."""
+    def deliver(self, hook: Webhook, stop: threading.Event | None = None) -> int:
+        """Claim up to `_BATCH` due rows of `hook`, POST them one by one and mark them in one
+        transaction; return how many were claimed. After a request without an answer, or once
+        `stop` is set, the rest go back unsent, due at once, with no attempt counted."""
         s, t = self._settings, self._tables
         with self._engine.begin() as conn:
-            row = roles.claim_webhook(conn, t, WEBHOOK + hook.name, s.webhook_timeout + 60)
-        if row is None:
-            return 0
-        answer = post(hook, row, s.webhook_timeout)
+            roles.bound_on_server(conn, flush_wait=False)  # a claim a crash undoes: sent later
+            lease = _BATCH * s.webhook_timeout + 60
+            rows = roles.claim_webhooks(conn, t, WEBHOOK + hook.name, _BATCH, lease)
+        answers: list[tuple[Any, int | str]] = []
+        for row in rows:
+            if (stop and stop.is_set()) or any(isinstance(a, str) for _, a in answers):
+                break
+            answers.append((row, post(hook, row, s.webhook_timeout)))
         with self._engine.begin() as conn:
-            if isinstance(answer, int) and 200 <= answer < 300:
-                roles.mark_published(conn, t, [row["id"]])
-                self.delivered += 1
-                return 1
-            shown = answer if isinstance(answer, str) else f"HTTP {answer}"
-            error = f"webhook {hook.name}: {shown}"
-            attempt = row["attempts"]  # of the schedule: 0 was the immediate one
-            reason = GONE if answer == 410 else EXHAUSTED
-            if answer != 410 and attempt < len(s.webhook_schedule):
-                delay = timedelta(seconds=s.webhook_schedule[attempt])
-                roles.mark_publish_failed(conn, t, [row["id"]], error, delay)
-                self.failed += 1
-                log.info("%s (attempt %d)", error, attempt + 1)
-                return 1
-            roles.mark_outbox_dead(conn, t, [row["id"]], reason, error)
-            fault = Fault(
-                message_id=row["causation_id"],
-                routing_key=row["routing_key"],
-                kind=WEBHOOK + hook.name,
-                service=self._service,
-                reason=reason,
-                fingerprint=reason,
-                error=error,
-                correlation_id=row["correlation_id"],
-            )
-            self._faults.publish(conn, "webhook.exhausted", fault)
+            roles.bound_on_server(conn, flush_wait=False)  # a mark a crash undoes: sent again
+            roles.release_webhooks(conn, t, [row["id"] for row in rows[len(answers) :]])
+            ok = [row["id"] for row, a in answers if isinstance(a, int) and 200 <= a < 300]
+            roles.mark_published(conn, t, ok)
+            self.delivered += len(ok)
+            for row, answer in answers:
+                if row["id"] not in ok:
+                    self._failed(conn, hook, row, answer)
+        return len(rows)
+
+    def _failed(self, conn: Connection, hook: Webhook, row: Any, answer: int | str) -> None:
+        """Mark a failed attempt: due after the schedule's next wait, or dead with its fault."""
+        s, t = self._settings, self._tables
+        shown = answer if isinstance(answer, str) else f"HTTP {answer}"
+        error = f"webhook {hook.name}: {shown}"
+        attempt = row["attempts"]  # of the schedule: 0 was the immediate one
+        if answer != 410 and attempt < len(s.webhook_schedule):
+            delay = timedelta(seconds=s.webhook_schedule[attempt])
+            roles.mark_publish_failed(conn, t, [row["id"]], error, delay)
+            self.failed += 1
+            log.info("%s (attempt %d)", error, attempt + 1)
+            return
+        reason = GONE if answer == 410 else EXHAUSTED
+        roles.mark_outbox_dead(conn, t, [row["id"]], reason, error)
+        # The Fault's message_id, routing_key, kind, service; reason, fingerprint, error, ...
+        ids = (row["causation_id"], row["routing_key"], WEBHOOK + hook.name, self._service)
+        fault = Fault(*ids, reason, reason, error, row["correlation_id"])
+        self._faults.publish(conn, "webhook.exhausted", fault)
         self.dead += 1
         log.error("%s: event %s dead (%s)", error, row["causation_id"], reason)
-        return 1
 
 
 __all__ = ["EXHAUSTED", "GONE", "Webhook", "WebhookRole", "signature"]

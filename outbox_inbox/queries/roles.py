@@ -277,20 +277,30 @@ def _claim_outbox_statement(tables: Tables, postgres: bool) -> Any:
     )
 
 
-def claim_webhook(conn: Connection, tables: Tables, exchange: str, lease: float) -> Any:
-    """Take the earliest due delivery row of one webhook endpoint (`exchange`) for `lease`
-    seconds, committed by the caller before it sends: the row, or None."""
+def claim_webhooks(
+    conn: Connection, tables: Tables, exchange: str, limit: int, lease: float
+) -> list[RowMapping]:
+    """Take the earliest `limit` due delivery rows of one webhook endpoint (`exchange`) for
+    `lease` seconds, in id order; the caller commits before it sends them."""
     o = tables.outbox
     due = (
         select(o.c.id)
         .where(outbox_unsent(o), o.c.exchange == exchange, o.c.available_at <= db_now())
         .order_by(o.c.id)
-        .limit(1)
+        .limit(limit)
         .with_for_update(skip_locked=True)
     )
-    taken = update(o).where(o.c.id == due.scalar_subquery())
+    taken = update(o).where(o.c.id.in_(due.scalar_subquery()))
     stmt = taken.values(available_at=db_now_plus(timedelta(seconds=lease))).returning(*o.c)
-    return conn.execute(stmt).mappings().first()
+    return sorted(conn.execute(stmt).mappings(), key=lambda row: row["id"])
+
+
+def release_webhooks(conn: Connection, tables: Tables, ids: Sequence[int]) -> None:
+    """Make claimed delivery rows due at once again, no attempt counted (not sent)."""
+    if ids:
+        conn.execute(
+            _mark_outbox_statement(tables, is_postgres(conn), "available_at"), {"ids": ids}
+        )
 
 
 def _relayed_columns(tables: Tables, postgres: bool) -> list[Any]:

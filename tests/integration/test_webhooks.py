@@ -132,9 +132,9 @@ def test_a_2xx_is_signed_acked_once_and_never_sent_again(db_url: str) -> None:
         [event_id] = _publish(service)
         _publish(service, event="customer.joined")  # no pattern matches it
         role = _role(service)
-        assert role.deliver_one(hook) == 1
+        assert role.deliver(hook) == 1
         for _ in range(5):
-            assert role.deliver_one(hook) == 0
+            assert role.deliver(hook) == 0
         assert server.count("/crm") == 1 and role.delivered == 1
         [(headers, body)] = server.requests["/crm"]
         assert verify(headers, body, KEY) and verify(headers, body, OLD_KEY)
@@ -203,9 +203,9 @@ def test_410_stops_the_retries_and_a_failure_waits_its_scheduled_delay(db_url: s
         service = _service(db_url, [gone, later], webhook_schedule=(3600, 60))
         _publish(service)
         role = _role(service)
-        assert role.deliver_one(gone) == 1 and role.deliver_one(later) == 1
+        assert role.deliver(gone) == 1 and role.deliver(later) == 1
         for _ in range(3):
-            assert role.deliver_one(gone) == 0 and role.deliver_one(later) == 0
+            assert role.deliver(gone) == 0 and role.deliver(later) == 0
         assert server.count("/gone") == 1 and server.count("/later") == 1
         assert [tuple(r)[:3] for r in _deliveries(db_url, "gone")] == [(False, "gone", 1)]
         assert [tuple(r)[:3] for r in _deliveries(db_url, "later")] == [(False, None, 1)]
@@ -268,7 +268,29 @@ def test_a_rolled_back_transaction_sends_nothing_and_the_relay_leaves_deliveries
         role = _role(service)
         with running(role):
             wait_until(lambda: role.delivered == 1, what="the committed event delivered")
-            wait_until(lambda: role.deliver_one(hook) == 0, what="nothing more")
+            wait_until(lambda: role.deliver(hook) == 0, what="nothing more")
         [(headers, body)] = server.requests["/crm"]
         assert headers["webhook-id"] == kept and json.loads(body)["data"] == {"n": 0}
         service.close()
+
+
+def test_after_a_request_without_an_answer_the_rest_of_a_claim_goes_back_uncounted(
+    db_url: str,
+) -> None:
+    """An endpoint nobody listens on: of the three rows one claim took, the first gets its
+    failed attempt (``no answer``); the two behind it go back due at once, with no attempt
+    counted, and are tried by the next claims, one each."""
+    with endpoint() as server:
+        port = server.server.server_address[1]
+    hook = Webhook(
+        name="down", url=f"http://127.0.0.1:{port}/x", patterns="orders.#", secrets=SECRET
+    )
+    service = _service(db_url, [hook], webhook_schedule=(3600,))
+    _publish(service, 3)
+    role = _role(service)
+    assert role.deliver(hook) == 3
+    assert [r.attempts for r in _deliveries(db_url, "down")] == [1, 0, 0]
+    assert "no answer" in _deliveries(db_url, "down")[0].last_error
+    assert role.deliver(hook) == 2 and role.deliver(hook) == 1 and role.deliver(hook) == 0
+    assert [r.attempts for r in _deliveries(db_url, "down")] == [1, 1, 1] and role.failed == 3
+    service.close()
