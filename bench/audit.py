@@ -5,7 +5,7 @@ incremental by day, and on a standalone cluster of one and two workers.
         [--cold-sizes 100000 1000000] [--sizes 1000000 10000000] [--repeat 3]
         [--month-messages 3000000] [--margin-hours 24] [--cluster-size 10000000]
         [--worker-memory 2g] [--cluster-conf KEY=VALUE ...] [--dir DIR] [--master local[*]]
-        [--driver-memory 6g]
+        [--driver-memory 6g] [--warm-up 20000]
 
 Every figure is taken on synthetic histories (`outbox_inbox.analytics.synthetic`: three
 services over 3 days, about 2.2 archived rows per message, a few hundred faults of each kind),
@@ -28,7 +28,7 @@ cluster      a standalone master and workers on loopback, started from PySpark's
              from a driver in this process (`spark_session("spark://...")`), once with one
              worker, then once with a second worker started (the worker count changes;
              spark.cores.max is not set). Each run is one application: its executors are
-             waited for, warmed up with an untimed audit of 20,000 messages, then the audit
+             waited for, warmed up with an untimed audit of --warm-up messages, then the audit
              is timed once. The session has Spark's defaults for a cluster (those of
              `outbox-inbox audit --master spark://...`) plus any --cluster-conf. Spark's own
              metrics of the timed audit, read from the driver's REST API: per stage tasks,
@@ -39,7 +39,7 @@ cluster      a standalone master and workers on loopback, started from PySpark's
              (Python + JVM), the master, the workers with their executors, and the whole
              machine (other users included) against wall x CPUs.
 warm         on one local SparkSession (--master, --driver-memory), after an untimed round of
-             20,000 messages, the best of --repeat runs of each of:
+             --warm-up messages (default 20,000), the best of --repeat runs of each of:
                scan  -- read every archived row, decoding the message id, a time and the
                         routing key: Spark's read limit on these files;
                join  -- inbox full-outer-joined to outbox on message_id and counted: the
@@ -107,7 +107,7 @@ FAULTS = Faults(
     retried=1000,
     dead=300,
 )
-WARM_UP = 20_000  # messages of the untimed round that lets the JVM compile Spark's hot paths
+WARM_UP = 20_000  # default size of the untimed round that lets the JVM compile the hot paths
 MONTH = timedelta(days=30)
 LOOPBACK = "127.0.0.1"
 CLOCK_DEPENDENT = ("lost", "in_flight")  # the totals that move with the audit's now
@@ -156,7 +156,7 @@ class AuditBench:
         if self.spark is None:
             self.session(self.args.master, driver_memory=self.args.driver_memory)
         if not self.warmed_up:
-            expected, _ = self.history(WARM_UP)
+            expected, _ = self.history(self.args.warm_up)
             _scan(self.spark, expected.roots)
             _join(self.spark, expected.roots)
             run_audit(self.spark, expected.roots, now=expected.now, grace=expected.grace)
@@ -549,7 +549,7 @@ def _cluster_run(
     """One application on the cluster as it stands: its executors, an untimed warm-up, the
     timed audit, its CPU seconds and Spark's metrics of it."""
     args = bench.args
-    warm_up, _ = bench.history(WARM_UP)
+    warm_up, _ = bench.history(args.warm_up)
     ui_port = free_port()
     spark = bench.session(
         cluster_.url,
@@ -894,10 +894,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--driver-memory", default="6g", help="the driver's memory in this process (default 6g)"
     )
+    parser.add_argument(
+        "--warm-up",
+        type=int,
+        default=WARM_UP,
+        metavar="N",
+        help=f"warm, incremental, cluster: messages of the untimed warm-up round (default "
+        f"{WARM_UP}; a size that --cold-sizes names shares its history)",
+    )
     parser.add_argument("--json", help="also write every figure and the machine to this file")
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
+    if args.warm_up < 1:
+        parser.error("--warm-up must be at least 1")
     return args
 
 

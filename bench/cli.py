@@ -61,6 +61,7 @@ def run(ctx: Context) -> None:
         print("\nlibrary broker layer (no database)", flush=True)
         roles.broker_layer(ctx)
         print("\nlibrary", flush=True)
+        roles.relay_threads(ctx)
         roles.relay(ctx)
         roles.receiver(ctx)
         roles.worker_threads(ctx, 1)

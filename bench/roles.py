@@ -57,6 +57,7 @@ def broker_layer(ctx: Context) -> None:
                     raise BenchError(f"library publisher: {len(bad)} not confirmed: {bad[0]}")
     finally:
         publisher.close()
+        broker.close()  # the publisher pool's connection
     ctx.record(
         Figure(
             "e'",
@@ -87,6 +88,40 @@ def broker_layer(ctx: Context) -> None:
             limit_of=("b",),
         ).took(n, timer)
     )
+
+
+def relay_threads(ctx: Context, threads: int = 2) -> None:
+    """(e2): `threads` relays of A (its `relay_threads`) share the publisher pool on a backlog.
+
+    Runs before (w)/(e): what it publishes is purged from B's inbox queue and A's outbox is
+    emptied after it, so (e) and (f) find the tables and queue as without it.
+    """
+    n = ctx.n
+    write_outbox(ctx.a, n)
+    ctx.vacuum(ctx.a_table("outbox_messages"))
+    relays = [ctx.a.relay() for _ in range(threads)]
+    with Timer() as timer:
+        for k, role in enumerate(relays):
+            ctx.threads.start(f"relay-{k}", role.run)
+        wait_until(
+            lambda: sum(r.published for r in relays) >= n, ctx.timeout, "relays", ctx.threads
+        )
+    ctx.threads.stop_all()
+    ctx.record(
+        Figure(
+            "e2",
+            f"relay: outbox backlog -> broker ({threads} relay threads, pool)",
+            "library",
+            limit_of=("a",),
+        ).took(n, timer)
+    )
+    print(f"       messages per relay thread: {', '.join(str(r.published) for r in relays)}")
+    ctx.dump_profiles("e2")
+    depth = ctx.queue_depth(f"{ctx.b.name}.inbox")
+    if depth != n:
+        raise BenchError(f"{ctx.b.name}.inbox holds {depth} messages, expected {n}")
+    ctx.purge(f"{ctx.b.name}.inbox")
+    ctx.sql(sql.SQL("TRUNCATE {}").format(ctx.a_table("outbox_messages")))
 
 
 def relay(ctx: Context) -> None:

@@ -6,7 +6,8 @@ Two ports: `Broker` is what the relay, receiver and worker use (declare, publish
 depths, read, ack and requeue a dead-letter queue, tail an exchange).
 
 Thread safety: a `Publisher`, `Consumer` or `Operator` belongs to the thread that opened it;
-open one per thread. `Broker` objects themselves only hold settings and may be shared.
+open one per thread. `Broker` objects may be shared; RabbitMQ's keeps a pool of publishing
+connections (closed by `Broker.close`).
 """
 
 from __future__ import annotations
@@ -111,7 +112,9 @@ class Publisher(Protocol):
         """
         ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Give the publisher up: its connection closes, or returns to the broker's pool."""
+        ...
 
 
 class Consumer(Protocol):
@@ -177,7 +180,7 @@ class Broker(Protocol):
         ...
 
     def close(self) -> None:
-        """Release what the broker object holds (connections are per publisher/consumer)."""
+        """Release what the broker object holds (RabbitMQ: the publisher pool's connections)."""
         ...
 
     @property

@@ -180,6 +180,12 @@ class Settings:
     relay_retry_max: float = 60.0
     #: Attempts after which a row the broker refuses by itself (too large, 406) is dead.
     relay_max_attempts: int = 5
+    #: Relay threads of `Service.start()` / `run()`; each publishes on a connection of the pool.
+    relay_threads: int = 1
+    #: The publisher pool's connections (each one confirm channel; never a consumer's) and how
+    #: long a publish waits for one before it fails and is retried (docs/failures.md).
+    publisher_connections: int = 2
+    publisher_checkout_timeout: float = 5.0
 
     # webhooks out (outbox_inbox.webhooks): the endpoints, the seconds between attempts (the
     # first is immediate: len + 1 attempts), and the longest wait for an answer.

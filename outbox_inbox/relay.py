@@ -90,7 +90,7 @@ class Relay:
         """Relay batches until `stop` is set; the batch in hand is finished first.
 
         Waits between batches, outages and their log lines are the `RoleLoop`'s; while idle,
-        the publisher's connection is kept known alive (heartbeats).
+        the publisher goes back to the broker's pool, for another relay thread to use.
         """
         loop = RoleLoop(
             f"relay of {self._service}",
@@ -117,8 +117,7 @@ class Relay:
             self._drop_publisher()
 
     def _idle(self) -> None:
-        if self._publisher is not None:
-            self._publisher.idle()  # heartbeats: an idle link must stay known alive
+        self._drop_publisher()  # the next batch checks one out again, its heartbeats serviced
 
     def relay_once(self) -> int:
         """Relay one batch; return how many rows were claimed."""

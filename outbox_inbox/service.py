@@ -168,6 +168,8 @@ class Service:
                         self.settings.mq_url,
                         heartbeat=self.settings.heartbeat,
                         blocked_connection_timeout=self.settings.blocked_connection_timeout,
+                        publisher_connections=self.settings.publisher_connections,
+                        publisher_checkout_timeout=self.settings.publisher_checkout_timeout,
                     )
             return self._broker
 
@@ -599,7 +601,8 @@ class Service:
             return
         roles: list[tuple[str, Callable[..., None]]] = []
         if relay:
-            roles.append(("relay", self.relay().run))
+            for n in range(self.settings.relay_threads):
+                roles.append((f"relay-{n}" if n else "relay", self.relay().run))
         if relay and self.settings.webhooks:  # docs/concepts.md, "Webhooks"
             hooks = WebhookRole(
                 service=self.name, engine=self.engine, tables=self.tables, settings=self.settings
@@ -900,6 +903,8 @@ class Service:
         self.stop()
         if self._engine is not None:
             self._engine.dispose()
+        if self._broker is not None and self.settings.mq_url:  # the memory broker is shared
+            self._broker.close()
 
 
 @contextlib.contextmanager

@@ -66,6 +66,7 @@ for _name in (
     "pika.adapters.utils.connection_workflow",
     "pika.adapters.utils.io_services_utils",
     "pika.adapters.blocking_connection",
+    "pika.adapters.base_connection",  # e.g. an idle pooled connection found closed
 ):
     logging.getLogger(_name).addFilter(_AtDebug())
 # pika.connection's line for those two frames.
@@ -97,7 +98,9 @@ class RabbitMQBroker:
     Every connection it opens negotiates AMQP heartbeats of `heartbeat` seconds (unless the URL
     sets ``heartbeat=``), uses TCP keepalive, gives up connecting after `connect_timeout`, and
     is broken once blocked for `blocked_connection_timeout` (docs/configuration.md says what
-    each bounds). Blocking and unblocking are logged and counted in `flow_control`.
+    each bounds). Blocking and unblocking are logged and counted in `flow_control`. Publishers
+    come from a pool of at most `publisher_connections` connections of their own, never a
+    consumer's (`_PublisherPool`), waiting `publisher_checkout_timeout` s for a free one.
     """
 
     def __init__(
@@ -107,6 +110,8 @@ class RabbitMQBroker:
         connect_timeout: float = 10.0,
         heartbeat: float = 5.0,
         blocked_connection_timeout: float = 30.0,
+        publisher_connections: int = 2,
+        publisher_checkout_timeout: float = 5.0,
     ) -> None:
         self._urls = broker_urls(url)
         self._params: list[pika.URLParameters] = []
@@ -129,6 +134,7 @@ class RabbitMQBroker:
             params.tcp_options = dict(_TCP_OPTIONS)
             self._params.append(params)
         self.flow_control = FlowControl(self.description)
+        self.publishers = _PublisherPool(self, publisher_connections, publisher_checkout_timeout)
 
     @property
     def description(self) -> str:
@@ -185,10 +191,12 @@ class RabbitMQBroker:
             close_quietly(connection)
 
     def close(self) -> None:
-        """Nothing to release: every publisher and consumer owns its connection."""
+        """Close the pooled publishing connections (each consumer owns its connection)."""
+        self.publishers.close()
 
     def publisher(self) -> RabbitMQPublisher:
-        return RabbitMQPublisher(self.connect())
+        """A publishing connection of the pool; `close` returns it (`_PublisherPool.checkout`)."""
+        return self.publishers.checkout()
 
     def consumer(self, queue: str, *, prefetch: int) -> RabbitMQConsumer:
         return RabbitMQConsumer(self.connect(), queue, prefetch=prefetch)
@@ -473,8 +481,12 @@ class RabbitMQPublisher:
     messages of a later batch go out as the confirms of an earlier one free room.
     """
 
-    def __init__(self, connection: pika.BlockingConnection) -> None:
+    def __init__(
+        self, connection: pika.BlockingConnection, pool: _PublisherPool | None = None
+    ) -> None:
         self._connection = connection
+        self._pool = pool  # the pool it belongs to, if any
+        self._lent = False  # lent to a thread by the pool, until closed
         self._broken = False
         self._refusal: Refusal | None = None
         self._confirms: deque[tuple[int, bool, bool]] = deque()  # (tag, multiple, ack)
@@ -710,7 +722,81 @@ class RabbitMQPublisher:
         self._batches.clear()
 
     def close(self) -> None:
-        close_quietly(self._connection)
+        """Give the connection back to its pool (`RabbitMQBroker.publisher`), or close it."""
+        if self._pool is None:
+            close_quietly(self._connection)
+        elif self._lent:  # once: a second close must not give it back twice
+            self._lent = False
+            self._pool.checkin(self)
+
+
+class _PublisherPool:
+    """The publishing connections of one broker: at most `size` checked out at once, each with
+    one channel in confirm mode, kept open when given back for the next checkout.
+
+    A pika connection belongs to one thread, so a checkout lends a whole connection and its
+    channel to one thread until `RabbitMQPublisher.close`; no consumer ever uses one, so flow
+    control that blocks publishing (a memory alarm) never stalls consuming. The hard limit:
+    a checkout waits `timeout` seconds for a connection to come back, then raises BrokerError
+    (docs/failures.md, "The publisher pool is exhausted").
+    """
+
+    def __init__(self, broker: RabbitMQBroker, size: int, timeout: float) -> None:
+        self._broker, self.size, self._timeout = broker, size, timeout
+        self._slots = threading.BoundedSemaphore(size)
+        self._lock = threading.Lock()
+        self._free: list[RabbitMQPublisher] = []  # given back, open
+        self._closed = False
+        self.opened = 0  # connections opened
+        self.exhausted = 0  # checkouts that timed out
+
+    def checkout(self) -> RabbitMQPublisher:
+        if not self._slots.acquire(timeout=self._timeout):
+            self.exhausted += 1
+            log.warning(
+                "all %d publishing connections to RabbitMQ at %s stayed in use for %.1f s: "
+                "the publish waits for the next attempt (publisher_connections)",
+                self.size,
+                self._broker.description,
+                self._timeout,
+            )
+            raise BrokerError(
+                f"publisher pool exhausted: {self.size} connections in use after {self._timeout} s"
+            )
+        try:
+            while True:
+                with self._lock:
+                    publisher = self._free.pop() if self._free else None
+                if publisher is None:
+                    publisher = RabbitMQPublisher(self._broker.connect(), self)
+                    self.opened += 1  # a count for tests and status; exactness not needed
+                    break
+                publisher.idle()  # heartbeats; a connection the broker closed is replaced
+                if not publisher.broken:
+                    break
+                close_quietly(publisher._connection)
+        except BaseException:
+            self._slots.release()
+            raise
+        publisher._lent = True
+        return publisher
+
+    def checkin(self, publisher: RabbitMQPublisher) -> None:
+        """Keep `publisher` for the next checkout, unless it broke or still has messages out."""
+        with self._lock:
+            kept = not (self._closed or publisher.broken or publisher._batches)
+            if kept:
+                self._free.append(publisher)
+        if not kept:
+            close_quietly(publisher._connection)
+        self._slots.release()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            free, self._free = self._free, []
+        for publisher in free:
+            close_quietly(publisher._connection)
 
 
 class RabbitMQConsumer:

@@ -1,4 +1,4 @@
-"""Fixtures of the cluster tests (``-m cluster``): a three-node RabbitMQ cluster for the session.
+"""Fixtures of the cluster tests (``-m cluster``): a three-node RabbitMQ cluster they share.
 
 The e2e and fault fixtures are reused as they are; `mq_url` is overridden here, so that every
 service, role process and probe of a test talks to the cluster (a fresh vhost per test) through
@@ -29,13 +29,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.cluster)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def rabbitmq_cluster() -> Iterator[RabbitMQCluster]:
+    """The three nodes, shared by the tests of this package and gone after its last one (not
+    idling beside the rest of the run); killed, not stopped, at the end (see `discard`)."""
     cluster = RabbitMQCluster(3)
     try:
         cluster.start()
         yield cluster
     finally:
+        for node in cluster.nodes:
+            node.kill()
         cluster.cleanup()
 
 

@@ -8,7 +8,8 @@ correct service, through a connection of its own (committed at once) by the bugg
 With ``KIT_EVENT_LOG`` set to a directory, each role records its events there (`EventLog` of
 tests/e2e/apps.py), which replay.py reads to check the run against the model. `produce_keyed`
 gives each job an ordering key (its number modulo `KEYS`), so that a run holds keys whose order
-the model checks.
+the model checks. Every `REJECTED`-th job is refused by its handler: it ends dead and sends
+the producer its fault, the model's dead end, and no effect is expected of it.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ from pathlib import Path
 from sqlalchemy import Connection, create_engine, text
 from sqlalchemy.orm import Session
 
-from outbox_inbox import Message, Service
+from outbox_inbox import Message, Reject, Service
 from outbox_inbox.listener import Listener
 
 Produce = Callable[[Service, Session, int], list[int]]
 _INSERT = text("INSERT INTO job_effects (n) VALUES (:n)")
 EVENT_LOG_ENV = "KIT_EVENT_LOG"
 KEYS = 4
+REJECTED = 50
 
 
 def _role_service(name: str) -> Service:
@@ -56,6 +58,8 @@ def _jobs(outside: bool) -> Service:
 
     @service.on_command("job.run")
     def run(message: Message, session: Session) -> None:
+        if message.payload["n"] % REJECTED == REJECTED - 1:
+            raise Reject("job refused")
         if own is None:
             session.execute(_INSERT, {"n": message.payload["n"]})
         else:  # the bug: the effect commits whether or not the message is marked processed
@@ -86,13 +90,13 @@ def prepare(db_url: str, mq_url: str) -> Service:
 
 def produce(producer: Service, session: Session, n: int) -> list[int]:
     producer.outbox.send(session, "jobs", "job.run", {"n": n})
-    return [n]
+    return [] if n % REJECTED == REJECTED - 1 else [n]
 
 
 def produce_keyed(producer: Service, session: Session, n: int) -> list[int]:
     """`produce`, the job with ordering key ``k<n % KEYS>``."""
     producer.outbox.send(session, "jobs", "job.run", {"n": n}, key=f"k{n % KEYS}")
-    return [n]
+    return [] if n % REJECTED == REJECTED - 1 else [n]
 
 
 def produce_outside(producer: Service, session: Session, n: int) -> list[int]:
@@ -100,7 +104,7 @@ def produce_outside(producer: Service, session: Session, n: int) -> list[int]:
     it leaves even when the business transaction (`session`) rolls back."""
     with producer.session() as own, own.begin():
         producer.outbox.send(own, "jobs", "job.run", {"n": n})
-    return [n]
+    return [] if n % REJECTED == REJECTED - 1 else [n]
 
 
 def effects(conn: Connection) -> Iterator[int]:

@@ -20,6 +20,7 @@ from sqlalchemy import create_engine, select
 from sqlalchemy.pool import NullPool
 
 from outbox_inbox.database import connect
+from outbox_inbox.faults import is_fault
 from outbox_inbox.testing.checker import FAILED
 from outbox_inbox.testing.faultkit import FaultKit
 
@@ -27,10 +28,10 @@ from outbox_inbox.testing.faultkit import FaultKit
 REPLAYED: list[Replay] = []
 
 
-def _tables(producer_url: str, consumer_url: str) -> tuple[list[Any], list[Any]]:
-    """The producer's outbox rows and the consumer's inbox rows."""
+def _tables(producer_url: str, consumer_url: str) -> tuple[list[Any], list[Any], list[Any]]:
+    """The producer's outbox rows, the consumer's inbox rows and the consumer's outbox rows."""
     rows = []
-    for url, name in ((producer_url, "outbox"), (consumer_url, "inbox")):
+    for url, name in ((producer_url, "outbox"), (consumer_url, "inbox"), (consumer_url, "outbox")):
         database = connect(url)
         try:
             table = getattr(database.tables, name)
@@ -38,7 +39,7 @@ def _tables(producer_url: str, consumer_url: str) -> tuple[list[Any], list[Any]]
                 rows.append(list(conn.execute(select(table)).mappings()))
         finally:
             database.engine.dispose()
-    return rows[0], rows[1]
+    return rows[0], rows[1], rows[2]
 
 
 def read_run(
@@ -54,9 +55,12 @@ def read_run(
     """The run `name`: its faults, the events in `events`, and every message of the producer's
     outbox with the consumer's inbox row of it. `effects(inbox rows)` counts each message's
     effects; `rolled_back(outbox row)` says whether its business transaction rolled back."""
-    outbox, inbox = _tables(producer_url, consumer_url)
+    outbox, inbox, sent = _tables(producer_url, consumer_url)
     by_id = {str(row["message_id"]): row for row in inbox}
     counted = effects(inbox)
+    sent_faults = Counter(
+        str(row["payload"]["message_id"]) for row in sent if is_fault(row["routing_key"])
+    )
     messages = {}
     for row in outbox:
         mid = str(row["message_id"])
@@ -70,6 +74,8 @@ def read_run(
             attempts=0 if stored is None else stored["attempts"],
             finished=0 if stored is None else stored["finished"],
             effects=counted[mid],
+            command=row["kind"] == "command",
+            faults=sent_faults[mid],
         )
     return Run(name, tuple(faults), messages, read_events(events))
 

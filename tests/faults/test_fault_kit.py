@@ -143,6 +143,7 @@ def test_a_correct_service_passes_the_kit(outbox_inbox_fault_kit: FaultKit) -> N
     assert replay.conforms, replay.report()
     # the worker killed after a handler ran: a run without a sequel, explained by the kill
     assert replay.premises["run-ends"] >= 1 and replay.premises["key-order"] > 0
+    assert replay.premises["dead-sends-its-fault"] >= 1  # the refused jobs
 
 
 def test_a_handler_writing_its_effect_outside_the_session_is_caught_as_duplicated(

@@ -113,6 +113,10 @@ RULES: dict[str, tuple[str, str]] = {
         "markDead, DeadMessageHasNoEffectAndItsFault",
         "a dead message has no effect",
     ),
+    "dead-sends-its-fault": (
+        "markDead, DeadMessageHasNoEffectAndItsFault",
+        "a command that ends dead sends its sender one fault, and no other message sends one",
+    ),
     "key-order": (
         "relayEligible, claimable (per-key hold), KeyOrderOfEffects",
         "a message runs only after every earlier message of its key finished",
@@ -152,6 +156,8 @@ class Message:
     attempts: int = 0
     finished: int = 0
     effects: int = 0
+    command: bool = True  # a command (a dead one sends a fault), not an event
+    faults: int = 0  # the faults of it the consumer wrote to its outbox
 
 
 @dataclass
@@ -314,6 +320,10 @@ def check(run: Run) -> Replay:
             seen["dead-has-no-effect"] += 1
             if m.effects:
                 bad(("dead-has-no-effect", f"{mid}: dead with {m.effects} effects"))
+        due = int(m.status == "dead" and m.command)
+        seen["dead-sends-its-fault"] += due
+        if m.faults != due:
+            bad(("dead-sends-its-fault", f"{mid}: {m.status}, {m.faults} faults written"))
         if m.committed and m.status not in ("processed", "dead"):
             bad(("finished", f"{mid}: committed, its inbox row is {m.status or 'missing'}"))
 

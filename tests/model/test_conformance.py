@@ -104,7 +104,9 @@ RED = {
     # worker 1 runs B while worker 2's run of it has not ended
     "one-holder": lambda r: insert(r, 125, WORKER1, "ran", B),
     "no-run-after-processed": lambda r: edit(r, add=(WORKER1, "ran", A, "ok")),
-    "dead-has-no-effect": lambda r: with_message(r, C, status="dead"),
+    "dead-has-no-effect": lambda r: with_message(r, C, status="dead", faults=1),
+    # dead without its fault (written outside the dead mark's transaction, lost with it)
+    "dead-sends-its-fault": lambda r: with_message(r, C, status="dead", effects=0),
     # key order broken: C runs before A finished
     "key-order": lambda r: insert(r, 85, WORKER1, "ran", C),
     "run-ends": lambda r: replace(r, faults=("duplicate",)),
