@@ -96,7 +96,7 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 _OPENER = urllib.request.build_opener(_NoRedirect)
 
 
-def post(hook: Webhook, row: Mapping[str, Any], timeout: float) -> int | str:
+def post(hook: Webhook, row: Mapping[Any, Any], timeout: float) -> int | str:
     """POST one delivery row to `hook`: the HTTP status, or the error (no answer)."""
     event = {"type": row["routing_key"], "timestamp": row["created_at"].isoformat()}
     body = json.dumps({**event, "data": row["payload"]}, separators=(",", ":")).encode()
