@@ -30,6 +30,7 @@ if __name__ == "__main__":  # as bench/run.py: the repository root on the path, 
 import argparse
 import base64
 import json
+import logging
 import statistics
 import threading
 import time
@@ -199,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=20.0)
     args = parser.parse_args(argv)
+    logging.getLogger("outbox_inbox.webhooks").setLevel(logging.CRITICAL)  # a's deaths: expected
     pg = PostgresServer()
     endpoint = Endpoint()
     try:
