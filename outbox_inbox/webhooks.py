@@ -23,6 +23,7 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 from sqlalchemy import Connection, Engine
@@ -135,24 +136,14 @@ class WebhookRole:
 
     def run(self, stop: threading.Event, *, on_started: Callable[[], None] | None = None) -> None:
         """Deliver until `stop` is set; each thread finishes the request in hand first."""
-        threads = []
-        for hook in self._settings.webhooks:
-            for n in range(hook.max_in_flight):
-                loop = RoleLoop(
-                    f"webhook {hook.name} of {self._service}",
-                    self._settings,
-                    log,
-                    poll_interval=self._settings.relay_poll_interval,
-                    retried=(Exception,),
-                )
-                thread = threading.Thread(
-                    target=loop.run,
-                    args=(stop, lambda hook=hook: self.deliver(hook, stop)),
-                    name=f"outbox-inbox-{self._service}-webhook-{hook.name}-{n}",
-                    daemon=True,
-                )
-                thread.start()
-                threads.append(thread)
+        s, threads = self._settings, []
+        for hook, n in ((h, n) for h in s.webhooks for n in range(h.max_in_flight)):
+            what = f"webhook {hook.name} of {self._service}"
+            loop = RoleLoop(what, s, log, poll_interval=s.relay_poll_interval, retried=(Exception,))
+            step, name = partial(self.deliver, hook, stop), f"outbox-inbox-{what}-{n}"
+            thread = threading.Thread(target=loop.run, args=(stop, step), name=name, daemon=True)
+            thread.start()
+            threads.append(thread)
         if on_started:
             on_started()
         for thread in threads:

@@ -222,12 +222,14 @@ def forget_deliveries(conn: Connection, tables: Tables, message_ids: Sequence[uu
 # --- status and metrics ---------------------------------------------------------------------------
 
 
+#: Per webhook endpoint: deliveries waiting, of those failed at least once, dead; an error.
+WEBHOOK_FIELDS = ("endpoint", "waiting", "failing", "dead", "last_error")
+
+
 def outbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
     """Unsent outbox rows for the relay, how many of them failed at least once, the oldest
-    one's age, the dead rows (refused by the broker on every attempt, or webhook deliveries
-    exhausted), and ``webhooks``: per endpoint with deliveries waiting or dead, how many
-    wait, how many of those failed at least once, how many are dead, and the error of the
-    newest delivery that has one."""
+    one's age, the dead rows (webhook deliveries too), and ``webhooks``: `WEBHOOK_FIELDS` of
+    each endpoint with deliveries waiting or dead (``last_error``: its newest one's)."""
     o = tables.outbox
     hook, unsent = o.c.exchange.startswith(WEBHOOK), outbox_unsent(o)
     row = conn.execute(
@@ -238,23 +240,15 @@ def outbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
         ).where(unsent, ~hook)
     ).one()
     dead = conn.execute(select(func.count()).where(_dead_or_parked(o, False))).scalar_one()
-    kept, failing = or_(unsent, o.c.dead_at.is_not(None)), and_(unsent, o.c.attempts > 0)
-    counts = (unsent, failing, _dead_or_parked(o, False))
+    kept, has_error = or_(unsent, o.c.dead_at.is_not(None)), o.c.last_error.is_not(None)
+    counts = (unsent, and_(unsent, o.c.attempts > 0), _dead_or_parked(o, False))
+    grouped = select(o.c.exchange, *(func.count().filter(c) for c in counts)).where(hook, kept)
     webhooks = []
-    for name, *numbers in conn.execute(
-        select(o.c.exchange, *(func.count().filter(c) for c in counts))
-        .where(hook, kept)
-        .group_by(o.c.exchange)
-        .order_by(o.c.exchange)
-    ):
-        newest = select(o.c.last_error).where(
-            o.c.exchange == name, kept, o.c.last_error.is_not(None)
-        )
-        error = conn.execute(newest.order_by(o.c.id.desc()).limit(1)).scalar()
-        names = ("endpoint", "waiting", "failing", "dead", "last_error")
-        webhooks.append(
-            dict(zip(names, (name.removeprefix(WEBHOOK), *numbers, error), strict=True))
-        )
+    for name, *numbers in conn.execute(grouped.group_by(o.c.exchange).order_by(o.c.exchange)):
+        errors = select(o.c.last_error).where(o.c.exchange == name, kept, has_error)
+        error = conn.execute(errors.order_by(o.c.id.desc()).limit(1)).scalar()
+        values = (name.removeprefix(WEBHOOK), *numbers, error)
+        webhooks.append(dict(zip(WEBHOOK_FIELDS, values, strict=True)))
     return {
         "unpublished": int(row.unpublished),
         "retrying": int(row.retrying),

@@ -294,3 +294,22 @@ def test_after_a_request_without_an_answer_the_rest_of_a_claim_goes_back_uncount
     assert role.deliver(hook) == 2 and role.deliver(hook) == 1 and role.deliver(hook) == 0
     assert [r.attempts for r in _deliveries(db_url, "down")] == [1, 1, 1] and role.failed == 3
     service.close()
+
+
+def test_the_service_runs_the_webhooks_wherever_it_runs_the_relay(db_url: str) -> None:
+    """`start()` with the relay starts the webhooks role too; without it, none."""
+    with endpoint() as server:
+        service = _service(db_url, [_hook(server, "crm")])
+        service.declare_topology()
+        _publish(service)
+        service.start(relay=False, receiver=False, workers=1)
+        try:
+            assert not any("webhook" in t.name for t in threading.enumerate())
+        finally:
+            service.stop()
+        service.start(receiver=False, workers=0)
+        try:
+            wait_until(lambda: server.count("/crm") == 1, what="delivered by the service")
+        finally:
+            service.stop()
+            service.close()
