@@ -58,7 +58,7 @@ def run(
     """Run one role of the service, or all, until SIGTERM or SIGINT (graceful stop).
 
     \b
-    relay     publishes the outbox to RabbitMQ
+    relay     publishes the outbox to RabbitMQ (and POSTs the webhooks, with `webhooks`)
     receiver  stores messages from <service>.inbox in the inbox table (declares the topology)
     worker    runs your handlers on the inbox rows, in --processes worker processes
     all       the relay and the receiver in threads of this process, the workers as `worker`

@@ -58,6 +58,7 @@ def status(
     \b
     outbox     unpublished rows, how many failed at least once, age of the oldest; dead
                rows (refused by the broker on every attempt: see dead-letters)
+    webhook    per endpoint: deliveries waiting (failed at least once), dead; last error
     inbox      pending (waiting for a worker, due or scheduled for a retry), in progress
                (leased by a worker), dead, processed; age of the oldest pending row;
                the same counts per message type
@@ -107,6 +108,12 @@ def _print(report: dict[str, Any]) -> None:
         f"outbox  unpublished {outbox['unpublished']} (retrying {outbox['retrying']}), "
         f"oldest {format_age(outbox['oldest_age_seconds'])}, dead {outbox['dead']}"
     )
+    for w in outbox.get("webhooks", ()):
+        error = f", last error: {w['last_error']}" if w["last_error"] else ""
+        echo(
+            f"webhook {w['endpoint']}: waiting {w['waiting']} (failing {w['failing']}), "
+            f"dead {w['dead']}{error}"
+        )
     echo(
         f"inbox   pending {inbox['pending']}, in progress {inbox['in_progress']}, "
         f"dead {inbox['dead']}, processed {inbox['processed']}, "

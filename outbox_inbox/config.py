@@ -16,6 +16,7 @@ from .retry import RetryPolicy
 
 if TYPE_CHECKING:
     from .claim_check import PayloadStore
+    from .webhooks import Webhook
 
 #: An unquoted PostgreSQL identifier of at most 63 bytes: what a schema name may be.
 _IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
@@ -186,6 +187,12 @@ class Settings:
     publisher_connections: int = 2
     publisher_checkout_timeout: float = 5.0
 
+    # webhooks out (outbox_inbox.webhooks): the endpoints, the seconds between attempts (the
+    # first is immediate: len + 1 attempts), and the longest wait for an answer.
+    webhooks: tuple[Webhook, ...] = ()
+    webhook_schedule: tuple[float, ...] = (5, 300, 1800, 7200, 18000, 36000, 36000)
+    webhook_timeout: float = 15.0
+
     # receiver
     prefetch: int = 500
     receive_batch_size: int = 250
@@ -292,6 +299,12 @@ class Settings:
         if not all(_whole(n) and n > 0 for n in dict(self.claim_check_types).values()):
             raise ConfigurationError("claim_check_types must map types to whole numbers > 0")
         object.__setattr__(self, "payload_sources", tuple(self.payload_sources))
+        object.__setattr__(self, "webhooks", tuple(self.webhooks))
+        if len({w.name for w in self.webhooks}) < len(self.webhooks):
+            raise ConfigurationError("webhooks must have distinct names")
+        object.__setattr__(self, "webhook_schedule", tuple(map(float, self.webhook_schedule)))
+        if any(not 0 <= t < float("inf") for t in self.webhook_schedule):
+            raise ConfigurationError("webhook_schedule must be seconds >= 0")
         if getattr(self.payload_store, "db_url", "") is None and self.db_url:  # the service's
             store = replace(self.payload_store, db_url=self.db_url, schema=self.schema)  # type: ignore[type-var]
             object.__setattr__(self, "payload_store", store)

@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypedDict, Unpack
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
@@ -32,8 +32,12 @@ from .messages import (
 )
 from .payloads import plain
 from .queries import roles
-from .tables import Tables
+from .tables import WEBHOOK, Tables
+from .topology import topic_matches
 from .tracing import Tracing, creating
+
+if TYPE_CHECKING:
+    from .webhooks import Webhook
 
 _NAME = re.compile(r"[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*")
 
@@ -205,7 +209,8 @@ class Outbox:
         try:
             if (offloaded := row.pop("offloaded", None)) is not None:
                 self._settings.payload_store.put(session, *offloaded)  # type: ignore[union-attr]
-            roles.insert_outbox(session, self._tables, [row])
+            hooks = self._settings.webhooks if row["kind"] == EVENT else ()
+            roles.insert_outbox(session, self._tables, [row, *delivery_rows(row, hooks)])
         except SQLAlchemyError as exc:
             raise storage_error(exc, "writing to the outbox") from exc
 
@@ -265,6 +270,22 @@ class Outbox:
         if tenant:
             clean_headers[H_TENANT] = tenant  # the row's headers: checked, then the tenant
         return row
+
+
+def delivery_rows(row: Mapping[str, Any], webhooks: tuple[Webhook, ...]) -> list[dict[str, Any]]:
+    """The delivery rows of an event's outbox `row`, one per endpoint whose patterns match:
+    the event's id in causation_id (the requests' ``webhook-id``), no key, no time to live."""
+    return [
+        {
+            **row,
+            "message_id": uuid.uuid5(row["message_id"], hook.name),
+            "exchange": WEBHOOK + hook.name,
+            "causation_id": str(row["message_id"]),
+            **dict.fromkeys(("key", "ttl"), None),
+        }
+        for hook in webhooks
+        if any(topic_matches(p, row["routing_key"]) for p in hook.patterns)
+    ]
 
 
 def _sync(session: Any) -> Session | Connection:

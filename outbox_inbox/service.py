@@ -64,9 +64,12 @@ from .topology import (
 )
 from .tracing import Tracing
 from .waker import Waker, helpers_channel, notify_channel, psycopg_conninfo
+from .webhooks import WebhookRole
 from .worker import Worker, worker_name
 
 log = logging.getLogger(__name__)
+#: Roles run in threads: their names and their `run`.
+_Roles = tuple[tuple[str, Callable[..., None]], ...]
 
 if TYPE_CHECKING:
     from .aio import AsyncWorker
@@ -602,6 +605,7 @@ class Service:
         if relay:
             for n in range(self.settings.relay_threads):
                 roles.append((f"relay-{n}" if n else "relay", self.relay().run))
+            roles += self._webhooks()
         if receiver:
             roles.append(("receiver", self.receiver().run))
         for n in range(self.settings.worker_threads if workers is None else workers):
@@ -682,8 +686,16 @@ class Service:
         self._run_with_workers(relay=True, receiver=True, fail_fast=fail_fast)
 
     def run_relay(self, *, fail_fast: bool | None = None) -> None:
-        """Run only the relay in this thread until SIGTERM or SIGINT (waits as `start()`)."""
-        self._run_role(self.relay().run, topology=False, fail_fast=fail_fast)
+        """Run only the relay in this thread until SIGTERM or SIGINT (waits as `start()`), and
+        the webhooks role in threads when there are `webhooks`."""
+        self._run_role(self.relay().run, topology=False, fail_fast=fail_fast, also=self._webhooks())
+
+    def _webhooks(self) -> _Roles:
+        """The webhooks role where the relay runs, with `webhooks` (docs/concepts.md)."""
+        if not self.settings.webhooks:
+            return ()
+        e, t, s = self.engine, self.tables, self.settings
+        return (("webhooks", WebhookRole(service=self.name, engine=e, tables=t, settings=s).run),)
 
     def run_receiver(self, *, fail_fast: bool | None = None) -> None:
         """Run only the receiver in this thread until SIGTERM or SIGINT (waits as `start()`).
@@ -842,16 +854,18 @@ class Service:
             await self.stop_async()
 
     def _run_role(
-        self, run: Callable[..., None], *, topology: bool, fail_fast: bool | None
+        self, run: Callable[..., None], *, topology: bool, fail_fast: bool | None, also: _Roles = ()
     ) -> None:
         self._stop.clear()
         with _stop_on_signals(self._stop):
             if self._wait_until_ready(topology=topology, fail_fast=fail_fast):
                 if not self.sqlite and not self._in_child:
+                    also = (("maintenance", self._maintenance), *also)
+                for role, extra in also:  # in threads of their own
                     threading.Thread(
                         target=self._supervise,
-                        args=("maintenance", self._maintenance, threading.Barrier(1)),
-                        name=f"outbox-inbox-{self.name}-maintenance",
+                        args=(role, extra, threading.Barrier(1)),
+                        name=f"outbox-inbox-{self.name}-{role}",
                         daemon=True,
                     ).start()
                 self._supervise("role", run, threading.Barrier(1))

@@ -44,6 +44,9 @@ NAMING_CONVENTION = {
 #: Inbox row states. A row is `pending` until it is `processed` or `dead`; an operator may
 #: set a dead row aside as `parked` (out of the dead letters, kept, replayable later).
 PENDING, PROCESSED, DEAD, PARKED = "pending", "processed", "dead", "parked"
+#: The exchange of an outbox row that is a webhook delivery: this and the endpoint's name
+#: (outbox_inbox.webhooks). The relay leaves such rows to the webhooks role.
+WEBHOOK = "webhook:"
 
 #: Name of the alembic version table, kept in the library's schema so that it never collides
 #: with the service's own `alembic_version`.

@@ -26,7 +26,7 @@ from sqlalchemy.engine import RowMapping
 from sqlalchemy.sql.elements import ColumnElement
 
 from ..clock import db_age, db_now, db_now_plus
-from ..tables import DEAD, PARKED, PENDING, PROCESSED, Tables, outbox_unsent
+from ..tables import DEAD, PARKED, PENDING, PROCESSED, WEBHOOK, Tables, outbox_unsent
 from .roles import claimable, is_postgres, places_left
 
 
@@ -212,23 +212,39 @@ def forget_deliveries(conn: Connection, tables: Tables, message_ids: Sequence[uu
 # --- status and metrics ---------------------------------------------------------------------------
 
 
+#: Per webhook endpoint: deliveries waiting, of those failed at least once, dead; an error.
+WEBHOOK_FIELDS = ("endpoint", "waiting", "failing", "dead", "last_error")
+
+
 def outbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
-    """Unsent outbox rows, how many of them failed at least once, the oldest one's age, and
-    the dead rows (refused by the broker on every attempt)."""
+    """Unsent outbox rows for the relay, how many of them failed at least once, the oldest
+    one's age, the dead rows (webhook deliveries too), and ``webhooks``: `WEBHOOK_FIELDS` of
+    each endpoint with deliveries waiting or dead (``last_error``: its newest one's)."""
     o = tables.outbox
+    hook, unsent = o.c.exchange.startswith(WEBHOOK), outbox_unsent(o)
     row = conn.execute(
         select(
             func.count().label("unpublished"),
             func.count().filter(o.c.attempts > 0).label("retrying"),
             func.max(db_age(o.c.created_at)).label("oldest_age_seconds"),
-        ).where(outbox_unsent(o))
+        ).where(unsent, ~hook)
     ).one()
     dead = conn.execute(select(func.count()).where(_dead_or_parked(o, False))).scalar_one()
+    kept, has_error = or_(unsent, o.c.dead_at.is_not(None)), o.c.last_error.is_not(None)
+    counts = (unsent, and_(unsent, o.c.attempts > 0), _dead_or_parked(o, False))
+    grouped = select(o.c.exchange, *(func.count().filter(c) for c in counts)).where(hook, kept)
+    webhooks = []
+    for name, *numbers in conn.execute(grouped.group_by(o.c.exchange).order_by(o.c.exchange)):
+        errors = select(o.c.last_error).where(o.c.exchange == name, kept, has_error)
+        error = conn.execute(errors.order_by(o.c.id.desc()).limit(1)).scalar()
+        values = (name.removeprefix(WEBHOOK), *numbers, error)
+        webhooks.append(dict(zip(WEBHOOK_FIELDS, values, strict=True)))
     return {
         "unpublished": int(row.unpublished),
         "retrying": int(row.retrying),
         "oldest_age_seconds": _float(row.oldest_age_seconds),
         "dead": int(dead),
+        "webhooks": webhooks,
     }
 
 

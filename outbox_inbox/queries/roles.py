@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 from ..clock import db_age, db_now, db_now_plus
 from ..errors import read_only_session
 from ..messages import RECEIVED_COLUMNS, RECEIVED_JSON_COLUMNS
-from ..tables import DEAD, PENDING, PROCESSED, Tables, outbox_unsent
+from ..tables import DEAD, PENDING, PROCESSED, WEBHOOK, Tables, outbox_unsent
 
 #: Advisory-lock namespaces (the first key of the two-key form). Writers of one ordering key
 #: serialize on WRITER_LOCK; a relay holds RELAY_LOCK on each key it is publishing; a worker
@@ -269,11 +269,38 @@ def _claim_outbox_statement(tables: Tables, postgres: bool) -> Any:
             outbox_unsent(o),
             o.c.available_at <= db_now(),
             or_(o.c.key.is_(None), key_free),
+            ~o.c.exchange.startswith(WEBHOOK),
         )
         .order_by(o.c.id)
         .limit(bindparam("limit", type_=Integer, literal_execute=True))
         .with_for_update(skip_locked=True, of=o)
     )
+
+
+def claim_webhooks(
+    conn: Connection, tables: Tables, exchange: str, limit: int, lease: float
+) -> list[RowMapping]:
+    """Take the earliest `limit` due delivery rows of one webhook endpoint (`exchange`) for
+    `lease` seconds, in id order; the caller commits before it sends them."""
+    o = tables.outbox
+    due = (
+        select(o.c.id)
+        .where(outbox_unsent(o), o.c.exchange == exchange, o.c.available_at <= db_now())
+        .order_by(o.c.id)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    )
+    taken = update(o).where(o.c.id.in_(due.scalar_subquery()))
+    stmt = taken.values(available_at=db_now_plus(timedelta(seconds=lease))).returning(*o.c)
+    return sorted(conn.execute(stmt).mappings(), key=lambda row: row["id"])
+
+
+def release_webhooks(conn: Connection, tables: Tables, ids: Sequence[int]) -> None:
+    """Make claimed delivery rows due at once again, no attempt counted (not sent)."""
+    if ids:
+        conn.execute(
+            _mark_outbox_statement(tables, is_postgres(conn), "available_at"), {"ids": ids}
+        )
 
 
 def _relayed_columns(tables: Tables, postgres: bool) -> list[Any]:
