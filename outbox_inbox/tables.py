@@ -24,6 +24,7 @@ from sqlalchemy import (
     Uuid,
     and_,
     func,
+    literal,
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
@@ -71,6 +72,12 @@ class Tables:
     instances: Table
     rate_counts: Table
     payloads: Table
+
+
+def outbox_webhook(outbox: Table | Any) -> ColumnElement[bool]:
+    """The predicate of webhook delivery rows (webhooks.py), its pattern in the statement's
+    text: the partial indexes that keep them apart from the relay's rows name it."""
+    return outbox.c.exchange.like(literal(WEBHOOK + "%", literal_execute=True))
 
 
 def outbox_unsent(outbox: Table | Any) -> ColumnElement[bool]:
@@ -163,6 +170,12 @@ def _outbox_indexes(outbox: Table) -> None:
     the dead rows."""
     unsent = outbox_unsent(outbox)
     _partial_index("ix_outbox_messages_unpublished", unsent, outbox.c.id)
+    # The relay's rows and the webhook deliveries apart: an endpoint's deliveries waiting for a
+    # retry never lie in the relay's path, and an endpoint's due ones are read by time.
+    hook = outbox_webhook(outbox)
+    _partial_index("ix_outbox_messages_relayed", unsent & ~hook, outbox.c.id)
+    by_time = (outbox.c.exchange, outbox.c.available_at, outbox.c.id)
+    _partial_index("ix_outbox_messages_webhook", unsent & hook, *by_time)
     has_key = unsent & outbox.c.key.is_not(None)
     _partial_index("ix_outbox_messages_unpublished_key", has_key, outbox.c.key, outbox.c.id)
     _partial_index("ix_outbox_messages_dead", outbox.c.dead_at.is_not(None), outbox.c.id)

@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 from ..clock import db_age, db_now, db_now_plus
 from ..errors import read_only_session
 from ..messages import RECEIVED_COLUMNS, RECEIVED_JSON_COLUMNS
-from ..tables import DEAD, PENDING, PROCESSED, WEBHOOK, Tables, outbox_unsent
+from ..tables import DEAD, PENDING, PROCESSED, Tables, outbox_unsent, outbox_webhook
 
 #: Advisory-lock namespaces (the first key of the two-key form). Writers of one ordering key
 #: serialize on WRITER_LOCK; a relay holds RELAY_LOCK on each key it is publishing; a worker
@@ -269,7 +269,7 @@ def _claim_outbox_statement(tables: Tables, postgres: bool) -> Any:
             outbox_unsent(o),
             o.c.available_at <= db_now(),
             or_(o.c.key.is_(None), key_free),
-            ~o.c.exchange.startswith(WEBHOOK),
+            ~outbox_webhook(o),
         )
         .order_by(o.c.id)
         .limit(bindparam("limit", type_=Integer, literal_execute=True))
@@ -280,13 +280,14 @@ def _claim_outbox_statement(tables: Tables, postgres: bool) -> Any:
 def claim_webhooks(
     conn: Connection, tables: Tables, exchange: str, limit: int, lease: float
 ) -> list[RowMapping]:
-    """Take the earliest `limit` due delivery rows of one webhook endpoint (`exchange`) for
-    `lease` seconds, in id order; the caller commits before it sends them."""
+    """Take the `limit` delivery rows of one webhook endpoint (`exchange`) due the longest for
+    `lease` seconds, returned in id order; the caller commits before it sends them."""
     o = tables.outbox
     due = (
         select(o.c.id)
-        .where(outbox_unsent(o), o.c.exchange == exchange, o.c.available_at <= db_now())
-        .order_by(o.c.id)
+        .where(outbox_unsent(o), outbox_webhook(o), o.c.exchange == exchange)
+        .where(o.c.available_at <= db_now())
+        .order_by(o.c.available_at, o.c.id)
         .limit(limit)
         .with_for_update(skip_locked=True)
     )

@@ -313,3 +313,67 @@ def test_the_service_runs_the_webhooks_wherever_it_runs_the_relay(db_url: str) -
         finally:
             service.stop()
             service.close()
+
+
+def _rows_read(engine: Any, call: Callable[[Any], Any]) -> int:
+    """The outbox rows the statement `call` sends reads, by EXPLAIN ANALYZE of it: each scan
+    node's rows found and rows its filter removed, in a transaction rolled back."""
+    from sqlalchemy import event
+
+    sent: list[tuple[str, Any]] = []
+    with engine.connect() as conn:
+        event.listen(conn, "before_cursor_execute", lambda *a: sent.append((a[2], a[3])))
+        with conn.begin() as transaction:
+            call(conn)
+            transaction.rollback()
+        statement, parameters = sent[-1]
+        with conn.begin() as transaction:
+            explain = "EXPLAIN (ANALYZE, FORMAT JSON) " + statement
+            plan = conn.exec_driver_sql(explain, parameters).scalar_one()[0]["Plan"]
+            transaction.rollback()
+
+    def read(node: dict[str, Any]) -> int:
+        own = 0
+        if "outbox_messages" in node.get("Relation Name", ""):
+            own = node["Actual Rows"] + node.get("Rows Removed by Filter", 0)
+        return own + sum(read(child) for child in node.get("Plans", ()))
+
+    return read(plan)
+
+
+def test_an_endpoints_waiting_deliveries_never_lie_in_the_relays_path_nor_its_backlog_in_theirs(
+    db_url: str,
+) -> None:
+    """20,000 deliveries of a dead endpoint wait for their retry, older than the relay's 10
+    rows; 20,000 events wait for the relay, older than the endpoint's 10 due deliveries. Each
+    claim reads its own rows only, by its partial index (migration 0013)."""
+    from sqlalchemy import text
+
+    from outbox_inbox.queries import roles
+
+    service = make_service("orders", db_url, None)
+    insert = text(
+        "INSERT INTO outbox_inbox.outbox_messages (message_id, kind, exchange, routing_key,"
+        " payload, headers, available_at) SELECT gen_random_uuid(), 'event', :exchange,"
+        " 'orders.order.placed', '{}', '{}', now() + make_interval(secs => :later)"
+        " FROM generate_series(1, :n)"
+    )
+    try:
+        with service.engine.begin() as conn:
+            for exchange, n, later in (
+                ("webhook:erp", 20_000, 3600),
+                ("events", 10, 0),
+                ("events", 20_000, 0),
+                ("webhook:erp", 10, -1),
+            ):
+                conn.execute(insert, {"exchange": exchange, "n": n, "later": later})
+            conn.execute(text("ANALYZE outbox_inbox.outbox_messages"))
+        relay = _rows_read(service.engine, lambda c: roles.claim_outbox(c, service.tables, 10))
+        hook = _rows_read(
+            service.engine,
+            lambda c: roles.claim_webhooks(c, service.tables, "webhook:erp", 10, 60.0),
+        )
+    finally:
+        service.close()
+    assert relay < 100, relay
+    assert hook < 100, hook
