@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 from ..archive import (
     COLUMNS,
-    DATE_COLUMN,
     INBOX,
     OUTBOX,
     SUBSCRIPTIONS,
@@ -217,14 +216,14 @@ def read_live(db_url: str, schema: str | None = None) -> LiveRows:
 @dataclass(frozen=True)
 class Window:
     """The messages an incremental audit covers: those published in ``[since, until)`` (an
-    unpublished one by its creation, a receipt nobody sent by its receipt). Only the date
-    partitions within `margin` are read, so a receipt further than `margin` from its
-    publication is not joined (docs/history.md, "One day at a time").
+    unpublished one by its creation, a receipt of nobody's message by its message's creation).
+    The archive dates rows by when they became visible (`DATE_COLUMNS`), so only the date
+    partitions from `since` on are read, and of them only the rows of messages created before
+    `until` (docs/history.md, "One day at a time"): no row is left unread, however late.
     """
 
     since: datetime
     until: datetime
-    margin: timedelta = timedelta(days=1)
 
     def __post_init__(self) -> None:
         if self.since.tzinfo is None or self.until.tzinfo is None:
@@ -234,36 +233,21 @@ class Window:
                 f"the audit window is empty: --until {self.until.isoformat()} is not after "
                 f"--since {self.since.isoformat()}"
             )
-        if self.margin < timedelta(0):
-            raise ConfigurationError("the audit window's margin cannot be negative")
 
-    def span(self, source: str) -> tuple[datetime, datetime]:
-        """The times of `source`'s date column that are read: from ``since - margin`` to
-        ``until`` (the outbox) or ``until + margin`` (the inbox)."""
-        end = self.until if source == OUTBOX else self.until + self.margin
-        return self.since - self.margin, end
-
-    def days(self, source: str) -> list[str]:
-        """The date partitions (``YYYY-MM-DD``, UTC) of `source` that are read."""
-        start, end = self.span(source)
-        first = start.astimezone(UTC).date()
-        last = (end - timedelta(microseconds=1)).astimezone(UTC).date()
+    def days(self) -> list[str]:
+        """The window's days (``YYYY-MM-DD``, UTC): those and the later ones are read."""
+        first = self.since.astimezone(UTC).date()
+        last = (self.until - timedelta(microseconds=1)).astimezone(UTC).date()
         return [(first + timedelta(days=n)).isoformat() for n in range((last - first).days + 1)]
 
-    def read(self, source: str) -> Column:
-        """The rows of `source` read: those of its span (and any without a time)."""
+    def read(self) -> Column:
+        """The rows read: those of messages created before `until` (or of no known time)."""
         from pyspark.sql import functions as F
 
-        start, end = self.span(source)
-        column = F.col(DATE_COLUMN[source])
-        return column.isNull() | ((column >= F.lit(start)) & (column < F.lit(end)))
+        return F.col("created_at").isNull() | (F.col("created_at") < F.lit(self.until))
 
     def describe(self) -> dict[str, Any]:
-        return {
-            "since": _iso(self.since),
-            "until": _iso(self.until),
-            "margin_seconds": self.margin.total_seconds(),
-        }
+        return {"since": _iso(self.since), "until": _iso(self.until)}
 
 
 def run_audit(
@@ -282,6 +266,7 @@ def run_audit(
     errors when Spark fails."""
     now = now or datetime.now(UTC)
     horizon = now - grace
+    check_archives(archives, window, bool(live))
     outbox, inbox, subscriptions = _read_inputs(spark, archives, live, window)
     parts = _parts(spark, outbox, inbox)
     rows = _reconcile(_expected(outbox, subscriptions), _received(inbox, parts), window)
@@ -345,14 +330,14 @@ def _read_inputs(
     found = {}
     frames = {}
     for source, used in ((OUTBOX, _OUTBOX_USED), (INBOX, _INBOX_USED)):
-        days = window.days(source) if window is not None else None
-        frame, found[source] = _read(spark, archives, source, days)
+        first = window.days()[0] if window is not None else None
+        frame, found[source] = _read(spark, archives, source, first)
         extra = live_frame(spark, source, live)
         if extra is not None:
             frame = frame.unionByName(extra)
         frames[source] = frame.select(*used)
         if window is not None:
-            frames[source] = frames[source].where(window.read(source))
+            frames[source] = frames[source].where(window.read())
     if window is not None and not any(found.values()) and not live:
         raise AuditError(_unarchived(window, archives))
     subs = read_archives(spark, archives, SUBSCRIPTIONS)
@@ -373,24 +358,26 @@ def _read_inputs(
 
 
 def _read(
-    spark: SparkSession, roots: Sequence[str], source: str, days: Sequence[str] | None
+    spark: SparkSession, roots: Sequence[str], source: str, first: str | None
 ) -> tuple[DataFrame, bool]:
-    """`source`'s files of every root (only the date partitions `days`, when given), and
-    whether any root had any."""
+    """`source`'s files of every root (only the date partitions from day `first` on, when
+    given), and whether any root had any."""
     from pyspark.errors import AnalysisException
+    from pyspark.sql import functions as F
 
     schema = spark_schema(source, partitioned=True)
     frames = []
     for root in roots:
         base = f"{root.rstrip('/')}/{source}"
         reader = spark.read.schema(schema).option("basePath", base)
-        paths = _listed(base, days)
+        paths = _listed(base, first)
         if paths is not None:  # a local root, listed here: Spark reads what is there
             frames.extend([reader.parquet(*paths)] if paths else [])
             continue
-        path = base if days is None else f"{base}/service=*/date={{{','.join(days)}}}"
         try:
-            frame = reader.parquet(path)
+            frame = reader.parquet(base)
+            if first is not None:  # partition pruning: Spark lists, reads only those days
+                frame = frame.where(F.col("date") >= F.lit(first))
             frames.append(frame.select(*frame.columns))  # .columns: analysed on Spark Connect too
         except AnalysisException as exc:
             if "PATH_NOT_FOUND" not in str(exc) and "does not exist" not in str(exc):
@@ -400,15 +387,15 @@ def _read(
     return reduce(lambda a, b: a.unionByName(b), frames), True
 
 
-def _listed(base: str, days: Sequence[str] | None) -> list[str] | None:
+def _listed(base: str, first: str | None) -> list[str] | None:
     """The directories of a local archive root's `base` (``ROOT/SOURCE``) to read: itself, or
-    its date partitions of `days`; None for a root on another file system (Spark lists it)."""
+    its date partitions from day `first` on; None for a root on another file system (Spark
+    lists it)."""
     if "://" in base:
         return None
-    if days is None:
+    if first is None:
         return [base] if Path(base).is_dir() else []
-    wanted = {f"date={day}" for day in days}
-    return sorted(str(p) for p in Path(base).glob("service=*/date=*") if p.name in wanted)
+    return sorted(str(p) for p in Path(base).glob("service=*/date=*") if p.name >= f"date={first}")
 
 
 def check_archives(roots: Sequence[str], window: Window | None, live: bool = False) -> None:
@@ -422,15 +409,14 @@ def check_archives(roots: Sequence[str], window: Window | None, live: bool = Fal
             raise AuditError(f"archive {root} cannot be read: {exc.strerror or exc}") from None
     if window is None or live or any("://" in root for root in roots):
         return
-    if not any(_listed(f"{r}/{s}", window.days(s)) for r in roots for s in (OUTBOX, INBOX)):
+    if not any(_listed(f"{r}/{s}", window.days()[0]) for r in roots for s in (OUTBOX, INBOX)):
         raise AuditError(_unarchived(window, roots))
 
 
 def _unarchived(window: Window, roots: Sequence[str]) -> str:
     return (
-        f"no archive partition holds the days {window.days(INBOX)[0]} to "
-        f"{window.days(INBOX)[-1]} in {', '.join(roots)}: has that time been archived "
-        "(outbox-inbox archive)?"
+        f"no archive partition holds the day {window.days()[0]} or a later one in "
+        f"{', '.join(roots)}: has that time been archived (outbox-inbox archive)?"
     )
 
 
@@ -556,6 +542,7 @@ def _received(inbox: DataFrame, parts: int) -> DataFrame:
     return latest.groupBy("h", "message_id", F.col("service").alias("consumer")).agg(
         F.count("*").alias("copies"),
         F.first("routing_key").alias("r_type"),
+        F.min("created_at").alias("r_created"),
         F.max("status").alias("status"),  # "processed" > "pending" > "dead"
         F.min("received_at").alias("received_at"),
         F.min("processed_at").alias("processed_at"),  # the first handling's
@@ -581,11 +568,13 @@ def _reconcile(expected: DataFrame, received: DataFrame, window: Window | None) 
         F.coalesce("expected", F.lit(False)).alias("is_expected"),
         F.coalesce("got", F.lit(False)).alias("is_received"),
         F.coalesce("sent_row", F.lit(False)).alias("is_sent"),
-    ).drop("h", "pos", "routing_key", "r_type", "expected", "got", "sent_row")
-    if window is not None:
-        at = F.coalesce("published_at", "created_at", "received_at")
+    )
+    if window is not None:  # a receipt of nobody's message: by its message's creation
+        at = F.coalesce("published_at", "created_at", "r_created", "received_at")
         rows = rows.where((at >= F.lit(window.since)) & (at < F.lit(window.until)))
-    return rows
+    return rows.drop(
+        "h", "pos", "routing_key", "r_type", "r_created", "expected", "got", "sent_row"
+    )
 
 
 def _states(horizon: datetime) -> dict[str, Column]:
@@ -808,8 +797,8 @@ _OUTBOX_USED = (
     "attempts",
 )  # fmt: skip
 _INBOX_USED = (
-    "service", "message_id", "id", "routing_key", "status", "received_at", "processed_at",
-    "attempts", "dead_reason", "last_error", "duplicates", "archived_at",
+    "service", "message_id", "id", "routing_key", "status", "created_at", "received_at",
+    "processed_at", "attempts", "dead_reason", "last_error", "duplicates", "archived_at",
 )  # fmt: skip
 # Every count of the summary's ``totals``: the rows of the "a" groups in a state, or (None)
 # the sum of the column of that name.

@@ -266,10 +266,7 @@ def _header(summary: Mapping[str, Any], totals: Mapping[str, Any]) -> str:
     # through out of a file that gets mailed around.
     databases = [_esc(mask_url(str(url))) for url in inputs.get("live_databases") or []]
     audited: Mapping[str, Any] = inputs.get("window") or {}
-    published = (
-        f"{_fmt_time(audited.get('since'))} → {_fmt_time(audited.get('until'))} "
-        f"(margin {_fmt_duration(audited.get('margin_seconds'))})"
-    )
+    published = f"{_fmt_time(audited.get('since'))} → {_fmt_time(audited.get('until'))}"
     rows = [
         ("Archives", "<br>".join(archives) or "none"),
         ("Live databases", "<br>".join(databases) or "none"),
