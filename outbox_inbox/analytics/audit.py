@@ -47,6 +47,9 @@ PART_BYTES = 8 * 1024 * 1024
 # End-to-end latency histogram: four buckets per decade, from 1 ms to about 3 hours.
 HISTOGRAM_PER_DECADE = 4
 HISTOGRAM_LOW, HISTOGRAM_HIGH = -3 * HISTOGRAM_PER_DECADE, 4 * HISTOGRAM_PER_DECADE
+# Day results (`keep`): latencies in buckets each RATIO wider than the last (a percentile within
+# 1% of its value), throughput in buckets of at most FINE seconds (any step of 2 days or more).
+RATIO, FINE = 1.02, 600
 
 
 class AuditError(OutboxInboxError):
@@ -259,11 +262,13 @@ def run_audit(
     now: datetime | None = None,
     inputs: Mapping[str, Any] | None = None,
     window: Window | None = None,
+    keep: bool = False,
 ) -> dict[str, Any]:
     """Reconcile the message history; return the summary (docs/history.md). With `window`,
-    only that window's messages (see `Window`). Reads but never writes the archives. Raises
-    AuditError when a window's days are in no archive and no live rows were given, pyspark's
-    errors when Spark fails."""
+    only that window's messages (see `Window`). With `keep`, the summary's ``parts`` are what
+    `combine` makes it again from, alone or with other windows'. Reads but never writes the
+    archives. Raises AuditError when a window's days are in no archive and no live rows were
+    given, pyspark's errors when Spark fails."""
     now = now or datetime.now(UTC)
     horizon = now - grace
     check_archives(archives, window, bool(live))
@@ -272,38 +277,72 @@ def run_audit(
     rows = _reconcile(_expected(outbox, subscriptions), _received(inbox, parts), window)
     rows = _kept(spark, rows)
     try:
-        figures = _Figures(_aggregate(rows, horizon))
-        details = _Details(rows, horizon, figures.first_published_at, figures.last_at())
-        summary: dict[str, Any] = {
-            "schema_version": SCHEMA_VERSION,
-            "generated_at": _iso(now),
-            "ok": figures.totals["lost"] == 0 and figures.totals["handled_more_than_once"] == 0,
-            "inputs": {  # what was read, where, and the grace; `inputs` adds to it
-                "archives": list(archives),
-                "live_databases": [],
-                "master": spark.conf.get("spark.master"),
-                "grace_seconds": grace.total_seconds(),
-                "horizon": _iso(horizon),
-                **({"window": window.describe()} if window is not None else {}),
-                **(inputs or {}),
-            },
-            "window": {
-                "first_created_at": _iso(figures.first_created_at),
-                "last_processed_at": _iso(figures.last_processed_at),
-            },
-            "totals": figures.totals,
-            "services": figures.services(),
-            "lost": details.lost(),
-            "handled_more_than_once": details.handled_more_than_once(),
-            "latency": figures.latency(),
-            "latency_histogram": figures.histogram(),
-            "retries": figures.retries(),
-            **figures.dead_letters(),
-            "throughput": details.throughput(),
+        groups = _aggregate(rows, horizon, keep)
+        figures = _Figures(groups)
+        step = _step(figures.first_published_at, figures.last_at())
+        found = _details(rows, horizon, step and min(step, FINE) if keep else step)
+        inputs = {  # what was read, where, and the grace; `inputs` adds to it
+            "archives": list(archives),
+            "live_databases": [],
+            "master": spark.conf.get("spark.master"),
+            "grace_seconds": grace.total_seconds(),
+            "horizon": _iso(horizon),
+            **({"window": window.describe()} if window is not None else {}),
+            **(inputs or {}),
         }
+        summary = _summary(_iso(now), inputs, figures, _Details(found, step))
     finally:
         rows.unpersist()
+    if keep:
+        summary["parts"] = [r.asDict() for r in (*groups, *found)]
     return summary
+
+
+def combine(
+    parts: Sequence[Mapping[str, Any]], generated_at: str, inputs: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The summary of the windows whose `parts` (``run_audit(keep=True)``'s, times as ISO text
+    or datetimes) are given together, reading no row: every count exactly the audit's of those
+    windows together, the latency percentiles within 1% of their value (`RATIO`); each window
+    as judged when its parts were made."""
+    figures = _Figures(parts)
+    step = _step(figures.first_published_at, figures.last_at())  # parts keep FINE at most
+    step = step and max(step, FINE)
+    return _summary(generated_at, dict(inputs), figures, _Details(parts, step))
+
+
+def _from_buckets(counts: Counter[int], p: float) -> float | None:
+    """The `p` percentile of latencies counted by `_latency_bucket`, within 1% of its value."""
+    rank, seen = max(1, math.ceil(p * sum(counts.values()))), 0
+    for b in sorted(counts):
+        seen += counts[b]
+        if seen >= rank:
+            return 0.0 if b == 0 else math.copysign(1e-6 * RATIO ** (abs(b) - 1.5), b)
+    return None
+
+
+def _summary(
+    generated_at: str | None, inputs: dict[str, Any], figures: _Figures, details: _Details
+) -> dict[str, Any]:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "generated_at": generated_at,
+        "ok": figures.totals["lost"] == 0 and figures.totals["handled_more_than_once"] == 0,
+        "inputs": inputs,
+        "window": {
+            "first_created_at": _iso(figures.first_created_at),
+            "last_processed_at": _iso(figures.last_processed_at),
+        },
+        "totals": figures.totals,
+        "services": figures.services(),
+        "lost": details.lost(),
+        "handled_more_than_once": details.handled_more_than_once(),
+        "latency": figures.latency(),
+        "latency_histogram": figures.histogram(),
+        "retries": figures.retries(),
+        **figures.dead_letters(),
+        "throughput": details.throughput(),
+    }
 
 
 def _kept(spark: SparkSession, rows: DataFrame) -> DataFrame:
@@ -603,8 +642,9 @@ def _states(horizon: datetime) -> dict[str, Column]:
 _SET = "g"
 
 
-def _aggregate(rows: DataFrame, horizon: datetime) -> list[Row]:
-    """Every figure but the throughput and the examples, from one job over `rows`."""
+def _aggregate(rows: DataFrame, horizon: datetime, keep: bool = False) -> list[Row]:
+    """Every figure but the throughput and the examples, from one job over `rows`; with
+    `keep`, the latencies counted per `_latency_bucket` too ("d")."""
     from pyspark.sql import functions as F
 
     s = _states(horizon)
@@ -652,10 +692,33 @@ def _aggregate(rows: DataFrame, horizon: datetime) -> list[Row]:
     for stage, column in _stage_seconds().items():
         latencies.append(F.percentile_approx(column, [0.5, 0.9, 0.99], 10000).alias(f"{stage}_p"))
         latencies.append(F.max(column).alias(f"{stage}_max"))
-    percentiles = (
-        rows.where(s["done"]).groupBy(F.lit("b").alias(_SET), F.col("type")).agg(*latencies)
+    done = rows.where(s["done"])
+    query = counts.unionByName(
+        done.groupBy(F.lit("b").alias(_SET), F.col("type")).agg(*latencies),
+        allowMissingColumns=True,
     )
-    return counts.unionByName(percentiles, allowMissingColumns=True).collect()
+    if keep:
+        stages = [
+            F.struct(F.lit(n).alias("stage"), c.alias("s")) for n, c in _stage_seconds().items()
+        ]
+        buckets = (
+            done.select("type", F.inline(F.array(*stages)))
+            .where(F.col("s").isNotNull())
+            .groupBy(
+                F.lit("d").alias(_SET), "type", "stage", _latency_bucket(F.col("s")).alias("lb")
+            )
+            .agg(F.count("*").alias("n"))
+        )
+        query = query.unionByName(buckets, allowMissingColumns=True)
+    return query.collect()
+
+
+def _latency_bucket(seconds: Column) -> Column:
+    """0 for no time; else ±(1 + the number of times RATIO fits into the microseconds)."""
+    from pyspark.sql import functions as F
+
+    grown = F.ceil(F.log(RATIO, F.abs(seconds) * 1e6) - 1e-9)
+    return F.when(seconds == 0, 0).otherwise(F.signum(seconds).cast("long") * (grown + 1))
 
 
 def _stage_seconds() -> dict[str, Column]:
@@ -679,9 +742,14 @@ def _e2e_bucket(seconds: Column) -> Column:
 class _Figures:
     """The summary's figures, summed up from the groups of `_aggregate`."""
 
-    def __init__(self, groups: list[Row]) -> None:
+    def __init__(self, groups: Sequence[Any]) -> None:
         self.a = [r for r in groups if r[_SET] == "a"]
-        self.b = sorted((r for r in groups if r[_SET] == "b"), key=lambda r: r["type"])
+        self.b: dict[str, list[Any]] = {}  # by type: one row per window
+        for r in sorted((r for r in groups if r[_SET] == "b"), key=lambda r: r["type"]):
+            self.b.setdefault(r["type"], []).append(r)
+        self.d: dict[tuple[str, str], Counter[int]] = {}  # latencies by type and stage
+        for r in (r for r in groups if r[_SET] == "d"):
+            self.d.setdefault((r["type"], r["stage"]), Counter())[int(r["lb"])] += int(r["n"])
         self.c = [r for r in groups if r[_SET] == "c"]
         self.totals = {
             name: sum(int(r[name] or 0) for r in self.a) if state is None else self._count(state)
@@ -729,14 +797,18 @@ class _Figures:
     def latency(self) -> list[dict[str, Any]]:
         done = self._by("type", lambda r: r["expected"] and r["status"] == "processed")
         out = []
-        for r in self.b:
+        for t, rows in self.b.items():  # of several windows: percentiles of the buckets ("d")
             stages = {}
             for stage in STAGES:
-                p = [_float(v) for v in r[f"{stage}_p"] or [None] * 3]
-                p.append(_float(r[f"{stage}_max"]))
+                counts = self.d.get((t, stage))
+                p = [_float(v) for v in rows[0][f"{stage}_p"] or [None] * 3]
+                if len(rows) > 1 and counts:
+                    p = [_float(_from_buckets(counts, q)) for q in (0.5, 0.9, 0.99)]
+                highest = (_float(r[f"{stage}_max"]) for r in rows)
+                p.append(max((v for v in highest if v is not None), default=None))
                 stages[stage] = dict(zip(PERCENTILES, p, strict=True))
-            count = self._count(lambda _: True, done.get(r["type"], []))
-            out.append({"type": r["type"], "count": count, "stages": stages})
+            count = self._count(lambda _: True, done.get(t, []))
+            out.append({"type": t, "count": count, "stages": stages})
         return out
 
     def histogram(self) -> list[dict[str, Any]]:
@@ -833,44 +905,51 @@ def _seconds(later: str, earlier: str) -> Column:
     return (F.unix_micros(F.col(later)) - F.unix_micros(F.col(earlier))) / 1e6
 
 
+def _step(start: datetime | None, end: datetime | None) -> int | None:
+    """The throughput's bucket: the smallest that gives at most MAX_BUCKETS over the span."""
+    if not (start and end):
+        return None
+    span = max((end - start).total_seconds(), 1.0)
+    return next((s for s in BUCKET_STEPS if span / s <= MAX_BUCKETS), BUCKET_STEPS[-1])
+
+
+def _details(rows: DataFrame, horizon: datetime, step: int | None) -> list[Row]:
+    """The second job over the reconciled rows, once the first has told the throughput's
+    window: the examples of lost and doubly handled messages, the throughput per `step`."""
+    from pyspark.sql import functions as F
+
+    lost = (
+        rows.where(_states(horizon)["lost"])
+        .select(
+            F.lit("l").alias(_SET), "message_id", "type", "producer", "consumer", "published_at"
+        )
+        .orderBy("published_at", "message_id")
+        .limit(EXAMPLES)
+    )
+    twice = (
+        rows.where(F.col("copies") > 1)
+        .select(F.lit("w").alias(_SET), "message_id", "type", "consumer", "copies")
+        .orderBy(F.desc("copies"), "message_id")
+        .limit(EXAMPLES)
+    )
+    query = lost.unionByName(twice, allowMissingColumns=True)
+    if step is not None:
+        query = query.unionByName(_buckets(rows, step), allowMissingColumns=True)
+    return query.collect()
+
+
 class _Details:
-    """The examples of lost and doubly handled messages, and the throughput over time: the
-    second job over the reconciled rows, once the first has told the throughput's window."""
+    """The examples and the throughput, from the rows of `_details` (of one or more windows),
+    the throughput in buckets of `step` seconds."""
 
-    def __init__(
-        self, rows: DataFrame, horizon: datetime, start: datetime | None, end: datetime | None
-    ) -> None:
-        from pyspark.sql import functions as F
-
-        span = max((end - start).total_seconds(), 1.0) if start and end else None
-        self.step = next(
-            (s for s in BUCKET_STEPS if span is not None and span / s <= MAX_BUCKETS),
-            BUCKET_STEPS[-1] if span is not None else None,
-        )
-        lost = (
-            rows.where(_states(horizon)["lost"])
-            .select(
-                F.lit("l").alias(_SET), "message_id", "type", "producer", "consumer", "published_at"
-            )
-            .orderBy("published_at", "message_id")
-            .limit(EXAMPLES)
-        )
-        twice = (
-            rows.where(F.col("copies") > 1)
-            .select(F.lit("w").alias(_SET), "message_id", "type", "consumer", "copies")
-            .orderBy(F.desc("copies"), "message_id")
-            .limit(EXAMPLES)
-        )
-        query = lost.unionByName(twice, allowMissingColumns=True)
-        if self.step is not None:
-            query = query.unionByName(_buckets(rows, self.step), allowMissingColumns=True)
-        self.rows = query.collect()
+    def __init__(self, rows: Sequence[Any], step: int | None) -> None:
+        self.rows, self.step = rows, step
 
     def lost(self) -> list[dict[str, Any]]:
         found = sorted(
             (r for r in self.rows if r[_SET] == "l"),
-            key=lambda r: (r["published_at"], r["message_id"]),
-        )
+            key=lambda r: (_aware(r["published_at"]), r["message_id"]),
+        )[:EXAMPLES]
         fields = ("message_id", "type", "producer", "consumer")
         return [
             {**{f: r[f] for f in fields}, "published_at": _iso(r["published_at"])} for r in found
@@ -879,7 +958,7 @@ class _Details:
     def handled_more_than_once(self) -> list[dict[str, Any]]:
         found = sorted(
             (r for r in self.rows if r[_SET] == "w"), key=lambda r: (-r["copies"], r["message_id"])
-        )
+        )[:EXAMPLES]
         fields = ("message_id", "type", "consumer")
         return [{**{f: r[f] for f in fields}, "copies": int(r["copies"])} for r in found]
 
@@ -888,8 +967,11 @@ class _Details:
         counted = [r for r in self.rows if r[_SET] == "t"]
         if self.step is None or not counted:
             return {"bucket_seconds": self.step, "series": []}
-        sent = {int(r["b"]): int(r["sent"]) for r in counted}
-        done = {int(r["b"]): int(r["done"]) for r in counted}
+        sent: Counter[int] = Counter()
+        done: Counter[int] = Counter()
+        for r in counted:  # buckets of `step` or of a step that divides it
+            sent[int(r["b"]) // self.step * self.step] += int(r["sent"])
+            done[int(r["b"]) // self.step * self.step] += int(r["done"])
         return {
             "bucket_seconds": self.step,
             "series": [
@@ -933,7 +1015,9 @@ def _greatest(values: Iterable[Any]) -> datetime | None:
 
 
 def _aware(value: Any) -> datetime | None:
-    """Spark returns naive datetimes in the session time zone (UTC)."""
+    """Spark returns naive datetimes in the session time zone (UTC); day results ISO text."""
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value)
     if not isinstance(value, datetime):
         return None
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
@@ -955,6 +1039,7 @@ __all__ = [
     "LiveRows",
     "Window",
     "check_archives",
+    "combine",
     "read_archives",
     "read_live",
     "run_audit",

@@ -9,6 +9,7 @@ to run, the old audit's too; they are held to 1%, which any wrong column misses 
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from datetime import UTC, datetime, timedelta
@@ -331,3 +332,66 @@ def test_audit_command_audits_one_day_and_fails_on_a_day_never_archived(
     assert missing.returncode == 1
     assert "no archive partition holds the day 2026-12-24 or a later one" in missing.stderr
     assert not (tmp_path / "x" / "summary.json").exists()
+
+
+def test_day_results_combine_into_the_whole_audit_without_reading_a_row(
+    spark: Any, cases: dict[str, Case], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from contextlib import contextmanager
+
+    from outbox_inbox.analytics import report
+    from outbox_inbox.analytics.audit import Window
+
+    @contextmanager
+    def this_session(*_: Any) -> Any:
+        yield spark, "Spark: the test's session"
+
+    case = cases["month"]
+    monkeypatch.setattr(report, "_one_shot", this_session)
+    monkeypatch.setattr(report, "run_audit", functools.partial(report.run_audit, now=case.now))
+    results = tmp_path / "days"
+    whole, _ = report.write_audit(tmp_path / "whole", case.roots, grace=case.grace)
+    days = _days(case)[:-1]  # the 30 days the archive holds
+    for day in days:
+        window = Window(day, day + timedelta(days=1))
+        report.write_audit(
+            tmp_path / "day", case.roots, grace=case.grace, window=window, results=results
+        )
+    monkeypatch.setattr(report, "_one_shot", None)  # the combined report starts no Spark
+    month = Window(days[0], days[-1] + timedelta(days=1))
+    combined, _ = report.combine_days(tmp_path / "combined", results, month)
+
+    got, want = comparable(json.loads(json.dumps(combined))), comparable(whole)
+    for summary in (got, want):
+        summary.pop("inputs", None)
+    got_latency, want_latency = got.pop("latency"), want.pop("latency")
+    assert got == want  # every count, example, histogram and throughput bucket
+    assert whole["totals"]["lost"] == 7 and whole["totals"]["handled_more_than_once"] == 2
+    assert [(r["type"], r["count"]) for r in got_latency] == [
+        (r["type"], r["count"]) for r in want_latency
+    ]
+    for mine, theirs in zip(got_latency, want_latency, strict=True):
+        for stage, figures in theirs["stages"].items():
+            assert mine["stages"][stage]["max"] == figures["max"]
+            for p in ("p50", "p90", "p99"):  # within the 1% of the latency buckets
+                assert mine["stages"][stage][p] == pytest.approx(figures[p], rel=0.0101, abs=1e-6)
+
+
+def test_audit_command_stores_day_results_and_combines_them_without_spark(
+    midnight: Path, tmp_path: Path
+) -> None:
+    roots = [str(midnight / "orders"), str(midnight / "billing")]
+    results = str(tmp_path / "days")
+    for day in ("2026-11-10", "2026-11-11"):
+        done = cli("audit", *roots, "--day", day, "--results", results, "--out", str(tmp_path))
+        assert done.returncode == 0, done.stderr
+    both = ("--since", "2026-11-10", "--until", "2026-11-12", "--results", results)
+    combined = cli("audit", *roots, *both, "--out", str(tmp_path / "both"), "--json")
+    assert combined.returncode == 0, combined.stderr
+    assert "Spark" not in combined.stderr  # no session, warm or one-shot, was used
+    totals = json.loads(combined.stdout)["totals"]
+    assert (totals["sent"], totals["delivered"], totals["unexpected"]) == (2, 2, 0)
+    earlier = ("--since", "2026-11-09", "--until", "2026-11-11", "--results", results)
+    missing = cli("audit", *roots, *earlier, "--out", str(tmp_path / "x"))
+    assert missing.returncode == 1
+    assert f"no result of 2026-11-09 in {results}" in missing.stderr
