@@ -271,7 +271,6 @@ def run_audit(
     given, pyspark's errors when Spark fails."""
     now = now or datetime.now(UTC)
     horizon = now - grace
-    check_archives(archives, window, bool(live))
     outbox, inbox, subscriptions = _read_inputs(spark, archives, live, window)
     parts = _parts(spark, outbox, inbox)
     rows = _reconcile(_expected(outbox, subscriptions), _received(inbox, parts), window)
@@ -306,9 +305,8 @@ def combine(
     windows together, the latency percentiles within 1% of their value (`RATIO`); each window
     as judged when its parts were made."""
     figures = _Figures(parts)
-    step = _step(figures.first_published_at, figures.last_at())  # parts keep FINE at most
-    step = step and max(step, FINE)
-    return _summary(generated_at, dict(inputs), figures, _Details(parts, step))
+    step = _step(figures.first_published_at, figures.last_at())
+    return _summary(generated_at, dict(inputs), figures, _Details(parts, step and max(step, FINE)))
 
 
 def _from_buckets(counts: Counter[int], p: float) -> float | None:
