@@ -260,8 +260,8 @@ def _print_result(name: str, root: Path, result: ArchiveResult, as_json: bool) -
 @click.option(
     "--results",
     metavar="DIRECTORY",
-    help="Day results: --day stores the day's there too; --since DAY --until DAY combines "
-    "those days' stored results into the report, without Spark.",
+    help="Day results: --day stores the day's there too; --since DAY --until DAY (days) "
+    "combines those days' stored results into the report, without Spark.",
 )
 @click.option(
     "--driver-memory",
@@ -318,7 +318,7 @@ def audit(
     Exit 0 when nothing was lost or handled twice, 4 otherwise.
     """
     from outbox_inbox.analytics import server as warm
-    from outbox_inbox.analytics.report import combine_days, write_audit
+    from outbox_inbox.analytics.report import write_audit
 
     if server in ("status", "stop"):
         found = warm.status() if server == "status" else warm.stop()
@@ -329,26 +329,21 @@ def audit(
     config = _audit_inputs(archives, db_urls, confs)
     db_urls = tuple(map(checked_db_url, db_urls))  # postgres:// read as the library reads it
     window = _window(since, until, day)
-    if results is not None and day is None:
-        if window is None:
-            fail("--results needs --day, or --since and --until")
-        summary, out = combine_days(out_dir, results, window)
-    else:
-        summary, out = write_audit(
-            out_dir,
-            archives,
-            db_urls=db_urls,
-            schema=schema,
-            master=master,
-            driver_memory=driver_memory,
-            config=config,
-            grace=grace,
-            window=window,
-            results=results,
-            warm=server == "warm",
-            verbose=verbosity() > 0,
-            note=lambda line: echo(line, err=True),
-        )
+    summary, out = write_audit(
+        out_dir,
+        archives,
+        db_urls=db_urls,
+        schema=schema,
+        master=master,
+        driver_memory=driver_memory,
+        config=config,
+        grace=grace,
+        window=window,
+        results=results,
+        warm=server == "warm",
+        verbose=verbosity() > 0,
+        note=lambda line: echo(line, err=True),
+    )
     echo_json(summary) if as_json else _print_summary(summary, out)
     if not summary["ok"]:
         raise SystemExit(EXIT_UNHEALTHY)

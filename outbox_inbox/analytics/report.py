@@ -137,12 +137,12 @@ def write_audit(
     """`audit.run_audit` of `archives` and of the live tables of `db_urls`, written as
     ``summary.json`` and ``report.html`` into `directory`; returns the summary and the directory.
     How it runs (`warm`, `verbose`; `note` gets the line that says which) and what it raises:
-    docs/history.md, "The audit" and "A warm Spark between runs". With `results`, `window`
-    must be one UTC day, and its result is stored there too ("Day results that add up")."""
-    days = _days(window) if results is not None else [None]
-    if len(days) != 1:
-        raise ConfigurationError("day results are stored one day at a time: --day")
-    day = days[0]
+    docs/history.md, "The audit" and "A warm Spark between runs". With `results`, `window` is
+    whole UTC days: one day's result is stored there too, several days' are combined from
+    those stored (`combine_days`; "Day results that add up")."""
+    days = _days(window) if results is not None else []
+    if window is not None and results is not None and len(days) > 1:
+        return combine_days(directory, results, window)
     roots = [p if "://" in p else str(Path(p).absolute()) for p in archives]
     check_archives(roots, window, live=bool(db_urls))
     require_pyspark()
@@ -165,7 +165,7 @@ def write_audit(
                 grace=grace,
                 inputs={"live_databases": [mask_url(u) for u in db_urls]},
                 window=window,
-                keep=day is not None,
+                keep=bool(days),
             )
         except AuditError:
             raise
@@ -176,9 +176,9 @@ def write_audit(
     if results is not None:
         record = {"inputs": summary["inputs"], "parts": summary.pop("parts")}
         Path(results).mkdir(parents=True, exist_ok=True)
-        tmp = Path(results) / f".{day}.json.tmp"  # a reader never sees half a result
+        tmp = Path(results) / f".{days[0]}.json.tmp"  # a reader never sees half a result
         tmp.write_text(json.dumps(record, default=_iso))
-        tmp.replace(Path(results) / f"{day}.json")
+        tmp.replace(Path(results) / f"{days[0]}.json")
     return summary, _write(directory, summary)
 
 
