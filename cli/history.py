@@ -258,13 +258,10 @@ def _print_result(name: str, root: Path, result: ArchiveResult, as_json: bool) -
     help="Audit the messages published on this UTC day: --since DAY --until the next day.",
 )
 @click.option(
-    "--margin",
-    default="1d",
-    show_default=True,
-    metavar="DURATION",
-    callback=parse_duration,
-    help="With a window: how much earlier and later to read (the longest a message waits in "
-    "its outbox, or between its publication and its receipt).",
+    "--results",
+    metavar="DIRECTORY",
+    help="Day results: --day stores the day's there too; --since DAY --until DAY (days) "
+    "combines those days' stored results into the report, without Spark.",
 )
 @click.option(
     "--driver-memory",
@@ -300,7 +297,7 @@ def audit(
     since: datetime | None,
     until: datetime | None,
     day: datetime | None,
-    margin: timedelta,
+    results: str | None,
     driver_memory: str,
     confs: tuple[str, ...],
     server: str,
@@ -313,7 +310,7 @@ def audit(
     Spark reads: hdfs://, s3a://); give every service's. Reports lost messages, duplicates
     absorbed, messages handled more than once, latency percentiles per type, retries, dead
     letters and throughput (docs/history.md). --day, or --since (and --until): only the
-    messages published in that window, reading only the archive days that can hold them.
+    messages published in that window, reading only the archive days from its start on.
 
     \b
     Runs on a local Spark Connect server kept warm between runs (--server), unless --master,
@@ -331,7 +328,7 @@ def audit(
         return
     config = _audit_inputs(archives, db_urls, confs)
     db_urls = tuple(map(checked_db_url, db_urls))  # postgres:// read as the library reads it
-    window = _window(since, until, day, margin)
+    window = _window(since, until, day)
     summary, out = write_audit(
         out_dir,
         archives,
@@ -342,6 +339,7 @@ def audit(
         config=config,
         grace=grace,
         window=window,
+        results=results,
         warm=server == "warm",
         verbose=verbosity() > 0,
         note=lambda line: echo(line, err=True),
@@ -351,9 +349,7 @@ def audit(
         raise SystemExit(EXIT_UNHEALTHY)
 
 
-def _window(
-    since: datetime | None, until: datetime | None, day: datetime | None, margin: timedelta
-) -> Window | None:
+def _window(since: datetime | None, until: datetime | None, day: datetime | None) -> Window | None:
     """The audit's window from its options, or None for the whole history."""
     from outbox_inbox.analytics.audit import Window
     from outbox_inbox.errors import ConfigurationError
@@ -367,7 +363,7 @@ def _window(
             fail("--until needs --since")
         return None
     try:
-        return Window(since, until or datetime.now(UTC), margin)
+        return Window(since, until or datetime.now(UTC))
     except ConfigurationError as exc:
         fail(str(exc))
 

@@ -90,8 +90,10 @@ SUBSCRIPTION_COLUMNS: tuple[tuple[str, str], ...] = (
     ("subscribed_at", "timestamp"),
 )
 
-#: The date partition of each source's rows.
-DATE_COLUMN = {OUTBOX: "created_at", INBOX: "received_at"}
+#: The date partition of each source's rows: the day of the first of its columns that is set.
+#: An outbox row is dated by its publication (or expiry), which follows its commit: a row that
+#: commits late is dated late, in the day it became visible (docs/history.md, "Archive layout").
+DATE_COLUMNS = {OUTBOX: ("published_at", "expired_at", "created_at"), INBOX: ("received_at",)}
 COLUMNS = {OUTBOX: OUTBOX_COLUMNS, INBOX: INBOX_COLUMNS, SUBSCRIPTIONS: SUBSCRIPTION_COLUMNS}
 
 
@@ -341,10 +343,11 @@ def partition_exporter(
 
 
 def _by_day(source: str, rows: list[Any], archived_at: Any) -> list[tuple[date, list[Any]]]:
-    """`rows` by the UTC day of their date column (`DATE_COLUMN`), earliest first."""
+    """`rows` by the UTC day of their date columns (`DATE_COLUMNS`), earliest first."""
     by_day: dict[date, list[Any]] = {}
     for row in rows:
-        by_day.setdefault((_utc(row[DATE_COLUMN[source]]) or archived_at).date(), []).append(row)
+        at = next((row[c] for c in DATE_COLUMNS[source] if row[c] is not None), None)
+        by_day.setdefault((_utc(at) or archived_at).date(), []).append(row)
     return sorted(by_day.items())
 
 

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 from ..archive import (
     COLUMNS,
-    DATE_COLUMN,
     INBOX,
     OUTBOX,
     SUBSCRIPTIONS,
@@ -48,6 +47,9 @@ PART_BYTES = 8 * 1024 * 1024
 # End-to-end latency histogram: four buckets per decade, from 1 ms to about 3 hours.
 HISTOGRAM_PER_DECADE = 4
 HISTOGRAM_LOW, HISTOGRAM_HIGH = -3 * HISTOGRAM_PER_DECADE, 4 * HISTOGRAM_PER_DECADE
+# Day results (`keep`): latencies in buckets each RATIO wider than the last (a percentile within
+# 1% of its value), throughput in buckets of at most FINE seconds (any step of 2 days or more).
+RATIO, FINE = 1.02, 600
 
 
 class AuditError(OutboxInboxError):
@@ -217,14 +219,14 @@ def read_live(db_url: str, schema: str | None = None) -> LiveRows:
 @dataclass(frozen=True)
 class Window:
     """The messages an incremental audit covers: those published in ``[since, until)`` (an
-    unpublished one by its creation, a receipt nobody sent by its receipt). Only the date
-    partitions within `margin` are read, so a receipt further than `margin` from its
-    publication is not joined (docs/history.md, "One day at a time").
+    unpublished one by its creation, a receipt of nobody's message by its message's creation).
+    The archive dates rows by when they became visible (`DATE_COLUMNS`), so only the date
+    partitions from `since` on are read, and of them only the rows of messages created before
+    `until` (docs/history.md, "One day at a time"): no row is left unread, however late.
     """
 
     since: datetime
     until: datetime
-    margin: timedelta = timedelta(days=1)
 
     def __post_init__(self) -> None:
         if self.since.tzinfo is None or self.until.tzinfo is None:
@@ -234,36 +236,21 @@ class Window:
                 f"the audit window is empty: --until {self.until.isoformat()} is not after "
                 f"--since {self.since.isoformat()}"
             )
-        if self.margin < timedelta(0):
-            raise ConfigurationError("the audit window's margin cannot be negative")
 
-    def span(self, source: str) -> tuple[datetime, datetime]:
-        """The times of `source`'s date column that are read: from ``since - margin`` to
-        ``until`` (the outbox) or ``until + margin`` (the inbox)."""
-        end = self.until if source == OUTBOX else self.until + self.margin
-        return self.since - self.margin, end
-
-    def days(self, source: str) -> list[str]:
-        """The date partitions (``YYYY-MM-DD``, UTC) of `source` that are read."""
-        start, end = self.span(source)
-        first = start.astimezone(UTC).date()
-        last = (end - timedelta(microseconds=1)).astimezone(UTC).date()
+    def days(self) -> list[str]:
+        """The window's days (``YYYY-MM-DD``, UTC): those and the later ones are read."""
+        first = self.since.astimezone(UTC).date()
+        last = (self.until - timedelta(microseconds=1)).astimezone(UTC).date()
         return [(first + timedelta(days=n)).isoformat() for n in range((last - first).days + 1)]
 
-    def read(self, source: str) -> Column:
-        """The rows of `source` read: those of its span (and any without a time)."""
+    def read(self) -> Column:
+        """The rows read: those of messages created before `until` (or of no known time)."""
         from pyspark.sql import functions as F
 
-        start, end = self.span(source)
-        column = F.col(DATE_COLUMN[source])
-        return column.isNull() | ((column >= F.lit(start)) & (column < F.lit(end)))
+        return F.col("created_at").isNull() | (F.col("created_at") < F.lit(self.until))
 
     def describe(self) -> dict[str, Any]:
-        return {
-            "since": _iso(self.since),
-            "until": _iso(self.until),
-            "margin_seconds": self.margin.total_seconds(),
-        }
+        return {"since": _iso(self.since), "until": _iso(self.until)}
 
 
 def run_audit(
@@ -275,11 +262,13 @@ def run_audit(
     now: datetime | None = None,
     inputs: Mapping[str, Any] | None = None,
     window: Window | None = None,
+    keep: bool = False,
 ) -> dict[str, Any]:
     """Reconcile the message history; return the summary (docs/history.md). With `window`,
-    only that window's messages (see `Window`). Reads but never writes the archives. Raises
-    AuditError when a window's days are in no archive and no live rows were given, pyspark's
-    errors when Spark fails."""
+    only that window's messages (see `Window`). With `keep`, the summary's ``parts`` are what
+    `combine` makes it again from, alone or with other windows'. Reads but never writes the
+    archives. Raises AuditError when a window's days are in no archive and no live rows were
+    given, pyspark's errors when Spark fails."""
     now = now or datetime.now(UTC)
     horizon = now - grace
     outbox, inbox, subscriptions = _read_inputs(spark, archives, live, window)
@@ -287,38 +276,71 @@ def run_audit(
     rows = _reconcile(_expected(outbox, subscriptions), _received(inbox, parts), window)
     rows = _kept(spark, rows)
     try:
-        figures = _Figures(_aggregate(rows, horizon))
-        details = _Details(rows, horizon, figures.first_published_at, figures.last_at())
-        summary: dict[str, Any] = {
-            "schema_version": SCHEMA_VERSION,
-            "generated_at": _iso(now),
-            "ok": figures.totals["lost"] == 0 and figures.totals["handled_more_than_once"] == 0,
-            "inputs": {  # what was read, where, and the grace; `inputs` adds to it
-                "archives": list(archives),
-                "live_databases": [],
-                "master": spark.conf.get("spark.master"),
-                "grace_seconds": grace.total_seconds(),
-                "horizon": _iso(horizon),
-                **({"window": window.describe()} if window is not None else {}),
-                **(inputs or {}),
-            },
-            "window": {
-                "first_created_at": _iso(figures.first_created_at),
-                "last_processed_at": _iso(figures.last_processed_at),
-            },
-            "totals": figures.totals,
-            "services": figures.services(),
-            "lost": details.lost(),
-            "handled_more_than_once": details.handled_more_than_once(),
-            "latency": figures.latency(),
-            "latency_histogram": figures.histogram(),
-            "retries": figures.retries(),
-            **figures.dead_letters(),
-            "throughput": details.throughput(),
+        groups = _aggregate(rows, horizon, keep)
+        figures = _Figures(groups)
+        step = _step(figures.first_published_at, figures.last_at())
+        found = _details(rows, horizon, step and min(step, FINE) if keep else step)
+        inputs = {  # what was read, where, and the grace; `inputs` adds to it
+            "archives": list(archives),
+            "live_databases": [],
+            "master": spark.conf.get("spark.master"),
+            "grace_seconds": grace.total_seconds(),
+            "horizon": _iso(horizon),
+            **({"window": window.describe()} if window is not None else {}),
+            **(inputs or {}),
         }
+        summary = _summary(_iso(now), inputs, figures, _Details(found, step))
     finally:
         rows.unpersist()
+    if keep:
+        summary["parts"] = [r.asDict() for r in (*groups, *found)]
     return summary
+
+
+def combine(
+    parts: Sequence[Mapping[str, Any]], generated_at: str, inputs: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The summary of the windows whose `parts` (``run_audit(keep=True)``'s, times as ISO text
+    or datetimes) are given together, reading no row: every count exactly the audit's of those
+    windows together, the latency percentiles within 1% of their value (`RATIO`); each window
+    as judged when its parts were made."""
+    figures = _Figures(parts)
+    step = _step(figures.first_published_at, figures.last_at())
+    return _summary(generated_at, dict(inputs), figures, _Details(parts, step and max(step, FINE)))
+
+
+def _from_buckets(counts: Counter[int], p: float) -> float | None:
+    """The `p` percentile of latencies counted by `_latency_bucket`, within 1% of its value."""
+    rank, seen = max(1, math.ceil(p * sum(counts.values()))), 0
+    for b in sorted(counts):
+        seen += counts[b]
+        if seen >= rank:
+            return 0.0 if b == 0 else math.copysign(1e-6 * RATIO ** (abs(b) - 1.5), b)
+    return None
+
+
+def _summary(
+    generated_at: str | None, inputs: dict[str, Any], figures: _Figures, details: _Details
+) -> dict[str, Any]:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "generated_at": generated_at,
+        "ok": figures.totals["lost"] == 0 and figures.totals["handled_more_than_once"] == 0,
+        "inputs": inputs,
+        "window": {
+            "first_created_at": _iso(figures.first_created_at),
+            "last_processed_at": _iso(figures.last_processed_at),
+        },
+        "totals": figures.totals,
+        "services": figures.services(),
+        "lost": details.lost(),
+        "handled_more_than_once": details.handled_more_than_once(),
+        "latency": figures.latency(),
+        "latency_histogram": figures.histogram(),
+        "retries": figures.retries(),
+        **figures.dead_letters(),
+        "throughput": details.throughput(),
+    }
 
 
 def _kept(spark: SparkSession, rows: DataFrame) -> DataFrame:
@@ -345,14 +367,14 @@ def _read_inputs(
     found = {}
     frames = {}
     for source, used in ((OUTBOX, _OUTBOX_USED), (INBOX, _INBOX_USED)):
-        days = window.days(source) if window is not None else None
-        frame, found[source] = _read(spark, archives, source, days)
+        first = window.days()[0] if window is not None else None
+        frame, found[source] = _read(spark, archives, source, first)
         extra = live_frame(spark, source, live)
         if extra is not None:
             frame = frame.unionByName(extra)
         frames[source] = frame.select(*used)
         if window is not None:
-            frames[source] = frames[source].where(window.read(source))
+            frames[source] = frames[source].where(window.read())
     if window is not None and not any(found.values()) and not live:
         raise AuditError(_unarchived(window, archives))
     subs = read_archives(spark, archives, SUBSCRIPTIONS)
@@ -373,24 +395,26 @@ def _read_inputs(
 
 
 def _read(
-    spark: SparkSession, roots: Sequence[str], source: str, days: Sequence[str] | None
+    spark: SparkSession, roots: Sequence[str], source: str, first: str | None
 ) -> tuple[DataFrame, bool]:
-    """`source`'s files of every root (only the date partitions `days`, when given), and
-    whether any root had any."""
+    """`source`'s files of every root (only the date partitions from day `first` on, when
+    given), and whether any root had any."""
     from pyspark.errors import AnalysisException
+    from pyspark.sql import functions as F
 
     schema = spark_schema(source, partitioned=True)
     frames = []
     for root in roots:
         base = f"{root.rstrip('/')}/{source}"
         reader = spark.read.schema(schema).option("basePath", base)
-        paths = _listed(base, days)
+        paths = _listed(base, first)
         if paths is not None:  # a local root, listed here: Spark reads what is there
             frames.extend([reader.parquet(*paths)] if paths else [])
             continue
-        path = base if days is None else f"{base}/service=*/date={{{','.join(days)}}}"
         try:
-            frame = reader.parquet(path)
+            frame = reader.parquet(base)
+            if first is not None:  # partition pruning: Spark lists, reads only those days
+                frame = frame.where(F.col("date") >= F.lit(first))
             frames.append(frame.select(*frame.columns))  # .columns: analysed on Spark Connect too
         except AnalysisException as exc:
             if "PATH_NOT_FOUND" not in str(exc) and "does not exist" not in str(exc):
@@ -400,15 +424,15 @@ def _read(
     return reduce(lambda a, b: a.unionByName(b), frames), True
 
 
-def _listed(base: str, days: Sequence[str] | None) -> list[str] | None:
+def _listed(base: str, first: str | None) -> list[str] | None:
     """The directories of a local archive root's `base` (``ROOT/SOURCE``) to read: itself, or
-    its date partitions of `days`; None for a root on another file system (Spark lists it)."""
+    its date partitions from day `first` on; None for a root on another file system (Spark
+    lists it)."""
     if "://" in base:
         return None
-    if days is None:
+    if first is None:
         return [base] if Path(base).is_dir() else []
-    wanted = {f"date={day}" for day in days}
-    return sorted(str(p) for p in Path(base).glob("service=*/date=*") if p.name in wanted)
+    return sorted(str(p) for p in Path(base).glob("service=*/date=*") if p.name >= f"date={first}")
 
 
 def check_archives(roots: Sequence[str], window: Window | None, live: bool = False) -> None:
@@ -422,15 +446,14 @@ def check_archives(roots: Sequence[str], window: Window | None, live: bool = Fal
             raise AuditError(f"archive {root} cannot be read: {exc.strerror or exc}") from None
     if window is None or live or any("://" in root for root in roots):
         return
-    if not any(_listed(f"{r}/{s}", window.days(s)) for r in roots for s in (OUTBOX, INBOX)):
+    if not any(_listed(f"{r}/{s}", window.days()[0]) for r in roots for s in (OUTBOX, INBOX)):
         raise AuditError(_unarchived(window, roots))
 
 
 def _unarchived(window: Window, roots: Sequence[str]) -> str:
     return (
-        f"no archive partition holds the days {window.days(INBOX)[0]} to "
-        f"{window.days(INBOX)[-1]} in {', '.join(roots)}: has that time been archived "
-        "(outbox-inbox archive)?"
+        f"no archive partition holds the day {window.days()[0]} or a later one in "
+        f"{', '.join(roots)}: has that time been archived (outbox-inbox archive)?"
     )
 
 
@@ -556,6 +579,7 @@ def _received(inbox: DataFrame, parts: int) -> DataFrame:
     return latest.groupBy("h", "message_id", F.col("service").alias("consumer")).agg(
         F.count("*").alias("copies"),
         F.first("routing_key").alias("r_type"),
+        F.min("created_at").alias("r_created"),
         F.max("status").alias("status"),  # "processed" > "pending" > "dead"
         F.min("received_at").alias("received_at"),
         F.min("processed_at").alias("processed_at"),  # the first handling's
@@ -581,11 +605,13 @@ def _reconcile(expected: DataFrame, received: DataFrame, window: Window | None) 
         F.coalesce("expected", F.lit(False)).alias("is_expected"),
         F.coalesce("got", F.lit(False)).alias("is_received"),
         F.coalesce("sent_row", F.lit(False)).alias("is_sent"),
-    ).drop("h", "pos", "routing_key", "r_type", "expected", "got", "sent_row")
-    if window is not None:
-        at = F.coalesce("published_at", "created_at", "received_at")
+    )
+    if window is not None:  # a receipt of nobody's message: by its message's creation
+        at = F.coalesce("published_at", "created_at", "r_created", "received_at")
         rows = rows.where((at >= F.lit(window.since)) & (at < F.lit(window.until)))
-    return rows
+    return rows.drop(
+        "h", "pos", "routing_key", "r_type", "r_created", "expected", "got", "sent_row"
+    )
 
 
 def _states(horizon: datetime) -> dict[str, Column]:
@@ -614,8 +640,9 @@ def _states(horizon: datetime) -> dict[str, Column]:
 _SET = "g"
 
 
-def _aggregate(rows: DataFrame, horizon: datetime) -> list[Row]:
-    """Every figure but the throughput and the examples, from one job over `rows`."""
+def _aggregate(rows: DataFrame, horizon: datetime, keep: bool = False) -> list[Row]:
+    """Every figure but the throughput and the examples, from one job over `rows`; with
+    `keep`, the latencies counted per `_latency_bucket` too ("d")."""
     from pyspark.sql import functions as F
 
     s = _states(horizon)
@@ -663,10 +690,33 @@ def _aggregate(rows: DataFrame, horizon: datetime) -> list[Row]:
     for stage, column in _stage_seconds().items():
         latencies.append(F.percentile_approx(column, [0.5, 0.9, 0.99], 10000).alias(f"{stage}_p"))
         latencies.append(F.max(column).alias(f"{stage}_max"))
-    percentiles = (
-        rows.where(s["done"]).groupBy(F.lit("b").alias(_SET), F.col("type")).agg(*latencies)
+    done = rows.where(s["done"])
+    query = counts.unionByName(
+        done.groupBy(F.lit("b").alias(_SET), F.col("type")).agg(*latencies),
+        allowMissingColumns=True,
     )
-    return counts.unionByName(percentiles, allowMissingColumns=True).collect()
+    if keep:
+        stages = [
+            F.struct(F.lit(n).alias("stage"), c.alias("s")) for n, c in _stage_seconds().items()
+        ]
+        buckets = (
+            done.select("type", F.inline(F.array(*stages)))
+            .where(F.col("s").isNotNull())
+            .groupBy(
+                F.lit("d").alias(_SET), "type", "stage", _latency_bucket(F.col("s")).alias("lb")
+            )
+            .agg(F.count("*").alias("n"))
+        )
+        query = query.unionByName(buckets, allowMissingColumns=True)
+    return query.collect()
+
+
+def _latency_bucket(seconds: Column) -> Column:
+    """0 for no time; else ±(1 + the number of times RATIO fits into the microseconds)."""
+    from pyspark.sql import functions as F
+
+    grown = F.ceil(F.log(RATIO, F.abs(seconds) * 1e6) - 1e-9)
+    return F.when(seconds == 0, 0).otherwise(F.signum(seconds).cast("long") * (grown + 1))
 
 
 def _stage_seconds() -> dict[str, Column]:
@@ -690,9 +740,14 @@ def _e2e_bucket(seconds: Column) -> Column:
 class _Figures:
     """The summary's figures, summed up from the groups of `_aggregate`."""
 
-    def __init__(self, groups: list[Row]) -> None:
+    def __init__(self, groups: Sequence[Any]) -> None:
         self.a = [r for r in groups if r[_SET] == "a"]
-        self.b = sorted((r for r in groups if r[_SET] == "b"), key=lambda r: r["type"])
+        self.b: dict[str, list[Any]] = {}  # by type: one row per window
+        for r in sorted((r for r in groups if r[_SET] == "b"), key=lambda r: r["type"]):
+            self.b.setdefault(r["type"], []).append(r)
+        self.d: dict[tuple[str, str], Counter[int]] = {}  # latencies by type and stage
+        for r in (r for r in groups if r[_SET] == "d"):
+            self.d.setdefault((r["type"], r["stage"]), Counter())[int(r["lb"])] += int(r["n"])
         self.c = [r for r in groups if r[_SET] == "c"]
         self.totals = {
             name: sum(int(r[name] or 0) for r in self.a) if state is None else self._count(state)
@@ -740,14 +795,18 @@ class _Figures:
     def latency(self) -> list[dict[str, Any]]:
         done = self._by("type", lambda r: r["expected"] and r["status"] == "processed")
         out = []
-        for r in self.b:
+        for t, rows in self.b.items():  # of several windows: percentiles of the buckets ("d")
             stages = {}
             for stage in STAGES:
-                p = [_float(v) for v in r[f"{stage}_p"] or [None] * 3]
-                p.append(_float(r[f"{stage}_max"]))
+                counts = self.d.get((t, stage))
+                p = [_float(v) for v in rows[0][f"{stage}_p"] or [None] * 3]
+                if len(rows) > 1 and counts:
+                    p = [_float(_from_buckets(counts, q)) for q in (0.5, 0.9, 0.99)]
+                highest = (_float(r[f"{stage}_max"]) for r in rows)
+                p.append(max((v for v in highest if v is not None), default=None))
                 stages[stage] = dict(zip(PERCENTILES, p, strict=True))
-            count = self._count(lambda _: True, done.get(r["type"], []))
-            out.append({"type": r["type"], "count": count, "stages": stages})
+            count = self._count(lambda _: True, done.get(t, []))
+            out.append({"type": t, "count": count, "stages": stages})
         return out
 
     def histogram(self) -> list[dict[str, Any]]:
@@ -808,8 +867,8 @@ _OUTBOX_USED = (
     "attempts",
 )  # fmt: skip
 _INBOX_USED = (
-    "service", "message_id", "id", "routing_key", "status", "received_at", "processed_at",
-    "attempts", "dead_reason", "last_error", "duplicates", "archived_at",
+    "service", "message_id", "id", "routing_key", "status", "created_at", "received_at",
+    "processed_at", "attempts", "dead_reason", "last_error", "duplicates", "archived_at",
 )  # fmt: skip
 # Every count of the summary's ``totals``: the rows of the "a" groups in a state, or (None)
 # the sum of the column of that name.
@@ -844,44 +903,51 @@ def _seconds(later: str, earlier: str) -> Column:
     return (F.unix_micros(F.col(later)) - F.unix_micros(F.col(earlier))) / 1e6
 
 
+def _step(start: datetime | None, end: datetime | None) -> int | None:
+    """The throughput's bucket: the smallest that gives at most MAX_BUCKETS over the span."""
+    if not (start and end):
+        return None
+    span = max((end - start).total_seconds(), 1.0)
+    return next((s for s in BUCKET_STEPS if span / s <= MAX_BUCKETS), BUCKET_STEPS[-1])
+
+
+def _details(rows: DataFrame, horizon: datetime, step: int | None) -> list[Row]:
+    """The second job over the reconciled rows, once the first has told the throughput's
+    window: the examples of lost and doubly handled messages, the throughput per `step`."""
+    from pyspark.sql import functions as F
+
+    lost = (
+        rows.where(_states(horizon)["lost"])
+        .select(
+            F.lit("l").alias(_SET), "message_id", "type", "producer", "consumer", "published_at"
+        )
+        .orderBy("published_at", "message_id")
+        .limit(EXAMPLES)
+    )
+    twice = (
+        rows.where(F.col("copies") > 1)
+        .select(F.lit("w").alias(_SET), "message_id", "type", "consumer", "copies")
+        .orderBy(F.desc("copies"), "message_id")
+        .limit(EXAMPLES)
+    )
+    query = lost.unionByName(twice, allowMissingColumns=True)
+    if step is not None:
+        query = query.unionByName(_buckets(rows, step), allowMissingColumns=True)
+    return query.collect()
+
+
 class _Details:
-    """The examples of lost and doubly handled messages, and the throughput over time: the
-    second job over the reconciled rows, once the first has told the throughput's window."""
+    """The examples and the throughput, from the rows of `_details` (of one or more windows),
+    the throughput in buckets of `step` seconds."""
 
-    def __init__(
-        self, rows: DataFrame, horizon: datetime, start: datetime | None, end: datetime | None
-    ) -> None:
-        from pyspark.sql import functions as F
-
-        span = max((end - start).total_seconds(), 1.0) if start and end else None
-        self.step = next(
-            (s for s in BUCKET_STEPS if span is not None and span / s <= MAX_BUCKETS),
-            BUCKET_STEPS[-1] if span is not None else None,
-        )
-        lost = (
-            rows.where(_states(horizon)["lost"])
-            .select(
-                F.lit("l").alias(_SET), "message_id", "type", "producer", "consumer", "published_at"
-            )
-            .orderBy("published_at", "message_id")
-            .limit(EXAMPLES)
-        )
-        twice = (
-            rows.where(F.col("copies") > 1)
-            .select(F.lit("w").alias(_SET), "message_id", "type", "consumer", "copies")
-            .orderBy(F.desc("copies"), "message_id")
-            .limit(EXAMPLES)
-        )
-        query = lost.unionByName(twice, allowMissingColumns=True)
-        if self.step is not None:
-            query = query.unionByName(_buckets(rows, self.step), allowMissingColumns=True)
-        self.rows = query.collect()
+    def __init__(self, rows: Sequence[Any], step: int | None) -> None:
+        self.rows, self.step = rows, step
 
     def lost(self) -> list[dict[str, Any]]:
         found = sorted(
             (r for r in self.rows if r[_SET] == "l"),
-            key=lambda r: (r["published_at"], r["message_id"]),
-        )
+            key=lambda r: (_aware(r["published_at"]), r["message_id"]),
+        )[:EXAMPLES]
         fields = ("message_id", "type", "producer", "consumer")
         return [
             {**{f: r[f] for f in fields}, "published_at": _iso(r["published_at"])} for r in found
@@ -890,7 +956,7 @@ class _Details:
     def handled_more_than_once(self) -> list[dict[str, Any]]:
         found = sorted(
             (r for r in self.rows if r[_SET] == "w"), key=lambda r: (-r["copies"], r["message_id"])
-        )
+        )[:EXAMPLES]
         fields = ("message_id", "type", "consumer")
         return [{**{f: r[f] for f in fields}, "copies": int(r["copies"])} for r in found]
 
@@ -899,8 +965,11 @@ class _Details:
         counted = [r for r in self.rows if r[_SET] == "t"]
         if self.step is None or not counted:
             return {"bucket_seconds": self.step, "series": []}
-        sent = {int(r["b"]): int(r["sent"]) for r in counted}
-        done = {int(r["b"]): int(r["done"]) for r in counted}
+        sent: Counter[int] = Counter()
+        done: Counter[int] = Counter()
+        for r in counted:  # buckets of `step` or of a step that divides it
+            sent[int(r["b"]) // self.step * self.step] += int(r["sent"])
+            done[int(r["b"]) // self.step * self.step] += int(r["done"])
         return {
             "bucket_seconds": self.step,
             "series": [
@@ -944,7 +1013,9 @@ def _greatest(values: Iterable[Any]) -> datetime | None:
 
 
 def _aware(value: Any) -> datetime | None:
-    """Spark returns naive datetimes in the session time zone (UTC)."""
+    """Spark returns naive datetimes in the session time zone (UTC); day results ISO text."""
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value)
     if not isinstance(value, datetime):
         return None
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
@@ -966,6 +1037,7 @@ __all__ = [
     "LiveRows",
     "Window",
     "check_archives",
+    "combine",
     "read_archives",
     "read_live",
     "run_audit",

@@ -13,10 +13,11 @@ import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..errors import ConfigurationError
 from ..logsafe import mask_url
 from ..svgchart import (
     CHART_CSS,
@@ -39,7 +40,9 @@ from .audit import (
     AuditError,
     Window,
     _first_line,
+    _iso,
     check_archives,
+    combine,
     read_live,
     require_pyspark,
     run_audit,
@@ -126,6 +129,7 @@ def write_audit(
     config: Mapping[str, str] | None = None,
     grace: timedelta = timedelta(minutes=5),
     window: Window | None = None,
+    results: str | Path | None = None,
     warm: bool = False,
     verbose: bool = False,
     note: Callable[[str], None] = lambda _line: None,
@@ -133,7 +137,12 @@ def write_audit(
     """`audit.run_audit` of `archives` and of the live tables of `db_urls`, written as
     ``summary.json`` and ``report.html`` into `directory`; returns the summary and the directory.
     How it runs (`warm`, `verbose`; `note` gets the line that says which) and what it raises:
-    docs/history.md, "The audit" and "A warm Spark between runs"."""
+    docs/history.md, "The audit" and "A warm Spark between runs". With `results`, `window` is
+    whole UTC days: one day's result is stored there too, several days' are combined from
+    those stored (`combine_days`; "Day results that add up")."""
+    days = _days(window) if results is not None else []
+    if window is not None and results is not None and len(days) > 1:
+        return combine_days(directory, results, window)
     roots = [p if "://" in p else str(Path(p).absolute()) for p in archives]
     check_archives(roots, window, live=bool(db_urls))
     require_pyspark()
@@ -156,6 +165,7 @@ def write_audit(
                 grace=grace,
                 inputs={"live_databases": [mask_url(u) for u in db_urls]},
                 window=window,
+                keep=bool(days),
             )
         except AuditError:
             raise
@@ -163,11 +173,49 @@ def write_audit(
             raise AuditError(
                 f"the Spark job failed: {type(exc).__name__}: {_first_line(exc)}"
             ) from exc
+    if results is not None:
+        record = {"inputs": summary["inputs"], "parts": summary.pop("parts")}
+        Path(results).mkdir(parents=True, exist_ok=True)
+        tmp = Path(results) / f".{days[0]}.json.tmp"  # a reader never sees half a result
+        tmp.write_text(json.dumps(record, default=_iso))
+        tmp.replace(Path(results) / f"{days[0]}.json")
+    return summary, _write(directory, summary)
+
+
+def combine_days(
+    directory: str | Path, results: str | Path, window: Window
+) -> tuple[dict[str, Any], Path]:
+    """The report of `window`'s whole days combined from their results stored in `results`
+    (`write_audit`), without Spark or any archive row; written and returned as `write_audit`
+    does. Raises AuditError when a day has no result, OSError when a file cannot be read."""
+    stored = []
+    for day in _days(window):
+        try:
+            stored.append(json.loads((Path(results) / f"{day}.json").read_text()))
+        except FileNotFoundError:
+            raise AuditError(
+                f"no result of {day} in {results}: run outbox-inbox audit --day {day} "
+                f"--results {results}"
+            ) from None
+    inputs = {**stored[-1]["inputs"], "window": window.describe()}  # the last day's grace
+    now = datetime.now(UTC).isoformat()
+    summary = combine([p for s in stored for p in s["parts"]], now, inputs)
+    return summary, _write(directory, summary)
+
+
+def _days(window: Window | None) -> list[str]:
+    """`window`'s days; ConfigurationError unless it is whole UTC days."""
+    if window is None or window.since.timestamp() % 86400 or window.until.timestamp() % 86400:
+        raise ConfigurationError("day results are of whole UTC days: --day, or --since DAY")
+    return window.days()
+
+
+def _write(directory: str | Path, summary: Mapping[str, Any]) -> Path:
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "report.html").write_text(render_html(summary), encoding="utf-8")
-    return summary, out
+    return out
 
 
 @contextmanager
@@ -266,10 +314,7 @@ def _header(summary: Mapping[str, Any], totals: Mapping[str, Any]) -> str:
     # through out of a file that gets mailed around.
     databases = [_esc(mask_url(str(url))) for url in inputs.get("live_databases") or []]
     audited: Mapping[str, Any] = inputs.get("window") or {}
-    published = (
-        f"{_fmt_time(audited.get('since'))} → {_fmt_time(audited.get('until'))} "
-        f"(margin {_fmt_duration(audited.get('margin_seconds'))})"
-    )
+    published = f"{_fmt_time(audited.get('since'))} → {_fmt_time(audited.get('until'))}"
     rows = [
         ("Archives", "<br>".join(archives) or "none"),
         ("Live databases", "<br>".join(databases) or "none"),

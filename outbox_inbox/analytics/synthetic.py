@@ -254,7 +254,7 @@ def _write_outbox(h: _History, c: _Chunk) -> None:
             "attempts": np.where(h.rng.random(mask.sum()) < 0.01, 1, 0).astype(np.int32),
         }
         h.totals["publish_retries"] += int(rows["attempts"][~c.expired[mask]].sum())
-        _write(h.root / producer, OUTBOX, producer, rows, c.created[mask], c.first)
+        _write(h.root / producer, OUTBOX, producer, rows, c.published[mask], c.first)
         h.totals["sent"] += int(mask.sum())
     h.totals["commands"] += int(np.isin(c.kind_of, [CREATE, SHIP]).sum())
     h.totals["events"] += int(np.isin(c.kind_of, [PLACED, CREATED, SHIPPED]).sum())

@@ -109,10 +109,13 @@ def test_bench_audit_runs_every_group_with_exact_counts_and_spark_metrics(tmp_pa
     incremental = result["incremental"]
     assert incremental["days"] == 30
     assert incremental["day"] == "2026-11-30"  # the last full day before the history's now
-    assert incremental["days_read"]["inbox"] == ["2026-11-29", "2026-11-30", "2026-12-01"]
+    assert incremental["days_read"] == ["2026-11-30"]  # the later days hold nothing
     assert incremental["day_totals"]["sent"] > 0
     day, full = incremental["one_day"]["s"], incremental["full"]["s"]
     assert incremental["day_over_full"] == round(day / full, 3)
+    combined = incremental["combined"]["s"]  # its totals equal the month's, or the bench fails
+    assert incremental["combined_over_full"] == round(combined / full, 4)
+    assert incremental["day_results_s"] > 0
 
     cluster = result["cluster"]
     assert [r["workers"] for r in cluster["runs"]] == [1, 2]

@@ -79,8 +79,9 @@ def test_archive_moves_only_finished_rows_older_than_the_retention_into_partitio
     assert sorted(r["message_id"] for r in out_rows) == sorted(map(str, published + expired))
     assert sorted(r["message_id"] for r in in_rows) == sorted(map(str, processed + dead))
     assert {r["service"] for r in out_rows + in_rows} == {"orders"}
-    # Dated by creation (outbox) and receipt (inbox), in UTC.
-    assert all(r["date"] == r["created_at"].date().isoformat() for r in out_rows)
+    # Dated by publication or expiry (outbox) and receipt (inbox), in UTC.
+    at = [r["published_at"] or r["expired_at"] for r in out_rows]
+    assert [r["date"] for r in out_rows] == [a.date().isoformat() for a in at]
     assert all(r["date"] == r["received_at"].date().isoformat() for r in in_rows)
     assert {r["message_id"] for r in in_rows if r["duplicates"] == 2} == set(map(str, processed))
     assert sum(r["expired_at"] is not None for r in out_rows) == 3

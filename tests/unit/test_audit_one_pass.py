@@ -9,6 +9,7 @@ to run, the old audit's too; they are held to 1%, which any wrong column misses 
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from datetime import UTC, datetime, timedelta
@@ -104,18 +105,22 @@ def _days(case: Case) -> list[datetime]:
 
 
 @pytest.mark.parametrize("day", [0, 13, 29])
-def test_a_day_audit_reads_only_its_days_and_equals_the_whole_audit_restricted_to_that_day(
-    spark: Any, cases: dict[str, Case], day: int
+def test_a_day_audit_reads_only_its_days_and_later_and_equals_it_reading_everything(
+    spark: Any, cases: dict[str, Case], day: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from pyspark.sql import functions as F
+
+    from outbox_inbox.analytics import audit
     from outbox_inbox.analytics.audit import Window
 
     case = cases["month"]
     since = _days(case)[day]
     pruned = _audit(spark, case, window=Window(since, since + timedelta(days=1)))
-    # The same window with a margin that reads every partition: nothing is left unread.
-    everything = _audit(
-        spark, case, window=Window(since, since + timedelta(days=1), timedelta(days=400))
-    )
+    # The same window reading every partition and every row: nothing is left unread.
+    listed = audit._listed
+    monkeypatch.setattr(audit, "_listed", lambda base, first: listed(base, None))
+    monkeypatch.setattr(Window, "read", lambda self: F.lit(True))
+    everything = _audit(spark, case, window=Window(since, since + timedelta(days=1)))
     for summary in (pruned, everything):
         summary["inputs"].pop("window")
     assert comparable(pruned) == comparable(everything)
@@ -129,8 +134,8 @@ def test_day_audits_add_up_to_the_whole_audit(spark: Any, cases: dict[str, Case]
     whole = _audit(spark, case)["totals"]
     days = _days(case)
     sums = dict.fromkeys(TOTALS, 0)
-    # Ten-day windows, and the days after the last message.
-    for start in range(0, len(days), 10):
+    # Ten-day windows over every day the archive holds (a window after it is an error).
+    for start in range(0, len(days) - 1, 10):
         window = Window(days[start], days[start] + timedelta(days=10))
         totals = _audit(spark, case, window=window)["totals"]
         for name in TOTALS:
@@ -144,13 +149,10 @@ def _write(root: Path, source: str, service: str, rows: list[dict[str, Any]]) ->
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from outbox_inbox.archive import DATE_COLUMN, arrow_schema
+    from outbox_inbox.archive import _by_day, arrow_schema
 
-    by_day: dict[str, list[dict[str, Any]]] = {}
-    for row in rows:
-        by_day.setdefault(row[DATE_COLUMN[source]].date().isoformat(), []).append(row)
-    for day, day_rows in by_day.items():
-        folder = root / source / f"service={service}" / f"date={day}"
+    for day, day_rows in _by_day(source, rows, None):
+        folder = root / source / f"service={service}" / f"date={day.isoformat()}"
         folder.mkdir(parents=True, exist_ok=True)
         table = pa.Table.from_pylist(day_rows, schema=arrow_schema(source))
         pq.write_table(table, folder / "part-0.parquet")
@@ -214,12 +216,75 @@ def test_receipts_just_outside_the_window_belong_to_their_messages(
     # published before it: it belongs to the day before, not an unexpected receipt here.
     assert (t["sent"], t["delivered"], t["lost"], t["unexpected"]) == (2, 2, 0, 0)
     assert [s["received"] for s in summary["services"] if s["service"] == "billing"] == [2]
-    # With no margin, "late"'s receipt is not read: the audit says so by calling it lost.
-    tight = run_audit(
-        spark, roots, now=now, window=Window(day, day + timedelta(days=1), timedelta(0))
-    )
-    assert (tight["totals"]["delivered"], tight["totals"]["lost"]) == (1, 1)
-    assert tight["lost"][0]["published_at"] == "2026-11-10T23:59:59+00:00"
+
+
+@pytest.fixture(scope="module")
+def late_commit(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An order whose outbox row was created on 2026-11-10 and committed (so published) on
+    the 13th, received on the 18th, after a receiver outage; an order of the 13th received at
+    once; and a receipt of a message nobody archived, created the 12th, received the 13th."""
+    root = tmp_path_factory.mktemp("late-commit")
+    at = datetime(2026, 11, 10, 23, tzinfo=UTC)
+    created = {"late": at, "prompt": at + timedelta(days=2, hours=13)}
+    published = {"late": at + timedelta(days=2, hours=11), "prompt": created["prompt"]}
+    received = {"late": at + timedelta(days=8), "prompt": published["prompt"]}
+    outbox = [
+        {
+            "id": n,
+            "message_id": f"00000000-0000-4000-8000-00000000000{n}",
+            "kind": "command",
+            "exchange": "commands",
+            "routing_key": "billing.invoice.create",
+            "created_at": created[name],
+            "published_at": published[name],
+            "attempts": 0,
+            "archived_at": datetime(2026, 12, 1, tzinfo=UTC),
+        }
+        for n, name in enumerate(created, start=1)
+    ]
+    stranger = dict(outbox[0], message_id="00000000-0000-4000-8000-000000000009")
+    inbox = [
+        dict(
+            row,
+            source="orders",
+            received_at=got + timedelta(seconds=2),
+            processed_at=got + timedelta(seconds=3),
+            status="processed",
+            attempts=1,
+            duplicates=0,
+        )
+        for row, got in zip(
+            [*outbox, dict(stranger, created_at=at + timedelta(days=1, hours=12))],
+            [*received.values(), at + timedelta(days=2, hours=1)],
+            strict=True,
+        )
+    ]
+    _write(root / "orders", "outbox", "orders", outbox)
+    _write(root / "billing", "inbox", "billing", inbox)
+    return root
+
+
+def test_a_late_commit_is_judged_in_its_publication_window_as_in_the_whole_audit(
+    spark: Any, late_commit: Path
+) -> None:
+    from outbox_inbox.analytics.audit import Window, run_audit
+
+    roots = [str(late_commit / "orders"), str(late_commit / "billing")]
+    now = datetime(2026, 11, 25, tzinfo=UTC)
+    keys = ("sent", "delivered", "lost", "unexpected")
+    whole = run_audit(spark, roots, now=now)["totals"]
+    assert [whole[k] for k in keys] == [2, 2, 0, 1]
+    first = datetime(2026, 11, 10, tzinfo=UTC)
+    days = {}
+    for n in range(9):  # to the last day archived: a window after it is an error
+        since = first + timedelta(days=n)
+        totals = run_audit(spark, roots, now=now, window=Window(since, since + timedelta(1)))
+        days[since.day] = [totals["totals"][k] for k in keys]
+    # Both orders in the day they were published, delivered however late the receipt; the
+    # stranger's receipt in the day its message was created.
+    assert days[13] == [2, 2, 0, 0]
+    assert days[12] == [0, 0, 0, 1]
+    assert sum(map(sum, days.values())) == 5
 
 
 def test_a_window_the_archive_does_not_hold_is_an_error_not_an_empty_report(
@@ -227,8 +292,8 @@ def test_a_window_the_archive_does_not_hold_is_an_error_not_an_empty_report(
 ) -> None:
     from outbox_inbox.analytics.audit import AuditError, Window, run_audit
 
-    since = datetime(2025, 1, 1, tzinfo=UTC)
-    with pytest.raises(AuditError, match="no archive partition holds the days 2024-12-31"):
+    since = datetime(2027, 1, 1, tzinfo=UTC)
+    with pytest.raises(AuditError, match="no archive partition holds the day 2027-01-01 or a"):
         run_audit(spark, [str(midnight / "orders")], window=Window(since, since + timedelta(1)))
 
 
@@ -240,7 +305,6 @@ def test_a_window_the_archive_does_not_hold_is_an_error_not_an_empty_report(
         (("--since", "2026-11-10", "--until", "2026-11-10"), "the audit window is empty"),
         (("--day", "2026-11-10T05:00"), "is not a day like 2026-11-25"),
         (("--since", "yesterday"), "is not a date or time"),
-        (("--day", "2026-11-10", "--margin", "-1d"), "is not a duration"),
     ],
 )
 def test_audit_window_options_refuse_bad_input_in_one_line(
@@ -262,10 +326,72 @@ def test_audit_command_audits_one_day_and_fails_on_a_day_never_archived(
     assert summary["inputs"]["window"] == {
         "since": "2026-11-10T00:00:00+00:00",
         "until": "2026-11-11T00:00:00+00:00",
-        "margin_seconds": 86400.0,
     }
     assert (summary["totals"]["sent"], summary["totals"]["delivered"]) == (2, 2)
     missing = cli("audit", *roots, "--day", "2026-12-24", "--out", str(tmp_path / "x"))
     assert missing.returncode == 1
-    assert "no archive partition holds the days 2026-12-23 to 2026-12-25" in missing.stderr
+    assert "no archive partition holds the day 2026-12-24 or a later one" in missing.stderr
     assert not (tmp_path / "x" / "summary.json").exists()
+
+
+def test_day_results_combine_into_the_whole_audit_without_reading_a_row(
+    spark: Any, cases: dict[str, Case], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from contextlib import contextmanager
+
+    from outbox_inbox.analytics import report
+    from outbox_inbox.analytics.audit import Window
+
+    @contextmanager
+    def this_session(*_: Any) -> Any:
+        yield spark, "Spark: the test's session"
+
+    case = cases["month"]
+    monkeypatch.setattr(report, "_one_shot", this_session)
+    monkeypatch.setattr(report, "run_audit", functools.partial(report.run_audit, now=case.now))
+    results = tmp_path / "days"
+    whole, _ = report.write_audit(tmp_path / "whole", case.roots, grace=case.grace)
+    days = _days(case)[:-1]  # the 30 days the archive holds
+    for day in days:
+        window = Window(day, day + timedelta(days=1))
+        report.write_audit(
+            tmp_path / "day", case.roots, grace=case.grace, window=window, results=results
+        )
+    monkeypatch.setattr(report, "_one_shot", None)  # the combined report starts no Spark
+    month = Window(days[0], days[-1] + timedelta(days=1))
+    combined, _ = report.combine_days(tmp_path / "combined", results, month)
+
+    got, want = comparable(json.loads(json.dumps(combined))), comparable(whole)
+    for summary in (got, want):
+        summary.pop("inputs", None)
+    got_latency, want_latency = got.pop("latency"), want.pop("latency")
+    assert got == want  # every count, example, histogram and throughput bucket
+    assert whole["totals"]["lost"] == 7 and whole["totals"]["handled_more_than_once"] == 2
+    assert [(r["type"], r["count"]) for r in got_latency] == [
+        (r["type"], r["count"]) for r in want_latency
+    ]
+    for mine, theirs in zip(got_latency, want_latency, strict=True):
+        for stage, figures in theirs["stages"].items():
+            assert mine["stages"][stage]["max"] == figures["max"]
+            for p in ("p50", "p90", "p99"):  # within the 1% of the latency buckets
+                assert mine["stages"][stage][p] == pytest.approx(figures[p], rel=0.0101, abs=1e-6)
+
+
+def test_audit_command_stores_day_results_and_combines_them_without_spark(
+    midnight: Path, tmp_path: Path
+) -> None:
+    roots = [str(midnight / "orders"), str(midnight / "billing")]
+    results = str(tmp_path / "days")
+    for day in ("2026-11-10", "2026-11-11"):
+        done = cli("audit", *roots, "--day", day, "--results", results, "--out", str(tmp_path))
+        assert done.returncode == 0, done.stderr
+    both = ("--since", "2026-11-10", "--until", "2026-11-12", "--results", results)
+    combined = cli("audit", *roots, *both, "--out", str(tmp_path / "both"), "--json")
+    assert combined.returncode == 0, combined.stderr
+    assert "Spark" not in combined.stderr  # no session, warm or one-shot, was used
+    totals = json.loads(combined.stdout)["totals"]
+    assert (totals["sent"], totals["delivered"], totals["unexpected"]) == (2, 2, 0)
+    earlier = ("--since", "2026-11-09", "--until", "2026-11-11", "--results", results)
+    missing = cli("audit", *roots, *earlier, "--out", str(tmp_path / "x"))
+    assert missing.returncode == 1
+    assert f"no result of 2026-11-09 in {results}" in missing.stderr

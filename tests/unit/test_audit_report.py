@@ -379,13 +379,12 @@ def test_an_incremental_audit_says_which_messages_it_covered() -> None:
     summary["inputs"]["window"] = {
         "since": "2026-11-25T00:00:00+00:00",
         "until": "2026-11-26T00:00:00+00:00",
-        "margin_seconds": 86400.0,
     }
 
     shown = re.search(r"<dt>Messages published</dt><dd>(.*?)</dd>", render_html(summary))
 
     assert shown is not None
-    assert shown[1] == "2026-11-25 00:00:00 UTC → 2026-11-26 00:00:00 UTC (margin 24h)"
+    assert shown[1] == "2026-11-25 00:00:00 UTC → 2026-11-26 00:00:00 UTC"
 
 
 def test_lost_examples_say_how_many_of_the_total_they_show() -> None:

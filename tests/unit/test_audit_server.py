@@ -121,7 +121,7 @@ def test_the_server_stops_itself_when_no_audit_used_it_for_its_idle_time(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("--day", "2026-12-24"), "no archive partition holds the days 2026-12-23 to 2026-12-25"),
+        (("--day", "2026-12-24"), "no archive partition holds the day 2026-12-24 or a later one"),
         (("--since", "2026-11-10", "--until", "2026-11-09"), "the audit window is empty"),
         (("--day", "2026-11-10T05:00"), "is not a day like 2026-11-25"),
     ],
