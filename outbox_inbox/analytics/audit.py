@@ -30,6 +30,7 @@ from ..archive import (
 )
 from ..errors import ConfigurationError, OutboxInboxError
 from ..messages import EVENTS_EXCHANGE
+from ..tables import WEBHOOK
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, Row, SparkSession
@@ -372,6 +373,8 @@ def _read_inputs(
         extra = live_frame(spark, source, live)
         if extra is not None:
             frame = frame.unionByName(extra)
+        if source == OUTBOX:  # webhook deliveries (webhooks.py) are not messages
+            frame = frame.where(~frame["exchange"].startswith(WEBHOOK))
         frames[source] = frame.select(*used)
         if window is not None:
             frames[source] = frames[source].where(window.read())

@@ -287,6 +287,37 @@ def test_a_late_commit_is_judged_in_its_publication_window_as_in_the_whole_audit
     assert sum(map(sum, days.values())) == 5
 
 
+def test_webhook_deliveries_are_not_messages_to_the_audit(spark: Any, tmp_path: Path) -> None:
+    """An event and its delivery row to the endpoint ``erp`` (webhooks.py): one message sent,
+    to a service subscribed to it, and received there; the delivery is expected nowhere."""
+    from outbox_inbox.analytics.audit import run_audit
+    from outbox_inbox.archive import SUBSCRIPTIONS, to_records, write_parquet
+
+    at = datetime(2026, 11, 10, 12, tzinfo=UTC)
+    event = {
+        "id": 1,
+        "message_id": "00000000-0000-4000-8000-000000000001",
+        "kind": "event",
+        "exchange": "events",
+        "routing_key": "orders.order.placed",
+        "created_at": at,
+        "published_at": at,
+        "attempts": 0,
+        "archived_at": at + timedelta(days=2),
+    }
+    delivery = dict(event, id=2, exchange="webhook:erp", message_id=event["message_id"][:-1] + "2")
+    received = dict(event, source="orders", received_at=at, status="processed", attempts=1)
+    _write(tmp_path / "orders", "outbox", "orders", [event, delivery])
+    _write(tmp_path / "billing", "inbox", "billing", [dict(received, processed_at=at)])
+    subscribed = [{"exchange": "events", "pattern": "orders.order.*", "subscribed_at": at}]
+    path = tmp_path / "billing" / SUBSCRIPTIONS / "service=billing" / "subscriptions.parquet"
+    path.parent.mkdir(parents=True)
+    write_parquet(path, SUBSCRIPTIONS, to_records(SUBSCRIPTIONS, subscribed, None))
+    roots = [str(tmp_path / "orders"), str(tmp_path / "billing")]
+    totals = run_audit(spark, roots, now=at + timedelta(days=3))["totals"]
+    assert (totals["sent"], totals["events"], totals["lost"]) == (1, 1, 0)
+
+
 def test_a_window_the_archive_does_not_hold_is_an_error_not_an_empty_report(
     spark: Any, midnight: Path
 ) -> None:
