@@ -12,6 +12,7 @@ from urllib.parse import urlencode
 
 from ..dead_letters import DONE, FILTER_FIELDS, DeadLetter, Filters, Group, error_summary
 from ..logsafe import mask_url
+from ..queries.operations import WEBHOOK_FIELDS
 from ..status import dead_count
 from ..svgchart import CHART_CSS
 from ..tracing import TRACEPARENT
@@ -261,6 +262,12 @@ def service_status(entry: Shown, charts: Safe) -> Safe:
         parts.append(html("<h2>Tenants waiting: {}</h2>", inbox["tenants_waiting"]))
         cells = ((t["tenant"], t["pending"], t["in_progress"]) for t in inbox["by_tenant"])
         parts.append(table(["tenant", "pending", "in progress"], (row(c, {1, 2}) for c in cells)))
+    if outbox.get("webhooks"):
+        parts.append(html("<h2>Webhook endpoints</h2>"))
+        hooks = outbox["webhooks"]
+        cells = ([w[f] if w[f] is not None else "" for f in WEBHOOK_FIELDS] for w in hooks)
+        headers = ["endpoint", "waiting", "failing", "dead", "last error"]
+        parts.append(table(headers, (row(c, {1, 2, 3}) for c in cells)))
     held = status["held_keys"]
     parts.append(html("<h2>Held-back keys: {}</h2>", held["count"]))
     if held["keys"]:

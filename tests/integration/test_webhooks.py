@@ -11,6 +11,7 @@ import base64
 import hashlib
 import hmac
 import json
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,8 +22,9 @@ from typing import Any
 
 from helpers import make_service, rows, running, scalar, wait_until
 from outbox_inbox import MemoryBroker, Service
+from outbox_inbox.dashboard.views import Safe, Shown, service_status
 from outbox_inbox.dead_letters import OUTBOX, DeadLetters, Filters
-from outbox_inbox.status import health
+from outbox_inbox.status import collect_status, health
 from outbox_inbox.webhooks import Webhook, WebhookRole
 
 KEY = b"a test key of the endpoint"
@@ -221,6 +223,21 @@ def test_410_stops_the_retries_and_a_failure_waits_its_scheduled_delay(db_url: s
             {"endpoint": "later", "waiting": 1, "failing": 1, "dead": 0, "last_error": LATER_ERROR},
         ]
         assert outbox["unpublished"] == 2 and outbox["dead"] == 1  # the event and the fault
+        status = collect_status(service.engine, service.tables, service="orders", admin=None)
+        page = str(service_status(Shown("orders", status), Safe("")))
+        shown = re.findall(r"<td[^>]*>([^<]*)</td>", page.split("Webhook endpoints")[1])
+        assert shown[:10] == [
+            "gone",
+            "0",
+            "0",
+            "1",
+            GONE_ERROR,
+            "later",
+            "1",
+            "1",
+            "0",
+            LATER_ERROR,
+        ]
         service.close()
 
 
