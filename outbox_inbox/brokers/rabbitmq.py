@@ -877,11 +877,7 @@ class RabbitMQConsumer:
             raise BrokerConnectionError(f"ack failed: {exc!r}") from exc
 
     def forward(
-        self,
-        delivery: Delivery,
-        exchange: str,
-        routing_key: str,
-        headers: Mapping[str, Any],
+        self, delivery: Delivery, exchange: str, routing_key: str, headers: Mapping[str, Any]
     ) -> None:
         message = delivery.message
         # The properties frame must fit in one frame: 12 bytes of it are not properties.
