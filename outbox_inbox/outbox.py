@@ -117,12 +117,7 @@ class Outbox:
     """
 
     def __init__(
-        self,
-        service: str,
-        tables: Tables,
-        *,
-        settings: Settings,
-        tracing: Tracing | None = None,
+        self, service: str, tables: Tables, *, settings: Settings, tracing: Tracing | None = None
     ) -> None:
         self._service = validate_service_name(service)
         self._tables = tables
