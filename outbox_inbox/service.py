@@ -37,14 +37,7 @@ from .errors import (
     storage_error,
 )
 from .faults import FAULT, fault_routing_key
-from .handlers import (
-    AsyncHandler,
-    Handler,
-    HandlerKeywords,
-    HandlerOptions,
-    Handlers,
-    Subscription,
-)
+from .handlers import AsyncHandler, Handler, HandlerKeywords, HandlerOptions, Handlers, Subscription
 from .listener import Listener, forwarded, forwarding
 from .logsafe import mask_url
 from .messages import COMMAND, COMMANDS_EXCHANGE, EVENT, EVENTS_EXCHANGE
@@ -55,13 +48,7 @@ from .relay import Relay
 from .retry import RetryPolicy
 from .supervisor import WorkerProcesses, available_cpus
 from .tables import Tables
-from .topology import (
-    UNROUTABLE_QUEUE,
-    Topology,
-    command_routing_key,
-    inbox_queue,
-    service_topology,
-)
+from .topology import UNROUTABLE_QUEUE, Topology, command_routing_key, inbox_queue, service_topology
 from .tracing import Tracing
 from .waker import Waker, helpers_channel, notify_channel, psycopg_conninfo
 from .webhooks import WebhookRole
