@@ -41,12 +41,8 @@ log = logging.getLogger(__name__)
 class _AtDebug(logging.Filter):
     """Log pika's own lines of a logger at DEBUG: all of them, or those of format `only`.
 
-    pika logs several ERROR lines and a traceback for every connection attempt that fails; the
-    roles retry with backoff and report an outage themselves (one warning when it starts, one
-    line when it ends), so pika's lines only repeat it. Its line on a ``connection.blocked`` (a
-    WARNING) or ``connection.unblocked`` frame repeats `FlowControl`, which logs each blocking
-    once, with the broker's reason, and its end with how long it lasted. Nothing else of pika's
-    is changed.
+    They repeat what the roles report themselves: an outage (pika logs ERROR lines and a
+    traceback per failed connection attempt), and a blocking (`FlowControl` logs it once).
     """
 
     def __init__(self, only: str | None = None) -> None:
@@ -80,15 +76,9 @@ _REFUSALS: tuple[type[BaseException], ...] = (
 )
 
 
-#: TCP keepalive of every connection (idle, interval, count, in seconds), and how long
-#: unacknowledged sent data may wait (ms): a dead link is noticed even while a role only
-#: sends.
-_TCP_OPTIONS = {
-    "TCP_KEEPIDLE": 10,
-    "TCP_KEEPINTVL": 5,
-    "TCP_KEEPCNT": 3,
-    "TCP_USER_TIMEOUT": 30_000,
-}
+#: TCP keepalive of every connection (idle, interval, count, in seconds), and how long unacked
+#: sent data may wait (ms): a dead link is noticed even while a role only sends.
+_TCP_OPTIONS = dict(TCP_KEEPIDLE=10, TCP_KEEPINTVL=5, TCP_KEEPCNT=3, TCP_USER_TIMEOUT=30_000)
 
 
 class RabbitMQBroker:
@@ -379,18 +369,9 @@ class PublishingBatch:
     """
 
     __slots__ = (
-        "_failed_keys",
-        "_frames",
-        "_keys",
-        "_keys_in_flight",
-        "_message_ids",
-        "_todo",
-        "_unconfirmed",
-        "_unsettled",
-        "_waiting",
-        "deadline",
-        "outcomes",
-    )
+        "_failed_keys", "_frames", "_keys", "_keys_in_flight", "_message_ids", "_todo",
+        "_unconfirmed", "_unsettled", "_waiting", "deadline", "outcomes",
+    )  # fmt: skip
 
     def __init__(
         self, messages: Sequence[WireMessage], deadline: float, frames: _PublishFrames | None
