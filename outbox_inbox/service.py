@@ -205,18 +205,12 @@ class Service:
         `Retry` or `Reject` to choose what happens to the message; any other exception is
         retried by `retry` (or the service's policy). `options` are `HandlerOptions`.
 
-        With `batch`, the handler is called once for all the messages of this command in a
-        claimed batch, as ``handler(messages, session)`` (or ``handler(batch:
-        BatchContext)``), in the transaction that marks them all processed. If it raises,
-        the batch is rolled back and each message is run again alone, in a savepoint of its
-        own: a message's `Retry`, `Reject` or error is its own (docs/concepts.md).
-
+        With `batch`, the handler is called once for the messages of this command in a claimed
+        batch, as ``handler(messages, session)`` (or ``handler(batch: BatchContext)``); if it
+        raises, each message runs again alone (docs/concepts.md, "Handlers run in batches").
         `version`: the handler takes only messages of this payload version (the sender's
-        ``send(..., version=)``); None takes every version. A command may have one handler
-        per version; a message whose version no handler of this worker takes waits for a
-        worker that has one (docs/migrating.md).
+        ``send(..., version=)``); None takes every version (docs/migrating.md).
         """
-
         if command.split(".", 1)[0] == FAULT:
             raise ConfigurationError(
                 f"command {command!r}: commands named fault.… are faults; use on_fault"
