@@ -554,15 +554,14 @@ class Service:
         """Declare the topology, then run the roles in background threads of this process.
 
         Returns once every role has started. While PostgreSQL or RabbitMQ cannot be reached it
-        waits for them (one warning, then retries every ``reconnect_max`` seconds at most), or
-        returns without starting anything if `stop()` is called meanwhile. With `fail_fast`
-        (default: the ``fail_fast`` setting) it raises DatabaseUnavailable or
-        BrokerConnectionError at once instead. Configuration errors always raise at once:
-        SchemaMissing, TopologyMismatch, TopologyMissing (with ``declare=False``),
-        BrokerAccessRefused, a refused database login. `workers`: worker threads (default:
-        the ``worker_threads`` setting). The topology is declared when the receiver runs.
-        `run()` runs the workers in processes of their own instead (the ``processes``
-        setting); `start()` keeps them in this process, which embeds the service.
+        waits for them (docs/failures.md, "Startup and configuration"), or returns if `stop()`
+        is called meanwhile; with `fail_fast` (default: the ``fail_fast`` setting) it raises
+        DatabaseUnavailable or BrokerConnectionError at once instead. Configuration errors
+        always raise at once: SchemaMissing, TopologyMismatch, TopologyMissing (with
+        ``declare=False``), BrokerAccessRefused, a refused database login. `workers`: worker
+        threads (default: the ``worker_threads`` setting). The topology is declared when the
+        receiver runs. `run()` runs the workers in processes of their own instead (the
+        ``processes`` setting); `start()` keeps them in this process, which embeds the service.
         """
         if self._threads:
             raise ConfigurationError("service already started")
@@ -679,11 +678,9 @@ class Service:
         return (("webhooks", WebhookRole(service=self.name, engine=e, tables=t, settings=s).run),)
 
     def run_receiver(self, *, fail_fast: bool | None = None) -> None:
-        """Run only the receiver in this thread until SIGTERM or SIGINT (waits as `start()`).
-
-        Declares the topology (checks it with ``declare=False``) and records the
-        subscriptions first.
-        """
+        """Run only the receiver in this thread until SIGTERM or SIGINT (waits as `start()`),
+        after declaring the topology (checking it with ``declare=False``) and recording the
+        subscriptions."""
         self._run_role(self.receiver().run, topology=True, fail_fast=fail_fast)
 
     def run_worker(self, *, fail_fast: bool | None = None) -> None:
