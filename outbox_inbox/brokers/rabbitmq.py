@@ -131,11 +131,9 @@ class RabbitMQBroker:
         return ",".join(mask_url(u) for u in self._urls)
 
     def connect(self) -> pika.BlockingConnection:
-        """A new connection; raise BrokerConnectionError if the broker cannot be reached.
-
-        BrokerAccessRefused (a BrokerConnectionError) when it refuses the credentials or the
-        virtual host: waiting will not help.
-        """
+        """A new connection; raise BrokerConnectionError if the broker cannot be reached, and
+        BrokerAccessRefused (a BrokerConnectionError waiting will not cure) if it refuses the
+        credentials or the virtual host."""
         try:
             # Several nodes: pika tries them in order, each once, and keeps the first that
             # answers; every new connection starts again from the first.
