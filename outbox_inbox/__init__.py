@@ -97,16 +97,8 @@ _HOMES = {
             "TopologyMissing",
         ),
         ".faults": ("Fault",),
-        ".handlers": (
-            "AsyncBatchContext",
-            "AsyncHandlerContext",
-            "BatchContext",
-            "HandlerContext",
-        ),
-        ".listener": (
-            "Listener",
-            "Listeners",
-        ),
+        ".handlers": ("AsyncBatchContext", "AsyncHandlerContext", "BatchContext", "HandlerContext"),
+        ".listener": ("Listener", "Listeners"),
         ".messages": ("Message",),
         ".retry": ("RetryPolicy",),
         ".service": ("Service",),

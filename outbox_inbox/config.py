@@ -369,10 +369,8 @@ def duplicate_horizon(settings: Settings) -> dict[str, float]:
     copy can still arrive without an operator, by path: the receiver's delay tiers (a copy that
     could not be stored comes back after them), and the relay's retries (a row published but
     not marked is published again)."""
-    policy = settings.receive_retry
-    tiers = settings.delay_tiers
-    receive = 0.0
-    attempt = 1
+    policy, tiers = settings.receive_retry, settings.delay_tiers
+    receive, attempt = 0.0, 1
     while not policy.gives_up_after(attempt) and attempt < 10_000:
         wanted = min(policy.initial * policy.multiplier ** (attempt - 1), policy.max_interval)
         receive += next((t for t in tiers if t >= wanted), tiers[-1])

@@ -100,29 +100,18 @@ class Outbox:
     Raises `MessageError` for an invalid name, payload or header, `PayloadTooLarge` over the
     size limit, and `StorageError` if the database refuses the row.
 
-    `settings` gives the size limit (`max_payload_bytes`) and the claim check: with a
-    `payload_store`, a payload whose JSON is over `claim_check_bytes` (of its routing key in
-    `claim_check_types`; never over `max_payload_bytes`) is put there, before the row,
-    in the same transaction where the store can: the row carries a reference
-    (`claim_check`). StorageError when the store cannot be written: nothing falls back.
+    `settings` gives the size limit (`max_payload_bytes`) and the claim check (`payload_store`,
+    docs/concepts.md "Large payloads"): StorageError when the store cannot be written.
 
     With tracing on (`tracing`), each write is a ``create`` span, a child of the current span,
     whose W3C context the row's headers keep as ``traceparent`` / ``tracestate``.
 
-    `publish_async` and `send_async` are the same writes for asyncio code: awaited, in the
-    caller's `AsyncSession` or `AsyncConnection` (psycopg's async driver; its transaction begins
-    if it has not, as at any statement), with the same checks, the same row and the same
-    guarantees (docs/async-services.md). The sync methods refuse an AsyncSession: a write that
-    must be awaited is named so at the call site.
+    `publish_async` and `send_async` are the same writes, awaited in the caller's `AsyncSession`
+    or `AsyncConnection` (docs/async-services.md); the sync methods refuse those.
     """
 
     def __init__(
-        self,
-        service: str,
-        tables: Tables,
-        *,
-        settings: Settings,
-        tracing: Tracing | None = None,
+        self, service: str, tables: Tables, *, settings: Settings, tracing: Tracing | None = None
     ) -> None:
         self._service = validate_service_name(service)
         self._tables = tables

@@ -103,12 +103,7 @@ class Relay:
         if on_started:
             on_started()
         try:
-            loop.run(
-                stop,
-                lambda: self._relay_stream(stop),
-                recover=self._recover,
-                idle=self._idle,
-            )
+            loop.run(stop, lambda: self._relay_stream(stop), recover=self._recover, idle=self._idle)
         finally:
             self._drop_publisher()
 

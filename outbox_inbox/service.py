@@ -37,14 +37,7 @@ from .errors import (
     storage_error,
 )
 from .faults import FAULT, fault_routing_key
-from .handlers import (
-    AsyncHandler,
-    Handler,
-    HandlerKeywords,
-    HandlerOptions,
-    Handlers,
-    Subscription,
-)
+from .handlers import AsyncHandler, Handler, HandlerKeywords, HandlerOptions, Handlers, Subscription
 from .listener import Listener, forwarded, forwarding
 from .logsafe import mask_url
 from .messages import COMMAND, COMMANDS_EXCHANGE, EVENT, EVENTS_EXCHANGE
@@ -55,13 +48,7 @@ from .relay import Relay
 from .retry import RetryPolicy
 from .supervisor import WorkerProcesses, available_cpus
 from .tables import Tables
-from .topology import (
-    UNROUTABLE_QUEUE,
-    Topology,
-    command_routing_key,
-    inbox_queue,
-    service_topology,
-)
+from .topology import UNROUTABLE_QUEUE, Topology, command_routing_key, inbox_queue, service_topology
 from .tracing import Tracing
 from .waker import Waker, helpers_channel, notify_channel, psycopg_conninfo
 from .webhooks import WebhookRole
@@ -218,18 +205,12 @@ class Service:
         `Retry` or `Reject` to choose what happens to the message; any other exception is
         retried by `retry` (or the service's policy). `options` are `HandlerOptions`.
 
-        With `batch`, the handler is called once for all the messages of this command in a
-        claimed batch, as ``handler(messages, session)`` (or ``handler(batch:
-        BatchContext)``), in the transaction that marks them all processed. If it raises,
-        the batch is rolled back and each message is run again alone, in a savepoint of its
-        own: a message's `Retry`, `Reject` or error is its own (docs/concepts.md).
-
+        With `batch`, the handler is called once for the messages of this command in a claimed
+        batch, as ``handler(messages, session)`` (or ``handler(batch: BatchContext)``); if it
+        raises, each message runs again alone (docs/concepts.md, "Handlers run in batches").
         `version`: the handler takes only messages of this payload version (the sender's
-        ``send(..., version=)``); None takes every version. A command may have one handler
-        per version; a message whose version no handler of this worker takes waits for a
-        worker that has one (docs/migrating.md).
+        ``send(..., version=)``); None takes every version (docs/migrating.md).
         """
-
         if command.split(".", 1)[0] == FAULT:
             raise ConfigurationError(
                 f"command {command!r}: commands named fault.… are faults; use on_fault"
@@ -573,15 +554,14 @@ class Service:
         """Declare the topology, then run the roles in background threads of this process.
 
         Returns once every role has started. While PostgreSQL or RabbitMQ cannot be reached it
-        waits for them (one warning, then retries every ``reconnect_max`` seconds at most), or
-        returns without starting anything if `stop()` is called meanwhile. With `fail_fast`
-        (default: the ``fail_fast`` setting) it raises DatabaseUnavailable or
-        BrokerConnectionError at once instead. Configuration errors always raise at once:
-        SchemaMissing, TopologyMismatch, TopologyMissing (with ``declare=False``),
-        BrokerAccessRefused, a refused database login. `workers`: worker threads (default:
-        the ``worker_threads`` setting). The topology is declared when the receiver runs.
-        `run()` runs the workers in processes of their own instead (the ``processes``
-        setting); `start()` keeps them in this process, which embeds the service.
+        waits for them (docs/failures.md, "Startup and configuration"), or returns if `stop()`
+        is called meanwhile; with `fail_fast` (default: the ``fail_fast`` setting) it raises
+        DatabaseUnavailable or BrokerConnectionError at once instead. Configuration errors
+        always raise at once: SchemaMissing, TopologyMismatch, TopologyMissing (with
+        ``declare=False``), BrokerAccessRefused, a refused database login. `workers`: worker
+        threads (default: the ``worker_threads`` setting). The topology is declared when the
+        receiver runs. `run()` runs the workers in processes of their own instead (the
+        ``processes`` setting); `start()` keeps them in this process, which embeds the service.
         """
         if self._threads:
             raise ConfigurationError("service already started")
@@ -698,11 +678,9 @@ class Service:
         return (("webhooks", WebhookRole(service=self.name, engine=e, tables=t, settings=s).run),)
 
     def run_receiver(self, *, fail_fast: bool | None = None) -> None:
-        """Run only the receiver in this thread until SIGTERM or SIGINT (waits as `start()`).
-
-        Declares the topology (checks it with ``declare=False``) and records the
-        subscriptions first.
-        """
+        """Run only the receiver in this thread until SIGTERM or SIGINT (waits as `start()`),
+        after declaring the topology (checking it with ``declare=False``) and recording the
+        subscriptions."""
         self._run_role(self.receiver().run, topology=True, fail_fast=fail_fast)
 
     def run_worker(self, *, fail_fast: bool | None = None) -> None:

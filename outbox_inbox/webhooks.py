@@ -1,12 +1,7 @@
 """Webhooks out: events delivered to HTTP endpoints, signed as Standard Webhooks 1.0 says.
 
 Each event an endpoint's patterns match gets a delivery row of its own in the outbox (exchange
-``webhook:<name>``), written by `Outbox.publish` (`outbox.delivery_rows`) in the business
-transaction: a rolled-back event has none, a committed one cannot be missed, and one
-endpoint's failures never send the event again to another. The `WebhookRole` claims a due
-row with a lease, commits, POSTs it and marks it: delivered on a 2xx; else due again after
-the next step of `webhook_schedule`; dead (``exhausted``) after the last one, or at once on a
-410 (``gone``), with a fault event ``<service>.webhook.exhausted``. docs/concepts.md.
+``webhook:<name>``, `outbox.delivery_rows`), which the `WebhookRole` POSTs (docs/concepts.md).
 """
 
 from __future__ import annotations
@@ -49,13 +44,8 @@ _SECRET = re.compile(r"whsec_(?:[A-Za-z0-9+/]{4})+(?:[A-Za-z0-9+/]{2}==|[A-Za-z0
 
 @dataclass(frozen=True, kw_only=True)
 class Webhook:
-    """An HTTP endpoint subscribed to events (the `webhooks` setting).
-
-    `name` (lower-case letters, digits, _ and -) keys its deliveries; `url` (http or https)
-    is never logged; `patterns` are topic patterns of routing keys (``orders.order.*``);
-    `secrets` (``whsec_<base64>``, one or more during a rotation) sign each request, one
-    signature each; at most `max_in_flight` requests to it are under way per running role.
-    """
+    """An HTTP endpoint subscribed to events (the `webhooks` setting; its fields:
+    docs/configuration.md, "Webhooks"). `url` and `secrets` are never logged."""
 
     name: str
     url: str = field(repr=False)
@@ -123,9 +113,7 @@ def post(hook: Webhook, row: Mapping[Any, Any], timeout: float) -> int | str:
 
 class WebhookRole:
     """Delivers the webhook rows of a service: `max_in_flight` threads per endpoint, each
-    sending one request at a time, so a slow or failing endpoint holds only its own threads
-    (and never the relay). At-least-once: a crash between a POST and its mark sends the row
-    again once its lease ends; receivers dedupe on ``webhook-id``."""
+    sending one request at a time. At least once: receivers dedupe on ``webhook-id``."""
 
     def __init__(self, *, service: str, engine: Engine, tables: Tables, settings: Settings) -> None:
         self._service, self._engine, self._tables = service, engine, tables

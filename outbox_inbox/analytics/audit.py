@@ -20,14 +20,7 @@ from functools import reduce
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..archive import (
-    COLUMNS,
-    INBOX,
-    OUTBOX,
-    SUBSCRIPTIONS,
-    subscription_record,
-    to_records,
-)
+from ..archive import COLUMNS, INBOX, OUTBOX, SUBSCRIPTIONS, subscription_record, to_records
 from ..errors import ConfigurationError, OutboxInboxError
 from ..messages import EVENTS_EXCHANGE
 from ..tables import WEBHOOK

@@ -41,12 +41,8 @@ log = logging.getLogger(__name__)
 class _AtDebug(logging.Filter):
     """Log pika's own lines of a logger at DEBUG: all of them, or those of format `only`.
 
-    pika logs several ERROR lines and a traceback for every connection attempt that fails; the
-    roles retry with backoff and report an outage themselves (one warning when it starts, one
-    line when it ends), so pika's lines only repeat it. Its line on a ``connection.blocked`` (a
-    WARNING) or ``connection.unblocked`` frame repeats `FlowControl`, which logs each blocking
-    once, with the broker's reason, and its end with how long it lasted. Nothing else of pika's
-    is changed.
+    They repeat what the roles report themselves: an outage (pika logs ERROR lines and a
+    traceback per failed connection attempt), and a blocking (`FlowControl` logs it once).
     """
 
     def __init__(self, only: str | None = None) -> None:
@@ -80,15 +76,9 @@ _REFUSALS: tuple[type[BaseException], ...] = (
 )
 
 
-#: TCP keepalive of every connection (idle, interval, count, in seconds), and how long
-#: unacknowledged sent data may wait (ms): a dead link is noticed even while a role only
-#: sends.
-_TCP_OPTIONS = {
-    "TCP_KEEPIDLE": 10,
-    "TCP_KEEPINTVL": 5,
-    "TCP_KEEPCNT": 3,
-    "TCP_USER_TIMEOUT": 30_000,
-}
+#: TCP keepalive of every connection (idle, interval, count, in seconds), and how long unacked
+#: sent data may wait (ms): a dead link is noticed even while a role only sends.
+_TCP_OPTIONS = dict(TCP_KEEPIDLE=10, TCP_KEEPINTVL=5, TCP_KEEPCNT=3, TCP_USER_TIMEOUT=30_000)
 
 
 class RabbitMQBroker:
@@ -141,11 +131,9 @@ class RabbitMQBroker:
         return ",".join(mask_url(u) for u in self._urls)
 
     def connect(self) -> pika.BlockingConnection:
-        """A new connection; raise BrokerConnectionError if the broker cannot be reached.
-
-        BrokerAccessRefused (a BrokerConnectionError) when it refuses the credentials or the
-        virtual host: waiting will not help.
-        """
+        """A new connection; raise BrokerConnectionError if the broker cannot be reached, and
+        BrokerAccessRefused (a BrokerConnectionError waiting will not cure) if it refuses the
+        credentials or the virtual host."""
         try:
             # Several nodes: pika tries them in order, each once, and keeps the first that
             # answers; every new connection starts again from the first.
@@ -379,18 +367,9 @@ class PublishingBatch:
     """
 
     __slots__ = (
-        "_failed_keys",
-        "_frames",
-        "_keys",
-        "_keys_in_flight",
-        "_message_ids",
-        "_todo",
-        "_unconfirmed",
-        "_unsettled",
-        "_waiting",
-        "deadline",
-        "outcomes",
-    )
+        "_failed_keys", "_frames", "_keys", "_keys_in_flight", "_message_ids", "_todo",
+        "_unconfirmed", "_unsettled", "_waiting", "deadline", "outcomes",
+    )  # fmt: skip
 
     def __init__(
         self, messages: Sequence[WireMessage], deadline: float, frames: _PublishFrames | None
@@ -877,11 +856,7 @@ class RabbitMQConsumer:
             raise BrokerConnectionError(f"ack failed: {exc!r}") from exc
 
     def forward(
-        self,
-        delivery: Delivery,
-        exchange: str,
-        routing_key: str,
-        headers: Mapping[str, Any],
+        self, delivery: Delivery, exchange: str, routing_key: str, headers: Mapping[str, Any]
     ) -> None:
         message = delivery.message
         # The properties frame must fit in one frame: 12 bytes of it are not properties.

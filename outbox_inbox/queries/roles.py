@@ -974,11 +974,7 @@ def _among(
 
 
 def lock_claimed(
-    conn: Connection,
-    tables: Tables,
-    ids: Sequence[int],
-    worker: str,
-    since: datetime | None = None,
+    conn: Connection, tables: Tables, ids: Sequence[int], worker: str, since: datetime | None = None
 ) -> set[int]:
     """Row-lock the claimed rows that are still leased to `worker` and pending.
 
@@ -1090,12 +1086,7 @@ def mark_dead(
 
 
 def release_claims(
-    conn: Connection,
-    tables: Tables,
-    ids: Sequence[int],
-    worker: str,
-    *,
-    away: bool = False,
+    conn: Connection, tables: Tables, ids: Sequence[int], worker: str, *, away: bool = False
 ) -> None:
     """Give back claims this worker will not run, uncounted: it is stopping, or (`away`) it
     has no handler for them.
