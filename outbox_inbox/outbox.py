@@ -55,7 +55,7 @@ def _check_name(value: str, what: str) -> str:
 
 class WriteKeywords(TypedDict, total=False):
     """The keywords of `Outbox.publish` and `send` and their async twins: the fields of
-    `WriteOptions` (for type checkers; tests/unit/test_outbox_options.py holds them equal)."""
+    `WriteOptions` (for type checkers; tests/unit/test_options.py holds them equal)."""
 
     key: str | None
     tenant: str | None
