@@ -850,16 +850,18 @@ def _cap_of(tables: Tables, routing_key: Any, caps: tuple[_Cap, ...], *, livenes
     rows = select(leased.c.routing_key).where(*mine, leased.c.locked_until.is_not(None))
     rows = rows.where(~_free(leased, liveness=liveness)).correlate_except(leased)
     in_flight = select(func.count()).select_from(rows.subquery("found")).scalar_subquery()
-    now_ms = db_age(literal(datetime(1970, 1, 1, tzinfo=UTC), DateTime(timezone=True))) * 1000
+    # Constants in the text, not parameters: a parameter here kept the server planning the
+    # prepared claim anew at each execution (custom plans), 0.4 ms a claim.
+    now_ms = db_age(literal_column("'1970-01-01 00:00:00+00:00'")) * 1000
     # Counted in the branch of a capped type only: an uncapped one costs nothing.
     left = []
     for key, n, rate in caps:
         places = None if n is None else (literal(n) - in_flight + 1) // 2
         if rate is not None:
-            seen = rc.c.bucket > now_ms - literal(rate[1] * 1000 + _tenth_ms(rate[1]))
+            seen = rc.c.bucket > now_ms - _inline(rate[1] * 1000 + _tenth_ms(rate[1]))
             claimed = select(func.coalesce(func.sum(rc.c.claimed), 0))
             claimed = claimed.where(rc.c.routing_key == routing_key, seen)
-            more = literal(rate[0]) - claimed.scalar_subquery()
+            more = _inline(rate[0]) - claimed.scalar_subquery()
             places = more if places is None else case((more < places, more), else_=places)
         left.append((routing_key == key, places))
     return case(*left, else_=None)
