@@ -265,9 +265,9 @@ def service_status(entry: Shown, charts: Safe) -> Safe:
     if outbox.get("webhooks"):
         parts.append(html("<h2>Webhook endpoints</h2>"))
         hooks = outbox["webhooks"]
-        cells = ([w[f] if w[f] is not None else "" for f in WEBHOOK_FIELDS] for w in hooks)
+        fields = ([w[f] if w[f] is not None else "" for f in WEBHOOK_FIELDS] for w in hooks)
         headers = ["endpoint", "waiting", "failing", "dead", "last error"]
-        parts.append(table(headers, (row(c, {1, 2, 3}) for c in cells)))
+        parts.append(table(headers, (row(c, {1, 2, 3}) for c in fields)))
     held = status["held_keys"]
     parts.append(html("<h2>Held-back keys: {}</h2>", held["count"]))
     if held["keys"]:
