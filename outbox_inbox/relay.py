@@ -578,8 +578,11 @@ class Relay:
     def _ensure_publisher(self) -> Publisher:
         if self._publisher is None or self._publisher.broken:
             self._drop_publisher()
-            self._probe_limit()
             self._publisher = self._broker.publisher()
+            if getattr(self._publisher, "fresh", False):  # a pool's new connection, maybe to a
+                self._limit_probed = False  # broker restarted with another limit: asked again
+                setattr(self._publisher, "fresh", False)  # noqa: B010 - not every Publisher
+            self._probe_limit()
         return self._publisher
 
     def _drop_publisher(self) -> None:

@@ -466,6 +466,7 @@ class RabbitMQPublisher:
         self._connection = connection
         self._pool = pool  # the pool it belongs to, if any
         self._lent = False  # lent to a thread by the pool, until closed
+        self.fresh = True  # a connection no caller has used yet (the relay asks the limit)
         self._broken = False
         self._refusal: Refusal | None = None
         self._confirms: deque[tuple[int, bool, bool]] = deque()  # (tag, multiple, ack)
