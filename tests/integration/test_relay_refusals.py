@@ -218,5 +218,6 @@ def test_rows_for_a_missing_exchange_wait_without_dying_while_commands_flow(
         "retrying": 0,
         "oldest_age_seconds": None,
         "dead": 0,
+        "webhooks": [],
     }
     svc.close()
