@@ -282,18 +282,25 @@ def claim_webhooks(
 ) -> list[RowMapping]:
     """Take the `limit` delivery rows of one webhook endpoint (`exchange`) due the longest for
     `lease` seconds, returned in id order; the caller commits before it sends them."""
+    params = {"endpoint": exchange, "limit": limit, "lease": lease}
+    rows = conn.execute(_claim_webhooks_statement(tables), params).mappings()
+    return sorted(rows, key=lambda row: row["id"])
+
+
+@cache
+def _claim_webhooks_statement(tables: Tables) -> Any:
+    """`claim_webhooks`'s statement, built once: the role runs it at every step."""
     o = tables.outbox
     due = (
         select(o.c.id)
-        .where(outbox_unsent(o), outbox_webhook(o), o.c.exchange == exchange)
-        .where(o.c.available_at <= db_now())
+        .where(outbox_unsent(o), outbox_webhook(o), o.c.available_at <= db_now())
+        .where(o.c.exchange == bindparam("endpoint", type_=String))
         .order_by(o.c.available_at, o.c.id)
-        .limit(limit)
+        .limit(bindparam("limit", type_=Integer, literal_execute=True))
         .with_for_update(skip_locked=True)
     )
     taken = update(o).where(o.c.id.in_(due.scalar_subquery()))
-    stmt = taken.values(available_at=db_now_plus(timedelta(seconds=lease))).returning(*o.c)
-    return sorted(conn.execute(stmt).mappings(), key=lambda row: row["id"])
+    return taken.values(available_at=db_now_plus(bindparam("lease", type_=Float))).returning(*o.c)
 
 
 def release_webhooks(conn: Connection, tables: Tables, ids: Sequence[int]) -> None:
