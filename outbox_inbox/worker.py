@@ -483,11 +483,20 @@ class Worker:
         handled: list[Message] = []
         processed: list[int] = []
         unrun: list[int] = []
+        # A batch whose rows all run, sized by the handlers' time (`_claim`): marked before
+        # they run, which row-locks them (no lock statement; a failing handler rolls the mark
+        # back), and a stop lets it finish.
+        first = not (one_by_one or batch.dead or batch.away) and self._per_message is not None
         with conn.begin():
             ids = [j.id for j in batch.jobs]
-            mine = roles.lock_claimed(conn, self._tables, ids, self.claimant, batch.since)
+            if first:
+                mine = roles.mark_processed(
+                    conn, self._tables, ids, batch.since, claimant=self.claimant
+                )
+            else:
+                mine = roles.lock_claimed(conn, self._tables, ids, self.claimant, batch.since)
             self._mark_dead_rows(conn, batch, mine)
-            jobs = self._to_run(batch.run, mine, unrun)
+            jobs = self._to_run(batch.run, mine, None if first else unrun)
             if one_by_one:
                 for job in batch.settled:  # processed already: run once, not marked
                     if self._handle_alone(conn, job):
@@ -511,20 +520,21 @@ class Worker:
                     session.close()
                 if processed:
                     self._per_message = (time.perf_counter() - started) / len(processed)
-            roles.mark_processed(conn, self._tables, processed, batch.since)
+            if not first:
+                roles.mark_processed(conn, self._tables, processed, batch.since)
             roles.release_claims(conn, self._tables, unrun, self.claimant)
             claimed = self._claim(conn) if claim_next and not self._stop.is_set() else []
         if claim_next:
             self._next = claimed  # once committed
         return handled
 
-    def _to_run(self, jobs: list[_Job], mine: set[int], unrun: list[int]) -> Iterator[_Job]:
+    def _to_run(self, jobs: list[_Job], mine: set[int], unrun: list[int] | None) -> Iterator[_Job]:
         """The rows still leased here (`mine`), one at a time, until the worker is stopping:
-        the rest go to `unrun`."""
+        the rest go to `unrun` (None: marked already, every one runs)."""
         for job in jobs:
             if job.id not in mine:
                 continue  # lease lost to another worker in the meantime
-            if self._stop.is_set():
+            if unrun is not None and self._stop.is_set():
                 unrun.append(job.id)
                 continue
             yield job

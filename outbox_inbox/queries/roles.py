@@ -1024,21 +1024,35 @@ def _received_since(i: Any, postgres: bool) -> list[ColumnElement[bool]]:
 
 
 def mark_processed(
-    conn: Connection, tables: Tables, ids: Sequence[int], since: datetime | None = None
-) -> None:
-    """Mark rows processed and release their lease. `since`: no row of `ids` was received
-    before it."""
-    if ids:
-        stmt = _mark_processed_statement(tables, conn.dialect.name == "postgresql")
-        conn.execute(stmt, {"ids": list(ids), "since": since or _LONG_AGO})
+    conn: Connection,
+    tables: Tables,
+    ids: Sequence[int],
+    since: datetime | None = None,
+    *,
+    claimant: str | None = None,
+) -> set[int]:
+    """Mark rows processed and release their lease; return the ids marked. `since`: no row
+    of `ids` was received before it. `claimant`: only the rows still leased to it and
+    pending, which the mark row-locks until the transaction ends (the worker marks a batch
+    before its handlers run, in their transaction: one statement, not a lock and a mark)."""
+    if not ids:
+        return set()
+    stmt = _mark_processed_statement(
+        tables, conn.dialect.name == "postgresql", claimant is not None
+    )
+    params = {"ids": list(ids), "since": since or _LONG_AGO}
+    if claimant is not None:
+        params["claimant"] = claimant
+    return set(conn.execute(stmt, params).scalars().all())
 
 
 @cache
-def _mark_processed_statement(tables: Tables, postgres: bool) -> Any:
+def _mark_processed_statement(tables: Tables, postgres: bool, leased: bool) -> Any:
     i = tables.inbox
+    held = [i.c.locked_by == bindparam("claimant", type_=String), i.c.status == _inline(PENDING)]
     return (
         update(i)
-        .where(_among(i.c.id, postgres), *_received_since(i, postgres))
+        .where(_among(i.c.id, postgres), *_received_since(i, postgres), *(held if leased else ()))
         .values(
             status=PROCESSED,
             processed_at=db_now(),
@@ -1047,6 +1061,7 @@ def _mark_processed_statement(tables: Tables, postgres: bool) -> Any:
             locked_by=None,
             last_error=None,
         )
+        .returning(i.c.id)
     )
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import pika
 import pytest
-from sqlalchemy import Connection, create_engine, text
+from sqlalchemy import Connection, create_engine, event, text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.pool import NullPool
 
@@ -145,7 +145,11 @@ def _backend_gone(db_url: str, pid: int) -> bool:
 # --- the effect and the mark commit together ---------------------------------------------------
 
 
-def _check_refused_mark_rolls_back_the_effect(db_url: str, mq_url: str, trigger: str) -> None:
+def _check_refused_mark_rolls_back_the_effect(
+    db_url: str, mq_url: str, trigger: str, timed: bool
+) -> None:
+    """`timed`: the worker handled a batch before, so it marks the next one before running
+    its handlers (`Worker._run_batch`); else it marks after them."""
     calls: list[str] = []
 
     def handle(message: Message, session: Any) -> None:
@@ -153,18 +157,24 @@ def _check_refused_mark_rolls_back_the_effect(db_url: str, mq_url: str, trigger:
         _effect(session, message)
 
     billing = _billing(db_url, mq_url, handle)
-    message_ids = _store(billing, mq_url, 3)
-    with billing.engine.begin() as conn:
-        conn.execute(text(REFUSE_PROCESSED))
-        conn.execute(text(trigger))
-
     worker = billing.worker()
     with _connected(worker) as conn, contextlib.suppress(SQLAlchemyError):
+        if timed:
+            done = _store(billing, mq_url, 2)
+            _work_until_done(worker, conn, db_url, timeout=15)
+            calls.clear()
+        message_ids = _store(billing, mq_url, 3)
+        with billing.engine.begin() as setup:
+            setup.execute(text(REFUSE_PROCESSED))
+            setup.execute(text(trigger))
         worker.work_once(conn)  # may raise the database's refusal, or deal with it itself
     # Every handler ran, and its effect went with the refused mark.
     assert sorted(set(calls)) == sorted(message_ids)
-    assert _effects(db_url) == []
-    assert rows(db_url, f"SELECT DISTINCT status FROM {INBOX}") == [("pending",)]
+    assert _effects(db_url) == (sorted(done) if timed else [])
+    pending = rows(db_url, f"SELECT message_id::text FROM {INBOX} WHERE status = 'pending'")
+    assert sorted(m for (m,) in pending) == sorted(message_ids)
+    if timed:
+        message_ids += done
 
     with billing.engine.begin() as conn:
         conn.execute(text(f"DROP TRIGGER refuse_processed ON {INBOX}"))
@@ -178,16 +188,87 @@ def _check_refused_mark_rolls_back_the_effect(db_url: str, mq_url: str, trigger:
     billing.close()
 
 
+@pytest.mark.parametrize("timed", [False, True], ids=["first-batch", "marked-first"])
 def test_a_mark_that_fails_at_commit_after_the_handler_ran_rolls_back_the_effect(
-    db_url: str, mq_url: str
+    db_url: str, mq_url: str, timed: bool
 ) -> None:
-    _check_refused_mark_rolls_back_the_effect(db_url, mq_url, AT_COMMIT)
+    _check_refused_mark_rolls_back_the_effect(db_url, mq_url, AT_COMMIT, timed)
 
 
+@pytest.mark.parametrize("timed", [False, True], ids=["first-batch", "marked-first"])
 def test_a_mark_that_fails_in_its_statement_after_the_handler_ran_rolls_back_the_effect(
+    db_url: str, mq_url: str, timed: bool
+) -> None:
+    _check_refused_mark_rolls_back_the_effect(db_url, mq_url, AT_ONCE, timed)
+
+
+def test_a_batch_marked_before_its_handlers_run_takes_back_the_marks_of_a_failed_handler(
     db_url: str, mq_url: str
 ) -> None:
-    _check_refused_mark_rolls_back_the_effect(db_url, mq_url, AT_ONCE)
+    """Once the worker has timed its handlers it marks a batch processed before they run, in
+    their transaction, with no lock statement: a handler that raises takes the marks back
+    with the effects, the batch runs again one message at a time (locked first), and only the
+    failed message waits for its retry."""
+    failing: set[str] = set()
+
+    def handle(message: Message, session: Any) -> None:
+        if str(message.message_id) in failing:
+            raise RuntimeError("refused by the test")
+        _effect(session, message)
+
+    billing = _billing(db_url, mq_url, handle, worker_batch_size=10)
+    statements: list[str] = []
+    worker = billing.worker()
+    with _connected(worker) as conn:
+        first = _store(billing, mq_url, 3)
+        _work_until_done(worker, conn, db_url, timeout=15)
+        batch = _store(billing, mq_url, 5)
+        failing.add(batch[1])
+
+        def seen(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+            statements.append(statement)
+
+        event.listen(billing.engine, "before_cursor_execute", seen)
+        worker.work_once(conn)
+        event.remove(billing.engine, "before_cursor_execute", seen)
+    locks = [s for s in statements if s.startswith("SELECT") and s.endswith("FOR UPDATE")]
+    assert len(locks) == 1, "the batch's first run locked its rows with a statement of its own"
+    assert _effects(db_url) == sorted(first + [m for m in batch if m != batch[1]])
+    states = rows(db_url, f"SELECT message_id::text, status, finished FROM {INBOX}")
+    assert {m: (st, f) for m, st, f in states if m in batch} == {
+        m: ("pending", 1) if m == batch[1] else ("processed", 1) for m in batch
+    }
+    billing.close()
+
+
+def test_a_stop_during_a_batch_marked_before_its_handlers_run_lets_the_batch_finish(
+    db_url: str, mq_url: str
+) -> None:
+    """The rows of a batch marked processed before its handlers run all run, even when the
+    worker is asked to stop in its middle: none is left marked without its effect."""
+    stop = threading.Event()
+    batch: list[str] = []
+
+    def handle(message: Message, session: Any) -> None:
+        _effect(session, message)
+        if str(message.message_id) in batch[1:2]:
+            stop.set()
+
+    billing = _billing(db_url, mq_url, handle, worker_batch_size=10)
+    worker = billing.worker()
+    first = _store(billing, mq_url, 3)
+    warm = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(warm,))
+    thread.start()
+    wait_until(lambda: len(_effects(db_url)) == 3, timeout=15, what="the first batch")
+    warm.set()
+    thread.join(timeout=15)
+    batch += _store(billing, mq_url, 5)
+    worker.run(stop)  # returns once stopped
+    assert _effects(db_url) == sorted(first + batch)
+    assert _states(db_url) == [("processed", 1, 1, 8)]
+    assert scalar(db_url, f"SELECT count(*) FROM {INBOX} WHERE locked_by IS NOT NULL") == 0
+    billing.close()
 
 
 # --- who may claim what -------------------------------------------------------------------------
