@@ -8,12 +8,12 @@ import time
 from datetime import timedelta
 
 from sqlalchemy import Connection
-from sqlalchemy.engine import RowMapping
 from sqlalchemy.exc import SQLAlchemyError
 
 from .config import Settings
 from .handlers import Handlers, handled_by
 from .queries import roles
+from .queries.roles import Claimed
 from .tables import Tables
 
 log = logging.getLogger(__name__)
@@ -63,8 +63,8 @@ class Instances:
         self._advertised_at = -float("inf")
 
     def leave(
-        self, conn: Connection, rows: list[RowMapping], claimant: str
-    ) -> list[tuple[RowMapping, str]]:
+        self, conn: Connection, rows: list[Claimed], claimant: str
+    ) -> list[tuple[Claimed, str]]:
         """Decide the claimed `rows` no handler of this worker takes, in the batch's
         transaction; return those to be dead (``no_handler``), each with its error. A row a
         live instance has a handler for is given back uncounted and still pending, its key's
@@ -74,7 +74,7 @@ class Instances:
         grace, service = timedelta(seconds=self._grace), self._service
         live = [] if service is None else roles.live_instances(conn, self._tables, service, grace)
         left: list[int] = []
-        dead: list[tuple[RowMapping, str]] = []
+        dead: list[tuple[Claimed, str]] = []
         for row in rows:
             kind, key, version = row["kind"], row["routing_key"], row["version"]
             others = [i["instance"] for i in live if handled_by(i["handlers"], kind, key, version)]

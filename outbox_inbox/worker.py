@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import psycopg
 from sqlalchemy import Connection, Engine, create_engine, event
-from sqlalchemy.engine import RowMapping, make_url
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
@@ -35,6 +35,7 @@ from .listener import Listener, call
 from .messages import Message, message_from_row
 from .outbox import Outbox
 from .queries import roles
+from .queries.roles import Claimed
 from .retry import Dead, Later
 from .role_loop import DRIVER_OUTAGES, RoleLoop
 from .tables import Tables
@@ -79,7 +80,7 @@ class _Job(NamedTuple):
     it, looked up once."""
 
     id: int
-    row: RowMapping
+    row: Claimed
     message: Message
     handlers: Found
 
@@ -167,7 +168,7 @@ class Worker:
         #: This worker's handlers in the instances table of `service` (rolling deploys).
         self._instances = Instances(tables, handlers, settings, service, self.name)
         #: Rows the last batch's transaction claimed for the next batch (see `_run_batch`).
-        self._next: list[RowMapping] = []
+        self._next: list[Claimed] = []
         #: The routing key and tenant of the last row claimed (`roles.claim_inbox`'s `after`).
         self._served: tuple[str, str] | None = None
         #: Seconds the handlers took per message in the last batch (`_claim`); None before one.
@@ -330,7 +331,7 @@ class Worker:
         self._work(conn, rows, claim_next=full or not helping)
         return s.worker_batch_size if full else len(rows)
 
-    def _claim(self, conn: Connection, *, flush_wait: bool = True) -> list[RowMapping]:
+    def _claim(self, conn: Connection, *, flush_wait: bool = True) -> list[Claimed]:
         s = self._settings
         lease = timedelta(seconds=s.lease)
         limit = s.worker_batch_size
@@ -386,7 +387,7 @@ class Worker:
         """Delete this worker's row of the instances table (`Instances.retire`): it stops."""
         self._instances.retire(conn)
 
-    def _work(self, conn: Connection, rows: list[RowMapping], *, claim_next: bool) -> None:
+    def _work(self, conn: Connection, rows: list[Claimed], *, claim_next: bool) -> None:
         """Handle claimed rows: all in one transaction, or one savepoint each on a failure;
         `claim_next`: the batch's transaction also claims the next batch (`_run_batch`)."""
         batch = self._plan(rows)
@@ -418,7 +419,7 @@ class Worker:
             for reason, count in Counter(batch.marked).items():
                 call(self._listener, "dead", reason, count)
 
-    def _plan(self, rows: list[RowMapping]) -> _Batch:
+    def _plan(self, rows: list[Claimed]) -> _Batch:
         """Decide, from the claimed rows alone, which run and which end dead without running."""
         batch = _Batch()
         for row in rows:

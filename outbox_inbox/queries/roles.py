@@ -566,6 +566,10 @@ def count_deliveries(
 _CLAIMED = ("id", *RECEIVED_COLUMNS, "received_at", "attempts", "finished")
 
 
+#: A claimed inbox row: its `_CLAIMED` columns and ``claimed_at`` by name.
+Claimed = dict[str, Any]
+
+
 def claim_inbox(
     conn: Connection,
     tables: Tables,
@@ -580,7 +584,7 @@ def claim_inbox(
     weights: Mapping[str, int] | None = None,
     tenant_weights: Mapping[str, int] | None = None,
     flush_wait: bool = True,
-) -> list[RowMapping]:
+) -> list[Claimed]:
     """Lease up to `limit` due pending rows to `worker`; count the claim in `attempts`.
 
     Highest priority first. Within a priority, `fair` serves the groups (routing key and
@@ -633,7 +637,9 @@ def claim_inbox(
             params["after"], params["after_tenant"] = after or ("", "")
     else:
         stmt = _claim_statement(tables, postgres)
-    rows = list(conn.execute(stmt, params).mappings().all())  # one fetchall, not row by row
+    result = conn.execute(stmt, params)
+    names = tuple(result.keys())  # plain dicts: the worker reads each row's columns many times
+    rows = [dict(zip(names, row, strict=True)) for row in result.all()]
     rows.sort(key=lambda r: (-r["priority"], r["id"]))
     rated = Counter(row["routing_key"] for row in rows if row["routing_key"] in rates)
     for key, n in sorted(rated.items()):
@@ -674,11 +680,11 @@ def _tenth_ms(seconds: float) -> int:
 
 
 def served_order(
-    rows: list[RowMapping],
+    rows: list[Claimed],
     after: tuple[str, str],
     weights: Mapping[str, int] | None = None,
     tenant_weights: Mapping[str, int] | None = None,
-) -> list[RowMapping]:
+) -> list[Claimed]:
     """`rows` (by priority, then id) in the order a fair claim with `after` and the weights
     served them: by priority, then in rounds (each group's first `weight` rows, then its
     next…), in a round the groups (routing key, tenant) after `after` first, then arrival."""
