@@ -9,10 +9,9 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from sqlalchemy import Connection, Engine, RootTransaction
-from sqlalchemy.engine import RowMapping
 from sqlalchemy.exc import SQLAlchemyError
 
 from .broker import Broker, Publisher, PublishOutcome, Refusal
@@ -22,6 +21,7 @@ from .fingerprint import refusal_fingerprint
 from .listener import Listener, call
 from .messages import COMMAND, OutgoingMessage, WireMessage, from_row, to_wire
 from .queries import roles
+from .queries.roles import Claimed
 from .role_loop import RoleLoop
 from .tables import Tables
 from .tracing import Tracing, record_sends
@@ -38,7 +38,7 @@ _UNKNOWN_REFUSAL = Refusal(0, "the broker closed the channel")
 REFUSED_REASON = "refused"
 
 
-def outgoing(row: RowMapping, source: str) -> OutgoingMessage:
+def outgoing(row: Mapping[Any, Any], source: str) -> OutgoingMessage:
     """The message an outbox row carries."""
     return from_row(OutgoingMessage, row, source=source, attempt=row["attempts"] + 1)
 
@@ -269,7 +269,7 @@ class Relay:
             batch.conn.close()
         self._committed(published, batch.messages)
 
-    def _claim(self, conn: Connection) -> tuple[list[RowMapping], int]:
+    def _claim(self, conn: Connection) -> tuple[list[Claimed], int]:
         """The rows to publish now, and how many rows the claim took (expired ones included).
 
         Rows whose time to live ran out are marked expired instead. The claim's row locks are
@@ -382,10 +382,10 @@ class Relay:
     def _without_oversized(
         self,
         conn: Connection,
-        rows: list[RowMapping],
+        rows: list[Claimed],
         wires: list[WireMessage],
         messages: list[OutgoingMessage],
-    ) -> tuple[list[RowMapping], list[WireMessage], list[OutgoingMessage]]:
+    ) -> tuple[list[Claimed], list[WireMessage], list[OutgoingMessage]]:
         """Take the messages larger than the broker accepts out of a batch, marked refused.
 
         Only once the broker's limit is known (`_learn_limit`). The later messages of a key
@@ -550,7 +550,7 @@ class Relay:
             done = set(published)
             call(self._listener, "relay_committed", [m for m in messages if m.id in done])
 
-    def _key_prefixes(self, conn: Connection, rows: list[RowMapping]) -> list[RowMapping]:
+    def _key_prefixes(self, conn: Connection, rows: list[Claimed]) -> list[Claimed]:
         """Drop the claimed rows of any key whose earliest unsent row this claim does not hold.
 
         See `roles.claim_outbox`: the rows of a key are published only from the first one on;
@@ -640,7 +640,7 @@ class _Marking:
     attempts: list[int]
 
     @classmethod
-    def of(cls, rows: Sequence[RowMapping]) -> _Marking:
+    def of(cls, rows: Sequence[Claimed]) -> _Marking:
         return cls(
             [row["id"] for row in rows],
             [row["kind"] for row in rows],
@@ -667,7 +667,7 @@ class _Batch:
             log.debug("relay: closing a batch's connection failed: %s", first_line(exc))
 
 
-def _expired(row: RowMapping) -> bool:
+def _expired(row: Claimed) -> bool:
     expires_at = row["expires_at"]
     return expires_at is not None and bool(expires_at <= row["claimed_at"])
 

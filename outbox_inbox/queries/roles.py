@@ -49,7 +49,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB, OID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.engine import Dialect, RowMapping
+from sqlalchemy.engine import Dialect, Result, RowMapping
 from sqlalchemy.engine.interfaces import Compiled
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
@@ -226,7 +226,18 @@ def read_payload(conn: Connection, tables: Tables, key: str) -> bytes | None:
     return conn.execute(select(p.c.data).where(p.c.key == key)).scalar()
 
 
-def claim_outbox(conn: Connection, tables: Tables, limit: int) -> list[RowMapping]:
+#: A claimed row (outbox or inbox): its columns by name.
+Claimed = dict[str, Any]
+
+
+def _dicts(result: Result[Any]) -> list[Claimed]:
+    """The rows of `result` as plain dicts: a role reads each claimed row's columns many
+    times, which a RowMapping answers in Python, a dict in C."""
+    names = tuple(result.keys())
+    return [dict(zip(names, row, strict=True)) for row in result.all()]
+
+
+def claim_outbox(conn: Connection, tables: Tables, limit: int) -> list[Claimed]:
     """Lock up to `limit` publishable rows in id order (``FOR UPDATE SKIP LOCKED``).
 
     A keyed row qualifies only while no earlier row of its key waits for a retry, and only if
@@ -242,7 +253,7 @@ def claim_outbox(conn: Connection, tables: Tables, limit: int) -> list[RowMappin
     ``expired_at`` nor ``last_error``) and ``claimed_at``, the database's time of the claim.
     """
     stmt = _claim_outbox_statement(tables, is_postgres(conn))
-    return list(conn.execute(stmt, {"limit": limit}).mappings().all())
+    return _dicts(conn.execute(stmt, {"limit": limit}))
 
 
 @cache
@@ -334,16 +345,14 @@ def _relayed_columns(tables: Tables, postgres: bool) -> list[Any]:
     return relayed
 
 
-def claimed_outbox_rows(
-    conn: Connection, tables: Tables, ids: Sequence[int]
-) -> dict[int, RowMapping]:
+def claimed_outbox_rows(conn: Connection, tables: Tables, ids: Sequence[int]) -> dict[int, Claimed]:
     """The rows of `ids` as `claim_outbox` returns them, by id: rows this transaction claimed."""
     if not ids:
         return {}
     postgres = is_postgres(conn)
     o = tables.outbox
     stmt = select(*_relayed_columns(tables, postgres)).where(_among(o.c.id, postgres))
-    return {row["id"]: row for row in conn.execute(stmt, {"ids": list(ids)}).mappings()}
+    return {row["id"]: row for row in _dicts(conn.execute(stmt, {"ids": list(ids)}))}
 
 
 def earliest_unsent(conn: Connection, tables: Tables, keys: Sequence[str]) -> dict[str, int]:
@@ -566,10 +575,6 @@ def count_deliveries(
 _CLAIMED = ("id", *RECEIVED_COLUMNS, "received_at", "attempts", "finished")
 
 
-#: A claimed inbox row: its `_CLAIMED` columns and ``claimed_at`` by name.
-Claimed = dict[str, Any]
-
-
 def claim_inbox(
     conn: Connection,
     tables: Tables,
@@ -637,9 +642,7 @@ def claim_inbox(
             params["after"], params["after_tenant"] = after or ("", "")
     else:
         stmt = _claim_statement(tables, postgres)
-    result = conn.execute(stmt, params)
-    names = tuple(result.keys())  # plain dicts: the worker reads each row's columns many times
-    rows = [dict(zip(names, row, strict=True)) for row in result.all()]
+    rows = _dicts(conn.execute(stmt, params))
     rows.sort(key=lambda r: (-r["priority"], r["id"]))
     rated = Counter(row["routing_key"] for row in rows if row["routing_key"] in rates)
     for key, n in sorted(rated.items()):
