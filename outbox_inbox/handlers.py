@@ -308,12 +308,6 @@ class Subscription:
         the worker records as a handler failure."""
         if self.options.batch:
             return self.call_batch([message], session)
-        try:
-            return self._call(message, session)
-        except _EXITS as exc:
-            raise HandlerExited(self.name, exc) from exc
-
-    def _call(self, message: Message, session: Session) -> Any:
         payload = message.payload
         if self.payload_type is not None:
             payload = decode(payload, self.payload_type)  # InvalidPayload: dead at once
@@ -328,14 +322,6 @@ class Subscription:
         """Run a batch handler once for `messages` (see `call` for the session), whose
         ``process`` spans are `spans`. Raises InvalidPayload when a payload does not fit the
         declared type: the worker then runs the messages one at a time."""
-        try:
-            return self._call_batch(messages, session, spans)
-        except _EXITS as exc:
-            raise HandlerExited(self.name, exc) from exc
-
-    def _call_batch(
-        self, messages: Sequence[Message], session: Session, spans: Sequence[Span]
-    ) -> Any:
         payloads = [m.payload for m in messages]
         if self.payload_type is not None:
             payloads = [decode(p, self.payload_type) for p in payloads]
@@ -349,11 +335,14 @@ class Subscription:
     ) -> Any:
         """Call the handler with `first` (the message, or the list of a batch) and the session,
         or with `context` of the session when it takes one; async: with an `AsyncSession`
-        over it, awaited in the worker's greenlet."""
+        over it, awaited in the worker's greenlet. An exit it raises is `HandlerExited`."""
         given: Any = self._async_session(session) if self.is_async else session
         args = (context(given),) if self.takes_context else (first, given)
-        result = self.handler(*args, **typed)
-        return await_only(result) if self.is_async else result
+        try:
+            result = self.handler(*args, **typed)
+            return await_only(result) if self.is_async else result
+        except _EXITS as exc:
+            raise HandlerExited(self.name, exc) from exc
 
     def _async_session(self, session: Session) -> AsyncSession:
         if not in_greenlet():
