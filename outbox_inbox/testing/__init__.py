@@ -43,13 +43,9 @@ from ..tables import DEAD, PENDING, PROCESSED, Tables, outbox_unsent
 from ..topology import dead_letter_queue, delay_queue, inbox_queue, topic_matches
 
 __all__ = [
-    "HarnessTimeout",
-    "InboxRow",
-    "NotDelivered",
-    "PublishedMessage",
-    "ServiceHarness",
+    "HarnessTimeout", "InboxRow", "NotDelivered", "PublishedMessage", "ServiceHarness",
     "run_all_until_idle",
-]
+]  # fmt: skip
 
 #: How long `run_until_idle` waits by default before it gives up (seconds).
 DEFAULT_TIMEOUT = 10.0

@@ -59,17 +59,9 @@ from sqlalchemy.engine import make_url
 from ..brokers import rabbitmq as _rabbitmq  # noqa: F401
 
 __all__ = [
-    "PG_BIN_DIR",
-    "RABBITMQ_SBIN_DIR",
-    "ExternalPostgres",
-    "ExternalRabbitMQ",
-    "PostgresHandle",
-    "PostgresServer",
-    "RabbitMQHandle",
-    "RabbitMQServer",
-    "ServerError",
-    "free_port",
-]
+    "PG_BIN_DIR", "RABBITMQ_SBIN_DIR", "ExternalPostgres", "ExternalRabbitMQ", "PostgresHandle",
+    "PostgresServer", "RabbitMQHandle", "RabbitMQServer", "ServerError", "free_port",
+]  # fmt: skip
 
 log = logging.getLogger("outbox_inbox.testing.servers")
 
