@@ -29,7 +29,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from .audit_trail import audit_log_path, write_audit
 from .broker import Broker, Operator, QueuedMessage, QueueReader
-from .clock import parse_duration
+from .clock import as_timedelta, parse_duration
 from .config import Settings
 from .errors import ConfigurationError, storage_error
 from .logsafe import mask_url
@@ -691,10 +691,6 @@ def error_summary(text: str | None, width: int = 200) -> str | None:
     return line[:width]
 
 
-def _seconds(value: float | None) -> timedelta | None:
-    return None if value is None else timedelta(seconds=value)
-
-
 def _aware(value: Any) -> datetime | None:
     """A time read from the database, with its zone (SQLite gives naive UTC times)."""
     if isinstance(value, str):
@@ -760,7 +756,7 @@ class DeadLetters:
     service: str | None = None
     #: The service's retention (Settings.retention), its inbox's duplicate window: a replay of
     #: ``queue`` letters first sent longer ago warns (ActionReport.warnings). None: no warning.
-    retention: timedelta | None = field(default_factory=lambda: _seconds(Settings.retention))
+    retention: timedelta | None = field(default_factory=lambda: as_timedelta(Settings.retention))
 
     @classmethod
     def of(cls, service: Any) -> DeadLetters:
@@ -770,7 +766,7 @@ class DeadLetters:
             tables=service.tables,
             broker=service.broker,
             service=service.name,
-            retention=_seconds(service.settings.retention),
+            retention=as_timedelta(service.settings.retention),
         )
 
     def reachable(self, source: str = "all") -> tuple[list[str], list[tuple[str, str]]]:

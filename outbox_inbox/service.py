@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from . import migrate as migrations
 from .backoff import Backoff
 from .broker import Broker
+from .clock import as_timedelta
 from .config import Settings, validate_service_name
 from .database import business_engine, connect, is_sqlite, tables_for
 from .errors import (
@@ -371,7 +372,7 @@ class Service:
                 self.engine,
                 self.tables,
                 interval=s.partition_interval,
-                retention=Retention(_seconds(s.retention), _seconds(s.dead_retention)),
+                retention=Retention(as_timedelta(s.retention), as_timedelta(s.dead_retention)),
                 exporter=exporter,
             )
         if s.payload_store is not None and s.retention is not None and not result.busy:
@@ -910,7 +911,3 @@ def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
-
-
-def _seconds(value: float | None) -> timedelta | None:
-    return None if value is None else timedelta(seconds=value)
