@@ -233,15 +233,12 @@ class Service:
         self, pattern: str, *, retry: RetryPolicy | None = None, batch: bool = False
     ) -> Callable[[H], H]:
         """Register a handler of the faults of what this service sent: commands (and events,
-        where the receiver opts in) that ended dead at their receiver (outbox_inbox.faults).
-
-        `pattern` is the dead message's routing key (``billing.invoice.create``) or a topic
-        pattern of it (``billing.#``). The fault is a command to this service whose payload
-        is a `Fault`: declare ``payload: Fault`` for it typed. The handler runs exactly once
-        like any handler, in the transaction that marks the fault processed; several handlers
-        matching one fault all run, in registration order. A fault no handler matches is
-        logged at INFO and processed (docs/failures.md). `retry`, `batch`: as in
-        `on_command`.
+        where the receiver opts in) that ended dead at their receiver (docs/concepts.md,
+        "Faults back to the sender"). `pattern` is the dead message's routing key
+        (``billing.invoice.create``) or a topic pattern of it (``billing.#``). The fault is a
+        command to this service whose payload is a `Fault`, run like any handler's message;
+        several handlers matching one fault all run, in registration order. `retry`, `batch`:
+        as in `on_command`.
         """
         if not pattern or any(not w for w in pattern.split(".")):
             raise ConfigurationError(f"invalid fault pattern {pattern!r}")
@@ -308,13 +305,10 @@ class Service:
             )
 
     def record_subscriptions(self) -> None:
-        """Record the inbox queue's bindings in the ``subscriptions`` table (idempotent).
-
-        Runs in a transaction of the library's own; a binding keeps the database time of its
-        first recording. The audit expects an event at this service only when it was
-        published after the service subscribed to it. `start()` and `run_receiver()` call
-        this after declaring the topology. Raises StorageError.
-        """
+        """Record the inbox queue's bindings in the ``subscriptions`` table (idempotent), in a
+        transaction of the library's own; a binding keeps the database time of its first
+        recording (tables.py says what for). `start()` and `run_receiver()` call this after
+        declaring the topology. Raises StorageError."""
         queue = inbox_queue(self.name)
         bindings = [
             (b.exchange, b.routing_key)
@@ -352,13 +346,11 @@ class Service:
             conn.commit()
 
     def maintain(self) -> MaintenanceResult:
-        """One maintenance pass of the time partitions (outbox_inbox.partitions): make them
-        ahead, export to ``archive_to`` and drop those past the ``retention``, and remove the
-        ``payload_store``'s payloads past it (on SQLite too, where no role runs it). What every role
-        runs at its start and every ``maintenance_interval`` seconds; one pass at a time per
-        schema (another one running: this one returns ``busy``). No partitions on SQLite.
-        Raises StorageError (a refused DDL statement: the service's role lacks the rights,
-        docs/security.md)."""
+        """One maintenance pass (docs/history.md, "The maintenance pass"; on SQLite, no
+        partitions), then the ``payload_store``'s payloads past the retention are removed (on
+        SQLite too, where no role runs it). Returns ``busy`` when another pass of the schema
+        runs. Raises StorageError (a refused DDL statement: the service's role lacks the
+        rights, docs/security.md)."""
         from .partitions import MaintenanceResult, Retention, maintain
 
         s, result = self.settings, MaintenanceResult()
