@@ -273,26 +273,14 @@ class DeadLetter:
         return (self.reason or "") + (again if self.replays else "")
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "source": self.source,
-            "ref": self.ref,
-            "message_id": self.message_id,
-            "type": self.type,
-            "kind": self.kind,
-            "reason": self.reason,
-            "error": self.error,
-            "dead_at": self.dead_at.isoformat() if self.dead_at else None,
-            "age_seconds": round(self.age_seconds, 3) if self.age_seconds is not None else None,
-            "key": self.key,
-            "attempts": self.attempts,
-            "correlation_id": self.correlation_id,
+        """Every field as a JSON value (times in ISO 8601, the payload as read), and `group`."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        shown: dict[str, Any] = jsonable(fields | {"headers": dict(self.headers), "payload": None})
+        age, fingerprint = self.age_seconds, self.fingerprint
+        return shown | {
             "payload": self.payload,
-            "headers": jsonable(dict(self.headers)),
-            "fingerprint": self.fingerprint,
-            "group": group_id(self.fingerprint) if self.fingerprint is not None else None,
-            "replays": self.replays,
-            "replayed_at": self.replayed_at.isoformat() if self.replayed_at else None,
-            "created_at": self.created_at.isoformat() if self.created_at else None,
+            "age_seconds": None if age is None else round(age, 3),
+            "group": None if fingerprint is None else group_id(fingerprint),
         }
 
 
