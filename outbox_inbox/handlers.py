@@ -203,9 +203,7 @@ def _takes_context(handler: Callable[..., Any], batch: bool) -> bool:
     )
 
 
-#: `HandlerOptions.delivery`: effects once, retried on failure (``exactly_once``); marked
-#: processed before the attempt, lost on a crash or an error (``at_most_once``); one attempt in
-#: the marking transaction, dead on a crash or an error (``one_attempt``).
+#: `HandlerOptions.delivery` (docs/configuration.md, "Handler options").
 Delivery = Literal["exactly_once", "at_most_once", "one_attempt"]
 #: The retry policy of ``one_attempt``: the first failure is final (`retry.MAX_ATTEMPTS`).
 _ONCE = RetryPolicy(max_attempts=1)
@@ -226,14 +224,9 @@ class HandlerKeywords(TypedDict, total=False):
 
 @dataclass(frozen=True, kw_only=True)
 class HandlerOptions:
-    """How one handler is run, validated once. `retry`: its policy (None: the service's).
-    `batch`: called once for many messages (`Subscription`). `version`: the one payload
-    version (``message.version``) it handles; None: every version. `max_concurrency`: the
-    most messages of its routing key handled at once by every worker of the database
-    together (`queries.roles.claim_inbox`), and `rate`, ``(n, seconds)``, the most claimed in
-    any `seconds`; None: no cap. `weight`: the turns its routing key gets in fair claims for
-    each turn of the other types (None: 1). `delivery`: a `Delivery`
-    (docs/concepts.md#at-most-once-handlers); at most once, it takes no `retry`."""
+    """How one handler is run: the options of docs/configuration.md ("Handler options"),
+    validated once (ConfigurationError); None is the service's policy, every version, no cap
+    or weight 1."""
 
     retry: RetryPolicy | None = None
     batch: bool = False
