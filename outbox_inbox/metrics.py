@@ -1,8 +1,5 @@
-"""Prometheus metrics of a service's messaging (names, types, labels, use: docs/observability.md).
-
-``metrics = instrument(service)`` before ``service.start()`` / ``run()``: counters and
-histograms are fed by a `Listener` next to the service's own, and the backlog gauges are read
-from the service's tables at each scrape with the queries `outbox-inbox status` runs. Lags
+"""Prometheus metrics of a service's messaging: ``metrics = instrument(service)`` before it
+starts (names, types, labels and use: docs/observability.md, "Metrics (Prometheus)"). Lags
 subtract a time the database wrote from the host's clock: clock skew between the hosts shows.
 """
 
