@@ -698,8 +698,7 @@ DONE = {REPLAY: "replayed", PURGE: "purged", PARK: "parked"}
 
 
 def group_id(fingerprint: str) -> str:
-    """The short id of a dead-letter group, for a command line: 8 hex digits of the SHA-256 of
-    its fingerprint."""
+    """A dead-letter group's short id, for a command line: its fingerprint's SHA-256 (8 hex)."""
     return hashlib.sha256(fingerprint.encode("utf-8")).hexdigest()[:8]
 
 
@@ -1016,8 +1015,7 @@ class DeadLetters:
             return None
 
         def reset(message_ids: list[str]) -> None:
-            """Forget the broker-redelivery counts of `message_ids`: replayed copies start
-            at 0."""
+            """Forget the redelivery counts of `message_ids`: replayed copies start at 0."""
             try:
                 with engine.begin() as conn:
                     operations.forget_deliveries(conn, tables, [inbox_id(m) for m in message_ids])

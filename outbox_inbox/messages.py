@@ -474,8 +474,7 @@ RECEIVED_JSON_COLUMNS = ("payload", "headers")
 
 @cache
 def _row_columns(cls: type[DataclassInstance]) -> tuple[tuple[str, str], ...]:
-    """(field, column) for each field of `cls`: the column of its name; ``type`` is the
-    routing key."""
+    """(field, column) for each field of `cls`: the column of its name (``type``: routing_key)."""
     return tuple((f.name, "routing_key" if f.name == "type" else f.name) for f in fields(cls))
 
 

@@ -672,8 +672,7 @@ class Service:
 
     def run_receiver(self, *, fail_fast: bool | None = None) -> None:
         """Run only the receiver in this thread until SIGTERM or SIGINT (waits as `start()`),
-        after declaring the topology (checking it with ``declare=False``) and recording the
-        subscriptions."""
+        after declaring (``declare=False``: checking) the topology and recording subscriptions."""
         self._run_role(self.receiver().run, topology=True, fail_fast=fail_fast)
 
     def run_worker(self, *, fail_fast: bool | None = None) -> None:

@@ -305,8 +305,7 @@ class Waker:
 
     def _took_lead(self, conn: psycopg.Connection[tuple[object, ...]]) -> bool:
         """Take the lead if its holder is gone (its session ended): listen on the lead's channel
-        from now on. False when another waker leads, or on an error (the next wait tries
-        again)."""
+        from now on. False when another waker leads, or on an error (the next wait retries)."""
         try:
             if not _take_lead(conn, self._lead):
                 return False

@@ -67,8 +67,7 @@ class DeadFilters(TypedDict, total=False):
 
 def dead_rows(conn: Connection, t: Table, **filters: Unpack[DeadFilters]) -> Iterator[RowMapping]:
     """Dead rows of table `t` (the inbox or the outbox) matching every given filter, in id
-    order, streamed 500 at a time; each row carries ``dead_at`` (when it died) and
-    ``age_seconds``."""
+    order, streamed 500 at a time; each with ``dead_at`` (when it died) and ``age_seconds``."""
     dead_at = dead_since(t)
     died = [dead_at.label("dead_at")] if "status" in t.c else []  # the outbox has its dead_at
     stmt = select(t, *died, db_age(dead_at).label("age_seconds")).where(*_dead_where(t, filters))
@@ -83,8 +82,7 @@ def count_dead(conn: Connection, t: Table, **filters: Unpack[DeadFilters]) -> in
 
 
 def _dead_where(t: Any, filters: DeadFilters) -> list[ColumnElement[bool]]:
-    """The conditions of a dead-row selection of table `t`: dead (or parked) and every filter
-    given."""
+    """The conditions of a dead-row selection of table `t`: dead (or parked), every filter."""
     where: list[ColumnElement[bool]] = []
     if routing_keys := filters.get("routing_keys"):
         where.append(t.c.routing_key.in_(list(routing_keys)))
@@ -103,8 +101,7 @@ def _dead_where(t: Any, filters: DeadFilters) -> list[ColumnElement[bool]]:
 
 
 def _dead_or_parked(t: Any, parked: bool) -> ColumnElement[bool]:
-    """The dead rows of table `t` (an operator's parked rows are not among them), or the
-    parked rows."""
+    """The dead rows of table `t` (not an operator's parked rows), or the parked rows."""
     if "status" in t.c:
         state: ColumnElement[bool] = t.c.status == (PARKED if parked else DEAD)
         return state
@@ -140,8 +137,7 @@ def replay_dead(
 def purge_dead(
     conn: Connection, t: Table, ids: Sequence[int], *, parked: bool = False
 ) -> list[int]:
-    """Delete the rows of `ids` of table `t` still dead (`parked`: parked); return the ids
-    deleted."""
+    """Delete the rows of `ids` of table `t` still dead (`parked`: parked); return their ids."""
     if not ids:
         return []
     stmt = delete(t).where(t.c.id.in_(list(ids)), _dead_or_parked(t, parked)).returning(t.c.id)

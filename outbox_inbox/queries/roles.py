@@ -710,8 +710,7 @@ _LOCK_CAPS = text(
 
 @cache
 def _claim_statement(tables: Tables, liveness: bool) -> Any:
-    """The FIFO claim of `claim_inbox`, built once per schema (the worker runs it for every
-    batch)."""
+    """The FIFO claim of `claim_inbox`, built once per schema (a worker runs it every batch)."""
     i = tables.inbox
     due = (
         select(i.c.id)
@@ -1022,8 +1021,7 @@ def _received_since(i: Any, postgres: bool) -> list[ColumnElement[bool]]:
 def mark_processed(
     conn: Connection, tables: Tables, ids: Sequence[int], since: datetime | None = None
 ) -> None:
-    """Mark rows processed and release their lease. `since`: no row of `ids` was received
-    before it."""
+    """Mark rows processed and release their lease. `since`: no row of `ids` came earlier."""
     if ids:
         stmt = _mark_processed_statement(tables, conn.dialect.name == "postgresql")
         conn.execute(stmt, {"ids": list(ids), "since": since or _LONG_AGO})
