@@ -68,8 +68,7 @@ class HandlerContext:
     def send(
         self, *, to: str, command: str, payload: Any, **options: Unpack[WriteKeywords]
     ) -> uuid.UUID:
-        """`Outbox.send` in this handler's transaction; keywords only, so that the service
-        and the command cannot be swapped."""
+        """`Outbox.send` in this handler's transaction (keywords only, never swapped by mistake)."""
         with handling(self.message), current(self.span):
             return self.outbox.send(self.session, to, command, payload, **options)
 
@@ -358,8 +357,7 @@ class Found(NamedTuple):
 
     @property
     def retry(self) -> RetryPolicy | None:
-        """``one_attempt``'s policy, else the first handler's own retry policy, if one has any
-        (else the service's applies)."""
+        """``one_attempt``'s policy, else the first handler's own one (None: the service's)."""
         if self.delivery == "one_attempt":
             return _ONCE
         return next((s.options.retry for s in self.every if s.options.retry is not None), None)

@@ -128,8 +128,7 @@ class Metrics(Listener):
         self._receive_lag = f.receive_lag.labels(service)
         self._handle_lag = f.handle_lag.labels(service)
         self._handler_duration = f.handler_duration.labels(service)
-        # Present from the start, at 0: a rate() over a counter that appears late misses its
-        # first increase.
+        # Present from the start, at 0: a rate() over a late counter misses its first increase.
         f.dead.labels(service, "rejected")
         f.dead.labels(service, "max_attempts")
         f.publish_failures.labels(service, PublishOutcome.NACKED.value)

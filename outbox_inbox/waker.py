@@ -47,8 +47,7 @@ RELEASE_HOLD = 100
 # Paths (masked URL) already warned about: a warning once per process, not per role.
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
-# One `release_listen` at a time per process: two would hold the server connections each
-# other looks for.
+# One `release_listen` at a time per process: two would hold what the other looks for.
 _release_lock = threading.Lock()
 
 

@@ -879,8 +879,7 @@ class RabbitMQConsumer:
         except pika.exceptions.NackError as exc:
             raise BrokerError(f"the broker refused a forwarded message: {exc!r}") from exc
         except CONNECTION_ERRORS as exc:
-            # A channel error (e.g. a missing exchange) closes the forwarding channel: open a
-            # new one next time.
+            # A channel error (a missing exchange) closes the forwarding channel: a new one next.
             self._forward_channel = None
             raise BrokerConnectionError(f"forwarding failed: {exc!r}") from exc
 

@@ -75,8 +75,7 @@ def dead_rows(conn: Connection, t: Table, **filters: Unpack[DeadFilters]) -> Ite
 
 
 def count_dead(conn: Connection, t: Table, **filters: Unpack[DeadFilters]) -> int:
-    """How many dead rows of table `t` (the inbox or the outbox) match every given filter; one
-    count query, no row is loaded."""
+    """How many dead rows of table `t` match every given filter: one count query, no row loaded."""
     stmt = select(func.count()).select_from(t).where(*_dead_where(t, filters))
     return int(conn.execute(stmt).scalar_one())
 

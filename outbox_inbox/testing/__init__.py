@@ -294,8 +294,7 @@ class ServiceHarness:
         return total
 
     def in_flight(self) -> int:
-        """Messages ready in this service's inbox queue, not yet received (0 in memory, where
-        a publish lands at once)."""
+        """Messages ready in the inbox queue, not received yet (0 in memory: none is in flight)."""
         return (self.broker.queue_depth(inbox_queue(self.service.name)) or 0) if self.real else 0
 
     def work(self) -> int:
