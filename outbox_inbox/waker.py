@@ -327,8 +327,7 @@ class Waker:
 
 
 def _take_lead(conn: psycopg.Connection[tuple[object, ...]], channel: str) -> bool:
-    """Whether this session holds, or now takes, the lead of `channel` (a session advisory
-    lock, released with the session)."""
+    """Whether this session holds, or now takes, the lead of `channel` (a session lock)."""
     row = conn.execute(
         "SELECT pg_try_advisory_lock(%s, hashtext(%s))", (roles.LEAD_LOCK, channel)
     ).fetchone()
