@@ -992,10 +992,9 @@ class DeadLetters:
             return self.run(action, selections, filters=filters, source=",".join(asked), **options)
 
     def _beyond_retention(self, letters: list[DeadLetter]) -> list[str]:
-        """The warning of a replay of ``queue`` letters first sent longer than the retention
-        ago: the inbox may have dropped the partition of a copy it stored, and would store
-        and handle this one again. Judged on this host's clock against each message's own
-        created time (the broker's messages have no database time)."""
+        """The warning of a replay of ``queue`` letters first sent over the retention ago (the
+        inbox may have dropped a copy it stored: docs/history.md), judged on this host's clock
+        against each message's created time (the broker's messages have no database time)."""
         if self.retention is None:
             return []
         cutoff = datetime.now(UTC) - self.retention

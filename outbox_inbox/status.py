@@ -170,9 +170,8 @@ def dead_count(status: dict[str, Any]) -> int:
     return count
 
 
-#: Without a lag bound, how long inbox rows may wait claimable, with no row in progress and
-#: none handled, before `problems` says no worker runs (the default lease, 60 s: a worker
-#: that died holds its rows that long anyway).
+#: Without a lag bound, how long inbox rows may wait claimable, none in progress or handled,
+#: before `problems` says no worker runs (the default lease: a dead worker's rows wait as long).
 STALLED_AFTER = 60.0
 
 
