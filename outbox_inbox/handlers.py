@@ -223,9 +223,8 @@ class HandlerKeywords(TypedDict, total=False):
 
 @dataclass(frozen=True, kw_only=True)
 class HandlerOptions:
-    """How one handler is run: the options of docs/configuration.md ("Handler options"),
-    validated once (ConfigurationError); None is the service's policy, every version, no cap
-    or weight 1."""
+    """How one handler is run: the options of docs/configuration.md ("Handler options"), validated
+    once (ConfigurationError); None is the service's policy, every version, no cap or weight 1."""
 
     retry: RetryPolicy | None = None
     batch: bool = False
@@ -293,11 +292,10 @@ class Subscription:
         return self.options.version in (None, version)
 
     def call(self, message: Message, session: Session) -> Any:
-        """Run the handler with `session`, the worker's Session in the marking transaction
-        (a batch handler: a batch of this one message). An async handler gets an
-        `AsyncSession` over that Session, awaited in the asyncio worker's greenlet
-        (docs/async-services.md); outside that worker it raises `ConfigurationError`, which
-        the worker records as a handler failure."""
+        """Run the handler with `session`, the worker's Session in the marking transaction (a batch
+        handler: a batch of this one message). An async handler gets an `AsyncSession` over that
+        Session, awaited in the asyncio worker's greenlet (docs/async-services.md); outside that
+        worker it raises `ConfigurationError`, which the worker records as a handler failure."""
         if self.options.batch:
             return self.call_batch([message], session)
         payload = message.payload

@@ -232,13 +232,12 @@ class Service:
     def on_fault(
         self, pattern: str, *, retry: RetryPolicy | None = None, batch: bool = False
     ) -> Callable[[H], H]:
-        """Register a handler of the faults of what this service sent: commands (and events,
-        where the receiver opts in) that ended dead at their receiver (docs/concepts.md,
-        "Faults back to the sender"). `pattern` is the dead message's routing key
-        (``billing.invoice.create``) or a topic pattern of it (``billing.#``). The fault is a
-        command to this service whose payload is a `Fault`, run like any handler's message;
-        several handlers matching one fault all run, in registration order. `retry`, `batch`:
-        as in `on_command`.
+        """Register a handler of the faults of what this service sent: commands (and events, where
+        the receiver opts in) that ended dead at their receiver (docs/concepts.md, "Faults back to
+        the sender"). `pattern` is the dead message's routing key (``billing.invoice.create``) or a
+        topic pattern of it (``billing.#``). The fault is a command to this service whose payload is
+        a `Fault`, run like any handler's message; several handlers matching one fault all run, in
+        registration order. `retry`, `batch`: as in `on_command`.
         """
         if not pattern or any(not w for w in pattern.split(".")):
             raise ConfigurationError(f"invalid fault pattern {pattern!r}")
@@ -323,10 +322,9 @@ class Service:
 
     def _advertise_before_binding(self) -> None:
         """Advertise this process's handlers in the instances table before its bindings are
-        declared, so that a message the new bindings route finds them before this process's
-        workers advertise their own: an old worker leaves it instead of marking it dead. The
-        row is not refreshed: it stops counting as live after ``no_handler_grace``. Raises
-        StorageError."""
+        declared, so that a message the new bindings route finds them before this process's workers
+        advertise their own: an old worker leaves it instead of marking it dead. The row is not
+        refreshed: it stops counting as live after ``no_handler_grace``. Raises StorageError."""
         grace = timedelta(seconds=self.settings.no_handler_grace)
         instance = f"{worker_name()} (receiver start)"
         try:
@@ -346,11 +344,10 @@ class Service:
             conn.commit()
 
     def maintain(self) -> MaintenanceResult:
-        """One maintenance pass (docs/history.md, "The maintenance pass"; on SQLite, no
-        partitions), then the ``payload_store``'s payloads past the retention are removed (on
-        SQLite too, where no role runs it). Returns ``busy`` when another pass of the schema
-        runs. Raises StorageError (a refused DDL statement: the service's role lacks the
-        rights, docs/security.md)."""
+        """One maintenance pass (docs/history.md, "The maintenance pass"; on SQLite, no partitions),
+        then the ``payload_store``'s payloads past the retention are removed (on SQLite too, where
+        no role runs it). Returns ``busy`` when another pass of the schema runs. Raises StorageError
+        (a refused DDL statement: the service's role lacks the rights, docs/security.md)."""
         from .partitions import MaintenanceResult, Retention, maintain
 
         s, result = self.settings, MaintenanceResult()

@@ -298,10 +298,9 @@ class ServiceHarness:
         return (self.broker.queue_depth(inbox_queue(self.service.name)) or 0) if self.real else 0
 
     def work(self) -> int:
-        """Run the handlers of every due inbox row (`Worker.work_once` until none is due);
-        return the rows claimed, each one handling attempt. A service with ``async def``
-        handlers is worked as docs/testing.md ("The harness") says: on SQLite this raises
-        ConfigurationError."""
+        """Run the handlers of every due inbox row (`Worker.work_once` until none is due); return
+        the rows claimed, each one handling attempt. A service with ``async def`` handlers is worked
+        as docs/testing.md ("The harness") says: on SQLite this raises ConfigurationError."""
         if self.service.handlers.any_async:
             return self._work_async()
         with self._worker.connect() as conn:
