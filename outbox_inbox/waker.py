@@ -335,14 +335,13 @@ def _take_lead(conn: psycopg.Connection[tuple[object, ...]], channel: str) -> bo
 
 
 def release_listen(conninfo: str, channel: str, pid: int, *, probe: Engine | None = None) -> bool:
-    """UNLISTEN `channel` on the server connection of backend `pid`, behind the pooler at
-    `conninfo` (transaction mode); True once done or once that backend is gone (`probe`, an
-    engine of the same database, tells), else a warning and False.
+    """UNLISTEN `channel` on the server connection of backend `pid`, behind the pooler at `conninfo`
+    (transaction mode); True once done or once that backend is gone (`probe`, an engine of the same
+    database, tells), else a warning and False.
 
-    The pooler picks the server connection of each transaction, so `pid`'s is reached by
-    holding a transaction on each other one it hands out; a step given none within
-    `RELEASE_WAIT` lets go of all, so it never waits while holding. `RELEASE_HOLD` and
-    `RELEASE_TIMEOUT` bound it.
+    The pooler picks the server connection of each transaction, so `pid`'s is reached by holding a
+    transaction on each other one it hands out; a step given none within `RELEASE_WAIT` lets go of
+    all, so it never waits while holding. `RELEASE_HOLD` and `RELEASE_TIMEOUT` bound it.
     """
     query = (
         sql.SQL("BEGIN; UNLISTEN {}; SELECT pg_backend_pid()")

@@ -249,14 +249,13 @@ TOP_TENANTS = 10
 
 def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
     """Inbox rows by state (docs/cli.md, "status"), the age of the oldest pending row, and the
-    counts per type, with the type's caps (``cap``: ``max_concurrency``; ``rate``:
-    ``[n, seconds]``) and whether one holds back work now. ``claimable`` rows are those a
-    worker's claim would take now (due, not leased, not held behind an earlier row of their
-    key); ``oldest_claimable_age_seconds`` is how long the longest-waiting of them has been
-    claimable (since its retry came due or its lease ran out); ``last_handled_age_seconds``
-    the age of the newest processed or dead row's ``processed_at`` (None without one).
-    ``tenants_waiting``: the tenants with pending rows; ``by_tenant``: the `TOP_TENANTS` of
-    them with the most rows waiting.
+    counts per type, with the type's caps (``cap``: ``max_concurrency``; ``rate``: ``[n, seconds]``)
+    and whether one holds back work now. ``claimable`` rows are those a worker's claim would take
+    now (due, not leased, not held behind an earlier row of their key);
+    ``oldest_claimable_age_seconds`` is how long the longest-waiting of them has been claimable
+    (since its retry came due or its lease ran out); ``last_handled_age_seconds`` the age of the
+    newest processed or dead row's ``processed_at`` (None without one). ``tenants_waiting``: the
+    tenants with pending rows; ``by_tenant``: the `TOP_TENANTS` of them with the most rows waiting.
     """
     i = tables.inbox
     claimable_since = case(
