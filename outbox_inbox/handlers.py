@@ -428,10 +428,9 @@ class Handlers:
                 raise ConfigurationError(
                     f"command {subscription.pattern!r}{which} already has a handler"
                 )
+        wildcard = {"*", "#"} & set(subscription.pattern.split("."))
         for name in ("max_concurrency", "rate", "weight"):
-            if getattr(subscription.options, name) is not None and (
-                {"*", "#"} & set(subscription.pattern.split("."))
-            ):
+            if wildcard and getattr(subscription.options, name) is not None:
                 raise ConfigurationError(
                     f"{name} applies to one routing key; {subscription.pattern!r} is a pattern"
                 )
