@@ -182,11 +182,9 @@ def problems(
     lists it: lag, a stalled inbox (`_stalled`, even without thresholds), dead letters, the
     broker, the inbox queue. Empty when healthy."""
     out = []
+    lags = (("outbox", "oldest_age_seconds"), ("inbox", "oldest_pending_age_seconds"))
     if max_lag is not None:
-        for part, field in (
-            ("outbox", "oldest_age_seconds"),
-            ("inbox", "oldest_pending_age_seconds"),
-        ):
+        for part, field in lags:
             age = status[part][field]
             if age is not None and age > max_lag:
                 out.append(f"{part} lag {age:.1f}s exceeds --max-lag {max_lag:g}s")
