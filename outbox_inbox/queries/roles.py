@@ -1021,7 +1021,8 @@ def _received_since(i: Any, postgres: bool) -> list[ColumnElement[bool]]:
 def mark_processed(
     conn: Connection, tables: Tables, ids: Sequence[int], since: datetime | None = None
 ) -> None:
-    """Mark rows processed and release their lease. `since`: no row of `ids` came earlier."""
+    """Mark rows processed and release their lease. `since`: no row of `ids` was received
+    before it."""
     if ids:
         stmt = _mark_processed_statement(tables, conn.dialect.name == "postgresql")
         conn.execute(stmt, {"ids": list(ids), "since": since or _LONG_AGO})
