@@ -37,37 +37,20 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
-    "AsyncBatchContext",
-    "AsyncHandlerContext",
-    "BatchContext",
-    "BrokerAccessRefused",
-    "BrokerConnectionError",
-    "BrokerError",
-    "CommitOutcomeUnknown",
-    "ConfigurationError",
-    "DatabaseUnavailable",
-    "Fault",
-    "HandlerContext",
-    "HandlerExited",
-    "InvalidMessage",
-    "InvalidPayload",
-    "Listener",
-    "Listeners",
-    "MemoryBroker",
-    "Message",
-    "MessageError",
-    "OutboxInboxError",
-    "PayloadTooLarge",
-    "Reject",
-    "Retry",
-    "RetryPolicy",
-    "SchemaMissing",
-    "Service",
-    "StorageError",
-    "TopologyMismatch",
-    "TopologyMissing",
-    "__version__",
-]
+    "AsyncBatchContext", "AsyncHandlerContext", "BatchContext", "BrokerAccessRefused",
+    "BrokerConnectionError", "BrokerError", "CommitOutcomeUnknown", "ConfigurationError",
+    "DatabaseUnavailable", "Fault", "HandlerContext", "HandlerExited", "InvalidMessage",
+    "InvalidPayload", "Listener", "Listeners", "MemoryBroker", "Message", "MessageError",
+    "OutboxInboxError", "PayloadTooLarge", "Reject", "Retry", "RetryPolicy", "SchemaMissing",
+    "Service", "StorageError", "TopologyMismatch", "TopologyMissing", "__version__",
+]  # fmt: skip
+
+_ERRORS = (
+    "BrokerAccessRefused", "BrokerConnectionError", "BrokerError", "CommitOutcomeUnknown",
+    "ConfigurationError", "DatabaseUnavailable", "HandlerExited", "InvalidMessage",
+    "InvalidPayload", "MessageError", "OutboxInboxError", "PayloadTooLarge", "Reject",
+    "Retry", "SchemaMissing", "StorageError", "TopologyMismatch", "TopologyMissing",
+)  # fmt: skip
 
 #: The module of each public name. A name is imported when first used, so that a module of the
 #: package imported on its own (the `outbox-inbox` command, for its --version and --help) does
@@ -76,26 +59,7 @@ _HOMES = {
     name: module
     for module, names in {
         ".brokers.memory": ("MemoryBroker",),
-        ".errors": (
-            "BrokerAccessRefused",
-            "BrokerConnectionError",
-            "BrokerError",
-            "CommitOutcomeUnknown",
-            "ConfigurationError",
-            "DatabaseUnavailable",
-            "HandlerExited",
-            "InvalidMessage",
-            "InvalidPayload",
-            "MessageError",
-            "OutboxInboxError",
-            "PayloadTooLarge",
-            "Reject",
-            "Retry",
-            "SchemaMissing",
-            "StorageError",
-            "TopologyMismatch",
-            "TopologyMissing",
-        ),
+        ".errors": _ERRORS,
         ".faults": ("Fault",),
         ".handlers": ("AsyncBatchContext", "AsyncHandlerContext", "BatchContext", "HandlerContext"),
         ".listener": ("Listener", "Listeners"),

@@ -27,9 +27,8 @@ log = logging.getLogger(__name__)
 
 
 def async_url(url: str | URL) -> URL:
-    """The URL of `url`'s PostgreSQL database on psycopg's async driver (``postgresql+psycopg``,
-    which serves sync and async engines alike). Raises ConfigurationError for another database
-    or driver."""
+    """`url`'s PostgreSQL database on psycopg's async driver (``postgresql+psycopg``, which
+    serves sync and async engines alike); ConfigurationError for another database or driver."""
     parsed = make_url(url)
     drivers = ("psycopg", "psycopg2")  # psycopg2: the driver name of a bare postgresql://
     if parsed.get_backend_name() != "postgresql" or parsed.get_driver_name() not in drivers:

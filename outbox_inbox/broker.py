@@ -320,14 +320,6 @@ class Operator(Protocol):
 
 
 __all__ = [
-    "Broker",
-    "Consumer",
-    "Delivery",
-    "Found",
-    "Operator",
-    "PublishOutcome",
-    "Publisher",
-    "QueueReader",
-    "QueuedMessage",
-    "Refusal",
-]
+    "Broker", "Consumer", "Delivery", "Found", "Operator", "PublishOutcome", "Publisher",
+    "QueueReader", "QueuedMessage", "Refusal",
+]  # fmt: skip

@@ -31,6 +31,11 @@ def parse_duration(text: str) -> timedelta:
     return timedelta(seconds=float(match[1]) * _UNITS[match[2] or "s"])
 
 
+def as_timedelta(seconds: float | None) -> timedelta | None:
+    """A setting in seconds as a timedelta; None (for ever) stays None."""
+    return None if seconds is None else timedelta(seconds=seconds)
+
+
 # SQLite's %f gives milliseconds; three zeros make the six digits SQLAlchemy writes.
 _SQLITE_FORMAT = "%Y-%m-%d %H:%M:%f000"
 

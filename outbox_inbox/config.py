@@ -146,26 +146,17 @@ def validate_service_name(value: str) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class Settings:
-    """Tunables of a `Service`. Every field is a keyword argument of `Service`."""
+    """Tunables of a `Service`. Every field is a keyword argument of `Service`; what each
+    means: docs/configuration.md (the retention's: docs/history.md, "Retention")."""
 
     db_url: str | None = None
-    #: One AMQP URL, or several nodes of a cluster (`broker_urls`); a list of URLs is joined.
     mq_url: str | None = None
     schema: str = "outbox_inbox"
-    #: A direct URL to the same PostgreSQL database, bypassing any connection pooler, for what
-    #: needs a session of its own: LISTEN (wake-ups) and the workers' liveness locks. None: the
-    #: roles use db_url for them when a probe shows it keeps sessions, else they poll.
     listen_url: str | None = None
-    #: psycopg's ``prepare_threshold`` for the engines the library creates from db_url: "auto"
-    #: is 5 on a direct connection and never through a pooler (checked as each connection
-    #: opens: `queries.roles.unprepared_behind_pooler`); None never prepares; a number always
-    #: does, which a pooler must then support (docs/configuration.md).
     prepare_threshold: int | Literal["auto"] | None = "auto"
 
     # outbox
     max_payload_bytes: int = 1024 * 1024
-    #: The claim check (docs/configuration.md): the store of payloads over `claim_check_bytes`
-    #: (per routing key: `claim_check_types`), and the other services' stores read from.
     payload_store: PayloadStore | None = None
     claim_check_bytes: int = 4096
     claim_check_types: Mapping[str, int] = field(default_factory=dict)
@@ -178,17 +169,12 @@ class Settings:
     relay_poll_interval: float = 1.0
     relay_retry_initial: float = 1.0
     relay_retry_max: float = 60.0
-    #: Attempts after which a row the broker refuses by itself (too large, 406) is dead.
     relay_max_attempts: int = 5
-    #: Relay threads of `Service.start()` / `run()`; each publishes on a connection of the pool.
     relay_threads: int = 1
-    #: The publisher pool's connections (each one confirm channel; never a consumer's) and how
-    #: long a publish waits for one before it fails and is retried (docs/failures.md).
     publisher_connections: int = 2
     publisher_checkout_timeout: float = 5.0
 
-    # webhooks out (outbox_inbox.webhooks): the endpoints, the seconds between attempts (the
-    # first is immediate: len + 1 attempts), and the longest wait for an answer.
+    # webhooks out (outbox_inbox.webhooks)
     webhooks: tuple[Webhook, ...] = ()
     webhook_schedule: tuple[float, ...] = (5, 300, 1800, 7200, 18000, 36000, 36000)
     webhook_timeout: float = 15.0
@@ -204,7 +190,6 @@ class Settings:
     )
     delay_tiers: tuple[float, ...] = (1, 5, 10, 30, 60, 300, 1800)
     max_redeliveries: int = 5
-    #: The largest message body the receiver stores; a larger one is dead-lettered.
     max_message_bytes: int = 1024 * 1024
 
     # inbox queue options (part of the queue's arguments: changing one needs a new queue)
@@ -215,47 +200,25 @@ class Settings:
 
     # worker
     worker_batch_size: int = 50
-    #: Claims serve the message types waiting in turn, within a priority (docs/concepts.md);
-    #: False: in arrival order.
     fair_claims: bool = True
-    #: Turns of a tenant in each round of a fair claim, for each turn of the others (1 without
-    #: one), times its type's handler ``weight``.
     tenant_weights: Mapping[str, int] = field(default_factory=dict)
     worker_threads: int = 1
-    #: Worker processes of `Service.run()` / `run_worker()` (``outbox-inbox run``), each with
-    #: ``worker_threads`` workers; None: one per CPU this process may use (its affinity and
-    #: cgroup quota). 1 runs the workers in threads of the service's own process.
     processes: int | None = None
     lease: float = 60.0
     abandon_after: int = 3
-    #: Seconds a worker may go without refreshing its row of the instances table and still
-    #: count as live. A row no live worker has a handler for is dead (``no_handler``) once no
-    #: worker advertising one was seen for this long; until then it waits (docs/failures.md).
     no_handler_grace: float = 300.0
     worker_poll_interval: float = 0.5
     retry: RetryPolicy = field(default_factory=RetryPolicy)
-    #: Send a fault back to an event's publisher when the event ends dead here, as commands'
-    #: senders always get one (outbox_inbox.faults).
     event_faults: bool = False
 
-    #: Declare the topology when the receiver starts. False: declare nothing, only check with
-    #: passive declares that the inbox queue exists (`outbox-inbox topology apply` made it),
-    #: so that the service's RabbitMQ user needs no configure permission (docs/security.md).
+    # topology
     declare: bool = True
 
     # retention (PostgreSQL: time partitions, outbox_inbox.partitions)
-    #: The length of a partition of the outbox and the inbox: "day" or "hour" (UTC).
     partition_interval: Literal["day", "hour"] = "day"
-    #: Seconds a partition is kept after its range ended, once every row in it is finished:
-    #: also the inbox's duplicate window, checked at start against `duplicate_horizon`. None
-    #: keeps every partition (then `outbox-inbox archive` is what empties the tables).
     retention: float | None = 7 * 86400.0
-    #: Seconds a dead or parked row keeps its partition after it died. None: for ever.
     dead_retention: float | None = 30 * 86400.0
-    #: Where maintenance exports a partition (Parquet, as `outbox-inbox archive`) before it
-    #: drops it; None drops it without an export.
     archive_to: str | None = None
-    #: Seconds between maintenance passes of a running role (partitions made and dropped).
     maintenance_interval: float = 300.0
 
     # connections

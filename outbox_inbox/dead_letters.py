@@ -29,7 +29,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from .audit_trail import audit_log_path, write_audit
 from .broker import Broker, Operator, QueuedMessage, QueueReader
-from .clock import parse_duration
+from .clock import as_timedelta, parse_duration
 from .config import Settings
 from .errors import ConfigurationError, storage_error
 from .logsafe import mask_url
@@ -273,26 +273,14 @@ class DeadLetter:
         return (self.reason or "") + (again if self.replays else "")
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "source": self.source,
-            "ref": self.ref,
-            "message_id": self.message_id,
-            "type": self.type,
-            "kind": self.kind,
-            "reason": self.reason,
-            "error": self.error,
-            "dead_at": self.dead_at.isoformat() if self.dead_at else None,
-            "age_seconds": round(self.age_seconds, 3) if self.age_seconds is not None else None,
-            "key": self.key,
-            "attempts": self.attempts,
-            "correlation_id": self.correlation_id,
+        """Every field as a JSON value (times in ISO 8601, the payload as read), and `group`."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        shown: dict[str, Any] = jsonable(fields | {"headers": dict(self.headers), "payload": None})
+        age, fingerprint = self.age_seconds, self.fingerprint
+        return shown | {
             "payload": self.payload,
-            "headers": jsonable(dict(self.headers)),
-            "fingerprint": self.fingerprint,
-            "group": group_id(self.fingerprint) if self.fingerprint is not None else None,
-            "replays": self.replays,
-            "replayed_at": self.replayed_at.isoformat() if self.replayed_at else None,
-            "created_at": self.created_at.isoformat() if self.created_at else None,
+            "age_seconds": None if age is None else round(age, 3),
+            "group": None if fingerprint is None else group_id(fingerprint),
         }
 
 
@@ -691,10 +679,6 @@ def error_summary(text: str | None, width: int = 200) -> str | None:
     return line[:width]
 
 
-def _seconds(value: float | None) -> timedelta | None:
-    return None if value is None else timedelta(seconds=value)
-
-
 def _aware(value: Any) -> datetime | None:
     """A time read from the database, with its zone (SQLite gives naive UTC times)."""
     if isinstance(value, str):
@@ -714,8 +698,7 @@ DONE = {REPLAY: "replayed", PURGE: "purged", PARK: "parked"}
 
 
 def group_id(fingerprint: str) -> str:
-    """The short id of a dead-letter group, for a command line: 8 hex digits of the SHA-256 of
-    its fingerprint."""
+    """A dead-letter group's short id, for a command line: its fingerprint's SHA-256 (8 hex)."""
     return hashlib.sha256(fingerprint.encode("utf-8")).hexdigest()[:8]
 
 
@@ -760,7 +743,7 @@ class DeadLetters:
     service: str | None = None
     #: The service's retention (Settings.retention), its inbox's duplicate window: a replay of
     #: ``queue`` letters first sent longer ago warns (ActionReport.warnings). None: no warning.
-    retention: timedelta | None = field(default_factory=lambda: _seconds(Settings.retention))
+    retention: timedelta | None = field(default_factory=lambda: as_timedelta(Settings.retention))
 
     @classmethod
     def of(cls, service: Any) -> DeadLetters:
@@ -770,7 +753,7 @@ class DeadLetters:
             tables=service.tables,
             broker=service.broker,
             service=service.name,
-            retention=_seconds(service.settings.retention),
+            retention=as_timedelta(service.settings.retention),
         )
 
     def reachable(self, source: str = "all") -> tuple[list[str], list[tuple[str, str]]]:
@@ -1009,10 +992,9 @@ class DeadLetters:
             return self.run(action, selections, filters=filters, source=",".join(asked), **options)
 
     def _beyond_retention(self, letters: list[DeadLetter]) -> list[str]:
-        """The warning of a replay of ``queue`` letters first sent longer than the retention
-        ago: the inbox may have dropped the partition of a copy it stored, and would store
-        and handle this one again. Judged on this host's clock against each message's own
-        created time (the broker's messages have no database time)."""
+        """The warning of a replay of ``queue`` letters first sent over the retention ago (the
+        inbox may have dropped a copy it stored: docs/history.md), judged on this host's clock
+        against each message's created time (the broker's messages have no database time)."""
         if self.retention is None:
             return []
         cutoff = datetime.now(UTC) - self.retention
@@ -1032,8 +1014,7 @@ class DeadLetters:
             return None
 
         def reset(message_ids: list[str]) -> None:
-            """Forget the broker-redelivery counts of `message_ids`: replayed copies start
-            at 0."""
+            """Forget the redelivery counts of `message_ids`: replayed copies start at 0."""
             try:
                 with engine.begin() as conn:
                     operations.forget_deliveries(conn, tables, [inbox_id(m) for m in message_ids])

@@ -181,9 +181,8 @@ _REFUSALS = ("password authentication failed", "does not exist", "no pg_hba.conf
 
 
 def read_only_session(exc: BaseException) -> bool:
-    """True when `exc` (a SQLAlchemy or psycopg error) is SQLSTATE 25006 ("cannot execute ...
-    in a read-only transaction"): the session is on a standby, as during a failover. An
-    outage, not the statement's fault."""
+    """True when `exc` (a SQLAlchemy or psycopg error) is SQLSTATE 25006 (a read-only
+    transaction): a session on a standby, as in a failover; an outage, not the statement's."""
     original = getattr(exc, "orig", None) or exc
     return getattr(original, "sqlstate", None) == "25006"
 

@@ -68,8 +68,7 @@ class HandlerContext:
     def send(
         self, *, to: str, command: str, payload: Any, **options: Unpack[WriteKeywords]
     ) -> uuid.UUID:
-        """`Outbox.send` in this handler's transaction; keywords only, so that the service
-        and the command cannot be swapped."""
+        """`Outbox.send` in this handler's transaction (keywords only, never swapped by mistake)."""
         with handling(self.message), current(self.span):
             return self.outbox.send(self.session, to, command, payload, **options)
 
@@ -203,9 +202,7 @@ def _takes_context(handler: Callable[..., Any], batch: bool) -> bool:
     )
 
 
-#: `HandlerOptions.delivery`: effects once, retried on failure (``exactly_once``); marked
-#: processed before the attempt, lost on a crash or an error (``at_most_once``); one attempt in
-#: the marking transaction, dead on a crash or an error (``one_attempt``).
+#: `HandlerOptions.delivery` (docs/configuration.md, "Handler options").
 Delivery = Literal["exactly_once", "at_most_once", "one_attempt"]
 #: The retry policy of ``one_attempt``: the first failure is final (`retry.MAX_ATTEMPTS`).
 _ONCE = RetryPolicy(max_attempts=1)
@@ -226,14 +223,8 @@ class HandlerKeywords(TypedDict, total=False):
 
 @dataclass(frozen=True, kw_only=True)
 class HandlerOptions:
-    """How one handler is run, validated once. `retry`: its policy (None: the service's).
-    `batch`: called once for many messages (`Subscription`). `version`: the one payload
-    version (``message.version``) it handles; None: every version. `max_concurrency`: the
-    most messages of its routing key handled at once by every worker of the database
-    together (`queries.roles.claim_inbox`), and `rate`, ``(n, seconds)``, the most claimed in
-    any `seconds`; None: no cap. `weight`: the turns its routing key gets in fair claims for
-    each turn of the other types (None: 1). `delivery`: a `Delivery`
-    (docs/concepts.md#at-most-once-handlers); at most once, it takes no `retry`."""
+    """How one handler is run: the options of docs/configuration.md ("Handler options"), validated
+    once (ConfigurationError); None is the service's policy, every version, no cap or weight 1."""
 
     retry: RetryPolicy | None = None
     batch: bool = False
@@ -301,19 +292,12 @@ class Subscription:
         return self.options.version in (None, version)
 
     def call(self, message: Message, session: Session) -> Any:
-        """Run the handler with `session`, the worker's Session in the marking transaction
-        (a batch handler: a batch of this one message). An async handler gets an
-        `AsyncSession` over that Session, awaited in the asyncio worker's greenlet
-        (docs/async-services.md); outside that worker it raises `ConfigurationError`, which
-        the worker records as a handler failure."""
+        """Run the handler with `session`, the worker's Session in the marking transaction (a batch
+        handler: a batch of this one message). An async handler gets an `AsyncSession` over that
+        Session, awaited in the asyncio worker's greenlet (docs/async-services.md); outside that
+        worker it raises `ConfigurationError`, which the worker records as a handler failure."""
         if self.options.batch:
             return self.call_batch([message], session)
-        try:
-            return self._call(message, session)
-        except _EXITS as exc:
-            raise HandlerExited(self.name, exc) from exc
-
-    def _call(self, message: Message, session: Session) -> Any:
         payload = message.payload
         if self.payload_type is not None:
             payload = decode(payload, self.payload_type)  # InvalidPayload: dead at once
@@ -328,14 +312,6 @@ class Subscription:
         """Run a batch handler once for `messages` (see `call` for the session), whose
         ``process`` spans are `spans`. Raises InvalidPayload when a payload does not fit the
         declared type: the worker then runs the messages one at a time."""
-        try:
-            return self._call_batch(messages, session, spans)
-        except _EXITS as exc:
-            raise HandlerExited(self.name, exc) from exc
-
-    def _call_batch(
-        self, messages: Sequence[Message], session: Session, spans: Sequence[Span]
-    ) -> Any:
         payloads = [m.payload for m in messages]
         if self.payload_type is not None:
             payloads = [decode(p, self.payload_type) for p in payloads]
@@ -349,11 +325,14 @@ class Subscription:
     ) -> Any:
         """Call the handler with `first` (the message, or the list of a batch) and the session,
         or with `context` of the session when it takes one; async: with an `AsyncSession`
-        over it, awaited in the worker's greenlet."""
+        over it, awaited in the worker's greenlet. An exit it raises is `HandlerExited`."""
         given: Any = self._async_session(session) if self.is_async else session
         args = (context(given),) if self.takes_context else (first, given)
-        result = self.handler(*args, **typed)
-        return await_only(result) if self.is_async else result
+        try:
+            result = self.handler(*args, **typed)
+            return await_only(result) if self.is_async else result
+        except _EXITS as exc:
+            raise HandlerExited(self.name, exc) from exc
 
     def _async_session(self, session: Session) -> AsyncSession:
         if not in_greenlet():
@@ -376,8 +355,7 @@ class Found(NamedTuple):
 
     @property
     def retry(self) -> RetryPolicy | None:
-        """``one_attempt``'s policy, else the first handler's own retry policy, if one has any
-        (else the service's applies)."""
+        """``one_attempt``'s policy, else the first handler's own one (None: the service's)."""
         if self.delivery == "one_attempt":
             return _ONCE
         return next((s.options.retry for s in self.every if s.options.retry is not None), None)
@@ -450,10 +428,9 @@ class Handlers:
                 raise ConfigurationError(
                     f"command {subscription.pattern!r}{which} already has a handler"
                 )
+        wildcard = {"*", "#"} & set(subscription.pattern.split("."))
         for name in ("max_concurrency", "rate", "weight"):
-            if getattr(subscription.options, name) is not None and (
-                {"*", "#"} & set(subscription.pattern.split("."))
-            ):
+            if wildcard and getattr(subscription.options, name) is not None:
                 raise ConfigurationError(
                     f"{name} applies to one routing key; {subscription.pattern!r} is a pattern"
                 )

@@ -28,12 +28,12 @@ COMMAND, EVENT = "command", "event"
 COMMANDS_EXCHANGE, EVENTS_EXCHANGE = "commands", "events"
 CONTENT_TYPE = "application/json"
 
-#: Header names the library owns; a sender's own headers must not use them.
+#: Header names the library owns (each one's meaning: docs/wire-format.md); a sender's own
+#: headers must not use them.
 H_KIND = "x-kind"
 H_VERSION = "x-version"
 H_CAUSATION = "x-causation-id"
 H_KEY = "x-key"
-#: The tenant whose work it is: a fair claim serves tenants in turn (docs/concepts.md).
 H_TENANT = "x-tenant"
 H_CREATED = "x-created-at"
 H_EXPIRES = "x-expires-at"
@@ -43,11 +43,8 @@ H_ORIGINAL_ID = "x-original-message-id"
 #: size in bytes and its SHA-256 (hex); the body is then JSON null.
 H_PAYLOAD_REF, H_PAYLOAD_SIZE = "x-payload-ref", "x-payload-size"
 H_PAYLOAD_SHA256 = "x-payload-sha256"
-#: Kept in a stored row's headers: a received message's ``type`` property, when it is not its
-#: routing key (the routing key chooses the handler; ``type`` is informational).
 H_AMQP_TYPE = "x-amqp-type"
-#: Transport headers: set by the receiver when it forwards a message to a delay tier or to the
-#: dead letters, and not kept in the inbox row.
+#: Transport headers: the receiver's, on a message it forwards; not kept in the inbox row.
 H_ORIGINAL_EXCHANGE = "x-original-exchange"
 H_ORIGINAL_ROUTING_KEY = "x-original-routing-key"
 H_RECEIVE_ATTEMPT = "x-receive-attempt"
@@ -55,7 +52,6 @@ H_RETRY_DELAY = "x-retry-delay-ms"
 H_LAST_ERROR = "x-last-error"
 H_DEAD_REASON = "x-dead-reason"
 H_DEAD_QUEUE = "x-dead-queue"
-#: The fingerprint of why the receiver dead-lettered a message (outbox_inbox.fingerprint).
 H_DEAD_FINGERPRINT = "x-dead-fingerprint"
 #: The transport headers, and those the broker writes when it dead-letters a message itself.
 TRANSPORT_HEADERS = frozenset[str]().union(
@@ -478,8 +474,7 @@ RECEIVED_JSON_COLUMNS = ("payload", "headers")
 
 @cache
 def _row_columns(cls: type[DataclassInstance]) -> tuple[tuple[str, str], ...]:
-    """(field, column) for each field of `cls`: the column of its name; ``type`` is the
-    routing key."""
+    """(field, column) for each field of `cls`: the column of its name (``type``: routing_key)."""
     return tuple((f.name, "routing_key" if f.name == "type" else f.name) for f in fields(cls))
 
 

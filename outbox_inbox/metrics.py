@@ -1,8 +1,5 @@
-"""Prometheus metrics of a service's messaging (names, types, labels, use: docs/observability.md).
-
-``metrics = instrument(service)`` before ``service.start()`` / ``run()``: counters and
-histograms are fed by a `Listener` next to the service's own, and the backlog gauges are read
-from the service's tables at each scrape with the queries `outbox-inbox status` runs. Lags
+"""Prometheus metrics of a service's messaging: ``metrics = instrument(service)`` before it
+starts (names, types, labels and use: docs/observability.md, "Metrics (Prometheus)"). Lags
 subtract a time the database wrote from the host's clock: clock skew between the hosts shows.
 """
 
@@ -131,8 +128,7 @@ class Metrics(Listener):
         self._receive_lag = f.receive_lag.labels(service)
         self._handle_lag = f.handle_lag.labels(service)
         self._handler_duration = f.handler_duration.labels(service)
-        # Present from the start, at 0: a rate() over a counter that appears late misses its
-        # first increase.
+        # Present from the start, at 0: a rate() over a late counter misses its first increase.
         f.dead.labels(service, "rejected")
         f.dead.labels(service, "max_attempts")
         f.publish_failures.labels(service, PublishOutcome.NACKED.value)

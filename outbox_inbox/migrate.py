@@ -1,5 +1,4 @@
-"""The shipped alembic migrations, from code and from `outbox-inbox db`: upgrade, downgrade,
-current, history and check."""
+"""The shipped alembic migrations, from code and from `outbox-inbox db` (docs/cli.md, "db")."""
 
 from __future__ import annotations
 

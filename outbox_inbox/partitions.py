@@ -1,8 +1,7 @@
 """Time partitions of the outbox and the inbox on PostgreSQL: made ahead, dropped after the
 retention, exported to the archive first when it has a target (docs/history.md, "Retention").
-There is no DEFAULT partition (it would keep a partition from being detached concurrently),
-so the partitions are made `ahead` of time. The retention is the inbox's duplicate window:
-see `config.duplicate_horizon`."""
+No DEFAULT partition (it would keep a partition from being detached concurrently): they are
+made `ahead` of time. The retention is the inbox's duplicate window: `config.duplicate_horizon`."""
 
 from __future__ import annotations
 

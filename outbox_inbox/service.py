@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from . import migrate as migrations
 from .backoff import Backoff
 from .broker import Broker
+from .clock import as_timedelta
 from .config import Settings, validate_service_name
 from .database import business_engine, connect, is_sqlite, tables_for
 from .errors import (
@@ -231,16 +232,12 @@ class Service:
     def on_fault(
         self, pattern: str, *, retry: RetryPolicy | None = None, batch: bool = False
     ) -> Callable[[H], H]:
-        """Register a handler of the faults of what this service sent: commands (and events,
-        where the receiver opts in) that ended dead at their receiver (outbox_inbox.faults).
-
-        `pattern` is the dead message's routing key (``billing.invoice.create``) or a topic
-        pattern of it (``billing.#``). The fault is a command to this service whose payload
-        is a `Fault`: declare ``payload: Fault`` for it typed. The handler runs exactly once
-        like any handler, in the transaction that marks the fault processed; several handlers
-        matching one fault all run, in registration order. A fault no handler matches is
-        logged at INFO and processed (docs/failures.md). `retry`, `batch`: as in
-        `on_command`.
+        """Register a handler of the faults of what this service sent: commands (and events, where
+        the receiver opts in) that ended dead at their receiver (docs/concepts.md, "Faults back to
+        the sender"). `pattern` is the dead message's routing key (``billing.invoice.create``) or a
+        topic pattern of it (``billing.#``). The fault is a command to this service whose payload is
+        a `Fault`, run like any handler's message; several handlers matching one fault all run, in
+        registration order. `retry`, `batch`: as in `on_command`.
         """
         if not pattern or any(not w for w in pattern.split(".")):
             raise ConfigurationError(f"invalid fault pattern {pattern!r}")
@@ -307,13 +304,10 @@ class Service:
             )
 
     def record_subscriptions(self) -> None:
-        """Record the inbox queue's bindings in the ``subscriptions`` table (idempotent).
-
-        Runs in a transaction of the library's own; a binding keeps the database time of its
-        first recording. The audit expects an event at this service only when it was
-        published after the service subscribed to it. `start()` and `run_receiver()` call
-        this after declaring the topology. Raises StorageError.
-        """
+        """Record the inbox queue's bindings in the ``subscriptions`` table (idempotent), in a
+        transaction of the library's own; a binding keeps the database time of its first
+        recording (tables.py says what for). `start()` and `run_receiver()` call this after
+        declaring the topology. Raises StorageError."""
         queue = inbox_queue(self.name)
         bindings = [
             (b.exchange, b.routing_key)
@@ -328,10 +322,9 @@ class Service:
 
     def _advertise_before_binding(self) -> None:
         """Advertise this process's handlers in the instances table before its bindings are
-        declared, so that a message the new bindings route finds them before this process's
-        workers advertise their own: an old worker leaves it instead of marking it dead. The
-        row is not refreshed: it stops counting as live after ``no_handler_grace``. Raises
-        StorageError."""
+        declared, so that a message the new bindings route finds them before this process's workers
+        advertise their own: an old worker leaves it instead of marking it dead. The row is not
+        refreshed: it stops counting as live after ``no_handler_grace``. Raises StorageError."""
         grace = timedelta(seconds=self.settings.no_handler_grace)
         instance = f"{worker_name()} (receiver start)"
         try:
@@ -351,13 +344,10 @@ class Service:
             conn.commit()
 
     def maintain(self) -> MaintenanceResult:
-        """One maintenance pass of the time partitions (outbox_inbox.partitions): make them
-        ahead, export to ``archive_to`` and drop those past the ``retention``, and remove the
-        ``payload_store``'s payloads past it (on SQLite too, where no role runs it). What every role
-        runs at its start and every ``maintenance_interval`` seconds; one pass at a time per
-        schema (another one running: this one returns ``busy``). No partitions on SQLite.
-        Raises StorageError (a refused DDL statement: the service's role lacks the rights,
-        docs/security.md)."""
+        """One maintenance pass (docs/history.md, "The maintenance pass"; on SQLite, no partitions),
+        then the ``payload_store``'s payloads past the retention are removed (on SQLite too, where
+        no role runs it). Returns ``busy`` when another pass of the schema runs. Raises StorageError
+        (a refused DDL statement: the service's role lacks the rights, docs/security.md)."""
         from .partitions import MaintenanceResult, Retention, maintain
 
         s, result = self.settings, MaintenanceResult()
@@ -371,7 +361,7 @@ class Service:
                 self.engine,
                 self.tables,
                 interval=s.partition_interval,
-                retention=Retention(_seconds(s.retention), _seconds(s.dead_retention)),
+                retention=Retention(as_timedelta(s.retention), as_timedelta(s.dead_retention)),
                 exporter=exporter,
             )
         if s.payload_store is not None and s.retention is not None and not result.busy:
@@ -679,8 +669,7 @@ class Service:
 
     def run_receiver(self, *, fail_fast: bool | None = None) -> None:
         """Run only the receiver in this thread until SIGTERM or SIGINT (waits as `start()`),
-        after declaring the topology (checking it with ``declare=False``) and recording the
-        subscriptions."""
+        after declaring (``declare=False``: checking) the topology and recording subscriptions."""
         self._run_role(self.receiver().run, topology=True, fail_fast=fail_fast)
 
     def run_worker(self, *, fail_fast: bool | None = None) -> None:
@@ -910,7 +899,3 @@ def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
-
-
-def _seconds(value: float | None) -> timedelta | None:
-    return None if value is None else timedelta(seconds=value)

@@ -170,9 +170,8 @@ def dead_count(status: dict[str, Any]) -> int:
     return count
 
 
-#: Without a lag bound, how long inbox rows may wait claimable, with no row in progress and
-#: none handled, before `problems` says no worker runs (the default lease, 60 s: a worker
-#: that died holds its rows that long anyway).
+#: Without a lag bound, how long inbox rows may wait claimable, none in progress or handled,
+#: before `problems` says no worker runs (the default lease: a dead worker's rows wait as long).
 STALLED_AFTER = 60.0
 
 
@@ -183,11 +182,9 @@ def problems(
     lists it: lag, a stalled inbox (`_stalled`, even without thresholds), dead letters, the
     broker, the inbox queue. Empty when healthy."""
     out = []
+    lags = (("outbox", "oldest_age_seconds"), ("inbox", "oldest_pending_age_seconds"))
     if max_lag is not None:
-        for part, field in (
-            ("outbox", "oldest_age_seconds"),
-            ("inbox", "oldest_pending_age_seconds"),
-        ):
+        for part, field in lags:
             age = status[part][field]
             if age is not None and age > max_lag:
                 out.append(f"{part} lag {age:.1f}s exceeds --max-lag {max_lag:g}s")

@@ -172,8 +172,7 @@ class WorkerProcesses:
                 self._start(slot)
 
     def stop(self) -> None:
-        """Ask every child to stop (SIGTERM) and wait up to ``stop_timeout`` seconds for all;
-        kill those still running."""
+        """SIGTERM every child, wait up to ``stop_timeout`` seconds for all, kill the rest."""
         for process, _ in self._children.values():
             if process.is_alive() and process.pid is not None:
                 with contextlib.suppress(ProcessLookupError):

@@ -166,8 +166,7 @@ def _outbox_table(metadata: MetaData) -> Table:
 
 
 def _outbox_indexes(outbox: Table) -> None:
-    """The partial indexes of the rows still to publish (all, and those with a key) and of
-    the dead rows."""
+    """The partial indexes of the rows to publish (all, and those with a key) and the dead."""
     unsent = outbox_unsent(outbox)
     _partial_index("ix_outbox_messages_unpublished", unsent, outbox.c.id)
     # The relay's rows and the webhook deliveries apart: an endpoint's deliveries waiting for a

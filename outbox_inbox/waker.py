@@ -47,8 +47,7 @@ RELEASE_HOLD = 100
 # Paths (masked URL) already warned about: a warning once per process, not per role.
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
-# One `release_listen` at a time per process: two would hold the server connections each
-# other looks for.
+# One `release_listen` at a time per process: two would hold what the other looks for.
 _release_lock = threading.Lock()
 
 
@@ -305,8 +304,7 @@ class Waker:
 
     def _took_lead(self, conn: psycopg.Connection[tuple[object, ...]]) -> bool:
         """Take the lead if its holder is gone (its session ended): listen on the lead's channel
-        from now on. False when another waker leads, or on an error (the next wait tries
-        again)."""
+        from now on. False when another waker leads, or on an error (the next wait retries)."""
         try:
             if not _take_lead(conn, self._lead):
                 return False
@@ -329,8 +327,7 @@ class Waker:
 
 
 def _take_lead(conn: psycopg.Connection[tuple[object, ...]], channel: str) -> bool:
-    """Whether this session holds, or now takes, the lead of `channel` (a session advisory
-    lock, released with the session)."""
+    """Whether this session holds, or now takes, the lead of `channel` (a session lock)."""
     row = conn.execute(
         "SELECT pg_try_advisory_lock(%s, hashtext(%s))", (roles.LEAD_LOCK, channel)
     ).fetchone()
@@ -338,14 +335,13 @@ def _take_lead(conn: psycopg.Connection[tuple[object, ...]], channel: str) -> bo
 
 
 def release_listen(conninfo: str, channel: str, pid: int, *, probe: Engine | None = None) -> bool:
-    """UNLISTEN `channel` on the server connection of backend `pid`, behind the pooler at
-    `conninfo` (transaction mode); True once done or once that backend is gone (`probe`, an
-    engine of the same database, tells), else a warning and False.
+    """UNLISTEN `channel` on the server connection of backend `pid`, behind the pooler at `conninfo`
+    (transaction mode); True once done or once that backend is gone (`probe`, an engine of the same
+    database, tells), else a warning and False.
 
-    The pooler picks the server connection of each transaction, so `pid`'s is reached by
-    holding a transaction on each other one it hands out; a step given none within
-    `RELEASE_WAIT` lets go of all, so it never waits while holding. `RELEASE_HOLD` and
-    `RELEASE_TIMEOUT` bound it.
+    The pooler picks the server connection of each transaction, so `pid`'s is reached by holding a
+    transaction on each other one it hands out; a step given none within `RELEASE_WAIT` lets go of
+    all, so it never waits while holding. `RELEASE_HOLD` and `RELEASE_TIMEOUT` bound it.
     """
     query = (
         sql.SQL("BEGIN; UNLISTEN {}; SELECT pg_backend_pid()")

@@ -1,6 +1,5 @@
-"""What the RabbitMQ broker and its operator session both need of pika: the errors that mean a
-connection is gone, closing a connection without hanging, declaring an exchange or a queue, and
-a delivery as a WireMessage."""
+"""What the RabbitMQ broker and its operator session both need of pika: the errors of a lost
+connection, closing one without hanging, declaring an exchange or queue, a delivery's message."""
 
 from __future__ import annotations
 

@@ -254,12 +254,11 @@ _CACHE_SIZE = 4096
 class _PublishFrames:
     """The AMQP frames of a persistent, mandatory ``basic.publish`` on one channel.
 
-    Byte for byte what pika's ``Channel.basic_publish`` writes for the message, persistent
-    (the method frame, the content header and the body frames), built without pika's frame
-    objects, so that a publisher can hand many messages to the socket in one write. The
-    parts that repeat from message to message (the method frame of an exchange and routing
-    key, short strings such as the content type, header entries such as ``x-kind``) are
-    encoded once and kept.
+    Byte for byte what pika's ``Channel.basic_publish`` writes for the message, persistent (the
+    method frame, the content header and the body frames), built without pika's frame objects, so
+    that a publisher can hand many messages to the socket in one write. The parts that repeat from
+    message to message (the method frame of an exchange and routing key, short strings such as the
+    content type, header entries such as ``x-kind``) are encoded once and kept.
     """
 
     def __init__(self, channel_number: int, body_max: int) -> None:
@@ -879,8 +878,7 @@ class RabbitMQConsumer:
         except pika.exceptions.NackError as exc:
             raise BrokerError(f"the broker refused a forwarded message: {exc!r}") from exc
         except CONNECTION_ERRORS as exc:
-            # A channel error (e.g. a missing exchange) closes the forwarding channel: open a
-            # new one next time.
+            # A channel error (a missing exchange) closes the forwarding channel: a new one next.
             self._forward_channel = None
             raise BrokerConnectionError(f"forwarding failed: {exc!r}") from exc
 

@@ -9,11 +9,6 @@ from .security import Guard, check_bind
 from .server import make_dashboard_server
 
 __all__ = [
-    "ActionResult",
-    "Dashboard",
-    "Guard",
-    "WatchedService",
-    "act",
-    "check_bind",
+    "ActionResult", "Dashboard", "Guard", "WatchedService", "act", "check_bind",
     "make_dashboard_server",
-]
+]  # fmt: skip

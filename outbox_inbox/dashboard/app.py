@@ -1,10 +1,9 @@
 """The dashboard as a WSGI application: a few routes over `WatchedService`, those of
 docs/dashboard.md ("What it shows") and ``/dashboard.css``.
 
-Each request runs in its own thread of the server and opens its own broker connections; the
-database engines are shared (SQLAlchemy pools are thread-safe). The overview reads its
-services at the same time, each in a thread of its own: a page takes as long as the slowest
-service, not the sum of them.
+Each request runs in its own thread of the server and opens its own broker connections; the database
+engines are shared (SQLAlchemy pools are thread-safe). The overview reads its services at the same
+time, each in a thread of its own: a page takes as long as the slowest service, not the sum of them.
 """
 
 from __future__ import annotations

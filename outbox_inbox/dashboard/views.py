@@ -168,8 +168,7 @@ OVERVIEW_HEADERS = (
 
 
 def overview(entries: Sequence[Shown], charts: Safe, refresh: int | None) -> Safe:
-    """One line per service: lag, backlog, rates, dead letters; or why it could not be read.
-    Then the charts."""
+    """One line per service (lag, backlog, rates, dead letters; or why it was not read), charts."""
     rows = []
     for entry in entries:
         name, status, rates = entry.name, entry.status, entry.rates
@@ -494,8 +493,7 @@ def confirm_page(
     more: bool = False,
 ) -> Safe:
     """What `action` would do to `letters`, and its form. `group`: the dead-letter group
-    (fingerprint) and parked state the form keeps to; `more`: the group has more letters
-    than the form holds."""
+    (fingerprint) and parked state the form keeps to; `more`: the group has more than these."""
     group = group or Filters()
     hidden = [("csrf", csrf), ("service", name), ("source", source), ("action", action)]
     hidden += [("id", d.message_id) for d in letters]

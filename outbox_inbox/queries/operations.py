@@ -67,8 +67,7 @@ class DeadFilters(TypedDict, total=False):
 
 def dead_rows(conn: Connection, t: Table, **filters: Unpack[DeadFilters]) -> Iterator[RowMapping]:
     """Dead rows of table `t` (the inbox or the outbox) matching every given filter, in id
-    order, streamed 500 at a time; each row carries ``dead_at`` (when it died) and
-    ``age_seconds``."""
+    order, streamed 500 at a time; each with ``dead_at`` (when it died) and ``age_seconds``."""
     dead_at = dead_since(t)
     died = [dead_at.label("dead_at")] if "status" in t.c else []  # the outbox has its dead_at
     stmt = select(t, *died, db_age(dead_at).label("age_seconds")).where(*_dead_where(t, filters))
@@ -76,15 +75,13 @@ def dead_rows(conn: Connection, t: Table, **filters: Unpack[DeadFilters]) -> Ite
 
 
 def count_dead(conn: Connection, t: Table, **filters: Unpack[DeadFilters]) -> int:
-    """How many dead rows of table `t` (the inbox or the outbox) match every given filter; one
-    count query, no row is loaded."""
+    """How many dead rows of table `t` match every given filter: one count query, no row loaded."""
     stmt = select(func.count()).select_from(t).where(*_dead_where(t, filters))
     return int(conn.execute(stmt).scalar_one())
 
 
 def _dead_where(t: Any, filters: DeadFilters) -> list[ColumnElement[bool]]:
-    """The conditions of a dead-row selection of table `t`: dead (or parked) and every filter
-    given."""
+    """The conditions of a dead-row selection of table `t`: dead (or parked), every filter."""
     where: list[ColumnElement[bool]] = []
     if routing_keys := filters.get("routing_keys"):
         where.append(t.c.routing_key.in_(list(routing_keys)))
@@ -103,8 +100,7 @@ def _dead_where(t: Any, filters: DeadFilters) -> list[ColumnElement[bool]]:
 
 
 def _dead_or_parked(t: Any, parked: bool) -> ColumnElement[bool]:
-    """The dead rows of table `t` (an operator's parked rows are not among them), or the
-    parked rows."""
+    """The dead rows of table `t` (not an operator's parked rows), or the parked rows."""
     if "status" in t.c:
         state: ColumnElement[bool] = t.c.status == (PARKED if parked else DEAD)
         return state
@@ -140,8 +136,7 @@ def replay_dead(
 def purge_dead(
     conn: Connection, t: Table, ids: Sequence[int], *, parked: bool = False
 ) -> list[int]:
-    """Delete the rows of `ids` of table `t` still dead (`parked`: parked); return the ids
-    deleted."""
+    """Delete the rows of `ids` of table `t` still dead (`parked`: parked); return their ids."""
     if not ids:
         return []
     stmt = delete(t).where(t.c.id.in_(list(ids)), _dead_or_parked(t, parked)).returning(t.c.id)
@@ -254,14 +249,13 @@ TOP_TENANTS = 10
 
 def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
     """Inbox rows by state (docs/cli.md, "status"), the age of the oldest pending row, and the
-    counts per type, with the type's caps (``cap``: ``max_concurrency``; ``rate``:
-    ``[n, seconds]``) and whether one holds back work now. ``claimable`` rows are those a
-    worker's claim would take now (due, not leased, not held behind an earlier row of their
-    key); ``oldest_claimable_age_seconds`` is how long the longest-waiting of them has been
-    claimable (since its retry came due or its lease ran out); ``last_handled_age_seconds``
-    the age of the newest processed or dead row's ``processed_at`` (None without one).
-    ``tenants_waiting``: the tenants with pending rows; ``by_tenant``: the `TOP_TENANTS` of
-    them with the most rows waiting.
+    counts per type, with the type's caps (``cap``: ``max_concurrency``; ``rate``: ``[n, seconds]``)
+    and whether one holds back work now. ``claimable`` rows are those a worker's claim would take
+    now (due, not leased, not held behind an earlier row of their key);
+    ``oldest_claimable_age_seconds`` is how long the longest-waiting of them has been claimable
+    (since its retry came due or its lease ran out); ``last_handled_age_seconds`` the age of the
+    newest processed or dead row's ``processed_at`` (None without one). ``tenants_waiting``: the
+    tenants with pending rows; ``by_tenant``: the `TOP_TENANTS` of them with the most rows waiting.
     """
     i = tables.inbox
     claimable_since = case(

@@ -110,8 +110,7 @@ def attach(
 
 
 def detach(conn: Connection, schema: str, parent: str, name: str, *, finalize: bool) -> None:
-    """``DETACH PARTITION … CONCURRENTLY`` (writers and readers go on), or ``… FINALIZE`` to
-    finish one a pass left pending."""
+    """``DETACH PARTITION … CONCURRENTLY`` (writers and readers go on), or ``… FINALIZE``."""
     how = "FINALIZE" if finalize else "CONCURRENTLY"
     statement = "ALTER TABLE {s}.{parent} DETACH PARTITION {s}.{name} " + how
     _ddl(conn, statement, schema, parent=parent, name=name)

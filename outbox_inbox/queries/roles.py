@@ -322,18 +322,14 @@ def release_webhooks(conn: Connection, tables: Tables, ids: Sequence[int]) -> No
         )
 
 
+#: The outbox columns a relay does not publish from.
+_UNRELAYED = ("available_at", "published_at", "expired_at", "last_error", "dead_at", "dead_reason")
+
+
 def _relayed_columns(tables: Tables, postgres: bool) -> list[Any]:
     """The outbox columns a relay publishes from."""
     o = tables.outbox
-    left_out = (
-        "available_at",
-        "published_at",
-        "expired_at",
-        "last_error",
-        "dead_at",
-        "dead_reason",
-    )
-    relayed: list[Any] = [c for c in o.c if c.name not in left_out]
+    relayed: list[Any] = [c for c in o.c if c.name not in _UNRELAYED]
     if postgres:
         # Most rows have no headers of their own: NULL for those spares decoding a `{}`.
         empty = cast(literal("{}"), JSONB)
@@ -723,8 +719,7 @@ _LOCK_CAPS = text(
 
 @cache
 def _claim_statement(tables: Tables, liveness: bool) -> Any:
-    """The FIFO claim of `claim_inbox`, built once per schema (the worker runs it for every
-    batch)."""
+    """The FIFO claim of `claim_inbox`, built once per schema (a worker runs it every batch)."""
     i = tables.inbox
     due = (
         select(i.c.id)

@@ -43,13 +43,9 @@ from ..tables import DEAD, PENDING, PROCESSED, Tables, outbox_unsent
 from ..topology import dead_letter_queue, delay_queue, inbox_queue, topic_matches
 
 __all__ = [
-    "HarnessTimeout",
-    "InboxRow",
-    "NotDelivered",
-    "PublishedMessage",
-    "ServiceHarness",
+    "HarnessTimeout", "InboxRow", "NotDelivered", "PublishedMessage", "ServiceHarness",
     "run_all_until_idle",
-]
+]  # fmt: skip
 
 #: How long `run_until_idle` waits by default before it gives up (seconds).
 DEFAULT_TIMEOUT = 10.0
@@ -298,15 +294,13 @@ class ServiceHarness:
         return total
 
     def in_flight(self) -> int:
-        """Messages ready in this service's inbox queue, not yet received (0 in memory, where
-        a publish lands at once)."""
+        """Messages ready in the inbox queue, not received yet (0 in memory: none is in flight)."""
         return (self.broker.queue_depth(inbox_queue(self.service.name)) or 0) if self.real else 0
 
     def work(self) -> int:
-        """Run the handlers of every due inbox row (`Worker.work_once` until none is due);
-        return the rows claimed, each one handling attempt. A service with ``async def``
-        handlers is worked as docs/testing.md ("The harness") says: on SQLite this raises
-        ConfigurationError."""
+        """Run the handlers of every due inbox row (`Worker.work_once` until none is due); return
+        the rows claimed, each one handling attempt. A service with ``async def`` handlers is worked
+        as docs/testing.md ("The harness") says: on SQLite this raises ConfigurationError."""
         if self.service.handlers.any_async:
             return self._work_async()
         with self._worker.connect() as conn:

@@ -59,17 +59,9 @@ from sqlalchemy.engine import make_url
 from ..brokers import rabbitmq as _rabbitmq  # noqa: F401
 
 __all__ = [
-    "PG_BIN_DIR",
-    "RABBITMQ_SBIN_DIR",
-    "ExternalPostgres",
-    "ExternalRabbitMQ",
-    "PostgresHandle",
-    "PostgresServer",
-    "RabbitMQHandle",
-    "RabbitMQServer",
-    "ServerError",
-    "free_port",
-]
+    "PG_BIN_DIR", "RABBITMQ_SBIN_DIR", "ExternalPostgres", "ExternalRabbitMQ", "PostgresHandle",
+    "PostgresServer", "RabbitMQHandle", "RabbitMQServer", "ServerError", "free_port",
+]  # fmt: skip
 
 log = logging.getLogger("outbox_inbox.testing.servers")
 
@@ -94,9 +86,8 @@ _LOWEST_PORT = 10000
 
 
 def free_port(host: str = LOCALHOST) -> int:
-    """Return a TCP port that is free on ``host`` now and was never handed out by this
-    process, below the kernel's ephemeral range: docs/testing.md ("Private servers for tests")
-    says why."""
+    """A TCP port free on ``host`` now, never handed out by this process, below the kernel's
+    ephemeral range (why: docs/testing.md, "Private servers for tests")."""
     try:  # the kernel's first port for outgoing connections; off Linux, its default
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):

@@ -17,9 +17,8 @@ _shared: MemoryBroker | None = None
 
 class MemoryBroker:
     """A RabbitMQ-like broker held in this process's memory; nothing in it is durable. The
-    package's documentation says what it keeps and how threads share it. Once closed, every
-    operation raises BrokerConnectionError, like a broker that went away; usable as a context
-    manager that closes it."""
+    package's documentation says what it keeps and how threads share it. Once closed (also by
+    leaving its ``with`` block), every operation raises BrokerConnectionError."""
 
     def __init__(self, *, name: str | None = None, max_message_bytes: int | None = None) -> None:
         self._core = BrokerCore(name or uuid.uuid4().hex[:12], max_message_bytes)

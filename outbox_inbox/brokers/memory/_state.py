@@ -22,15 +22,9 @@ EXCHANGE_TYPES = frozenset({"direct", "fanout", "topic"})
 #: The queue arguments RabbitMQ 3.10 compares on a redeclare, among those the topology declares
 #: (a quorum queue compares ``x-delivery-limit`` too); any other argument may differ.
 COMPARED_ARGUMENTS = (
-    "x-message-ttl",
-    "x-dead-letter-exchange",
-    "x-dead-letter-routing-key",
-    "x-max-length",
-    "x-max-priority",
-    "x-overflow",
-    "x-single-active-consumer",
-    "x-queue-type",
-)
+    "x-message-ttl", "x-dead-letter-exchange", "x-dead-letter-routing-key", "x-max-length",
+    "x-max-priority", "x-overflow", "x-single-active-consumer", "x-queue-type",
+)  # fmt: skip
 
 #: Header a quorum queue adds to a message it delivers again (RabbitMQ 3.10).
 H_DELIVERY_COUNT = "x-delivery-count"
