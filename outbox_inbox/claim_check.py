@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 import time
 import uuid
 from collections.abc import Iterable
@@ -104,8 +103,9 @@ def _database(url: str, schema: str) -> Database:
 @dataclass(frozen=True)
 class DirectoryPayloadStore:
     """Payloads as files in `path`, a directory every sender and receiver mounts. Written when
-    the message is (not in the transaction): one whose transaction rolls back leaves its file
-    until `delete_older_than` removes it."""
+    the message is (not in the transaction), and fsynced with the directory's entry before
+    `put` returns; one whose transaction rolls back leaves its file until `delete_older_than`
+    removes it."""
 
     name: str
     path: str
@@ -114,12 +114,15 @@ class DirectoryPayloadStore:
         validate_identifier(self.name, "payload store")
 
     def put(self, session: Session | Connection, key: str, data: bytes) -> None:
-        try:
-            with tempfile.NamedTemporaryFile(dir=self.path, prefix=".", delete=False) as file:
+        try:  # a fresh key, read once the transaction naming it commits: no rename needed
+            with Path(self.path, key).open("wb") as file:
                 file.write(data)
-                file.flush()
                 os.fsync(file.fileno())
-            os.replace(file.name, Path(self.path, key))  # whole or absent, never half written
+            directory = os.open(self.path, os.O_RDONLY)  # and its name, before the row
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
         except OSError as exc:
             raise StorageError(f"payload store {self.name!r} cannot be written: {exc}") from exc
 
@@ -157,8 +160,8 @@ def resolve(message: Message, stores: Iterable[PayloadStore | None]) -> Message:
     size, digest = message.headers.get(H_PAYLOAD_SIZE), message.headers.get(H_PAYLOAD_SHA256)
     if len(data) != size or hashlib.sha256(data).hexdigest() != digest:
         raise PayloadMissing(f"payload {ref} does not match its size and SHA-256")
-    try:
-        return replace(message, payload=decode_body(data))
+    try:  # never stored as jsonb: any JSON value will do (docs/wire-format.md)
+        return replace(message, payload=decode_body(data, jsonb=False))
     except InvalidMessage as exc:
         raise PayloadMissing(f"payload {ref}: {exc}") from exc
 
