@@ -152,10 +152,8 @@ class WireMessage:
 def forwarded_headers(message: WireMessage, added: Mapping[str, Any]) -> dict[str, Any]:
     """`message`'s headers, where it was first delivered (``x-original-exchange``,
     ``-routing-key``) unless they say already, and `added`: those of a forwarded copy."""
-    headers = dict(message.headers)
-    headers.setdefault(H_ORIGINAL_EXCHANGE, message.exchange)
-    headers.setdefault(H_ORIGINAL_ROUTING_KEY, message.routing_key)
-    return headers | dict(added)
+    first = {H_ORIGINAL_EXCHANGE: message.exchange, H_ORIGINAL_ROUTING_KEY: message.routing_key}
+    return first | dict(message.headers) | dict(added)
 
 
 #: `json.dumps` with these options, without building an encoder for each call.
@@ -218,11 +216,6 @@ def payload_json(payload: Any, *, limit: int | None = None) -> str:
     return text
 
 
-def encode_payload(payload: Any, *, limit: int | None = None) -> bytes:
-    """Serialize `payload` to JSON bytes; raise MessageError, or PayloadTooLarge over `limit`."""
-    return payload_json(payload, limit=limit).encode("utf-8")
-
-
 def check_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
     """Return a JSON-safe copy of a sender's headers; reserved or non-JSON headers are refused."""
     if not headers:
@@ -234,7 +227,7 @@ def check_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
     for name in headers:
         if not isinstance(name, str):
             raise MessageError(f"header names must be str, got {name!r}")
-    encode_payload(dict(headers))
+    payload_json(dict(headers))
     return dict(headers)
 
 
@@ -255,7 +248,7 @@ def to_wire(message: OutgoingMessage, body: bytes | None = None) -> WireMessage:
     return WireMessage(
         exchange=message.exchange,
         routing_key=message.routing_key,
-        body=body if body is not None else encode_payload(message.payload),
+        body=body if body is not None else payload_json(message.payload).encode(),
         message_id=str(message.message_id),
         type=message.routing_key,
         correlation_id=message.correlation_id,
@@ -406,8 +399,8 @@ def inbox_id(message_id: str) -> uuid.UUID:
 
 
 def decode_body(body: bytes, *, jsonb: bool = True) -> Any:
-    """The JSON value of a body, if PostgreSQL's jsonb can store it (any JSON value without
-    `jsonb`); else InvalidMessage."""
+    """The JSON value of a body, if PostgreSQL's jsonb can store it (not checked without
+    `jsonb`: the scans cost more than the parse of a large body); else InvalidMessage."""
     try:
         text = bytes(body).decode("utf-8-sig")  # a byte order mark is tolerated
     except UnicodeDecodeError as exc:
@@ -418,11 +411,9 @@ def decode_body(body: bytes, *, jsonb: bool = True) -> Any:
         raise InvalidMessage(f"body is nested deeper than {MAX_JSON_DEPTH} levels") from exc
     except ValueError as exc:
         raise InvalidMessage(f"body is not JSON: {exc}") from exc
-    if not jsonb:  # the scans below cost more than the parse of a large text
-        return payload
-    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and _too_deep(payload):
+    if jsonb and text.count("[") + text.count("{") > MAX_JSON_DEPTH and _too_deep(payload):
         raise InvalidMessage(f"body is nested deeper than {MAX_JSON_DEPTH} levels")
-    if _SUSPECT_ESCAPE.search(text):
+    if jsonb and _SUSPECT_ESCAPE.search(text):
         _check_strings(payload, "body")
     return payload
 

@@ -15,8 +15,8 @@ from outbox_inbox.messages import (
     OutgoingMessage,
     WireMessage,
     check_headers,
-    encode_payload,
     from_wire,
+    payload_json,
     to_wire,
 )
 
@@ -107,12 +107,12 @@ def test_invalid_envelope_is_refused_with_its_reason(wire: WireMessage, reason: 
 
 def test_payload_must_be_json_and_within_the_limit() -> None:
     with pytest.raises(MessageError, match="JSON"):
-        encode_payload({"when": datetime.now(UTC)})
+        payload_json({"when": datetime.now(UTC)})
     with pytest.raises(MessageError):
-        encode_payload(float("nan"))
+        payload_json(float("nan"))
     with pytest.raises(PayloadTooLarge, match="over the limit"):
-        encode_payload("x" * 100, limit=50)
-    assert encode_payload({"a": 1}, limit=50) == b'{"a":1}'
+        payload_json("x" * 100, limit=50)
+    assert payload_json({"a": 1}, limit=50) == '{"a":1}'
 
 
 @pytest.mark.parametrize(
@@ -131,7 +131,7 @@ def test_a_payload_json_cannot_hold_is_refused_naming_where_the_value_is(
     payload: object, named: str
 ) -> None:
     with pytest.raises(MessageError) as raised:
-        encode_payload(payload)
+        payload_json(payload)
     assert named in str(raised.value)
 
 
