@@ -158,6 +158,8 @@ def forwarded_headers(message: WireMessage, added: Mapping[str, Any]) -> dict[st
 
 #: `json.dumps` with these options, without building an encoder for each call.
 _JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+#: How the encoder writes a key that was an int, a float, a bool or None ("1", "true").
+_CONVERTED_KEY = re.compile(r'"(?:-?\d[\d.e+-]*|true|false|null)":')
 
 
 def _first_unserializable(value: Any, path: str) -> str | None:
@@ -199,8 +201,9 @@ def payload_json(payload: Any, *, limit: int | None = None) -> str:
     is over `limit` bytes. A key that is not a string is refused: JSON would make ``{1: "a"}``
     ``{"1": "a"}``, and the handler would get a payload its sender never wrote."""
     try:
-        _check_keys(payload)
         text = _JSON.encode(payload)
+        if _CONVERTED_KEY.search(text):  # walking every node costs more than the encoding
+            _check_keys(payload)
     except (TypeError, ValueError) as exc:
         where = _first_unserializable(payload, "payload")
         raise MessageError(
@@ -331,11 +334,9 @@ def _parse_time(value: Any, name: str) -> datetime | None:
 
 
 def _text(value: Any) -> str | None:
-    if value is None:
-        return None
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
-    return str(value)
+    return None if value is None else str(value)
 
 
 def _int(value: Any) -> int | None:
@@ -370,11 +371,9 @@ def _property(value: Any, name: str) -> str | None:
 
 def _column(value: str | None, name: str) -> str | None:
     """`value` if a text column can hold it: at most TEXT_MAX characters, no U+0000."""
-    if value is None:
-        return None
-    if len(value) > TEXT_MAX:
+    if value and len(value) > TEXT_MAX:
         raise InvalidMessage(f"{name} is longer than {TEXT_MAX} characters")
-    if "\x00" in value:
+    if value and "\x00" in value:
         raise InvalidMessage(f"{name} holds the character U+0000")
     return value
 
