@@ -168,7 +168,6 @@ def _p99_of_b(pg: PostgresServer, endpoint: Endpoint, run: str, seconds: float) 
     role = WebhookRole(
         service="bench", engine=service.engine, tables=service.tables, settings=service.settings
     )
-    role.waker_factory = service._waker(service.tables.outbox.name)  # as `Service` starts it
     stop = threading.Event()
     thread = threading.Thread(target=role.run, args=(stop,))
     thread.start()

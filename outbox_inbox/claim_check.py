@@ -129,16 +129,18 @@ class DirectoryPayloadStore:
             raise PayloadMissing(f"payload {self.name}/{key} is not in {self.path}") from exc
 
     def delete_older_than(self, seconds: float) -> int:
-        cutoff = time.time() - seconds
-        old = [e for e in os.scandir(self.path) if e.is_file() and e.stat().st_mtime < cutoff]
-        for entry in old:
-            Path(entry.path).unlink(missing_ok=True)
-        return len(old)
+        cutoff, deleted = time.time() - seconds, 0
+        for entry in os.scandir(self.path):
+            if entry.is_file() and entry.stat().st_mtime < cutoff:
+                Path(entry.path).unlink(missing_ok=True)
+                deleted += 1
+        return deleted
 
 
 def read(headers: Mapping[str, Any], stores: Iterable[PayloadStore | None]) -> bytes | None:
-    """The bytes of the payload `headers` refer to (None without one), read from the store of
-    that name in `stores` and checked (size, SHA-256), else PayloadMissing; store errors pass."""
+    """The bytes of the payload `headers` refer to (None without a reference), read from the
+    store of that name among `stores` and checked against its size and SHA-256 (PayloadMissing
+    if they cannot be had). What a store raises otherwise is raised."""
     ref = headers.get(H_PAYLOAD_REF)
     if ref is None:
         return None

@@ -675,9 +675,7 @@ class Service:
         if not self.settings.webhooks:
             return ()
         e, t, s = self.engine, self.tables, self.settings
-        role = WebhookRole(service=self.name, engine=e, tables=t, settings=s)
-        role.waker_factory = self._waker(t.outbox.name)  # as the relay's
-        return (("webhooks", role.run),)
+        return (("webhooks", WebhookRole(service=self.name, engine=e, tables=t, settings=s).run),)
 
     def run_receiver(self, *, fail_fast: bool | None = None) -> None:
         """Run only the receiver in this thread until SIGTERM or SIGINT (waits as `start()`),

@@ -1,7 +1,8 @@
 """Webhooks out: events delivered to HTTP endpoints, signed as Standard Webhooks 1.0 says.
 
 Each event an endpoint's patterns match gets a delivery row of its own in the outbox (exchange
-``webhook:<name>``, `outbox.delivery_rows`), which the `WebhookRole` POSTs (docs/concepts.md)."""
+``webhook:<name>``, `outbox.delivery_rows`), which the `WebhookRole` POSTs (docs/concepts.md).
+"""
 
 from __future__ import annotations
 
@@ -124,8 +125,6 @@ class WebhookRole:
     """Delivers the webhook rows of a service: `max_in_flight` threads per endpoint, each
     sending one request at a time. At least once: receivers dedupe on ``webhook-id``."""
 
-    waker_factory: Callable[[threading.Event], Any] | None = None  # the outbox's NOTIFY
-
     def __init__(self, *, service: str, engine: Engine, tables: Tables, settings: Settings) -> None:
         self._service, self._engine, self._tables = service, engine, tables
         self._settings, self._stores = settings, (settings.payload_store, *settings.payload_sources)
@@ -138,8 +137,7 @@ class WebhookRole:
         s, threads = self._settings, []
         for hook, n in ((h, n) for h in s.webhooks for n in range(h.max_in_flight)):
             what = f"webhook {hook.name} of {self._service}"
-            wake = self.waker_factory if n == 0 else None  # one LISTEN connection an endpoint
-            loop = RoleLoop(what, s, log, 1, s.relay_poll_interval, wake, (Exception,))
+            loop = RoleLoop(what, s, log, poll_interval=s.relay_poll_interval, retried=(Exception,))
             step, name = partial(self.deliver, hook, stop), f"outbox-inbox-{what}-{n}"
             thread = threading.Thread(target=loop.run, args=(stop, step), name=name, daemon=True)
             thread.start()

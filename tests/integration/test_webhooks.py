@@ -446,20 +446,3 @@ def test_an_event_sent_by_reference_is_delivered_with_its_payload_or_dead_withou
         assert fault.payload["reason"] == "payload_missing"
         assert role.deliver(hook) == 0 and server.count("/crm") == 1
         service.close()
-
-
-def test_an_idle_endpoint_wakes_on_the_outboxs_notify_not_its_poll(db_url: str) -> None:
-    """The poll interval an hour: once the endpoint's thread has found nothing and waits, an
-    event committed later is still delivered, by the outbox's NOTIFY (as the relay wakes)."""
-    with endpoint() as server:
-        hook = _hook(server, "crm", max_in_flight=1)
-        service = _service(db_url, [hook], relay_poll_interval=3600.0)
-        _publish(service)  # found by the first step
-        service.start(receiver=False, workers=0)
-        try:
-            wait_until(lambda: all(r.sent for r in _deliveries(db_url, "crm")), what="first")
-            _publish(service)  # after the step that found it, and the next, which found none
-            wait_until(lambda: server.count("/crm") == 2, what="woken by NOTIFY")
-        finally:
-            service.stop()
-            service.close()
