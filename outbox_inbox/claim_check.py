@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from sqlalchemy import Connection, create_engine
 from sqlalchemy.exc import SQLAlchemyError
@@ -71,7 +70,7 @@ class PostgresPayloadStore:
             raise storage_error(exc, f"writing to payload store {self.name!r}") from exc
 
     def get(self, key: str) -> bytes:
-        db = self._database()
+        db = _database(self.name, self.db_url, self.schema)
         try:  # a StorageError: a handler failure, retried (not the worker's own connection)
             with db.engine.connect() as conn:
                 data = roles.read_payload(conn, db.tables, key)
@@ -82,19 +81,16 @@ class PostgresPayloadStore:
         return bytes(data)
 
     def delete_older_than(self, seconds: float) -> int:
-        db = self._database()
+        db = _database(self.name, self.db_url, self.schema)
         with db.engine.begin() as conn:
             return archive.prune_payloads(conn, db.tables, seconds)
 
-    def _database(self) -> Database:
-        if not self.db_url:
-            raise ConfigurationError(f"payload store {self.name!r} needs the db_url it is in")
-        return _database(self.db_url, self.schema)
-
 
 @cache
-def _database(url: str, schema: str) -> Database:
+def _database(name: str, url: str | None, schema: str) -> Database:
     """The store's engine: no pool on PostgreSQL (a connection a read, safe across forks)."""
+    if not url:
+        raise ConfigurationError(f"payload store {name!r} needs the db_url it is in")
     if is_sqlite(url):
         return connect(url, schema)
     engine = create_engine(url, poolclass=NullPool, connect_args=client_bounds(url))
@@ -103,9 +99,9 @@ def _database(url: str, schema: str) -> Database:
 
 @dataclass(frozen=True)
 class DirectoryPayloadStore:
-    """Payloads as files in `path`, a directory every sender and receiver mounts. Written when
-    the message is (not in the transaction): one whose transaction rolls back leaves its file
-    until `delete_older_than` removes it."""
+    """Payloads as files in `path`, a directory every sender and receiver mounts, written and
+    fsynced (the file, then the directory) by `put`, not in the transaction: one that rolls
+    back leaves its file until `delete_older_than` removes it."""
 
     name: str
     path: str
@@ -114,12 +110,15 @@ class DirectoryPayloadStore:
         validate_identifier(self.name, "payload store")
 
     def put(self, session: Session | Connection, key: str, data: bytes) -> None:
-        try:
-            with tempfile.NamedTemporaryFile(dir=self.path, prefix=".", delete=False) as file:
+        try:  # a fresh key, read once the transaction naming it commits: no rename needed
+            with Path(self.path, key).open("wb") as file:
                 file.write(data)
-                file.flush()
                 os.fsync(file.fileno())
-            os.replace(file.name, Path(self.path, key))  # whole or absent, never half written
+            directory = os.open(self.path, os.O_RDONLY)  # and its name, before the row
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
         except OSError as exc:
             raise StorageError(f"payload store {self.name!r} cannot be written: {exc}") from exc
 
@@ -138,13 +137,13 @@ class DirectoryPayloadStore:
         return deleted
 
 
-def resolve(message: Message, stores: Iterable[PayloadStore | None]) -> Message:
-    """`message` with the payload its reference names, read from the store of that name among
-    `stores` and checked against its size and SHA-256 (PayloadMissing if it cannot be had);
-    `message` itself without a reference. What a store raises otherwise is raised."""
-    ref = message.headers.get(H_PAYLOAD_REF)
+def read(headers: Mapping[str, Any], stores: Iterable[PayloadStore | None]) -> bytes | None:
+    """The bytes of the payload `headers` refer to (None without a reference), read from the
+    store of that name among `stores` and checked against its size and SHA-256 (PayloadMissing
+    if they cannot be had). What a store raises otherwise is raised."""
+    ref = headers.get(H_PAYLOAD_REF)
     if ref is None:
-        return message
+        return None
     name, _, key = str(ref).partition("/")
     store = next((s for s in stores if s is not None and s.name == name), None)
     if store is None:
@@ -154,13 +153,20 @@ def resolve(message: Message, stores: Iterable[PayloadStore | None]) -> Message:
     except ValueError:
         raise PayloadMissing(f"payload reference {ref!r} is malformed") from None
     data = store.get(key)
-    size, digest = message.headers.get(H_PAYLOAD_SIZE), message.headers.get(H_PAYLOAD_SHA256)
+    size, digest = headers.get(H_PAYLOAD_SIZE), headers.get(H_PAYLOAD_SHA256)
     if len(data) != size or hashlib.sha256(data).hexdigest() != digest:
         raise PayloadMissing(f"payload {ref} does not match its size and SHA-256")
-    try:
-        return replace(message, payload=decode_body(data))
+    return data
+
+
+def resolve(message: Message, stores: Iterable[PayloadStore | None]) -> Message:
+    """`message` with the payload its reference names (`read`), parsed; else itself."""
+    if (data := read(message.headers, stores)) is None:
+        return message
+    try:  # never stored as jsonb: any JSON value will do (docs/wire-format.md)
+        return replace(message, payload=decode_body(data, jsonb=False))
     except InvalidMessage as exc:
-        raise PayloadMissing(f"payload {ref}: {exc}") from exc
+        raise PayloadMissing(f"payload {message.headers[H_PAYLOAD_REF]}: {exc}") from exc
 
 
 __all__ = ["DirectoryPayloadStore", "PayloadStore", "PostgresPayloadStore"]

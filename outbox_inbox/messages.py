@@ -148,14 +148,14 @@ class WireMessage:
 def forwarded_headers(message: WireMessage, added: Mapping[str, Any]) -> dict[str, Any]:
     """`message`'s headers, where it was first delivered (``x-original-exchange``,
     ``-routing-key``) unless they say already, and `added`: those of a forwarded copy."""
-    headers = dict(message.headers)
-    headers.setdefault(H_ORIGINAL_EXCHANGE, message.exchange)
-    headers.setdefault(H_ORIGINAL_ROUTING_KEY, message.routing_key)
-    return headers | dict(added)
+    first = {H_ORIGINAL_EXCHANGE: message.exchange, H_ORIGINAL_ROUTING_KEY: message.routing_key}
+    return first | dict(message.headers) | dict(added)
 
 
 #: `json.dumps` with these options, without building an encoder for each call.
 _JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+#: How the encoder writes a key that was an int, a float, a bool or None ("1", "true").
+_CONVERTED_KEY = re.compile(r'"(?:-?\d[\d.e+-]*|true|false|null)":')
 
 
 def _first_unserializable(value: Any, path: str) -> str | None:
@@ -197,8 +197,9 @@ def payload_json(payload: Any, *, limit: int | None = None) -> str:
     is over `limit` bytes. A key that is not a string is refused: JSON would make ``{1: "a"}``
     ``{"1": "a"}``, and the handler would get a payload its sender never wrote."""
     try:
-        _check_keys(payload)
         text = _JSON.encode(payload)
+        if _CONVERTED_KEY.search(text):  # walking every node costs more than the encoding
+            _check_keys(payload)
     except (TypeError, ValueError) as exc:
         where = _first_unserializable(payload, "payload")
         raise MessageError(
@@ -214,11 +215,6 @@ def payload_json(payload: Any, *, limit: int | None = None) -> str:
     return text
 
 
-def encode_payload(payload: Any, *, limit: int | None = None) -> bytes:
-    """Serialize `payload` to JSON bytes; raise MessageError, or PayloadTooLarge over `limit`."""
-    return payload_json(payload, limit=limit).encode("utf-8")
-
-
 def check_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
     """Return a JSON-safe copy of a sender's headers; reserved or non-JSON headers are refused."""
     if not headers:
@@ -230,7 +226,7 @@ def check_headers(headers: Mapping[str, Any] | None) -> dict[str, Any]:
     for name in headers:
         if not isinstance(name, str):
             raise MessageError(f"header names must be str, got {name!r}")
-    encode_payload(dict(headers))
+    payload_json(dict(headers))
     return dict(headers)
 
 
@@ -251,7 +247,7 @@ def to_wire(message: OutgoingMessage, body: bytes | None = None) -> WireMessage:
     return WireMessage(
         exchange=message.exchange,
         routing_key=message.routing_key,
-        body=body if body is not None else encode_payload(message.payload),
+        body=body if body is not None else payload_json(message.payload).encode(),
         message_id=str(message.message_id),
         type=message.routing_key,
         correlation_id=message.correlation_id,
@@ -334,11 +330,9 @@ def _parse_time(value: Any, name: str) -> datetime | None:
 
 
 def _text(value: Any) -> str | None:
-    if value is None:
-        return None
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
-    return str(value)
+    return None if value is None else str(value)
 
 
 def _int(value: Any) -> int | None:
@@ -373,11 +367,9 @@ def _property(value: Any, name: str) -> str | None:
 
 def _column(value: str | None, name: str) -> str | None:
     """`value` if a text column can hold it: at most TEXT_MAX characters, no U+0000."""
-    if value is None:
-        return None
-    if len(value) > TEXT_MAX:
+    if value and len(value) > TEXT_MAX:
         raise InvalidMessage(f"{name} is longer than {TEXT_MAX} characters")
-    if "\x00" in value:
+    if value and "\x00" in value:
         raise InvalidMessage(f"{name} holds the character U+0000")
     return value
 
@@ -401,8 +393,9 @@ def inbox_id(message_id: str) -> uuid.UUID:
         return uuid.uuid5(FOREIGN_ID_NAMESPACE, message_id)
 
 
-def decode_body(body: bytes) -> Any:
-    """The JSON value of a body, if PostgreSQL's jsonb can store it; else InvalidMessage."""
+def decode_body(body: bytes, *, jsonb: bool = True) -> Any:
+    """The JSON value of a body, if PostgreSQL's jsonb can store it (not checked without
+    `jsonb`: the scans cost more than the parse of a large body); else InvalidMessage."""
     try:
         text = bytes(body).decode("utf-8-sig")  # a byte order mark is tolerated
     except UnicodeDecodeError as exc:
@@ -413,9 +406,9 @@ def decode_body(body: bytes) -> Any:
         raise InvalidMessage(f"body is nested deeper than {MAX_JSON_DEPTH} levels") from exc
     except ValueError as exc:
         raise InvalidMessage(f"body is not JSON: {exc}") from exc
-    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and _too_deep(payload):
+    if jsonb and text.count("[") + text.count("{") > MAX_JSON_DEPTH and _too_deep(payload):
         raise InvalidMessage(f"body is nested deeper than {MAX_JSON_DEPTH} levels")
-    if _SUSPECT_ESCAPE.search(text):
+    if jsonb and _SUSPECT_ESCAPE.search(text):
         _check_strings(payload, "body")
     return payload
 

@@ -242,9 +242,8 @@ class Outbox:
             # Seconds, not times: the database adds them to its own clock (insert_outbox).
             "ttl": _seconds(o.ttl, "ttl") if o.ttl is not None else None,
             "delay": _seconds(o.delay, "delay") if o.delay is not None else None,
+            "offloaded": offloaded,  # put by `_write`, before the row
         }
-        if offloaded:
-            row["offloaded"] = offloaded  # put by `_write`, before the row
         parent = current_message()
         if parent is not None:
             # The id its sender wrote (not the UUID the inbox derives from a foreign id), so

@@ -19,12 +19,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from functools import partial
-from typing import Any
+from typing import Any, TypeAlias
 
 from sqlalchemy import Connection, Engine
 
+from .claim_check import read
 from .config import Settings
-from .errors import ConfigurationError, first_line
+from .errors import ConfigurationError, PayloadMissing, first_line
 from .faults import Fault
 from .outbox import Outbox
 from .queries import roles
@@ -40,6 +41,7 @@ _BATCH = 10
 EXHAUSTED, GONE = "exhausted", "gone"
 _NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
 _SECRET = re.compile(r"whsec_(?:[A-Za-z0-9+/]{4})+(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?")
+Answer: TypeAlias = int | str | PayloadMissing  # of `post`
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,10 +89,18 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 _OPENER = urllib.request.build_opener(_NoRedirect)
 
 
-def post(hook: Webhook, row: Mapping[Any, Any], timeout: float) -> int | str:
-    """POST one delivery row to `hook`: the HTTP status, or the error (no answer)."""
+def post(hook: Webhook, row: Mapping[Any, Any], timeout: float, stores: Any = ()) -> Answer:
+    """POST one delivery row to `hook`: the HTTP status, or the error (no answer, the store of
+    its payload by reference unreadable now), or PayloadMissing (`claim_check.read`)."""
     event = {"type": row["routing_key"], "timestamp": row["created_at"].isoformat()}
     body = json.dumps({**event, "data": row["payload"]}, separators=(",", ":")).encode()
+    try:
+        if (data := read(row["headers"] or {}, stores)) is not None:  # its bytes, not decoded
+            body = body.removesuffix(b"null}") + data + b"}"
+    except PayloadMissing as exc:
+        return exc  # dead at once, as at a worker
+    except Exception as exc:  # a failed attempt, retried on the schedule
+        return f"payload store: {first_line(exc)}"[:200]
     webhook_id, timestamp = row["causation_id"], int(time.time())
     headers = {
         "content-type": "application/json",
@@ -117,7 +127,7 @@ class WebhookRole:
 
     def __init__(self, *, service: str, engine: Engine, tables: Tables, settings: Settings) -> None:
         self._service, self._engine, self._tables = service, engine, tables
-        self._settings = settings
+        self._settings, self._stores = settings, (settings.payload_store, *settings.payload_sources)
         # Its fault events get no deliveries of their own.
         self._faults = Outbox(service, tables, settings=replace(settings, webhooks=()))
         self.delivered = self.failed = self.dead = 0  # for tests and status
@@ -146,11 +156,11 @@ class WebhookRole:
             roles.bound_on_server(conn, flush_wait=False)  # a claim a crash undoes: sent later
             lease = _BATCH * s.webhook_timeout + 60
             rows = roles.claim_webhooks(conn, t, WEBHOOK + hook.name, _BATCH, lease)
-        answers: list[tuple[Any, int | str]] = []
+        answers: list[tuple[Any, Answer]] = []
         for row in rows:
             if (stop and stop.is_set()) or any(isinstance(a, str) for _, a in answers):
                 break
-            answers.append((row, post(hook, row, s.webhook_timeout)))
+            answers.append((row, post(hook, row, s.webhook_timeout, self._stores)))
         with self._engine.begin() as conn:
             roles.bound_on_server(conn, flush_wait=False)  # a mark a crash undoes: sent again
             roles.release_webhooks(conn, t, [row["id"] for row in rows[len(answers) :]])
@@ -162,19 +172,19 @@ class WebhookRole:
                     self._failed(conn, hook, row, answer)
         return len(rows)
 
-    def _failed(self, conn: Connection, hook: Webhook, row: Any, answer: int | str) -> None:
+    def _failed(self, conn: Connection, hook: Webhook, row: Any, answer: Answer) -> None:
         """Mark a failed attempt: due after the schedule's next wait, or dead with its fault."""
         s, t = self._settings, self._tables
-        shown = answer if isinstance(answer, str) else f"HTTP {answer}"
-        error = f"webhook {hook.name}: {shown}"
+        error = f"webhook {hook.name}: {f'HTTP {answer}' if isinstance(answer, int) else answer}"
         attempt = row["attempts"]  # of the schedule: 0 was the immediate one
-        if answer != 410 and attempt < len(s.webhook_schedule):
-            delay = timedelta(seconds=s.webhook_schedule[attempt])
-            roles.mark_publish_failed(conn, t, [row["id"]], error, delay)
+        stop = GONE if answer == 410 else getattr(answer, "dead_reason", None)  # no retry
+        if not stop and attempt < len(s.webhook_schedule):
+            wait = timedelta(seconds=s.webhook_schedule[attempt])
+            roles.mark_publish_failed(conn, t, [row["id"]], error, wait)
             self.failed += 1
             log.info("%s (attempt %d)", error, attempt + 1)
             return
-        reason = GONE if answer == 410 else EXHAUSTED
+        reason = stop or EXHAUSTED
         roles.mark_outbox_dead(conn, t, [row["id"]], reason, error)
         # The Fault's message_id, routing_key, kind, service; reason, fingerprint, error, ...
         ids = (row["causation_id"], row["routing_key"], WEBHOOK + hook.name, self._service)

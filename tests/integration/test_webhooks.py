@@ -3,7 +3,8 @@ port) and a real PostgreSQL: Standard Webhooks signatures checked by the test's 
 acked once and never sent again, a non-2xx never taken for a success (Wolverine #3173);
 3xx/4xx/5xx/timeouts retried on the schedule, then exhausted: a dead letter the dead-letter
 tools replay, and a fault event; 410 stops at once; a failing or slow endpoint does not hold
-back another; a rolled-back transaction sends nothing."""
+back another; a rolled-back transaction sends nothing; an event sent by reference (the claim
+check) is delivered with its payload, or dead ``payload_missing`` without it."""
 
 from __future__ import annotations
 
@@ -20,8 +21,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import pytest
+from sqlalchemy import text
+
 from helpers import make_service, rows, running, scalar, wait_until
 from outbox_inbox import MemoryBroker, Service
+from outbox_inbox.claim_check import DirectoryPayloadStore, PostgresPayloadStore
 from outbox_inbox.dashboard.views import Safe, Shown, service_status
 from outbox_inbox.dead_letters import OUTBOX, DeadLetters, Filters
 from outbox_inbox.status import collect_status, health
@@ -394,3 +399,50 @@ def test_an_endpoints_waiting_deliveries_never_lie_in_the_relays_path_nor_its_ba
         service.close()
     assert relay < 100, relay
     assert hook < 100, hook
+
+
+@pytest.mark.parametrize("kind", ["postgresql", "directory"])
+def test_an_event_sent_by_reference_is_delivered_with_its_payload_or_dead_without_it(
+    db_url: str, tmp_path: Path, kind: str
+) -> None:
+    """A payload over `claim_check_bytes` goes to the store and the event row carries a
+    reference; the endpoint, which cannot read the store, gets the payload itself in ``data``
+    (read when the request is sent) under a signature over it. A payload gone by then: dead
+    ``payload_missing`` at once, with its fault event, and no request sent."""
+    store = PostgresPayloadStore("orders") if kind == "postgresql" else None
+    store = store or DirectoryPayloadStore("files", str(tmp_path))
+    with endpoint() as server:
+        hook = _hook(server, "crm")
+        service = _service(db_url, [hook], payload_store=store)
+        big = {"text": "é" * 3000 + "x" * 5000, "n": 1}
+        with service.session() as session, session.begin():
+            for n in (1, 2):
+                service.outbox.publish(session, "order.placed", {**big, "n": n})
+        refs = rows(
+            db_url,
+            "SELECT headers->>'x-payload-ref' AS ref, payload FROM outbox_inbox.outbox_messages"
+            " WHERE exchange = 'webhook:crm' ORDER BY id",
+        )
+        assert [r.payload for r in refs] == [None, None] and all(r.ref for r in refs)
+        missing = refs[1].ref.split("/")[1]
+        if kind == "postgresql":
+            with service.engine.begin() as conn:
+                sql = "DELETE FROM outbox_inbox.payloads WHERE key = :k"
+                assert conn.execute(text(sql), {"k": missing}).rowcount == 1
+        else:
+            (tmp_path / missing).unlink()
+        role = _role(service)
+        assert role.deliver(hook) == 2
+        [(headers, body)] = server.requests["/crm"]
+        assert verify(headers, body, KEY) and json.loads(body)["data"] == big
+        [(sent, *_), (sent_2, reason, attempts, error)] = _deliveries(db_url, "crm")
+        assert (sent, sent_2, reason, attempts) == (True, False, "payload_missing", 1)
+        assert error.startswith(f"webhook crm: payload {refs[1].ref}")
+        [fault] = rows(
+            db_url,
+            "SELECT payload FROM outbox_inbox.outbox_messages"
+            " WHERE routing_key = 'orders.webhook.exhausted'",
+        )
+        assert fault.payload["reason"] == "payload_missing"
+        assert role.deliver(hook) == 0 and server.count("/crm") == 1
+        service.close()

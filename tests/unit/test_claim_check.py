@@ -71,3 +71,47 @@ def test_a_payload_stores_database_password_is_not_in_the_settings_text() -> Non
 def test_a_threshold_of_a_type_must_be_a_positive_whole_number() -> None:
     with pytest.raises(ConfigurationError, match="claim_check_types"):
         Service("orders", db_url="sqlite://", claim_check_types={"orders.a.b": 0})
+
+
+def test_a_directory_store_makes_the_file_and_its_name_durable_before_put_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The business transaction commits after `put`: by then the file's bytes and its entry
+    in the directory are both fsynced (a crash must not lose a payload a message names)."""
+    import os
+    import stat
+
+    from outbox_inbox import claim_check
+
+    synced: list[str] = []
+
+    def fsync(fd: int) -> None:
+        synced.append("directory" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real_fsync(fd)
+
+    real_fsync = os.fsync
+    monkeypatch.setattr(claim_check.os, "fsync", fsync)
+    key = str(uuid.uuid4())
+    DirectoryPayloadStore("files", str(tmp_path)).put(None, key, b'{"a":1}')  # type: ignore[arg-type]
+    assert synced == ["file", "directory"]
+    assert (tmp_path / key).read_bytes() == b'{"a":1}'
+
+
+def test_a_payload_by_reference_is_any_json_value_not_only_what_jsonb_stores(
+    tmp_path: Path,
+) -> None:
+    """It never goes into a jsonb column, so the inline body's jsonb rules (U+0000, nesting
+    past 256) are not checked: the worker only parses it (docs/wire-format.md)."""
+    import hashlib
+
+    store = DirectoryPayloadStore("files", str(tmp_path))
+    data = b'{"text":"a\\u0000b","deep":' + b"[" * 300 + b"]" * 300 + b"}"
+    key = str(uuid.uuid4())
+    store.put(None, key, data)  # type: ignore[arg-type]
+    headers = {
+        "x-payload-ref": f"files/{key}",
+        "x-payload-size": len(data),
+        "x-payload-sha256": hashlib.sha256(data).hexdigest(),
+    }
+    message = resolve(Message(uuid.uuid4(), "orders.blob.stored", None, headers=headers), [store])
+    assert message.payload["text"] == "a\x00b"

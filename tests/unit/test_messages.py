@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import uuid
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -15,8 +16,8 @@ from outbox_inbox.messages import (
     OutgoingMessage,
     WireMessage,
     check_headers,
-    encode_payload,
     from_wire,
+    payload_json,
     to_wire,
 )
 
@@ -107,12 +108,12 @@ def test_invalid_envelope_is_refused_with_its_reason(wire: WireMessage, reason: 
 
 def test_payload_must_be_json_and_within_the_limit() -> None:
     with pytest.raises(MessageError, match="JSON"):
-        encode_payload({"when": datetime.now(UTC)})
+        payload_json({"when": datetime.now(UTC)})
     with pytest.raises(MessageError):
-        encode_payload(float("nan"))
+        payload_json(float("nan"))
     with pytest.raises(PayloadTooLarge, match="over the limit"):
-        encode_payload("x" * 100, limit=50)
-    assert encode_payload({"a": 1}, limit=50) == b'{"a":1}'
+        payload_json("x" * 100, limit=50)
+    assert payload_json({"a": 1}, limit=50) == '{"a":1}'
 
 
 @pytest.mark.parametrize(
@@ -124,6 +125,11 @@ def test_payload_must_be_json_and_within_the_limit() -> None:
         # JSON would silently make these keys "1" and "true": the handler would get other keys.
         ({1: "a"}, "payload key 1: JSON object keys must be strings"),
         ({"lines": [{"n": 1}, {True: "x"}]}, "payload.lines[1] key True"),
+        # Every key the encoder turns into a string is found (it looks for them in its text).
+        ({"a": {None: 1}}, "payload.a key None"),
+        ([{-7: 1}], "payload[0] key -7"),
+        ({"a": [{1e16: 1}]}, "payload.a[0] key 1e+16"),
+        ({2**70: 1, 1e-07: 2}, "payload key 1180591620717411303424"),
         ([{"when": datetime.now(UTC)}], "payload[0].when (datetime)"),
     ],
 )
@@ -131,8 +137,13 @@ def test_a_payload_json_cannot_hold_is_refused_naming_where_the_value_is(
     payload: object, named: str
 ) -> None:
     with pytest.raises(MessageError) as raised:
-        encode_payload(payload)
+        payload_json(payload)
     assert named in str(raised.value)
+
+
+def test_string_keys_that_look_like_numbers_or_literals_are_kept_as_they_are() -> None:
+    payload = {"1": 1, "-2.5e+3": 2, "true": 3, "null": [{"false": '"4":'}]}
+    assert json.loads(payload_json(payload)) == payload
 
 
 def test_an_outbox_write_of_a_payload_json_cannot_hold_names_the_key_and_writes_nothing(

@@ -61,3 +61,23 @@ def test_each_matching_endpoint_gets_a_delivery_row() -> None:
     assert [r["exchange"] for r in made] == ["webhook:all", "webhook:placed"]
     assert {r["causation_id"] for r in made} == {str(event["message_id"])}
     assert len({r["message_id"] for r in made}) == 2 and all(r["key"] is None for r in made)
+
+
+def test_a_payload_store_that_cannot_be_read_now_is_a_failed_attempt_and_no_request() -> None:
+    """Not `payload_missing` (the payload may be back later): an answer without a status,
+    which the role counts as a failed attempt, retried on the schedule; nothing is POSTed."""
+    from datetime import UTC, datetime
+
+    from outbox_inbox.webhooks import post
+
+    class Unmounted:
+        name = "files"
+
+        def get(self, key: str) -> bytes:
+            raise OSError("Transport endpoint is not connected")
+
+    hook = Webhook(name="crm", url="http://192.0.2.1:9/", patterns=("orders.#",), secrets=SECRET)
+    headers = {"x-payload-ref": f"files/{uuid.uuid4()}", "x-payload-size": 9}
+    row = {"routing_key": "orders.order.placed", "created_at": datetime.now(UTC)}
+    answer = post(hook, {**row, "payload": None, "headers": headers}, 0.1, (Unmounted(),))
+    assert answer == "payload store: Transport endpoint is not connected"
