@@ -18,6 +18,7 @@ from sqlalchemy import func, text
 from helpers import wait_until
 from outbox_inbox import Service
 from outbox_inbox.brokers.rabbitmq import RabbitMQBroker
+from outbox_inbox.brokers.rabbitmq_admin import RabbitMQAdmin
 from outbox_inbox.cli.main import main
 from outbox_inbox.dashboard import Dashboard, WatchedService
 from outbox_inbox.status import collect_status, problems
@@ -25,10 +26,21 @@ from outbox_inbox.testing.injection import memory_alarm
 from outbox_inbox.testing.servers import RabbitMQServer
 
 NAMES = ("billing", "shipping", "orders")
-#: The old probe waited its full 1 s timeout per service, one service after another: three
-#: services took over 3 s. Both pages now take about one round trip; this leaves room for a
-#: busy shared machine while still failing on the serial, full-second version.
-THREE_SERVICES_LIMIT = 1.0
+#: The flow-control probe's timeout in these tests (`long_probe`). The old probe waited its
+#: full timeout per service, one service after another: three services would take 60 s. Both
+#: pages take about one round trip a service; the limit leaves a busy machine ample room and
+#: still fails on a probe that waits for its timeout even once.
+PROBE_TIMEOUT = 20.0
+THREE_SERVICES_LIMIT = PROBE_TIMEOUT / 2
+
+
+@pytest.fixture
+def long_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every flow-control probe waits up to `PROBE_TIMEOUT` for the broker's answer."""
+    probe = RabbitMQAdmin.flow_control
+    monkeypatch.setattr(
+        RabbitMQAdmin, "flow_control", lambda self, timeout=1.0: probe(self, PROBE_TIMEOUT)
+    )
 
 
 @pytest.fixture
@@ -59,6 +71,7 @@ def _get(app: Dashboard, path: str) -> tuple[str, str]:
     return replies[0], b"".join(body).decode()
 
 
+@pytest.mark.usefixtures("long_probe")
 def test_overview_of_three_services_takes_about_one_service_not_three_seconds(
     three: list[Service], mq_url: str
 ) -> None:
@@ -72,6 +85,7 @@ def test_overview_of_three_services_takes_about_one_service_not_three_seconds(
     assert took < THREE_SERVICES_LIMIT, f"the overview of three services took {took:.2f}s"
 
 
+@pytest.mark.usefixtures("long_probe")
 def test_status_of_three_services_takes_well_under_the_old_second_each(
     three: list[Service], db_url: str, mq_url: str
 ) -> None:
@@ -91,8 +105,9 @@ def test_flow_control_still_sees_a_memory_alarm_and_answers_at_once_without_one(
 ) -> None:
     with RabbitMQBroker(mq_url).operator() as admin:
         started = time.monotonic()
-        assert admin.flow_control(timeout=5.0) is None
-        assert time.monotonic() - started < 1.0  # the broker's answer, not the timeout
+        assert admin.flow_control(timeout=PROBE_TIMEOUT) is None
+        # the broker's answer, not the timeout
+        assert time.monotonic() - started < THREE_SERVICES_LIMIT
         with memory_alarm(local_rabbitmq_server):
             assert "memory" in (admin.flow_control(timeout=5.0) or "")
 
