@@ -443,6 +443,7 @@ class Protocol(RuleBasedStateMachine):
         self._pass(days)
 
     def _pass(self, days: int) -> None:
+        """`days` pass at once, then a maintenance pass (`days_pass` without the catching up)."""
         _days_back(self.service, days)
         t = self.service.tables
         with self.service.engine.begin() as conn:
