@@ -4,7 +4,8 @@ The events are the role processes' (their `EventLog`, one file per process in th
 directory); what has no hook is read from the tables once the run is over: the business
 transaction's commit (the producer's outbox row, and the fault kit's history where a
 transaction rolled back), the relay's mark (``published_at``), the worker's claims
-(``attempts``), each inbox row's final status, and the effects. Every replayed run is kept in
+(``attempts``), each inbox row's final status and dead reason, the receiver's delivery counts,
+and the effects. Every replayed run is kept in
 `REPLAYED` for the table conftest.py prints at the end of the session.
 """
 
@@ -28,10 +29,16 @@ from outbox_inbox.testing.faultkit import FaultKit
 REPLAYED: list[Replay] = []
 
 
-def _tables(producer_url: str, consumer_url: str) -> tuple[list[Any], list[Any], list[Any]]:
-    """The producer's outbox rows, the consumer's inbox rows and the consumer's outbox rows."""
+def _tables(producer_url: str, consumer_url: str) -> list[list[Any]]:
+    """The producer's outbox rows, the consumer's inbox rows, the consumer's outbox rows and
+    its receiver's delivery counts."""
     rows = []
-    for url, name in ((producer_url, "outbox"), (consumer_url, "inbox"), (consumer_url, "outbox")):
+    for url, name in (
+        (producer_url, "outbox"),
+        (consumer_url, "inbox"),
+        (consumer_url, "outbox"),
+        (consumer_url, "deliveries"),
+    ):
         database = connect(url)
         try:
             table = getattr(database.tables, name)
@@ -39,7 +46,7 @@ def _tables(producer_url: str, consumer_url: str) -> tuple[list[Any], list[Any],
                 rows.append(list(conn.execute(select(table)).mappings()))
         finally:
             database.engine.dispose()
-    return rows[0], rows[1], rows[2]
+    return rows
 
 
 def read_run(
@@ -55,7 +62,8 @@ def read_run(
     """The run `name`: its faults, the events in `events`, and every message of the producer's
     outbox with the consumer's inbox row of it. `effects(inbox rows)` counts each message's
     effects; `rolled_back(outbox row)` says whether its business transaction rolled back."""
-    outbox, inbox, sent = _tables(producer_url, consumer_url)
+    outbox, inbox, sent, deliveries = _tables(producer_url, consumer_url)
+    counts = {str(row["message_id"]): row["deliveries"] for row in deliveries}
     by_id = {str(row["message_id"]): row for row in inbox}
     counted = effects(inbox)
     sent_faults = Counter(
@@ -76,6 +84,8 @@ def read_run(
             effects=counted[mid],
             command=row["kind"] == "command",
             faults=sent_faults[mid],
+            dead_reason=None if stored is None else stored["dead_reason"],
+            deliveries=counts.get(mid, 0),
         )
     return Run(name, tuple(faults), messages, read_events(events))
 

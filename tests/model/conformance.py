@@ -32,6 +32,21 @@ PROCESSED = "processed"  # handled: the worker's transaction committed it proces
 RETRY = "retry"  # failed(dead=False): a failure recorded, to be retried
 DEAD = "dead"  # failed(dead=True): marked dead by its handler's failure
 
+#: A worker's dead reasons (`Listener.dead`); those only a handler's failure gives (its `DEAD`
+#: event, `failed(dead=True)`), and the claim's own (no handler ran in that claim).
+DEAD_REASONS = frozenset(
+    [
+        "rejected",
+        "max_attempts",
+        "abandoned",
+        "interrupted",
+        "expired",
+        "no_handler",
+        "payload_missing",
+    ]
+)
+AFTER_FAILURE = frozenset(("rejected", "max_attempts"))
+
 #: The worker's events: a run, and the outcomes that end it.
 WORK = (RAN, PROCESSED, RETRY, DEAD)
 #: Publish outcomes after which the relay marks a row published (`PublishOutcome`).
@@ -117,6 +132,30 @@ RULES: dict[str, tuple[str, str]] = {
         "markDead, DeadMessageHasNoEffectAndItsFault",
         "a command that ends dead sends its sender one fault, and no other message sends one",
     ),
+    "dead-once": (
+        "markDead (status dead, never claimed again)",
+        "a message is marked dead once, never also processed, and no handler runs it after",
+    ),
+    "dead-reason": (
+        "commitWork (reject, attempts >= MAX_ATTEMPTS), claim (abandoned: ABANDON_AFTER)",
+        "a dead row's reason is a worker's and matches its counts: max_attempts after that"
+        " many counted attempts, abandoned after abandon_after unfinished claims, rejected and"
+        " max_attempts after a handler failed",
+    ),
+    "dead-lettered": (
+        "countDelivery (count > MAX_REDELIVERIES: dlq)",
+        "the receiver dead-letters a message only past max_redeliveries counted deliveries,"
+        " and a message it dead-lettered and never stored has no effect and no run",
+    ),
+    "dropped-finished": (
+        "dropPartition (droppable: processed or dead)",
+        "retention drops a message's inbox row only after it finished, and nothing runs it after",
+    ),
+    "dropped-outside-window": (
+        "dropPartition, NothingDroppedInsideDuplicateWindow (windowPassed)",
+        "retention drops a message's inbox row only once its outbox row was marked and no"
+        " copy of it was on its way: none confirmed or stored after the drop",
+    ),
     "key-order": (
         "relayEligible, claimable (per-key hold), KeyOrderOfEffects",
         "a message runs only after every earlier message of its key finished",
@@ -158,6 +197,10 @@ class Message:
     effects: int = 0
     command: bool = True  # a command (a dead one sends a fault), not an event
     faults: int = 0  # the faults of it the consumer wrote to its outbox
+    dead_reason: str | None = None  # its inbox row's, when dead
+    deliveries: int = 0  # the receiver's count of its redelivered copies (inbox_deliveries)
+    dead_lettered: int = 0  # its copies the receiver sent to the dead-letter queue
+    dropped: int | None = None  # when (the events' clock) retention dropped its inbox row
 
 
 @dataclass
@@ -168,6 +211,10 @@ class Run:
     faults: tuple[str, ...]
     messages: dict[str, Message]
     events: list[Event]
+    #: The consumer's settings the dead reasons are checked against (None: not known).
+    max_attempts: int | None = None
+    abandon_after: int | None = None
+    max_redeliveries: int | None = None
 
     def kinds(self) -> frozenset[str]:
         """What the run's faults may leave unfinished (`FAULT_KINDS`)."""
@@ -235,6 +282,10 @@ def check(run: Run) -> Replay:
         events = by_message.get(mid, [])
         kind = [e.event for e in events]
         runs = [e for e in events if e.event == RAN]
+        # a row retention dropped: its status when it went, by the events
+        status = m.status
+        if m.dropped is not None and status is None:
+            status = DEAD if DEAD in kind else PROCESSED if PROCESSED in kind else None
 
         if m.effects and not m.committed:
             bad(("no-effect-without-commit", f"{mid}: {m.effects} effects, rolled back"))
@@ -254,10 +305,10 @@ def check(run: Run) -> Replay:
             bad(("stored-once", f"{mid}: stored {stores} times"))
         if stores and CONFIRMED not in kind:
             bad(("stored-once", f"{mid}: stored, never published by a relay"))
-        if m.status is not None and not stores and not kinds & {"kill", "session"}:
+        if status is not None and not stores and not kinds & {"kill", "session"}:
             bad(("stored-once", f"{mid}: an inbox row, no stored event, no fault to lose it"))
 
-        if runs and m.status is None:
+        if runs and status is None:
             bad(("run-after-stored", f"{mid}: its handler ran, no inbox row"))
         if runs and not stores and not kinds & {"kill", "session"}:
             bad(("run-after-stored", f"{mid}: its handler ran, never stored"))
@@ -311,24 +362,81 @@ def check(run: Run) -> Replay:
 
         if m.effects > 1:
             bad(("exactly-once-effect", f"{mid}: {m.effects} effects"))
-        if m.status == "processed" and m.effects != 1:
+        if status == "processed" and m.effects != 1:
             bad(("exactly-once-effect", f"{mid}: processed with {m.effects} effects"))
-        if processed and m.status != "processed":
-            bad(("exactly-once-effect", f"{mid}: committed processed, the row is {m.status}"))
-        seen["exactly-once-effect"] += m.status == "processed" and (stores > 1 or len(runs) > 1)
-        if m.status == "dead":
+        if processed and status != "processed":
+            bad(("exactly-once-effect", f"{mid}: committed processed, the row is {status}"))
+        seen["exactly-once-effect"] += status == "processed" and (stores > 1 or len(runs) > 1)
+        if status == "dead":
             seen["dead-has-no-effect"] += 1
             if m.effects:
                 bad(("dead-has-no-effect", f"{mid}: dead with {m.effects} effects"))
-        due = int(m.status == "dead" and m.command)
+        due = int(status == "dead" and m.command)
         seen["dead-sends-its-fault"] += due
         if m.faults != due:
             bad(("dead-sends-its-fault", f"{mid}: {m.status}, {m.faults} faults written"))
-        if m.committed and m.status not in ("processed", "dead"):
+        _check_dead_ends(run, mid, m, events, bad, seen)
+        ended = m.status in ("processed", "dead") or m.dropped is not None or m.dead_lettered
+        if m.committed and not ended:
             bad(("finished", f"{mid}: committed, its inbox row is {m.status or 'missing'}"))
 
     _check_key_order(run, by_message, bad, seen)
     return replay
+
+
+def _check_dead_ends(
+    run: Run,
+    mid: str,
+    m: Message,
+    events: list[Event],
+    bad: Callable[[tuple[str, str]], None],
+    seen: dict[str, int],
+) -> None:
+    """The dead mark, the receiver's dead-lettering and retention's drop of one message."""
+    kinds = run.kinds()
+    dead = [e for e in events if e.event == DEAD]
+    runs = [e for e in events if e.event == RAN]
+    if len(dead) > 1:
+        bad(("dead-once", f"{mid}: marked dead {len(dead)} times"))
+    if dead and any(e.event == PROCESSED for e in events):
+        bad(("dead-once", f"{mid}: marked dead and committed processed"))
+    if dead and any(e.t > dead[0].t for e in runs):
+        bad(("dead-once", f"{mid}: its handler ran after its dead mark"))
+    seen["dead-once"] += bool(dead)
+
+    if m.status == "dead":
+        reason, unfinished = m.dead_reason, m.attempts - m.finished
+        seen["dead-reason"] += 1
+        if reason not in DEAD_REASONS:
+            bad(("dead-reason", f"{mid}: dead for {reason!r}, not a worker's reason"))
+        if reason == "max_attempts" and run.max_attempts and m.attempts < run.max_attempts:
+            bad(("dead-reason", f"{mid}: max_attempts after {m.attempts} attempts"))
+        if reason == "abandoned" and run.abandon_after and unfinished < run.abandon_after:
+            bad(("dead-reason", f"{mid}: abandoned after {unfinished} unfinished claims"))
+        if reason in AFTER_FAILURE and not dead and not kinds & {"kill", "session"}:
+            bad(("dead-reason", f"{mid}: {reason}, no handler failure recorded"))
+
+    if m.dead_lettered:
+        seen["dead-lettered"] += 1
+        limit = run.max_redeliveries
+        if limit is not None and m.deliveries <= limit:
+            bad(("dead-lettered", f"{mid}: dead-lettered after {m.deliveries} deliveries"))
+        if m.status is None and m.dropped is None and (m.effects or runs):
+            bad(("dead-lettered", f"{mid}: dead-lettered, never stored, {len(runs)} runs"))
+
+    if m.dropped is not None:
+        seen["dropped-finished"] += 1
+        ends = [e.t for e in events if e.event in (PROCESSED, DEAD)]
+        if not ends or min(ends) > m.dropped:
+            bad(("dropped-finished", f"{mid}: its inbox row dropped unfinished"))
+        if any(e.t > m.dropped for e in runs):
+            bad(("dropped-finished", f"{mid}: its handler ran after its row was dropped"))
+        marks = [e.t for e in events if e.event == MARKED]
+        late = [e for e in events if e.event in (CONFIRMED, STORED) and e.t > m.dropped]
+        if not marks or min(marks) > m.dropped or late:
+            what = f"a copy {late[0].event} after" if late else "not marked before"
+            bad(("dropped-outside-window", f"{mid}: its inbox row dropped, {what}"))
+        seen["dropped-outside-window"] += 1
 
 
 def _check_key_order(
@@ -341,7 +449,7 @@ def _check_key_order(
     every earlier committed message of its key that has an inbox row."""
     keys: dict[str, list[tuple[int, str]]] = defaultdict(list)
     for mid, m in run.messages.items():
-        if m.key is not None and m.committed and m.status is not None:
+        if m.key is not None and m.committed and (m.status or m.dropped) is not None:
             keys[m.key].append((m.order, mid))
     for members in keys.values():
         members.sort()

@@ -58,6 +58,36 @@ def good() -> Run:
     return Run("good", ("kill",), messages, events)
 
 
+D, E = "d", "e"
+
+
+def dead_ends(run: Run) -> Run:
+    """`run` (the good one) with the other ends: D refused by its handler, dead (rejected);
+    E dead-lettered by the receiver past max_redeliveries, never stored; and C's inbox row
+    dropped by retention once it was processed and marked, no copy on its way."""
+    log = [
+        (RELAY2, "confirmed", D, "confirmed"),
+        (RELAY2, "confirmed", E, "confirmed"),
+        (RELAY2, "marked", D, ""),
+        (RELAY2, "marked", E, ""),
+        (RECEIVER, "stored", D, ""),
+        (WORKER2, "ran", D, "Reject"),
+        (WORKER2, "dead", D, ""),
+    ]
+    events = [*run.events, *(Event(300 + 10 * i, *e) for i, e in enumerate(log))]
+    messages = {
+        **run.messages,
+        C: replace(run.messages[C], status=None, dropped=1000),
+        D: Message(
+            order=4, status="dead", attempts=1, finished=1, faults=1, dead_reason="rejected"
+        ),
+        E: Message(order=5, status=None, deliveries=6, dead_lettered=1),
+    }
+    return replace(
+        run, events=events, messages=messages, max_attempts=3, abandon_after=3, max_redeliveries=5
+    )
+
+
 def rules(run: Run) -> set[str]:
     return {rule for rule, _ in check(run).violations}
 
@@ -90,6 +120,14 @@ def test_the_good_run_conforms_and_its_premises_are_counted() -> None:
     assert replay.premises["claim-counted"] >= 2
 
 
+def test_a_dead_mark_a_dead_letter_and_a_dropped_row_conform() -> None:
+    replay = check(dead_ends(good()))
+    assert replay.conforms, replay.report()
+    for rule in ("dead-once", "dead-reason", "dead-lettered", "dropped-finished"):
+        assert replay.premises[rule] == 1, rule
+    assert replay.premises["key-order"] == 1  # C, though its row is gone
+
+
 RED = {
     # an effect twice (a handler writing outside its transaction, run again after a kill)
     "exactly-once-effect": lambda r: with_message(r, A, effects=2),
@@ -110,6 +148,16 @@ RED = {
     # key order broken: C runs before A finished
     "key-order": lambda r: insert(r, 85, WORKER1, "ran", C),
     "run-ends": lambda r: replace(r, faults=("duplicate",)),
+    # D run again after its dead mark (a claim that did not check the status)
+    "dead-once": lambda r: insert(dead_ends(r), 400, WORKER1, "ran", D),
+    # max_attempts counted from one attempt
+    "dead-reason": lambda r: with_message(dead_ends(r), D, dead_reason="max_attempts"),
+    # dead-lettered on its second delivery
+    "dead-lettered": lambda r: with_message(dead_ends(r), E, deliveries=2),
+    # C's partition dropped while C was still running
+    "dropped-finished": lambda r: with_message(dead_ends(r), C, dropped=195),
+    # a copy of C published after its row was dropped (retention shorter than the window)
+    "dropped-outside-window": lambda r: insert(dead_ends(r), 1010, RELAY1, "confirmed", C),
     "finished": lambda r: with_message(r, C, status="pending"),
 }
 

@@ -12,8 +12,20 @@ the redelivered flag, which the receiver counts and drops), or dies with the bat
 storing it; a worker pass, whose handler succeeds, raises Retry, fails, rejects or kills the
 worker (a BaseException nothing catches: its transaction rolls back, its claims stay) as each
 message's drawn plan says; the leases of those claims running out; the retry delays running
-out. A process killed outright between two statements, a failover and retention are not driven
-here (the fault suites kill real processes).
+out. Every receiver pass takes each batch as the broker delivers it out of publication order
+across keys (a drawn interleaving, each key's own order kept: the model's `consume`).
+
+On PostgreSQL, days pass (the roles catch up first, so no copy of a stored message is left on
+its way: the model's `windowPassed`; every time of the tables moves back, the rows into the day
+partitions of their new times) and a maintenance pass drops the partitions past the retention
+(2 days here, the dead rows' too) while messages flow; a lost relay mark later sends a copy
+only of a row younger than the retention (inside the duplicate window: it must be recognized).
+A row seen unfinished and then gone fails the run (NothingDroppedInsideDuplicateWindow's
+premise: only finished rows go). After the calm, every example lets the retention pass (every
+finished row must be gone), then handles a new message, loses its relay mark and lets a day
+pass before the copy goes out: it must be recognized, not handled twice. A process killed
+outright between two statements and a failover are not driven here (the fault suites kill real
+processes and fail the database over).
 
 On the servers every example gets a database of its own, copied from a template migrated once
 (``CREATE DATABASE … TEMPLATE``: about 85 ms, where a fresh database and the migrations take
@@ -27,8 +39,10 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Mapping
+from dataclasses import replace
+from datetime import UTC, datetime
 from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
@@ -46,21 +60,45 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 from psycopg import sql
-from sqlalchemy import Column, Integer, MetaData, String, Table, create_engine, select, update
+from sqlalchemy import (
+    Column,
+    DateTime,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    create_engine,
+    func,
+    select,
+    update,
+)
 
 from outbox_inbox import Reject, Retry, RetryPolicy, Service
 from outbox_inbox.broker import Broker, Consumer, Delivery
 from outbox_inbox.brokers.memory import MemoryBroker
 from outbox_inbox.brokers.rabbitmq import RabbitMQBroker
+from outbox_inbox.messages import H_KEY
+from outbox_inbox.partitions import INTERVALS, floor_time, partition_name, partitions
+from outbox_inbox.partitions import KEYS as PARTITIONED
+from outbox_inbox.queries import partitions as ddl
 from outbox_inbox.testing import ServiceHarness
 from outbox_inbox.testing.servers import PostgresHandle
 from outbox_inbox.topology import dead_letter_queue, inbox_queue
 
 COMMAND = "thing.do"
 KEYS = ("k0", "k1")
+DAY = INTERVALS["day"]
+#: The retention of the examples on PostgreSQL (above the duplicate horizon, about 1.4 hours
+#: with the default settings) and of their dead rows: a few days passing reach both.
+RETENTION = DEAD_RETENTION = 2 * DAY
+#: The days an example may let pass.
+MAX_DAYS = 9
 OUTCOMES = ("fail", "ok", "retry", "reject", "crash")
+#: A transaction's commands: one to three, each of a key and with its handler's outcomes.
 PLANS = st.lists(
-    st.lists(st.sampled_from(OUTCOMES), min_size=1, max_size=3), min_size=1, max_size=3
+    st.tuples(st.sampled_from(KEYS), st.lists(st.sampled_from(OUTCOMES), min_size=1, max_size=3)),
+    min_size=1,
+    max_size=3,
 )
 
 metadata = MetaData()
@@ -88,6 +126,7 @@ class Place:
     broker: Broker
     name: str
     migrated: bool  # the database holds the library's and the business tables already
+    partitioned = False  # PostgreSQL: time partitions, dropped by maintenance
 
     def close(self) -> None: ...
 
@@ -123,6 +162,7 @@ class OnServers:
         try:
             service.migrate()
             metadata.create_all(service.engine)
+            _days_back(service, legacy=True)
         finally:
             service.close()
 
@@ -158,7 +198,39 @@ class OnServers:
         self.postgres.drop_database(self.template)
 
 
+def _days_back(service: Service, days: int = 0, *, legacy: bool = False) -> None:
+    """Give each row of both partitioned tables the partition of its time less `days` (made as
+    maintenance made it when that day was ahead: retention may have dropped it empty since).
+    `legacy`: instead detach and drop the migration's partition, empty (it holds every time
+    before the migration's bound: a row made older would stay in it), as retention does once it
+    is past, and make the days up to the first one ahead."""
+    t, schema = service.tables, service.tables.schema
+    with service.engine.connect() as conn:
+        conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+        for parent, key in PARTITIONED.items():
+            found = partitions(conn, schema, parent)
+            if legacy:
+                for p in found:
+                    if p.lower is None:
+                        ddl.detach(conn, schema, parent, p.name, finalize=False)
+                        ddl.drop_table(conn, schema, p.name)
+                today = floor_time(datetime.now(UTC), "day")
+                ahead = min(p.lower for p in found if p.lower is not None)
+                starts = {today + n * DAY for n in range((ahead - today) // DAY)}
+            else:
+                table = t.outbox if parent == "outbox_messages" else t.inbox
+                times = conn.execute(select(table.c[key]).distinct()).scalars()
+                starts = {floor_time(at - days * DAY, "day") for at in times}
+            names = {p.name for p in found}
+            for start in sorted(starts):
+                name = partition_name(parent, start, "day")
+                if name not in names:
+                    ddl.create_partition(conn, schema, parent, name, start, start + DAY)
+
+
 class _ServersPlace(Place):
+    partitioned = True
+
     def __init__(self, servers: OnServers, name: str) -> None:
         self.servers = servers
         self.db_url = servers.postgres.url(name)
@@ -197,6 +269,46 @@ class AcksLost:
         self.consumer.close()
 
 
+class Reordered:
+    """A consumer whose broker delivers each batch out of publication order across keys (a
+    drawn interleaving; each key's own order kept, and messages without a key anywhere): the
+    receiver sees tags rising in the order it is given, as from a broker, and each ack of one
+    of them acks the copy it stands for."""
+
+    def __init__(self, consumer: Consumer, draw: Callable[[list[int]], list[int]]) -> None:
+        self.consumer, self.draw = consumer, draw
+        self.given: dict[int, Delivery] = {}  # the tag the receiver saw -> the broker's delivery
+        self.tags = 0
+
+    def fetch(self, max_count: int, wait: float) -> list[Delivery]:
+        batch = self.consumer.fetch(max_count, wait)
+        keys = [d.message.headers.get(H_KEY) or f"none-{i}" for i, d in enumerate(batch)]
+        by_key: defaultdict[str, deque[Delivery]] = defaultdict(deque)
+        for key, delivery in zip(keys, batch, strict=True):
+            by_key[key].append(delivery)
+        out = []
+        for i in self.draw(list(range(len(batch)))):
+            self.tags += 1
+            self.given[self.tags] = by_key[keys[i]].popleft()
+            out.append(replace(self.given[self.tags], tag=self.tags))
+        return out
+
+    def ack_through(self, tag: int) -> None:
+        for seen in sorted(t for t in self.given if t <= tag):
+            self.ack(seen)
+
+    def ack(self, tag: int) -> None:
+        self.consumer.ack(self.given.pop(tag).tag)
+
+    def forward(
+        self, delivery: Delivery, exchange: str, routing_key: str, headers: Mapping[str, Any]
+    ) -> None:
+        self.consumer.forward(self.given.pop(delivery.tag), exchange, routing_key, headers)
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
 class Protocol(RuleBasedStateMachine):
     def __init__(self, place: Callable[[], Place] = InMemory) -> None:
         super().__init__()
@@ -214,6 +326,8 @@ class Protocol(RuleBasedStateMachine):
             db_url=self.place.db_url,
             broker=self.place.broker,
             retry=RetryPolicy(initial=60, max_attempts=3),  # retries wait for `retries_due`
+            retention=RETENTION.total_seconds(),
+            dead_retention=DEAD_RETENTION.total_seconds(),
         )
         self.plans: dict[int, list[str]] = {}
         self.calls: defaultdict[int, int] = defaultdict(int)
@@ -221,6 +335,11 @@ class Protocol(RuleBasedStateMachine):
         self.committed: set[int] = set()
         self.next_n = 0
         self.batches_lost = 0
+        self.days = 0  # the days passed (`days_pass`)
+        self.dropped: list[str] = []  # the partitions maintenance dropped
+        self.seen: dict[int, str] = {}  # each inbox row's status when last seen
+        self.gone: set[int] = set()  # messages whose inbox row retention dropped
+        self.faults: set[str] = set()  # the causes of the faults seen in the outbox
         self.service.on_command(COMMAND)(self._handler)
         self.harness = ServiceHarness(self.service, migrate=not self.place.migrated)
         if not self.place.migrated:
@@ -250,12 +369,20 @@ class Protocol(RuleBasedStateMachine):
         finally:
             self.place.close()
 
-    def _receive(self, *, lose_acks: bool = False, store: bool = True) -> None:
+    def _receive(
+        self,
+        *,
+        lose_acks: bool = False,
+        store: bool = True,
+        reorder: Callable[[list[int]], list[int]] | None = None,
+    ) -> None:
         """A receiver pass on a consumer of its own, closed at the end: the unacknowledged
         deliveries go back to the queue, flagged redelivered."""
-        consumer = self.place.broker.consumer(
+        consumer: Consumer = self.place.broker.consumer(
             inbox_queue(self.name), prefetch=self.service.settings.prefetch
         )
+        if reorder is not None:
+            consumer = Reordered(consumer, reorder)
         target = AcksLost(consumer) if lose_acks else consumer
         try:
             size = self.service.settings.receive_batch_size
@@ -266,20 +393,20 @@ class Protocol(RuleBasedStateMachine):
 
     # ---- the model's actions -----------------------------------------------------------------
 
-    @initialize(key=st.sampled_from(KEYS), plans=PLANS)
-    def first_write(self, key: str, plans: list[list[str]]) -> None:
+    @initialize(plans=PLANS)
+    def first_write(self, plans: list[tuple[str, list[str]]]) -> None:
         """Every example starts with a committed transaction (Hypothesis's first examples
         would otherwise draw none, the simplest choice)."""
-        self.write(key, True, plans)
+        self.write(True, plans)
 
-    @rule(key=st.sampled_from(KEYS), commit=st.sampled_from((True, True, False)), plans=PLANS)
-    def write(self, key: str, commit: bool, plans: list[list[str]]) -> None:
-        """A business transaction writes its rows and a command for each (one to three of one
-        key), then commits or rolls back."""
+    @rule(commit=st.sampled_from((True, True, False)), plans=PLANS)
+    def write(self, commit: bool, plans: list[tuple[str, list[str]]]) -> None:
+        """A business transaction writes its rows and a command for each (one to three, each
+        of its key), then commits or rolls back."""
         with self.service.session() as session:
             session.begin()
             written = []
-            for plan in plans:
+            for key, plan in plans:
                 n = self.next_n
                 self.next_n += 1
                 self.plans[n] = plan
@@ -293,19 +420,46 @@ class Protocol(RuleBasedStateMachine):
             else:
                 session.rollback()
 
-    @rule()
-    def relay_and_receive(self) -> None:
-        """The relay publishes what is due, the receiver stores what the queue holds."""
+    @rule(data=st.data())
+    def relay_and_receive(self, data: st.DataObject) -> None:
+        """The relay publishes what is due, the receiver stores what the queue holds, each
+        batch as the broker delivers it: in a drawn order across keys, each key's own order
+        kept (the model's `consume` takes the first message of any key)."""
+        self.harness.relay()
+        self._receive(reorder=lambda order: data.draw(st.permutations(order)))
+
+    @precondition(lambda self: self.place.partitioned and self.days < MAX_DAYS)
+    @rule(days=st.integers(1, 3))
+    def days_pass(self, days: int) -> None:
+        """The relay, the receiver and the worker catch up (no copy of a stored message is left
+        on its way; a row waiting for a retry or a lease stays pending), `days` pass (every time
+        of the outbox, the inbox and the delivery counters moves back: the rows move to the day
+        partition of their new time, and leases and retry delays end), and a maintenance pass
+        drops the partitions past the retention."""
         self.harness.relay()
         self._receive()
+        self.work()
+        self.dead_message_has_no_effect_and_its_fault()  # what finished now, before it is dropped
+        self._pass(days)
 
-    @rule()
-    def lose_the_receivers_acks(self) -> None:
+    def _pass(self, days: int) -> None:
+        """`days` pass at once, then a maintenance pass (`days_pass` without the catching up)."""
+        _days_back(self.service, days)
+        t = self.service.tables
+        with self.service.engine.begin() as conn:
+            for table in (t.outbox, t.inbox, t.deliveries):
+                times = {c.name: c - days * DAY for c in table.c if isinstance(c.type, DateTime)}
+                conn.execute(update(table).values(times))
+        self.days += days
+        self.dropped += self.service.maintain().dropped
+
+    @rule(data=st.data())
+    def lose_the_receivers_acks(self, data: st.DataObject) -> None:
         """The relay publishes; the receiver stores the batch and dies before its ack: the
         broker delivers it again (a duplicate, flagged redelivered), which the next receiver
         pass counts and drops."""
         self.harness.relay()
-        self._receive(lose_acks=True)
+        self._receive(lose_acks=True, reorder=lambda order: data.draw(st.permutations(order)))
 
     @precondition(lambda self: self.batches_lost < self.service.settings.max_redeliveries)
     @rule()
@@ -321,10 +475,15 @@ class Protocol(RuleBasedStateMachine):
     @precondition(lambda self: self.committed)
     @rule(data=st.data())
     def lose_a_relay_mark(self, data: st.DataObject) -> None:
-        """The relay crashed after the confirm, before its mark: the row goes out again."""
+        """The relay crashed after the confirm, before its mark: the row goes out again. After
+        days passed, only a row younger than the retention: the copy arrives inside the
+        duplicate window, and the inbox must recognize it."""
         o = self.service.tables.outbox
+        sent = select(o.c.id).where(o.c.published_at.is_not(None))
+        if self.days:
+            sent = sent.where(o.c.created_at > func.now() - RETENTION)
         with self.service.engine.begin() as conn:
-            ids = conn.execute(select(o.c.id).where(o.c.published_at.is_not(None))).scalars().all()
+            ids = conn.execute(sent).scalars().all()
             if ids:
                 chosen = data.draw(st.sampled_from(sorted(ids)))
                 conn.execute(update(o).where(o.c.id == chosen).values(published_at=None))
@@ -370,7 +529,17 @@ class Protocol(RuleBasedStateMachine):
         for _, n, _ in log:
             counts[n] += 1
         assert done == self.committed, "the business rows are the committed transactions'"
+        for n, row in rows.items():
+            self.seen[n] = row.status
+        for n in self.seen.keys() - rows.keys() - self.gone:
+            # NothingDroppedInsideDuplicateWindow's premise: retention drops finished rows only
+            assert self.seen[n] in ("processed", "dead"), f"message {n}'s {self.seen[n]} row lost"
+            self.gone.add(n)
         return counts, log, rows
+
+    def _finished(self, rows: dict[int, Any], n: int) -> bool:
+        """Whether message `n` is processed or dead (its row maybe dropped since)."""
+        return n in self.gone or (n in rows and rows[n].status in ("processed", "dead"))
 
     @invariant()
     def exactly_once_effect(self) -> None:
@@ -391,7 +560,7 @@ class Protocol(RuleBasedStateMachine):
         for _, n, key in log:
             for earlier in self.committed:
                 if earlier < n and self.keys[earlier] == key:
-                    assert earlier in rows and rows[earlier].status in ("processed", "dead"), (
+                    assert self._finished(rows, earlier), (
                         f"message {n} had its effect before {earlier} of key {key} finished"
                     )
 
@@ -403,14 +572,13 @@ class Protocol(RuleBasedStateMachine):
             return
         o = self.service.tables.outbox
         with self.service.engine.connect() as conn:
-            causes = set(
-                conn.execute(
-                    select(o.c.causation_id).where(o.c.routing_key.like(f"{self.name}.fault.%"))
-                ).scalars()
-            )
+            faults = select(o.c.causation_id).where(o.c.routing_key.like(f"{self.name}.fault.%"))
+            # remembered: retention drops a fault's outbox row before its dead inbox row
+            self.faults.update(str(c) for c in conn.execute(faults).scalars())
         for n, row in dead.items():
             assert counts[n] == 0, f"dead message {n} has an effect"
-            assert str(uuid.UUID(str(row.message_id))) in causes, f"dead message {n} sent no fault"
+            cause = str(uuid.UUID(str(row.message_id)))
+            assert cause in self.faults, f"dead message {n} sent no fault"
 
     def check_liveness(self) -> None:
         """Once nothing more is injected, every committed message finishes: a handler that
@@ -424,7 +592,7 @@ class Protocol(RuleBasedStateMachine):
                 pass
         _, _, rows = self._rows()
         for n in self.committed:
-            assert n in rows and rows[n].status in ("processed", "dead"), (n, rows.get(n))
+            assert self._finished(rows, n), (n, rows.get(n))
 
 
 class ProtocolThenCalm(Protocol):
@@ -434,6 +602,23 @@ class ProtocolThenCalm(Protocol):
             self.exactly_once_effect()
             self.key_order_of_effects()
             self.dead_message_has_no_effect_and_its_fault()
+            if self.place.partitioned:
+                # Past the retention every finished row's partition goes, with no effect, no
+                # order and no fault seen before...
+                self.days_pass(RETENTION // DAY + 1)
+                _, _, rows = self._rows()
+                assert not rows, f"finished rows kept past the retention: {sorted(rows)}"
+                # ...and inside it a copy is recognized: a new message handled, the relay's
+                # mark lost, its copy sent a day later.
+                self.write(True, [(KEYS[0], ["ok"])])
+                self.harness.run_until_idle()
+                o = self.service.tables.outbox
+                with self.service.engine.begin() as conn:
+                    conn.execute(update(o).values(published_at=None))
+                self._pass(1)
+                self.harness.run_until_idle()
+                self.exactly_once_effect()
+                self.check_liveness()
         finally:
             super().teardown()
 
