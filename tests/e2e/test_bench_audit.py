@@ -58,17 +58,18 @@ def test_bench_audit_runs_every_group_with_exact_counts_and_spark_metrics(tmp_pa
             "--cold-sizes",
             "3000",
             "--sizes",
-            "5000",
+            "3000",
             "--month-messages",
             "20000",
             "--cluster-size",
-            "5000",
+            "3000",
             "--repeat",
             "1",
-            # The untimed warm-up round, of which nothing is asserted, on the cold size's
-            # history: one history fewer to generate, and the warm-up audits (one local, one per
-            # cluster application) read 3,000 messages instead of 20,000. The groups still run
-            # their warm-up, then their timed runs with exact counts, as at any size.
+            # The untimed warm-up round, of which nothing is asserted, and every 3-day group on
+            # one history (histories are keyed by size and days): generated once, and the
+            # warm-up audits (one local, one per cluster application) read 3,000 messages
+            # instead of 20,000. The groups still run their warm-up, then their timed runs
+            # with exact counts, as at any size.
             "--warm-up",
             "3000",
             "--driver-memory",

@@ -8,31 +8,31 @@ are in the history too: were they expected there, the audit would report them lo
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from audit_cases import EVERY_FAULT
+from audit_cases import Case
 
 from history import cli
-from outbox_inbox.analytics.synthetic import Expected, generate
+from outbox_inbox.analytics.synthetic import Expected
 
 pyspark = pytest.importorskip("pyspark", reason="the audit needs the spark extra")
 
-FAULTS = EVERY_FAULT
+
+@pytest.fixture(scope="module")
+def history(cases: dict[str, Case]) -> Expected:
+    # 30,000 messages, every fault, in small chunks: the faults and files are spread over
+    # several chunks, as with big histories. Shared with test_audit_one_pass.py.
+    expected = cases["faults"].expected
+    assert expected is not None
+    return expected
 
 
 @pytest.fixture(scope="module")
-def history(tmp_path_factory: pytest.TempPathFactory) -> Expected:
-    # Small chunks: the faults and files are spread over several chunks, as with big histories.
-    return generate(tmp_path_factory.mktemp("history"), 30_000, FAULTS, chunk=8_000)
-
-
-@pytest.fixture(scope="module")
-def summary(spark: Any, history: Expected) -> dict[str, Any]:
-    from outbox_inbox.analytics.audit import run_audit
-
-    return run_audit(spark, history.roots, now=history.now, grace=history.grace)
+def summary(whole_audit: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
+    return whole_audit("faults")  # run_audit(spark, history.roots, now=..., grace=...)
 
 
 def test_generator_injected_exactly_the_faults_it_was_asked_for(history: Expected) -> None:
@@ -157,9 +157,12 @@ def test_audit_command_without_java_says_so_in_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
-def test_audit_of_an_empty_archive_is_ok_with_empty_charts(tmp_path: Path) -> None:
+def test_audit_of_an_empty_archive_is_ok_with_empty_charts(
+    tmp_path: Path, warm_spark: dict[str, str]
+) -> None:
     (tmp_path / "archive").mkdir()
-    result = cli("audit", str(tmp_path / "archive"), "--out", str(tmp_path / "report"), "--json")
+    archive, out = str(tmp_path / "archive"), str(tmp_path / "report")
+    result = cli("audit", archive, "--out", out, "--json", env=warm_spark)
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     assert summary["ok"] is True

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -26,12 +27,6 @@ from outbox_inbox.topology import topic_matches
 pyspark = pytest.importorskip("pyspark", reason="the audit needs the spark extra")
 
 
-@pytest.fixture(scope="module")
-def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
-    base = tmp_path_factory.mktemp("cases")
-    return {name: build(base / name) for name, build in CASES.items()}
-
-
 def _audit(spark: Any, case: Case, **options: Any) -> dict[str, Any]:
     from outbox_inbox.analytics.audit import run_audit
 
@@ -43,9 +38,9 @@ def _audit(spark: Any, case: Case, **options: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_one_pass_audit_reports_what_the_recorded_audit_reported_field_by_field(
-    spark: Any, cases: dict[str, Case], name: str
+    whole_audit: Callable[[str], dict[str, Any]], name: str
 ) -> None:
-    got = comparable(_audit(spark, cases[name]))
+    got = comparable(whole_audit(name))  # `_audit` of the case, run once for every test
     want = json.loads((GOLDEN / f"{name}.json").read_text())
     got_latency, want_latency = got.pop("latency"), want.pop("latency")
     assert got == want
@@ -127,11 +122,13 @@ def test_a_day_audit_reads_only_its_days_and_later_and_equals_it_reading_everyth
     assert pruned["totals"]["sent"] > 0
 
 
-def test_day_audits_add_up_to_the_whole_audit(spark: Any, cases: dict[str, Case]) -> None:
+def test_day_audits_add_up_to_the_whole_audit(
+    spark: Any, cases: dict[str, Case], whole_audit: Callable[[str], dict[str, Any]]
+) -> None:
     from outbox_inbox.analytics.audit import Window
 
     case = cases["month"]
-    whole = _audit(spark, case)["totals"]
+    whole = whole_audit("month")["totals"]
     days = _days(case)
     sums = dict.fromkeys(TOTALS, 0)
     # Ten-day windows over every day the archive holds (a window after it is an error).
@@ -348,10 +345,11 @@ def test_audit_window_options_refuse_bad_input_in_one_line(
 
 
 def test_audit_command_audits_one_day_and_fails_on_a_day_never_archived(
-    midnight: Path, tmp_path: Path
+    midnight: Path, tmp_path: Path, warm_spark: dict[str, str]
 ) -> None:
     roots = [str(midnight / "orders"), str(midnight / "billing")]
-    done = cli("audit", *roots, "--day", "2026-11-10", "--out", str(tmp_path), "--json")
+    day = ("--day", "2026-11-10")
+    done = cli("audit", *roots, *day, "--out", str(tmp_path), "--json", env=warm_spark)
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout)
     assert summary["inputs"]["window"] == {
@@ -366,7 +364,11 @@ def test_audit_command_audits_one_day_and_fails_on_a_day_never_archived(
 
 
 def test_day_results_combine_into_the_whole_audit_without_reading_a_row(
-    spark: Any, cases: dict[str, Case], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    spark: Any,
+    cases: dict[str, Case],
+    whole_audit: Callable[[str], dict[str, Any]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from contextlib import contextmanager
 
@@ -381,7 +383,7 @@ def test_day_results_combine_into_the_whole_audit_without_reading_a_row(
     monkeypatch.setattr(report, "_one_shot", this_session)
     monkeypatch.setattr(report, "run_audit", functools.partial(report.run_audit, now=case.now))
     results = tmp_path / "days"
-    whole, _ = report.write_audit(tmp_path / "whole", case.roots, grace=case.grace)
+    whole = whole_audit("month")  # as write_audit(..., case.roots, grace=case.grace) gives it
     days = _days(case)[:-1]  # the 30 days the archive holds
     for day in days:
         window = Window(day, day + timedelta(days=1))
@@ -409,12 +411,13 @@ def test_day_results_combine_into_the_whole_audit_without_reading_a_row(
 
 
 def test_audit_command_stores_day_results_and_combines_them_without_spark(
-    midnight: Path, tmp_path: Path
+    midnight: Path, tmp_path: Path, warm_spark: dict[str, str]
 ) -> None:
     roots = [str(midnight / "orders"), str(midnight / "billing")]
     results = str(tmp_path / "days")
     for day in ("2026-11-10", "2026-11-11"):
-        done = cli("audit", *roots, "--day", day, "--results", results, "--out", str(tmp_path))
+        kept = ("--day", day, "--results", results, "--out", str(tmp_path))
+        done = cli("audit", *roots, *kept, env=warm_spark)
         assert done.returncode == 0, done.stderr
     both = ("--since", "2026-11-10", "--until", "2026-11-12", "--results", results)
     combined = cli("audit", *roots, *both, "--out", str(tmp_path / "both"), "--json")
