@@ -120,10 +120,10 @@ def test_a_row_the_database_refuses_is_a_storage_error_that_shows_no_payload(
     svc.close()
 
 
-_TOMORROW_ROW = text(
+_LATER_ROW = text(
     "INSERT INTO outbox_inbox.outbox_messages (message_id, kind, exchange, routing_key, payload,"
     " headers, created_at) VALUES (:m, 'event', 'events', 'orders.order.placed', '{}', '{}',"
-    " now() + interval '1 day')"
+    " now() + interval '2 days')"
 )
 _PARTITIONS = "SELECT DISTINCT tableoid::regclass::text FROM outbox_inbox.outbox_messages"
 
@@ -132,12 +132,13 @@ def test_a_second_write_of_a_message_id_fails_in_its_partition_and_not_across_on
     db_url: str,
 ) -> None:
     """What docs/migrating.md ("Idempotency keys") says holds: the outbox's message_id is
-    unique per time partition. The first row of `earlier` is in tomorrow's partition, that of
-    `today` in today's; each id is then written again now, into today's partition."""
+    unique per time partition. The first row of `earlier` is two days ahead, in a daily
+    partition (the migration's first partition ends at most a day and two hours ahead), that of
+    `today` in the partition of now; each id is then written again now."""
     svc = make_service("orders", db_url, None)
     earlier, today = uuid.uuid4(), uuid.uuid4()
     with svc.engine.begin() as conn:
-        conn.execute(_TOMORROW_ROW, {"m": earlier})
+        conn.execute(_LATER_ROW, {"m": earlier})
     with svc.session() as session, session.begin():
         svc.outbox.publish(session, "order.placed", {"id": 1}, message_id=today)
     refused = pytest.raises(StorageError, match="duplicate key value violates unique")
