@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +94,12 @@ def _names(engine: Engine, tables: Tables, parent: str) -> list[str]:
 
 def _day(parent: str, moment: datetime) -> str:
     return partition_name(parent, moment, "day")
+
+
+def _midday(moment: datetime) -> datetime:
+    """Noon of `moment`'s UTC day: an hour either side is still in that day's partition, at
+    whatever hour the test runs."""
+    return moment.astimezone(UTC).replace(hour=12, minute=0, second=0, microsecond=0)
 
 
 def _inbox(engine: Engine, tables: Tables, received_at: datetime, **values: Any) -> uuid.UUID:
@@ -297,7 +303,7 @@ def test_retention_keeps_partitions_with_unfinished_or_recently_dead_rows_and_dr
     _partitions_since(engine, tables, now - 20 * DAY)
 
     def ago(days: int) -> datetime:
-        return now - days * DAY
+        return _midday(now - days * DAY)
 
     recently = now - DAY  # younger than the dead retention (5 days)
     kept_rows = {
@@ -563,8 +569,8 @@ def test_the_archiver_exports_and_drops_whole_partitions_past_older_than(
     engine, tables = billing.engine, billing.tables
     now = _db_now(engine)
     _partitions_since(engine, tables, now - 20 * DAY)
-    old = [_inbox(engine, tables, now - 15 * DAY) for _ in range(4)]
-    pending = _inbox(engine, tables, now - 15 * DAY + timedelta(hours=1), status=PENDING)
+    old = [_inbox(engine, tables, _midday(now - 15 * DAY)) for _ in range(4)]
+    pending = _inbox(engine, tables, _midday(now - 15 * DAY) + timedelta(hours=1), status=PENDING)
     other = [_inbox(engine, tables, now - 12 * DAY) for _ in range(2)]
 
     result = Archiver(engine, tables, "billing", tmp_path, older_than=7 * DAY).run()
