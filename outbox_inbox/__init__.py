@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .brokers.memory import MemoryBroker
+    from .config import Tenant
     from .errors import (
         BrokerAccessRefused,
         BrokerConnectionError,
@@ -42,7 +43,7 @@ __all__ = [
     "DatabaseUnavailable", "Fault", "HandlerContext", "HandlerExited", "InvalidMessage",
     "InvalidPayload", "Listener", "Listeners", "MemoryBroker", "Message", "MessageError",
     "OutboxInboxError", "PayloadTooLarge", "Reject", "Retry", "RetryPolicy", "SchemaMissing",
-    "Service", "StorageError", "TopologyMismatch", "TopologyMissing", "__version__",
+    "Service", "StorageError", "Tenant", "TopologyMismatch", "TopologyMissing", "__version__",
 ]  # fmt: skip
 
 _ERRORS = (
@@ -59,6 +60,7 @@ _HOMES = {
     name: module
     for module, names in {
         ".brokers.memory": ("MemoryBroker",),
+        ".config": ("Tenant",),
         ".errors": _ERRORS,
         ".faults": ("Fault",),
         ".handlers": ("AsyncBatchContext", "AsyncHandlerContext", "BatchContext", "HandlerContext"),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Literal, TypeGuard
 
@@ -142,6 +142,20 @@ def validate_service_name(value: str) -> str:
             "(starting with a letter, no dots or wildcards)"
         )
     return value
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """Where one tenant's outbox and inbox live (docs/tenants.md): the database at `db_url`
+    (else the service's) and `schema` (else the service's)."""
+
+    db_url: str | None = None
+    schema: str | None = None
+
+
+#: The tenant registry of a `Service`: tenant id to `Tenant`, or a callable returning such a
+#: mapping, called anew each time the service reads its tenants (`Service.tenant_ids`).
+Tenants = Mapping[str, Tenant] | Callable[[], Mapping[str, Tenant]]
 
 
 @dataclass(frozen=True, kw_only=True)

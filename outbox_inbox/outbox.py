@@ -111,9 +111,16 @@ class Outbox:
     """
 
     def __init__(
-        self, service: str, tables: Tables, *, settings: Settings, tracing: Tracing | None = None
+        self,
+        service: str,
+        tables: Tables,
+        *,
+        settings: Settings,
+        tracing: Tracing | None = None,
+        tenant: str = "",
     ) -> None:
         self._service = validate_service_name(service)
+        self._tenant = tenant  # a tenant's outbox (`Service.tenant`): every write carries it
         self._tables = tables
         self._settings = settings  # max_payload_bytes and the claim check's
         self._tracing = tracing or Tracing(self._service)
@@ -255,6 +262,9 @@ class Outbox:
             row["correlation_id"] = o.correlation_id or str(row["message_id"])
             row["causation_id"] = None
             tenant = o.tenant
+        if self._tenant and tenant not in (None, self._tenant):
+            raise MessageError(f"tenant {self._tenant!r}'s outbox cannot write for {tenant!r}")
+        tenant = self._tenant or tenant
         if tenant:
             clean_headers[H_TENANT] = tenant  # the row's headers: checked, then the tenant
         return row

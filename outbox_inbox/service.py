@@ -9,7 +9,7 @@ import multiprocessing
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import fields
 from datetime import timedelta
 from types import FrameType
@@ -24,7 +24,7 @@ from . import migrate as migrations
 from .backoff import Backoff
 from .broker import Broker
 from .clock import as_timedelta
-from .config import Settings, validate_service_name
+from .config import Settings, Tenant, Tenants, validate_service_name
 from .database import business_engine, connect, is_sqlite, tables_for
 from .errors import (
     BrokerAccessRefused,
@@ -90,6 +90,7 @@ class Service:
         broker: Broker | None = None,
         listener: Listener | None = None,
         tracer_provider: TracerProvider | None = None,
+        tenants: Tenants | None = None,
         **settings: Any,
     ) -> None:
         self.name = validate_service_name(name)
@@ -105,6 +106,11 @@ class Service:
         self.handlers = Handlers()
         self.tracing = Tracing(self.name, tracer_provider)
         self.outbox = Outbox(self.name, self.tables, settings=self.settings, tracing=self.tracing)
+        #: The tenant this Service serves (`tenant`); "" for the service itself.
+        self.tenant_id = ""
+        self._tenants = tenants
+        self._tenant_services: dict[tuple[str, str, str], Service] = {}
+        self._engines: dict[str, Engine] = {}  # the tenants' databases other than db_url
         self._engine = engine
         self._broker = broker
         self.listener = listener
@@ -173,26 +179,100 @@ class Service:
     def with_urls(self, *, db_url: str | None = None, mq_url: str | None = None) -> Service:
         """This service on the servers at `db_url` / `mq_url` (its own where one is not given):
         itself when neither is another, else a new Service, running no role, that shares the
-        name, other settings, `handlers`, listener, tracer provider, and the engine or broker
-        object this one was given unless a URL replaces it. Handlers that use this object's
-        engine or session keep its database; those writing through the session they are given
-        follow `db_url`. Connects to nothing; raises ConfigurationError for an invalid URL."""
+        name, other settings, `handlers`, listener, tracer provider, tenant registry, and the
+        engine or broker object this one was given unless a URL replaces it. Handlers that use
+        this object's engine or session keep its database; those writing through the session
+        they are given follow `db_url`. Connects to nothing; raises ConfigurationError for an
+        invalid URL."""
         settings = self.settings
         if (not db_url or db_url == settings.db_url) and (not mq_url or mq_url == settings.mq_url):
             return self
-        values = {f.name: getattr(settings, f.name) for f in fields(Settings)}
-        values["db_url"] = db_url or settings.db_url
-        values["mq_url"] = mq_url or settings.mq_url
+        db_url, mq_url = db_url or settings.db_url, mq_url or settings.mq_url
+        return self._copy(
+            None if db_url else self.engine,
+            None if mq_url else self.broker,
+            db_url=db_url,
+            mq_url=mq_url,
+        )
+
+    def _copy(self, engine: Engine | None, broker: Broker | None, **changes: Any) -> Service:
+        values = {f.name: getattr(self.settings, f.name) for f in fields(Settings)} | changes
         copy = Service(
             self.name,
-            engine=None if values["db_url"] else self.engine,
-            broker=None if values["mq_url"] else self.broker,
+            engine=engine,
+            broker=broker,
             listener=self.listener,
             tracer_provider=self.tracing.provider,
+            tenants=self._tenants,
             **values,
         )
         copy.handlers = self.handlers
         return copy
+
+    # --- tenants --------------------------------------------------------------------------
+
+    def tenant_ids(self) -> list[str]:
+        """The tenants registered now, sorted: the ``tenants`` mapping, or what its callable
+        returns at this call. Raises ConfigurationError when the callable raises or returns
+        anything but a mapping of non-empty strings to `Tenant`."""
+        return sorted(self._registry())
+
+    def _registry(self) -> Mapping[str, Tenant]:
+        try:
+            found = self._tenants() if callable(self._tenants) else self._tenants
+        except Exception as exc:
+            raise ConfigurationError(
+                f"service {self.name}: the tenant registry raised: {exc}"
+            ) from exc
+        if found is None:
+            return {}
+        if not isinstance(found, Mapping) or not all(
+            isinstance(t, str) and 0 < len(t) <= 255 and isinstance(v, Tenant)
+            for t, v in found.items()
+        ):
+            raise ConfigurationError(
+                f"service {self.name}: tenants must map ids (1..255 characters) to Tenant"
+            )
+        return found
+
+    def tenant(self, tenant_id: str) -> Service:
+        """This service in tenant `tenant_id`'s database and schema (docs/tenants.md).
+
+        A Service running no role that shares this one's name, other settings, handlers,
+        broker, listener and tracer provider, and one engine per database URL among all the
+        tenants (the service's own where a tenant's URL is db_url or none); its outbox writes
+        carry the tenant (``x-tenant``) and refuse another. The same object while the tenant's
+        entry is unchanged. Raises ConfigurationError for a tenant the registry does not name
+        now, and for an invalid URL or schema."""
+        entry = self._registry().get(tenant_id)
+        if entry is None:
+            raise ConfigurationError(f"service {self.name} has no tenant {tenant_id!r}")
+        db_url = entry.db_url or self.settings.db_url or ""
+        schema = entry.schema or self.settings.schema
+        key = (tenant_id, db_url, schema)
+        with self._lock:
+            found = self._tenant_services.get(key)
+        if found is not None:
+            return found
+        if not db_url or db_url == self.settings.db_url:
+            engine = self.engine
+        else:
+            with self._lock:
+                if db_url not in self._engines:
+                    self._engines[db_url] = connect(
+                        db_url,
+                        schema,
+                        pool_size=1 + self.settings.worker_threads,
+                        prepare_threshold=self.settings.prepare_threshold,
+                    ).engine
+                engine = self._engines[db_url]
+        copy = self._copy(engine, self.broker, db_url=db_url or None, schema=schema)
+        copy.tenant_id = tenant_id
+        copy.outbox = Outbox(
+            self.name, copy.tables, settings=copy.settings, tracing=copy.tracing, tenant=tenant_id
+        )
+        with self._lock:
+            return self._tenant_services.setdefault(key, copy)
 
     # --- handlers -------------------------------------------------------------------------
 
@@ -876,8 +956,9 @@ class Service:
     def close(self) -> None:
         """Stop the roles and release the database connections."""
         self.stop()
-        if self._engine is not None:
-            self._engine.dispose()
+        for engine in [self._engine, *self._engines.values()]:
+            if engine is not None:
+                engine.dispose()
         if self._broker is not None and self.settings.mq_url:  # the memory broker is shared
             self._broker.close()
 

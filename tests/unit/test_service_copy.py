@@ -1,11 +1,14 @@
-"""`Service.with_urls`: the service on other servers, and what the copy keeps."""
+"""`Service.with_urls` and `Service.tenant`: the service on other servers or in a tenant's
+database and schema, and what the copy keeps."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
 
-from outbox_inbox import Listener, Message, Service
+import pytest
+
+from outbox_inbox import ConfigurationError, Listener, Message, MessageError, Service, Tenant
 from outbox_inbox.brokers.memory import MemoryBroker
 from outbox_inbox.database import connect
 
@@ -56,3 +59,47 @@ def test_with_urls_keeps_a_given_engine_when_only_the_broker_is_another(tmp_path
         assert copy.broker.description == "amqp://guest:***@localhost:5672/"
     finally:
         engine.dispose()
+
+
+def test_a_tenant_is_the_service_in_its_schema_sharing_the_engine_of_its_database(
+    tmp_path: Path,
+) -> None:
+    registry = {"acme": Tenant(schema="t_acme"), "beta": Tenant(schema="t_beta")}
+    app = Service("billing", db_url="postgresql+psycopg://u@localhost/shop", tenants=registry)
+    acme, beta = app.tenant("acme"), app.tenant("beta")
+    assert app.tenant_ids() == ["acme", "beta"] and app.tenant("acme") is acme
+    assert (acme.tenant_id, acme.tables.inbox.schema, beta.tables.inbox.schema) == (
+        "acme",
+        "t_acme",
+        "t_beta",
+    )
+    assert acme.engine is app.engine is beta.engine and acme.handlers is app.handlers
+    with pytest.raises(ConfigurationError, match="no tenant 'gamma'"):
+        app.tenant("gamma")
+    app.close()
+
+
+def test_a_tenants_outbox_stamps_its_tenant_and_refuses_another(tmp_path: Path) -> None:
+    other = f"sqlite:///{tmp_path / 'acme.db'}"
+    app = Service(
+        "billing", db_url=f"sqlite:///{tmp_path / 'a.db'}", tenants=lambda: {"acme": Tenant(other)}
+    )
+    acme = app.tenant("acme")
+    assert str(acme.engine.url) == other and acme.engine is not app.engine
+    row = acme.outbox._row("event", "events", "billing.x", {}, {})
+    assert row["headers"]["x-tenant"] == "acme"
+    with pytest.raises(MessageError, match="cannot write for 'beta'"):
+        acme.outbox._row("event", "events", "billing.x", {}, {"tenant": "beta"})
+    app.close()
+
+
+def test_a_registry_that_raises_or_returns_garbage_is_a_configuration_error(
+    tmp_path: Path,
+) -> None:
+    def broken() -> dict[str, Tenant]:
+        raise OSError("registry table away")
+
+    for registry, match in ((broken, "registry raised: registry table away"), ({"a": "x"}, "map")):
+        app = Service("billing", db_url=f"sqlite:///{tmp_path / 'a.db'}", tenants=registry)
+        with pytest.raises(ConfigurationError, match=match):
+            app.tenant_ids()
