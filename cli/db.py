@@ -8,12 +8,14 @@ from functools import partial
 from typing import Any
 
 import click
+from sqlalchemy.exc import SQLAlchemyError
 
 from outbox_inbox import migrate as migrations
+from outbox_inbox.errors import OutboxInboxError, first_line
 from outbox_inbox.logsafe import mask_url
 
 from .output import EXIT_UNHEALTHY, echo, echo_json, render_table
-from .target import Target, app_option, db_url_option, json_option, resolve, schema_option
+from .target import Target, app_option, db_url_option, fail, json_option, resolve, schema_option
 
 
 @click.group()
@@ -28,14 +30,34 @@ def db() -> None:
 role_option = click.option("--runtime-role", help="Name the GRANTs this role lacks.")
 
 
-def _on_database(app: str | None, db_url: str | None, schema: str | None, work: Any) -> Any:
-    """`work(connection, target)` on a connection of the command's database."""
-    target = resolve(app=app, db_url=db_url, schema=schema)
+def _on_database(
+    app: str | None, db_url: str | None, schema: str | None, work: Any, tenants: Any = None
+) -> Any:
+    """`work(connection, target)` on a connection of the command's database; with `tenants`,
+    its line is printed, then `tenants(connection, target)`'s on each tenant's of an --app (but
+    for --schema), exit 1 naming those that failed once all were tried."""
+    target, failed = resolve(app=app, db_url=db_url, schema=schema), []
     try:
         with target.engine().connect() as conn:
-            return work(conn, target)
+            done = work(conn, target)
+        if tenants is None:
+            return done
+        echo(done)
+        if (service := target.service) is None or schema:
+            return None
+        for tenant in service.tenant_ids():
+            try:
+                found = service.tenant(tenant)
+                with found.engine.connect() as conn:
+                    at = Target(found.name, found.settings.schema, found.settings.db_url, None)
+                    echo(f"tenant {tenant}: {tenants(conn, at)}")
+            except (OutboxInboxError, SQLAlchemyError) as exc:
+                echo(f"tenant {tenant}: failed: {first_line(exc)}")
+                failed.append(tenant)
     finally:
         target.close()
+    if failed:
+        fail(f"{len(failed)} tenant(s) failed: {', '.join(failed)}")
 
 
 def _migrate(action: str, rev: str, role: str | None, conn: Any, target: Target) -> str:
@@ -56,6 +78,12 @@ def _migrate(action: str, rev: str, role: str | None, conn: Any, target: Target)
     return "\n".join(lines + _lacks(conn, target, role))
 
 
+def _upgrade_tenant(rev: str, role: str | None, conn: Any, target: Target) -> str:
+    if rev == "heads" and migrations.current(conn, target.schema).up_to_date:
+        return f"schema {target.schema} is at the newest revision"
+    return _migrate("upgrade", rev, role, conn, target)
+
+
 def _checked(role: str | None, conn: Any, target: Target) -> tuple[str, list[str]]:
     return target.schema, migrations.check(conn, target.schema) + _lacks(conn, target, role)
 
@@ -74,8 +102,12 @@ def _lacks(conn: Any, target: Target, role: str | None) -> list[str]:
 def upgrade(
     app: str | None, db_url: str | None, schema: str | None, runtime_role: str | None, revision: str
 ) -> None:
-    """Apply the migrations up to REVISION (default: the newest)."""
-    echo(_on_database(app, db_url, schema, partial(_migrate, "upgrade", revision, runtime_role)))
+    """Apply the migrations up to REVISION (default: the newest); with an --app that has
+    tenants (and no --schema), then on every tenant's database and schema, skipping those
+    already at the newest revision (docs/tenants.md)."""
+    work = partial(_migrate, "upgrade", revision, runtime_role)
+    tenants = partial(_upgrade_tenant, revision, runtime_role)
+    _on_database(app, db_url, schema, work, tenants)
 
 
 @db.command()

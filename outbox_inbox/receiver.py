@@ -7,7 +7,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from sqlalchemy import Engine
@@ -25,8 +25,10 @@ from .messages import (
     H_LAST_ERROR,
     H_RECEIVE_ATTEMPT,
     H_RETRY_DELAY,
+    H_TENANT,
     Message,
     WireMessage,
+    _header_text,
     _int,
     _property,
     from_row,
@@ -47,6 +49,11 @@ FETCH_WAIT = 0.25
 
 #: Dead-letter reasons the receiver writes in ``x-dead-reason``.
 INVALID, STORE_FAILED, REDELIVERED = "invalid", "store_failed", "redelivered"
+UNKNOWN_TENANT = "unknown_tenant"
+
+#: Seconds the receiver of a service with tenants keeps the registry it read, and sends a tenant
+#: whose database could not be reached to the delay tiers without trying it (docs/tenants.md).
+TENANTS_REFRESH = 5.0
 
 
 class Receiver:
@@ -67,6 +74,8 @@ class Receiver:
         listener: Listener | None = None,
         tracing: Tracing | None = None,
         declare: Callable[[], None] | None = None,
+        tenant_ids: Callable[[], Iterable[str]] | None = None,
+        tenant_inbox: Callable[[str], Any] | None = None,
     ) -> None:
         self._service = service
         self._declare = declare
@@ -76,6 +85,13 @@ class Receiver:
         self._settings = settings
         self._listener = listener
         self._tracing = tracing or Tracing(service)
+        # With tenants: the registry (read at most every TENANTS_REFRESH seconds: `_tenant`),
+        # the inboxes found in it, until when each unreachable tenant is not tried, and the
+        # deliveries acked or forwarded alone since `store` began.
+        self._tenant_ids, self._tenant_inbox, self._own = tenant_ids, tenant_inbox, (engine, tables)
+        self._known: tuple[float, set[str], dict[str, tuple[Engine, Tables]]] = (-1e9, set(), {})
+        self._down: dict[str, float] = {}
+        self._done: set[int] = set()
         self.stored = 0  # new inbox rows written by this receiver
         self.duplicates = 0  # deliveries dropped as already stored
         self.delayed = 0  # deliveries sent to a delay tier
@@ -126,20 +142,87 @@ class Receiver:
             if consumer is not None:
                 consumer.close()
 
-    def store(self, consumer: Consumer, batch: list[Delivery]) -> None:
+    def store(
+        self, consumer: Consumer, batch: list[Delivery], ack: Callable[..., None] | None = None
+    ) -> None:
         """Store one batch; acknowledge, delay or dead-letter every delivery in it: runs of
         first deliveries together with one multiple-ack, each redelivered one alone
         (docs/failures.md). Raises the SQLAlchemyError of a database that cannot be reached,
-        the deliveries not stored yet left unacknowledged (the caller closes the consumer)."""
+        the deliveries not stored yet left unacknowledged (the caller closes the consumer).
+        With tenants, each tenant's deliveries go to its inbox (`_store_tenant`), and the batch
+        is acknowledged once every tenant's are stored (docs/tenants.md); `ack` is internal."""
+        self._done.clear()
+        if self._tenant_ids is not None and ack is None:
+            groups: dict[str, list[Delivery]] = {}
+            for delivery in batch:
+                groups.setdefault(_tenant_of(delivery), []).append(delivery)
+            stored: list[Delivery] = []
+            for tenant, group in groups.items():
+                self._store_tenant(tenant, consumer, group, stored)
+                # Here the tenant's stored rows are committed.
+            return self._ack(consumer, stored)
         run: list[Delivery] = []
         for delivery in batch:
             if delivery.redelivered:
-                self._ack(consumer, self._store_together(consumer, run))
+                (ack or self._ack)(consumer, self._store_together(consumer, run))
                 run = []
-                self._ack(consumer, self._store_suspect(consumer, delivery))
+                (ack or self._ack)(consumer, self._store_suspect(consumer, delivery))
             else:
                 run.append(delivery)
-        self._ack(consumer, self._store_together(consumer, run))
+        (ack or self._ack)(consumer, self._store_together(consumer, run))
+
+    def _store_tenant(
+        self, tenant: str, consumer: Consumer, group: list[Delivery], stored: list[Delivery]
+    ) -> None:
+        """Store `group` in `tenant`'s inbox ("": the service's own), adding the deliveries to
+        ack to `stored`. The group is delayed when the registry does not name the tenant (dead:
+        ``unknown_tenant``, in the end) or its database cannot be reached (not tried again for
+        TENANTS_REFRESH seconds: one warning), the other tenants' deliveries stored."""
+        first, self._done = len(stored), set()
+        try:
+            inbox = self._tenant(tenant) if tenant else self._own
+        except ValueError as exc:  # and ConfigurationError: not registered, or entry refused
+            for delivery in group:
+                self._delay(consumer, delivery, str(exc), UNKNOWN_TENANT)
+            return
+        if self._down.get(tenant, 0.0) > time.monotonic():
+            for delivery in group:
+                self._delay(consumer, delivery, f"tenant {tenant}: unreachable just now")
+            return
+        try:
+            self._engine, self._tables = inbox
+            self.store(consumer, group, lambda _c, done: stored.extend(done))
+            self._down.pop(tenant, None)
+        except SQLAlchemyError as exc:
+            if not tenant or not _database_unavailable(exc):
+                raise
+            if tenant not in self._down:
+                log.warning(
+                    "receiver: tenant %s's database is unreachable: %s", tenant, first_line(exc)
+                )
+            self._down[tenant] = time.monotonic() + TENANTS_REFRESH
+            done = self._done | {d.tag for d in stored[first:]}
+            for delivery in (d for d in group if d.tag not in done):
+                self._delay(consumer, delivery, f"tenant {tenant}: {first_line(exc)}")
+        finally:
+            self._engine, self._tables = self._own
+
+    def _tenant(self, tenant: str) -> tuple[Engine, Tables]:
+        """`tenant`'s inbox, from the registry read at most every TENANTS_REFRESH seconds (the
+        last one read kept while it raises). Raises ValueError for a tenant it does not name."""
+        assert self._tenant_ids is not None and self._tenant_inbox is not None
+        read_at, known, inboxes = self._known
+        if time.monotonic() - read_at >= TENANTS_REFRESH:
+            try:
+                known, inboxes = set(self._tenant_ids()), {}
+            except ValueError as exc:  # ConfigurationError
+                log.warning("receiver: %s (kept: the tenants read before)", exc)
+            self._known = (time.monotonic(), known, inboxes)
+        if tenant not in known:
+            raise ValueError(f"no tenant {tenant!r} is registered")
+        if tenant not in inboxes:
+            inboxes[tenant] = (found := self._tenant_inbox(tenant)).engine, found.tables
+        return inboxes[tenant]
 
     @staticmethod
     def _ack(consumer: Consumer, stored: list[Delivery]) -> None:
@@ -270,17 +353,18 @@ class Receiver:
 
     def _ack_duplicate(self, consumer: Consumer, delivery: Delivery) -> None:
         consumer.ack(delivery.tag)
+        self._done.add(delivery.tag)
         self.duplicates += 1
         call(self._listener, "received", 0, 1)
 
-    def _delay(self, consumer: Consumer, delivery: Delivery, error: str) -> None:
+    def _delay(
+        self, consumer: Consumer, delivery: Delivery, error: str, reason: str = STORE_FAILED
+    ) -> None:
         """Send a message that could not be stored to its delay tier, or dead past the limit."""
         policy = self._settings.receive_retry
         attempt = (_int(delivery.message.headers.get(H_RECEIVE_ATTEMPT)) or 0) + 1
         if policy.gives_up_after(attempt):
-            self._dead(
-                consumer, delivery, STORE_FAILED, f"not stored after {attempt} attempts: {error}"
-            )
+            self._dead(consumer, delivery, reason, f"not stored after {attempt} attempts: {error}")
             return
         wanted = policy.delay(attempt)
         tiers = self._settings.delay_tiers
@@ -296,6 +380,7 @@ class Receiver:
             },
         )
         self.delayed += 1
+        self._done.add(delivery.tag)
 
     def _dead(self, consumer: Consumer, delivery: Delivery, reason: str, detail: str) -> None:
         log.error(
@@ -315,6 +400,7 @@ class Receiver:
             },
         )
         self.dead += 1
+        self._done.add(delivery.tag)
         call(self._listener, "dead", reason, 1)
 
 
@@ -326,6 +412,15 @@ def _counted_id(message: WireMessage) -> uuid.UUID | None:
         return inbox_id(message_id) if message_id else None
     except Exception:  # not text; or a lone surrogate from an in-process broker
         return None
+
+
+def _tenant_of(delivery: Delivery) -> str:
+    """The tenant ``x-tenant`` names; "" for none or for one that is not text (dead-lettered
+    when decoded)."""
+    try:
+        return _header_text(delivery.message.headers.get(H_TENANT) or "", H_TENANT)
+    except InvalidMessage:
+        return ""
 
 
 def _database_unavailable(exc: SQLAlchemyError) -> bool:

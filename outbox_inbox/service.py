@@ -119,7 +119,7 @@ class Service:
         self._threads: list[threading.Thread] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._lock = threading.Lock()
-        self._maintenance_failures: set[str] = set()
+        self._maintenance_failures: set[tuple[str, str]] = set()
         self._in_child = False  # a worker process's copy: its parent maintains the partitions
         #: Whether db_url keeps database sessions (see `_liveness_url`); None until probed.
         self._sessions_kept: bool | None = None
@@ -451,21 +451,32 @@ class Service:
         return result
 
     def _maintain_quietly(self) -> None:
-        """A maintenance pass of a running role: an unreachable database is the roles' own
-        concern (raised); any other failure is logged once per kind and the roles go on."""
+        """A maintenance pass of a running role, after one of each tenant's (docs/tenants.md): an
+        unreachable database is the roles' own concern (raised; a tenant's is logged, the others
+        go on); any other failure is logged once per kind and the roles go on."""
+        tenants = []
         try:
-            self.maintain()
-        except DatabaseUnavailable:
-            raise
-        except OutboxInboxError as exc:
-            if type(exc).__name__ + str(exc)[:80] not in self._maintenance_failures:
-                self._maintenance_failures.add(type(exc).__name__ + str(exc)[:80])
-                log.warning(
-                    "service %s: partition maintenance failed (%s); the roles go on, and "
-                    "`outbox-inbox partitions maintain` can run it as the tables' owner",
-                    self.name,
-                    first_line(exc),
-                )
+            tenants = self.tenant_ids() if self._tenants is not None and not self.tenant_id else []
+        except ConfigurationError as exc:
+            self._maintenance_failed(exc, "")
+        for tenant in [*tenants, ""]:
+            try:
+                (self.tenant(tenant) if tenant else self).maintain()
+            except OutboxInboxError as exc:
+                if isinstance(exc, DatabaseUnavailable) and not tenant:
+                    raise
+                self._maintenance_failed(exc, tenant)
+
+    def _maintenance_failed(self, exc: OutboxInboxError, tenant: str) -> None:
+        if (tenant, type(exc).__name__ + str(exc)[:80]) not in self._maintenance_failures:
+            self._maintenance_failures.add((tenant, type(exc).__name__ + str(exc)[:80]))
+            log.warning(
+                "service %s%s: partition maintenance failed (%s); the roles go on, and "
+                "`outbox-inbox partitions maintain` can run it as the tables' owner",
+                self.name,
+                f" tenant {tenant}" if tenant else "",
+                first_line(exc),
+            )
 
     def _maintenance(self, stop: threading.Event, *, on_started: Callable[[], None]) -> None:
         """The maintenance role: a pass every ``maintenance_interval`` seconds, and a warning
@@ -567,7 +578,9 @@ class Service:
         )
 
     def receiver(self) -> Receiver:
-        """A new receiver for this service's inbox queue."""
+        """A new receiver for this service's inbox queue; with tenants, a delivery naming one
+        (``x-tenant``) is stored in its inbox (docs/tenants.md)."""
+
         return Receiver(
             service=self.name,
             engine=self.engine,
@@ -577,6 +590,8 @@ class Service:
             listener=self.listener,
             tracing=self.tracing,
             declare=self.declare_topology if self.settings.declare else None,
+            tenant_ids=self.tenant_ids if self._tenants is not None else None,
+            tenant_inbox=self.tenant,
         )
 
     def worker(self, name: str | None = None) -> Worker:

@@ -1,0 +1,291 @@
+"""A service with tenants: the receiver stores each delivery in its tenant's inbox once; the
+migrations and the partitions' maintenance run on every tenant (docs/tenants.md)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from sqlalchemy import text
+
+from helpers import FAST, publish_raw, running, scalar, wait_until
+from outbox_inbox import RetryPolicy, Service, Tenant, partitions
+from outbox_inbox import receiver as receiver_module
+from outbox_inbox.broker import Consumer, Delivery
+from outbox_inbox.cli.db import db
+from outbox_inbox.dead_letters import QUEUE, DeadLetters, Filters
+
+INVOICE = "billing.invoice.create"
+
+
+@pytest.fixture(autouse=True)
+def _quick_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The receiver reads the registry anew, and tries an unreachable tenant again, at once.
+    monkeypatch.setattr(receiver_module, "TENANTS_REFRESH", 0.05)
+
+
+def _billing(
+    db_url_factory: Callable[[], str], mq_url: str, **settings: Any
+) -> tuple[Service, dict[str, Tenant], dict[str, str]]:
+    """billing on its own database, tenants acme and beta as schemas of it, and gamma in a
+    database of its own; the registry is a callable over a dict the test may change. Returns
+    the service, the registry and where each inbox table is: tenant ("" for the service's own)
+    -> "db_url|schema"."""
+    own, other = db_url_factory(), db_url_factory()
+    registry = {"acme": Tenant(schema="acme"), "beta": Tenant(schema="beta")}
+    registry["gamma"] = Tenant(db_url=other)
+    svc = Service(
+        "billing", db_url=own, mq_url=mq_url, tenants=lambda: dict(registry), **FAST, **settings
+    )
+    svc.migrate()
+    for tenant in registry:
+        svc.tenant(tenant).migrate()
+    svc.declare_topology()
+    where = {"": f"{own}|outbox_inbox", "acme": f"{own}|acme", "beta": f"{own}|beta"}
+    where["gamma"] = f"{other}|outbox_inbox"
+    return svc, registry, where
+
+
+def _inbox(place: str) -> list[tuple[str, str]]:
+    """(message_id, tenant) of every row of the inbox at `place`, in id order."""
+    url, schema = place.split("|")
+    got = scalar(
+        url,
+        f"SELECT coalesce(json_agg(json_build_array(message_id::text, tenant) ORDER BY id), '[]')"
+        f" FROM {schema}.inbox_messages",
+    )
+    return [tuple(pair) for pair in got]
+
+
+def _send_raw(mq_url: str, tenant: str | None, message_id: str | None = None) -> str:
+    message_id = message_id or str(uuid.uuid4())
+    headers = {"x-tenant": tenant} if tenant else {}
+    publish_raw(
+        mq_url,
+        "commands",
+        INVOICE,
+        b'{"n": 1}',
+        message_id=message_id,
+        type=INVOICE,
+        content_type="application/json",
+        headers=headers,
+    )
+    return message_id
+
+
+def test_each_tenants_messages_are_stored_once_in_its_inbox_and_nowhere_else(
+    db_url_factory: Callable[[], str], mq_url: str
+) -> None:
+    # Each tenant's relay below keeps a publishing connection checked out of the shared pool.
+    svc, _registry, where = _billing(db_url_factory, mq_url, publisher_connections=3)
+    sent: dict[str, list[str]] = {t: [] for t in where}
+    for tenant in ("acme", "beta", "gamma"):  # through the tenant's outbox and relay
+        copy = svc.tenant(tenant)
+        with copy.session() as session, session.begin():
+            for n in range(2):
+                sent[tenant].append(str(copy.outbox.send(session, "billing", "invoice.create", n)))
+        assert copy.relay().relay_once() == 2
+    sent["beta"].append(_send_raw(mq_url, "beta"))  # any AMQP client naming the tenant
+    sent[""].append(_send_raw(mq_url, None))  # no tenant: the service's own inbox, as ever
+    receiver = svc.receiver()
+    with running(receiver):
+        wait_until(lambda: receiver.stored == 8, what="8 messages stored")
+    for tenant, place in where.items():
+        assert _inbox(place) == [(m, tenant) for m in sent[tenant]], tenant
+    assert receiver.duplicates == receiver.delayed == receiver.dead == 0
+    assert svc.broker.queue_depth("billing.inbox") == 0
+    svc.close()
+
+
+class _AckLost:
+    """A consumer whose acknowledgements are lost: what a receiver cut off after its commit
+    leaves behind."""
+
+    def __init__(self, consumer: Consumer) -> None:
+        self._consumer = consumer
+
+    def ack_through(self, tag: int) -> None:
+        pass
+
+    def ack(self, tag: int) -> None:
+        pass
+
+    def forward(self, *args: Any) -> None:
+        raise AssertionError("nothing is forwarded here")
+
+
+def test_a_redelivered_copy_is_counted_and_dropped_in_its_tenants_inbox(
+    db_url_factory: Callable[[], str], mq_url: str
+) -> None:
+    svc, _registry, where = _billing(db_url_factory, mq_url)
+    first = _send_raw(mq_url, "acme")
+    receiver = svc.receiver()
+    consumer = svc.broker.consumer("billing.inbox", prefetch=10)
+    batch: list[Delivery] = []
+    wait_until(lambda: bool(batch.extend(consumer.fetch(10, 0.5)) or batch), what="a delivery")
+    receiver.store(_AckLost(consumer), batch)  # type: ignore[arg-type]
+    consumer.close()  # never acknowledged: it comes back, redelivered
+    again = svc.broker.consumer("billing.inbox", prefetch=10)
+    redelivered = again.fetch(10, 5)
+    assert [d.redelivered for d in redelivered] == [True]
+    receiver.store(again, redelivered)
+    again.close()
+    assert (receiver.stored, receiver.duplicates) == (1, 1)
+    assert _inbox(where["acme"]) == [(first, "acme")]
+    url = where["acme"].split("|")[0]
+    # Counted where the tenant's copy is: its redelivery counter and duplicate count.
+    assert scalar(url, "SELECT deliveries || '/' || duplicates FROM acme.inbox_deliveries") == "1/1"
+    assert scalar(url, "SELECT count(*) FROM outbox_inbox.inbox_deliveries") == 0
+    assert svc.broker.queue_depth("billing.inbox") == 0
+    svc.close()
+
+
+def test_an_unknown_tenant_is_retried_then_dead_lettered_and_replayed_once_it_is_registered(
+    db_url_factory: Callable[[], str], mq_url: str, tmp_path: Path
+) -> None:
+    svc, registry, where = _billing(
+        db_url_factory,
+        mq_url,
+        receive_retry=RetryPolicy(initial=0.1, multiplier=1, max_interval=0.1, max_attempts=2),
+        delay_tiers=(0.2,),
+    )
+    lost = _send_raw(mq_url, "delta")
+    receiver = svc.receiver()
+    with running(receiver):
+        wait_until(lambda: receiver.dead == 1, what="the unknown tenant's message dead")
+    assert (receiver.delayed, receiver.stored) == (1, 0)  # once retried, then dead
+    assert all(_inbox(place) == [] for place in where.values())
+    letters = DeadLetters.of(svc)
+    with letters.select([QUEUE], Filters()) as [selection]:
+        assert [(d.message_id, d.reason) for d in selection.letters] == [(lost, "unknown_tenant")]
+
+    registry["delta"] = Tenant(schema="delta")
+    svc.tenant("delta").migrate()
+    letters.replay([QUEUE], Filters(), audit_log=tmp_path / "audit.log")
+    with running(receiver):
+        wait_until(lambda: receiver.stored == 1, what="the replayed message stored")
+    url = where["acme"].split("|")[0]
+    assert _inbox(f"{url}|delta") == [(lost, "delta")]
+    assert all(_inbox(place) == [] for place in where.values())
+    svc.close()
+
+
+def test_a_tenant_whose_database_is_down_waits_in_the_delay_queues_while_the_others_are_stored(
+    db_url_factory: Callable[[], str], mq_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    svc, _registry, where = _billing(
+        db_url_factory,
+        mq_url,
+        receive_retry=RetryPolicy(initial=0.1, multiplier=1, max_interval=0.1, max_attempts=1000),
+        delay_tiers=(0.2,),
+    )
+    gamma_url, gamma_db = where["gamma"].split("|")[0], where["gamma"].split("|")[0].rsplit("/")[-1]
+    own_url = where[""].split("|")[0]
+
+    def gamma_connections(allowed: bool) -> None:
+        with svc.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(text(f'ALTER DATABASE "{gamma_db}" ALLOW_CONNECTIONS {allowed}'))
+            conn.execute(
+                text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :d"),
+                {"d": gamma_db},
+            )
+
+    receiver = svc.receiver()
+    with running(receiver):
+        gamma_first = _send_raw(mq_url, "gamma")
+        wait_until(lambda: receiver.stored == 1, what="gamma's first message")
+        gamma_connections(False)
+        caplog.set_level(logging.WARNING, logger="outbox_inbox.receiver")
+        gamma = [_send_raw(mq_url, "gamma") for _ in range(3)]
+        acme = [_send_raw(mq_url, "acme") for _ in range(3)]
+        wait_until(lambda: receiver.stored == 4, what="acme's messages stored")
+        wait_until(lambda: receiver.delayed >= 6, what="gamma's messages delayed twice")
+        assert _inbox(where["acme"]) == [(m, "acme") for m in acme]
+        gamma_connections(True)
+        wait_until(lambda: receiver.stored == 7, what="gamma's messages stored once it is back")
+    assert _inbox(where["gamma"]) == [(m, "gamma") for m in [gamma_first, *gamma]]
+    assert _inbox(where[""]) == [] and receiver.dead == 0
+    down = [r for r in caplog.records if "unreachable" in r.getMessage()]
+    assert len(down) == 1 and "gamma" in down[0].getMessage()  # one warning for the outage
+    assert scalar(gamma_url, "SELECT count(*) FROM outbox_inbox.inbox_messages") == 4
+    assert own_url != gamma_url
+    svc.close()
+
+
+def test_maintenance_runs_on_every_tenant_and_a_tenant_down_is_logged_once(
+    db_url_factory: Callable[[], str],
+    mq_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    svc, registry, _where = _billing(db_url_factory, mq_url)
+    registry["dead"] = Tenant(db_url=svc.settings.db_url.rsplit("/", 1)[0] + "/no_such_database")
+    real, passes = partitions.maintain, []
+
+    def counted(engine: Any, tables: Any, **options: Any) -> Any:
+        result = real(engine, tables, **options)
+        passes.append((engine.url.database, tables.metadata.schema))
+        return result
+
+    monkeypatch.setattr(partitions, "maintain", counted)
+    caplog.set_level(logging.WARNING, logger="outbox_inbox.service")
+    svc._maintain_quietly()
+    svc._maintain_quietly()
+    own, other = svc.engine.url.database, svc.tenant("gamma").engine.url.database
+    expected = [(own, "acme"), (own, "beta"), (other, "outbox_inbox"), (own, "outbox_inbox")]
+    assert passes == expected * 2
+    failed = [r.getMessage() for r in caplog.records if "maintenance failed" in r.getMessage()]
+    assert len(failed) == 1 and "tenant dead" in failed[0], failed
+    svc.close()
+
+
+def test_db_upgrade_migrates_every_tenant_names_those_that_failed_and_resumes(
+    db_url_factory: Callable[[], str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    own = db_url_factory()
+    (tmp_path / "tenants_cli_app.py").write_text(
+        "import json, os\n"
+        "from outbox_inbox import Service, Tenant\n"
+        "def billing():\n"
+        "    spec = json.loads(os.environ['TENANTS_APP'])\n"
+        "    tenants = {t: Tenant(**entry) for t, entry in spec['tenants'].items()}\n"
+        "    return Service('billing', db_url=spec['db_url'], tenants=tenants)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    dead = own.rsplit("/", 1)[0] + "/no_such_database"
+    spec: dict[str, Any] = {"db_url": own, "tenants": {"acme": {"schema": "acme"}}}
+    spec["tenants"]["beta"] = {"schema": "beta"}
+    spec["tenants"]["gamma"] = {"db_url": dead}
+
+    def upgrade() -> Any:
+        env = {"TENANTS_APP": json.dumps(spec), "OUTBOX_INBOX_DB_URL": None}
+        return CliRunner().invoke(db, ["upgrade", "--app", "tenants_cli_app:billing"], env=env)
+
+    first = upgrade()
+    assert first.exit_code == 1, first.output
+    lines = first.stdout.splitlines()
+    assert lines[0].startswith("upgraded") and lines[0].endswith("schema outbox_inbox to heads")
+    assert lines[1].startswith("tenant acme: upgraded") and "schema acme" in lines[1]
+    assert lines[2].startswith("tenant beta: upgraded") and "schema beta" in lines[2]
+    assert lines[3].startswith("tenant gamma: failed: ")
+    assert "1 tenant(s) failed: gamma" in first.stderr
+    for schema in ("outbox_inbox", "acme", "beta"):
+        assert scalar(own, f"SELECT count(*) FROM {schema}.inbox_messages") == 0
+
+    spec["tenants"]["gamma"] = {"db_url": db_url_factory()}  # the tenant's database fixed
+    second = upgrade()
+    assert second.exit_code == 0, second.output
+    lines = second.stdout.splitlines()
+    assert lines[1:3] == [
+        "tenant acme: schema acme is at the newest revision",
+        "tenant beta: schema beta is at the newest revision",
+    ]
+    assert lines[3].startswith("tenant gamma: upgraded")
+    gamma = spec["tenants"]["gamma"]["db_url"]
+    assert scalar(gamma, "SELECT count(*) FROM outbox_inbox.inbox_messages") == 0
