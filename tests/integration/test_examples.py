@@ -93,3 +93,19 @@ def test_quickstart_ignores_a_stale_reply_and_waits_for_its_own(db_url: str, mq_
     [order_line] = [line for line in lines if "orders   order 1 written" in line]
     correlation = re.search(r"correlation ([0-9a-f]{8})\)", order_line)
     assert correlation is not None and correlation.group(1) != stale_correlation[:8]
+
+
+def test_the_two_tenant_example_stores_and_handles_each_tenants_note_in_its_schema(
+    db_url: str, mq_url: str
+) -> None:
+    example = ROOT / "examples" / "tenants" / "app.py"
+    result = subprocess.run(
+        [sys.executable, str(example), "--db-url", db_url, "--mq-url", mq_url],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "acme    handled notes.note.add" in result.stdout
+    assert "globex  handled notes.note.add" in result.stdout
+    assert result.stdout.rstrip().endswith("done")
