@@ -351,15 +351,9 @@ def survey(conn: Connection, tables: Tables, retention: Retention) -> list[Parti
                 held = past and holds_unfinished(
                     conn, partition_rows(tables, parent, p.name), parent, dead_cutoff
                 )
-                found.append(
-                    PartitionState(
-                        partition=p,
-                        rows=None if rows < 0 else int(rows),  # -1: never vacuumed or analysed
-                        size_bytes=int(size),
-                        past_retention=past,
-                        kept=KEPT_UNFINISHED if held else None,
-                    )
-                )
+                count = None if rows < 0 else int(rows)  # -1: never vacuumed or analysed
+                kept = KEPT_UNFINISHED if held else None
+                found.append(PartitionState(p, count, int(size), past, kept))
         return found
     except SQLAlchemyError as exc:
         raise storage_error(exc, "reading the partitions") from exc

@@ -7,7 +7,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from sqlalchemy import Engine
@@ -28,7 +28,6 @@ from .messages import (
     H_TENANT,
     Message,
     WireMessage,
-    _header_text,
     _int,
     _property,
     from_row,
@@ -51,8 +50,7 @@ FETCH_WAIT = 0.25
 INVALID, STORE_FAILED, REDELIVERED = "invalid", "store_failed", "redelivered"
 UNKNOWN_TENANT = "unknown_tenant"
 
-#: Seconds the receiver of a service with tenants keeps the registry it read, and sends a tenant
-#: whose database could not be reached to the delay tiers without trying it (docs/tenants.md).
+#: Seconds a receiver keeps the tenants it read, and delays an unreachable one untried.
 TENANTS_REFRESH = 5.0
 
 
@@ -74,8 +72,7 @@ class Receiver:
         listener: Listener | None = None,
         tracing: Tracing | None = None,
         declare: Callable[[], None] | None = None,
-        tenant_ids: Callable[[], Iterable[str]] | None = None,
-        tenant_inbox: Callable[[str], Any] | None = None,
+        tenants: Any = None,
     ) -> None:
         self._service = service
         self._declare = declare
@@ -85,10 +82,9 @@ class Receiver:
         self._settings = settings
         self._listener = listener
         self._tracing = tracing or Tracing(service)
-        # With tenants: the registry (read at most every TENANTS_REFRESH seconds: `_tenant`),
-        # the inboxes found in it, until when each unreachable tenant is not tried, and the
-        # deliveries acked or forwarded alone since `store` began.
-        self._tenant_ids, self._tenant_inbox, self._own = tenant_ids, tenant_inbox, (engine, tables)
+        # A service with tenants (its `tenant_ids` and `tenant`), those read (`_tenant`), until
+        # when each unreachable one is not tried, what was acked or forwarded alone in `store`.
+        self._tenants, self._own = tenants, (engine, tables)
         self._known: tuple[float, set[str], dict[str, tuple[Engine, Tables]]] = (-1e9, set(), {})
         self._down: dict[str, float] = {}
         self._done: set[int] = set()
@@ -152,14 +148,15 @@ class Receiver:
         With tenants, each tenant's deliveries go to its inbox (`_store_tenant`), and the batch
         is acknowledged once every tenant's are stored (docs/tenants.md); `ack` is internal."""
         self._done.clear()
-        if self._tenant_ids is not None and ack is None:
+        if self._tenants is not None and ack is None:
             groups: dict[str, list[Delivery]] = {}
-            for delivery in batch:
-                groups.setdefault(_tenant_of(delivery), []).append(delivery)
+            for delivery in batch:  # a tenant that is not text: unknown, by its repr
+                tenant = delivery.message.headers.get(H_TENANT) or ""
+                key = tenant if isinstance(tenant, str) else repr(tenant)
+                groups.setdefault(key, []).append(delivery)
             stored: list[Delivery] = []
             for tenant, group in groups.items():
-                self._store_tenant(tenant, consumer, group, stored)
-                # Here the tenant's stored rows are committed.
+                self._store_tenant(tenant, consumer, group, stored)  # its rows committed here
             return self._ack(consumer, stored)
         run: list[Delivery] = []
         for delivery in batch:
@@ -174,20 +171,18 @@ class Receiver:
     def _store_tenant(
         self, tenant: str, consumer: Consumer, group: list[Delivery], stored: list[Delivery]
     ) -> None:
-        """Store `group` in `tenant`'s inbox ("": the service's own), adding the deliveries to
-        ack to `stored`. The group is delayed when the registry does not name the tenant (dead:
-        ``unknown_tenant``, in the end) or its database cannot be reached (not tried again for
-        TENANTS_REFRESH seconds: one warning), the other tenants' deliveries stored."""
-        first, self._done = len(stored), set()
-        try:
+        """Store `group` in `tenant`'s inbox ("": the service's own), what to ack added to
+        `stored`; delay it for an unknown tenant (dead in the end: ``unknown_tenant``) or an
+        unreachable one (one warning; untried for TENANTS_REFRESH s), the others' stored."""
+        first, self._done, reason = len(stored), set(), UNKNOWN_TENANT
+        try:  # ValueError, and ConfigurationError: not registered, its entry or registry refused
             inbox = self._tenant(tenant) if tenant else self._own
-        except ValueError as exc:  # and ConfigurationError: not registered, or entry refused
+            reason = STORE_FAILED
+            if self._down.get(tenant, 0.0) > time.monotonic():
+                raise ValueError(f"tenant {tenant}: unreachable just now")
+        except ValueError as exc:
             for delivery in group:
-                self._delay(consumer, delivery, str(exc), UNKNOWN_TENANT)
-            return
-        if self._down.get(tenant, 0.0) > time.monotonic():
-            for delivery in group:
-                self._delay(consumer, delivery, f"tenant {tenant}: unreachable just now")
+                self._delay(consumer, delivery, str(exc), reason)
             return
         try:
             self._engine, self._tables = inbox
@@ -197,9 +192,7 @@ class Receiver:
             if not tenant or not _database_unavailable(exc):
                 raise
             if tenant not in self._down:
-                log.warning(
-                    "receiver: tenant %s's database is unreachable: %s", tenant, first_line(exc)
-                )
+                log.warning("receiver: tenant %s is unreachable: %s", tenant, first_line(exc))
             self._down[tenant] = time.monotonic() + TENANTS_REFRESH
             done = self._done | {d.tag for d in stored[first:]}
             for delivery in (d for d in group if d.tag not in done):
@@ -208,20 +201,16 @@ class Receiver:
             self._engine, self._tables = self._own
 
     def _tenant(self, tenant: str) -> tuple[Engine, Tables]:
-        """`tenant`'s inbox, from the registry read at most every TENANTS_REFRESH seconds (the
-        last one read kept while it raises). Raises ValueError for a tenant it does not name."""
-        assert self._tenant_ids is not None and self._tenant_inbox is not None
-        read_at, known, inboxes = self._known
-        if time.monotonic() - read_at >= TENANTS_REFRESH:
-            try:
-                known, inboxes = set(self._tenant_ids()), {}
-            except ValueError as exc:  # ConfigurationError
-                log.warning("receiver: %s (kept: the tenants read before)", exc)
-            self._known = (time.monotonic(), known, inboxes)
+        """`tenant`'s inbox, the registry read at most every TENANTS_REFRESH s (kept while it
+        raises ConfigurationError). Raises ValueError for a tenant it does not name."""
+        if time.monotonic() - self._known[0] >= TENANTS_REFRESH:
+            self._known = (time.monotonic(), *self._known[1:])
+            self._known = (time.monotonic(), set(self._tenants.tenant_ids()), {})
+        _, known, inboxes = self._known
         if tenant not in known:
             raise ValueError(f"no tenant {tenant!r} is registered")
         if tenant not in inboxes:
-            inboxes[tenant] = (found := self._tenant_inbox(tenant)).engine, found.tables
+            inboxes[tenant] = (found := self._tenants.tenant(tenant)).engine, found.tables
         return inboxes[tenant]
 
     @staticmethod
@@ -239,7 +228,9 @@ class Receiver:
                     roles.bound_on_server(conn)  # the count's row lock, should we be cut off
                     counts = roles.count_deliveries(conn, self._tables, [counted])
                 count, limit = counts.get(counted, 0), self._settings.max_redeliveries
-                stored = count > limit and self._is_stored(counted)
+                if stored := count > limit:
+                    with self._engine.connect() as conn:
+                        stored = roles.is_stored(conn, self._tables, counted)
             except SQLAlchemyError as exc:
                 if _database_unavailable(exc):
                     raise  # not counted: it goes back to the queue as it came
@@ -259,10 +250,6 @@ class Receiver:
                 )
                 return []
         return self._store_together(consumer, [delivery])
-
-    def _is_stored(self, message_id: uuid.UUID) -> bool:
-        with self._engine.connect() as conn:
-            return roles.is_stored(conn, self._tables, message_id)
 
     def _store_together(self, consumer: Consumer, batch: list[Delivery]) -> list[Delivery]:
         """Decode and insert `batch` in one transaction; return the deliveries to ack. What
@@ -412,15 +399,6 @@ def _counted_id(message: WireMessage) -> uuid.UUID | None:
         return inbox_id(message_id) if message_id else None
     except Exception:  # not text; or a lone surrogate from an in-process broker
         return None
-
-
-def _tenant_of(delivery: Delivery) -> str:
-    """The tenant ``x-tenant`` names; "" for none or for one that is not text (dead-lettered
-    when decoded)."""
-    try:
-        return _header_text(delivery.message.headers.get(H_TENANT) or "", H_TENANT)
-    except InvalidMessage:
-        return ""
 
 
 def _database_unavailable(exc: SQLAlchemyError) -> bool:

@@ -580,7 +580,6 @@ class Service:
     def receiver(self) -> Receiver:
         """A new receiver for this service's inbox queue; with tenants, a delivery naming one
         (``x-tenant``) is stored in its inbox (docs/tenants.md)."""
-
         return Receiver(
             service=self.name,
             engine=self.engine,
@@ -590,8 +589,7 @@ class Service:
             listener=self.listener,
             tracing=self.tracing,
             declare=self.declare_topology if self.settings.declare else None,
-            tenant_ids=self.tenant_ids if self._tenants is not None else None,
-            tenant_inbox=self.tenant,
+            tenants=self if self._tenants is not None and not self.tenant_id else None,
         )
 
     def worker(self, name: str | None = None) -> Worker:
