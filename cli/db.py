@@ -8,10 +8,9 @@ from functools import partial
 from typing import Any
 
 import click
-from sqlalchemy.exc import SQLAlchemyError
 
 from outbox_inbox import migrate as migrations
-from outbox_inbox.errors import OutboxInboxError, first_line
+from outbox_inbox.errors import first_line
 from outbox_inbox.logsafe import mask_url
 
 from .output import EXIT_UNHEALTHY, echo, echo_json, render_table
@@ -51,7 +50,7 @@ def _on_database(
                 with found.engine.connect() as conn:
                     at = Target(found.name, found.settings.schema, found.settings.db_url, None)
                     echo(f"tenant {tenant}: {tenants(conn, at)}")
-            except (OutboxInboxError, SQLAlchemyError) as exc:
+            except Exception as exc:  # one tenant's failure, reported: the others go on
                 echo(f"tenant {tenant}: failed: {first_line(exc)}")
                 failed.append(tenant)
     finally:
