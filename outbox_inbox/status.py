@@ -6,19 +6,23 @@ import contextlib
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import migrate
+from . import errors, migrate
 from .broker import Broker, Operator
 from .dead_letters import error_summary
 from .errors import BrokerError, SchemaMissing, storage_error
+from .logsafe import mask_text
 from .queries import operations
 from .tables import Tables
 from .topology import UNROUTABLE_QUEUE, dead_letter_queue, inbox_queue
 from .waker import Waker, notify_channel, psycopg_conninfo
+
+if TYPE_CHECKING:
+    from .service import Service
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,8 @@ class Health:
     """One service's messaging health now, as `outbox-inbox status` prints it (`as_dict`: its
     --json) and the dashboard shows it; `problems` is empty when healthy. The sections are those
     of `collect_status`; `broker` is None when the broker was not asked, `wakeups` (see
-    `wakeup_status`) when they were not probed. All ages are on the database clock."""
+    `wakeup_status`) when they were not probed, `tenants` (`tenant_status`) without tenants.
+    All ages are on the database clock."""
 
     service: str | None
     schema: str | None
@@ -37,6 +42,7 @@ class Health:
     broker: Mapping[str, Any] | None
     wakeups: Mapping[str, Any] | None
     problems: tuple[str, ...]
+    tenants: Mapping[str, Any] | None = None
 
     @property
     def healthy(self) -> bool:
@@ -59,16 +65,19 @@ def health(
     held_keys_limit: int = 20,
     max_lag: float | None = None,
     max_dead: int | None = None,
+    tenants: Service | None = None,
 ) -> Health:
     """`collect_status` of `service` (with its queues through `broker.operator()` when a
-    `broker` is given), the `wakeup_status` of `listen_url` unless not `wakeups`, and the
-    `problems` under `max_lag` (seconds) and `max_dead`. Raises what `collect_status` raises;
-    a broker that cannot be asked is one of the problems."""
+    `broker` is given), the `wakeup_status` of `listen_url` unless not `wakeups`, the
+    `tenant_status` of `tenants`' registry, and the `problems` under `max_lag` (seconds) and
+    `max_dead`. Raises what `collect_status` raises (and ConfigurationError for a broken tenant
+    registry); a broker that cannot be asked is one of the problems."""
     with broker.operator() if broker is not None else contextlib.nullcontext() as admin:
         report = collect_status(
             engine, tables, service=service, admin=admin, held_keys_limit=held_keys_limit
         )
     report["wakeups"] = wakeup_status(engine, tables, listen_url) if wakeups else None
+    report["tenants"] = None if tenants is None else tenant_status(tenants, max_lag)
     return Health(**report, problems=tuple(problems(report, max_lag=max_lag, max_dead=max_dead)))
 
 
@@ -145,6 +154,74 @@ def wakeup_status(engine: Engine, tables: Tables, listen_url: str | None) -> dic
     return {"mode": mode, "via": "listen_url" if listen_url else "db_url"}
 
 
+#: Without a lag bound, how long a tenant's oldest unsent or pending row may wait before
+#: `problems` says the tenant is never drained (with --max-lag: that bound).
+NEVER_DRAINED_AFTER = 300.0
+
+
+def tenant_status(service: Service, max_lag: float | None = None) -> dict[str, Any] | None:
+    """The backlog and lag of each tenant of `service`'s registry, read in its own database
+    and schema (`Service.tenant`), one statement per database (None without tenants):
+    ``count``, ``waiting`` (tenants with rows unsent or pending), ``outbox`` / ``inbox`` (their
+    rows unsent / pending), ``unreachable``, ``never_drained`` (tenants whose oldest such row
+    is older than `max_lag`, else `NEVER_DRAINED_AFTER`, the bound in ``drain_bound``), and
+    ``top``: the `operations.TOP_TENANTS` unreachable first, then the largest lag and backlog,
+    each with ``tenant``, ``outbox``, ``inbox``, ``lag_seconds`` (the age of its oldest row,
+    database clock) and ``error`` (masked; None when read)."""
+    groups: dict[Engine, list[tuple[str, Tables | None]]] = {}
+    rows: list[dict[str, Any]] = []
+    for tenant in service.tenant_ids():
+        try:
+            copy = service.tenant(tenant)
+        except errors.ConfigurationError as exc:
+            rows += _unread([(tenant, None)], mask_text(exc, service.settings.db_url))
+            continue
+        groups.setdefault(copy.engine, []).append((tenant, copy.tables))
+    for engine, tenants in groups.items():
+        rows += _read_tenants(engine, tenants)
+    if not rows:
+        return None
+    bound = NEVER_DRAINED_AFTER if max_lag is None else max_lag
+    rows.sort(key=lambda r: (not r["error"], -(r["lag_seconds"] or 0), -r["backlog"], r["tenant"]))
+    return {
+        "count": len(rows),
+        "waiting": sum(r["backlog"] > 0 for r in rows),
+        "outbox": sum(r["outbox"] or 0 for r in rows),
+        "inbox": sum(r["inbox"] or 0 for r in rows),
+        "unreachable": sum(r["error"] is not None for r in rows),
+        "never_drained": sum((r["lag_seconds"] or 0) > bound for r in rows),
+        "drain_bound": bound,
+        "top": rows[: operations.TOP_TENANTS],
+    }
+
+
+def _read_tenants(engine: Engine, tenants: list[tuple[str, Any]]) -> list[dict[str, Any]]:
+    """`operations.tenant_backlogs` of `tenants` on `engine`; when it fails, each tenant apart
+    (one missing schema fails them all), unless the database cannot be reached."""
+    try:
+        with engine.connect() as conn:
+            found = operations.tenant_backlogs(conn, tenants)
+    except SQLAlchemyError as exc:
+        if len(tenants) > 1 and not errors.database_unreachable(exc):
+            return [row for t in tenants for row in _read_tenants(engine, [t])]
+        url = engine.url.render_as_string(hide_password=False)
+        return _unread(tenants, mask_text(storage_error(exc, "reading the backlog"), url))
+    return [
+        {
+            **r,
+            "lag_seconds": max((a for a in (r["outbox_age"], r["inbox_age"]) if a), default=None),
+            "backlog": r["outbox"] + r["inbox"],
+            "error": None,
+        }
+        for r in found
+    ]
+
+
+def _unread(tenants: list[tuple[str, Any]], error: str) -> list[dict[str, Any]]:
+    none = dict.fromkeys(("outbox", "inbox", "outbox_age", "inbox_age", "lag_seconds"))
+    return [{"tenant": t, **none, "backlog": 0, "error": error} for t, _ in tenants]
+
+
 def _broker_status(admin: Operator, service: str | None) -> dict[str, Any]:
     names = [inbox_queue(service), dead_letter_queue(service)] if service else []
     names.append(UNROUTABLE_QUEUE)
@@ -199,12 +276,31 @@ def problems(
     if broker and broker.get("blocked"):
         out.append(f"broker blocks publishers: {broker['blocked']}")
     name = inbox_queue(status["service"]) if status.get("service") else ""
+    if tenants := status.get("tenants"):
+        out += _tenant_problems(tenants)
     if broker and name in broker["queues"]:
         queue = broker["queues"][name]
         if queue is None:
             out.append(f"queue {name} is missing: no receiver runs (or none could declare it)")
         elif queue["messages"] and not queue["consumers"]:
             out.append(f"queue {name} holds {queue['messages']} message(s) and no consumer")
+    return out
+
+
+def _tenant_problems(tenants: dict[str, Any]) -> list[str]:
+    """Each tenant of `tenants` (`tenant_status`) unreachable or never drained, as many as it
+    lists, and how many more."""
+    out, bound = [], tenants["drain_bound"]
+    for t in tenants["top"]:
+        if t["error"]:
+            out.append(f"tenant {t['tenant']} unreachable: {t['error']}")
+        elif (t["lag_seconds"] or 0) > bound:
+            out.append(
+                f"tenant {t['tenant']} never drained for {t['lag_seconds']:.0f}s (over {bound:g}s):"
+                " is a relay or a worker serving it?"
+            )
+    if more := tenants["unreachable"] + tenants["never_drained"] - len(out):
+        out.append(f"... and {more} more tenants unreachable or never drained")
     return out
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine
 
@@ -20,18 +20,23 @@ from ..errors import OutboxInboxError
 from ..status import Health, health
 from ..tables import Tables
 
+if TYPE_CHECKING:
+    from ..service import Service
+
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class WatchedService:
     """One service on the dashboard: its name, tables, database, and broker (None: the
-    broker's queues are not shown and its sources are not offered)."""
+    broker's queues are not shown and its sources are not offered), and the Service whose
+    tenants to show (`outbox_inbox.status.tenant_status`), if any."""
 
     name: str
     engine: Engine
     tables: Tables
     broker: Broker | None = None
+    tenants: Service | None = None
 
     @property
     def dead_letters(self) -> DeadLetters:
@@ -53,6 +58,7 @@ class WatchedService:
             broker=self.broker,
             wakeups=False,
             max_lag=max_lag,
+            tenants=self.tenants,
         )
 
 

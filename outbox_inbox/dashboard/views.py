@@ -214,6 +214,23 @@ def overview(entries: Sequence[Shown], charts: Safe, refresh: int | None) -> Saf
     return page("Services", body, refresh=refresh)
 
 
+def tenant_summary(tenants: dict[str, Any]) -> str:
+    """The totals of `outbox_inbox.status.tenant_status`, in one line."""
+    return (
+        f"{tenants['count']}, {tenants['waiting']} waiting (outbox {tenants['outbox']}, inbox "
+        f"{tenants['inbox']}), {tenants['unreachable']} unreachable, {tenants['never_drained']} "
+        f"never drained for {tenants['drain_bound']:g}s"
+    )
+
+
+def tenant_rows(tenants: dict[str, Any]) -> list[tuple[Any, ...]]:
+    """The ``top`` tenants of `tenants`: id, outbox, inbox, lag, error."""
+    return [
+        (t["tenant"], t["outbox"], t["inbox"], format_age(t["lag_seconds"]), t["error"] or "")
+        for t in tenants["top"]
+    ]
+
+
 def service_status(entry: Shown, charts: Safe) -> Safe:
     """A service's status, the problems that make it unhealthy, and its charts."""
     name, status, rates, found = entry.name, entry.status, entry.rates, entry.problems
@@ -261,6 +278,10 @@ def service_status(entry: Shown, charts: Safe) -> Safe:
         parts.append(html("<h2>Tenants waiting: {}</h2>", inbox["tenants_waiting"]))
         cells = ((t["tenant"], t["pending"], t["in_progress"]) for t in inbox["by_tenant"])
         parts.append(table(["tenant", "pending", "in progress"], (row(c, {1, 2}) for c in cells)))
+    if tenants := status.get("tenants"):
+        parts.append(html("<h2 id=tenants>Tenants: {}</h2>", tenant_summary(tenants)))
+        shown = (row(c, {1, 2}) for c in tenant_rows(tenants))
+        parts.append(table(["tenant", "outbox", "inbox", "lag", "error"], shown))
     if outbox.get("webhooks"):
         parts.append(html("<h2>Webhook endpoints</h2>"))
         hooks = outbox["webhooks"]

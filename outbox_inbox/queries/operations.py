@@ -347,6 +347,31 @@ def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
     }
 
 
+def tenant_backlogs(conn: Connection, tenants: Sequence[tuple[str, Tables]]) -> list[RowMapping]:
+    """For each (tenant, its tables) of `tenants`, all in this database, in one UNION ALL:
+    ``tenant``, ``outbox`` (rows unsent), ``inbox`` (rows pending), and the age of the oldest
+    of each, ``outbox_age`` and ``inbox_age`` (None without one)."""
+    parts = []
+    for tenant, tables in tenants:
+        o, i = tables.outbox, tables.inbox
+        unsent, pending = outbox_unsent(o), i.c.status == PENDING
+        parts.append(
+            select(
+                literal(tenant).label("tenant"),
+                *(
+                    select(value).where(where).scalar_subquery().label(name)
+                    for name, value, where in (
+                        ("outbox", func.count(), unsent),
+                        ("inbox", func.count(), pending),
+                        ("outbox_age", func.max(db_age(o.c.created_at)), unsent),
+                        ("inbox_age", func.max(db_age(i.c.received_at)), pending),
+                    )
+                ),
+            )
+        )
+    return list(conn.execute(union_all(*parts)).mappings())
+
+
 def held_keys(conn: Connection, tables: Tables, limit: int) -> tuple[int, list[RowMapping]]:
     """Ordering keys whose head message (earliest pending row) has failed and waits for a
     retry, holding back the later rows of its key: how many, and up to `limit` of them, most
