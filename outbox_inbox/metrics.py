@@ -320,20 +320,18 @@ class _StateCollector(Collector):
     @staticmethod
     def _tenants(families: dict[str, GaugeMetricFamily], name: str, service: Service) -> None:
         try:
-            tenants = tenant_status(service)
+            tenants = tenant_status(service) or {"top": []}
         except ConfigurationError as exc:
-            log.warning("metrics: %s", mask_text(exc, service.settings.db_url))
-            return
-        for family in ("tenants_never_drained", "tenants_unreachable"):
-            families[family].add_metric([name], tenants[family.split("_", 1)[1]] if tenants else 0)
-        for t in tenants["top"] if tenants else ():
-            families["tenant_up"].add_metric([name, t["tenant"]], t["error"] is None)
-            for table in ("outbox", "inbox") if t["error"] is None else ():
-                families["tenant_backlog"].add_metric([name, t["tenant"], table], t[table])
+            return log.warning("metrics: %s", mask_text(exc, service.settings.db_url))
+        if tenants["top"]:
+            families["tenants_never_drained"].add_metric([name], tenants["never_drained"])
+        for t in tenants["top"]:
+            labels = [name, t["tenant"]]
+            families["tenant_up"].add_metric(labels, t["error"] is None)
             if t["error"] is None:
-                families["tenant_lag_seconds"].add_metric(
-                    [name, t["tenant"]], t["lag_seconds"] or 0
-                )
+                families["tenant_lag_seconds"].add_metric(labels, t["lag_seconds"])
+                for table in ("outbox", "inbox"):
+                    families["tenant_backlog"].add_metric([*labels, table], t[table])
 
     @staticmethod
     def _families() -> dict[str, GaugeMetricFamily]:
@@ -347,14 +345,9 @@ class _StateCollector(Collector):
                 "Inbox rows of the tenant waiting, for the 10 tenants with the most.",
                 ("tenant",),
             ),
-            ("tenants_never_drained", "Tenants whose oldest unsent/pending row is too old.", ()),
-            ("tenants_unreachable", "Tenants whose database could not be read.", ()),
+            ("tenants_never_drained", "Tenants whose oldest row waits over 300 s.", ()),
             ("tenant_up", "1 if the tenant's tables could be read, else 0.", ("tenant",)),
-            (
-                "tenant_backlog",
-                "The tenant's rows unsent (outbox) or pending (inbox).",
-                ("tenant", "table"),
-            ),
+            ("tenant_backlog", "Tenant's rows unsent/pending, by table.", ("tenant", "table")),
             ("tenant_lag_seconds", "Age of the tenant's oldest unsent/pending row.", ("tenant",)),
         ]
         return {

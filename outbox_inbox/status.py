@@ -6,7 +6,7 @@ import contextlib
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
@@ -17,12 +17,10 @@ from .dead_letters import error_summary
 from .errors import BrokerError, SchemaMissing, storage_error
 from .logsafe import mask_text
 from .queries import operations
+from .service import Service
 from .tables import Tables
 from .topology import UNROUTABLE_QUEUE, dead_letter_queue, inbox_queue
 from .waker import Waker, notify_channel, psycopg_conninfo
-
-if TYPE_CHECKING:
-    from .service import Service
 
 
 @dataclass(frozen=True)
@@ -154,40 +152,36 @@ def wakeup_status(engine: Engine, tables: Tables, listen_url: str | None) -> dic
     return {"mode": mode, "via": "listen_url" if listen_url else "db_url"}
 
 
-#: Without a lag bound, how long a tenant's oldest unsent or pending row may wait before
-#: `problems` says the tenant is never drained (with --max-lag: that bound).
+#: Without --max-lag, how long a tenant's oldest unsent or pending row may wait before
+#: `problems` calls the tenant never drained.
 NEVER_DRAINED_AFTER = 300.0
 
 
 def tenant_status(service: Service, max_lag: float | None = None) -> dict[str, Any] | None:
-    """The backlog and lag of each tenant of `service`'s registry, read in its own database
-    and schema (`Service.tenant`), one statement per database (None without tenants):
-    ``count``, ``waiting`` (tenants with rows unsent or pending), ``outbox`` / ``inbox`` (their
-    rows unsent / pending), ``unreachable``, ``never_drained`` (tenants whose oldest such row
-    is older than `max_lag`, else `NEVER_DRAINED_AFTER`, the bound in ``drain_bound``), and
-    ``top``: the `operations.TOP_TENANTS` unreachable first, then the largest lag and backlog,
-    each with ``tenant``, ``outbox``, ``inbox``, ``lag_seconds`` (the age of its oldest row,
-    database clock) and ``error`` (masked; None when read)."""
-    groups: dict[Engine, list[tuple[str, Tables | None]]] = {}
+    """The backlog of each tenant of `service` (None without any), read in its database and
+    schema (`Service.tenant`), one statement per database: the totals ``count``, ``waiting``,
+    ``outbox`` (rows unsent), ``inbox`` (rows pending), ``unreachable``, ``never_drained``
+    (oldest row older than ``drain_bound``: `max_lag`, else `NEVER_DRAINED_AFTER`), and ``top``:
+    `operations.TOP_TENANTS` tenants, unreachable first, then by lag and backlog, each with
+    ``tenant``, ``outbox``, ``inbox``, ``lag_seconds`` (its oldest row's age) and ``error``."""
+    groups: dict[Engine, list[tuple[str, Tables]]] = {}
     rows: list[dict[str, Any]] = []
     for tenant in service.tenant_ids():
         try:
             copy = service.tenant(tenant)
+            groups.setdefault(copy.engine, []).append((tenant, copy.tables))
         except errors.ConfigurationError as exc:
-            rows += _unread([(tenant, None)], mask_text(exc, service.settings.db_url))
-            continue
-        groups.setdefault(copy.engine, []).append((tenant, copy.tables))
+            rows += _unread([tenant], mask_text(exc, service.settings.db_url))
     for engine, tenants in groups.items():
         rows += _read_tenants(engine, tenants)
+    bound = NEVER_DRAINED_AFTER if max_lag is None else max_lag
+    rows.sort(key=lambda r: (not r["error"], -(r["lag_seconds"] or 0), -_backlog(r), r["tenant"]))
     if not rows:
         return None
-    bound = NEVER_DRAINED_AFTER if max_lag is None else max_lag
-    rows.sort(key=lambda r: (not r["error"], -(r["lag_seconds"] or 0), -r["backlog"], r["tenant"]))
     return {
         "count": len(rows),
-        "waiting": sum(r["backlog"] > 0 for r in rows),
-        "outbox": sum(r["outbox"] or 0 for r in rows),
-        "inbox": sum(r["inbox"] or 0 for r in rows),
+        "waiting": sum(_backlog(r) > 0 for r in rows),
+        **{k: sum(r[k] or 0 for r in rows) for k in ("outbox", "inbox")},
         "unreachable": sum(r["error"] is not None for r in rows),
         "never_drained": sum((r["lag_seconds"] or 0) > bound for r in rows),
         "drain_bound": bound,
@@ -195,31 +189,27 @@ def tenant_status(service: Service, max_lag: float | None = None) -> dict[str, A
     }
 
 
-def _read_tenants(engine: Engine, tenants: list[tuple[str, Any]]) -> list[dict[str, Any]]:
-    """`operations.tenant_backlogs` of `tenants` on `engine`; when it fails, each tenant apart
-    (one missing schema fails them all), unless the database cannot be reached."""
+def _read_tenants(engine: Engine, tenants: list[tuple[str, Tables]]) -> list[dict[str, Any]]:
+    """`operations.tenant_backlogs`; when it fails, unless the database cannot be reached, each
+    tenant apart (one schema without tables fails the statement of them all)."""
     try:
         with engine.connect() as conn:
             found = operations.tenant_backlogs(conn, tenants)
+            return [{**r, "lag_seconds": float(r["lag_seconds"]), "error": None} for r in found]
     except SQLAlchemyError as exc:
         if len(tenants) > 1 and not errors.database_unreachable(exc):
             return [row for t in tenants for row in _read_tenants(engine, [t])]
         url = engine.url.render_as_string(hide_password=False)
-        return _unread(tenants, mask_text(storage_error(exc, "reading the backlog"), url))
-    return [
-        {
-            **r,
-            "lag_seconds": max((a for a in (r["outbox_age"], r["inbox_age"]) if a), default=None),
-            "backlog": r["outbox"] + r["inbox"],
-            "error": None,
-        }
-        for r in found
-    ]
+        error = mask_text(storage_error(exc, "reading the backlog"), url)
+        return _unread([t for t, _ in tenants], error)
 
 
-def _unread(tenants: list[tuple[str, Any]], error: str) -> list[dict[str, Any]]:
-    none = dict.fromkeys(("outbox", "inbox", "outbox_age", "inbox_age", "lag_seconds"))
-    return [{"tenant": t, **none, "backlog": 0, "error": error} for t, _ in tenants]
+def _unread(tenants: list[str], error: str) -> list[dict[str, Any]]:
+    return [dict(tenant=t, outbox=None, inbox=None, lag_seconds=None, error=error) for t in tenants]
+
+
+def _backlog(row: dict[str, Any]) -> int:
+    return int(row["outbox"] or 0) + int(row["inbox"] or 0)
 
 
 def _broker_status(admin: Operator, service: str | None) -> dict[str, Any]:
@@ -256,9 +246,18 @@ def problems(
     status: dict[str, Any], *, max_lag: float | None = None, max_dead: int | None = None
 ) -> list[str]:
     """What makes `status` unhealthy under the thresholds given, as docs/cli.md ("status")
-    lists it: lag, a stalled inbox (`_stalled`, even without thresholds), dead letters, the
-    broker, the inbox queue. Empty when healthy."""
+    lists it: tenants unreachable or never drained, lag, a stalled inbox (`_stalled`, even
+    without thresholds), dead letters, the broker, the inbox queue. Empty when healthy."""
     out = []
+    for t in (tenants := status.get("tenants") or {}).get("top", ()):
+        if t["error"]:
+            out.append(f"tenant {t['tenant']} unreachable: {t['error']}")
+        elif t["lag_seconds"] > (bound := tenants["drain_bound"]):
+            out.append(
+                f"tenant {t['tenant']} never drained for {t['lag_seconds']:.0f}s (> {bound:g}s)"
+            )
+    if more := tenants and tenants["unreachable"] + tenants["never_drained"] - len(out):
+        out.append(f"... and {more} more tenants unreachable or never drained")
     lags = (("outbox", "oldest_age_seconds"), ("inbox", "oldest_pending_age_seconds"))
     if max_lag is not None:
         for part, field in lags:
@@ -276,31 +275,12 @@ def problems(
     if broker and broker.get("blocked"):
         out.append(f"broker blocks publishers: {broker['blocked']}")
     name = inbox_queue(status["service"]) if status.get("service") else ""
-    if tenants := status.get("tenants"):
-        out += _tenant_problems(tenants)
     if broker and name in broker["queues"]:
         queue = broker["queues"][name]
         if queue is None:
             out.append(f"queue {name} is missing: no receiver runs (or none could declare it)")
         elif queue["messages"] and not queue["consumers"]:
             out.append(f"queue {name} holds {queue['messages']} message(s) and no consumer")
-    return out
-
-
-def _tenant_problems(tenants: dict[str, Any]) -> list[str]:
-    """Each tenant of `tenants` (`tenant_status`) unreachable or never drained, as many as it
-    lists, and how many more."""
-    out, bound = [], tenants["drain_bound"]
-    for t in tenants["top"]:
-        if t["error"]:
-            out.append(f"tenant {t['tenant']} unreachable: {t['error']}")
-        elif (t["lag_seconds"] or 0) > bound:
-            out.append(
-                f"tenant {t['tenant']} never drained for {t['lag_seconds']:.0f}s (over {bound:g}s):"
-                " is a relay or a worker serving it?"
-            )
-    if more := tenants["unreachable"] + tenants["never_drained"] - len(out):
-        out.append(f"... and {more} more tenants unreachable or never drained")
     return out
 
 

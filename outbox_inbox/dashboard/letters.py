@@ -10,18 +10,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import Engine
 
 from ..broker import Broker
 from ..dead_letters import ACTIONS, DeadLetters, Filters, Outcome, Selection
 from ..errors import OutboxInboxError
+from ..service import Service
 from ..status import Health, health
 from ..tables import Tables
-
-if TYPE_CHECKING:
-    from ..service import Service
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +27,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class WatchedService:
     """One service on the dashboard: its name, tables, database, and broker (None: the
-    broker's queues are not shown and its sources are not offered), and the Service whose
-    tenants to show (`outbox_inbox.status.tenant_status`), if any."""
+    broker's queues are not shown and its sources are not offered); `tenants`: whose to show."""
 
     name: str
     engine: Engine

@@ -348,27 +348,17 @@ def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
 
 
 def tenant_backlogs(conn: Connection, tenants: Sequence[tuple[str, Tables]]) -> list[RowMapping]:
-    """For each (tenant, its tables) of `tenants`, all in this database, in one UNION ALL:
-    ``tenant``, ``outbox`` (rows unsent), ``inbox`` (rows pending), and the age of the oldest
-    of each, ``outbox_age`` and ``inbox_age`` (None without one)."""
-    parts = []
+    """Of each (tenant, its tables in this database) of `tenants`, in one UNION ALL: ``tenant``,
+    ``outbox`` (rows unsent), ``inbox`` (rows pending), ``lag_seconds`` (the oldest's age; 0)."""
+    parts, greatest = [], func.greatest if is_postgres(conn) else func.max
     for tenant, tables in tenants:
         o, i = tables.outbox, tables.inbox
-        unsent, pending = outbox_unsent(o), i.c.status == PENDING
-        parts.append(
-            select(
-                literal(tenant).label("tenant"),
-                *(
-                    select(value).where(where).scalar_subquery().label(name)
-                    for name, value, where in (
-                        ("outbox", func.count(), unsent),
-                        ("inbox", func.count(), pending),
-                        ("outbox_age", func.max(db_age(o.c.created_at)), unsent),
-                        ("inbox_age", func.max(db_age(i.c.received_at)), pending),
-                    )
-                ),
-            )
-        )
+        waiting = ((o.c.created_at, outbox_unsent(o)), (i.c.received_at, i.c.status == PENDING))
+        count = [select(func.count()).where(w).scalar_subquery() for _, w in waiting]
+        age = [select(func.coalesce(func.max(db_age(c)), 0)).where(w) for c, w in waiting]
+        lag = greatest(*(a.scalar_subquery() for a in age)).label("lag_seconds")
+        named = (count[0].label("outbox"), count[1].label("inbox"), lag)
+        parts.append(select(literal(tenant).label("tenant"), *named))
     return list(conn.execute(union_all(*parts)).mappings())
 
 

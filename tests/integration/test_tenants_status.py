@@ -109,7 +109,7 @@ def test_health_shows_each_tenant_backlog_lag_and_the_never_drained_rule(
     }
     a = tenants["top"][1]
     assert 3500 < a["lag_seconds"] < 3700
-    assert tenants["top"][3]["lag_seconds"] is None
+    assert tenants["top"][3]["lag_seconds"] == 0  # b: nothing waits
     assert (tenants["count"], tenants["waiting"], tenants["unreachable"]) == (4, 2, 1)
     assert (tenants["outbox"], tenants["inbox"], tenants["never_drained"]) == (3, 3, 1)
     # a and b share the service's database: their backlog is one statement.
@@ -120,7 +120,7 @@ def test_health_shows_each_tenant_backlog_lag_and_the_never_drained_rule(
     assert len(tenant_problems) == 2, checked.problems
     assert tenant_problems[0].startswith("tenant down unreachable: ")
     assert tenant_problems[1].startswith("tenant a never drained for ")
-    assert "(over 600s)" in tenant_problems[1]
+    assert tenant_problems[1].endswith("s (> 600s)")
     assert PASSWORD not in json.dumps(checked.as_dict())
     # Drained within the bound: an hour and a half allowed, only the unreachable one is a problem.
     relaxed = service.health(max_lag=5400)
@@ -219,7 +219,10 @@ def test_metrics_expose_each_tenant_backlog_lag_and_the_never_drained_count(
     assert 3500 < value("tenant_lag_seconds", tenant="a") < 3700
     assert value("tenant_up", tenant="a") == 1
     assert value("tenant_up", tenant="down") == 0
-    assert value("tenants_unreachable") == 1
+    assert (
+        "outbox_inbox_tenant_lag_seconds",
+        (("service", "billing"), ("tenant", "down")),
+    ) not in samples
     assert value("tenants_never_drained") == 1  # a, over NEVER_DRAINED_AFTER
 
 
