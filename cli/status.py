@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from outbox_inbox.dashboard.views import cap_shown, format_age, tenant_rows, tenant_summary
+from outbox_inbox.dashboard.views import TENANT_HEADERS, cap_shown, format_age, tenants_shown
 from outbox_inbox.status import health
 
 from .output import EXIT_UNHEALTHY, echo, echo_json, one_line, render_table
@@ -131,9 +131,10 @@ def _print(report: dict[str, Any]) -> None:
         echo(f"\n{inbox['tenants_waiting']} tenants waiting; most waiting:")
         tenants = [(t["tenant"], t["pending"], t["in_progress"]) for t in inbox["by_tenant"]]
         echo(render_table(["TENANT", "PENDING", "IN PROGRESS"], tenants))
-    if fleet := report["tenants"]:
-        echo(f"\ntenants {tenant_summary(fleet)}; largest lag first:")
-        echo(render_table(["TENANT", "OUTBOX", "INBOX", "LAG", "ERROR"], tenant_rows(fleet)))
+    if report["tenants"]:
+        totals, rows = tenants_shown(report["tenants"])
+        echo(f"\ntenants {totals}; largest lag first:")
+        echo(render_table([h.upper() for h in TENANT_HEADERS], rows))
     _print_wakeups(report.get("wakeups") or {})
     _print_held_keys(report["held_keys"])
     _print_broker(report["broker"])

@@ -6,7 +6,7 @@ import contextlib
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
@@ -17,10 +17,12 @@ from .dead_letters import error_summary
 from .errors import BrokerError, SchemaMissing, storage_error
 from .logsafe import mask_text
 from .queries import operations
-from .service import Service
 from .tables import Tables
 from .topology import UNROUTABLE_QUEUE, dead_letter_queue, inbox_queue
 from .waker import Waker, notify_channel, psycopg_conninfo
+
+if TYPE_CHECKING:
+    from .service import Service
 
 
 @dataclass(frozen=True)
@@ -158,12 +160,11 @@ NEVER_DRAINED_AFTER = 300.0
 
 
 def tenant_status(service: Service, max_lag: float | None = None) -> dict[str, Any] | None:
-    """The backlog of each tenant of `service` (None without any), read in its database and
-    schema (`Service.tenant`), one statement per database: the totals ``count``, ``waiting``,
-    ``outbox`` (rows unsent), ``inbox`` (rows pending), ``unreachable``, ``never_drained``
-    (oldest row older than ``drain_bound``: `max_lag`, else `NEVER_DRAINED_AFTER`), and ``top``:
-    `operations.TOP_TENANTS` tenants, unreachable first, then by lag and backlog, each with
-    ``tenant``, ``outbox``, ``inbox``, ``lag_seconds`` (its oldest row's age) and ``error``."""
+    """The backlog of each tenant of `service` (None without any) in its database and schema
+    (`Service.tenant`), one statement per database: totals (``count``, ``waiting``, ``outbox``
+    rows unsent, ``inbox`` rows pending, ``unreachable``, ``never_drained``: lag over `max_lag`,
+    else ``drain_bound``) and the `operations.TOP_TENANTS` unreachable or with the largest lag
+    and backlog (``top``: ``tenant``, ``outbox``, ``inbox``, ``lag_seconds``, ``error``)."""
     groups: dict[Engine, list[tuple[str, Tables]]] = {}
     rows: list[dict[str, Any]] = []
     for tenant in service.tenant_ids():
@@ -174,14 +175,14 @@ def tenant_status(service: Service, max_lag: float | None = None) -> dict[str, A
             rows += _unread([tenant], mask_text(exc, service.settings.db_url))
     for engine, tenants in groups.items():
         rows += _read_tenants(engine, tenants)
-    bound = NEVER_DRAINED_AFTER if max_lag is None else max_lag
-    rows.sort(key=lambda r: (not r["error"], -(r["lag_seconds"] or 0), -_backlog(r), r["tenant"]))
     if not rows:
         return None
+    bound = NEVER_DRAINED_AFTER if max_lag is None else max_lag
+    rows.sort(key=lambda r: (not r["error"], -(r["lag_seconds"] or 0), -r["backlog"], r["tenant"]))
     return {
         "count": len(rows),
-        "waiting": sum(_backlog(r) > 0 for r in rows),
         **{k: sum(r[k] or 0 for r in rows) for k in ("outbox", "inbox")},
+        "waiting": sum(r["backlog"] > 0 for r in rows),
         "unreachable": sum(r["error"] is not None for r in rows),
         "never_drained": sum((r["lag_seconds"] or 0) > bound for r in rows),
         "drain_bound": bound,
@@ -195,21 +196,18 @@ def _read_tenants(engine: Engine, tenants: list[tuple[str, Tables]]) -> list[dic
     try:
         with engine.connect() as conn:
             found = operations.tenant_backlogs(conn, tenants)
-            return [{**r, "lag_seconds": float(r["lag_seconds"]), "error": None} for r in found]
     except SQLAlchemyError as exc:
         if len(tenants) > 1 and not errors.database_unreachable(exc):
             return [row for t in tenants for row in _read_tenants(engine, [t])]
         url = engine.url.render_as_string(hide_password=False)
-        error = mask_text(storage_error(exc, "reading the backlog"), url)
-        return _unread([t for t, _ in tenants], error)
+        return _unread([t for t, _ in tenants], mask_text(storage_error(exc, "reading"), url))
+    lag = ((r, float(r["lag_seconds"]), r["outbox"] + r["inbox"]) for r in found)
+    return [{**r, "lag_seconds": age, "backlog": n, "error": None} for r, age, n in lag]
 
 
 def _unread(tenants: list[str], error: str) -> list[dict[str, Any]]:
-    return [dict(tenant=t, outbox=None, inbox=None, lag_seconds=None, error=error) for t in tenants]
-
-
-def _backlog(row: dict[str, Any]) -> int:
-    return int(row["outbox"] or 0) + int(row["inbox"] or 0)
+    unknown = dict.fromkeys(("outbox", "inbox", "lag_seconds"))
+    return [{"tenant": t, **unknown, "backlog": 0, "error": error} for t in tenants]
 
 
 def _broker_status(admin: Operator, service: str | None) -> dict[str, Any]:
