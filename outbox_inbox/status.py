@@ -200,7 +200,8 @@ def _read_tenants(engine: Engine, tenants: list[tuple[str, Tables]]) -> list[dic
         if len(tenants) > 1 and not errors.database_unreachable(exc):
             return [row for t in tenants for row in _read_tenants(engine, [t])]
         url = engine.url.render_as_string(hide_password=False)
-        return _unread([t for t, _ in tenants], mask_text(storage_error(exc, "reading"), url))
+        error = mask_text(storage_error(exc, "reading its backlog"), url)
+        return _unread([t for t, _ in tenants], error)
     lag = ((r, float(r["lag_seconds"]), r["outbox"] + r["inbox"]) for r in found)
     return [{**r, "lag_seconds": age, "backlog": n, "error": None} for r, age, n in lag]
 

@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import event, text
+from sqlalchemy import event, make_url, text
 
 from helpers import received_row
 from outbox_inbox import Service, Tenant, migrate
@@ -133,20 +133,25 @@ def test_a_tenant_schema_without_tables_is_shown_as_such_while_the_others_are(
     urls: tuple[str, str],
 ) -> None:
     shared, own = urls
+    # "gone": a database named as its URL's password, which the server's error repeats.
+    gone = make_url(shared).set(password=PASSWORD, database=PASSWORD)
     tenants = {**_tenants(own), "x": Tenant(schema="never_migrated")}
-    del tenants["down"]
+    tenants["down"] = Tenant(db_url=gone.render_as_string(hide_password=False))
     app = Service("billing", db_url=shared, tenants=tenants)
     try:
         _fill(app)
         found = app.health(max_lag=600).tenants
         assert found is not None
         assert _rows(found["top"]) == {
+            "down": (None, None, False),
             "x": (None, None, False),
             "a": (2, 3, True),
             "c": (1, 0, True),
             "b": (0, 0, True),
         }
-        assert "db upgrade" in found["top"][0]["error"]
+        errors = {t["tenant"]: t["error"] for t in found["top"]}
+        assert "db upgrade" in errors["x"]
+        assert "does not exist" in errors["down"] and PASSWORD not in errors["down"]
     finally:
         app.close()
 
