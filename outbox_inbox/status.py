@@ -190,12 +190,20 @@ def tenant_status(service: Service, max_lag: float | None = None) -> dict[str, A
     }
 
 
+#: Tenants read by one statement (a transaction) on a database they share: it locks every
+#: table, partition and index it reads, and PostgreSQL's lock table holds some thousands.
+TENANTS_PER_STATEMENT = 10
+
+
 def _read_tenants(engine: Engine, tenants: list[tuple[str, Tables]]) -> list[dict[str, Any]]:
-    """`operations.tenant_backlogs`; when it fails, unless the database cannot be reached, each
-    tenant apart (one schema without tables fails the statement of them all)."""
+    """`operations.tenant_backlogs` on one connection; when it fails, unless the database cannot
+    be reached, each tenant apart (a schema without tables fails the statement of them all)."""
+    found: list[Any] = []
     try:
         with engine.connect() as conn:
-            found = operations.tenant_backlogs(conn, tenants)
+            for start in range(0, len(tenants), TENANTS_PER_STATEMENT):
+                found += operations.tenant_backlogs(conn, tenants[start:][:TENANTS_PER_STATEMENT])
+                conn.rollback()  # its locks, some 150 a tenant (partitions, indexes), go
     except SQLAlchemyError as exc:
         if len(tenants) > 1 and not errors.database_unreachable(exc):
             return [row for t in tenants for row in _read_tenants(engine, [t])]

@@ -349,15 +349,20 @@ def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
 
 def tenant_backlogs(conn: Connection, tenants: Sequence[tuple[str, Tables]]) -> list[RowMapping]:
     """Of each (tenant, its tables in this database) of `tenants`, in one UNION ALL: ``tenant``,
-    ``outbox`` (rows unsent), ``inbox`` (rows pending), ``lag_seconds`` (the oldest's age; 0)."""
+    ``outbox`` (rows unsent), ``inbox`` (rows pending), ``lag_seconds`` (the oldest's age; 0).
+    Each table is read once (its count and oldest row together)."""
     parts, greatest = [], func.greatest if is_postgres(conn) else func.max
     for tenant, tables in tenants:
         o, i = tables.outbox, tables.inbox
         waiting = ((o.c.created_at, outbox_unsent(o)), (i.c.received_at, i.c.status == PENDING))
-        count = [select(func.count()).where(w).scalar_subquery() for _, w in waiting]
-        age = [select(func.coalesce(func.max(db_age(c)), 0)).where(w) for c, w in waiting]
-        lag = greatest(*(a.scalar_subquery() for a in age)).label("lag_seconds")
-        named = (count[0].label("outbox"), count[1].label("inbox"), lag)
+        out, into = (
+            select(func.count().label("n"), func.coalesce(func.max(db_age(at)), 0).label("age"))
+            .where(where)
+            .subquery()
+            for at, where in waiting
+        )
+        lag = greatest(out.c.age, into.c.age).label("lag_seconds")
+        named = (out.c.n.label("outbox"), into.c.n.label("inbox"), lag)
         parts.append(select(literal(tenant).label("tenant"), *named))
     return list(conn.execute(union_all(*parts)).mappings())
 
