@@ -19,6 +19,7 @@ from sqlalchemy import (
     literal,
     or_,
     select,
+    true,
     union_all,
     update,
 )
@@ -363,7 +364,7 @@ def tenant_backlogs(conn: Connection, tenants: Sequence[tuple[str, Tables]]) -> 
         )
         lag = greatest(out.c.age, into.c.age).label("lag_seconds")
         named = (out.c.n.label("outbox"), into.c.n.label("inbox"), lag)
-        parts.append(select(literal(tenant).label("tenant"), *named))
+        parts.append(select(literal(tenant).label("tenant"), *named).join_from(out, into, true()))
     return list(conn.execute(union_all(*parts)).mappings())
 
 
