@@ -135,7 +135,7 @@ def test_a_tenant_schema_without_tables_is_shown_as_such_while_the_others_are(
     shared, own = urls
     # "gone": a database named as its URL's password, which the server's error repeats.
     gone = make_url(shared).set(password=PASSWORD, database=PASSWORD)
-    tenants = {**_tenants(own), "x": Tenant(schema="never_migrated")}
+    tenants = {**_tenants(own), "x": Tenant(schema="never_migrated"), "y": Tenant(schema="a b")}
     tenants["down"] = Tenant(db_url=gone.render_as_string(hide_password=False))
     app = Service("billing", db_url=shared, tenants=tenants)
     try:
@@ -145,6 +145,7 @@ def test_a_tenant_schema_without_tables_is_shown_as_such_while_the_others_are(
         assert _rows(found["top"]) == {
             "down": (None, None, False),
             "x": (None, None, False),
+            "y": (None, None, False),  # Service.tenant refuses its schema
             "a": (2, 3, True),
             "c": (1, 0, True),
             "b": (0, 0, True),
