@@ -157,6 +157,9 @@ def wakeup_status(engine: Engine, tables: Tables, listen_url: str | None) -> dic
 #: Without --max-lag, how long a tenant's oldest unsent or pending row may wait before
 #: `problems` calls the tenant never drained.
 NEVER_DRAINED_AFTER = 300.0
+#: Tenants read by one statement (a transaction) on a database they share: it locks every
+#: table, partition and index it reads, and PostgreSQL's lock table holds some thousands.
+TENANTS_PER_STATEMENT = 10
 
 
 def tenant_status(service: Service, max_lag: float | None = None) -> dict[str, Any] | None:
@@ -188,11 +191,6 @@ def tenant_status(service: Service, max_lag: float | None = None) -> dict[str, A
         "drain_bound": bound,
         "top": rows[: operations.TOP_TENANTS],
     }
-
-
-#: Tenants read by one statement (a transaction) on a database they share: it locks every
-#: table, partition and index it reads, and PostgreSQL's lock table holds some thousands.
-TENANTS_PER_STATEMENT = 10
 
 
 def _read_tenants(engine: Engine, tenants: list[tuple[str, Tables]]) -> list[dict[str, Any]]:
