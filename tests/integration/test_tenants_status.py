@@ -19,6 +19,7 @@ from sqlalchemy import event, make_url, text
 
 from helpers import received_row
 from outbox_inbox import Service, Tenant, migrate
+from outbox_inbox import status as status_module
 from outbox_inbox.cli.status import status
 from outbox_inbox.dashboard import Dashboard, WatchedService
 from outbox_inbox.metrics import instrument
@@ -244,3 +245,18 @@ def test_dashboard_page_shows_the_tenants_and_the_never_drained_problem(service:
     assert "<h2 id=tenants>Tenants: 4, 2 waiting (outbox 3, inbox 3), 1 unreachable" in body
     assert "tenant a never drained for " in body and 'class="badge unhealthy"' in body
     assert PASSWORD not in body
+
+
+def test_tenants_of_one_database_are_read_a_few_schemas_a_statement(
+    service: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(status_module, "TENANTS_PER_STATEMENT", 1)
+    statements: list[str] = []
+    event.listen(service.engine, "before_cursor_execute", lambda *a: statements.append(a[2]))
+    found = status_module.tenant_status(service)
+    assert found is not None
+    assert _rows(found["top"])["a"] == (2, 3, True) and _rows(found["top"])["b"] == (0, 0, True)
+    assert [("tenant_a" in s, "tenant_b" in s) for s in statements] == [
+        (True, False),
+        (False, True),
+    ]
