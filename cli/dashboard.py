@@ -39,7 +39,7 @@ def _watched(target: Target) -> WatchedService:
     if not target.has_database:
         fail(f"{name}: no database (--db-url, or the app's)")
     broker = target.broker() if target.has_broker else None
-    return WatchedService(name=name, engine=target.engine(), tables=target.tables, broker=broker)
+    return WatchedService(name, target.engine(), target.tables, broker, target.service)
 
 
 class _Stop(Exception):

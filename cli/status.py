@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from outbox_inbox.dashboard.views import cap_shown, format_age
+from outbox_inbox.dashboard.views import TENANT_HEADERS, cap_shown, format_age, tenants_shown
 from outbox_inbox.status import health
 
 from .output import EXIT_UNHEALTHY, echo, echo_json, one_line, render_table
@@ -84,6 +84,7 @@ def status(
             held_keys_limit=keys_limit,
             max_lag=max_lag.total_seconds() if max_lag is not None else None,
             max_dead=max_dead,
+            tenants=target.service,
         )
     finally:
         target.close()
@@ -130,6 +131,10 @@ def _print(report: dict[str, Any]) -> None:
         echo(f"\n{inbox['tenants_waiting']} tenants waiting; most waiting:")
         tenants = [(t["tenant"], t["pending"], t["in_progress"]) for t in inbox["by_tenant"]]
         echo(render_table(["TENANT", "PENDING", "IN PROGRESS"], tenants))
+    if report["tenants"]:
+        totals, rows = tenants_shown(report["tenants"])
+        echo(f"\ntenants {totals}; largest lag first:")
+        echo(render_table([h.upper() for h in TENANT_HEADERS], rows))
     _print_wakeups(report.get("wakeups") or {})
     _print_held_keys(report["held_keys"])
     _print_broker(report["broker"])

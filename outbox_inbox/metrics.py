@@ -34,6 +34,7 @@ from .logsafe import mask_text, mask_url
 from .messages import COMMAND, Message, OutgoingMessage
 from .queries import operations
 from .service import Service
+from .status import tenant_status
 from .tables import Tables
 
 log = logging.getLogger(__name__)
@@ -238,7 +239,7 @@ def instrument(service: Service, *, registry: CollectorRegistry | None = None) -
     (docs/observability.md). One service name twice in a registry raises ConfigurationError."""
     registry = REGISTRY if registry is None else registry
     families = _families_of(registry)
-    families.state.watch(service.name, service.engine, service.tables)
+    families.state.watch(service)
     metrics = Metrics(service.name, registry, families)
     service.listener = combine(service.listener, metrics)
     return metrics
@@ -276,19 +277,20 @@ _GAUGES = (
 class _StateCollector(Collector):
     """Reads the backlog gauges of each watched service at scrape time, in one snapshot: the
     numbers `outbox-inbox status` shows. A database that cannot be read gives a warning,
-    ``outbox_inbox_state_up 0`` and no gauges for that service."""
+    ``outbox_inbox_state_up 0`` and no gauges for that service; its tenants' (`tenant_status`)
+    are read each in its own database."""
 
     def __init__(self) -> None:
-        self._watched: dict[str, tuple[Engine, Tables]] = {}
+        self._watched: dict[str, Service] = {}
         self._lock = threading.Lock()
 
-    def watch(self, service: str, engine: Engine, tables: Tables) -> None:
+    def watch(self, service: Service) -> None:
         with self._lock:
-            if service in self._watched:
+            if service.name in self._watched:
                 raise ConfigurationError(
-                    f"service {service!r} is instrumented twice in the same registry"
+                    f"service {service.name!r} is instrumented twice in the same registry"
                 )
-            self._watched[service] = (engine, tables)
+            self._watched[service.name] = service
 
     def describe(self) -> Iterable[Metric]:
         return list(self._families().values())
@@ -297,8 +299,9 @@ class _StateCollector(Collector):
         families = self._families()
         with self._lock:
             watched = list(self._watched.items())
-        for service, (engine, tables) in watched:
-            state = _read_state(engine, tables)
+        for service, watched_service in watched:
+            self._tenants(families, service, watched_service)
+            state = _read_state(watched_service.engine, watched_service.tables)
             families["state_up"].add_metric([service], 0 if state is None else 1)
             if state is None:
                 continue
@@ -315,6 +318,22 @@ class _StateCollector(Collector):
         return list(families.values())
 
     @staticmethod
+    def _tenants(families: dict[str, GaugeMetricFamily], name: str, service: Service) -> None:
+        try:
+            tenants = tenant_status(service) or {"top": []}
+        except ConfigurationError as exc:
+            return log.warning("metrics: %s", mask_text(exc, service.settings.db_url))
+        if tenants["top"]:
+            families["tenants_never_drained"].add_metric([name], tenants["never_drained"])
+        for t in tenants["top"]:
+            labels = [name, t["tenant"]]
+            families["tenant_up"].add_metric(labels, t["error"] is None)
+            if t["error"] is None:
+                families["tenant_lag_seconds"].add_metric(labels, t["lag_seconds"])
+                for table in ("outbox", "inbox"):
+                    families["tenant_backlog"].add_metric([*labels, table], t[table])
+
+    @staticmethod
     def _families() -> dict[str, GaugeMetricFamily]:
         described = [
             ("state_up", "1 if the last scrape could read the service's tables, else 0.", ()),
@@ -326,6 +345,10 @@ class _StateCollector(Collector):
                 "Inbox rows of the tenant waiting, for the 10 tenants with the most.",
                 ("tenant",),
             ),
+            ("tenants_never_drained", "Tenants whose oldest row waits over 300 s.", ()),
+            ("tenant_up", "1 if the tenant's tables could be read, else 0.", ("tenant",)),
+            ("tenant_backlog", "Tenant's rows unsent/pending, by table.", ("tenant", "table")),
+            ("tenant_lag_seconds", "Age of the tenant's oldest unsent/pending row.", ("tenant",)),
         ]
         return {
             name: GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["service", *labels])

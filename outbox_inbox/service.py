@@ -544,6 +544,7 @@ class Service:
             listen_url=self.settings.listen_url,
             max_lag=max_lag,
             max_dead=max_dead,
+            tenants=None if self.tenant_id else self,
         )
 
     def _liveness_url(self) -> str | None:

@@ -6,19 +6,23 @@ import contextlib
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from . import migrate
+from . import errors, migrate
 from .broker import Broker, Operator
 from .dead_letters import error_summary
 from .errors import BrokerError, SchemaMissing, storage_error
+from .logsafe import mask_text
 from .queries import operations
 from .tables import Tables
 from .topology import UNROUTABLE_QUEUE, dead_letter_queue, inbox_queue
 from .waker import Waker, notify_channel, psycopg_conninfo
+
+if TYPE_CHECKING:
+    from .service import Service
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,8 @@ class Health:
     """One service's messaging health now, as `outbox-inbox status` prints it (`as_dict`: its
     --json) and the dashboard shows it; `problems` is empty when healthy. The sections are those
     of `collect_status`; `broker` is None when the broker was not asked, `wakeups` (see
-    `wakeup_status`) when they were not probed. All ages are on the database clock."""
+    `wakeup_status`) when they were not probed, `tenants` (`tenant_status`) without tenants.
+    All ages are on the database clock."""
 
     service: str | None
     schema: str | None
@@ -37,6 +42,7 @@ class Health:
     broker: Mapping[str, Any] | None
     wakeups: Mapping[str, Any] | None
     problems: tuple[str, ...]
+    tenants: Mapping[str, Any] | None = None
 
     @property
     def healthy(self) -> bool:
@@ -59,16 +65,19 @@ def health(
     held_keys_limit: int = 20,
     max_lag: float | None = None,
     max_dead: int | None = None,
+    tenants: Service | None = None,
 ) -> Health:
     """`collect_status` of `service` (with its queues through `broker.operator()` when a
-    `broker` is given), the `wakeup_status` of `listen_url` unless not `wakeups`, and the
-    `problems` under `max_lag` (seconds) and `max_dead`. Raises what `collect_status` raises;
-    a broker that cannot be asked is one of the problems."""
+    `broker` is given), the `wakeup_status` of `listen_url` unless not `wakeups`, the
+    `tenant_status` of `tenants`' registry, and the `problems` under `max_lag` (seconds) and
+    `max_dead`. Raises what `collect_status` raises (and ConfigurationError for a broken tenant
+    registry); a broker that cannot be asked is one of the problems."""
     with broker.operator() if broker is not None else contextlib.nullcontext() as admin:
         report = collect_status(
             engine, tables, service=service, admin=admin, held_keys_limit=held_keys_limit
         )
     report["wakeups"] = wakeup_status(engine, tables, listen_url) if wakeups else None
+    report["tenants"] = None if tenants is None else tenant_status(tenants, max_lag)
     return Health(**report, problems=tuple(problems(report, max_lag=max_lag, max_dead=max_dead)))
 
 
@@ -145,6 +154,69 @@ def wakeup_status(engine: Engine, tables: Tables, listen_url: str | None) -> dic
     return {"mode": mode, "via": "listen_url" if listen_url else "db_url"}
 
 
+#: Without --max-lag, how long a tenant's oldest unsent or pending row may wait before
+#: `problems` calls the tenant never drained.
+NEVER_DRAINED_AFTER = 300.0
+#: Tenants read by one statement (a transaction) on a database they share: it locks every
+#: table, partition and index it reads, and PostgreSQL's lock table holds some thousands.
+TENANTS_PER_STATEMENT = 10
+
+
+def tenant_status(service: Service, max_lag: float | None = None) -> dict[str, Any] | None:
+    """The backlog of each tenant of `service` (None without any) in its database and schema
+    (`Service.tenant`), one statement per database: totals (``count``, ``waiting``, ``outbox``
+    rows unsent, ``inbox`` rows pending, ``unreachable``, ``never_drained``: lag over `max_lag`,
+    else ``drain_bound``) and the `operations.TOP_TENANTS` unreachable or with the largest lag
+    and backlog (``top``: ``tenant``, ``outbox``, ``inbox``, ``lag_seconds``, ``error``)."""
+    groups: dict[Engine, list[tuple[str, Tables]]] = {}
+    rows: list[dict[str, Any]] = []
+    for tenant in service.tenant_ids():
+        try:
+            copy = service.tenant(tenant)
+            groups.setdefault(copy.engine, []).append((tenant, copy.tables))
+        except errors.ConfigurationError as exc:
+            rows += _unread([tenant], mask_text(exc, service.settings.db_url))
+    for engine, tenants in groups.items():
+        rows += _read_tenants(engine, tenants)
+    if not rows:
+        return None
+    bound = NEVER_DRAINED_AFTER if max_lag is None else max_lag
+    rows.sort(key=lambda r: (not r["error"], -(r["lag_seconds"] or 0), -r["backlog"], r["tenant"]))
+    return {
+        "count": len(rows),
+        **{k: sum(r[k] or 0 for r in rows) for k in ("outbox", "inbox")},
+        "waiting": sum(r["backlog"] > 0 for r in rows),
+        "unreachable": sum(r["error"] is not None for r in rows),
+        "never_drained": sum((r["lag_seconds"] or 0) > bound for r in rows),
+        "drain_bound": bound,
+        "top": rows[: operations.TOP_TENANTS],
+    }
+
+
+def _read_tenants(engine: Engine, tenants: list[tuple[str, Tables]]) -> list[dict[str, Any]]:
+    """`operations.tenant_backlogs` on one connection; when it fails, unless the database cannot
+    be reached, each tenant apart (a schema without tables fails the statement of them all)."""
+    found: list[Any] = []
+    try:
+        with engine.connect() as conn:
+            for start in range(0, len(tenants), TENANTS_PER_STATEMENT):
+                found += operations.tenant_backlogs(conn, tenants[start:][:TENANTS_PER_STATEMENT])
+                conn.rollback()  # its locks, some 150 a tenant (partitions, indexes), go
+    except SQLAlchemyError as exc:
+        if len(tenants) > 1 and not errors.database_unreachable(exc):
+            return [row for t in tenants for row in _read_tenants(engine, [t])]
+        url = engine.url.render_as_string(hide_password=False)
+        error = mask_text(storage_error(exc, "reading its backlog"), url)
+        return _unread([t for t, _ in tenants], error)
+    lag = ((r, float(r["lag_seconds"]), r["outbox"] + r["inbox"]) for r in found)
+    return [{**r, "lag_seconds": age, "backlog": n, "error": None} for r, age, n in lag]
+
+
+def _unread(tenants: list[str], error: str) -> list[dict[str, Any]]:
+    unknown = dict.fromkeys(("outbox", "inbox", "lag_seconds"))
+    return [{"tenant": t, **unknown, "backlog": 0, "error": error} for t in tenants]
+
+
 def _broker_status(admin: Operator, service: str | None) -> dict[str, Any]:
     names = [inbox_queue(service), dead_letter_queue(service)] if service else []
     names.append(UNROUTABLE_QUEUE)
@@ -179,9 +251,18 @@ def problems(
     status: dict[str, Any], *, max_lag: float | None = None, max_dead: int | None = None
 ) -> list[str]:
     """What makes `status` unhealthy under the thresholds given, as docs/cli.md ("status")
-    lists it: lag, a stalled inbox (`_stalled`, even without thresholds), dead letters, the
-    broker, the inbox queue. Empty when healthy."""
+    lists it: tenants unreachable or never drained, lag, a stalled inbox (`_stalled`, even
+    without thresholds), dead letters, the broker, the inbox queue. Empty when healthy."""
     out = []
+    for t in (tenants := status.get("tenants") or {}).get("top", ()):
+        if t["error"]:
+            out.append(f"tenant {t['tenant']} unreachable: {t['error']}")
+        elif t["lag_seconds"] > (bound := tenants["drain_bound"]):
+            out.append(
+                f"tenant {t['tenant']} never drained for {t['lag_seconds']:.0f}s (> {bound:g}s)"
+            )
+    if more := tenants and tenants["unreachable"] + tenants["never_drained"] - len(out):
+        out.append(f"... and {more} more tenants unreachable or never drained")
     lags = (("outbox", "oldest_age_seconds"), ("inbox", "oldest_pending_age_seconds"))
     if max_lag is not None:
         for part, field in lags:

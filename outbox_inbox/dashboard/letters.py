@@ -17,6 +17,7 @@ from sqlalchemy import Engine
 from ..broker import Broker
 from ..dead_letters import ACTIONS, DeadLetters, Filters, Outcome, Selection
 from ..errors import OutboxInboxError
+from ..service import Service
 from ..status import Health, health
 from ..tables import Tables
 
@@ -26,12 +27,13 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class WatchedService:
     """One service on the dashboard: its name, tables, database, and broker (None: the
-    broker's queues are not shown and its sources are not offered)."""
+    broker's queues are not shown and its sources are not offered); `tenants`: whose to show."""
 
     name: str
     engine: Engine
     tables: Tables
     broker: Broker | None = None
+    tenants: Service | None = None
 
     @property
     def dead_letters(self) -> DeadLetters:
@@ -53,6 +55,7 @@ class WatchedService:
             broker=self.broker,
             wakeups=False,
             max_lag=max_lag,
+            tenants=self.tenants,
         )
 
 

@@ -214,6 +214,22 @@ def overview(entries: Sequence[Shown], charts: Safe, refresh: int | None) -> Saf
     return page("Services", body, refresh=refresh)
 
 
+TENANT_HEADERS = ("tenant", "outbox", "inbox", "lag", "error")
+
+
+def tenants_shown(tenants: dict[str, Any]) -> tuple[str, list[tuple[Any, ...]]]:
+    """`outbox_inbox.status.tenant_status` as status and the dashboard show it: its totals in
+    one line, and the ``top`` tenants as rows of tenant, outbox, inbox, lag, error."""
+    totals = (
+        "{count}, {waiting} waiting (outbox {outbox}, inbox {inbox}), {unreachable} unreachable,"
+        " {never_drained} never drained for {drain_bound:g}s"
+    ).format_map(tenants)
+    return totals, [
+        (t["tenant"], t["outbox"], t["inbox"], format_age(t["lag_seconds"]), t["error"] or "")
+        for t in tenants["top"]
+    ]
+
+
 def service_status(entry: Shown, charts: Safe) -> Safe:
     """A service's status, the problems that make it unhealthy, and its charts."""
     name, status, rates, found = entry.name, entry.status, entry.rates, entry.problems
@@ -261,6 +277,10 @@ def service_status(entry: Shown, charts: Safe) -> Safe:
         parts.append(html("<h2>Tenants waiting: {}</h2>", inbox["tenants_waiting"]))
         cells = ((t["tenant"], t["pending"], t["in_progress"]) for t in inbox["by_tenant"])
         parts.append(table(["tenant", "pending", "in progress"], (row(c, {1, 2}) for c in cells)))
+    if status.get("tenants"):
+        totals, listed = tenants_shown(status["tenants"])
+        parts.append(html("<h2 id=tenants>Tenants: {}</h2>", totals))
+        parts.append(table(TENANT_HEADERS, (row(c, {1, 2}) for c in listed)))
     if outbox.get("webhooks"):
         parts.append(html("<h2>Webhook endpoints</h2>"))
         hooks = outbox["webhooks"]

@@ -19,6 +19,7 @@ from sqlalchemy import (
     literal,
     or_,
     select,
+    true,
     union_all,
     update,
 )
@@ -345,6 +346,26 @@ def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
             for r in per_tenant
         ],
     }
+
+
+def tenant_backlogs(conn: Connection, tenants: Sequence[tuple[str, Tables]]) -> list[RowMapping]:
+    """Of each (tenant, its tables in this database) of `tenants`, in one UNION ALL: ``tenant``,
+    ``outbox`` (rows unsent), ``inbox`` (rows pending), ``lag_seconds`` (the oldest's age; 0).
+    Each table is read once (its count and oldest row together)."""
+    parts, greatest = [], func.greatest if is_postgres(conn) else func.max
+    for tenant, tables in tenants:
+        o, i = tables.outbox, tables.inbox
+        waiting = ((o.c.created_at, outbox_unsent(o)), (i.c.received_at, i.c.status == PENDING))
+        out, into = (
+            select(func.count().label("n"), func.coalesce(func.max(db_age(at)), 0).label("age"))
+            .where(where)
+            .subquery()
+            for at, where in waiting
+        )
+        lag = greatest(out.c.age, into.c.age).label("lag_seconds")
+        named = (out.c.n.label("outbox"), into.c.n.label("inbox"), lag)
+        parts.append(select(literal(tenant).label("tenant"), *named).join_from(out, into, true()))
+    return list(conn.execute(union_all(*parts)).mappings())
 
 
 def held_keys(conn: Connection, tables: Tables, limit: int) -> tuple[int, list[RowMapping]]:
