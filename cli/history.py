@@ -19,15 +19,7 @@ from outbox_inbox.config import DB_URL_ENV, Settings
 from outbox_inbox.status import subscribed_services
 
 from .output import EXIT_UNHEALTHY, echo, echo_json, progress, render_table, verbosity
-from .target import (
-    Target,
-    checked_db_url,
-    fail,
-    json_option,
-    parse_duration,
-    parse_time,
-    resolve,
-)
+from .target import Target, checked_db_url, fail, json_option, parse_duration, parse_time, resolve
 from .target import target_options as _target_options
 
 if TYPE_CHECKING:
