@@ -103,16 +103,12 @@ def checked_settings(
 @click.option("--dry-run", is_flag=True, help="Only count what would be archived.")
 @json_option
 def archive(
-    app: str | None,
-    service: str | None,
-    schema: str | None,
-    db_url: str | None,
-    mq_url: str | None,
     root: str,
     older_than: timedelta,
     batch_size: int,
     dry_run: bool,
     as_json: bool,
+    **target_options: str | None,
 ) -> None:
     """Move published outbox rows and processed or dead inbox rows into Parquet files.
 
@@ -129,7 +125,7 @@ def archive(
     arrives after the message was archived is stored and handled again. Keep it longer than
     any redelivery can take (docs/history.md).
     """
-    target = resolve(app=app, service=service, schema=schema, db_url=db_url, mq_url=mq_url)
+    target = resolve(**target_options)
     try:
         # The retention is the duplicate window, here as in `partitions` and Service.
         checked_settings(target, older_than, None)
