@@ -734,8 +734,7 @@ class DeadLetters:
     """The dead letters of one service, from every source it can reach: the one implementation
     of `outbox-inbox dead-letters` and the dashboard (docs/cli.md, "dead-letters"). Build it
     with `of(service)` or from its parts. `replay`, `purge`, `park` and `run` append an audit
-    record to `audit_log=` (else `audit_trail.audit_log_path()`); `act`, the bare step, none.
-    """
+    record to `audit_log=` (else `audit_trail.audit_log_path()`); `act`, the bare step, none."""
 
     engine: Engine | None = None
     tables: Tables | None = None
@@ -908,8 +907,7 @@ class DeadLetters:
         caller), at most `rate` letters a second, and write the audit record to `audit_log`
         (default `audit_log_path()`) in every case: a dry run, an empty selection, an action that
         fails half-way (with its error, then raised on). `source`, `filters` and `command`
-        (default ``dead-letters <action>``) go on the record. OSError when it cannot be written.
-        """
+        (default ``dead-letters <action>``) go on the record. OSError when it cannot be written."""
         if action not in ACTIONS:
             raise ConfigurationError(f"unknown action {action!r}: one of {ACTIONS}")
         if audit_log is None:

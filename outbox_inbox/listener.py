@@ -1,8 +1,7 @@
 """Hooks into the life of messages, for metrics, tracing and tests (docs/observability.md,
 "Listener hooks"): every method is a no-op, override the ones you need. A hook runs in its
 role's hot path; one that raises is logged and otherwise ignored. `Listeners` (or `combine`)
-makes several listeners one.
-"""
+makes several listeners one."""
 
 from __future__ import annotations
 

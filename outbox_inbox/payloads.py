@@ -1,7 +1,6 @@
 """Typed payloads: a handler's declared payload type (a dataclass or a pydantic model:
 docs/concepts.md, "A typed payload"), decoding into it (`InvalidPayload`: dead at once as
-``invalid_payload``), and plain JSON values of such objects for `publish` and `send` (`plain`).
-"""
+``invalid_payload``), and plain JSON values of such objects for `publish` and `send` (`plain`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """OpenTelemetry spans of a service's messages, and their W3C trace context on the wire: the spans,
 their attributes and how the context travels are in docs/observability.md ("Traces"). A missing or
-invalid trace header only means a new trace; a tracing error is logged and never fails a message.
-"""
+invalid trace header only means a new trace; a tracing error is logged and never fails a message."""
 
 from __future__ import annotations
 

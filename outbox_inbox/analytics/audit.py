@@ -216,8 +216,7 @@ class Window:
     unpublished one by its creation, a receipt of nobody's message by its message's creation).
     The archive dates rows by when they became visible (`DATE_COLUMNS`), so only the date
     partitions from `since` on are read, and of them only the rows of messages created before
-    `until` (docs/history.md, "One day at a time"): no row is left unread, however late.
-    """
+    `until` (docs/history.md, "One day at a time"): no row is left unread, however late."""
 
     since: datetime
     until: datetime

@@ -1,7 +1,6 @@
 """The warm local Spark: a Spark Connect server that ``outbox-inbox audit`` starts on first use
 and later runs connect to, one per state directory (`state_dir`). docs/history.md ("A warm
-Spark between runs") says what it keeps there, how it listens and when it stops itself.
-"""
+Spark between runs") says what it keeps there, how it listens and when it stops itself."""
 
 from __future__ import annotations
 

@@ -504,8 +504,7 @@ class RabbitMQPublisher:
     def _renew(self) -> None:
         """Publish on a new channel from now on, once the messages in flight are settled: after
         a nack the channel may be what refuses (RabbitMQ 3.10 after a quorum queue's leader
-        died: docs/failures.md); a nack of the queue's own (full) is given on the new one alike.
-        """
+        died: docs/failures.md); a nack of the queue's own (full) is given on the new one alike."""
         while self._batches and not self._broken:
             self.pump(_CONFIRM_WAIT)
         if self._broken:

@@ -1,7 +1,6 @@
 """The `Operator` port on RabbitMQ over AMQP (`RabbitMQBroker.operator`): checking objects,
 reading and moving messages, tailing. A `RabbitMQAdmin` owns one connection and is used from
-one thread. pika errors are translated here, like in `rabbitmq`.
-"""
+one thread. pika errors are translated here, like in `rabbitmq`."""
 
 from __future__ import annotations
 
@@ -70,8 +69,7 @@ class RabbitMQAdmin(Operator):
         it. So this publishes, on a connection of its own, a dropped empty message, then a
         mandatory one the broker returns (no route) only if it read on. None when that return
         comes first, or nothing within `timeout` seconds; else ``connection.blocked``'s reason.
-        Raises BrokerConnectionError if the broker cannot be reached.
-        """
+        Raises BrokerConnectionError if the broker cannot be reached."""
         connection = self._connect()
         blocked: list[str] = []
         returned: list[bool] = []

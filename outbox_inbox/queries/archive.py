@@ -1,6 +1,5 @@
 """The statements of the message history: what the archive reads, moves and deletes (and its
-journal and lock), what the audit reads live, and the prunes of the partition maintenance.
-"""
+journal and lock), what the audit reads live, and the prunes of the partition maintenance."""
 
 from __future__ import annotations
 
@@ -122,8 +121,7 @@ def forget_archive_files(conn: Connection, tables: Tables, ids: Sequence[uuid.UU
 def try_archive_lock(conn: Connection, schema: str) -> bool:
     """Take the lock that lets one archive run per schema (`try_xact_lock`: the caller keeps
     the transaction open for the whole run); False when it is held. SQLite has no such lock:
-    one process writes it at a time anyway, and its archive is run by hand.
-    """
+    one process writes it at a time anyway, and its archive is run by hand."""
     return conn.dialect.name != "postgresql" or try_xact_lock(
         conn, f"outbox_inbox.archive.{schema}"
     )

@@ -1,6 +1,5 @@
 """The statements of the roles: what the outbox writer, the relay, the receiver, the worker and
-the waker run, and what a service sets up on its connections.
-"""
+the waker run, and what a service sets up on its connections."""
 
 from __future__ import annotations
 

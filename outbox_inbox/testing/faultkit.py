@@ -181,8 +181,7 @@ class Load(threading.Thread):
     """Commits transactions of `produce` through `service` at `rate` a second, into `history`,
     as docs/testing.md ("The load") says; a `produce` that returns None expects ``[n]``. A
     commit that raises is UNKNOWN (the fault may have taken only the answer); a failure before
-    the commit is FAILED. Either way the load goes on with the next n.
-    """
+    the commit is FAILED. Either way the load goes on with the next n."""
 
     def __init__(
         self,

@@ -518,8 +518,7 @@ class _Databases:
 
 class PostgresServer(_LocalServer, _Databases):
     """A private PostgreSQL 15 server on 127.0.0.1 for tests and benchmarks: ``initdb`` and
-    ``postgres`` in a fresh temporary directory (as the ``postgres`` user when we are root).
-    """
+    ``postgres`` in a fresh temporary directory (as the ``postgres`` user when we are root)."""
 
     _kind = "PostgreSQL"
     user = "postgres"
@@ -737,8 +736,7 @@ class ExternalPostgres(_External, _Databases):
 class RabbitMQServer(_LocalServer):
     """A private RabbitMQ node (Debian's ``rabbitmq-server``) on 127.0.0.1 and free ports, all
     of it (home, data, logs, config) in one temporary directory, with an epmd of its own. With
-    ``management=True`` (the default) the management plugin listens too: ``management_url``.
-    """
+    ``management=True`` (the default) the management plugin listens too: ``management_url``."""
 
     _kind = "RabbitMQ"
     supports_vhosts = True

@@ -1,6 +1,5 @@
 """The memory broker's objects: exchanges, queues and their messages, and the rules that read
-a queue's arguments and judge a redeclare, as RabbitMQ 3.10 does for what the topology declares.
-"""
+a queue's arguments and judge a redeclare, as RabbitMQ 3.10 does for what the topology declares."""
 
 from __future__ import annotations
 
