@@ -587,39 +587,21 @@ def claim_inbox(
 ) -> list[Claimed]:
     """Lease up to `limit` due pending rows to `worker`; count the claim in `attempts`.
 
-    Highest priority first. Within a priority, `fair` serves the groups (routing key and
-    tenant) in turn: each group's oldest claimable row, then each one's second, and so on,
-    starting with the groups after `after` (the last group the worker was served; a worker
-    passes it on from claim to claim, so a batch of one goes round the groups too); without
-    `fair`, arrival order. `weights` and `tenant_weights`: the turns a routing key and a
-    tenant get in each round (weighted round robin; 1 without one; a group's is the product).
-    A keyed row qualifies only when no earlier pending row has its key: a key is handled one
-    message at a time, in order. A leased row qualifies once
-    its lease ran out on the database clock, or, on PostgreSQL, as soon as its claimant no
-    longer holds its liveness lock (`hold_claimant_lock`): its worker died or lost its
-    connection. Rows a live worker is handling are row-locked and skipped.
+    The rules are those of docs/concepts.md ("Fair claims and caps", "Ordering keys"): highest
+    priority first; with `fair`, the groups (routing key and tenant) in turn, weighted by
+    `weights` and `tenant_weights`, from the group after `after` (the last one this worker was
+    served); `caps` (``max_concurrency``; a claim takes at most half, rounded up, of the places
+    left, so they go to several workers) and `rates` (``(n, seconds)``) by routing key, the
+    rows held back neither leased nor counted. A keyed row qualifies only when no earlier
+    pending row has its key; a leased row once its lease ran out on the database clock or, on
+    PostgreSQL, once its claimant no longer holds its liveness lock (`hold_claimant_lock`).
 
-    `caps`: the most rows of a routing key leased at once, by every worker of the database
-    together. A claim takes at most half (rounded up) of the cap less the rows of that type
-    leased now, so the places go to several workers. `rates`: ``(n, seconds)``, the most rows
-    of a routing key claimed in any `seconds`: a claim takes at most n less the rows of the
-    type claimed in the tenths of the period that end within its last `seconds` of the
-    database clock (`inbox_rate_counts`, to which it adds its own). The rows held back are
-    neither leased nor counted. On PostgreSQL the claim
-    first takes a transaction lock per capped type (`CAP_LOCK`), so that two claims never count
-    the same free places: it is held until the caller's transaction ends (keep it short).
-
-    On PostgreSQL the rest of the caller's transaction runs with ``enable_sort`` and ``jit`` off
-    (``SET LOCAL``, in a statement before the claim; without `flush_wait`, also
-    ``synchronous_commit`` off: `_CLAIM_SETTINGS`): planned on the statistics of an inbox
-    analyzed nearly empty, the claim would otherwise sort every pending row of a backlog at
-    each execution, for as long as the connection keeps that plan; compiled, it would take
-    seconds. Run it last in its transaction.
-
-    The claim commits with the caller's transaction, so the count survives a crash of the
-    handler. The rows come in the order they were served (`served_order`; without `fair`, by
-    priority then arrival), each with the `_CLAIMED` columns and ``claimed_at``, the
-    database's time.
+    On PostgreSQL a claim of capped types holds a transaction lock per type (`CAP_LOCK`) until
+    the caller's transaction ends (keep it short), and the rest of that transaction runs with
+    the settings of `_CLAIM_SETTINGS` (`flush_wait`): run the claim last in its transaction. It
+    commits with the caller's transaction, so the count survives a crash of the handler. The
+    rows come in the order they were served (`served_order`; without `fair`, by priority then
+    arrival), each with the `_CLAIMED` columns and ``claimed_at``, the database's time.
     """
     postgres = conn.dialect.name == "postgresql"
     if postgres:
@@ -759,14 +741,10 @@ def _fair_claim_statement(
     tenant_weights: tuple[tuple[str, int], ...] = (),
 ) -> Any:
     """The claim of `claim_inbox` with `caps`, in rounds of the weights (`fair`) or arrival
-    order, built once per schema, caps and weights.
-
-    On PostgreSQL the groups (type and tenant) waiting are read from the index of pending rows
-    by type and tenant, one probe per group (a recursive scan), and each group's first `limit`
-    claimable rows from the same index (a lateral subquery that row-locks them, skipping rows
-    another claim holds); SQLite numbers every claimable row instead. A capped type's places
-    go to its rows in turn; the first `limit` in served order are leased.
-    """
+    order, built once per schema, caps and weights. On PostgreSQL the groups waiting are read
+    from the index of pending rows, one probe per group (a recursive scan), then each group's
+    first `limit` claimable rows (a lateral subquery that row-locks them, SKIP LOCKED); SQLite
+    numbers every claimable row instead. The first `limit` in served order are leased."""
     i = tables.inbox
     limit = bindparam("limit", type_=Integer, literal_execute=True)
     if postgres:
@@ -937,12 +915,9 @@ def _claimant_key(claimant: Any) -> Any:
 
 
 def _claimant_gone(locked_by: Any) -> ColumnElement[bool]:
-    """True for a row whose claimant holds no liveness lock in this database.
-
-    The set of live claimants is one hashed subquery per statement, read only when a leased
-    row is met. Two claimant names with the same hash can only make a dead claimant look alive,
-    which the lease still bounds: the error is on the safe side.
-    """
+    """True for a row whose claimant holds no liveness lock in this database (one hashed
+    subquery per statement, read only when a leased row is met). Two names with the same hash
+    can only make a dead claimant look alive, which the lease still bounds: the safe side."""
     live = select(_pg_locks.c.objid).where(
         _pg_locks.c.locktype == "advisory",
         _pg_locks.c.database
@@ -958,11 +933,8 @@ def _claimant_gone(locked_by: Any) -> ColumnElement[bool]:
 
 def hold_claimant_lock(conn: Connection, claimant: str) -> bool:
     """Take the session-level liveness lock of `claimant` on `conn`; False if it is taken.
-
-    The lock lives as long as the database session: a worker that dies, or whose connection
-    is cut, loses it at once, and claims treat its leased rows as free. On SQLite (one
-    process, no such locks) this does nothing and returns True.
-    """
+    A worker that dies, or whose connection is cut, loses it at once, and claims treat its
+    leased rows as free. On SQLite (one process, no such locks): nothing, True."""
     if conn.dialect.name != "postgresql":
         return True
     taken = conn.execute(
@@ -974,12 +946,9 @@ def hold_claimant_lock(conn: Connection, claimant: str) -> bool:
 def _among(
     column: ColumnElement[Any], postgres: bool, name: str = "ids", of: Any = BigInteger
 ) -> ColumnElement[bool]:
-    """``column`` is one of the values (of type `of`) of the parameter `name`, a list given at
-    execution.
-
-    On PostgreSQL one array parameter keeps the statement's text the same whatever the number
-    of ids, so the server prepares it once; elsewhere an expanding IN list.
-    """
+    """``column`` is one of the values (of type `of`) of the list parameter `name`: on
+    PostgreSQL one array parameter, so the text stays the same whatever the number of values
+    and the server prepares it once; elsewhere an expanding IN list."""
     if postgres:
         return column == any_(bindparam(name, type_=ARRAY(of)))
     return column.in_(bindparam(name, expanding=True))
@@ -1116,23 +1085,18 @@ def release_claims(
     conn: Connection, tables: Tables, ids: Sequence[int], worker: str, *, away: bool = False
 ) -> None:
     """Give back claims this worker will not run, uncounted: it is stopping, or (`away`) it
-    has no handler for them.
-
-    An `away` row keeps `worker`'s name in ``locked_by`` (with no lease) and is due again to
+    has no handler for them. An `away` row keeps `worker`'s name in ``locked_by`` (with no lease) and is due again to
     other workers after `AWAY`, to `worker` after twice that (`claimable`): a worker that has a
     handler takes it first, and this one does not claim it again at every poll. Either way
     the rows stay pending, so a later row of the same key is held behind them.
     """
     if ids:
         i = tables.inbox
-        values: dict[str, Any] = {
-            "locked_until": None,
-            "locked_by": None,
-            "attempts": i.c.attempts - 1,
-        }
+        values: dict[str, Any] = {"locked_until": None, "attempts": i.c.attempts - 1}
         if away:
             values["next_attempt_at"] = db_now_plus(AWAY)
-            values.pop("locked_by")
+        else:
+            values["locked_by"] = None
         conn.execute(
             update(i)
             .where(
@@ -1196,10 +1160,8 @@ def live_instances(
 def record_subscriptions(
     conn: Connection, tables: Tables, service: str, bindings: Sequence[tuple[str, str]]
 ) -> None:
-    """Remember the (exchange, pattern) bindings of `service`'s inbox queue.
-
-    A binding declared before keeps its first `subscribed_at`: re-declaring changes nothing.
-    """
+    """Remember the (exchange, pattern) bindings of `service`'s inbox queue; a binding declared
+    before keeps its first `subscribed_at`."""
     if not bindings:
         return
     s = tables.subscriptions
@@ -1289,7 +1251,8 @@ def limit_worker(dbapi_connection: Any, lease: float, *, local: bool) -> None:
     the hung work can never commit. The TCP keepalive settings and ``tcp_user_timeout`` bound
     how long the transaction of a worker whose host vanished or was cut off lives on
     (`WORKER_KEEPALIVE`, `WORKER_USER_TIMEOUT`). ``jit`` off and ``plan_cache_mode`` =
-    ``force_generic_plan``: the claim is planned once per connection, and never compiled.
+    ``force_generic_plan``: the claim is planned once per connection, and never compiled (the
+    server kept planning it anew, and compiling it, each of which cost more than running it).
 
     `local`: set them for the transaction being begun only (``set_config(..., true)``, ``SET
     LOCAL``), so that a connection pooler in transaction mode hands no setting of the library
@@ -1305,11 +1268,7 @@ def limit_worker(dbapi_connection: Any, lease: float, *, local: bool) -> None:
         "tcp_keepalives_interval": str(interval),
         "tcp_keepalives_count": str(count),
         "tcp_user_timeout": str(WORKER_USER_TIMEOUT),
-        # The claim's estimated cost can pass jit_above_cost, and compiling it costs far
-        # more than running it: no statement of a worker's transaction needs JIT.
         "jit": "off",
-        # The server kept planning the fair claim anew at each execution (its generic plan
-        # costed a little above the custom ones), which cost more than running it.
         "plan_cache_mode": "force_generic_plan",
     }
     # The DB-API face only (no psycopg keywords): the asyncio worker's adapter has no more.
@@ -1321,28 +1280,19 @@ def limit_worker(dbapi_connection: Any, lease: float, *, local: bool) -> None:
 
 
 def keep_liveness_session_alive(conn: Connection) -> None:
-    """Set `WORKER_KEEPALIVE` on the session that holds a worker's liveness lock.
-
-    Session-level on purpose: that session is the worker's own for as long as it lives (a
-    direct connection, or one a session pooler resets when the client leaves), never a
-    connection a transaction pooler shares. The server then ends the session of a worker whose
-    host vanished after about 25 s, and the lock with it.
-    """
+    """Set `WORKER_KEEPALIVE` on the session that holds a worker's liveness lock, for the
+    session: it is the worker's own for as long as it lives, never one a transaction pooler
+    shares. The server then ends the session of a vanished worker, and the lock with it."""
     conn.execute(_tcp_bounds(local=False))
 
 
 def bound_on_server(conn: Connection, *, flush_wait: bool = True) -> None:
     """Bound, on the server, how long the session of the transaction in hand outlives a client
-    cut off from it (a partition, a host gone): `WORKER_USER_TIMEOUT` once an answer waits
-    unacknowledged, `WORKER_KEEPALIVE` once the client is silent. The transaction's locks go
-    with the session. What the relay and the receiver run first in each transaction; the
-    server's defaults would keep such a session for minutes (retransmissions) or two hours
-    (the kernel's keepalive). Without `flush_wait`, also ``synchronous_commit = off`` in the same
-    statement (see `_CLAIM_SETTINGS`).
-
+    cut off from it, and its locks with it (`WORKER_USER_TIMEOUT`, `WORKER_KEEPALIVE`; the
+    server's defaults: minutes or two hours). The relay and the receiver run it first in each
+    transaction. Without `flush_wait`, also ``synchronous_commit = off`` (`_CLAIM_SETTINGS`).
     ``SET LOCAL``: nothing outlives the transaction, on whichever server connection a pooler in
-    transaction mode picked. Does nothing on SQLite.
-    """
+    transaction mode picked. Does nothing on SQLite."""
     if is_postgres(conn):
         conn.execute(_tcp_bounds(local=True, user_timeout=True, flush_wait=flush_wait))
 
