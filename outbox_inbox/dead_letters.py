@@ -1,11 +1,8 @@
 """Dead letters: dead inbox and outbox rows and the messages in the broker's dead-letter queues.
 
 The four sources (``table``, ``outbox``, ``queue``, ``unroutable``) are those of `outbox-inbox
-dead-letters` (docs/cli.md, "Sources"); what a replay and a purge do to each is said by
-`TableSelection`, `OutboxSelection` and `QueueSelection`. A selection is made first (and can be
-shown), then acted on: rows by id, still dead; queue messages are held unacknowledged until it
-is closed, so exactly what was selected is acted on, and those not acted on go back, flagged
-redelivered.
+dead-letters` (docs/cli.md, "Sources"). A selection is made first (and can be shown), then
+acted on: exactly what was selected (`TableSelection`, `OutboxSelection`, `QueueSelection`).
 """
 
 from __future__ import annotations
@@ -323,11 +320,9 @@ class Pacer:
 
 
 class TableSelection:
-    """Dead inbox rows matching `filters`, at most `limit`, in id order (arrival order).
-
-    Replay makes them pending again, due now, with fresh counters, and counts itself on each
-    row (``replays``, ``replayed_at``); purge deletes them.
-    """
+    """Dead inbox rows matching `filters`, at most `limit`, in id order (arrival order). Replay
+    makes them pending again, due now, with fresh counters, and counts itself on each row
+    (``replays``, ``replayed_at``); purge deletes them. Acts on rows by id, still dead."""
 
     source = TABLE
     what = "dead inbox rows"
@@ -427,11 +422,9 @@ class TableSelection:
 
 
 class OutboxSelection(TableSelection):
-    """Dead outbox rows (the broker refused them on every attempt) matching `filters`.
-
-    Replay makes them unsent again, due now, with their attempts reset, for the relay's next
-    batch (docs/cli.md, "replay"). Purge deletes them.
-    """
+    """Dead outbox rows (the broker refused them on every attempt) matching `filters`. Replay
+    makes them unsent again, due now, with their attempts reset, for the relay's next batch
+    (docs/cli.md, "replay"). Purge deletes them."""
 
     source = OUTBOX
     what = "dead outbox rows"
@@ -581,11 +574,10 @@ def _queue(source: str, service: str | None) -> str:
 
 
 def replay_headers(message: WireMessage) -> dict[str, Any]:
-    """Headers of the copy of a dead-lettered message sent back to the inbox queue.
+    """Headers of the copy of a dead-lettered message sent back to the inbox queue: without the
+    failure's transport headers, with the original exchange and routing key (from the broker's
+    ``x-death`` record when the broker itself dead-lettered the message)."""
 
-    The failure's transport headers go; the original exchange and routing key stay, taken from
-    the broker's ``x-death`` record when the broker itself dead-lettered the message.
-    """
     headers = {k: v for k, v in message.headers.items() if k not in FAILURE_HEADERS}
     death = _first_death(message.headers)
     if H_ORIGINAL_EXCHANGE not in headers:
