@@ -39,11 +39,8 @@ class PublishOutcome(enum.Enum):
 
 @dataclass(frozen=True)
 class Refusal:
-    """The broker's reason for closing a publishing channel: its reply code and text.
-
-    `max_body` is the broker's largest accepted message body when the refusal names it
-    (RabbitMQ's ``max_message_size``), else None.
-    """
+    """The broker's reason for closing a publishing channel: its reply code and text, and
+    `max_body`, its largest accepted body when the refusal names it (``max_message_size``)."""
 
     code: int
     text: str
@@ -82,9 +79,8 @@ class Publisher(Protocol):
     def publish_batch(
         self, messages: Sequence[WireMessage], *, window: int, timeout: float
     ) -> list[PublishOutcome]:
-        """Publish persistent, mandatory messages with confirms; one outcome per message.
-
-        At most `window` messages are unconfirmed at a time. Two messages with the same
+        """Publish persistent, mandatory messages with confirms; one outcome per message. At
+        most `window` messages are unconfirmed at a time. Two messages with the same
         ordering key are never in flight together, and once one fails, the later ones with that
         key are SKIPPED, so a key's messages reach the queue in the order given. Per-message
         problems are outcomes; if the connection fails, the unconfirmed messages are FAILED and
@@ -105,11 +101,9 @@ class Publisher(Protocol):
         ...
 
     def idle(self) -> None:
-        """Service the connection while there is nothing to publish (heartbeats, closes).
-
-        Call it at least every few seconds while idle; it never raises and never blocks for
-        long. A connection found dead makes `broken` true.
-        """
+        """Service the connection while there is nothing to publish (heartbeats, closes): call
+        it at least every few seconds while idle. It never raises and never blocks for long; a
+        connection found dead makes `broken` true."""
         ...
 
     def close(self) -> None:
@@ -121,11 +115,9 @@ class Consumer(Protocol):
     def fetch(self, max_count: int, wait: float) -> list[Delivery]:
         """Up to `max_count` deliveries: waits at most `wait` seconds for a first one, then
         returns at once with it and whatever else has already arrived — never waits for a batch
-        to fill, so a lone message is stored without delay and batches grow with the load.
-
-        Returns an empty list when none arrived within `wait`. Raises BrokerConnectionError
-        when the connection is lost; unacknowledged deliveries then return to the queue.
-        """
+        to fill, so a lone message is stored without delay and batches grow with the load. An
+        empty list when none arrived within `wait`. Raises BrokerConnectionError when the
+        connection is lost; unacknowledged deliveries then return to the queue."""
         ...
 
     def ack_through(self, tag: int) -> None:
@@ -137,13 +129,11 @@ class Consumer(Protocol):
     def forward(
         self, delivery: Delivery, exchange: str, routing_key: str, headers: Mapping[str, Any]
     ) -> None:
-        """Republish `delivery` to `exchange` with `headers` added, confirmed, then ack it.
-
-        The original exchange and routing key are kept in ``x-original-exchange`` and
-        ``x-original-routing-key``. Used for delay tiers and dead letters. Raises BrokerError
-        if the target does not route or refuses, BrokerConnectionError if the connection fails;
-        the delivery is then not acknowledged.
-        """
+        """Republish `delivery` to `exchange` with `headers` added, confirmed, then ack it (delay
+        tiers, dead letters); the original exchange and routing key are kept in
+        ``x-original-exchange`` and ``x-original-routing-key``. Raises BrokerError if the target
+        does not route or refuses, BrokerConnectionError if the connection fails; the delivery
+        is then not acknowledged."""
         ...
 
     def close(self) -> None: ...
@@ -165,18 +155,13 @@ class Broker(Protocol):
         ...
 
     def body_limit(self, size: int) -> int | None:
-        """The broker's largest accepted message body, if it refuses a body of `size` bytes.
-
-        None when a body of `size` bytes is accepted. Raises BrokerError when the broker cannot
-        be asked.
-        """
+        """The broker's largest accepted message body if it refuses a body of `size` bytes, else
+        None. Raises BrokerError when the broker cannot be asked."""
         ...
 
     def operator(self) -> Operator:
-        """A new operator session on this broker; close it (or use ``with``).
-
-        Raises BrokerConnectionError when the broker cannot be reached.
-        """
+        """A new operator session on this broker; close it (or use ``with``). Raises
+        BrokerConnectionError when the broker cannot be reached."""
         ...
 
     def close(self) -> None:
@@ -203,11 +188,8 @@ class Found:
 
 @dataclass(frozen=True)
 class QueuedMessage:
-    """A message taken from a queue by a `QueueReader` and not acknowledged (yet).
-
-    `properties` is what the broker's adapter keeps for a faithful republish (RabbitMQ: the
-    delivery's properties); callers pass it back untouched.
-    """
+    """A message taken from a queue by a `QueueReader` and not acknowledged (yet). `properties`
+    is what the broker's adapter keeps for a faithful republish; callers pass it back untouched."""
 
     tag: int
     message: WireMessage
@@ -216,11 +198,9 @@ class QueuedMessage:
 
 
 class QueueReader(Protocol):
-    """Takes messages from one queue without acknowledging them, then acks or republishes.
-
-    A message taken and never acknowledged goes back to the queue, at its place, flagged
-    redelivered, when the reader closes. A message is acked only after its copy was confirmed.
-    """
+    """Takes messages from one queue without acknowledging them, then acks or republishes. A
+    message taken and never acknowledged goes back to the queue, at its place, flagged
+    redelivered, when the reader closes. A message is acked only after its copy was confirmed."""
 
     @property
     def queue(self) -> str: ...
@@ -252,11 +232,9 @@ class QueueReader(Protocol):
 
 class Operator(Protocol):
     """One operator session on a broker (`Broker.operator`): checks, queue depths, dead-letter
-    queues read and moved, tails. Used from one thread; close it, or use it with ``with``.
-
-    Raises BrokerConnectionError when the broker is lost, BrokerError when it refuses.
-    An implementation that subclasses it inherits ``with`` (which closes the session).
-    """
+    queues read and moved, tails. Used from one thread; close it, or use it with ``with``
+    (inherited by an implementation that subclasses it). Raises BrokerConnectionError when the
+    broker is lost, BrokerError when it refuses."""
 
     def __enter__(self) -> Self:
         return self
@@ -306,12 +284,11 @@ class Operator(Protocol):
         on_message: Callable[[WireMessage], bool],
         should_stop: Callable[[], bool],
     ) -> None:
-        """Copy messages routed by `exchange` with any of `patterns` to `on_message`.
+        """Copy messages routed by `exchange` with any of `patterns` to `on_message`, through a
+        private queue the broker deletes when the session ends; `on_ready(queue)` is called once
+        it is bound. Ends when `should_stop()` is true (checked at least every 0.2 s) or
+        `on_message` returns False."""
 
-        The copies go through a private queue the broker deletes when the session ends;
-        `on_ready(queue)` is called once it is bound. Ends when `should_stop()` is true
-        (checked at least every 0.2 s) or `on_message` returns False.
-        """
         ...
 
     def close(self) -> None:

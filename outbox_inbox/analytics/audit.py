@@ -538,11 +538,9 @@ def _hash() -> Column:
 
 def _parts(spark: SparkSession, *inputs: DataFrame) -> int:
     """How many parts to spread the history into by message id: one per PART_BYTES of what
-    Spark estimates it reads, at least the parallelism, at most ``spark.sql.shuffle.partitions``.
+    Spark estimates it reads, at least the parallelism, at most ``spark.sql.shuffle.partitions``
+    (not adaptive: Spark keeps the number of parts of a plan it caches as it was planned)."""
 
-    Chosen here, not by adaptive execution: the joined rows are kept in memory, and Spark
-    keeps the number of parts of a plan it caches as it was planned.
-    """
     try:
         size = sum(
             int(str(f._jdf.queryExecution().optimizedPlan().stats().sizeInBytes())) for f in inputs
