@@ -288,7 +288,6 @@ class Operator(Protocol):
         private queue the broker deletes when the session ends; `on_ready(queue)` is called once
         it is bound. Ends when `should_stop()` is true (checked at least every 0.2 s) or
         `on_message` returns False."""
-
         ...
 
     def close(self) -> None:

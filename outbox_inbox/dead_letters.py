@@ -577,7 +577,6 @@ def replay_headers(message: WireMessage) -> dict[str, Any]:
     """Headers of the copy of a dead-lettered message sent back to the inbox queue: without the
     failure's transport headers, with the original exchange and routing key (from the broker's
     ``x-death`` record when the broker itself dead-lettered the message)."""
-
     headers = {k: v for k, v in message.headers.items() if k not in FAILURE_HEADERS}
     death = _first_death(message.headers)
     if H_ORIGINAL_EXCHANGE not in headers:

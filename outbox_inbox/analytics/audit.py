@@ -540,7 +540,6 @@ def _parts(spark: SparkSession, *inputs: DataFrame) -> int:
     """How many parts to spread the history into by message id: one per PART_BYTES of what
     Spark estimates it reads, at least the parallelism, at most ``spark.sql.shuffle.partitions``
     (not adaptive: Spark keeps the number of parts of a plan it caches as it was planned)."""
-
     try:
         size = sum(
             int(str(f._jdf.queryExecution().optimizedPlan().stats().sizeInBytes())) for f in inputs

@@ -1090,7 +1090,6 @@ def release_claims(
     (`claimable`): a worker that has a handler takes it first, and this one does not claim it
     again at every poll. Either way the rows stay pending, so a later row of the same key is
     held behind them."""
-
     if ids:
         i = tables.inbox
         values: dict[str, Any] = {"locked_until": None, "attempts": i.c.attempts - 1}

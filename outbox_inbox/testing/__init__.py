@@ -66,10 +66,7 @@ class HarnessTimeout(OutboxInboxError, AssertionError):
 @dataclass(frozen=True)
 class PublishedMessage:
     """A message the service wrote to its outbox: an event it published or a command it sent.
-
-    `type` is the routing key (``billing.invoice.created``, ``billing.invoice.create``);
-    `sent` is True once the relay has published it to the broker.
-    """
+    `type` is the routing key; `sent` is True once the relay has published it to the broker."""
 
     message_id: uuid.UUID
     kind: str
@@ -86,9 +83,8 @@ class PublishedMessage:
 
 @dataclass(frozen=True)
 class InboxRow:
-    """A message in the service's inbox and what became of it.
-
-    `status` is ``pending``, ``processed`` or ``dead``; `attempts` counts the times a worker
+    """A message in the service's inbox and what became of it: `status` is ``pending``,
+    ``processed`` or ``dead``; `attempts` counts the times a worker
     took it, `last_error` holds the last handler failure (a traceback) and `dead_reason` why it
     is dead (``max_attempts``, ``rejected``, ``no_handler``, ``expired``, ``abandoned``, …).
     """
@@ -197,17 +193,14 @@ class ServiceHarness:
         source: str | None = None,
         priority: int | None = None,
     ) -> uuid.UUID:
-        """Send one message to this service through the broker and store it in its inbox.
-
-        `type` is the full routing key; `kind` picks the ``commands`` or ``events`` exchange.
-        The receiver stores it as in production (a stored `message_id` is dropped as a
-        duplicate); handlers run at `run_until_idle`. `correlation_id` defaults to the message
-        id; `source` names the sending service (None: a plain AMQP client, which gets no fault).
-
-        Returns the id the inbox keys the message on. Raises NotDelivered when the broker would
-        not route the message here or the receiver did not store it; MessageError for a payload
-        or headers that cannot be sent.
-        """
+        """Send one message to this service through the broker and store it in its inbox; return
+        the id the inbox keys it on. `type` is the full routing key; `kind` picks the
+        ``commands`` or ``events`` exchange. The receiver stores it as in production (a stored
+        `message_id` is dropped as a duplicate); handlers run at `run_until_idle`.
+        `correlation_id` defaults to the message id; `source` names the sending service (None: a
+        plain AMQP client, which gets no fault). Raises NotDelivered when the broker would not
+        route the message here or the receiver did not store it; MessageError for a payload or
+        headers that cannot be sent."""
         name = self.service.name
         self.service.declare_topology()  # picks up handlers registered since (idempotent)
         if kind == COMMAND:
@@ -264,10 +257,8 @@ class ServiceHarness:
         return stored_id
 
     def handle(self, type: str, payload: Any, **options: Any) -> InboxRow:
-        """`deliver` one message, `run_until_idle`, and return its inbox row.
-
-        Takes the keyword arguments of `deliver` and, as ``timeout``, of `run_until_idle`.
-        """
+        """`deliver` one message, `run_until_idle`, and return its inbox row. Takes the keyword
+        arguments of `deliver` and, as ``timeout``, of `run_until_idle`."""
         timeout = float(options.pop("timeout", DEFAULT_TIMEOUT))
         message_id = self.deliver(type, payload, **options)
         self.run_until_idle(timeout=timeout)
@@ -333,12 +324,9 @@ class ServiceHarness:
             return pool.submit(asyncio.run, drain()).result()
 
     def skip_delays(self) -> int:
-        """Make waiting work due now, as if the time had passed; return the rows changed.
-
-        Pending inbox rows waiting for a retry become due at once; so do outbox rows written
-        with ``delay=`` that the relay has not tried yet (rows the broker refused keep their
-        backoff, so a refusing broker cannot make `run_until_idle` spin).
-        """
+        """Make waiting work due now, as if the time had passed; return the rows changed: inbox
+        rows waiting for a retry, and outbox rows written with ``delay=`` that the relay has not
+        tried yet (rows the broker refused keep their backoff: `run_until_idle` cannot spin)."""
         o = self.service.tables.outbox
         delayed = (
             update(o)
@@ -447,11 +435,9 @@ def run_all_until_idle(
 
 
 def make_retries_due(conn: Connection, tables: Tables) -> int:
-    """Make pending inbox rows that wait for a retry due now; return how many changed.
-
-    The new time is the row's own receipt time: in the past by the database's clock on every
-    dialect, and the call is idempotent (its condition is false afterwards).
-    """
+    """Make pending inbox rows that wait for a retry due now; return how many changed. The new
+    time is the row's own receipt time: in the past by the database's clock on every dialect,
+    and the call is idempotent (its condition is false afterwards)."""
     i = tables.inbox
     stmt = (
         update(i)

@@ -34,8 +34,7 @@ ALARM_DISK_LIMIT = str(10**15)
 
 
 def stop_postgres_immediately(server: PostgresServer) -> None:
-    """``pg_ctl stop -m immediate`` on the local server, then let `server` reap its process.
-
+    """``pg_ctl stop -m immediate`` on the local server, then let `server` reap its process;
     `server.start()` brings it back (crash recovery, same data directory and port)."""
     _pg_ctl(server, "stop", "-m", "immediate")
     wait_until(lambda: not server.running, timeout=10, what="the postmaster to exit")
@@ -300,9 +299,8 @@ def iptables_problem() -> tuple[str | None, str]:
 
 @contextlib.contextmanager
 def blackhole(iptables: str, port: int) -> Iterator[None]:
-    """Drop every TCP packet to and from `port` on loopback while the block runs.
-
-    The rules are deleted in a ``finally``, and checked gone (``iptables -C``)."""
+    """Drop every TCP packet to and from `port` on loopback while the block runs; the rules are
+    deleted in a ``finally``, and checked gone (``iptables -C``)."""
     inserted: list[list[str]] = []
     try:
         for rule in _rules(port):
