@@ -1,9 +1,7 @@
-"""The asyncio side: the worker on the async driver, and the roles in an event loop.
-
-`AsyncWorker` runs the very same `Worker.work_once` through `AsyncConnection.run_sync`: claim,
-transaction, redo and liveness lock are the sync worker's (docs/async-services.md, "How the
-asyncio worker gives it that transaction"). The relay and the receiver keep their threads.
-"""
+"""The asyncio side: the worker on the async driver, and the roles in an event loop. `AsyncWorker`
+runs the very same `Worker.work_once` through `AsyncConnection.run_sync`: claim, transaction, redo
+and liveness lock are the sync worker's (docs/async-services.md, "How the asyncio worker gives it
+that transaction"). The relay and the receiver keep their threads."""
 
 from __future__ import annotations
 

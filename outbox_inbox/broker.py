@@ -79,14 +79,13 @@ class Publisher(Protocol):
     def publish_batch(
         self, messages: Sequence[WireMessage], *, window: int, timeout: float
     ) -> list[PublishOutcome]:
-        """Publish persistent, mandatory messages with confirms; one outcome per message. At
-        most `window` messages are unconfirmed at a time. Two messages with the same
-        ordering key are never in flight together, and once one fails, the later ones with that
-        key are SKIPPED, so a key's messages reach the queue in the order given. Per-message
-        problems are outcomes; if the connection fails, the unconfirmed messages are FAILED and
-        `broken` becomes true. If the broker closes the channel over a message (too large, a
-        missing exchange), the unconfirmed messages are REFUSED, the unsent ones SKIPPED,
-        `refusal` says why and `broken` becomes true.
+        """Publish persistent, mandatory messages with confirms; one outcome per message. At most
+        `window` messages are unconfirmed at a time. Two messages with the same ordering key are
+        never in flight together, and once one fails, the later ones with that key are SKIPPED, so a
+        key's messages reach the queue in the order given. Per-message problems are outcomes; if the
+        connection fails, the unconfirmed messages are FAILED and `broken` becomes true. If the
+        broker closes the channel over a message (too large, a missing exchange), the unconfirmed
+        messages are REFUSED, the unsent ones SKIPPED, `refusal` says why and `broken` becomes true.
         """
         ...
 

@@ -1,9 +1,7 @@
-"""Dead letters: dead inbox and outbox rows and the messages in the broker's dead-letter queues.
-
-The four sources (``table``, ``outbox``, ``queue``, ``unroutable``) are those of `outbox-inbox
-dead-letters` (docs/cli.md, "Sources"). A selection is made first (and can be shown), then
-acted on: exactly what was selected (`TableSelection`, `OutboxSelection`, `QueueSelection`).
-"""
+"""Dead letters: dead inbox and outbox rows and the messages in the broker's dead-letter queues. The
+four sources (``table``, ``outbox``, ``queue``, ``unroutable``) are those of `outbox-inbox
+dead-letters` (docs/cli.md, "Sources"). A selection is made first (and can be shown), then acted on:
+exactly what was selected (`TableSelection`, `OutboxSelection`, `QueueSelection`)."""
 
 from __future__ import annotations
 

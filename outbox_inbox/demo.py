@@ -1,8 +1,6 @@
-"""`outbox-inbox demo`: two services, orders and billing, shown as a timed trace.
-
-docs/cli.md (``demo``) says what the trace shows, where the services keep their tables and how
-they talk, with URLs and without.
-"""
+"""`outbox-inbox demo`: two services, orders and billing, shown as a timed trace. docs/cli.md
+(``demo``) says what the trace shows, where the services keep their tables and how they talk, with
+URLs and without."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""The fingerprint of why a message died: what groups thousands of dead letters into a few causes.
-
-A handler's exception is fingerprinted by its type and the innermost frame of the user's own
-code in its traceback (``TimeoutError at billing/app.py:create_invoice``), a death the library
-decides by its reason alone: the table of docs/failures.md ("Dead letters grouped by cause").
-"""
+"""The fingerprint of why a message died: what groups thousands of dead letters into a few causes. A
+handler's exception is fingerprinted by its type and the innermost frame of the user's own code in
+its traceback (``TimeoutError at billing/app.py:create_invoice``), a death the library decides by
+its reason alone: the table of docs/failures.md ("Dead letters grouped by cause")."""
 
 from __future__ import annotations
 

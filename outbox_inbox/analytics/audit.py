@@ -1,9 +1,7 @@
-"""The audit: a PySpark job that reconciles every service's sent messages with their receipts.
-
-It reads archive roots written by `outbox-inbox archive` (any path Spark reads) and optionally
-the live tables of service databases, and returns the summary of docs/history.md ("The audit";
-"How the job runs": DataFrame operations only, no Python UDFs).
-"""
+"""The audit: a PySpark job that reconciles every service's sent messages with their receipts. It
+reads archive roots written by `outbox-inbox archive` (any path Spark reads) and optionally the live
+tables of service databases, and returns the summary of docs/history.md ("The audit"; "How the job
+runs": DataFrame operations only, no Python UDFs)."""
 
 from __future__ import annotations
 

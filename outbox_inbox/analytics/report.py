@@ -1,9 +1,7 @@
-"""The audit summary (JSON, schema version 1) as one self-contained HTML page; `write_audit`
-runs the audit and writes both into a directory (docs/history.md, "The audit").
-
-The page has one inline ``<style>`` and inline ``<svg>`` charts: no scripts, fonts, images or
-network. Every string taken from the summary is user data and is escaped.
-"""
+"""The audit summary (JSON, schema version 1) as one self-contained HTML page; `write_audit` runs
+the audit and writes both into a directory (docs/history.md, "The audit"). The page has one inline
+``<style>`` and inline ``<svg>`` charts: no scripts, fonts, images or network. Every string taken
+from the summary is user data and is escaped."""
 
 from __future__ import annotations
 
@@ -384,9 +382,8 @@ def _latency_chart(histogram: Sequence[Mapping[str, Any]]) -> str:
 
 
 def _latency_labelled_buckets(bounds: Sequence[Any]) -> set[int]:
-    """The buckets whose upper bound gets an x axis label: powers of ten when there are enough
-    of them (1ms, 10ms, 1s), else every n-th counted back from the last, which is always labelled.
-    """
+    """The buckets whose upper bound gets an x axis label: powers of ten when there are enough of
+    them (1ms, 10ms, 1s), else every n-th counted back from the last, which is always labelled."""
     last = len(bounds) - 1
     decades = {
         index

@@ -1,13 +1,11 @@
-"""AMQP 0-9-1 message properties and field tables, decoded so that no sent value can fail.
-
-pika decodes properties inside the connection's I/O: a value Python cannot represent (a ``T``
-timestamp past the year 9999, tables nested past the recursion limit) drops the connection,
-and the same message comes back, forever. pika also turns ``f`` and ``d`` floats into
-integers, and cannot encode floats at all. `decode_leniently(connection)` makes a connection
-decode with `decode_properties`, which keeps what Python cannot represent as a `RawField`
-that encodes back to the same bytes; `forward_properties` builds a forwarded copy's
-properties, encoded by `encode_table`, which never fails on a value either.
-"""
+"""AMQP 0-9-1 message properties and field tables, decoded so that no sent value can fail. pika
+decodes properties inside the connection's I/O: a value Python cannot represent (a ``T`` timestamp
+past the year 9999, tables nested past the recursion limit) drops the connection, and the same
+message comes back, forever. pika also turns ``f`` and ``d`` floats into integers, and cannot encode
+floats at all. `decode_leniently(connection)` makes a connection decode with `decode_properties`,
+which keeps what Python cannot represent as a `RawField` that encodes back to the same bytes;
+`forward_properties` builds a forwarded copy's properties, encoded by `encode_table`, which never
+fails on a value either."""
 
 from __future__ import annotations
 

@@ -81,15 +81,13 @@ _TCP_OPTIONS = dict(TCP_KEEPIDLE=10, TCP_KEEPINTVL=5, TCP_KEEPCNT=3, TCP_USER_TI
 
 class RabbitMQBroker:
     """RabbitMQ at `url` (``amqp://user:password@host:port/vhost``), or the nodes of a cluster
-    (``amqp://user:password@node1:5672,node2:5672/vhost``: see `config.broker_urls`).
-
-    Every connection it opens negotiates AMQP heartbeats of `heartbeat` seconds (unless the URL
-    sets ``heartbeat=``), uses TCP keepalive, gives up connecting after `connect_timeout`, and
-    is broken once blocked for `blocked_connection_timeout` (docs/configuration.md says what
-    each bounds). Blocking and unblocking are logged and counted in `flow_control`. Publishers
-    come from a pool of at most `publisher_connections` connections of their own, never a
-    consumer's (`_PublisherPool`), waiting `publisher_checkout_timeout` s for a free one.
-    """
+    (``amqp://user:password@node1:5672,node2:5672/vhost``: see `config.broker_urls`). Every
+    connection it opens negotiates AMQP heartbeats of `heartbeat` seconds (unless the URL sets
+    ``heartbeat=``), uses TCP keepalive, gives up connecting after `connect_timeout`, and is broken
+    once blocked for `blocked_connection_timeout` (docs/configuration.md says what each bounds).
+    Blocking and unblocking are logged and counted in `flow_control`. Publishers come from a pool of
+    at most `publisher_connections` connections of their own, never a consumer's (`_PublisherPool`),
+    waiting `publisher_checkout_timeout` s for a free one."""
 
     def __init__(
         self,
@@ -434,14 +432,12 @@ _CONFIRM_WAIT = 0.05
 
 
 class RabbitMQPublisher:
-    """Publishes with a window of unconfirmed messages on one channel in confirm mode.
-
-    pika's BlockingChannel waits for each confirm in turn, about a round trip per message; this
-    class turns confirms on at the asynchronous channel underneath (`BlockingChannel._impl`)
-    and pumps the connection itself, so up to `window` publishes are in flight at once. Besides
-    the blocking `publish_batch`, `start_batch` hands a batch over and returns at once, and
-    `pump` moves every started batch on; they share the window.
-    """
+    """Publishes with a window of unconfirmed messages on one channel in confirm mode. pika's
+    BlockingChannel waits for each confirm in turn, about a round trip per message; this class turns
+    confirms on at the asynchronous channel underneath (`BlockingChannel._impl`) and pumps the
+    connection itself, so up to `window` publishes are in flight at once. Besides the blocking
+    `publish_batch`, `start_batch` hands a batch over and returns at once, and `pump` moves every
+    started batch on; they share the window."""
 
     def __init__(
         self, connection: pika.BlockingConnection, pool: _PublisherPool | None = None

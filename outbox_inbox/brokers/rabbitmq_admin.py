@@ -36,10 +36,8 @@ def _broker_error(what: str, exc: BaseException) -> BrokerError:
 
 class RabbitMQAdmin(Operator):
     """One connection to RabbitMQ for checks and operator actions. Close it (or use `with`).
-
-    `connect` opens a new connection (raising BrokerConnectionError when it cannot);
-    `description` names the broker, password masked (`RabbitMQBroker.operator` passes both).
-    """
+    `connect` opens a new connection (raising BrokerConnectionError when it cannot); `description`
+    names the broker, password masked (`RabbitMQBroker.operator` passes both)."""
 
     def __init__(self, connect: Callable[[], pika.BlockingConnection], description: str) -> None:
         self._connect = connect

@@ -51,13 +51,11 @@ def history_rows(
     of: Any = None,
     after_id: int | None = None,
 ) -> list[RowMapping]:
-    """Rows of `source` ('outbox' or 'inbox'), lowest id first: with a `cutoff`, only those
-    finished before it (what the archive moves), else every row (what the audit reads live).
-    `of`: read this table instead (a detached partition, with the same columns); `after_id`:
-    only rows with a greater id (keyset paging).
-
-    Inbox rows carry their ``deliveries`` and ``duplicates`` counters from inbox_deliveries.
-    """
+    """Rows of `source` ('outbox' or 'inbox'), lowest id first: with a `cutoff`, only those finished
+    before it (what the archive moves), else every row (what the audit reads live). `of`: read this
+    table instead (a detached partition, with the same columns); `after_id`: only rows with a
+    greater id (keyset paging). Inbox rows carry their ``deliveries`` and ``duplicates`` counters
+    from inbox_deliveries."""
     t = _archive_table(tables, source) if of is None else of
     if source == "outbox":
         stmt = select(t)
@@ -78,11 +76,9 @@ def history_rows(
 def delete_archived(
     conn: Connection, tables: Tables, source: str, cutoff: datetime, ids: Sequence[int]
 ) -> int:
-    """Delete the archived rows `ids` of `source` that still qualify; return how many.
-
-    A row changed since it was written (a dead row replayed) no longer qualifies and stays.
-    The inbox rows' delivery counters go with them.
-    """
+    """Delete the archived rows `ids` of `source` that still qualify; return how many. A row changed
+    since it was written (a dead row replayed) no longer qualifies and stays. The inbox rows'
+    delivery counters go with them."""
     if not ids:
         return 0
     t = _archive_table(tables, source)
@@ -142,10 +138,8 @@ def try_xact_lock(conn: Connection, key: str) -> bool:
 
 
 def prune_deliveries(conn: Connection, tables: Tables, cutoff: datetime) -> int:
-    """Delete delivery counters last seen before `cutoff` whose message has no inbox row.
-
-    They belong to messages the receiver dead-lettered or already archived.
-    """
+    """Delete delivery counters last seen before `cutoff` whose message has no inbox row. They
+    belong to messages the receiver dead-lettered or already archived."""
     d, i = tables.deliveries, tables.inbox
     stmt = delete(d).where(
         d.c.last_seen_at < cutoff, ~exists().where(i.c.message_id == d.c.message_id)

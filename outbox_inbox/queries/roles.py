@@ -351,11 +351,9 @@ def claimed_outbox_rows(conn: Connection, tables: Tables, ids: Sequence[int]) ->
 
 
 def earliest_unsent(conn: Connection, tables: Tables, keys: Sequence[str]) -> dict[str, int]:
-    """The id of the earliest row still to be published, for each of `keys`.
-
-    Run after `claim_outbox`, in its transaction (a new statement, so a new snapshot): a relay
-    that claimed a key's rows publishes them only if they start at this row.
-    """
+    """The id of the earliest row still to be published, for each of `keys`. Run after
+    `claim_outbox`, in its transaction (a new statement, so a new snapshot): a relay that claimed a
+    key's rows publishes them only if they start at this row."""
     if not keys:
         return {}
     stmt = _earliest_unsent_statement(tables, is_postgres(conn))
@@ -957,11 +955,9 @@ def _among(
 def lock_claimed(
     conn: Connection, tables: Tables, ids: Sequence[int], worker: str, since: datetime | None = None
 ) -> set[int]:
-    """Row-lock the claimed rows that are still leased to `worker` and pending.
-
-    The row lock keeps any other worker away while the handlers run, even if the lease runs out.
-    `since`: no row of `ids` was received before it (see `_received_since`).
-    """
+    """Row-lock the claimed rows that are still leased to `worker` and pending. The row lock keeps
+    any other worker away while the handlers run, even if the lease runs out. `since`: no row of
+    `ids` was received before it (see `_received_since`)."""
     stmt = _lock_claimed_statement(tables, conn.dialect.name == "postgresql")
     params = {"ids": list(ids), "claimant": worker, "since": since or _LONG_AGO}
     return set(conn.execute(stmt, params).scalars().all())
@@ -1205,15 +1201,12 @@ def prepare_args(setting: int | str | None) -> dict[str, Any]:
 
 def unprepared_behind_pooler(engine: Engine | AsyncEngine) -> None:
     """Turn prepared statements off on each new connection of `engine` that goes through a
-    connection pooler; leave them on (`PREPARE_THRESHOLD`) on a direct connection.
-
-    A pooler in transaction mode runs each transaction on whichever server connection is
-    free, so a statement prepared on one is missing (or already there) on the next:
-    "prepared statement "_pg3_5" already exists". It is found by the backend pid: the one the
-    server reports (``pg_backend_pid()``) is not the one the connection was given at its start
-    (a pooler such as PgBouncer gives each client a key of its own). One query per new
-    connection, then rolled back.
-    """
+    connection pooler; leave them on (`PREPARE_THRESHOLD`) on a direct connection. A pooler in
+    transaction mode runs each transaction on whichever server connection is free, so a statement
+    prepared on one is missing (or already there) on the next: "prepared statement "_pg3_5" already
+    exists". It is found by the backend pid: the one the server reports (``pg_backend_pid()``) is
+    not the one the connection was given at its start (a pooler such as PgBouncer gives each client
+    a key of its own). One query per new connection, then rolled back."""
     sync_engine = getattr(engine, "sync_engine", engine)
 
     @event.listens_for(sync_engine, "connect")

@@ -1,9 +1,7 @@
-"""Test helpers: run a service's handlers in a test, in memory or on real servers.
-
-A `ServiceHarness` drives one `Service` one step at a time in the calling thread, through the
-code paths the real roles run. The pytest fixtures at the end of this module (entry point
-``pytest11``) and the switch to real servers are described in docs/testing.md.
-"""
+"""Test helpers: run a service's handlers in a test, in memory or on real servers. A
+`ServiceHarness` drives one `Service` one step at a time in the calling thread, through the code
+paths the real roles run. The pytest fixtures at the end of this module (entry point ``pytest11``)
+and the switch to real servers are described in docs/testing.md."""
 
 from __future__ import annotations
 
@@ -84,10 +82,9 @@ class PublishedMessage:
 @dataclass(frozen=True)
 class InboxRow:
     """A message in the service's inbox and what became of it: `status` is ``pending``,
-    ``processed`` or ``dead``; `attempts` counts the times a worker
-    took it, `last_error` holds the last handler failure (a traceback) and `dead_reason` why it
-    is dead (``max_attempts``, ``rejected``, ``no_handler``, ``expired``, ``abandoned``, …).
-    """
+    ``processed`` or ``dead``; `attempts` counts the times a worker took it, `last_error` holds the
+    last handler failure (a traceback) and `dead_reason` why it is dead (``max_attempts``,
+    ``rejected``, ``no_handler``, ``expired``, ``abandoned``, …)."""
 
     message_id: uuid.UUID
     kind: str
@@ -106,13 +103,11 @@ class InboxRow:
 
 class ServiceHarness:
     """Drives one `Service` on a `MemoryBroker` (or RabbitMQ) step by step, in the calling thread.
-
     Declares the service's topology and, unless ``migrate=False``, migrates its database (its
-    business tables are the caller's). Raises ConfigurationError for the process's shared
-    in-memory broker, and on RabbitMQ for a running service's queues (docs/testing.md); it never
-    purges a queue. Not thread-safe; the service must not be started. `close()` leaves the
-    service and the broker open.
-    """
+    business tables are the caller's). Raises ConfigurationError for the process's shared in-memory
+    broker, and on RabbitMQ for a running service's queues (docs/testing.md); it never purges a
+    queue. Not thread-safe; the service must not be started. `close()` leaves the service and the
+    broker open."""
 
     def __init__(self, service: Service, *, migrate: bool = True) -> None:
         broker = service.broker

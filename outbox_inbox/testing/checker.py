@@ -1,10 +1,8 @@
-"""The checker of a faulty run: what was committed against what took effect, message by message.
-
-A `History` records each transaction's expected effects (any hashable values) and what its
-commit answered; `check` sorts every expected and found effect (a row written twice is found
-twice) into a `Verdict`, as docs/testing.md ("The checker") says. Nothing here touches a server:
-the fault kit (`outbox_inbox.testing.faultkit`) records the history and reads the effects.
-"""
+"""The checker of a faulty run: what was committed against what took effect, message by message. A
+`History` records each transaction's expected effects (any hashable values) and what its commit
+answered; `check` sorts every expected and found effect (a row written twice is found twice) into a
+`Verdict`, as docs/testing.md ("The checker") says. Nothing here touches a server: the fault kit
+(`outbox_inbox.testing.faultkit`) records the history and reads the effects."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
-"""The fault kit: your own service, handlers and schema under the faults of production.
-
-A `FaultKit` runs your service's roles as processes on private servers, commits your business
-transactions at a steady rate (`FaultKit.load`), injects faults by name (`FaultKit.inject`,
-`FAULTS`, `KILL_POINTS`) and checks the outcome (`outbox_inbox.testing.checker`): docs/testing.md
-("Your service under faults").
-"""
+"""The fault kit: your own service, handlers and schema under the faults of production. A `FaultKit`
+runs your service's roles as processes on private servers, commits your business transactions at a
+steady rate (`FaultKit.load`), injects faults by name (`FaultKit.inject`, `FAULTS`, `KILL_POINTS`)
+and checks the outcome (`outbox_inbox.testing.checker`): docs/testing.md ("Your service under
+faults")."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Faults to inject into private servers, each undone in a ``finally`` however the block ends.
-
-The fault kit (`outbox_inbox.testing.faultkit`) injects them by name; the library's own fault
-tests call them directly: a crash of PostgreSQL, a failover to a streaming replica, sessions
-terminated, a full disk, RabbitMQ's resource alarms, and a port blackholed by iptables.
-"""
+"""Faults to inject into private servers, each undone in a ``finally`` however the block ends. The
+fault kit (`outbox_inbox.testing.faultkit`) injects them by name; the library's own fault tests call
+them directly: a crash of PostgreSQL, a failover to a streaming replica, sessions terminated, a full
+disk, RabbitMQ's resource alarms, and a port blackholed by iptables."""
 
 from __future__ import annotations
 
