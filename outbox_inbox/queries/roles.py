@@ -113,18 +113,14 @@ def is_postgres(executor: Executor) -> bool:
 
 
 def insert_outbox(executor: Executor, tables: Tables, rows: Sequence[Mapping[str, Any]]) -> None:
-    """Insert outbox rows in the caller's transaction.
-
-    Each row gives ``ttl`` and ``delay`` in seconds (or None) instead of times: the database
-    computes ``expires_at`` and ``available_at`` from its own clock, so a writer whose host
-    clock is wrong cannot expire or delay a message by mistake. A row may carry its payload
-    already encoded as JSON text in ``payload_json`` (the outbox encodes it to check its size):
-    it is sent as it is.
-
-    On PostgreSQL the writer first takes a transaction-scoped advisory lock on each ordering
-    key, so two transactions writing the same key take their ids one after the other: id order
-    is commit order for a key, which is the order the relay publishes it in.
-    """
+    """Insert outbox rows in the caller's transaction. Each row gives ``ttl`` and ``delay`` in
+    seconds (or None) instead of times: the database computes ``expires_at`` and ``available_at``
+    from its own clock, so a writer whose host clock is wrong cannot expire or delay a message by
+    mistake. A row may carry its payload already encoded as JSON text in ``payload_json`` (the
+    outbox encodes it to check its size): it is sent as it is. On PostgreSQL the writer first takes
+    a transaction-scoped advisory lock on each ordering key, so two transactions writing the same
+    key take their ids one after the other: id order is commit order for a key, which is the order
+    the relay publishes it in."""
     # The Session's connection: a Core statement runs there as Session.execute would run it
     # (no autoflush), without the ORM's execution layer, on the hot path of every writer.
     conn = executor.connection() if isinstance(executor, Session) else executor
@@ -440,17 +436,13 @@ def _outbox_failed_statement(tables: Tables, postgres: bool, *, dead: bool) -> A
 def insert_inbox(
     conn: Connection, tables: Tables, rows: Sequence[Mapping[str, Any]]
 ) -> set[uuid.UUID]:
-    """Store received messages once each: a message_id already stored is skipped.
-
-    Returns the message ids of the rows that were new.
-
-    On PostgreSQL the inbox is partitioned by time, and a unique index holds in one partition
-    only: two copies received at two times would not collide. So the receiver first takes a
-    transaction-level advisory lock on each message id (in one order, so that two receivers
-    never deadlock), then inserts only the ids no partition holds yet: a second copy being
-    stored at the same moment waits for the first one's commit, and its insert, a new
-    statement, sees that row.
-    """
+    """Store received messages once each: a message_id already stored is skipped. Returns the
+    message ids of the rows that were new. On PostgreSQL the inbox is partitioned by time, and a
+    unique index holds in one partition only: two copies received at two times would not collide. So
+    the receiver first takes a transaction-level advisory lock on each message id (in one order, so
+    that two receivers never deadlock), then inserts only the ids no partition holds yet: a second
+    copy being stored at the same moment waits for the first one's commit, and its insert, a new
+    statement, sees that row."""
     if not rows:
         return set()
     if conn.dialect.name == "postgresql":
