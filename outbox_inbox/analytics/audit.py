@@ -1023,13 +1023,6 @@ def _float(value: Any) -> float | None:
 
 
 __all__ = [
-    "AuditError",
-    "LiveRows",
-    "Window",
-    "check_archives",
-    "combine",
-    "read_archives",
-    "read_live",
-    "run_audit",
-    "spark_session",
-]
+    "AuditError", "LiveRows", "Window", "check_archives", "combine", "read_archives", "read_live",
+    "run_audit", "spark_session",
+]  # fmt: skip
