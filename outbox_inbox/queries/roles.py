@@ -233,19 +233,15 @@ def _dicts(result: Result[Any]) -> list[Claimed]:
 
 
 def claim_outbox(conn: Connection, tables: Tables, limit: int) -> list[Claimed]:
-    """Lock up to `limit` publishable rows in id order (``FOR UPDATE SKIP LOCKED``).
+    """Lock up to `limit` publishable rows in id order (``FOR UPDATE SKIP LOCKED``), until the
+    transaction ends, with the columns a relay publishes from (`_relayed_columns`) and
+    ``claimed_at``, the database's time of the claim.
 
     A keyed row qualifies only while no earlier row of its key waits for a retry, and only if
-    this transaction gets the relay's advisory lock on the key: another relay holding the key
-    may be publishing its earlier rows. Locks last until the transaction ends.
-
-    The lock is tried row by row during the scan, so another relay may release a key half-way
-    through it: then this claim holds a key's later rows without its earlier ones. The caller
-    must check the claimed rows of each key against `earliest_unsent` and leave them alone
-    unless they start there.
-
-    The rows carry the columns a relay publishes from (not ``available_at``, ``published_at``,
-    ``expired_at`` nor ``last_error``) and ``claimed_at``, the database's time of the claim.
+    this transaction gets the relay's advisory lock on the key (another relay may be publishing
+    its earlier rows). The lock is tried row by row during the scan, so another relay may
+    release a key half-way through it: the caller must check the claimed rows of each key
+    against `earliest_unsent` and leave them alone unless they start there.
     """
     stmt = _claim_outbox_statement(tables, is_postgres(conn))
     return _dicts(conn.execute(stmt, {"limit": limit}))
@@ -1215,22 +1211,15 @@ def unprepared_behind_pooler(engine: Engine | AsyncEngine) -> None:
             driver.prepare_threshold = None
 
 
-#: Server-side TCP keepalive of a worker's transactions (idle, interval, count): the server ends
-#: the session of a worker whose host vanished mid-transaction after about 25 s, and its row
-#: locks with it. (Over a Unix socket PostgreSQL ignores them.)
+#: Server-side TCP keepalive (idle, interval, count; ignored over a Unix socket) and
+#: ``tcp_user_timeout`` (ms, as the client's `database.CLIENT_BOUNDS`) of the roles'
+#: transactions: what each bounds is in docs/failures.md ("A partition from PostgreSQL").
 WORKER_KEEPALIVE = (10, 5, 3)
-#: Server-side ``tcp_user_timeout`` of a worker's transactions, in ms. Keepalive probes go out
-#: only while nothing sent waits for its acknowledgement: a worker cut off (a partition, a host
-#: gone) while the server was sending it rows would otherwise keep its session, and its rows'
-#: locks, until the server's retransmissions give up (about 15 minutes) or reach the worker's
-#: host again after the partition (as late after it as the partition was long). The same bound
-#: as the client's (`database.CLIENT_BOUNDS`).
 WORKER_USER_TIMEOUT = 10_000
 
 
 def limit_worker(dbapi_connection: Any, lease: float, *, local: bool) -> None:
     """Set the limits of a worker's transactions on `dbapi_connection` (psycopg).
-
     ``idle_in_transaction_session_timeout`` = `lease`: a worker whose handler hangs keeps its row
     locks; the server ends its session after the lease, so the rows go back to the queue and
     the hung work can never commit. The TCP keepalive settings and ``tcp_user_timeout`` bound
@@ -1239,12 +1228,10 @@ def limit_worker(dbapi_connection: Any, lease: float, *, local: bool) -> None:
     ``force_generic_plan``: the claim is planned once per connection, and never compiled (the
     server kept planning it anew, and compiling it, each of which cost more than running it).
 
-    `local`: set them for the transaction being begun only (``set_config(..., true)``, ``SET
-    LOCAL``), so that a connection pooler in transaction mode hands no setting of the library
-    to its other clients, and the limit holds whichever server connection the pooler picked;
-    then it is called from SQLAlchemy's ``begin`` event, where the SQLAlchemy connection cannot
-    execute yet, and the statement opens the transaction. Otherwise for the session, once:
-    only on a session that is the worker's own for as long as it lives.
+    `local`: for the transaction being begun only (``SET LOCAL``), so that a pooler in
+    transaction mode hands no setting to its other clients and the limit holds on whichever
+    server connection it picked; called from SQLAlchemy's ``begin`` event, the statement opens
+    the transaction. Otherwise for the session, once, on a session that is the worker's own.
     """
     idle, interval, count = WORKER_KEEPALIVE
     settings = {
