@@ -86,8 +86,7 @@ class AsyncWorker:
     async def run(
         self, stop: threading.Event, *, on_started: Callable[[], None] | None = None
     ) -> None:
-        """Handle messages until `stop` is set (from any thread: `Service.stop()` does); the batch
-        in hand is finished first."""
+        """Handle messages until `stop` is set (from any thread), finishing the batch in hand."""
         self.worker._stop = stop
         conn: AsyncConnection | None = None
         loop = self.worker.role_loop("asyncio worker")  # woken as the worker is

@@ -745,8 +745,8 @@ class DeadLetters:
         )
 
     def reachable(self, source: str = "all") -> tuple[list[str], list[tuple[str, str]]]:
-        """The sources of `source` (a name of SOURCES, or "all") that can be read, in order,
-        and those that cannot, each with why."""
+        """The sources of `source` (of SOURCES, or "all") that can be read, and those that
+        cannot, each with why."""
         wanted = list(SOURCES) if source == "all" else [source]
         if any(name not in SOURCES for name in wanted):
             raise ConfigurationError(f"unknown dead-letter source {source!r}: one of {SOURCES}")

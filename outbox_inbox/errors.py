@@ -117,8 +117,7 @@ class HandlerExited(OutboxInboxError):
 
 
 def first_line(error: object) -> str:
-    """The first line of an error's text (a driver error may carry a whole statement after
-    it), or its repr when it has no text."""
+    """The first line of an error's text (a driver's may go on with a statement), else its repr."""
     text = str(error)
     return text.splitlines()[0] if text else repr(error)
 

@@ -37,8 +37,7 @@ class Listener:
         """The handlers of `message` returned; it commits with the worker's batch."""
 
     def failed(self, message: Message, error: BaseException, *, dead: bool) -> None:
-        """A handler failed; the message is retried later, or, if `dead`, is not: it is dead,
-        or lost (``at_most_once``)."""
+        """A handler failed; retried later, or (`dead`) not: dead, or lost (``at_most_once``)."""
 
     def stored(self, messages: Sequence[Message]) -> None:
         """The receiver committed these new inbox rows (not duplicates; `attempt` is 0)."""

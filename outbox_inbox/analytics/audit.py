@@ -125,8 +125,7 @@ def spark_session(
 
 @contextmanager
 def _stderr_to(log: Path | None) -> Iterator[None]:
-    """Standard error (file descriptor 2) sent to `log` meanwhile: a JVM started meanwhile
-    keeps writing there for its lifetime."""
+    """Standard error (fd 2) sent to `log` meanwhile: a JVM started meanwhile keeps it for life."""
     if log is None:
         yield
         return
@@ -148,8 +147,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def spark_schema(source: str, *, partitioned: bool) -> StructType:
-    """The Spark schema of an archived `source`, with the ``service`` (and ``date``)
-    partition columns when `partitioned`."""
+    """The Spark schema of an archived `source`, with its partition columns if `partitioned`."""
     from pyspark.sql import types as T
 
     kinds = {
@@ -390,8 +388,7 @@ def _read_inputs(
 def _read(
     spark: SparkSession, roots: Sequence[str], source: str, first: str | None
 ) -> tuple[DataFrame, bool]:
-    """`source`'s files of every root (only the date partitions from day `first` on, when
-    given), and whether any root had any."""
+    """`source`'s files of every root (from day `first` on, if given), and whether any had any."""
     from pyspark.errors import AnalysisException
     from pyspark.sql import functions as F
 
@@ -419,8 +416,7 @@ def _read(
 
 def _listed(base: str, first: str | None) -> list[str] | None:
     """The directories of a local archive root's `base` (``ROOT/SOURCE``) to read: itself, or
-    its date partitions from day `first` on; None for a root on another file system (Spark
-    lists it)."""
+    its date partitions from day `first` on; None for a root elsewhere (Spark lists it)."""
     if "://" in base:
         return None
     if first is None:
@@ -429,9 +425,8 @@ def _listed(base: str, first: str | None) -> list[str] | None:
 
 
 def check_archives(roots: Sequence[str], window: Window | None, live: bool = False) -> None:
-    """What can be told before Spark starts: raises AuditError when a local root cannot be
-    listed, or when `window`'s days are in no partition of the (all local) roots and no
-    `live` rows are read."""
+    """What can be told before Spark starts: AuditError when a local root cannot be listed, or
+    when `window`'s days are in no partition of the (all local) roots and no `live` rows are."""
     for root in (r for r in roots if "://" not in r):
         try:
             os.listdir(root)

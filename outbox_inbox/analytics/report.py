@@ -541,8 +541,7 @@ def _latency_table(latency: Sequence[Mapping[str, Any]]) -> str:
 def _table(
     title: str, keys: Sequence[str], entries: Sequence[Mapping[str, Any]] | None, total: int = 0
 ) -> str:
-    """A table of one row per entry, a column per key; `total`: how many entries there are, of
-    which these are examples."""
+    """A table of one row per entry, a column per key; `total`: how many there are in all."""
     numeric = ' class="num"'
     heads = "".join(f"<th{numeric if k in COUNTS else ''}>{k.replace('_', ' ')}</th>" for k in keys)
     rows = [

@@ -1132,8 +1132,7 @@ def forget_instance(conn: Connection, tables: Tables, service: str, instance: st
 def live_instances(
     conn: Connection, tables: Tables, service: str, grace: timedelta
 ) -> list[RowMapping]:
-    """The instances of `service` seen within `grace` on the database clock: each row's
-    ``instance`` and ``handlers``."""
+    """The instances of `service` seen within `grace` (database clock): instance and handlers."""
     n = tables.instances
     stmt = select(n.c.instance, n.c.handlers).where(
         n.c.service == service, n.c.seen_at >= db_now_plus(-grace)

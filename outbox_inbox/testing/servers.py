@@ -708,8 +708,7 @@ class PostgresServer(_LocalServer, _Databases):
 
 
 class ExternalPostgres(_External, _Databases):
-    """A PostgreSQL server run by someone else, given by an SQLAlchemy URL of a database whose
-    user may ``CREATE DATABASE``."""
+    """A PostgreSQL server run by someone else: an SQLAlchemy URL whose user may CREATE DATABASE."""
 
     def __init__(self, admin_url: str, on_cleanup: Callable[[], None] | None = None) -> None:
         parsed = make_url(admin_url)

@@ -1,5 +1,4 @@
-"""`MemoryBroker`: the `Broker` protocol over one `BrokerCore`, which its publishers, consumers
-and operator sessions are handed too."""
+"""`MemoryBroker`: the `Broker` protocol over one `BrokerCore`, shared with its clients."""
 
 from __future__ import annotations
 
