@@ -87,27 +87,22 @@ class Publisher(Protocol):
         broker closes the channel over a message (too large, a missing exchange), the unconfirmed
         messages are REFUSED, the unsent ones SKIPPED, `refusal` says why and `broken` becomes true.
         """
-        ...
 
     @property
     def refusal(self) -> Refusal | None:
         """Why the broker last closed this publisher's channel; None if it never did."""
-        ...
 
     @property
     def broken(self) -> bool:
         """True once the connection failed: close this publisher and open another."""
-        ...
 
     def idle(self) -> None:
         """Service the connection while there is nothing to publish (heartbeats, closes): call
         it at least every few seconds while idle. It never raises and never blocks for long; a
         connection found dead makes `broken` true."""
-        ...
 
     def close(self) -> None:
         """Give the publisher up: its connection closes, or returns to the broker's pool."""
-        ...
 
 
 class Consumer(Protocol):
@@ -117,11 +112,9 @@ class Consumer(Protocol):
         to fill, so a lone message is stored without delay and batches grow with the load. An
         empty list when none arrived within `wait`. Raises BrokerConnectionError when the
         connection is lost; unacknowledged deliveries then return to the queue."""
-        ...
 
     def ack_through(self, tag: int) -> None:
         """Acknowledge every delivery up to and including `tag`."""
-        ...
 
     def ack(self, tag: int) -> None: ...
 
@@ -133,7 +126,6 @@ class Consumer(Protocol):
         ``x-original-exchange`` and ``x-original-routing-key``. Raises BrokerError if the target
         does not route or refuses, BrokerConnectionError if the connection fails; the delivery
         is then not acknowledged."""
-        ...
 
     def close(self) -> None: ...
 
@@ -143,7 +135,6 @@ class Broker(Protocol):
 
     def declare(self, topology: Topology) -> None:
         """Declare every exchange, queue and binding; raise TopologyMismatch on a conflict."""
-        ...
 
     def publisher(self) -> Publisher: ...
 
@@ -151,26 +142,21 @@ class Broker(Protocol):
 
     def queue_depth(self, queue: str) -> int | None:
         """Messages ready in `queue` (not the unacknowledged ones), or None if it is missing."""
-        ...
 
     def body_limit(self, size: int) -> int | None:
         """The broker's largest accepted message body if it refuses a body of `size` bytes, else
         None. Raises BrokerError when the broker cannot be asked."""
-        ...
 
     def operator(self) -> Operator:
         """A new operator session on this broker; close it (or use ``with``). Raises
         BrokerConnectionError when the broker cannot be reached."""
-        ...
 
     def close(self) -> None:
         """Release what the broker object holds (RabbitMQ: the publisher pool's connections)."""
-        ...
 
     @property
     def description(self) -> str:
         """Where the broker is, with any password masked."""
-        ...
 
 
 #: What a check found: the object exists as declared, does not exist, or exists otherwise.
@@ -206,15 +192,12 @@ class QueueReader(Protocol):
 
     def depth(self) -> int:
         """Messages ready in the queue now (not counting those this reader holds)."""
-        ...
 
     def get(self) -> QueuedMessage | None:
         """The next ready message, unacknowledged; None when the queue has no more."""
-        ...
 
     def ack(self, message: QueuedMessage) -> None:
         """Remove `message` from the queue for good."""
-        ...
 
     def republish(
         self, message: QueuedMessage, exchange: str, routing_key: str, headers: Mapping[str, Any]
@@ -222,11 +205,9 @@ class QueueReader(Protocol):
         """Publish a copy of `message` (its body and properties, these `headers`), mandatory
         and confirmed. False when the broker returned it as unroutable; raises BrokerError when
         the broker refused it. The original is not acknowledged here."""
-        ...
 
     def close(self) -> None:
         """Every message taken and not acknowledged returns to the queue."""
-        ...
 
 
 class Operator(Protocol):
@@ -244,35 +225,27 @@ class Operator(Protocol):
     @property
     def description(self) -> str:
         """Where the broker is, with any password masked."""
-        ...
 
     def flow_control(self, timeout: float = 1.0) -> str | None:
         """The broker's reason if it blocks publishers now (a memory or disk alarm), else None."""
-        ...
 
     def check_exchange(self, exchange: Exchange) -> Found:
         """Whether `exchange` exists with the declared type, durability and arguments."""
-        ...
 
     def check_queue(self, queue: Queue) -> Found:
         """Whether `queue` exists with the declared durability and arguments."""
-        ...
 
     def queue_info(self, name: str) -> tuple[int, int] | None:
         """(ready messages, consumers) of queue `name`, or None if it does not exist."""
-        ...
 
     def purge_queue(self, name: str) -> int:
         """Drop every ready message of queue `name`; return how many (0 if it is missing)."""
-        ...
 
     def delete_queue(self, name: str) -> int:
         """Delete queue `name` and its messages; return how many it held (0 if missing)."""
-        ...
 
     def reader(self, queue: str) -> QueueReader:
         """A reader of `queue`. Raises BrokerError if it is missing."""
-        ...
 
     def tail(
         self,
@@ -287,11 +260,9 @@ class Operator(Protocol):
         private queue the broker deletes when the session ends; `on_ready(queue)` is called once
         it is bound. Ends when `should_stop()` is true (checked at least every 0.2 s) or
         `on_message` returns False."""
-        ...
 
     def close(self) -> None:
         """End the session; messages read and not acknowledged return to their queues."""
-        ...
 
 
 __all__ = [
