@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from outbox_inbox.archive import SOURCES, Archiver, ArchiveResult
-from outbox_inbox.config import DB_URL_ENV, Settings
+from outbox_inbox.config import DB_URL_ENV, Settings, validate_db_url
 from outbox_inbox.status import subscribed_services
 
 from .output import EXIT_UNHEALTHY, echo, echo_json, progress, render_table, verbosity
-from .target import Target, checked_db_url, fail, json_option, parse_duration, parse_time, resolve
+from .target import Target, fail, json_option, parse_duration, parse_time, resolve
 from .target import target_options as _target_options
 
 if TYPE_CHECKING:
@@ -43,9 +43,6 @@ def _stop_on_signals() -> Iterator[threading.Event]:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-
-
-# --- archive ------------------------------------------------------------------------------
 
 
 def _service_name(target: Target) -> str:
@@ -190,9 +187,6 @@ def _print_result(name: str, root: Path, result: ArchiveResult, as_json: bool) -
         echo("stopped by a signal: run again to archive the rest")
 
 
-# --- audit --------------------------------------------------------------------------------
-
-
 @click.command()
 @click.argument("archives", nargs=-1, metavar="ARCHIVE...")
 @click.option(
@@ -315,7 +309,7 @@ def audit(
         echo_json(shown) if as_json else echo(f"{server}: {text}")
         return
     config = _audit_inputs(archives, db_urls, confs)
-    db_urls = tuple(map(checked_db_url, db_urls))  # postgres:// read as the library reads it
+    db_urls = tuple(map(validate_db_url, db_urls))  # postgres:// read as the library reads it
     window = _window(since, until, day)
     summary, out = write_audit(
         out_dir,
