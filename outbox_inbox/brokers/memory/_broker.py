@@ -48,8 +48,6 @@ class MemoryBroker:
     def closed(self) -> bool:
         return self._core.closed
 
-    # -- the Broker protocol -------------------------------------------------------------------
-
     def declare(self, topology: Topology) -> None:
         """As the protocol says; BrokerError for an exchange type or queue mode left out here
         and for a binding to a missing exchange or queue. What was declared before an error
