@@ -354,11 +354,8 @@ class ServiceHarness:
         with self.service.engine.connect() as conn:
             rows = conn.execute(select(o).order_by(o.c.id)).mappings().all()
         found = [from_row(PublishedMessage, r, sent=r["published_at"] is not None) for r in rows]
-        return [
-            m
-            for m in found
-            if (type is None or topic_matches(type, m.type)) and (kind is None or m.kind == kind)
-        ]
+        of_type = [m for m in found if type is None or topic_matches(type, m.type)]
+        return [m for m in of_type if kind is None or m.kind == kind]
 
     def inbox_rows(self, status: str | None = None) -> list[InboxRow]:
         """Messages in the service's inbox in the order received, optionally of one `status`."""
