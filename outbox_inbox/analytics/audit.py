@@ -800,15 +800,12 @@ class _Figures:
             counts[int(r["bucket"])] += int(r["n"])
         if not counts:
             return []
-        return [
-            {
-                "le_seconds": None
-                if b > HISTOGRAM_HIGH
-                else round(10 ** (b / HISTOGRAM_PER_DECADE), 6),
-                "count": counts.get(b, 0),
-            }
-            for b in range(min(counts), max(counts) + 1)
-        ]
+
+        def le(b: int) -> float | None:  # the bucket's upper bound; None: the last, unbounded
+            return None if b > HISTOGRAM_HIGH else round(10 ** (b / HISTOGRAM_PER_DECADE), 6)
+
+        buckets = range(min(counts), max(counts) + 1)
+        return [{"le_seconds": le(b), "count": counts.get(b, 0)} for b in buckets]
 
     def retries(self) -> list[dict[str, Any]]:
         out = [
