@@ -44,11 +44,10 @@ def is_async_handler(handler: Callable[..., Any]) -> bool:
 
 @dataclass(frozen=True)
 class HandlerContext:
-    """What a handler written as ``def handler(ctx: HandlerContext)`` gets: `session`, the
-    Session of the transaction that marks the message processed (do not commit it); `payload`,
-    decoded into the handler's declared type when it has one (outbox_inbox.payloads); `publish`
-    and `send`, which write to the outbox in that session with the message's ids as causation
-    and correlation."""
+    """What a handler written as ``def handler(ctx: HandlerContext)`` gets: `session`, the Session
+    of the transaction that marks the message processed (do not commit it); `payload`, decoded into
+    the handler's declared type when it has one (outbox_inbox.payloads); `publish` and `send`, which
+    write to the outbox in that session with the message's ids as causation and correlation."""
 
     message: Message
     session: Session

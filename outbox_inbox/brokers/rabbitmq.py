@@ -344,12 +344,11 @@ class _PublishFrames:
 
 
 class PublishingBatch:
-    """Messages handed to `RabbitMQPublisher.start_batch`, on their way to an outcome each
-    (`done` once every one has). Two messages of one ordering key are never in flight together,
-    and once one fails the later ones of its key are SKIPPED. The messages are kept encoded
-    (frames as bytes, with their ids and keys), not as `WireMessage` objects: a relay keeps
-    several batches in flight, and thousands of long-lived small objects make full garbage
-    collections frequent."""
+    """Messages handed to `RabbitMQPublisher.start_batch`, on their way to an outcome each (`done`
+    once every one has). Two messages of one ordering key are never in flight together, and once one
+    fails the later ones of its key are SKIPPED. The messages are kept encoded (frames as bytes,
+    with their ids and keys), not as `WireMessage` objects: a relay keeps several batches in flight,
+    and thousands of long-lived small objects make full garbage collections frequent."""
 
     __slots__ = (
         "_failed_keys", "_frames", "_keys", "_keys_in_flight", "_message_ids", "_todo",
@@ -681,12 +680,11 @@ class RabbitMQPublisher:
 
 
 class _PublisherPool:
-    """The publishing connections of one broker: at most `size` checked out at once, each with
-    one channel in confirm mode, kept open when given back. A checkout lends a connection to one
-    thread until `RabbitMQPublisher.close` (pika's rule); no consumer uses one, so flow control
-    that blocks publishing never stalls consuming. A checkout waits `timeout` seconds for a
-    connection to come back, then raises BrokerError (docs/failures.md, "The publisher pool is
-    exhausted")."""
+    """The publishing connections of one broker: at most `size` checked out at once, each with one
+    channel in confirm mode, kept open when given back. A checkout lends a connection to one thread
+    until `RabbitMQPublisher.close` (pika's rule); no consumer uses one, so flow control that blocks
+    publishing never stalls consuming. A checkout waits `timeout` seconds for a connection to come
+    back, then raises BrokerError (docs/failures.md, "The publisher pool is exhausted")."""
 
     def __init__(self, broker: RabbitMQBroker, size: int, timeout: float) -> None:
         self._broker, self.size, self._timeout = broker, size, timeout

@@ -1068,12 +1068,11 @@ def mark_dead(
 def release_claims(
     conn: Connection, tables: Tables, ids: Sequence[int], worker: str, *, away: bool = False
 ) -> None:
-    """Give back claims this worker will not run, uncounted: it is stopping, or (`away`) it
-    has no handler for them. An `away` row keeps `worker`'s name in ``locked_by`` (with no
-    lease) and is due again to other workers after `AWAY`, to `worker` after twice that
-    (`claimable`): a worker that has a handler takes it first, and this one does not claim it
-    again at every poll. Either way the rows stay pending, so a later row of the same key is
-    held behind them."""
+    """Give back claims this worker will not run, uncounted: it is stopping, or (`away`) it has no
+    handler for them. An `away` row keeps `worker`'s name in ``locked_by`` (with no lease) and is
+    due again to other workers after `AWAY`, to `worker` after twice that (`claimable`): a worker
+    that has a handler takes it first, and this one does not claim it again at every poll. Either
+    way the rows stay pending, so a later row of the same key is held behind them."""
     if ids:
         i = tables.inbox
         values: dict[str, Any] = {"locked_until": None, "attempts": i.c.attempts - 1}

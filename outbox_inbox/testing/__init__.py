@@ -188,14 +188,13 @@ class ServiceHarness:
         source: str | None = None,
         priority: int | None = None,
     ) -> uuid.UUID:
-        """Send one message to this service through the broker and store it in its inbox; return
-        the id the inbox keys it on. `type` is the full routing key; `kind` picks the
-        ``commands`` or ``events`` exchange. The receiver stores it as in production (a stored
-        `message_id` is dropped as a duplicate); handlers run at `run_until_idle`.
-        `correlation_id` defaults to the message id; `source` names the sending service (None: a
-        plain AMQP client, which gets no fault). Raises NotDelivered when the broker would not
-        route the message here or the receiver did not store it; MessageError for a payload or
-        headers that cannot be sent."""
+        """Send one message to this service through the broker and store it in its inbox; return the
+        id the inbox keys it on. `type` is the full routing key; `kind` picks the ``commands`` or
+        ``events`` exchange. The receiver stores it as in production (a stored `message_id` is
+        dropped as a duplicate); handlers run at `run_until_idle`. `correlation_id` defaults to the
+        message id; `source` names the sending service (None: a plain AMQP client, which gets no
+        fault). Raises NotDelivered when the broker would not route the message here or the receiver
+        did not store it; MessageError for a payload or headers that cannot be sent."""
         name = self.service.name
         self.service.declare_topology()  # picks up handlers registered since (idempotent)
         if kind == COMMAND:
