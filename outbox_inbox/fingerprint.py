@@ -16,8 +16,7 @@ from .errors import HandlerExited, InvalidPayload
 if TYPE_CHECKING:
     from .broker import Refusal
 
-#: Where code that is not the user's lives: this package, the standard library, installed
-#: packages.
+#: Where code that is not the user's lives: this package, the standard library, installed packages.
 _PATHS = sysconfig.get_paths()
 _PLACES = [os.path.dirname(__file__), _PATHS["stdlib"], _PATHS["purelib"], _PATHS["platlib"]]
 _NOT_USER = tuple({str(Path(p).resolve()) + os.sep for p in _PLACES})

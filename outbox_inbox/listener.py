@@ -16,9 +16,8 @@ log = logging.getLogger(__name__)
 
 class Listener:
     #: True for a listener that must see the hooks of every process in the one that runs the
-    #: service (the Prometheus metrics it serves): in a forked worker process its hooks are
-    #: sent to that process (outbox_inbox.supervisor), which calls its ``forwarded_<hook>``
-    #: methods with the values they carry.
+    #: service (the Prometheus metrics it serves): in a forked worker process its hooks are sent
+    #: to that process (outbox_inbox.supervisor), which calls its ``forwarded_<hook>`` methods.
     forwarded_from_workers = False
 
     def relay_confirmed(

@@ -462,8 +462,7 @@ def _dead_letter_chart(causes: Sequence[Mapping[str, Any]]) -> str:
         )
     parts.append(f'<line class="axis" x1="{bars_left}" x2="{bars_left}" y1="{top}" y2="{bottom}"/>')
     # Labels start at the left edge and are clipped short of the bars: text metrics are the
-    # browser's, so a label that turns out too wide is cut at its end instead of running off
-    # the chart or over the bars.
+    # browser's, so a label too wide is cut at its end, not run off the chart or over the bars.
     parts.append(
         f'<clipPath id="dead-letter-labels"><rect x="0" y="0" width="{bars_left - 8}" '
         f'height="{height}"/></clipPath>'

@@ -33,10 +33,9 @@ MAX_DEPTH = 32
 H_DROPPED_HEADERS = "x-dropped-headers"
 
 #: The AMQP properties of a received message that `WireMessage` has no field of, kept in
-#: `WireMessage.properties` so that a forwarded copy has them. (``expiration`` is not kept: a
-#: dead letter must not expire, as RabbitMQ's own dead-lettering drops it too; ``user_id`` is
-#: not kept: RabbitMQ refuses a publish whose ``user_id`` is not the publishing connection's
-#: user.)
+#: `WireMessage.properties` so that a forwarded copy has them. (``expiration`` is not kept: a dead
+#: letter must not expire, as RabbitMQ's own dead-lettering drops it too; ``user_id`` is not kept:
+#: RabbitMQ refuses a publish whose ``user_id`` is not the publishing connection's user.)
 KEPT_PROPERTIES = ("content_encoding", "reply_to", "cluster_id")
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)

@@ -525,9 +525,8 @@ class RabbitMQPublisher:
             (method.delivery_tag, bool(method.multiple), isinstance(method, Basic.Ack))
         )
         if len(self._confirms) == 1:
-            # A confirm arrived: end the pump's wait now. The blocking connection returns
-            # early only for events of its own (a callback of the asynchronous channel is
-            # not one); a posted callback is.
+            # A confirm arrived: end the pump's wait now. The blocking connection returns early for
+            # its own events only: a posted callback is one, the asynchronous channel's are not.
             self._connection.add_callback_threadsafe(lambda: None)
 
     def _on_return(self, _channel: Any, _method: Any, props: BasicProperties, _body: bytes) -> None:
