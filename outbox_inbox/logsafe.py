@@ -14,7 +14,8 @@ _BEFORE = r"""(?<![^\s'"(=<,;|\[{])"""
 # A user and password, in well-formed URLs and in the ways people mistype them: "scheme://",
 # "scheme//" (a missing colon), "scheme:/", "//", or no scheme at all at the start of a word
 # ("user:pw@host"; "scheme:user:pw@host" reads so too, and loses its user to the mask). The
-# password runs to the last "@" of the word, so a raw "/", ":" or "@" in it is masked too.
+# password runs to the last "@" of the word, so a raw "/", ":" or "@" in it is masked too:
+# better too much than a password.
 _USERINFO = re.compile(
     rf"(?P<scheme>{_SCHEME}(?::/+|//+)|//|{_BEFORE}(?=[^:/@\s]*:(?!//)))"
     r"""(?P<user>[^:/@\s'"\[\]]*):(?P<pw>\S*?)@(?=[^@\s]*(?:\s|$))"""
