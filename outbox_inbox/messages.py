@@ -25,8 +25,7 @@ COMMAND, EVENT = "command", "event"
 COMMANDS_EXCHANGE, EVENTS_EXCHANGE = "commands", "events"
 CONTENT_TYPE = "application/json"
 
-#: Header names the library owns (each one's meaning: docs/wire-format.md); a sender's own
-#: headers must not use them.
+#: Header names the library owns (docs/wire-format.md): a sender's own headers must not use them.
 H_KIND = "x-kind"
 H_VERSION = "x-version"
 H_CAUSATION = "x-causation-id"

@@ -737,9 +737,8 @@ def _fair_claim_statement(
         probe = i.alias("probe")
 
         # From the newest end: a drain's handled rows, in the index until a vacuum, lie at the
-        # other. LIMIT 1 written into the text: as a parameter, the server's generic plan of
-        # the prepared claim would expect a tenth of the table from each probe, and each
-        # execution would be planned anew (custom plans).
+        # other. LIMIT 1 written into the text: as a parameter, the generic plan of the prepared
+        # claim would expect a tenth of the table from each probe, and each run be planned anew.
         def newest(*where: Any) -> Select[Any]:
             return (
                 select(probe.c.routing_key.label("rk"), probe.c.tenant)
