@@ -15,8 +15,7 @@ class Backoff:
     is small by default (``reconnect_max``, a few seconds) so a role is back within a few seconds of
     its server, and the jitter keeps many roles from retrying in step. Call `failed()` on each
     failed try and `succeeded()` once it works: an outage is logged as one warning when it starts
-    and one info line, with its duration, when it ends; the tries in between are logged at debug
-    level only."""
+    and one info line, with its duration, when it ends; the tries in between at debug level."""
 
     def __init__(
         self,

@@ -122,10 +122,9 @@ class Consumer(Protocol):
         self, delivery: Delivery, exchange: str, routing_key: str, headers: Mapping[str, Any]
     ) -> None:
         """Republish `delivery` to `exchange` with `headers` added, confirmed, then ack it (delay
-        tiers, dead letters); the original exchange and routing key are kept in
-        ``x-original-exchange`` and ``x-original-routing-key``. Raises BrokerError if the target
-        does not route or refuses, BrokerConnectionError if the connection fails; the delivery
-        is then not acknowledged."""
+        tiers, dead letters), its original exchange and routing key kept in
+        ``x-original-exchange`` and ``x-original-routing-key``. BrokerError if the target does
+        not route or refuses, BrokerConnectionError if the connection fails: not acked then."""
 
     def close(self) -> None: ...
 
@@ -257,9 +256,8 @@ class Operator(Protocol):
         should_stop: Callable[[], bool],
     ) -> None:
         """Copy messages routed by `exchange` with any of `patterns` to `on_message`, through a
-        private queue the broker deletes when the session ends; `on_ready(queue)` is called once
-        it is bound. Ends when `should_stop()` is true (checked at least every 0.2 s) or
-        `on_message` returns False."""
+        private queue the broker deletes when the session ends (`on_ready(queue)` once bound),
+        until `should_stop()` is true (checked at least every 0.2 s) or `on_message` is False."""
 
     def close(self) -> None:
         """End the session; messages read and not acknowledged return to their queues."""

@@ -245,11 +245,10 @@ class HandlerOptions:
 
 @dataclass(frozen=True)
 class Subscription:
-    """A handler and what it handles: `kind` ``command``, ``event`` or ``fault``
-    (`Service.on_fault`), `pattern` a full routing key or topic pattern. How a handler is
-    called (message and session, a context, a typed payload, a batch): docs/concepts.md
-    ("Writing handlers", "Handlers run in batches"). `outbox` is the service's, for the
-    context's publish and send."""
+    """A handler and what it handles: `kind` ``command``, ``event`` or ``fault`` (`on_fault`),
+    `pattern` a full routing key or topic pattern. How it is called (message and session, a
+    context, a typed payload, a batch): docs/concepts.md ("Writing handlers", "Handlers run in
+    batches"). `outbox` is the service's, for the context's publish and send."""
 
     kind: str
     pattern: str

@@ -568,8 +568,7 @@ class RabbitMQPublisher:
     def pump(self, wait: float) -> None:
         """Send what the window allows, process broker traffic and settle confirmed messages,
         waiting up to `wait` seconds for confirms when nothing could be sent. A batch past its
-        deadline with messages unconfirmed breaks the publisher: late confirms would be matched
-        against the wrong messages."""
+        deadline unconfirmed breaks the publisher: late confirms would match the wrong messages."""
         if not self._batches:
             return
         try:
