@@ -235,13 +235,11 @@ def _dicts(result: Result[Any]) -> list[Claimed]:
 def claim_outbox(conn: Connection, tables: Tables, limit: int) -> list[Claimed]:
     """Lock up to `limit` publishable rows in id order (``FOR UPDATE SKIP LOCKED``), until the
     transaction ends, with the columns a relay publishes from (`_relayed_columns`) and
-    ``claimed_at``, the database's time of the claim.
-
-    A keyed row qualifies only while no earlier row of its key waits for a retry, and only if
-    this transaction gets the relay's advisory lock on the key (another relay may be publishing
-    its earlier rows). The lock is tried row by row during the scan, so another relay may
-    release a key half-way through it: the caller must check the claimed rows of each key
-    against `earliest_unsent` and leave them alone unless they start there.
+    ``claimed_at``, the database's time of the claim. A keyed row qualifies only while no earlier
+    row of its key waits for a retry, and only if this transaction gets the relay's advisory lock on
+    the key (another relay may be publishing its earlier rows). The lock is tried row by row during
+    the scan, so another relay may release a key half-way through it: the caller must check the
+    claimed rows of each key against `earliest_unsent` and leave them alone unless they start there.
     """
     stmt = _claim_outbox_statement(tables, is_postgres(conn))
     return _dicts(conn.execute(stmt, {"limit": limit}))
