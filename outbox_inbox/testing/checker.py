@@ -58,12 +58,8 @@ class History:
     def expected(self, outcome: str = OK, *, until: float | None = None) -> set[Hashable]:
         """The effects of the transactions with `outcome`, recorded before `until` if given."""
         with self._lock:
-            return {
-                key
-                for at, keys in self._effects[outcome]
-                if until is None or at <= until
-                for key in keys
-            }
+            entries = [keys for at, keys in self._effects[outcome] if until is None or at <= until]
+            return {key for keys in entries for key in keys}
 
     def transactions(self) -> list[tuple[str, tuple[Hashable, ...]]]:
         """Every transaction recorded: (outcome, expected effects)."""
