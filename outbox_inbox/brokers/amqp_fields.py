@@ -345,11 +345,8 @@ def forward_properties(
     )
     size = sum(len(piece) for piece in encode_properties(props))
     if size > max_size:
-        kept = {
-            name: headers[name]
-            for name in (H_ORIGINAL_EXCHANGE, H_ORIGINAL_ROUTING_KEY, *added)
-            if name in headers
-        }
+        names = (H_ORIGINAL_EXCHANGE, H_ORIGINAL_ROUTING_KEY, *added)
+        kept = {name: headers[name] for name in names if name in headers}
         kept[H_DROPPED_HEADERS] = f"{size} bytes of properties did not fit in one frame"
         props.headers = kept
     return props
