@@ -776,11 +776,8 @@ class RabbitMQServer(_LocalServer):
     def env(self) -> dict[str, str]:
         """The environment of the node, to be used by every ``rabbitmqctl`` / ``erl_call``."""
         base = self._require_temp_dir()
-        env = {
-            key: value
-            for key, value in os.environ.items()
-            if not key.startswith(("RABBITMQ_", "ERL_", "NOTIFY_SOCKET"))
-        }
+        theirs = ("RABBITMQ_", "ERL_", "NOTIFY_SOCKET")
+        env = {key: value for key, value in os.environ.items() if not key.startswith(theirs)}
         return env | {
             "HOME": str(base),
             "RABBITMQ_NODENAME": self.nodename,
