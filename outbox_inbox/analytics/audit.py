@@ -368,15 +368,10 @@ def _read_inputs(
             frames[source] = frames[source].where(window.read())
     if window is not None and not any(found.values()) and not live:
         raise AuditError(_unarchived(window, archives))
-    subs = read_archives(spark, archives, SUBSCRIPTIONS)
-    subscriptions = [
-        (row["service"], row["exchange"], row["pattern"], _aware(row["subscribed_at"]))
-        for row in subs.collect()
-    ] + [
-        (part.service, s["exchange"], s["pattern"], _aware(s["subscribed_at"]))
-        for part in live
-        for s in part.subscriptions
-    ]
+    archived = read_archives(spark, archives, SUBSCRIPTIONS).collect()
+    named: list[tuple[str, Any]] = [(row["service"], row) for row in archived]
+    named += [(part.service, s) for part in live for s in part.subscriptions]
+    subscriptions = [(n, s["exchange"], s["pattern"], _aware(s["subscribed_at"])) for n, s in named]
     outbox = frames[OUTBOX]
     # One row per sent message. The archive writes a row once; only a row archived while the
     # audit read the live tables can be in both.
