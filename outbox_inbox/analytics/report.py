@@ -385,13 +385,8 @@ def _latency_labelled_buckets(bounds: Sequence[Any]) -> set[int]:
     """The buckets whose upper bound gets an x axis label: powers of ten when there are enough of
     them (1ms, 10ms, 1s), else every n-th counted back from the last, which is always labelled."""
     last = len(bounds) - 1
-    decades = {
-        index
-        for index, bound in enumerate(bounds)
-        if _is_number(bound)
-        and bound > 0
-        and abs(math.log10(bound) - round(math.log10(bound))) < 0.01
-    }
+    logs = {index: math.log10(b) for index, b in enumerate(bounds) if _is_number(b) and b > 0}
+    decades = {index for index, log in logs.items() if abs(log - round(log)) < 0.01}
     if 2 <= len(decades) <= MAX_X_LABELS:
         return decades | {last}
     stride = math.ceil(len(bounds) / MAX_X_LABELS)
