@@ -490,12 +490,9 @@ def _insert_inbox_statement(tables: Tables) -> Any:
         .render_derived(name="received", with_types=True)
     )
     # A JSON null in the document is SQL NULL in the record: the payload may be JSON null.
-    values = [
-        func.coalesce(received.c[n], literal_column("'null'::jsonb", JSONB))
-        if n in RECEIVED_JSON_COLUMNS
-        else received.c[n]
-        for n in RECEIVED_COLUMNS
-    ]
+    json_null = literal_column("'null'::jsonb", JSONB)
+    coalesced = {n: func.coalesce(received.c[n], json_null) for n in RECEIVED_JSON_COLUMNS}
+    values = [coalesced.get(n, received.c[n]) for n in RECEIVED_COLUMNS]
     stored = exists().where(inbox.c.message_id == received.c.message_id)
     return (
         pg_insert(inbox)
