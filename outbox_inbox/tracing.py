@@ -206,15 +206,14 @@ def record_sends(
             ok = outcome is PublishOutcome.CONFIRMED or (
                 outcome is PublishOutcome.RETURNED and message.kind != COMMAND
             )
+            message_id = str(message.message_id)
             span = tracer.start_span(
                 f"send {message.routing_key}",
                 context=extract(message.headers),
                 kind=SpanKind.CLIENT,
                 start_time=started_ns,
                 attributes={
-                    **_common(
-                        "send", message.exchange, message.routing_key, str(message.message_id)
-                    ),
+                    **_common("send", message.exchange, message.routing_key, message_id),
                     A_OPERATION_NAME: "publish",
                     A_CONVERSATION_ID: message.correlation_id or "",
                     A_KIND: message.kind,
@@ -240,18 +239,14 @@ def record_receives(
         for row, duplicate in rows:
             headers = row["headers"]
             original = headers.get(H_ORIGINAL_ID)
+            message_id = original if isinstance(original, str) else str(row["message_id"])
             span = tracer.start_span(
                 f"receive {row['routing_key']}",
                 context=extract(headers),
                 kind=SpanKind.CLIENT,
                 start_time=started_ns,
                 attributes={
-                    **_common(
-                        "receive",
-                        _exchange(row["kind"]),
-                        row["routing_key"],
-                        original if isinstance(original, str) else str(row["message_id"]),
-                    ),
+                    **_common("receive", _exchange(row["kind"]), row["routing_key"], message_id),
                     A_CONVERSATION_ID: row.get("correlation_id") or "",
                     **_consumer(service),
                     A_KIND: row["kind"],
