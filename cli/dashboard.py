@@ -99,16 +99,13 @@ def _on_sigterm(_signum: int, _frame: FrameType | None) -> None:
 @audit_log_option
 def dashboard(
     apps: tuple[str, ...],
-    service: str | None,
-    schema: str | None,
-    db_url: str | None,
-    mq_url: str | None,
     host: str,
     port: int,
     token_file: str | None,
     refresh: int,
     max_lag: timedelta | None,
     audit_log: str,
+    **target_options: str | None,
 ) -> None:
     """Serve a web dashboard of one or more services until SIGTERM or Ctrl-C.
 
@@ -125,15 +122,11 @@ def dashboard(
     the password of HTTP Basic auth; without one, only a loopback --host is accepted.
     """
     token = _token(token_file, os.environ.get(TOKEN_ENV))
-    if not apps and not service:
+    if not apps and not target_options["service"]:
         fail("choose the services to show: --app module:attribute (repeatable) or --service")
-    if apps and service:
+    if apps and target_options["service"]:
         fail("pass either --app or --service, not both")
-    targets = (
-        [resolve(app=a, schema=schema, db_url=db_url, mq_url=mq_url) for a in apps]
-        if apps
-        else [resolve(service=service, schema=schema, db_url=db_url, mq_url=mq_url)]
-    )
+    targets = [resolve(app=a, **target_options) for a in apps] or [resolve(**target_options)]
     try:
         watched = [_watched(t) for t in targets]
         names = [w.name for w in watched]

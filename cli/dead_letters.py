@@ -38,16 +38,7 @@ from outbox_inbox.dead_letters import (
 )
 
 from .audit import audit_log_option
-from .output import (
-    EXIT_UNHEALTHY,
-    echo,
-    echo_json,
-    mask,
-    one_line,
-    plural,
-    progress,
-    render_table,
-)
+from .output import EXIT_UNHEALTHY, echo, echo_json, mask, one_line, plural, progress, render_table
 from .target import Target, fail, json_option, resolve, target_options
 
 #: How many rows of a selection replay and purge print before acting.

@@ -15,19 +15,11 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from outbox_inbox.archive import SOURCES, Archiver, ArchiveResult
-from outbox_inbox.config import DB_URL_ENV, Settings
+from outbox_inbox.config import DB_URL_ENV, Settings, validate_db_url
 from outbox_inbox.status import subscribed_services
 
 from .output import EXIT_UNHEALTHY, echo, echo_json, progress, render_table, verbosity
-from .target import (
-    Target,
-    checked_db_url,
-    fail,
-    json_option,
-    parse_duration,
-    parse_time,
-    resolve,
-)
+from .target import Target, fail, json_option, parse_duration, parse_time, resolve
 from .target import target_options as _target_options
 
 if TYPE_CHECKING:
@@ -51,9 +43,6 @@ def _stop_on_signals() -> Iterator[threading.Event]:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-
-
-# --- archive ------------------------------------------------------------------------------
 
 
 def _service_name(target: Target) -> str:
@@ -111,16 +100,12 @@ def checked_settings(
 @click.option("--dry-run", is_flag=True, help="Only count what would be archived.")
 @json_option
 def archive(
-    app: str | None,
-    service: str | None,
-    schema: str | None,
-    db_url: str | None,
-    mq_url: str | None,
     root: str,
     older_than: timedelta,
     batch_size: int,
     dry_run: bool,
     as_json: bool,
+    **target_options: str | None,
 ) -> None:
     """Move published outbox rows and processed or dead inbox rows into Parquet files.
 
@@ -137,7 +122,7 @@ def archive(
     arrives after the message was archived is stored and handled again. Keep it longer than
     any redelivery can take (docs/history.md).
     """
-    target = resolve(app=app, service=service, schema=schema, db_url=db_url, mq_url=mq_url)
+    target = resolve(**target_options)
     try:
         # The retention is the duplicate window, here as in `partitions` and Service.
         checked_settings(target, older_than, None)
@@ -200,9 +185,6 @@ def _print_result(name: str, root: Path, result: ArchiveResult, as_json: bool) -
         echo(f"{result.kept_rows} row(s) changed after they were written and stay in the table")
     if result.interrupted:
         echo("stopped by a signal: run again to archive the rest")
-
-
-# --- audit --------------------------------------------------------------------------------
 
 
 @click.command()
@@ -327,7 +309,7 @@ def audit(
         echo_json(shown) if as_json else echo(f"{server}: {text}")
         return
     config = _audit_inputs(archives, db_urls, confs)
-    db_urls = tuple(map(checked_db_url, db_urls))  # postgres:// read as the library reads it
+    db_urls = tuple(map(validate_db_url, db_urls))  # postgres:// read as the library reads it
     window = _window(since, until, day)
     summary, out = write_audit(
         out_dir,

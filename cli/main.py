@@ -25,35 +25,23 @@ from .output import EXIT_ERROR, VERBOSE, configure_logging, echo, mask, more_ver
 
 __all__ = ["main"]
 
-#: The commands: name -> (module of cli/, attribute, the line `outbox-inbox --help` shows).
-COMMANDS: dict[str, tuple[str, str, str]] = {
-    "archive": (
-        "history",
-        "archive",
-        "Move finished messages older than the retention into Parquet.",
-    ),
-    "audit": ("history", "audit", "Reconcile sent and received messages on Spark; write a report."),
-    "dashboard": (
-        "dashboard",
-        "dashboard",
-        "Serve the web dashboard: status, rates, dead letters.",
-    ),
-    "db": ("db", "db", "Create, upgrade and inspect the outbox/inbox tables."),
-    "dead-letters": ("dead_letters", "dead_letters", "List, show, replay and purge dead letters."),
-    "demo": ("demo", "demo", "Run two example services (orders, billing) and print a trace."),
+#: The commands: name -> (module of cli/, the line `outbox-inbox --help` shows); the command is
+#: the module's attribute of the name, with "_" for "-".
+COMMANDS: dict[str, tuple[str, str]] = {
+    "archive": ("history", "Move finished messages older than the retention into Parquet."),
+    "audit": ("history", "Reconcile sent and received messages on Spark; write a report."),
+    "dashboard": ("dashboard", "Serve the web dashboard: status, rates, dead letters."),
+    "db": ("db", "Create, upgrade and inspect the outbox/inbox tables."),
+    "dead-letters": ("dead_letters", "List, show, replay and purge dead letters."),
+    "demo": ("demo", "Run two example services (orders, billing) and print a trace."),
     "partitions": (
-        "partitions",
         "partitions",
         "List the time partitions; make, export and drop them in one pass.",
     ),
-    "run": ("run", "run", "Run the relay, receiver, worker or all of them until SIGTERM."),
-    "status": ("status", "status", "Backlog, inbox states and held-back keys; a health check."),
-    "tail": ("tail", "tail", "Print messages matching a topic pattern, live."),
-    "topology": (
-        "topology",
-        "topology",
-        "Plan, apply and verify the broker objects a service needs.",
-    ),
+    "run": ("run", "Run the relay, receiver, worker or all of them until SIGTERM."),
+    "status": ("status", "Backlog, inbox states and held-back keys; a health check."),
+    "tail": ("tail", "Print messages matching a topic pattern, live."),
+    "topology": ("topology", "Plan, apply and verify the broker objects a service needs."),
 }
 
 _VERBOSE_HELP = "More log output (-vv for debug); tracebacks."
@@ -150,17 +138,16 @@ class _Commands(click.Group):
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         if cmd_name not in COMMANDS:
             return None
-        module, attribute, short_help = COMMANDS[cmd_name]
-        command: click.Command = getattr(
-            importlib.import_module(f".{module}", __package__), attribute
-        )
+        module, short_help = COMMANDS[cmd_name]
+        imported = importlib.import_module(f".{module}", __package__)
+        command: click.Command = getattr(imported, cmd_name.replace("-", "_"))
         command.short_help = short_help
         return _accept_verbose(command)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         # From the table, not the commands: listing them must not import them.
         with formatter.section("Commands"):
-            formatter.write_dl([(name, COMMANDS[name][2]) for name in self.list_commands(ctx)])
+            formatter.write_dl([(name, COMMANDS[name][1]) for name in self.list_commands(ctx)])
 
     def make_context(
         self,

@@ -54,9 +54,8 @@ def tail(
     patterns: tuple[str, ...],
     exchange: str,
     count: int | None,
-    app: str | None,
-    mq_url: str | None,
     as_json: bool,
+    **options: str | None,
 ) -> None:
     """Print messages matching topic PATTERN (e.g. 'orders.#', 'orders.order.*') live.
 
@@ -72,7 +71,7 @@ def tail(
     for pattern in patterns:
         if not Filters.is_pattern(pattern):
             raise click.BadParameter(f"{pattern!r} is not a topic pattern", param_hint="PATTERN")
-    target = resolve(app=app, mq_url=mq_url)
+    target = resolve(**options)
     stop = _stop_on_signals()
     if exchange == COMMANDS_EXCHANGE:
         echo(

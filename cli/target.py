@@ -92,12 +92,6 @@ def load_app(spec: str) -> Service:
     return made
 
 
-def checked_db_url(url: str) -> str:
-    """`url` if the library can use it; ConfigurationError otherwise (never echoing a
-    password)."""
-    return validate_db_url(url)
-
-
 def checked_mq_url(url: str) -> str:
     """`url` if it is an AMQP URL; ConfigurationError otherwise."""
     remember_secret(url)
@@ -191,7 +185,7 @@ def resolve(
 ) -> Target:
     """Build the Target of a command from its options (the URLs are checked first)."""
     if db_url:
-        db_url = checked_db_url(db_url)  # postgres:// and postgresql:// read as the library's
+        db_url = validate_db_url(db_url)  # postgres:// and postgresql:// read as the library's
     if mq_url:
         checked_mq_url(mq_url)
     if app and service:
@@ -212,8 +206,6 @@ def resolve(
         validate_service_name(service)
     return Target(name=service, schema=schema or DEFAULT_SCHEMA, db_url=db_url, mq_url=mq_url)
 
-
-# --- options ------------------------------------------------------------------------------
 
 app_option = click.option(
     "--app",

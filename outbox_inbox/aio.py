@@ -1,9 +1,7 @@
-"""The asyncio side: the worker on the async driver, and the roles in an event loop.
-
-`AsyncWorker` runs the very same `Worker.work_once` through `AsyncConnection.run_sync`: claim,
-transaction, redo and liveness lock are the sync worker's (docs/async-services.md, "How the
-asyncio worker gives it that transaction"). The relay and the receiver keep their threads.
-"""
+"""The asyncio side: the worker on the async driver, and the roles in an event loop. `AsyncWorker`
+runs the very same `Worker.work_once` through `AsyncConnection.run_sync`: claim, transaction, redo
+and liveness lock are the sync worker's (docs/async-services.md, "How the asyncio worker gives it
+that transaction"). The relay and the receiver keep their threads."""
 
 from __future__ import annotations
 
@@ -88,8 +86,7 @@ class AsyncWorker:
     async def run(
         self, stop: threading.Event, *, on_started: Callable[[], None] | None = None
     ) -> None:
-        """Handle messages until `stop` is set (from any thread: `Service.stop()` does); the batch
-        in hand is finished first."""
+        """Handle messages until `stop` is set (from any thread), finishing the batch in hand."""
         self.worker._stop = stop
         conn: AsyncConnection | None = None
         loop = self.worker.role_loop("asyncio worker")  # woken as the worker is

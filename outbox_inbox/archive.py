@@ -1,9 +1,7 @@
-"""Move finished messages from the hot tables into Parquet files: the message history.
-
-The layout of the files and the steps that make a batch crash-safe are in docs/history.md
-("Archive layout", "Crash safety"). One run at a time per schema (a transaction-level advisory
-lock, held by a transaction that stays open for the run).
-"""
+"""Move finished messages from the hot tables into Parquet files: the message history. The layout of
+the files and the steps that make a batch crash-safe are in docs/history.md ("Archive layout",
+"Crash safety"). One run at a time per schema (a transaction-level advisory lock, held by a
+transaction that stays open for the run)."""
 
 from __future__ import annotations
 
@@ -180,12 +178,10 @@ class Archiver:
             return {s: archive.count_archivable(conn, self._tables, s, cutoff) for s in SOURCES}
 
     def run(self, stop: threading.Event | None = None) -> ArchiveResult:
-        """Finish a crashed run's files, archive every qualifying row, prune stale counters.
-
-        Returns after the last batch, or after the batch in hand once `stop` is set. Raises
-        ArchiveBusy when another run holds the lock, StorageError when the database fails and
-        ArchiveError when a file cannot be written; what was done until then stays done.
-        """
+        """Finish a crashed run's files, archive every qualifying row, prune stale counters. Returns
+        after the last batch, or after the batch in hand once `stop` is set. Raises ArchiveBusy when
+        another run holds the lock, StorageError when the database fails and ArchiveError when a
+        file cannot be written; what was done until then stays done."""
         stop = stop or threading.Event()
         result = ArchiveResult()
         schema = self._tables.schema

@@ -1,8 +1,6 @@
-"""The audit trail of operator actions: one JSON line per replay or purge, in a file.
-
-Written by `DeadLetters.run` for every action — dry runs and empty selections included —
-whoever asked: the CLI, the dashboard, or a service's own code (`write_audit`).
-"""
+"""The audit trail of operator actions: one JSON line per replay or purge, in a file. Written by
+`DeadLetters.run` for every action — dry runs and empty selections included — whoever asked: the
+CLI, the dashboard, or a service's own code (`write_audit`)."""
 
 from __future__ import annotations
 
@@ -53,16 +51,14 @@ def write_audit(
     client: str | None = None,
     mask: Callable[[str], str] = mask_url,
 ) -> dict[str, Any]:
-    """Append one line (who, on which host, what, how many) to `path` and return it.
-
-    Logs one short line on ``outbox_inbox.audit`` saying what was done, how many and where
-    the record is: at WARNING for an action, at INFO for a dry run (which changes nothing);
-    the whole record is the log record's ``audit`` attribute, for structured log handlers.
-    `client` names who asked when it is not the user running the process (the dashboard:
-    the authenticated user and the remote address). `mask` hides passwords in the line.
-    The file is opened in append mode and written with one write call, so lines of concurrent
-    operators do not interleave. Raises OSError when the file cannot be written.
-    """
+    """Append one line (who, on which host, what, how many) to `path` and return it. Logs one short
+    line on ``outbox_inbox.audit`` saying what was done, how many and where the record is: at
+    WARNING for an action, at INFO for a dry run (which changes nothing); the whole record is the
+    log record's ``audit`` attribute, for structured log handlers. `client` names who asked when it
+    is not the user running the process (the dashboard: the authenticated user and the remote
+    address). `mask` hides passwords in the line. The file is opened in append mode and written with
+    one write call, so lines of concurrent operators do not interleave. Raises OSError when the file
+    cannot be written."""
     entry: dict[str, Any] = {
         "time": datetime.now(UTC).isoformat(),
         "user": _user(),

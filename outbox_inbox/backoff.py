@@ -11,14 +11,11 @@ from .errors import first_line
 
 
 class Backoff:
-    """Delays initial, 2 * initial, … up to maximum, each shortened by up to half at random.
-
-    The cap is small by default (``reconnect_max``, a few seconds) so a role is back within a
-    few seconds of its server, and the jitter keeps many roles from retrying in step. Call
-    `failed()` on each failed try and `succeeded()` once it works: an outage is logged as one
-    warning when it starts and one info line, with its duration, when it ends; the tries in
-    between are logged at debug level only.
-    """
+    """Delays initial, 2 * initial, … up to maximum, each shortened by up to half at random. The cap
+    is small by default (``reconnect_max``, a few seconds) so a role is back within a few seconds of
+    its server, and the jitter keeps many roles from retrying in step. Call `failed()` on each
+    failed try and `succeeded()` once it works: an outage is logged as one warning when it starts
+    and one info line, with its duration, when it ends; the tries in between at debug level."""
 
     def __init__(
         self,

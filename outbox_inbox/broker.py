@@ -39,11 +39,8 @@ class PublishOutcome(enum.Enum):
 
 @dataclass(frozen=True)
 class Refusal:
-    """The broker's reason for closing a publishing channel: its reply code and text.
-
-    `max_body` is the broker's largest accepted message body when the refusal names it
-    (RabbitMQ's ``max_message_size``), else None.
-    """
+    """The broker's reason for closing a publishing channel: its reply code and text, and
+    `max_body`, its largest accepted body when the refusal names it (``max_message_size``)."""
 
     code: int
     text: str
@@ -82,69 +79,52 @@ class Publisher(Protocol):
     def publish_batch(
         self, messages: Sequence[WireMessage], *, window: int, timeout: float
     ) -> list[PublishOutcome]:
-        """Publish persistent, mandatory messages with confirms; one outcome per message.
-
-        At most `window` messages are unconfirmed at a time. Two messages with the same
-        ordering key are never in flight together, and once one fails, the later ones with that
-        key are SKIPPED, so a key's messages reach the queue in the order given. Per-message
-        problems are outcomes; if the connection fails, the unconfirmed messages are FAILED and
-        `broken` becomes true. If the broker closes the channel over a message (too large, a
-        missing exchange), the unconfirmed messages are REFUSED, the unsent ones SKIPPED,
-        `refusal` says why and `broken` becomes true.
+        """Publish persistent, mandatory messages with confirms; one outcome per message. At most
+        `window` messages are unconfirmed at a time. Two messages with the same ordering key are
+        never in flight together, and once one fails, the later ones with that key are SKIPPED, so a
+        key's messages reach the queue in the order given. Per-message problems are outcomes; if the
+        connection fails, the unconfirmed messages are FAILED and `broken` becomes true. If the
+        broker closes the channel over a message (too large, a missing exchange), the unconfirmed
+        messages are REFUSED, the unsent ones SKIPPED, `refusal` says why and `broken` becomes true.
         """
-        ...
 
     @property
     def refusal(self) -> Refusal | None:
         """Why the broker last closed this publisher's channel; None if it never did."""
-        ...
 
     @property
     def broken(self) -> bool:
         """True once the connection failed: close this publisher and open another."""
-        ...
 
     def idle(self) -> None:
-        """Service the connection while there is nothing to publish (heartbeats, closes).
-
-        Call it at least every few seconds while idle; it never raises and never blocks for
-        long. A connection found dead makes `broken` true.
-        """
-        ...
+        """Service the connection while there is nothing to publish (heartbeats, closes): call
+        it at least every few seconds while idle. It never raises and never blocks for long; a
+        connection found dead makes `broken` true."""
 
     def close(self) -> None:
         """Give the publisher up: its connection closes, or returns to the broker's pool."""
-        ...
 
 
 class Consumer(Protocol):
     def fetch(self, max_count: int, wait: float) -> list[Delivery]:
         """Up to `max_count` deliveries: waits at most `wait` seconds for a first one, then
         returns at once with it and whatever else has already arrived — never waits for a batch
-        to fill, so a lone message is stored without delay and batches grow with the load.
-
-        Returns an empty list when none arrived within `wait`. Raises BrokerConnectionError
-        when the connection is lost; unacknowledged deliveries then return to the queue.
-        """
-        ...
+        to fill, so a lone message is stored without delay and batches grow with the load. An
+        empty list when none arrived within `wait`. Raises BrokerConnectionError when the
+        connection is lost; unacknowledged deliveries then return to the queue."""
 
     def ack_through(self, tag: int) -> None:
         """Acknowledge every delivery up to and including `tag`."""
-        ...
 
     def ack(self, tag: int) -> None: ...
 
     def forward(
         self, delivery: Delivery, exchange: str, routing_key: str, headers: Mapping[str, Any]
     ) -> None:
-        """Republish `delivery` to `exchange` with `headers` added, confirmed, then ack it.
-
-        The original exchange and routing key are kept in ``x-original-exchange`` and
-        ``x-original-routing-key``. Used for delay tiers and dead letters. Raises BrokerError
-        if the target does not route or refuses, BrokerConnectionError if the connection fails;
-        the delivery is then not acknowledged.
-        """
-        ...
+        """Republish `delivery` to `exchange` with `headers` added, confirmed, then ack it (delay
+        tiers, dead letters), its original exchange and routing key kept in
+        ``x-original-exchange`` and ``x-original-routing-key``. BrokerError if the target does
+        not route or refuses, BrokerConnectionError if the connection fails: not acked then."""
 
     def close(self) -> None: ...
 
@@ -154,7 +134,6 @@ class Broker(Protocol):
 
     def declare(self, topology: Topology) -> None:
         """Declare every exchange, queue and binding; raise TopologyMismatch on a conflict."""
-        ...
 
     def publisher(self) -> Publisher: ...
 
@@ -162,31 +141,21 @@ class Broker(Protocol):
 
     def queue_depth(self, queue: str) -> int | None:
         """Messages ready in `queue` (not the unacknowledged ones), or None if it is missing."""
-        ...
 
     def body_limit(self, size: int) -> int | None:
-        """The broker's largest accepted message body, if it refuses a body of `size` bytes.
-
-        None when a body of `size` bytes is accepted. Raises BrokerError when the broker cannot
-        be asked.
-        """
-        ...
+        """The broker's largest accepted message body if it refuses a body of `size` bytes, else
+        None. Raises BrokerError when the broker cannot be asked."""
 
     def operator(self) -> Operator:
-        """A new operator session on this broker; close it (or use ``with``).
-
-        Raises BrokerConnectionError when the broker cannot be reached.
-        """
-        ...
+        """A new operator session on this broker; close it (or use ``with``). Raises
+        BrokerConnectionError when the broker cannot be reached."""
 
     def close(self) -> None:
         """Release what the broker object holds (RabbitMQ: the publisher pool's connections)."""
-        ...
 
     @property
     def description(self) -> str:
         """Where the broker is, with any password masked."""
-        ...
 
 
 #: What a check found: the object exists as declared, does not exist, or exists otherwise.
@@ -203,11 +172,8 @@ class Found:
 
 @dataclass(frozen=True)
 class QueuedMessage:
-    """A message taken from a queue by a `QueueReader` and not acknowledged (yet).
-
-    `properties` is what the broker's adapter keeps for a faithful republish (RabbitMQ: the
-    delivery's properties); callers pass it back untouched.
-    """
+    """A message taken from a queue by a `QueueReader` and not acknowledged (yet). `properties`
+    is what the broker's adapter keeps for a faithful republish; callers pass it back untouched."""
 
     tag: int
     message: WireMessage
@@ -216,26 +182,21 @@ class QueuedMessage:
 
 
 class QueueReader(Protocol):
-    """Takes messages from one queue without acknowledging them, then acks or republishes.
-
-    A message taken and never acknowledged goes back to the queue, at its place, flagged
-    redelivered, when the reader closes. A message is acked only after its copy was confirmed.
-    """
+    """Takes messages from one queue without acknowledging them, then acks or republishes. A
+    message taken and never acknowledged goes back to the queue, at its place, flagged
+    redelivered, when the reader closes. A message is acked only after its copy was confirmed."""
 
     @property
     def queue(self) -> str: ...
 
     def depth(self) -> int:
         """Messages ready in the queue now (not counting those this reader holds)."""
-        ...
 
     def get(self) -> QueuedMessage | None:
         """The next ready message, unacknowledged; None when the queue has no more."""
-        ...
 
     def ack(self, message: QueuedMessage) -> None:
         """Remove `message` from the queue for good."""
-        ...
 
     def republish(
         self, message: QueuedMessage, exchange: str, routing_key: str, headers: Mapping[str, Any]
@@ -243,20 +204,16 @@ class QueueReader(Protocol):
         """Publish a copy of `message` (its body and properties, these `headers`), mandatory
         and confirmed. False when the broker returned it as unroutable; raises BrokerError when
         the broker refused it. The original is not acknowledged here."""
-        ...
 
     def close(self) -> None:
         """Every message taken and not acknowledged returns to the queue."""
-        ...
 
 
 class Operator(Protocol):
     """One operator session on a broker (`Broker.operator`): checks, queue depths, dead-letter
-    queues read and moved, tails. Used from one thread; close it, or use it with ``with``.
-
-    Raises BrokerConnectionError when the broker is lost, BrokerError when it refuses.
-    An implementation that subclasses it inherits ``with`` (which closes the session).
-    """
+    queues read and moved, tails. Used from one thread; close it, or use it with ``with``
+    (inherited by an implementation that subclasses it). Raises BrokerConnectionError when the
+    broker is lost, BrokerError when it refuses."""
 
     def __enter__(self) -> Self:
         return self
@@ -267,35 +224,27 @@ class Operator(Protocol):
     @property
     def description(self) -> str:
         """Where the broker is, with any password masked."""
-        ...
 
     def flow_control(self, timeout: float = 1.0) -> str | None:
         """The broker's reason if it blocks publishers now (a memory or disk alarm), else None."""
-        ...
 
     def check_exchange(self, exchange: Exchange) -> Found:
         """Whether `exchange` exists with the declared type, durability and arguments."""
-        ...
 
     def check_queue(self, queue: Queue) -> Found:
         """Whether `queue` exists with the declared durability and arguments."""
-        ...
 
     def queue_info(self, name: str) -> tuple[int, int] | None:
         """(ready messages, consumers) of queue `name`, or None if it does not exist."""
-        ...
 
     def purge_queue(self, name: str) -> int:
         """Drop every ready message of queue `name`; return how many (0 if it is missing)."""
-        ...
 
     def delete_queue(self, name: str) -> int:
         """Delete queue `name` and its messages; return how many it held (0 if missing)."""
-        ...
 
     def reader(self, queue: str) -> QueueReader:
         """A reader of `queue`. Raises BrokerError if it is missing."""
-        ...
 
     def tail(
         self,
@@ -306,17 +255,12 @@ class Operator(Protocol):
         on_message: Callable[[WireMessage], bool],
         should_stop: Callable[[], bool],
     ) -> None:
-        """Copy messages routed by `exchange` with any of `patterns` to `on_message`.
-
-        The copies go through a private queue the broker deletes when the session ends;
-        `on_ready(queue)` is called once it is bound. Ends when `should_stop()` is true
-        (checked at least every 0.2 s) or `on_message` returns False.
-        """
-        ...
+        """Copy messages routed by `exchange` with any of `patterns` to `on_message`, through a
+        private queue the broker deletes when the session ends (`on_ready(queue)` once bound),
+        until `should_stop()` is true (checked at least every 0.2 s) or `on_message` is False."""
 
     def close(self) -> None:
         """End the session; messages read and not acknowledged return to their queues."""
-        ...
 
 
 __all__ = [

@@ -28,15 +28,13 @@ from .tables import build_tables
 
 
 class PayloadStore(Protocol):
-    """Where payloads sent by reference are kept: the port a store implements (an S3 bucket
-    would too). `name` is what references carry (``<name>/<key>``), and how receivers find it.
-
-    `put` stores `data` under `key` (a UUID) in the writer's `session` (its transaction, for a
-    store that can join it), and raises StorageError when it cannot. `get` returns the bytes,
-    raises PayloadMissing when there are none, and anything else when the store cannot be read
-    now (the message is then retried). `delete_older_than` removes what was put more than
-    `seconds` ago and returns how many. Each method may be called from any thread.
-    """
+    """Where payloads sent by reference are kept: the port a store implements (an S3 bucket would
+    too). `name` is what references carry (``<name>/<key>``), and how receivers find it. `put`
+    stores `data` under `key` (a UUID) in the writer's `session` (its transaction, for a store that
+    can join it), and raises StorageError when it cannot. `get` returns the bytes, raises
+    PayloadMissing when there are none, and anything else when the store cannot be read now (the
+    message is then retried). `delete_older_than` removes what was put more than `seconds` ago and
+    returns how many. Each method may be called from any thread."""
 
     name: str
 

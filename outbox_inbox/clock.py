@@ -1,11 +1,9 @@
 """The database clock as SQL: leases, delays and expiry are judged by it, never by a host clock.
-
-`db_now()` and `db_now_plus(delta)` compile to PostgreSQL's ``now()`` (the transaction's start
-time) and, on SQLite, to ``strftime`` of the current UTC time written the way SQLAlchemy stores
-datetimes there (``YYYY-MM-DD HH:MM:SS.ffffff``), so the values compare correctly as text.
-`db_age(column)` is the seconds from a time to the database clock, the one expression of an age:
-on SQLite through ``julianday``, since a time there is text and text minus text is not a span.
-"""
+`db_now()` and `db_now_plus(delta)` compile to PostgreSQL's ``now()`` (the transaction's start time)
+and, on SQLite, to ``strftime`` of the current UTC time written the way SQLAlchemy stores datetimes
+there (``YYYY-MM-DD HH:MM:SS.ffffff``), so the values compare correctly as text. `db_age(column)` is
+the seconds from a time to the database clock, the one expression of an age: on SQLite through
+``julianday``, since a time there is text and text minus text is not a span."""
 
 from __future__ import annotations
 

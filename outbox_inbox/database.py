@@ -37,10 +37,9 @@ _E = TypeVar("_E", "Engine", "AsyncEngine")
 DEFAULT_SCHEMA = "outbox_inbox"
 
 #: libpq's client-side bounds on every PostgreSQL connection the library opens (the engines of
-#: `connect` and `aio.worker_engine`, the LISTEN connections of `waker.Waker`), unless the
-#: db_url names them itself (`client_bounds`): without them a partitioned server makes a call
-#: hang for the kernel's 15 minutes. What each bounds, and why these values, is the table of
-#: docs/failures.md ("A partition from PostgreSQL").
+#: `connect` and `aio.worker_engine`, the LISTEN connections of `waker.Waker`), unless the db_url
+#: names them itself (`client_bounds`): without them a partitioned server makes a call hang for the
+#: kernel's 15 minutes. What each bounds, and why: docs/failures.md ("A partition from PostgreSQL").
 CLIENT_BOUNDS: dict[str, int] = {
     "connect_timeout": 5,
     "keepalives": 1,

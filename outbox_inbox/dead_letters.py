@@ -1,12 +1,7 @@
-"""Dead letters: dead inbox and outbox rows and the messages in the broker's dead-letter queues.
-
-The four sources (``table``, ``outbox``, ``queue``, ``unroutable``) are those of `outbox-inbox
-dead-letters` (docs/cli.md, "Sources"); what a replay and a purge do to each is said by
-`TableSelection`, `OutboxSelection` and `QueueSelection`. A selection is made first (and can be
-shown), then acted on: rows by id, still dead; queue messages are held unacknowledged until it
-is closed, so exactly what was selected is acted on, and those not acted on go back, flagged
-redelivered.
-"""
+"""Dead letters: dead inbox and outbox rows and the messages in the broker's dead-letter queues. The
+four sources (``table``, ``outbox``, ``queue``, ``unroutable``) are those of `outbox-inbox
+dead-letters` (docs/cli.md, "Sources"). A selection is made first (and can be shown), then acted on:
+exactly what was selected (`TableSelection`, `OutboxSelection`, `QueueSelection`)."""
 
 from __future__ import annotations
 
@@ -323,11 +318,9 @@ class Pacer:
 
 
 class TableSelection:
-    """Dead inbox rows matching `filters`, at most `limit`, in id order (arrival order).
-
-    Replay makes them pending again, due now, with fresh counters, and counts itself on each
-    row (``replays``, ``replayed_at``); purge deletes them.
-    """
+    """Dead inbox rows matching `filters`, at most `limit`, in id order (arrival order). Replay
+    makes them pending again, due now, with fresh counters, and counts itself on each row
+    (``replays``, ``replayed_at``); purge deletes them. Acts on rows by id, still dead."""
 
     source = TABLE
     what = "dead inbox rows"
@@ -427,11 +420,9 @@ class TableSelection:
 
 
 class OutboxSelection(TableSelection):
-    """Dead outbox rows (the broker refused them on every attempt) matching `filters`.
-
-    Replay makes them unsent again, due now, with their attempts reset, for the relay's next
-    batch (docs/cli.md, "replay"). Purge deletes them.
-    """
+    """Dead outbox rows (the broker refused them on every attempt) matching `filters`. Replay
+    makes them unsent again, due now, with their attempts reset, for the relay's next batch
+    (docs/cli.md, "replay"). Purge deletes them."""
 
     source = OUTBOX
     what = "dead outbox rows"
@@ -581,11 +572,9 @@ def _queue(source: str, service: str | None) -> str:
 
 
 def replay_headers(message: WireMessage) -> dict[str, Any]:
-    """Headers of the copy of a dead-lettered message sent back to the inbox queue.
-
-    The failure's transport headers go; the original exchange and routing key stay, taken from
-    the broker's ``x-death`` record when the broker itself dead-lettered the message.
-    """
+    """Headers of the copy of a dead-lettered message sent back to the inbox queue: without the
+    failure's transport headers, with the original exchange and routing key (from the broker's
+    ``x-death`` record when the broker itself dead-lettered the message)."""
     headers = {k: v for k, v in message.headers.items() if k not in FAILURE_HEADERS}
     death = _first_death(message.headers)
     if H_ORIGINAL_EXCHANGE not in headers:
@@ -734,8 +723,7 @@ class DeadLetters:
     """The dead letters of one service, from every source it can reach: the one implementation
     of `outbox-inbox dead-letters` and the dashboard (docs/cli.md, "dead-letters"). Build it
     with `of(service)` or from its parts. `replay`, `purge`, `park` and `run` append an audit
-    record to `audit_log=` (else `audit_trail.audit_log_path()`); `act`, the bare step, none.
-    """
+    record to `audit_log=` (else `audit_trail.audit_log_path()`); `act`, the bare step, none."""
 
     engine: Engine | None = None
     tables: Tables | None = None
@@ -757,8 +745,8 @@ class DeadLetters:
         )
 
     def reachable(self, source: str = "all") -> tuple[list[str], list[tuple[str, str]]]:
-        """The sources of `source` (a name of SOURCES, or "all") that can be read, in order,
-        and those that cannot, each with why."""
+        """The sources of `source` (of SOURCES, or "all") that can be read, and those that
+        cannot, each with why."""
         wanted = list(SOURCES) if source == "all" else [source]
         if any(name not in SOURCES for name in wanted):
             raise ConfigurationError(f"unknown dead-letter source {source!r}: one of {SOURCES}")
@@ -908,8 +896,7 @@ class DeadLetters:
         caller), at most `rate` letters a second, and write the audit record to `audit_log`
         (default `audit_log_path()`) in every case: a dry run, an empty selection, an action that
         fails half-way (with its error, then raised on). `source`, `filters` and `command`
-        (default ``dead-letters <action>``) go on the record. OSError when it cannot be written.
-        """
+        (default ``dead-letters <action>``) go on the record. OSError when it cannot be written."""
         if action not in ACTIONS:
             raise ConfigurationError(f"unknown action {action!r}: one of {ACTIONS}")
         if audit_log is None:

@@ -1,8 +1,6 @@
-"""`outbox-inbox demo`: two services, orders and billing, shown as a timed trace.
-
-docs/cli.md (``demo``) says what the trace shows, where the services keep their tables and how
-they talk, with URLs and without.
-"""
+"""`outbox-inbox demo`: two services, orders and billing, shown as a timed trace. docs/cli.md
+(``demo``) says what the trace shows, where the services keep their tables and how they talk, with
+URLs and without."""
 
 from __future__ import annotations
 
@@ -203,11 +201,8 @@ class Demo:
             states: dict[int, str] = {row.id: row.state for row in conn.execute(query)}
         with self.billing.engine.connect() as conn:
             inbox = self.billing.tables.inbox
-            rows = conn.execute(
-                select(
-                    inbox.c.routing_key, inbox.c.payload, inbox.c.status, inbox.c.dead_reason
-                ).order_by(inbox.c.id)
-            ).all()
+            columns = (inbox.c.routing_key, inbox.c.payload, inbox.c.status, inbox.c.dead_reason)
+            rows = conn.execute(select(*columns).order_by(inbox.c.id)).all()
         return {"orders": states, "billing_inbox": [tuple(r) for r in rows]}
 
     def close(self) -> None:

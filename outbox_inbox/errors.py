@@ -117,8 +117,7 @@ class HandlerExited(OutboxInboxError):
 
 
 def first_line(error: object) -> str:
-    """The first line of an error's text (a driver error may carry a whole statement after
-    it), or its repr when it has no text."""
+    """The first line of an error's text (a driver's may go on with a statement), else its repr."""
     text = str(error)
     return text.splitlines()[0] if text else repr(error)
 
@@ -169,11 +168,10 @@ def missing_partition(exc: BaseException) -> bool:
     return refused and "no partition of relation" in str(original)
 
 
-#: SQLSTATEs of a server that is going away or not ready: 57P01 admin_shutdown, 57P02
-#: crash_shutdown, 57P03 cannot_connect_now (starting up), 53300 too_many_connections; and of
-#: one short of a resource that comes back without anyone changing the statement: 53100
-#: disk_full ("could not extend file": the space is freed or added) and 53200 out_of_memory
-#: (the server's memory, taken by its other sessions). Not 53400
+#: SQLSTATEs of a server going away or not ready: 57P01 admin_shutdown, 57P02 crash_shutdown, 57P03
+#: cannot_connect_now (starting up), 53300 too_many_connections; and of one short of a resource
+#: that comes back with the statement unchanged: 53100 disk_full ("could not extend file": space
+#: is freed or added) and 53200 out_of_memory (taken by the server's other sessions). Not 53400
 #: configuration_limit_exceeded: a setting, which waiting does not change.
 _TRANSIENT_STATES = {"57P01", "57P02", "57P03", "53100", "53200", "53300"}
 #: What PostgreSQL says when the connection settings themselves are wrong.

@@ -1,10 +1,8 @@
 """Fault messages: what a service tells a command's sender when the command ended dead there.
-
 Written in the transaction of the dead mark (docs/failures.md, "A fault back to the sender"), a
 fault is a command to the sender routed ``<sender>.fault.<original routing key>``, which the
 sender's own binding ``<sender>.#`` takes; its JSON payload is a `Fault` (docs/wire-format.md).
-Events get one only with ``event_faults``; a fault never gets a fault of its own.
-"""
+Events get one only with ``event_faults``; a fault never gets a fault of its own."""
 
 from __future__ import annotations
 
@@ -36,11 +34,9 @@ _MAX_ERROR = 1000
 
 @dataclass(frozen=True)
 class Fault:
-    """The payload of a fault message: a message that ended dead at `service`.
-
-    A handler registered with `Service.on_fault` gets it as its typed payload when it
-    declares ``payload: Fault``. Each field is described in docs/wire-format.md ("Faults").
-    """
+    """The payload of a fault message: a message that ended dead at `service`. A handler registered
+    with `Service.on_fault` gets it as its typed payload when it declares ``payload: Fault``. Each
+    field is described in docs/wire-format.md ("Faults")."""
 
     message_id: str
     routing_key: str

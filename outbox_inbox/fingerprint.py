@@ -1,9 +1,7 @@
-"""The fingerprint of why a message died: what groups thousands of dead letters into a few causes.
-
-A handler's exception is fingerprinted by its type and the innermost frame of the user's own
-code in its traceback (``TimeoutError at billing/app.py:create_invoice``), a death the library
-decides by its reason alone: the table of docs/failures.md ("Dead letters grouped by cause").
-"""
+"""The fingerprint of why a message died: what groups thousands of dead letters into a few causes. A
+handler's exception is fingerprinted by its type and the innermost frame of the user's own code in
+its traceback (``TimeoutError at billing/app.py:create_invoice``), a death the library decides by
+its reason alone: the table of docs/failures.md ("Dead letters grouped by cause")."""
 
 from __future__ import annotations
 
@@ -18,8 +16,7 @@ from .errors import HandlerExited, InvalidPayload
 if TYPE_CHECKING:
     from .broker import Refusal
 
-#: Where code that is not the user's lives: this package, the standard library, installed
-#: packages.
+#: Where code that is not the user's lives: this package, the standard library, installed packages.
 _PATHS = sysconfig.get_paths()
 _PLACES = [os.path.dirname(__file__), _PATHS["stdlib"], _PATHS["purelib"], _PATHS["platlib"]]
 _NOT_USER = tuple({str(Path(p).resolve()) + os.sep for p in _PLACES})

@@ -44,13 +44,10 @@ def is_async_handler(handler: Callable[..., Any]) -> bool:
 
 @dataclass(frozen=True)
 class HandlerContext:
-    """What a handler written as ``def handler(ctx: HandlerContext)`` gets.
-
-    `session` is the Session of the transaction that marks the message processed (do not
-    commit it); `payload` is the message's payload, decoded into the handler's declared type
-    when it has one (outbox_inbox.payloads). `publish` and `send` write to the service's
-    outbox in that session, with the message's ids as causation and correlation.
-    """
+    """What a handler written as ``def handler(ctx: HandlerContext)`` gets: `session`, the Session
+    of the transaction that marks the message processed (do not commit it); `payload`, decoded into
+    the handler's declared type when it has one (outbox_inbox.payloads); `publish` and `send`, which
+    write to the outbox in that session with the message's ids as causation and correlation."""
 
     message: Message
     session: Session
@@ -112,13 +109,10 @@ class AsyncHandlerContext:
 
 @dataclass(frozen=True)
 class BatchContext:
-    """What a batch handler written as ``def handler(batch: BatchContext)`` gets.
-
-    `messages` and `payloads` are in claim order, one payload per message (decoded into the
-    handler's declared type when it has one). `session` is the Session of the transaction
-    that marks them all processed. Iterating gives one `HandlerContext` per message, whose
-    `publish` / `send` carry that message's ids as causation and correlation.
-    """
+    """What a batch handler written as ``def handler(batch: BatchContext)`` gets: `messages` and
+    `payloads` in claim order (each payload decoded into the handler's declared type when it has
+    one), and `session`, that of the transaction that marks them all processed. Iterating gives
+    one `HandlerContext` per message, whose `publish` / `send` carry its ids."""
 
     messages: Sequence[Message]
     payloads: Sequence[Any]
@@ -251,11 +245,10 @@ class HandlerOptions:
 
 @dataclass(frozen=True)
 class Subscription:
-    """A handler and what it handles: `kind` ``command``, ``event`` or ``fault``
-    (`Service.on_fault`), `pattern` a full routing key or topic pattern. How a handler is
-    called (message and session, a context, a typed payload, a batch): docs/concepts.md
-    ("Writing handlers", "Handlers run in batches"). `outbox` is the service's, for the
-    context's publish and send."""
+    """A handler and what it handles: `kind` ``command``, ``event`` or ``fault`` (`on_fault`),
+    `pattern` a full routing key or topic pattern. How it is called (message and session, a
+    context, a typed payload, a batch): docs/concepts.md ("Writing handlers", "Handlers run in
+    batches"). `outbox` is the service's, for the context's publish and send."""
 
     kind: str
     pattern: str

@@ -50,9 +50,8 @@ class Instances:
         self._advertised_at = time.monotonic()
 
     def retire(self, conn: Connection) -> None:
-        """Delete the worker's row: it stops, and no longer keeps messages only it could
-        handle waiting. A database error is only logged: the row then stops counting as live
-        after ``no_handler_grace``."""
+        """Delete the worker's row: it stops, and no longer keeps messages only it could handle
+        waiting. A database error is only logged: the row stops counting at ``no_handler_grace``."""
         if self._service is None or conn.invalidated or conn.closed:
             return
         try:

@@ -1,8 +1,7 @@
 """Hooks into the life of messages, for metrics, tracing and tests (docs/observability.md,
 "Listener hooks"): every method is a no-op, override the ones you need. A hook runs in its
 role's hot path; one that raises is logged and otherwise ignored. `Listeners` (or `combine`)
-makes several listeners one.
-"""
+makes several listeners one."""
 
 from __future__ import annotations
 
@@ -17,9 +16,8 @@ log = logging.getLogger(__name__)
 
 class Listener:
     #: True for a listener that must see the hooks of every process in the one that runs the
-    #: service (the Prometheus metrics it serves): in a forked worker process its hooks are
-    #: sent to that process (outbox_inbox.supervisor), which calls its ``forwarded_<hook>``
-    #: methods with the values they carry.
+    #: service (the Prometheus metrics it serves): in a forked worker process its hooks are sent
+    #: to that process (outbox_inbox.supervisor), which calls its ``forwarded_<hook>`` methods.
     forwarded_from_workers = False
 
     def relay_confirmed(
@@ -38,8 +36,7 @@ class Listener:
         """The handlers of `message` returned; it commits with the worker's batch."""
 
     def failed(self, message: Message, error: BaseException, *, dead: bool) -> None:
-        """A handler failed; the message is retried later, or, if `dead`, is not: it is dead,
-        or lost (``at_most_once``)."""
+        """A handler failed; retried later, or (`dead`) not: dead, or lost (``at_most_once``)."""
 
     def stored(self, messages: Sequence[Message]) -> None:
         """The receiver committed these new inbox rows (not duplicates; `attempt` is 0)."""

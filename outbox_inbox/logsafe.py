@@ -117,8 +117,7 @@ def mask_text(text: object, *urls: str | None) -> str:
     """`text` with URL passwords masked, and every password of `urls` and every password
     `remember`ed wherever it appears: the one mask of all that the library and the CLI print,
     log or raise (libpq's "unexpected spaces found in '<password>'" says nothing of a URL).
-    Passwords shorter than 3 characters are only masked inside URLs.
-    """
+    Passwords shorter than 3 characters are only masked inside URLs."""
     masked = mask_url(str(text))
     secrets = _secrets.union(*(url_passwords(url) for url in urls))
     for secret in sorted(secrets, key=len, reverse=True):

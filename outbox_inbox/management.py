@@ -1,9 +1,7 @@
-"""The RabbitMQ management HTTP API: what AMQP 0-9-1 cannot tell, bindings and arguments.
-
-AMQP has no way to list bindings or read the arguments a queue was declared with, so
-`outbox-inbox topology plan/verify` ask the management plugin when it answers. Standard library
-only (urllib). Only `add_vhost` and `delete_vhost` change the broker (the test servers' vhosts).
-"""
+"""The RabbitMQ management HTTP API: what AMQP 0-9-1 cannot tell, bindings and arguments. AMQP has
+no way to list bindings or read the arguments a queue was declared with, so `outbox-inbox topology
+plan/verify` ask the management plugin when it answers. Standard library only (urllib). Only
+`add_vhost` and `delete_vhost` change the broker (the test servers' vhosts)."""
 
 from __future__ import annotations
 
@@ -33,10 +31,8 @@ def vhost_of(mq_url: str) -> str:
 
 
 def default_management_url(mq_url: str) -> str:
-    """``http://user:password@host:15672``: the management API next to the broker of `mq_url`.
-
-    Same host and credentials as the AMQP URL (guest/guest when it has none, as pika assumes).
-    """
+    """``http://user:password@host:15672``: the management API next to the broker of `mq_url`. Same
+    host and credentials as the AMQP URL (guest/guest when it has none, as pika assumes)."""
     parts = urlsplit(mq_url)
     host = parts.hostname or "localhost"
     if ":" in host:
@@ -47,11 +43,9 @@ def default_management_url(mq_url: str) -> str:
 
 
 class ManagementAPI:
-    """Reads exchanges, queues and bindings of one vhost from the management API at `url`.
-
-    `url` is the API's base, e.g. ``http://user:password@rabbit:15672`` (a path prefix is kept,
-    for an API behind a proxy). The credentials travel as HTTP basic authentication.
-    """
+    """Reads exchanges, queues and bindings of one vhost from the management API at `url`. `url` is
+    the API's base, e.g. ``http://user:password@rabbit:15672`` (a path prefix is kept, for an API
+    behind a proxy). The credentials travel as HTTP basic authentication."""
 
     def __init__(self, url: str, vhost: str, *, timeout: float = 5.0) -> None:
         parts = urlsplit(url)

@@ -1,9 +1,6 @@
-"""Messages as immutable values, and their wire format on AMQP (docs/wire-format.md).
-
-A message travels as a JSON body plus AMQP properties and headers; docs/wire-format.md lists
-each of them. `to_wire` encodes an outbox row; `from_wire` checks every rule a received message
-must meet, so that nothing it accepts is refused by PostgreSQL.
-"""
+"""Messages as immutable values, and their wire format on AMQP: a JSON body plus properties and
+headers (docs/wire-format.md). `to_wire` encodes an outbox row; `from_wire` checks every rule a
+received message must meet, so that nothing it accepts is refused by PostgreSQL."""
 
 from __future__ import annotations
 
@@ -28,8 +25,7 @@ COMMAND, EVENT = "command", "event"
 COMMANDS_EXCHANGE, EVENTS_EXCHANGE = "commands", "events"
 CONTENT_TYPE = "application/json"
 
-#: Header names the library owns (each one's meaning: docs/wire-format.md); a sender's own
-#: headers must not use them.
+#: Header names the library owns (docs/wire-format.md): a sender's own headers must not use them.
 H_KIND = "x-kind"
 H_VERSION = "x-version"
 H_CAUSATION = "x-causation-id"
@@ -483,11 +479,9 @@ def from_row(cls: type[_M], row: Mapping[Any, Any], **given: Any) -> _M:
 
 
 def from_wire(wire: WireMessage, *, max_bytes: int | None = None) -> dict[str, Any]:
-    """Decode a delivery into inbox column values; raise InvalidMessage with the reason.
-
-    Every rule of docs/wire-format.md is checked here, so that what passes can be stored:
-    PostgreSQL refuses nothing that `from_wire` returns. `max_bytes` limits the body.
-    """
+    """Decode a delivery into inbox column values; raise InvalidMessage with the reason. Every
+    rule of docs/wire-format.md is checked here: PostgreSQL refuses nothing this returns.
+    `max_bytes` limits the body."""
     message_id = _column(_property(wire.message_id, "message_id"), "message_id")
     if not message_id:
         raise InvalidMessage("message has no message_id property")

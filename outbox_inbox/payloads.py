@@ -1,7 +1,6 @@
 """Typed payloads: a handler's declared payload type (a dataclass or a pydantic model:
 docs/concepts.md, "A typed payload"), decoding into it (`InvalidPayload`: dead at once as
-``invalid_payload``), and plain JSON values of such objects for `publish` and `send` (`plain`).
-"""
+``invalid_payload``), and plain JSON values of such objects for `publish` and `send` (`plain`)."""
 
 from __future__ import annotations
 
@@ -141,13 +140,6 @@ def _scalar(value: Any, wanted: Any, path: str) -> Any:
 
 
 def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    return {
-        bool: "a boolean",
-        int: "a number",
-        float: "a number",
-        str: "a string",
-        list: "an array",
-        dict: "an object",
-    }.get(type(value), type(value).__name__)
+    scalars = {type(None): "null", bool: "a boolean", int: "a number", float: "a number"}
+    names = {**scalars, str: "a string", list: "an array", dict: "an object"}
+    return names.get(type(value), type(value).__name__)

@@ -27,13 +27,11 @@ class Dead:
 
 @dataclass(frozen=True, kw_only=True)
 class RetryPolicy:
-    """Exponential backoff: ``delay(n) = min(initial * multiplier ** (n - 1), max_interval)``.
-
-    `n` is the number of the failed attempt (1 for the first failure). `max_attempts` counts
-    every handling, the first included; `max_attempts=1` or ``0`` means the first failure is
-    final (``0`` reads "no retry"). `jitter` spreads each delay uniformly by up to that fraction
-    (0.1 = ±10 %), so messages that failed together do not come back together.
-    """
+    """Exponential backoff: ``delay(n) = min(initial * multiplier ** (n - 1), max_interval)``. `n`
+    is the number of the failed attempt (1 for the first failure). `max_attempts` counts every
+    handling, the first included; `max_attempts=1` or ``0`` means the first failure is final (``0``
+    reads "no retry"). `jitter` spreads each delay uniformly by up to that fraction (0.1 = ±10 %),
+    so messages that failed together do not come back together."""
 
     initial: float = 1.0
     multiplier: float = 2.0

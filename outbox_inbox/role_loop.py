@@ -3,8 +3,7 @@
 is followed by its `recover` and a `Backoff` wait (which logs the outage), one outside
 `UNAVAILABLE` logged with its traceback first; what a role does not retry ends its `run`. A
 step that found less than a full batch is followed by `idle` and a poll wait, cut short by a
-NOTIFY (`Waker`) or by `stop`; a full batch by the next step at once.
-"""
+NOTIFY (`Waker`) or by `stop`; a full batch by the next step at once."""
 
 from __future__ import annotations
 

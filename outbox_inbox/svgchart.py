@@ -1,11 +1,8 @@
-"""Charts drawn as inline SVG: one coordinate system, count ticks, a y axis, lines.
-
-What the audit report (outbox_inbox.analytics.report) and the dashboard share. A chart is
-CHART_WIDTH wide in its own units and scales to its box through its viewBox; the plot spans
-PLOT_LEFT..PLOT_RIGHT and starts PLOT_TOP from the top. Colours are presentation attributes
-and the rest is styled by CHART_CSS, so a page that forbids inline styles shows them. Every
-text given is escaped.
-"""
+"""Charts drawn as inline SVG: one coordinate system, count ticks, a y axis, lines. What the audit
+report (outbox_inbox.analytics.report) and the dashboard share. A chart is CHART_WIDTH wide in its
+own units and scales to its box through its viewBox; the plot spans PLOT_LEFT..PLOT_RIGHT and starts
+PLOT_TOP from the top. Colours are presentation attributes and the rest is styled by CHART_CSS, so a
+page that forbids inline styles shows them. Every text given is escaped."""
 
 from __future__ import annotations
 

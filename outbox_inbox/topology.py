@@ -87,8 +87,7 @@ def service_topology(
     """Build the topology of `service`, subscribed to `event_patterns` on the events exchange:
     the objects of docs/topology.md. The shared exchanges are declared by every service with
     the same arguments, so the order in which services start does not matter; with
-    `queue_type="quorum"` the services sharing a broker must agree on it (`unroutable`).
-    """
+    `queue_type="quorum"` the services sharing a broker must agree on it (`unroutable`)."""
     quorum = queue_type == "quorum"
     inbox_args: dict[str, Any] = {
         # A message the receiver rejects (or that a quorum queue gives up on) is kept.

@@ -1,9 +1,7 @@
 """Compare the topology a service needs with what the broker holds (`outbox-inbox topology`).
-
 Exchanges and queues are checked through the management API when it answers, else through the
 broker's `Operator`; bindings cannot be listed over AMQP 0-9-1, so without the API they stay
-``unverified`` unless their exchange or queue is missing (docs/cli.md, "How it checks").
-"""
+``unverified`` unless their exchange or queue is missing (docs/cli.md, "How it checks")."""
 
 from __future__ import annotations
 

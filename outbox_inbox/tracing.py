@@ -1,7 +1,6 @@
 """OpenTelemetry spans of a service's messages, and their W3C trace context on the wire: the spans,
 their attributes and how the context travels are in docs/observability.md ("Traces"). A missing or
-invalid trace header only means a new trace; a tracing error is logged and never fails a message.
-"""
+invalid trace header only means a new trace; a tracing error is logged and never fails a message."""
 
 from __future__ import annotations
 
@@ -207,15 +206,14 @@ def record_sends(
             ok = outcome is PublishOutcome.CONFIRMED or (
                 outcome is PublishOutcome.RETURNED and message.kind != COMMAND
             )
+            message_id = str(message.message_id)
             span = tracer.start_span(
                 f"send {message.routing_key}",
                 context=extract(message.headers),
                 kind=SpanKind.CLIENT,
                 start_time=started_ns,
                 attributes={
-                    **_common(
-                        "send", message.exchange, message.routing_key, str(message.message_id)
-                    ),
+                    **_common("send", message.exchange, message.routing_key, message_id),
                     A_OPERATION_NAME: "publish",
                     A_CONVERSATION_ID: message.correlation_id or "",
                     A_KIND: message.kind,
@@ -241,18 +239,14 @@ def record_receives(
         for row, duplicate in rows:
             headers = row["headers"]
             original = headers.get(H_ORIGINAL_ID)
+            message_id = original if isinstance(original, str) else str(row["message_id"])
             span = tracer.start_span(
                 f"receive {row['routing_key']}",
                 context=extract(headers),
                 kind=SpanKind.CLIENT,
                 start_time=started_ns,
                 attributes={
-                    **_common(
-                        "receive",
-                        _exchange(row["kind"]),
-                        row["routing_key"],
-                        original if isinstance(original, str) else str(row["message_id"]),
-                    ),
+                    **_common("receive", _exchange(row["kind"]), row["routing_key"], message_id),
                     A_CONVERSATION_ID: row.get("correlation_id") or "",
                     **_consumer(service),
                     A_KIND: row["kind"],

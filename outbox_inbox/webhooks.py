@@ -1,8 +1,6 @@
-"""Webhooks out: events delivered to HTTP endpoints, signed as Standard Webhooks 1.0 says.
-
-Each event an endpoint's patterns match gets a delivery row of its own in the outbox (exchange
-``webhook:<name>``, `outbox.delivery_rows`), which the `WebhookRole` POSTs (docs/concepts.md).
-"""
+"""Webhooks out: events delivered to HTTP endpoints, signed as Standard Webhooks 1.0 says. Each
+event an endpoint's patterns match gets a delivery row of its own in the outbox (exchange
+``webhook:<name>``, `outbox.delivery_rows`), which the `WebhookRole` POSTs (docs/concepts.md)."""
 
 from __future__ import annotations
 

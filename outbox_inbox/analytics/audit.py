@@ -1,9 +1,7 @@
-"""The audit: a PySpark job that reconciles every service's sent messages with their receipts.
-
-It reads archive roots written by `outbox-inbox archive` (any path Spark reads) and optionally
-the live tables of service databases, and returns the summary of docs/history.md ("The audit";
-"How the job runs": DataFrame operations only, no Python UDFs).
-"""
+"""The audit: a PySpark job that reconciles every service's sent messages with their receipts. It
+reads archive roots written by `outbox-inbox archive` (any path Spark reads) and optionally the live
+tables of service databases, and returns the summary of docs/history.md ("The audit"; "How the job
+runs": DataFrame operations only, no Python UDFs)."""
 
 from __future__ import annotations
 
@@ -127,8 +125,7 @@ def spark_session(
 
 @contextmanager
 def _stderr_to(log: Path | None) -> Iterator[None]:
-    """Standard error (file descriptor 2) sent to `log` meanwhile: a JVM started meanwhile
-    keeps writing there for its lifetime."""
+    """Standard error (fd 2) sent to `log` meanwhile: a JVM started meanwhile keeps it for life."""
     if log is None:
         yield
         return
@@ -150,8 +147,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def spark_schema(source: str, *, partitioned: bool) -> StructType:
-    """The Spark schema of an archived `source`, with the ``service`` (and ``date``)
-    partition columns when `partitioned`."""
+    """The Spark schema of an archived `source`, with its partition columns if `partitioned`."""
     from pyspark.sql import types as T
 
     kinds = {
@@ -216,8 +212,7 @@ class Window:
     unpublished one by its creation, a receipt of nobody's message by its message's creation).
     The archive dates rows by when they became visible (`DATE_COLUMNS`), so only the date
     partitions from `since` on are read, and of them only the rows of messages created before
-    `until` (docs/history.md, "One day at a time"): no row is left unread, however late.
-    """
+    `until` (docs/history.md, "One day at a time"): no row is left unread, however late."""
 
     since: datetime
     until: datetime
@@ -373,15 +368,10 @@ def _read_inputs(
             frames[source] = frames[source].where(window.read())
     if window is not None and not any(found.values()) and not live:
         raise AuditError(_unarchived(window, archives))
-    subs = read_archives(spark, archives, SUBSCRIPTIONS)
-    subscriptions = [
-        (row["service"], row["exchange"], row["pattern"], _aware(row["subscribed_at"]))
-        for row in subs.collect()
-    ] + [
-        (part.service, s["exchange"], s["pattern"], _aware(s["subscribed_at"]))
-        for part in live
-        for s in part.subscriptions
-    ]
+    archived = read_archives(spark, archives, SUBSCRIPTIONS).collect()
+    named: list[tuple[str, Any]] = [(row["service"], row) for row in archived]
+    named += [(part.service, s) for part in live for s in part.subscriptions]
+    subscriptions = [(n, s["exchange"], s["pattern"], _aware(s["subscribed_at"])) for n, s in named]
     outbox = frames[OUTBOX]
     # One row per sent message. The archive writes a row once; only a row archived while the
     # audit read the live tables can be in both.
@@ -393,8 +383,7 @@ def _read_inputs(
 def _read(
     spark: SparkSession, roots: Sequence[str], source: str, first: str | None
 ) -> tuple[DataFrame, bool]:
-    """`source`'s files of every root (only the date partitions from day `first` on, when
-    given), and whether any root had any."""
+    """`source`'s files of every root (from day `first` on, if given), and whether any had any."""
     from pyspark.errors import AnalysisException
     from pyspark.sql import functions as F
 
@@ -422,8 +411,7 @@ def _read(
 
 def _listed(base: str, first: str | None) -> list[str] | None:
     """The directories of a local archive root's `base` (``ROOT/SOURCE``) to read: itself, or
-    its date partitions from day `first` on; None for a root on another file system (Spark
-    lists it)."""
+    its date partitions from day `first` on; None for a root elsewhere (Spark lists it)."""
     if "://" in base:
         return None
     if first is None:
@@ -432,9 +420,8 @@ def _listed(base: str, first: str | None) -> list[str] | None:
 
 
 def check_archives(roots: Sequence[str], window: Window | None, live: bool = False) -> None:
-    """What can be told before Spark starts: raises AuditError when a local root cannot be
-    listed, or when `window`'s days are in no partition of the (all local) roots and no
-    `live` rows are read."""
+    """What can be told before Spark starts: AuditError when a local root cannot be listed, or
+    when `window`'s days are in no partition of the (all local) roots and no `live` rows are."""
     for root in (r for r in roots if "://" not in r):
         try:
             os.listdir(root)
@@ -539,11 +526,8 @@ def _hash() -> Column:
 
 def _parts(spark: SparkSession, *inputs: DataFrame) -> int:
     """How many parts to spread the history into by message id: one per PART_BYTES of what
-    Spark estimates it reads, at least the parallelism, at most ``spark.sql.shuffle.partitions``.
-
-    Chosen here, not by adaptive execution: the joined rows are kept in memory, and Spark
-    keeps the number of parts of a plan it caches as it was planned.
-    """
+    Spark estimates it reads, at least the parallelism, at most ``spark.sql.shuffle.partitions``
+    (not adaptive: Spark keeps the number of parts of a plan it caches as it was planned)."""
     try:
         size = sum(
             int(str(f._jdf.queryExecution().optimizedPlan().stats().sizeInBytes())) for f in inputs
@@ -811,15 +795,12 @@ class _Figures:
             counts[int(r["bucket"])] += int(r["n"])
         if not counts:
             return []
-        return [
-            {
-                "le_seconds": None
-                if b > HISTOGRAM_HIGH
-                else round(10 ** (b / HISTOGRAM_PER_DECADE), 6),
-                "count": counts.get(b, 0),
-            }
-            for b in range(min(counts), max(counts) + 1)
-        ]
+
+        def le(b: int) -> float | None:  # the bucket's upper bound; None: the last, unbounded
+            return None if b > HISTOGRAM_HIGH else round(10 ** (b / HISTOGRAM_PER_DECADE), 6)
+
+        buckets = range(min(counts), max(counts) + 1)
+        return [{"le_seconds": le(b), "count": counts.get(b, 0)} for b in buckets]
 
     def retries(self) -> list[dict[str, Any]]:
         out = [
@@ -1029,13 +1010,6 @@ def _float(value: Any) -> float | None:
 
 
 __all__ = [
-    "AuditError",
-    "LiveRows",
-    "Window",
-    "check_archives",
-    "combine",
-    "read_archives",
-    "read_live",
-    "run_audit",
-    "spark_session",
-]
+    "AuditError", "LiveRows", "Window", "check_archives", "combine", "read_archives", "read_live",
+    "run_audit", "spark_session",
+]  # fmt: skip

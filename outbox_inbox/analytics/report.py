@@ -1,9 +1,7 @@
-"""The audit summary (JSON, schema version 1) as one self-contained HTML page; `write_audit`
-runs the audit and writes both into a directory (docs/history.md, "The audit").
-
-The page has one inline ``<style>`` and inline ``<svg>`` charts: no scripts, fonts, images or
-network. Every string taken from the summary is user data and is escaped.
-"""
+"""The audit summary (JSON, schema version 1) as one self-contained HTML page; `write_audit` runs
+the audit and writes both into a directory (docs/history.md, "The audit"). The page has one inline
+``<style>`` and inline ``<svg>`` charts: no scripts, fonts, images or network. Every string taken
+from the summary is user data and is escaped."""
 
 from __future__ import annotations
 
@@ -384,17 +382,11 @@ def _latency_chart(histogram: Sequence[Mapping[str, Any]]) -> str:
 
 
 def _latency_labelled_buckets(bounds: Sequence[Any]) -> set[int]:
-    """The buckets whose upper bound gets an x axis label: powers of ten when there are enough
-    of them (1ms, 10ms, 1s), else every n-th counted back from the last, which is always labelled.
-    """
+    """The buckets whose upper bound gets an x axis label: powers of ten when there are enough of
+    them (1ms, 10ms, 1s), else every n-th counted back from the last, which is always labelled."""
     last = len(bounds) - 1
-    decades = {
-        index
-        for index, bound in enumerate(bounds)
-        if _is_number(bound)
-        and bound > 0
-        and abs(math.log10(bound) - round(math.log10(bound))) < 0.01
-    }
+    logs = {index: math.log10(b) for index, b in enumerate(bounds) if _is_number(b) and b > 0}
+    decades = {index for index, log in logs.items() if abs(log - round(log)) < 0.01}
     if 2 <= len(decades) <= MAX_X_LABELS:
         return decades | {last}
     stride = math.ceil(len(bounds) / MAX_X_LABELS)
@@ -465,8 +457,7 @@ def _dead_letter_chart(causes: Sequence[Mapping[str, Any]]) -> str:
         )
     parts.append(f'<line class="axis" x1="{bars_left}" x2="{bars_left}" y1="{top}" y2="{bottom}"/>')
     # Labels start at the left edge and are clipped short of the bars: text metrics are the
-    # browser's, so a label that turns out too wide is cut at its end instead of running off
-    # the chart or over the bars.
+    # browser's, so a label too wide is cut at its end, not run off the chart or over the bars.
     parts.append(
         f'<clipPath id="dead-letter-labels"><rect x="0" y="0" width="{bars_left - 8}" '
         f'height="{height}"/></clipPath>'
@@ -544,8 +535,7 @@ def _latency_table(latency: Sequence[Mapping[str, Any]]) -> str:
 def _table(
     title: str, keys: Sequence[str], entries: Sequence[Mapping[str, Any]] | None, total: int = 0
 ) -> str:
-    """A table of one row per entry, a column per key; `total`: how many entries there are, of
-    which these are examples."""
+    """A table of one row per entry, a column per key; `total`: how many there are in all."""
     numeric = ' class="num"'
     heads = "".join(f"<th{numeric if k in COUNTS else ''}>{k.replace('_', ' ')}</th>" for k in keys)
     rows = [

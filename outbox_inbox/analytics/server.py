@@ -1,7 +1,6 @@
 """The warm local Spark: a Spark Connect server that ``outbox-inbox audit`` starts on first use
 and later runs connect to, one per state directory (`state_dir`). docs/history.md ("A warm
-Spark between runs") says what it keeps there, how it listens and when it stops itself.
-"""
+Spark between runs") says what it keeps there, how it listens and when it stops itself."""
 
 from __future__ import annotations
 
@@ -64,9 +63,8 @@ def stop(timeout: float = 60.0) -> dict[str, Any] | None:
 
 @contextmanager
 def warm_session(driver_memory: str | None) -> Iterator[tuple[SparkSession, str]]:
-    """A session on the running server, started first when none runs; and the line that says
-    which. The server counts as used until the block ends. Raises AuditError when it cannot
-    be started or reached."""
+    """A session on the running server (started first if none runs) and the line saying which;
+    the server counts as used until the block ends. AuditError if it cannot start or be reached."""
     from pyspark.sql import SparkSession
 
     directory = state_dir()

@@ -476,17 +476,10 @@ def _write(
 
 
 def _write_subscriptions(root: Path, start: datetime, late_us: int) -> None:
+    late, early = datetime.fromtimestamp(late_us / 1e6, UTC), start - timedelta(days=1)
     for service, patterns in SUBSCRIPTIONS_OF.items():
-        records = [
-            {
-                "exchange": exchange,
-                "pattern": pattern,
-                "subscribed_at": datetime.fromtimestamp(late_us / 1e6, UTC)
-                if (service, pattern) == LATE_PATTERN
-                else start - timedelta(days=1),
-            }
-            for exchange, pattern in patterns
-        ]
+        at = {p: late if (service, p) == LATE_PATTERN else early for _, p in patterns}
+        records = [{"exchange": e, "pattern": p, "subscribed_at": at[p]} for e, p in patterns]
         directory = root / service / SUBSCRIPTIONS / f"service={service}"
         directory.mkdir(parents=True, exist_ok=True)
         table = pa.Table.from_pylist(records, schema=arrow_schema(SUBSCRIPTIONS))

@@ -57,13 +57,11 @@ CLOSE_TIMEOUT = 2.0
 
 
 def close_quietly(connection: pika.BlockingConnection, timeout: float = CLOSE_TIMEOUT) -> None:
-    """Close `connection` if it is open, waiting `timeout` seconds at most; never raise.
-
-    A polite close waits for the broker's close-ok, which a blocked connection (memory alarm)
-    or a dead link (blackhole) never sends: pika would wait for its blocked or heartbeat
-    timeout. So the close runs in a thread of its own, which owns the connection from then on,
-    and the caller moves on after `timeout`; that thread ends when pika gives up.
-    """
+    """Close `connection` if it is open, waiting `timeout` seconds at most; never raise. A polite
+    close waits for the broker's close-ok, which a blocked connection (memory alarm) or a dead link
+    (blackhole) never sends: pika would wait for its blocked or heartbeat timeout. So the close runs
+    in a thread of its own, which owns the connection from then on, and the caller moves on after
+    `timeout`; that thread ends when pika gives up."""
     if not connection.is_open:
         return
 

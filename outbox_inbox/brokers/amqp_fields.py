@@ -1,13 +1,11 @@
-"""AMQP 0-9-1 message properties and field tables, decoded so that no sent value can fail.
-
-pika decodes properties inside the connection's I/O: a value Python cannot represent (a ``T``
-timestamp past the year 9999, tables nested past the recursion limit) drops the connection,
-and the same message comes back, forever. pika also turns ``f`` and ``d`` floats into
-integers, and cannot encode floats at all. `decode_leniently(connection)` makes a connection
-decode with `decode_properties`, which keeps what Python cannot represent as a `RawField`
-that encodes back to the same bytes; `forward_properties` builds a forwarded copy's
-properties, encoded by `encode_table`, which never fails on a value either.
-"""
+"""AMQP 0-9-1 message properties and field tables, decoded so that no sent value can fail. pika
+decodes properties inside the connection's I/O: a value Python cannot represent (a ``T`` timestamp
+past the year 9999, tables nested past the recursion limit) drops the connection, and the same
+message comes back, forever. pika also turns ``f`` and ``d`` floats into integers, and cannot encode
+floats at all. `decode_leniently(connection)` makes a connection decode with `decode_properties`,
+which keeps what Python cannot represent as a `RawField` that encodes back to the same bytes;
+`forward_properties` builds a forwarded copy's properties, encoded by `encode_table`, which never
+fails on a value either."""
 
 from __future__ import annotations
 
@@ -35,10 +33,9 @@ MAX_DEPTH = 32
 H_DROPPED_HEADERS = "x-dropped-headers"
 
 #: The AMQP properties of a received message that `WireMessage` has no field of, kept in
-#: `WireMessage.properties` so that a forwarded copy has them. (``expiration`` is not kept: a
-#: dead letter must not expire, as RabbitMQ's own dead-lettering drops it too; ``user_id`` is
-#: not kept: RabbitMQ refuses a publish whose ``user_id`` is not the publishing connection's
-#: user.)
+#: `WireMessage.properties` so that a forwarded copy has them. (``expiration`` is not kept: a dead
+#: letter must not expire, as RabbitMQ's own dead-lettering drops it too; ``user_id`` is not kept:
+#: RabbitMQ refuses a publish whose ``user_id`` is not the publishing connection's user.)
 KEPT_PROPERTIES = ("content_encoding", "reply_to", "cluster_id")
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -348,11 +345,8 @@ def forward_properties(
     )
     size = sum(len(piece) for piece in encode_properties(props))
     if size > max_size:
-        kept = {
-            name: headers[name]
-            for name in (H_ORIGINAL_EXCHANGE, H_ORIGINAL_ROUTING_KEY, *added)
-            if name in headers
-        }
+        names = (H_ORIGINAL_EXCHANGE, H_ORIGINAL_ROUTING_KEY, *added)
+        kept = {name: headers[name] for name in names if name in headers}
         kept[H_DROPPED_HEADERS] = f"{size} bytes of properties did not fit in one frame"
         props.headers = kept
     return props

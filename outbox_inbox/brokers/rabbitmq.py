@@ -39,11 +39,9 @@ log = logging.getLogger(__name__)
 
 
 class _AtDebug(logging.Filter):
-    """Log pika's own lines of a logger at DEBUG: all of them, or those of format `only`.
-
-    They repeat what the roles report themselves: an outage (pika logs ERROR lines and a
-    traceback per failed connection attempt), and a blocking (`FlowControl` logs it once).
-    """
+    """Log pika's own lines of a logger at DEBUG: all of them, or those of format `only`. They
+    repeat what the roles report themselves: an outage (pika logs ERROR lines and a traceback
+    per failed connection attempt), and a blocking (`FlowControl` logs it once)."""
 
     def __init__(self, only: str | None = None) -> None:
         super().__init__()
@@ -83,15 +81,13 @@ _TCP_OPTIONS = dict(TCP_KEEPIDLE=10, TCP_KEEPINTVL=5, TCP_KEEPCNT=3, TCP_USER_TI
 
 class RabbitMQBroker:
     """RabbitMQ at `url` (``amqp://user:password@host:port/vhost``), or the nodes of a cluster
-    (``amqp://user:password@node1:5672,node2:5672/vhost``: see `config.broker_urls`).
-
-    Every connection it opens negotiates AMQP heartbeats of `heartbeat` seconds (unless the URL
-    sets ``heartbeat=``), uses TCP keepalive, gives up connecting after `connect_timeout`, and
-    is broken once blocked for `blocked_connection_timeout` (docs/configuration.md says what
-    each bounds). Blocking and unblocking are logged and counted in `flow_control`. Publishers
-    come from a pool of at most `publisher_connections` connections of their own, never a
-    consumer's (`_PublisherPool`), waiting `publisher_checkout_timeout` s for a free one.
-    """
+    (``amqp://user:password@node1:5672,node2:5672/vhost``: see `config.broker_urls`). Every
+    connection it opens negotiates AMQP heartbeats of `heartbeat` seconds (unless the URL sets
+    ``heartbeat=``), uses TCP keepalive, gives up connecting after `connect_timeout`, and is broken
+    once blocked for `blocked_connection_timeout` (docs/configuration.md says what each bounds).
+    Blocking and unblocking are logged and counted in `flow_control`. Publishers come from a pool of
+    at most `publisher_connections` connections of their own, never a consumer's (`_PublisherPool`),
+    waiting `publisher_checkout_timeout` s for a free one."""
 
     def __init__(
         self,
@@ -199,12 +195,9 @@ class RabbitMQBroker:
         return None if info is None else info[0]
 
     def body_limit(self, size: int) -> int | None:
-        """RabbitMQ's ``max_message_size`` if it refuses a body of `size` bytes, else None.
-
-        AMQP does not announce the limit, so this publishes a body of `size` zero bytes,
-        confirmed and not mandatory, to a routing key of the default exchange that no queue
-        has (the broker drops it), and reads the limit from the refusal if one comes.
-        """
+        """RabbitMQ's ``max_message_size`` if it refuses a body of `size` bytes, else None. AMQP
+        does not announce it: this publishes `size` zero bytes, confirmed and not mandatory, to
+        a routing key no queue has (the broker drops it), and reads the refusal if one comes."""
         connection = self.connect()
         try:
             channel = connection.channel()
@@ -252,14 +245,11 @@ _CACHE_SIZE = 4096
 
 
 class _PublishFrames:
-    """The AMQP frames of a persistent, mandatory ``basic.publish`` on one channel.
-
-    Byte for byte what pika's ``Channel.basic_publish`` writes for the message, persistent (the
-    method frame, the content header and the body frames), built without pika's frame objects, so
-    that a publisher can hand many messages to the socket in one write. The parts that repeat from
-    message to message (the method frame of an exchange and routing key, short strings such as the
-    content type, header entries such as ``x-kind``) are encoded once and kept.
-    """
+    """The AMQP frames of a persistent, mandatory ``basic.publish`` on one channel: byte for
+    byte what pika's ``Channel.basic_publish`` writes, built without pika's frame objects, so
+    that a publisher can hand many messages to the socket in one write. The parts that repeat
+    from message to message (the method frame of an exchange and routing key, short strings,
+    header entries such as ``x-kind``) are encoded once and kept."""
 
     def __init__(self, channel_number: int, body_max: int) -> None:
         self._channel_number = channel_number
@@ -354,16 +344,11 @@ class _PublishFrames:
 
 
 class PublishingBatch:
-    """Messages handed to `RabbitMQPublisher.start_batch`, on their way to an outcome each.
-
-    The publisher sends them as its window allows and settles them as confirms arrive; the
-    batch is `done` once every message has an outcome. Two messages of one ordering key are
-    never in flight together, and once one fails the later ones of its key are SKIPPED.
-
-    A batch keeps its messages already encoded (frames as bytes), with their ids and keys,
-    not the `WireMessage` objects: a relay keeps several batches in flight, and thousands of
-    small objects that outlive a few garbage collections make the full ones frequent.
-    """
+    """Messages handed to `RabbitMQPublisher.start_batch`, on their way to an outcome each (`done`
+    once every one has). Two messages of one ordering key are never in flight together, and once one
+    fails the later ones of its key are SKIPPED. The messages are kept encoded (frames as bytes,
+    with their ids and keys), not as `WireMessage` objects: a relay keeps several batches in flight,
+    and thousands of long-lived small objects make full garbage collections frequent."""
 
     __slots__ = (
         "_failed_keys", "_frames", "_keys", "_keys_in_flight", "_message_ids", "_todo",
@@ -446,18 +431,12 @@ _CONFIRM_WAIT = 0.05
 
 
 class RabbitMQPublisher:
-    """Publishes with a window of unconfirmed messages on one channel in confirm mode.
-
-    pika's BlockingChannel waits for each confirm in turn when confirms are on, which caps a
-    publisher near a round trip per message. This class switches confirm mode on at the
-    channel implementation underneath (`BlockingChannel._impl`, the asynchronous pika Channel)
-    and pumps the connection itself, so up to `window` publishes are in flight at once.
-
-    Besides the blocking `publish_batch`, a caller may keep several batches going at once:
-    `start_batch` hands one over and returns at once, `pump` moves every started batch on, and
-    a batch is `done` when each of its messages has an outcome. The window is shared: the
-    messages of a later batch go out as the confirms of an earlier one free room.
-    """
+    """Publishes with a window of unconfirmed messages on one channel in confirm mode. pika's
+    BlockingChannel waits for each confirm in turn, about a round trip per message; this class turns
+    confirms on at the asynchronous channel underneath (`BlockingChannel._impl`) and pumps the
+    connection itself, so up to `window` publishes are in flight at once. Besides the blocking
+    `publish_batch`, `start_batch` hands a batch over and returns at once, and `pump` moves every
+    started batch on; they share the window."""
 
     def __init__(
         self, connection: pika.BlockingConnection, pool: _PublisherPool | None = None
@@ -504,8 +483,7 @@ class RabbitMQPublisher:
     def _renew(self) -> None:
         """Publish on a new channel from now on, once the messages in flight are settled: after
         a nack the channel may be what refuses (RabbitMQ 3.10 after a quorum queue's leader
-        died: docs/failures.md); a nack of the queue's own (full) is given on the new one alike.
-        """
+        died: docs/failures.md); a nack of the queue's own (full) is given on the new one alike."""
         while self._batches and not self._broken:
             self.pump(_CONFIRM_WAIT)
         if self._broken:
@@ -547,9 +525,8 @@ class RabbitMQPublisher:
             (method.delivery_tag, bool(method.multiple), isinstance(method, Basic.Ack))
         )
         if len(self._confirms) == 1:
-            # A confirm arrived: end the pump's wait now. The blocking connection returns
-            # early only for events of its own (a callback of the asynchronous channel is
-            # not one); a posted callback is.
+            # A confirm arrived: end the pump's wait now. The blocking connection returns early for
+            # its own events only: a posted callback is one, the asynchronous channel's are not.
             self._connection.add_callback_threadsafe(lambda: None)
 
     def _on_return(self, _channel: Any, _method: Any, props: BasicProperties, _body: bytes) -> None:
@@ -567,11 +544,8 @@ class RabbitMQPublisher:
     def start_batch(
         self, messages: Sequence[WireMessage], *, window: int, timeout: float
     ) -> PublishingBatch:
-        """Start publishing `messages` (see `Publisher.publish_batch`) and return at once.
-
-        Up to `window` messages of all started batches are unconfirmed at a time; the batch
-        times out `timeout` seconds from now. Call `pump` until the batch is `done`.
-        """
+        """Start publishing `messages` (see `Publisher.publish_batch`) and return at once; the
+        batch times out `timeout` seconds from now. Call `pump` until the batch is `done`."""
         if window < 1:
             raise ConfigurationError("publish window must be at least 1")
         if self._nacked:
@@ -592,12 +566,9 @@ class RabbitMQPublisher:
         return batch
 
     def pump(self, wait: float) -> None:
-        """Send what the window allows, process broker traffic and settle confirmed messages.
-
-        Waits up to `wait` seconds for confirms when nothing could be sent. A batch that
-        reached its deadline with messages unconfirmed breaks the publisher: late confirms
-        would be matched against the wrong messages, so a fresh channel must be opened.
-        """
+        """Send what the window allows, process broker traffic and settle confirmed messages,
+        waiting up to `wait` seconds for confirms when nothing could be sent. A batch past its
+        deadline unconfirmed breaks the publisher: late confirms would match the wrong messages."""
         if not self._batches:
             return
         try:
@@ -633,11 +604,8 @@ class RabbitMQPublisher:
         return sum(len(batch._unconfirmed) for batch in self._batches)
 
     def _fill(self) -> bool:
-        """Publish messages of the started batches, in order, while the window has room.
-
-        The frames of all the messages go to the connection in one write: pika would write
-        three frames per message, each with its own system call.
-        """
+        """Publish messages of the started batches, in order, while the window has room, in
+        one write (pika writes three frames per message, each with its own system call)."""
         room = self._window - self._unconfirmed()
         if room <= 0:
             return False
@@ -710,15 +678,11 @@ class RabbitMQPublisher:
 
 
 class _PublisherPool:
-    """The publishing connections of one broker: at most `size` checked out at once, each with
-    one channel in confirm mode, kept open when given back for the next checkout.
-
-    A pika connection belongs to one thread, so a checkout lends a whole connection and its
-    channel to one thread until `RabbitMQPublisher.close`; no consumer ever uses one, so flow
-    control that blocks publishing (a memory alarm) never stalls consuming. The hard limit:
-    a checkout waits `timeout` seconds for a connection to come back, then raises BrokerError
-    (docs/failures.md, "The publisher pool is exhausted").
-    """
+    """The publishing connections of one broker: at most `size` checked out at once, each with one
+    channel in confirm mode, kept open when given back. A checkout lends a connection to one thread
+    until `RabbitMQPublisher.close` (pika's rule); no consumer uses one, so flow control that blocks
+    publishing never stalls consuming. A checkout waits `timeout` seconds for a connection to come
+    back, then raises BrokerError (docs/failures.md, "The publisher pool is exhausted")."""
 
     def __init__(self, broker: RabbitMQBroker, size: int, timeout: float) -> None:
         self._broker, self.size, self._timeout = broker, size, timeout
@@ -779,13 +743,10 @@ class _PublisherPool:
 
 
 class RabbitMQConsumer:
-    """Consumes one queue with a prefetch window; acknowledges from the owning thread.
-
-    Deliveries are pushed by the broker (``basic.consume``) into a buffer that `fetch` drains;
-    at most `prefetch` are unacknowledged at a time. A consumer the broker cancels
-    (``basic.cancel``: its queue was deleted, or the queue's node failed) makes `fetch` raise
-    TopologyMissing naming the queue, as a queue that does not exist does.
-    """
+    """Consumes one queue (``basic.consume`` into a buffer that `fetch` drains) with at most
+    `prefetch` unacknowledged; acknowledges from the owning thread. A consumer the broker
+    cancels (its queue was deleted, or the queue's node failed) makes `fetch` raise
+    TopologyMissing naming the queue, as a queue that does not exist does."""
 
     def __init__(self, connection: pika.BlockingConnection, queue: str, *, prefetch: int) -> None:
         self._connection = connection
@@ -889,12 +850,9 @@ class RabbitMQConsumer:
 
 
 class FlowControl:
-    """The broker's flow control (``connection.blocked``) on the connections of one broker.
-
-    Logged once per blocking with the broker's reason and once when it ends, with how long it
-    lasted; counted. pika calls these from the thread that owns the connection; the counters
-    are only read elsewhere.
-    """
+    """The broker's flow control (``connection.blocked``) on the connections of one broker:
+    logged once per blocking with the broker's reason and once when it ends, with how long it
+    lasted; counted (by the connection's thread; only read elsewhere)."""
 
     def __init__(self, description: str) -> None:
         self._description = description

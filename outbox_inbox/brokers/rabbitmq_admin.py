@@ -1,7 +1,6 @@
 """The `Operator` port on RabbitMQ over AMQP (`RabbitMQBroker.operator`): checking objects,
 reading and moving messages, tailing. A `RabbitMQAdmin` owns one connection and is used from
-one thread. pika errors are translated here, like in `rabbitmq`.
-"""
+one thread. pika errors are translated here, like in `rabbitmq`."""
 
 from __future__ import annotations
 
@@ -37,10 +36,8 @@ def _broker_error(what: str, exc: BaseException) -> BrokerError:
 
 class RabbitMQAdmin(Operator):
     """One connection to RabbitMQ for checks and operator actions. Close it (or use `with`).
-
-    `connect` opens a new connection (raising BrokerConnectionError when it cannot);
-    `description` names the broker, password masked (`RabbitMQBroker.operator` passes both).
-    """
+    `connect` opens a new connection (raising BrokerConnectionError when it cannot); `description`
+    names the broker, password masked (`RabbitMQBroker.operator` passes both)."""
 
     def __init__(self, connect: Callable[[], pika.BlockingConnection], description: str) -> None:
         self._connect = connect
@@ -70,8 +67,7 @@ class RabbitMQAdmin(Operator):
         it. So this publishes, on a connection of its own, a dropped empty message, then a
         mandatory one the broker returns (no route) only if it read on. None when that return
         comes first, or nothing within `timeout` seconds; else ``connection.blocked``'s reason.
-        Raises BrokerConnectionError if the broker cannot be reached.
-        """
+        Raises BrokerConnectionError if the broker cannot be reached."""
         connection = self._connect()
         blocked: list[str] = []
         returned: list[bool] = []

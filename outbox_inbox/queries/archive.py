@@ -1,6 +1,5 @@
 """The statements of the message history: what the archive reads, moves and deletes (and its
-journal and lock), what the audit reads live, and the prunes of the partition maintenance.
-"""
+journal and lock), what the audit reads live, and the prunes of the partition maintenance."""
 
 from __future__ import annotations
 
@@ -52,13 +51,11 @@ def history_rows(
     of: Any = None,
     after_id: int | None = None,
 ) -> list[RowMapping]:
-    """Rows of `source` ('outbox' or 'inbox'), lowest id first: with a `cutoff`, only those
-    finished before it (what the archive moves), else every row (what the audit reads live).
-    `of`: read this table instead (a detached partition, with the same columns); `after_id`:
-    only rows with a greater id (keyset paging).
-
-    Inbox rows carry their ``deliveries`` and ``duplicates`` counters from inbox_deliveries.
-    """
+    """Rows of `source` ('outbox' or 'inbox'), lowest id first: with a `cutoff`, only those finished
+    before it (what the archive moves), else every row (what the audit reads live). `of`: read this
+    table instead (a detached partition, with the same columns); `after_id`: only rows with a
+    greater id (keyset paging). Inbox rows carry their ``deliveries`` and ``duplicates`` counters
+    from inbox_deliveries."""
     t = _archive_table(tables, source) if of is None else of
     if source == "outbox":
         stmt = select(t)
@@ -79,11 +76,9 @@ def history_rows(
 def delete_archived(
     conn: Connection, tables: Tables, source: str, cutoff: datetime, ids: Sequence[int]
 ) -> int:
-    """Delete the archived rows `ids` of `source` that still qualify; return how many.
-
-    A row changed since it was written (a dead row replayed) no longer qualifies and stays.
-    The inbox rows' delivery counters go with them.
-    """
+    """Delete the archived rows `ids` of `source` that still qualify; return how many. A row changed
+    since it was written (a dead row replayed) no longer qualifies and stays. The inbox rows'
+    delivery counters go with them."""
     if not ids:
         return 0
     t = _archive_table(tables, source)
@@ -122,8 +117,7 @@ def forget_archive_files(conn: Connection, tables: Tables, ids: Sequence[uuid.UU
 def try_archive_lock(conn: Connection, schema: str) -> bool:
     """Take the lock that lets one archive run per schema (`try_xact_lock`: the caller keeps
     the transaction open for the whole run); False when it is held. SQLite has no such lock:
-    one process writes it at a time anyway, and its archive is run by hand.
-    """
+    one process writes it at a time anyway, and its archive is run by hand."""
     return conn.dialect.name != "postgresql" or try_xact_lock(
         conn, f"outbox_inbox.archive.{schema}"
     )
@@ -144,10 +138,8 @@ def try_xact_lock(conn: Connection, key: str) -> bool:
 
 
 def prune_deliveries(conn: Connection, tables: Tables, cutoff: datetime) -> int:
-    """Delete delivery counters last seen before `cutoff` whose message has no inbox row.
-
-    They belong to messages the receiver dead-lettered or already archived.
-    """
+    """Delete delivery counters last seen before `cutoff` whose message has no inbox row. They
+    belong to messages the receiver dead-lettered or already archived."""
     d, i = tables.deliveries, tables.inbox
     stmt = delete(d).where(
         d.c.last_seen_at < cutoff, ~exists().where(i.c.message_id == d.c.message_id)

@@ -2,8 +2,7 @@
 the DDL of a partition, the maintenance lock, the check that a partition holds no unfinished
 row. PostgreSQL only. DDL takes no bound parameters: the only names placed into it are the
 library's validated schema and table names and the partition names and bounds that
-`outbox_inbox.partitions` computed — never input.
-"""
+`outbox_inbox.partitions` computed — never input."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The statements of the roles: what the outbox writer, the relay, the receiver, the worker and
-the waker run, and what a service sets up on its connections.
-"""
+the waker run, and what a service sets up on its connections."""
 
 from __future__ import annotations
 
@@ -114,18 +113,14 @@ def is_postgres(executor: Executor) -> bool:
 
 
 def insert_outbox(executor: Executor, tables: Tables, rows: Sequence[Mapping[str, Any]]) -> None:
-    """Insert outbox rows in the caller's transaction.
-
-    Each row gives ``ttl`` and ``delay`` in seconds (or None) instead of times: the database
-    computes ``expires_at`` and ``available_at`` from its own clock, so a writer whose host
-    clock is wrong cannot expire or delay a message by mistake. A row may carry its payload
-    already encoded as JSON text in ``payload_json`` (the outbox encodes it to check its size):
-    it is sent as it is.
-
-    On PostgreSQL the writer first takes a transaction-scoped advisory lock on each ordering
-    key, so two transactions writing the same key take their ids one after the other: id order
-    is commit order for a key, which is the order the relay publishes it in.
-    """
+    """Insert outbox rows in the caller's transaction. Each row gives ``ttl`` and ``delay`` in
+    seconds (or None) instead of times: the database computes ``expires_at`` and ``available_at``
+    from its own clock, so a writer whose host clock is wrong cannot expire or delay a message by
+    mistake. A row may carry its payload already encoded as JSON text in ``payload_json`` (the
+    outbox encodes it to check its size): it is sent as it is. On PostgreSQL the writer first takes
+    a transaction-scoped advisory lock on each ordering key, so two transactions writing the same
+    key take their ids one after the other: id order is commit order for a key, which is the order
+    the relay publishes it in."""
     # The Session's connection: a Core statement runs there as Session.execute would run it
     # (no autoflush), without the ORM's execution layer, on the hot path of every writer.
     conn = executor.connection() if isinstance(executor, Session) else executor
@@ -238,19 +233,13 @@ def _dicts(result: Result[Any]) -> list[Claimed]:
 
 
 def claim_outbox(conn: Connection, tables: Tables, limit: int) -> list[Claimed]:
-    """Lock up to `limit` publishable rows in id order (``FOR UPDATE SKIP LOCKED``).
-
-    A keyed row qualifies only while no earlier row of its key waits for a retry, and only if
-    this transaction gets the relay's advisory lock on the key: another relay holding the key
-    may be publishing its earlier rows. Locks last until the transaction ends.
-
-    The lock is tried row by row during the scan, so another relay may release a key half-way
-    through it: then this claim holds a key's later rows without its earlier ones. The caller
-    must check the claimed rows of each key against `earliest_unsent` and leave them alone
-    unless they start there.
-
-    The rows carry the columns a relay publishes from (not ``available_at``, ``published_at``,
-    ``expired_at`` nor ``last_error``) and ``claimed_at``, the database's time of the claim.
+    """Lock up to `limit` publishable rows in id order (``FOR UPDATE SKIP LOCKED``), until the
+    transaction ends, with the columns a relay publishes from (`_relayed_columns`) and
+    ``claimed_at``, the database's time of the claim. A keyed row qualifies only while no earlier
+    row of its key waits for a retry, and only if this transaction gets the relay's advisory lock on
+    the key (another relay may be publishing its earlier rows). The lock is tried row by row during
+    the scan, so another relay may release a key half-way through it: the caller must check the
+    claimed rows of each key against `earliest_unsent` and leave them alone unless they start there.
     """
     stmt = _claim_outbox_statement(tables, is_postgres(conn))
     return _dicts(conn.execute(stmt, {"limit": limit}))
@@ -352,11 +341,9 @@ def claimed_outbox_rows(conn: Connection, tables: Tables, ids: Sequence[int]) ->
 
 
 def earliest_unsent(conn: Connection, tables: Tables, keys: Sequence[str]) -> dict[str, int]:
-    """The id of the earliest row still to be published, for each of `keys`.
-
-    Run after `claim_outbox`, in its transaction (a new statement, so a new snapshot): a relay
-    that claimed a key's rows publishes them only if they start at this row.
-    """
+    """The id of the earliest row still to be published, for each of `keys`. Run after
+    `claim_outbox`, in its transaction (a new statement, so a new snapshot): a relay that claimed a
+    key's rows publishes them only if they start at this row."""
     if not keys:
         return {}
     stmt = _earliest_unsent_statement(tables, is_postgres(conn))
@@ -443,17 +430,13 @@ def _outbox_failed_statement(tables: Tables, postgres: bool, *, dead: bool) -> A
 def insert_inbox(
     conn: Connection, tables: Tables, rows: Sequence[Mapping[str, Any]]
 ) -> set[uuid.UUID]:
-    """Store received messages once each: a message_id already stored is skipped.
-
-    Returns the message ids of the rows that were new.
-
-    On PostgreSQL the inbox is partitioned by time, and a unique index holds in one partition
-    only: two copies received at two times would not collide. So the receiver first takes a
-    transaction-level advisory lock on each message id (in one order, so that two receivers
-    never deadlock), then inserts only the ids no partition holds yet: a second copy being
-    stored at the same moment waits for the first one's commit, and its insert, a new
-    statement, sees that row.
-    """
+    """Store received messages once each: a message_id already stored is skipped. Returns the
+    message ids of the rows that were new. On PostgreSQL the inbox is partitioned by time, and a
+    unique index holds in one partition only: two copies received at two times would not collide. So
+    the receiver first takes a transaction-level advisory lock on each message id (in one order, so
+    that two receivers never deadlock), then inserts only the ids no partition holds yet: a second
+    copy being stored at the same moment waits for the first one's commit, and its insert, a new
+    statement, sees that row."""
     if not rows:
         return set()
     if conn.dialect.name == "postgresql":
@@ -507,12 +490,9 @@ def _insert_inbox_statement(tables: Tables) -> Any:
         .render_derived(name="received", with_types=True)
     )
     # A JSON null in the document is SQL NULL in the record: the payload may be JSON null.
-    values = [
-        func.coalesce(received.c[n], literal_column("'null'::jsonb", JSONB))
-        if n in RECEIVED_JSON_COLUMNS
-        else received.c[n]
-        for n in RECEIVED_COLUMNS
-    ]
+    json_null = literal_column("'null'::jsonb", JSONB)
+    coalesced = {n: func.coalesce(received.c[n], json_null) for n in RECEIVED_JSON_COLUMNS}
+    values = [coalesced.get(n, received.c[n]) for n in RECEIVED_COLUMNS]
     stored = exists().where(inbox.c.message_id == received.c.message_id)
     return (
         pg_insert(inbox)
@@ -588,39 +568,21 @@ def claim_inbox(
 ) -> list[Claimed]:
     """Lease up to `limit` due pending rows to `worker`; count the claim in `attempts`.
 
-    Highest priority first. Within a priority, `fair` serves the groups (routing key and
-    tenant) in turn: each group's oldest claimable row, then each one's second, and so on,
-    starting with the groups after `after` (the last group the worker was served; a worker
-    passes it on from claim to claim, so a batch of one goes round the groups too); without
-    `fair`, arrival order. `weights` and `tenant_weights`: the turns a routing key and a
-    tenant get in each round (weighted round robin; 1 without one; a group's is the product).
-    A keyed row qualifies only when no earlier pending row has its key: a key is handled one
-    message at a time, in order. A leased row qualifies once
-    its lease ran out on the database clock, or, on PostgreSQL, as soon as its claimant no
-    longer holds its liveness lock (`hold_claimant_lock`): its worker died or lost its
-    connection. Rows a live worker is handling are row-locked and skipped.
+    The rules are those of docs/concepts.md ("Fair claims and caps", "Ordering keys"): highest
+    priority first; with `fair`, the groups (routing key and tenant) in turn, weighted by
+    `weights` and `tenant_weights`, from the group after `after` (the last one this worker was
+    served); `caps` (``max_concurrency``; a claim takes at most half, rounded up, of the places
+    left, so they go to several workers) and `rates` (``(n, seconds)``) by routing key, the
+    rows held back neither leased nor counted. A keyed row qualifies only when no earlier
+    pending row has its key; a leased row once its lease ran out on the database clock or, on
+    PostgreSQL, once its claimant no longer holds its liveness lock (`hold_claimant_lock`).
 
-    `caps`: the most rows of a routing key leased at once, by every worker of the database
-    together. A claim takes at most half (rounded up) of the cap less the rows of that type
-    leased now, so the places go to several workers. `rates`: ``(n, seconds)``, the most rows
-    of a routing key claimed in any `seconds`: a claim takes at most n less the rows of the
-    type claimed in the tenths of the period that end within its last `seconds` of the
-    database clock (`inbox_rate_counts`, to which it adds its own). The rows held back are
-    neither leased nor counted. On PostgreSQL the claim
-    first takes a transaction lock per capped type (`CAP_LOCK`), so that two claims never count
-    the same free places: it is held until the caller's transaction ends (keep it short).
-
-    On PostgreSQL the rest of the caller's transaction runs with ``enable_sort`` and ``jit`` off
-    (``SET LOCAL``, in a statement before the claim; without `flush_wait`, also
-    ``synchronous_commit`` off: `_CLAIM_SETTINGS`): planned on the statistics of an inbox
-    analyzed nearly empty, the claim would otherwise sort every pending row of a backlog at
-    each execution, for as long as the connection keeps that plan; compiled, it would take
-    seconds. Run it last in its transaction.
-
-    The claim commits with the caller's transaction, so the count survives a crash of the
-    handler. The rows come in the order they were served (`served_order`; without `fair`, by
-    priority then arrival), each with the `_CLAIMED` columns and ``claimed_at``, the
-    database's time.
+    On PostgreSQL a claim of capped types holds a transaction lock per type (`CAP_LOCK`) until
+    the caller's transaction ends (keep it short), and the rest of that transaction runs with
+    the settings of `_CLAIM_SETTINGS` (`flush_wait`): run the claim last in its transaction. It
+    commits with the caller's transaction, so the count survives a crash of the handler. The
+    rows come in the order they were served (`served_order`; without `fair`, by priority then
+    arrival), each with the `_CLAIMED` columns and ``claimed_at``, the database's time.
     """
     postgres = conn.dialect.name == "postgresql"
     if postgres:
@@ -760,23 +722,18 @@ def _fair_claim_statement(
     tenant_weights: tuple[tuple[str, int], ...] = (),
 ) -> Any:
     """The claim of `claim_inbox` with `caps`, in rounds of the weights (`fair`) or arrival
-    order, built once per schema, caps and weights.
-
-    On PostgreSQL the groups (type and tenant) waiting are read from the index of pending rows
-    by type and tenant, one probe per group (a recursive scan), and each group's first `limit`
-    claimable rows from the same index (a lateral subquery that row-locks them, skipping rows
-    another claim holds); SQLite numbers every claimable row instead. A capped type's places
-    go to its rows in turn; the first `limit` in served order are leased.
-    """
+    order, built once per schema, caps and weights. On PostgreSQL the groups waiting are read
+    from the index of pending rows, one probe per group (a recursive scan), then each group's
+    first `limit` claimable rows (a lateral subquery that row-locks them, SKIP LOCKED); SQLite
+    numbers every claimable row instead. The first `limit` in served order are leased."""
     i = tables.inbox
     limit = bindparam("limit", type_=Integer, literal_execute=True)
     if postgres:
         probe = i.alias("probe")
 
         # From the newest end: a drain's handled rows, in the index until a vacuum, lie at the
-        # other. LIMIT 1 written into the text: as a parameter, the server's generic plan of
-        # the prepared claim would expect a tenth of the table from each probe, and each
-        # execution would be planned anew (custom plans).
+        # other. LIMIT 1 written into the text: as a parameter, the generic plan of the prepared
+        # claim would expect a tenth of the table from each probe, and each run be planned anew.
         def newest(*where: Any) -> Select[Any]:
             return (
                 select(probe.c.routing_key.label("rk"), probe.c.tenant)
@@ -938,12 +895,9 @@ def _claimant_key(claimant: Any) -> Any:
 
 
 def _claimant_gone(locked_by: Any) -> ColumnElement[bool]:
-    """True for a row whose claimant holds no liveness lock in this database.
-
-    The set of live claimants is one hashed subquery per statement, read only when a leased
-    row is met. Two claimant names with the same hash can only make a dead claimant look alive,
-    which the lease still bounds: the error is on the safe side.
-    """
+    """True for a row whose claimant holds no liveness lock in this database (one hashed
+    subquery per statement, read only when a leased row is met). Two names with the same hash
+    can only make a dead claimant look alive, which the lease still bounds: the safe side."""
     live = select(_pg_locks.c.objid).where(
         _pg_locks.c.locktype == "advisory",
         _pg_locks.c.database
@@ -959,11 +913,8 @@ def _claimant_gone(locked_by: Any) -> ColumnElement[bool]:
 
 def hold_claimant_lock(conn: Connection, claimant: str) -> bool:
     """Take the session-level liveness lock of `claimant` on `conn`; False if it is taken.
-
-    The lock lives as long as the database session: a worker that dies, or whose connection
-    is cut, loses it at once, and claims treat its leased rows as free. On SQLite (one
-    process, no such locks) this does nothing and returns True.
-    """
+    A worker that dies, or whose connection is cut, loses it at once, and claims treat its
+    leased rows as free. On SQLite (one process, no such locks): nothing, True."""
     if conn.dialect.name != "postgresql":
         return True
     taken = conn.execute(
@@ -975,12 +926,9 @@ def hold_claimant_lock(conn: Connection, claimant: str) -> bool:
 def _among(
     column: ColumnElement[Any], postgres: bool, name: str = "ids", of: Any = BigInteger
 ) -> ColumnElement[bool]:
-    """``column`` is one of the values (of type `of`) of the parameter `name`, a list given at
-    execution.
-
-    On PostgreSQL one array parameter keeps the statement's text the same whatever the number
-    of ids, so the server prepares it once; elsewhere an expanding IN list.
-    """
+    """``column`` is one of the values (of type `of`) of the list parameter `name`: on
+    PostgreSQL one array parameter, so the text stays the same whatever the number of values
+    and the server prepares it once; elsewhere an expanding IN list."""
     if postgres:
         return column == any_(bindparam(name, type_=ARRAY(of)))
     return column.in_(bindparam(name, expanding=True))
@@ -989,11 +937,9 @@ def _among(
 def lock_claimed(
     conn: Connection, tables: Tables, ids: Sequence[int], worker: str, since: datetime | None = None
 ) -> set[int]:
-    """Row-lock the claimed rows that are still leased to `worker` and pending.
-
-    The row lock keeps any other worker away while the handlers run, even if the lease runs out.
-    `since`: no row of `ids` was received before it (see `_received_since`).
-    """
+    """Row-lock the claimed rows that are still leased to `worker` and pending. The row lock keeps
+    any other worker away while the handlers run, even if the lease runs out. `since`: no row of
+    `ids` was received before it (see `_received_since`)."""
     stmt = _lock_claimed_statement(tables, conn.dialect.name == "postgresql")
     params = {"ids": list(ids), "claimant": worker, "since": since or _LONG_AGO}
     return set(conn.execute(stmt, params).scalars().all())
@@ -1116,24 +1062,18 @@ def mark_dead(
 def release_claims(
     conn: Connection, tables: Tables, ids: Sequence[int], worker: str, *, away: bool = False
 ) -> None:
-    """Give back claims this worker will not run, uncounted: it is stopping, or (`away`) it
-    has no handler for them.
-
-    An `away` row keeps `worker`'s name in ``locked_by`` (with no lease) and is due again to
-    other workers after `AWAY`, to `worker` after twice that (`claimable`): a worker that has a
-    handler takes it first, and this one does not claim it again at every poll. Either way
-    the rows stay pending, so a later row of the same key is held behind them.
-    """
+    """Give back claims this worker will not run, uncounted: it is stopping, or (`away`) it has no
+    handler for them. An `away` row keeps `worker`'s name in ``locked_by`` (with no lease) and is
+    due again to other workers after `AWAY`, to `worker` after twice that (`claimable`): a worker
+    that has a handler takes it first, and this one does not claim it again at every poll. Either
+    way the rows stay pending, so a later row of the same key is held behind them."""
     if ids:
         i = tables.inbox
-        values: dict[str, Any] = {
-            "locked_until": None,
-            "locked_by": None,
-            "attempts": i.c.attempts - 1,
-        }
+        values: dict[str, Any] = {"locked_until": None, "attempts": i.c.attempts - 1}
         if away:
             values["next_attempt_at"] = db_now_plus(AWAY)
-            values.pop("locked_by")
+        else:
+            values["locked_by"] = None
         conn.execute(
             update(i)
             .where(
@@ -1185,8 +1125,7 @@ def forget_instance(conn: Connection, tables: Tables, service: str, instance: st
 def live_instances(
     conn: Connection, tables: Tables, service: str, grace: timedelta
 ) -> list[RowMapping]:
-    """The instances of `service` seen within `grace` on the database clock: each row's
-    ``instance`` and ``handlers``."""
+    """The instances of `service` seen within `grace` (database clock): instance and handlers."""
     n = tables.instances
     stmt = select(n.c.instance, n.c.handlers).where(
         n.c.service == service, n.c.seen_at >= db_now_plus(-grace)
@@ -1197,10 +1136,8 @@ def live_instances(
 def record_subscriptions(
     conn: Connection, tables: Tables, service: str, bindings: Sequence[tuple[str, str]]
 ) -> None:
-    """Remember the (exchange, pattern) bindings of `service`'s inbox queue.
-
-    A binding declared before keeps its first `subscribed_at`: re-declaring changes nothing.
-    """
+    """Remember the (exchange, pattern) bindings of `service`'s inbox queue; a binding declared
+    before keeps its first `subscribed_at`."""
     if not bindings:
         return
     s = tables.subscriptions
@@ -1244,15 +1181,12 @@ def prepare_args(setting: int | str | None) -> dict[str, Any]:
 
 def unprepared_behind_pooler(engine: Engine | AsyncEngine) -> None:
     """Turn prepared statements off on each new connection of `engine` that goes through a
-    connection pooler; leave them on (`PREPARE_THRESHOLD`) on a direct connection.
-
-    A pooler in transaction mode runs each transaction on whichever server connection is
-    free, so a statement prepared on one is missing (or already there) on the next:
-    "prepared statement "_pg3_5" already exists". It is found by the backend pid: the one the
-    server reports (``pg_backend_pid()``) is not the one the connection was given at its start
-    (a pooler such as PgBouncer gives each client a key of its own). One query per new
-    connection, then rolled back.
-    """
+    connection pooler; leave them on (`PREPARE_THRESHOLD`) on a direct connection. A pooler in
+    transaction mode runs each transaction on whichever server connection is free, so a statement
+    prepared on one is missing (or already there) on the next: "prepared statement "_pg3_5" already
+    exists". It is found by the backend pid: the one the server reports (``pg_backend_pid()``) is
+    not the one the connection was given at its start (a pooler such as PgBouncer gives each client
+    a key of its own). One query per new connection, then rolled back."""
     sync_engine = getattr(engine, "sync_engine", engine)
 
     @event.listens_for(sync_engine, "connect")
@@ -1269,35 +1203,27 @@ def unprepared_behind_pooler(engine: Engine | AsyncEngine) -> None:
             driver.prepare_threshold = None
 
 
-#: Server-side TCP keepalive of a worker's transactions (idle, interval, count): the server ends
-#: the session of a worker whose host vanished mid-transaction after about 25 s, and its row
-#: locks with it. (Over a Unix socket PostgreSQL ignores them.)
+#: Server-side TCP keepalive (idle, interval, count; ignored over a Unix socket) and
+#: ``tcp_user_timeout`` (ms, as the client's `database.CLIENT_BOUNDS`) of the roles'
+#: transactions: what each bounds is in docs/failures.md ("A partition from PostgreSQL").
 WORKER_KEEPALIVE = (10, 5, 3)
-#: Server-side ``tcp_user_timeout`` of a worker's transactions, in ms. Keepalive probes go out
-#: only while nothing sent waits for its acknowledgement: a worker cut off (a partition, a host
-#: gone) while the server was sending it rows would otherwise keep its session, and its rows'
-#: locks, until the server's retransmissions give up (about 15 minutes) or reach the worker's
-#: host again after the partition (as late after it as the partition was long). The same bound
-#: as the client's (`database.CLIENT_BOUNDS`).
 WORKER_USER_TIMEOUT = 10_000
 
 
 def limit_worker(dbapi_connection: Any, lease: float, *, local: bool) -> None:
     """Set the limits of a worker's transactions on `dbapi_connection` (psycopg).
-
     ``idle_in_transaction_session_timeout`` = `lease`: a worker whose handler hangs keeps its row
     locks; the server ends its session after the lease, so the rows go back to the queue and
     the hung work can never commit. The TCP keepalive settings and ``tcp_user_timeout`` bound
     how long the transaction of a worker whose host vanished or was cut off lives on
     (`WORKER_KEEPALIVE`, `WORKER_USER_TIMEOUT`). ``jit`` off and ``plan_cache_mode`` =
-    ``force_generic_plan``: the claim is planned once per connection, and never compiled.
+    ``force_generic_plan``: the claim is planned once per connection, and never compiled (the
+    server kept planning it anew, and compiling it, each of which cost more than running it).
 
-    `local`: set them for the transaction being begun only (``set_config(..., true)``, ``SET
-    LOCAL``), so that a connection pooler in transaction mode hands no setting of the library
-    to its other clients, and the limit holds whichever server connection the pooler picked;
-    then it is called from SQLAlchemy's ``begin`` event, where the SQLAlchemy connection cannot
-    execute yet, and the statement opens the transaction. Otherwise for the session, once:
-    only on a session that is the worker's own for as long as it lives.
+    `local`: for the transaction being begun only (``SET LOCAL``), so that a pooler in
+    transaction mode hands no setting to its other clients and the limit holds on whichever
+    server connection it picked; called from SQLAlchemy's ``begin`` event, the statement opens
+    the transaction. Otherwise for the session, once, on a session that is the worker's own.
     """
     idle, interval, count = WORKER_KEEPALIVE
     settings = {
@@ -1306,11 +1232,7 @@ def limit_worker(dbapi_connection: Any, lease: float, *, local: bool) -> None:
         "tcp_keepalives_interval": str(interval),
         "tcp_keepalives_count": str(count),
         "tcp_user_timeout": str(WORKER_USER_TIMEOUT),
-        # The claim's estimated cost can pass jit_above_cost, and compiling it costs far
-        # more than running it: no statement of a worker's transaction needs JIT.
         "jit": "off",
-        # The server kept planning the fair claim anew at each execution (its generic plan
-        # costed a little above the custom ones), which cost more than running it.
         "plan_cache_mode": "force_generic_plan",
     }
     # The DB-API face only (no psycopg keywords): the asyncio worker's adapter has no more.
@@ -1322,28 +1244,19 @@ def limit_worker(dbapi_connection: Any, lease: float, *, local: bool) -> None:
 
 
 def keep_liveness_session_alive(conn: Connection) -> None:
-    """Set `WORKER_KEEPALIVE` on the session that holds a worker's liveness lock.
-
-    Session-level on purpose: that session is the worker's own for as long as it lives (a
-    direct connection, or one a session pooler resets when the client leaves), never a
-    connection a transaction pooler shares. The server then ends the session of a worker whose
-    host vanished after about 25 s, and the lock with it.
-    """
+    """Set `WORKER_KEEPALIVE` on the session that holds a worker's liveness lock, for the
+    session: it is the worker's own for as long as it lives, never one a transaction pooler
+    shares. The server then ends the session of a vanished worker, and the lock with it."""
     conn.execute(_tcp_bounds(local=False))
 
 
 def bound_on_server(conn: Connection, *, flush_wait: bool = True) -> None:
     """Bound, on the server, how long the session of the transaction in hand outlives a client
-    cut off from it (a partition, a host gone): `WORKER_USER_TIMEOUT` once an answer waits
-    unacknowledged, `WORKER_KEEPALIVE` once the client is silent. The transaction's locks go
-    with the session. What the relay and the receiver run first in each transaction; the
-    server's defaults would keep such a session for minutes (retransmissions) or two hours
-    (the kernel's keepalive). Without `flush_wait`, also ``synchronous_commit = off`` in the same
-    statement (see `_CLAIM_SETTINGS`).
-
+    cut off from it, and its locks with it (`WORKER_USER_TIMEOUT`, `WORKER_KEEPALIVE`; the
+    server's defaults: minutes or two hours). The relay and the receiver run it first in each
+    transaction. Without `flush_wait`, also ``synchronous_commit = off`` (`_CLAIM_SETTINGS`).
     ``SET LOCAL``: nothing outlives the transaction, on whichever server connection a pooler in
-    transaction mode picked. Does nothing on SQLite.
-    """
+    transaction mode picked. Does nothing on SQLite."""
     if is_postgres(conn):
         conn.execute(_tcp_bounds(local=True, user_timeout=True, flush_wait=flush_wait))
 

@@ -1,9 +1,7 @@
-"""Test helpers: run a service's handlers in a test, in memory or on real servers.
-
-A `ServiceHarness` drives one `Service` one step at a time in the calling thread, through the
-code paths the real roles run. The pytest fixtures at the end of this module (entry point
-``pytest11``) and the switch to real servers are described in docs/testing.md.
-"""
+"""Test helpers: run a service's handlers in a test, in memory or on real servers. A
+`ServiceHarness` drives one `Service` one step at a time in the calling thread, through the code
+paths the real roles run. The pytest fixtures at the end of this module (entry point ``pytest11``)
+and the switch to real servers are described in docs/testing.md."""
 
 from __future__ import annotations
 
@@ -66,10 +64,7 @@ class HarnessTimeout(OutboxInboxError, AssertionError):
 @dataclass(frozen=True)
 class PublishedMessage:
     """A message the service wrote to its outbox: an event it published or a command it sent.
-
-    `type` is the routing key (``billing.invoice.created``, ``billing.invoice.create``);
-    `sent` is True once the relay has published it to the broker.
-    """
+    `type` is the routing key; `sent` is True once the relay has published it to the broker."""
 
     message_id: uuid.UUID
     kind: str
@@ -86,12 +81,10 @@ class PublishedMessage:
 
 @dataclass(frozen=True)
 class InboxRow:
-    """A message in the service's inbox and what became of it.
-
-    `status` is ``pending``, ``processed`` or ``dead``; `attempts` counts the times a worker
-    took it, `last_error` holds the last handler failure (a traceback) and `dead_reason` why it
-    is dead (``max_attempts``, ``rejected``, ``no_handler``, ``expired``, ``abandoned``, …).
-    """
+    """A message in the service's inbox and what became of it: `status` is ``pending``,
+    ``processed`` or ``dead``; `attempts` counts the times a worker took it, `last_error` holds the
+    last handler failure (a traceback) and `dead_reason` why it is dead (``max_attempts``,
+    ``rejected``, ``no_handler``, ``expired``, ``abandoned``, …)."""
 
     message_id: uuid.UUID
     kind: str
@@ -110,13 +103,11 @@ class InboxRow:
 
 class ServiceHarness:
     """Drives one `Service` on a `MemoryBroker` (or RabbitMQ) step by step, in the calling thread.
-
     Declares the service's topology and, unless ``migrate=False``, migrates its database (its
-    business tables are the caller's). Raises ConfigurationError for the process's shared
-    in-memory broker, and on RabbitMQ for a running service's queues (docs/testing.md); it never
-    purges a queue. Not thread-safe; the service must not be started. `close()` leaves the
-    service and the broker open.
-    """
+    business tables are the caller's). Raises ConfigurationError for the process's shared in-memory
+    broker, and on RabbitMQ for a running service's queues (docs/testing.md); it never purges a
+    queue. Not thread-safe; the service must not be started. `close()` leaves the service and the
+    broker open."""
 
     def __init__(self, service: Service, *, migrate: bool = True) -> None:
         broker = service.broker
@@ -197,17 +188,13 @@ class ServiceHarness:
         source: str | None = None,
         priority: int | None = None,
     ) -> uuid.UUID:
-        """Send one message to this service through the broker and store it in its inbox.
-
-        `type` is the full routing key; `kind` picks the ``commands`` or ``events`` exchange.
-        The receiver stores it as in production (a stored `message_id` is dropped as a
-        duplicate); handlers run at `run_until_idle`. `correlation_id` defaults to the message
-        id; `source` names the sending service (None: a plain AMQP client, which gets no fault).
-
-        Returns the id the inbox keys the message on. Raises NotDelivered when the broker would
-        not route the message here or the receiver did not store it; MessageError for a payload
-        or headers that cannot be sent.
-        """
+        """Send one message to this service through the broker and store it in its inbox; return the
+        id the inbox keys it on. `type` is the full routing key; `kind` picks the ``commands`` or
+        ``events`` exchange. The receiver stores it as in production (a stored `message_id` is
+        dropped as a duplicate); handlers run at `run_until_idle`. `correlation_id` defaults to the
+        message id; `source` names the sending service (None: a plain AMQP client, which gets no
+        fault). Raises NotDelivered when the broker would not route the message here or the receiver
+        did not store it; MessageError for a payload or headers that cannot be sent."""
         name = self.service.name
         self.service.declare_topology()  # picks up handlers registered since (idempotent)
         if kind == COMMAND:
@@ -264,10 +251,8 @@ class ServiceHarness:
         return stored_id
 
     def handle(self, type: str, payload: Any, **options: Any) -> InboxRow:
-        """`deliver` one message, `run_until_idle`, and return its inbox row.
-
-        Takes the keyword arguments of `deliver` and, as ``timeout``, of `run_until_idle`.
-        """
+        """`deliver` one message, `run_until_idle`, and return its inbox row. Takes the keyword
+        arguments of `deliver` and, as ``timeout``, of `run_until_idle`."""
         timeout = float(options.pop("timeout", DEFAULT_TIMEOUT))
         message_id = self.deliver(type, payload, **options)
         self.run_until_idle(timeout=timeout)
@@ -333,12 +318,9 @@ class ServiceHarness:
             return pool.submit(asyncio.run, drain()).result()
 
     def skip_delays(self) -> int:
-        """Make waiting work due now, as if the time had passed; return the rows changed.
-
-        Pending inbox rows waiting for a retry become due at once; so do outbox rows written
-        with ``delay=`` that the relay has not tried yet (rows the broker refused keep their
-        backoff, so a refusing broker cannot make `run_until_idle` spin).
-        """
+        """Make waiting work due now, as if the time had passed; return the rows changed: inbox
+        rows waiting for a retry, and outbox rows written with ``delay=`` that the relay has not
+        tried yet (rows the broker refused keep their backoff: `run_until_idle` cannot spin)."""
         o = self.service.tables.outbox
         delayed = (
             update(o)
@@ -371,11 +353,8 @@ class ServiceHarness:
         with self.service.engine.connect() as conn:
             rows = conn.execute(select(o).order_by(o.c.id)).mappings().all()
         found = [from_row(PublishedMessage, r, sent=r["published_at"] is not None) for r in rows]
-        return [
-            m
-            for m in found
-            if (type is None or topic_matches(type, m.type)) and (kind is None or m.kind == kind)
-        ]
+        of_type = [m for m in found if type is None or topic_matches(type, m.type)]
+        return [m for m in of_type if kind is None or m.kind == kind]
 
     def inbox_rows(self, status: str | None = None) -> list[InboxRow]:
         """Messages in the service's inbox in the order received, optionally of one `status`."""
@@ -447,11 +426,9 @@ def run_all_until_idle(
 
 
 def make_retries_due(conn: Connection, tables: Tables) -> int:
-    """Make pending inbox rows that wait for a retry due now; return how many changed.
-
-    The new time is the row's own receipt time: in the past by the database's clock on every
-    dialect, and the call is idempotent (its condition is false afterwards).
-    """
+    """Make pending inbox rows that wait for a retry due now; return how many changed. The new
+    time is the row's own receipt time: in the past by the database's clock on every dialect,
+    and the call is idempotent (its condition is false afterwards)."""
     i = tables.inbox
     stmt = (
         update(i)

@@ -1,10 +1,8 @@
 """The broker contract: what a `Broker` and its `Operator` must do for the library to keep its
-guarantees, and nothing more than its topology declares, as a pytest suite shipped with it.
-
-Subclass `BrokerContract` with a ``broker`` fixture (a fresh broker, or virtual host, per test)
-and list what your broker cannot do in `unsupported` (docs/testing.md, "Testing a broker").
-RabbitMQ is the reference. Names carry a random service name: the suite runs on a shared server.
-"""
+guarantees, and nothing more than its topology declares, as a pytest suite shipped with it. Subclass
+`BrokerContract` with a ``broker`` fixture (a fresh broker, or virtual host, per test) and list what
+your broker cannot do in `unsupported` (docs/testing.md, "Testing a broker"). RabbitMQ is the
+reference. Names carry a random service name: the suite runs on a shared server."""
 
 from __future__ import annotations
 

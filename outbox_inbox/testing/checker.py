@@ -1,10 +1,8 @@
-"""The checker of a faulty run: what was committed against what took effect, message by message.
-
-A `History` records each transaction's expected effects (any hashable values) and what its
-commit answered; `check` sorts every expected and found effect (a row written twice is found
-twice) into a `Verdict`, as docs/testing.md ("The checker") says. Nothing here touches a server:
-the fault kit (`outbox_inbox.testing.faultkit`) records the history and reads the effects.
-"""
+"""The checker of a faulty run: what was committed against what took effect, message by message. A
+`History` records each transaction's expected effects (any hashable values) and what its commit
+answered; `check` sorts every expected and found effect (a row written twice is found twice) into a
+`Verdict`, as docs/testing.md ("The checker") says. Nothing here touches a server: the fault kit
+(`outbox_inbox.testing.faultkit`) records the history and reads the effects."""
 
 from __future__ import annotations
 
@@ -60,12 +58,8 @@ class History:
     def expected(self, outcome: str = OK, *, until: float | None = None) -> set[Hashable]:
         """The effects of the transactions with `outcome`, recorded before `until` if given."""
         with self._lock:
-            return {
-                key
-                for at, keys in self._effects[outcome]
-                if until is None or at <= until
-                for key in keys
-            }
+            entries = [keys for at, keys in self._effects[outcome] if until is None or at <= until]
+            return {key for keys in entries for key in keys}
 
     def transactions(self) -> list[tuple[str, tuple[Hashable, ...]]]:
         """Every transaction recorded: (outcome, expected effects)."""

@@ -1,10 +1,8 @@
-"""The fault kit: your own service, handlers and schema under the faults of production.
-
-A `FaultKit` runs your service's roles as processes on private servers, commits your business
-transactions at a steady rate (`FaultKit.load`), injects faults by name (`FaultKit.inject`,
-`FAULTS`, `KILL_POINTS`) and checks the outcome (`outbox_inbox.testing.checker`): docs/testing.md
-("Your service under faults").
-"""
+"""The fault kit: your own service, handlers and schema under the faults of production. A `FaultKit`
+runs your service's roles as processes on private servers, commits your business transactions at a
+steady rate (`FaultKit.load`), injects faults by name (`FaultKit.inject`, `FAULTS`, `KILL_POINTS`)
+and checks the outcome (`outbox_inbox.testing.checker`): docs/testing.md ("Your service under
+faults")."""
 
 from __future__ import annotations
 
@@ -181,8 +179,7 @@ class Load(threading.Thread):
     """Commits transactions of `produce` through `service` at `rate` a second, into `history`,
     as docs/testing.md ("The load") says; a `produce` that returns None expects ``[n]``. A
     commit that raises is UNKNOWN (the fault may have taken only the answer); a failure before
-    the commit is FAILED. Either way the load goes on with the next n.
-    """
+    the commit is FAILED. Either way the load goes on with the next n."""
 
     def __init__(
         self,

@@ -1,9 +1,7 @@
-"""Faults to inject into private servers, each undone in a ``finally`` however the block ends.
-
-The fault kit (`outbox_inbox.testing.faultkit`) injects them by name; the library's own fault
-tests call them directly: a crash of PostgreSQL, a failover to a streaming replica, sessions
-terminated, a full disk, RabbitMQ's resource alarms, and a port blackholed by iptables.
-"""
+"""Faults to inject into private servers, each undone in a ``finally`` however the block ends. The
+fault kit (`outbox_inbox.testing.faultkit`) injects them by name; the library's own fault tests call
+them directly: a crash of PostgreSQL, a failover to a streaming replica, sessions terminated, a full
+disk, RabbitMQ's resource alarms, and a port blackholed by iptables."""
 
 from __future__ import annotations
 
@@ -34,8 +32,7 @@ ALARM_DISK_LIMIT = str(10**15)
 
 
 def stop_postgres_immediately(server: PostgresServer) -> None:
-    """``pg_ctl stop -m immediate`` on the local server, then let `server` reap its process.
-
+    """``pg_ctl stop -m immediate`` on the local server, then let `server` reap its process;
     `server.start()` brings it back (crash recovery, same data directory and port)."""
     _pg_ctl(server, "stop", "-m", "immediate")
     wait_until(lambda: not server.running, timeout=10, what="the postmaster to exit")
@@ -300,9 +297,8 @@ def iptables_problem() -> tuple[str | None, str]:
 
 @contextlib.contextmanager
 def blackhole(iptables: str, port: int) -> Iterator[None]:
-    """Drop every TCP packet to and from `port` on loopback while the block runs.
-
-    The rules are deleted in a ``finally``, and checked gone (``iptables -C``)."""
+    """Drop every TCP packet to and from `port` on loopback while the block runs; the rules are
+    deleted in a ``finally``, and checked gone (``iptables -C``)."""
     inserted: list[list[str]] = []
     try:
         for rule in _rules(port):

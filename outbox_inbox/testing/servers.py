@@ -518,8 +518,7 @@ class _Databases:
 
 class PostgresServer(_LocalServer, _Databases):
     """A private PostgreSQL 15 server on 127.0.0.1 for tests and benchmarks: ``initdb`` and
-    ``postgres`` in a fresh temporary directory (as the ``postgres`` user when we are root).
-    """
+    ``postgres`` in a fresh temporary directory (as the ``postgres`` user when we are root)."""
 
     _kind = "PostgreSQL"
     user = "postgres"
@@ -709,8 +708,7 @@ class PostgresServer(_LocalServer, _Databases):
 
 
 class ExternalPostgres(_External, _Databases):
-    """A PostgreSQL server run by someone else, given by an SQLAlchemy URL of a database whose
-    user may ``CREATE DATABASE``."""
+    """A PostgreSQL server run by someone else: an SQLAlchemy URL whose user may CREATE DATABASE."""
 
     def __init__(self, admin_url: str, on_cleanup: Callable[[], None] | None = None) -> None:
         parsed = make_url(admin_url)
@@ -737,8 +735,7 @@ class ExternalPostgres(_External, _Databases):
 class RabbitMQServer(_LocalServer):
     """A private RabbitMQ node (Debian's ``rabbitmq-server``) on 127.0.0.1 and free ports, all
     of it (home, data, logs, config) in one temporary directory, with an epmd of its own. With
-    ``management=True`` (the default) the management plugin listens too: ``management_url``.
-    """
+    ``management=True`` (the default) the management plugin listens too: ``management_url``."""
 
     _kind = "RabbitMQ"
     supports_vhosts = True
@@ -779,11 +776,8 @@ class RabbitMQServer(_LocalServer):
     def env(self) -> dict[str, str]:
         """The environment of the node, to be used by every ``rabbitmqctl`` / ``erl_call``."""
         base = self._require_temp_dir()
-        env = {
-            key: value
-            for key, value in os.environ.items()
-            if not key.startswith(("RABBITMQ_", "ERL_", "NOTIFY_SOCKET"))
-        }
+        theirs = ("RABBITMQ_", "ERL_", "NOTIFY_SOCKET")
+        env = {key: value for key, value in os.environ.items() if not key.startswith(theirs)}
         return env | {
             "HOME": str(base),
             "RABBITMQ_NODENAME": self.nodename,

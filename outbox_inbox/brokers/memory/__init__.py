@@ -11,10 +11,6 @@ broker contract runs the same cases on both, and docs/testing.md ("Testing a bro
 keeps and refuses. TTL messages expire at the head, on time, by a timer thread. Beyond that only
 ``max_message_bytes``, a user's setting: a larger body is refused as RabbitMQ refuses it.
 
-Modules: ``_state`` (exchanges, queues, the redeclare rules), ``_core`` (the shared state: routing,
-expiry, dead-lettering), ``_broker`` (the `Broker` protocol over it), ``_clients`` (publisher,
-consumer), ``_operator`` (the operator session).
-
 Thread safety: a `MemoryBroker` may be shared by any number of threads; its state sits behind one
 lock. One daemon timer thread per broker expires TTL messages; `MemoryBroker.close` stops it.
 Publishers, consumers and operators follow the `outbox_inbox.broker` rule (one per thread).

@@ -1,5 +1,4 @@
-"""`MemoryBroker`: the `Broker` protocol over one `BrokerCore`, which its publishers, consumers
-and operator sessions are handed too."""
+"""`MemoryBroker`: the `Broker` protocol over one `BrokerCore`, shared with its clients."""
 
 from __future__ import annotations
 
@@ -48,8 +47,6 @@ class MemoryBroker:
     @property
     def closed(self) -> bool:
         return self._core.closed
-
-    # -- the Broker protocol -------------------------------------------------------------------
 
     def declare(self, topology: Topology) -> None:
         """As the protocol says; BrokerError for an exchange type or queue mode left out here

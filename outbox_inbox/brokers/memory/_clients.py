@@ -106,8 +106,6 @@ class MemoryConsumer:
         self._unfetched.append(tag)
         self.arrived.notify_all()
 
-    # The Consumer protocol.
-
     def fetch(self, max_count: int, wait: float) -> list[Delivery]:
         """As the protocol says. Raises BrokerError if the queue does not exist."""
         core = self._core

@@ -251,8 +251,6 @@ class BrokerCore:
         state.requeue(back)
         self.touch(state)
 
-    # -- the TTL timer -------------------------------------------------------------------------
-
     def _wake_timer(self, due: float) -> None:
         """Make sure the timer thread runs and wakes by `due` (lock held)."""
         if self._timer is None:

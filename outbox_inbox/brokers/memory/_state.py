@@ -1,6 +1,5 @@
 """The memory broker's objects: exchanges, queues and their messages, and the rules that read
-a queue's arguments and judge a redeclare, as RabbitMQ 3.10 does for what the topology declares.
-"""
+a queue's arguments and judge a redeclare, as RabbitMQ 3.10 does for what the topology declares."""
 
 from __future__ import annotations
 
@@ -236,11 +235,9 @@ def with_death(
     ``x-first-death-*`` are written with the first record only."""
     out = copy.deepcopy(dict(headers))
     deaths = out["x-death"] if isinstance(out.get("x-death"), list) else []
+    this = (queue, reason)
     for index, death in enumerate(deaths):
-        if isinstance(death, Mapping) and (death.get("queue"), death.get("reason")) == (
-            queue,
-            reason,
-        ):
+        if isinstance(death, Mapping) and (death.get("queue"), death.get("reason")) == this:
             counted = {**death, "count": int(death.get("count", 0)) + 1}
             out["x-death"] = [counted, *deaths[:index], *deaths[index + 1 :]]
             return out
