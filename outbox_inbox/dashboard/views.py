@@ -172,15 +172,11 @@ def overview(entries: Sequence[Shown], charts: Safe, refresh: int | None) -> Saf
     rows = []
     for entry in entries:
         name, status, rates = entry.name, entry.status, entry.rates
-        name_cell = html('<a href="{}">{}</a>', link("/service", name=name), name)
+        page_link = link("/service", name=name)
+        name_cell = html('<a href="{}">{}</a>', page_link, name)
         if status is None:
-            rows.append(
-                html(
-                    '<tr><td>{}</td><td colspan="12">{}</td></tr>',
-                    name_cell,
-                    error_text(entry.error or ""),
-                )
-            )
+            failed = error_text(entry.error or "")
+            rows.append(html('<tr><td>{}</td><td colspan="12">{}</td></tr>', name_cell, failed))
             continue
         outbox, inbox = status["outbox"], status["inbox"]
         queue = ((status.get("broker") or {}).get("queues") or {}).get(f"{name}.inbox")
@@ -193,11 +189,7 @@ def overview(entries: Sequence[Shown], charts: Safe, refresh: int | None) -> Saf
             inbox["in_progress"],
             format_age(inbox["oldest_pending_age_seconds"]),
             inbox["processed"],
-            html(
-                '<a href="{}">{}</a>',
-                link("/service", name=name) + "#dead-letters",
-                dead_count(status),
-            ),
+            html('<a href="{}#dead-letters">{}</a>', page_link, dead_count(status)),
             *per_second(rates),
             "-" if queue is None else queue["messages"],
         ]
@@ -403,23 +395,10 @@ def _groups_table(name: str, groups: list[Group], parked: bool) -> Safe:
             for source in g.sources
             for action in actions
         )
-        rows.append(
-            row(
-                (
-                    g.id,
-                    g.count,
-                    ", ".join(g.types),
-                    ", ".join(g.sources),
-                    g.first_seen.isoformat(timespec="seconds") if g.first_seen else "",
-                    g.last_seen.isoformat(timespec="seconds") if g.last_seen else "",
-                    g.replayed,
-                    g.fingerprint,
-                    links,
-                ),
-                {1, 6},
-                row_id=f"group-{g.id}",
-            )
-        )
+        seen = (t.isoformat(timespec="seconds") if t else "" for t in (g.first_seen, g.last_seen))
+        types, sources = ", ".join(g.types), ", ".join(g.sources)
+        cells = (g.id, g.count, types, sources, *seen, g.replayed, g.fingerprint, links)
+        rows.append(row(cells, {1, 6}, row_id=f"group-{g.id}"))
     headers = ["group", "count", "types", "sources", "first seen", "last seen"]
     headers += ["dead again after a replay", "cause", ""]
     return table(headers, rows, "parked-groups" if parked else "dead-groups")
