@@ -66,14 +66,10 @@ _ERROR_PAGES: dict[type[Exception], tuple[str, str]] = {
 
 def parse_filters(query: dict[str, str]) -> Filters:
     """The filters of a service page's form (`FILTER_FIELDS` that have an example)."""
+    shown = (f for f in FILTER_FIELDS if f.example)
+    given = {f.name: query.get(f.key, "").split(",") if f.many else query.get(f.key) for f in shown}
     try:
-        return Filters.read(
-            {
-                f.name: query.get(f.key, "").split(",") if f.many else query.get(f.key)
-                for f in FILTER_FIELDS
-                if f.example
-            }
-        )
+        return Filters.read(given)
     except ConfigurationError as exc:
         raise BadRequest(str(exc)) from exc
 
@@ -149,12 +145,8 @@ class Dashboard:
         start_response: StartResponse, status: str, headers: list[tuple[str, str]], body: Safe
     ) -> list[bytes]:
         data = body.encode("utf-8")
-        headers = [
-            *headers,
-            ("Content-Type", "text/html; charset=utf-8"),
-            ("Content-Length", str(len(data))),
-        ]
-        start_response(status, headers)
+        length = ("Content-Length", str(len(data)))
+        start_response(status, [*headers, ("Content-Type", "text/html; charset=utf-8"), length])
         return [data]
 
     def _service(self, name: str | None) -> WatchedService:
@@ -307,15 +299,9 @@ class Dashboard:
         else:  # a whole group: its first MAX_IDS letters, confirmed by id like any others
             with service.dead_letters.select([source], group, MAX_IDS) as (selection,):
                 letters, missing, more = list(selection.letters), [], selection.more
+        token = self.guard.csrf_token(cookie)
         return views.confirm_page(
-            service.name,
-            source,
-            action,
-            letters,
-            missing,
-            self.guard.csrf_token(cookie),
-            group=group,
-            more=more,
+            service.name, source, action, letters, missing, token, group=group, more=more
         )
 
     def _post_act(self, environ: dict[str, Any], user: str) -> Safe:
