@@ -295,9 +295,8 @@ def service_status(entry: Shown, charts: Safe) -> Safe:
             (q, "missing", "") if info is None else (q, info["messages"], info["consumers"])
             for q, info in broker["queues"].items()
         ]
-        parts.append(
-            table(["queue", "messages", "consumers"], (row(r, {1, 2}) for r in queue_rows))
-        )
+        headers = ["queue", "messages", "consumers"]
+        parts.append(table(headers, (row(r, {1, 2}) for r in queue_rows)))
         if broker.get("error"):
             parts.append(error_text(f"broker: {broker['error']}"))
     return join(parts)
@@ -340,25 +339,15 @@ def cap_shown(by_type: dict[str, Any]) -> str:
 
 
 def letters_table(name: str, letters: list[DeadLetter]) -> Safe:
-    rows = [
-        row(
-            (
-                d.source,
-                html(
-                    '<a class=letter href="{}">{}</a>',
-                    link("/letter", service=name, source=d.source, id=d.message_id),
-                    d.message_id or "(no message id)",
-                ),
-                d.type,
-                d.reason_shown,
-                format_age(d.age_seconds),
-                "" if d.attempts is None else d.attempts,
-                error_summary(mask_url(d.error) if d.error else None) or "",
-            ),
-            {4, 5},
-        )
-        for d in letters
-    ]
+    rows = []
+    for d in letters:
+        target = link("/letter", service=name, source=d.source, id=d.message_id)
+        shown = html('<a class=letter href="{}">{}</a>', target, d.message_id or "(no message id)")
+        attempts = "" if d.attempts is None else d.attempts
+        error = error_summary(mask_url(d.error) if d.error else None) or ""
+        age = format_age(d.age_seconds)
+        cells = (d.source, shown, d.type, d.reason_shown, age, attempts, error)
+        rows.append(row(cells, {4, 5}))
     headers = ("source", "message id", "type", "reason", "age", "attempts", "error")
     return table(headers, rows, "letters")
 
@@ -501,17 +490,9 @@ def confirm_page(
     inputs = join(html('<input type=hidden name={} value="{}">', k, v) for k, v in hidden)
     if group.parked:
         inputs = join([inputs, html("<input type=hidden name=parked value=1>")])
-    parts = [
-        html(
-            "<h1>{} {} dead letter(s) of {} ({})?</h1><p>They will be {}.</p>",
-            action.capitalize(),
-            len(letters),
-            name,
-            source,
-            _WHAT[action],
-        ),
-        letters_table(name, letters),
-    ]
+    heading = "<h1>{} {} dead letter(s) of {} ({})?</h1><p>They will be {}.</p>"
+    asked = html(heading, action.capitalize(), len(letters), name, source, _WHAT[action])
+    parts = [asked, letters_table(name, letters)]
     if group.fingerprint is not None:
         parts.insert(1, html("<p id=group>Group: {}</p>", group.fingerprint))
     if more:
@@ -560,16 +541,9 @@ def result_page(
     missing: list[str],
     error: str | None,
 ) -> Safe:
-    verb = DONE[action]
-    parts = [
-        html(
-            "<h1 id=result>{} {} of {} dead letter(s) ({})</h1>",
-            verb.capitalize(),
-            len(done),
-            len(done) + len(kept) + len(missing),
-            source,
-        )
-    ]
+    verb, total = DONE[action], len(done) + len(kept) + len(missing)
+    heading = "<h1 id=result>{} {} of {} dead letter(s) ({})</h1>"
+    parts = [html(heading, verb.capitalize(), len(done), total, source)]
     if error:
         parts.append(error_text(f"stopped by an error: {error}"))
     listed = (
