@@ -216,15 +216,9 @@ class Dashboard:
             parts.append(views.error_text(str(exc)))
         else:
             parts.append(html("<p id=letter-count>{} dead letter(s): {}</p>", len(letters), counts))
+            note = '<p class="note">More than {} in {}: narrow the filters to see the rest.</p>'
             if cut:
-                parts.append(
-                    html(
-                        '<p class="note">More than {} in {}: narrow the filters to see the '
-                        "rest.</p>",
-                        LIST_LIMIT,
-                        ", ".join(cut),
-                    )
-                )
+                parts.append(html(note, LIST_LIMIT, ", ".join(cut)))
             if letters:
                 parts.append(views.letters_table(service.name, letters))
                 if not filters.empty or wanted != "all":
