@@ -171,8 +171,7 @@ def maintain(
     try:
         with held_lock(engine, lambda conn: sql.try_maintenance_lock(conn, tables.schema)) as held:
             if not held:
-                result.busy = True
-                return result
+                return MaintenanceResult(busy=True)
             with engine.connect() as conn:
                 conn = conn.execution_options(isolation_level="AUTOCOMMIT")
                 _maintain(conn, tables, interval, retention, exporter, result)
