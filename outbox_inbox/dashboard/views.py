@@ -107,14 +107,7 @@ def trace_id(headers: dict[str, Any]) -> str | None:
 
 def link(path: str, **params: Any) -> str:
     """A dashboard URL with its query string (values of lists repeat the parameter)."""
-    query = urlencode(
-        [
-            (k, item)
-            for k, v in params.items()
-            if v is not None
-            for item in (v if isinstance(v, list | tuple) else [v])
-        ]
-    )
+    query = urlencode({k: v for k, v in params.items() if v is not None}, doseq=True)
     return f"{path}?{query}" if query else path
 
 
@@ -307,7 +300,6 @@ def filter_form(name: str, sources: list[str], values: dict[str, str]) -> Safe:
         html("<option{}>{}</option>", Safe(" selected") if values.get("source") == s else "", s)
         for s in ["all", *sources]
     )
-
     fields = (
         html(
             '<label>{} <input name="{}" value="{}" placeholder="{}" size=14></label>',
