@@ -268,8 +268,7 @@ def service_status(entry: Shown, charts: Safe) -> Safe:
         parts.append(table(TENANT_HEADERS, (row(c, {1, 2}) for c in listed)))
     if outbox.get("webhooks"):
         parts.append(html("<h2>Webhook endpoints</h2>"))
-        hooks = outbox["webhooks"]
-        fields = ([w[f] if w[f] is not None else "" for f in WEBHOOK_FIELDS] for w in hooks)
+        fields = ([w[f] for f in WEBHOOK_FIELDS] for w in outbox["webhooks"])  # None shows ""
         headers = ["endpoint", "waiting", "failing", "dead", "last error"]
         parts.append(table(headers, (row(c, {1, 2, 3}) for c in fields)))
     held = status["held_keys"]
@@ -277,9 +276,7 @@ def service_status(entry: Shown, charts: Safe) -> Safe:
     if held["keys"]:
         columns = ("key", "message_id", "type", "failures", "waiting", "next_attempt_at")
         headers = ["key", "head message", "type", "failures", "waiting", "next attempt", "error"]
-        rows = (
-            row([*(k[c] for c in columns), k["last_error"] or ""], {3, 4}) for k in held["keys"]
-        )
+        rows = (row([*(k[c] for c in columns), k["last_error"]], {3, 4}) for k in held["keys"])
         parts.append(table(headers, rows))
     broker = status.get("broker")
     if broker is not None:
