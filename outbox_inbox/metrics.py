@@ -1,7 +1,6 @@
 """Prometheus metrics of a service's messaging: ``metrics = instrument(service)`` before it
 starts (names, types, labels and use: docs/observability.md, "Metrics (Prometheus)"). Lags
-subtract a time the database wrote from the host's clock: clock skew between the hosts shows.
-"""
+subtract a time the database wrote from the host's clock: clock skew between the hosts shows."""
 
 from __future__ import annotations
 

@@ -58,8 +58,7 @@ class Receiver:
     """Consumes ``<service>.inbox`` and inserts batches into the inbox table, each in one
     transaction (``ON CONFLICT (message_id) DO NOTHING``) acknowledged only after its commit:
     a crash before the ack brings the batch back, its stored copies skipped as duplicates. No
-    delivery can stop the others: the "Receiver" table of docs/failures.md.
-    """
+    delivery can stop the others: the "Receiver" table of docs/failures.md."""
 
     def __init__(
         self,

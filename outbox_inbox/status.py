@@ -93,8 +93,7 @@ def collect_status(
 
     All ages are measured on the database clock. Reads in one repeatable-read transaction, so
     the numbers agree with each other. Raises SchemaMissing without the tables, StorageError
-    when the database fails; a broker that cannot be reached is reported in ``broker.error``.
-    """
+    when the database fails; a broker that cannot be reached is reported in ``broker.error``."""
     try:
         with engine.connect() as conn:
             if not migrate.tables_exist(conn, tables.schema):

@@ -91,8 +91,7 @@ def outbox_unsent(outbox: Table | Any) -> ColumnElement[bool]:
 def build_tables(schema: str | None = "outbox_inbox") -> Tables:
     """Return the tables of `schema` (validated as an identifier); None means the default schema.
 
-    The result is cached: every caller asking for one schema shares one `MetaData`.
-    """
+    The result is cached: every caller asking for one schema shares one `MetaData`."""
     if schema is not None:
         validate_identifier(schema)
     metadata = MetaData(schema=schema, naming_convention=NAMING_CONVENTION)

@@ -1,7 +1,6 @@
 """Rates and the last hour's history from successive status snapshots (`RateTracker`): the
 dashboard asks nothing more of the database. A counter that went down (rows archived or
-purged) gives no rate rather than a wrong one.
-"""
+purged) gives no rate rather than a wrong one."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The statements of the operators' tools: dead letters (list, count, group, replay, park,
-purge), status and metrics, and a role's privileges.
-"""
+purge), status and metrics, and a role's privileges."""
 
 from __future__ import annotations
 
