@@ -315,10 +315,8 @@ class Receiver:
             roles.bound_on_server(conn)
             new = roles.insert_inbox(conn, self._tables, [row for _, row in items])
             if repeats or len(new) < len(items):  # the common batch has no duplicate
-                dropped = {
-                    mid: repeats.get(mid, 0) + (0 if mid in new else 1)
-                    for mid in (row["message_id"] for _, row in items)
-                }
+                ids = (row["message_id"] for _, row in items)
+                dropped = {mid: repeats.get(mid, 0) + (0 if mid in new else 1) for mid in ids}
                 roles.count_duplicates(conn, self._tables, {m: n for m, n in dropped.items() if n})
         duplicates = len(items) - len(new)
         self.stored += len(new)
