@@ -109,9 +109,8 @@ class Dashboard:
             return self._respond(start_response, "421 Misdirected Request", headers, wrong_host)
         user = self.guard.user(environ)
         if user is None:
-            headers.append(
-                ("WWW-Authenticate", 'Basic realm="outbox-inbox dashboard", charset="UTF-8"')
-            )
+            realm = 'Basic realm="outbox-inbox dashboard", charset="UTF-8"'
+            headers.append(("WWW-Authenticate", realm))
             log_in = views.message_page("Log in", "this dashboard needs its token")
             return self._respond(start_response, "401 Unauthorized", headers, log_in)
         cookie = self.guard.csrf_cookie(environ)
