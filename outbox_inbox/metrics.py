@@ -133,8 +133,6 @@ class Metrics(Listener):
         f.dead.labels(service, "max_attempts")
         f.publish_failures.labels(service, PublishOutcome.NACKED.value)
 
-    # --- Listener hooks -------------------------------------------------------------------
-
     def relay_confirmed(
         self, messages: Sequence[OutgoingMessage], outcomes: Sequence[PublishOutcome]
     ) -> None:
@@ -193,8 +191,6 @@ class Metrics(Listener):
 
     forwarded_dead = dead  # its values are plain data already
 
-    # --- exposition -----------------------------------------------------------------------
-
     def wsgi_app(self) -> Callable[..., Any]:
         """A WSGI application that serves this registry in the Prometheus text format."""
         return make_wsgi_app(self.registry)
@@ -243,8 +239,6 @@ def instrument(service: Service, *, registry: CollectorRegistry | None = None) -
     service.listener = combine(service.listener, metrics)
     return metrics
 
-
-# --- the gauges, read at scrape time ------------------------------------------------------
 
 #: Each gauge: its name, its help, and the field of operations.outbox_status or inbox_status
 #: it shows.
