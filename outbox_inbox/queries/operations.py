@@ -47,9 +47,6 @@ def _float(value: Any) -> float | None:
     return float(value) if value is not None else None
 
 
-# --- dead letters ---------------------------------------------------------------------------------
-
-
 class DeadFilters(TypedDict, total=False):
     """The filters of a dead-row selection; a row matches every one given. ``routing_keys``:
     exact (topic patterns are matched by the caller); ``older_than``: died at least this long
@@ -202,9 +199,6 @@ def forget_deliveries(conn: Connection, tables: Tables, message_ids: Sequence[uu
     d = tables.deliveries
     result = conn.execute(delete(d).where(d.c.message_id.in_(list(message_ids))))
     return int(result.rowcount or 0)
-
-
-# --- status and metrics ---------------------------------------------------------------------------
 
 
 #: Per webhook endpoint: deliveries waiting, of those failed at least once, dead; an error.
