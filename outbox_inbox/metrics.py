@@ -361,11 +361,8 @@ def _read_state(engine: Engine, tables: Tables) -> dict[str, Any] | None:
                 }
     except SQLAlchemyError as exc:
         url = engine.url.render_as_string(hide_password=False)
-        log.warning(
-            "metrics: cannot read the outbox/inbox state from %s: %s",
-            mask_url(url),
-            mask_text(first_line(exc), url),
-        )
+        where, error = mask_url(url), mask_text(first_line(exc), url)
+        log.warning("metrics: cannot read the outbox/inbox state from %s: %s", where, error)
         return None
 
 
