@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+from outbox_inbox.clock import as_timedelta
 from outbox_inbox.config import Settings
 from outbox_inbox.dashboard.views import format_age
 from outbox_inbox.partitions import (
@@ -77,10 +78,7 @@ def _retention_options(function: Any) -> Any:
 
 
 def _retention(settings: Settings) -> Retention:
-    def seconds(value: float | None) -> timedelta | None:
-        return None if value is None else timedelta(seconds=value)
-
-    return Retention(seconds(settings.retention), seconds(settings.dead_retention))
+    return Retention(as_timedelta(settings.retention), as_timedelta(settings.dead_retention))
 
 
 def _postgres(target: Target) -> bool:

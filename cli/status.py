@@ -156,24 +156,10 @@ def _print_held_keys(held: dict[str, Any]) -> None:
     echo()
     echo(f"held-back keys: {held['count']}")
     if held["keys"]:
-        keys = [
-            (
-                k["key"],
-                k["message_id"],
-                k["type"],
-                k["failures"],
-                k["waiting"],
-                k["next_attempt_at"],
-                one_line(k["last_error"], 50),
-            )
-            for k in held["keys"]
-        ]
-        echo(
-            render_table(
-                ["KEY", "HEAD MESSAGE", "TYPE", "FAILURES", "WAITING", "NEXT ATTEMPT", "ERROR"],
-                keys,
-            )
-        )
+        columns = ("key", "message_id", "type", "failures", "waiting", "next_attempt_at")
+        keys = [(*(k[c] for c in columns), one_line(k["last_error"], 50)) for k in held["keys"]]
+        headers = ["KEY", "HEAD MESSAGE", "TYPE", "FAILURES", "WAITING", "NEXT ATTEMPT", "ERROR"]
+        echo(render_table(headers, keys))
         if held["count"] > len(held["keys"]):
             echo(f"... and {held['count'] - len(held['keys'])} more (--keys N)")
 
@@ -181,12 +167,12 @@ def _print_held_keys(held: dict[str, Any]) -> None:
 def _print_broker(broker: dict[str, Any] | None) -> None:
     if broker is not None:
         echo()
-        rows: list[tuple[Any, ...]] = []
-        for name, queue in broker["queues"].items():
-            if queue is None:
-                rows.append((name, "missing", ""))
-            else:
-                rows.append((name, queue["messages"], queue["consumers"]))
+        rows = [
+            (name, "missing", "")
+            if queue is None
+            else (name, queue["messages"], queue["consumers"])
+            for name, queue in broker["queues"].items()
+        ]
         if rows:
             echo(render_table(["QUEUE", "MESSAGES", "CONSUMERS"], rows))
         if broker["error"]:

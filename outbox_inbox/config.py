@@ -50,8 +50,7 @@ def validate_db_url(url: str) -> str:
     ``postgres://`` and ``postgresql://`` are returned as ``postgresql+psycopg://`` (the
     library's driver); another driver or database (``postgresql+psycopg2://``,
     ``mysql://``) is refused here, not at the first connection. The parser's error quotes the
-    URL: it is reported masked and not chained. Its password is masked from now on (`remember`).
-    """
+    URL: it is reported masked and not chained. Its password is masked from now on (`remember`)."""
     remember(url)
     try:
         parsed = make_url(url)
@@ -114,8 +113,7 @@ def broker_urls(url: str) -> list[str]:
 
     `url` is one URL, a URL whose host part lists several hosts separated by commas (each
     host gets the URL's user, password, virtual host and options), or several URLs
-    separated by commas. Raises ConfigurationError (password masked) for anything else.
-    """
+    separated by commas. Raises ConfigurationError (password masked) for anything else."""
     remember(url)
     urls: list[str] = []
     for part in re.split(r",(?=amqps?://)", url.strip(), flags=re.IGNORECASE):

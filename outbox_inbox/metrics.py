@@ -1,7 +1,6 @@
 """Prometheus metrics of a service's messaging: ``metrics = instrument(service)`` before it
 starts (names, types, labels and use: docs/observability.md, "Metrics (Prometheus)"). Lags
-subtract a time the database wrote from the host's clock: clock skew between the hosts shows.
-"""
+subtract a time the database wrote from the host's clock: clock skew between the hosts shows."""
 
 from __future__ import annotations
 
@@ -134,8 +133,6 @@ class Metrics(Listener):
         f.dead.labels(service, "max_attempts")
         f.publish_failures.labels(service, PublishOutcome.NACKED.value)
 
-    # --- Listener hooks -------------------------------------------------------------------
-
     def relay_confirmed(
         self, messages: Sequence[OutgoingMessage], outcomes: Sequence[PublishOutcome]
     ) -> None:
@@ -194,8 +191,6 @@ class Metrics(Listener):
 
     forwarded_dead = dead  # its values are plain data already
 
-    # --- exposition -----------------------------------------------------------------------
-
     def wsgi_app(self) -> Callable[..., Any]:
         """A WSGI application that serves this registry in the Prometheus text format."""
         return make_wsgi_app(self.registry)
@@ -244,8 +239,6 @@ def instrument(service: Service, *, registry: CollectorRegistry | None = None) -
     service.listener = combine(service.listener, metrics)
     return metrics
 
-
-# --- the gauges, read at scrape time ------------------------------------------------------
 
 #: Each gauge: its name, its help, and the field of operations.outbox_status or inbox_status
 #: it shows.
@@ -368,11 +361,8 @@ def _read_state(engine: Engine, tables: Tables) -> dict[str, Any] | None:
                 }
     except SQLAlchemyError as exc:
         url = engine.url.render_as_string(hide_password=False)
-        log.warning(
-            "metrics: cannot read the outbox/inbox state from %s: %s",
-            mask_url(url),
-            mask_text(first_line(exc), url),
-        )
+        where, error = mask_url(url), mask_text(first_line(exc), url)
+        log.warning("metrics: cannot read the outbox/inbox state from %s: %s", where, error)
         return None
 
 

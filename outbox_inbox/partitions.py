@@ -171,8 +171,7 @@ def maintain(
     try:
         with held_lock(engine, lambda conn: sql.try_maintenance_lock(conn, tables.schema)) as held:
             if not held:
-                result.busy = True
-                return result
+                return MaintenanceResult(busy=True)
             with engine.connect() as conn:
                 conn = conn.execution_options(isolation_level="AUTOCOMMIT")
                 _maintain(conn, tables, interval, retention, exporter, result)
@@ -213,8 +212,28 @@ def _maintain(
         return
     now = database_now(conn)
     cutoff, dead_cutoff = retention.cutoffs(now)
+
+    def retire(parent: str, name: str, was: Partition | None) -> None:
+        """A detached partition: export and drop it, or attach it again if a row in it is
+        unfinished (`was`: its range; None: read from the CHECK its detach left)."""
+        rows = partition_rows(tables, parent, name)
+        if holds_unfinished(conn, rows, parent, dead_cutoff):
+            found = (was.lower, was.upper) if was else _detached_range(conn, tables.schema, name)
+            sql.attach(conn, tables.schema, parent, name, *found)  # type: ignore[arg-type]
+            result.kept[name] = "a row in it became unfinished: attached again"
+            log.warning(
+                "partitions: %s holds an unfinished row after its detach: attached again", name
+            )
+            return
+        if exporter is not None:
+            count = exporter(conn, SOURCES[parent], rows)
+            result.exported[SOURCES[parent]] = result.exported.get(SOURCES[parent], 0) + count
+        sql.drop_table(conn, tables.schema, name)
+        result.dropped.append(name)
+        log.info("partitions: dropped %s", name)
+
     for name, parent in _detached(conn, tables.schema):  # left by a pass that died
-        _retire(conn, tables, parent, name, None, dead_cutoff, exporter, result)
+        retire(parent, name, None)
     # Finalised first, whatever its range: while one partition of a table is pending detach,
     # PostgreSQL refuses every other DETACH CONCURRENTLY on that table, so an older partition
     # reached first in the loop below would fail every pass from then on.
@@ -222,7 +241,7 @@ def _maintain(
         for p in partitions(conn, tables.schema, parent):
             if p.detach_pending:
                 sql.detach(conn, tables.schema, parent, p.name, finalize=True)
-                _retire(conn, tables, parent, p.name, p, dead_cutoff, exporter, result)
+                retire(parent, p.name, p)
     result.created = make_ahead(conn, tables, interval, now)
     # A worker that died keeps its row until another worker of its service advertises
     # (queries.roles.advertise_instance): a service that no longer runs would keep it for ever.
@@ -237,35 +256,8 @@ def _maintain(
                 result.kept[p.name] = KEPT_UNFINISHED
                 continue
             sql.detach(conn, tables.schema, parent, p.name, finalize=False)
-            _retire(conn, tables, parent, p.name, p, dead_cutoff, exporter, result)
+            retire(parent, p.name, p)
     result.pruned_deliveries = archive.prune_deliveries(conn, tables, cutoff)
-
-
-def _retire(
-    conn: Connection,
-    tables: Tables,
-    parent: str,
-    name: str,
-    was: Partition | None,
-    dead_cutoff: datetime | None,
-    exporter: Exporter | None,
-    result: MaintenanceResult,
-) -> None:
-    """A detached partition: export and drop it, or attach it again if a row in it is
-    unfinished (`was`: its range; None: read from the CHECK its detach left)."""
-    rows = partition_rows(tables, parent, name)
-    if holds_unfinished(conn, rows, parent, dead_cutoff):
-        lower, upper = (was.lower, was.upper) if was else _detached_range(conn, tables.schema, name)
-        sql.attach(conn, tables.schema, parent, name, lower, upper)  # type: ignore[arg-type]
-        result.kept[name] = "a row in it became unfinished: attached again"
-        log.warning("partitions: %s holds an unfinished row after its detach: attached again", name)
-        return
-    if exporter is not None:
-        count = exporter(conn, SOURCES[parent], rows)
-        result.exported[SOURCES[parent]] = result.exported.get(SOURCES[parent], 0) + count
-    sql.drop_table(conn, tables.schema, name)
-    result.dropped.append(name)
-    log.info("partitions: dropped %s", name)
 
 
 def _detached(conn: Connection, schema: str) -> list[tuple[str, str]]:

@@ -58,8 +58,7 @@ class Receiver:
     """Consumes ``<service>.inbox`` and inserts batches into the inbox table, each in one
     transaction (``ON CONFLICT (message_id) DO NOTHING``) acknowledged only after its commit:
     a crash before the ack brings the batch back, its stored copies skipped as duplicates. No
-    delivery can stop the others: the "Receiver" table of docs/failures.md.
-    """
+    delivery can stop the others: the "Receiver" table of docs/failures.md."""
 
     def __init__(
         self,
@@ -242,12 +241,8 @@ class Receiver:
                 self._ack_duplicate(consumer, delivery)
                 return []
             if count > limit:
-                self._dead(
-                    consumer,
-                    delivery,
-                    REDELIVERED,
-                    f"redelivered {count} times without being stored (limit {limit})",
-                )
+                why = f"redelivered {count} times without being stored (limit {limit})"
+                self._dead(consumer, delivery, REDELIVERED, why)
                 return []
         return self._store_together(consumer, [delivery])
 
@@ -320,10 +315,8 @@ class Receiver:
             roles.bound_on_server(conn)
             new = roles.insert_inbox(conn, self._tables, [row for _, row in items])
             if repeats or len(new) < len(items):  # the common batch has no duplicate
-                dropped = {
-                    mid: repeats.get(mid, 0) + (0 if mid in new else 1)
-                    for mid in (row["message_id"] for _, row in items)
-                }
+                ids = (row["message_id"] for _, row in items)
+                dropped = {mid: repeats.get(mid, 0) + (0 if mid in new else 1) for mid in ids}
                 roles.count_duplicates(conn, self._tables, {m: n for m, n in dropped.items() if n})
         duplicates = len(items) - len(new)
         self.stored += len(new)
@@ -356,36 +349,21 @@ class Receiver:
         wanted = policy.delay(attempt)
         tiers = self._settings.delay_tiers
         tier = next((t for t in tiers if t >= wanted), tiers[-1])
-        consumer.forward(
-            delivery,
-            "",  # the default exchange routes by queue name
-            delay_queue(self._service, tier),
-            {
-                H_RECEIVE_ATTEMPT: attempt,
-                H_RETRY_DELAY: int(tier * 1000),
-                H_LAST_ERROR: error[:500],
-            },
-        )
+        tier_ms = int(tier * 1000)
+        headers = {H_RECEIVE_ATTEMPT: attempt, H_RETRY_DELAY: tier_ms, H_LAST_ERROR: error[:500]}
+        # The default exchange ("") routes by queue name.
+        consumer.forward(delivery, "", delay_queue(self._service, tier), headers)
         self.delayed += 1
         self._done.add(delivery.tag)
 
     def _dead(self, consumer: Consumer, delivery: Delivery, reason: str, detail: str) -> None:
+        shown = delivery.message.message_id or "(no id)"
         log.error(
-            "receiver: dead-lettering message %s: %s",
-            delivery.message.message_id or "(no id)",
-            detail,
-            extra={"reason": reason},
+            "receiver: dead-lettering message %s: %s", shown, detail, extra={"reason": reason}
         )
-        consumer.forward(
-            delivery,
-            DEAD_LETTER_EXCHANGE,
-            self._service,
-            {
-                H_DEAD_REASON: f"{reason}: {detail}"[:1000],
-                H_DEAD_QUEUE: inbox_queue(self._service),
-                H_DEAD_FINGERPRINT: fingerprint(reason),
-            },
-        )
+        why, queue = f"{reason}: {detail}"[:1000], inbox_queue(self._service)
+        headers = {H_DEAD_REASON: why, H_DEAD_QUEUE: queue, H_DEAD_FINGERPRINT: fingerprint(reason)}
+        consumer.forward(delivery, DEAD_LETTER_EXCHANGE, self._service, headers)
         self.dead += 1
         self._done.add(delivery.tag)
         call(self._listener, "dead", reason, 1)

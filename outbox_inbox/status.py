@@ -93,8 +93,7 @@ def collect_status(
 
     All ages are measured on the database clock. Reads in one repeatable-read transaction, so
     the numbers agree with each other. Raises SchemaMissing without the tables, StorageError
-    when the database fails; a broker that cannot be reached is reported in ``broker.error``.
-    """
+    when the database fails; a broker that cannot be reached is reported in ``broker.error``."""
     try:
         with engine.connect() as conn:
             if not migrate.tables_exist(conn, tables.schema):
@@ -146,11 +145,9 @@ def wakeup_status(engine: Engine, tables: Tables, listen_url: str | None) -> dic
     if engine.dialect.name != "postgresql":
         return {"mode": None, "via": None}
     channel = notify_channel(tables.schema or "", tables.outbox.name)
-    with contextlib.closing(
-        Waker(psycopg_conninfo(listen_url or engine.url), channel, threading.Event(), probe=engine)
-    ) as waker:
-        verdict = waker.check()
-    mode = {True: "notify", False: "polling", None: "unknown"}[verdict]
+    conninfo = psycopg_conninfo(listen_url or engine.url)
+    with contextlib.closing(Waker(conninfo, channel, threading.Event(), probe=engine)) as waker:
+        mode = {True: "notify", False: "polling", None: "unknown"}[waker.check()]
     return {"mode": mode, "via": "listen_url" if listen_url else "db_url"}
 
 
@@ -257,10 +254,8 @@ def problems(
     for t in (tenants := status.get("tenants") or {}).get("top", ()):
         if t["error"]:
             out.append(f"tenant {t['tenant']} unreachable: {t['error']}")
-        elif t["lag_seconds"] > (bound := tenants["drain_bound"]):
-            out.append(
-                f"tenant {t['tenant']} never drained for {t['lag_seconds']:.0f}s (> {bound:g}s)"
-            )
+        elif (lag := t["lag_seconds"]) > (bound := tenants["drain_bound"]):
+            out.append(f"tenant {t['tenant']} never drained for {lag:.0f}s (> {bound:g}s)")
     if more := tenants and tenants["unreachable"] + tenants["never_drained"] - len(out):
         out.append(f"... and {more} more tenants unreachable or never drained")
     lags = (("outbox", "oldest_age_seconds"), ("inbox", "oldest_pending_age_seconds"))

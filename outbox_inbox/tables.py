@@ -60,7 +60,7 @@ _Time = DateTime(timezone=True)
 
 @dataclass(frozen=True)
 class Tables:
-    """The three tables of one schema, sharing one `MetaData`."""
+    """The library's tables of one schema, sharing one `MetaData`."""
 
     schema: str
     metadata: MetaData
@@ -91,8 +91,7 @@ def outbox_unsent(outbox: Table | Any) -> ColumnElement[bool]:
 def build_tables(schema: str | None = "outbox_inbox") -> Tables:
     """Return the tables of `schema` (validated as an identifier); None means the default schema.
 
-    The result is cached: every caller asking for one schema shares one `MetaData`.
-    """
+    The result is cached: every caller asking for one schema shares one `MetaData`."""
     if schema is not None:
         validate_identifier(schema)
     metadata = MetaData(schema=schema, naming_convention=NAMING_CONVENTION)
@@ -276,10 +275,9 @@ def _deliveries_table(metadata: MetaData) -> Table:
 
 
 def _subscriptions_table(metadata: MetaData) -> Table:
-    """The subscriptions table."""
-    # What the service's inbox queue is bound to, and since when (the database clock at its
-    # first declaration). The audit expects an event at a service only if it was published
-    # after the service subscribed to it.
+    """What the service's inbox queue is bound to, and since when (the database clock at its
+    first declaration). The audit expects an event at a service only if it was published
+    after the service subscribed to it."""
     return Table(
         "subscriptions",
         metadata,
@@ -291,10 +289,9 @@ def _subscriptions_table(metadata: MetaData) -> Table:
 
 
 def _archive_files_table(metadata: MetaData) -> Table:
-    """The archive's files in progress."""
-    # Parquet files being written by `outbox-inbox archive`. A row is committed before its file
-    # is written and deleted in the transaction that deletes the file's rows from the hot
-    # table, so a row left behind names a file whose batch did not finish (archive.py).
+    """The Parquet files `outbox-inbox archive` is writing. A row is committed before its file
+    is written and deleted in the transaction that deletes the file's rows from the hot
+    table, so a row left behind names a file whose batch did not finish (archive.py)."""
     return Table(
         "archive_files",
         metadata,
@@ -307,11 +304,10 @@ def _archive_files_table(metadata: MetaData) -> Table:
 
 
 def _instances_table(metadata: MetaData) -> Table:
-    """The running workers of each service and what they handle (rolling deploys)."""
-    # One row per worker, upserted while it runs (`queries.roles.advertise_instance`) and deleted
-    # when it stops. `handlers`: a JSON list of {"kind", "pattern", "versions"} (versions
-    # null: every version). A row whose `seen_at` is older than `no_handler_grace` is a
-    # worker that died: not live.
+    """The running workers of each service and what they handle (rolling deploys): one row per
+    worker, upserted while it runs (`queries.roles.advertise_instance`) and deleted when it
+    stops. `handlers`: a JSON list of {"kind", "pattern", "versions"} (versions null: every
+    version). A row whose `seen_at` is older than `no_handler_grace` is a worker that died."""
     return Table(
         "instances",
         metadata,

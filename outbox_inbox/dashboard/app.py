@@ -66,14 +66,10 @@ _ERROR_PAGES: dict[type[Exception], tuple[str, str]] = {
 
 def parse_filters(query: dict[str, str]) -> Filters:
     """The filters of a service page's form (`FILTER_FIELDS` that have an example)."""
+    shown = (f for f in FILTER_FIELDS if f.example)
+    given = {f.name: query.get(f.key, "").split(",") if f.many else query.get(f.key) for f in shown}
     try:
-        return Filters.read(
-            {
-                f.name: query.get(f.key, "").split(",") if f.many else query.get(f.key)
-                for f in FILTER_FIELDS
-                if f.example
-            }
-        )
+        return Filters.read(given)
     except ConfigurationError as exc:
         raise BadRequest(str(exc)) from exc
 
@@ -113,9 +109,8 @@ class Dashboard:
             return self._respond(start_response, "421 Misdirected Request", headers, wrong_host)
         user = self.guard.user(environ)
         if user is None:
-            headers.append(
-                ("WWW-Authenticate", 'Basic realm="outbox-inbox dashboard", charset="UTF-8"')
-            )
+            realm = 'Basic realm="outbox-inbox dashboard", charset="UTF-8"'
+            headers.append(("WWW-Authenticate", realm))
             log_in = views.message_page("Log in", "this dashboard needs its token")
             return self._respond(start_response, "401 Unauthorized", headers, log_in)
         cookie = self.guard.csrf_cookie(environ)
@@ -149,12 +144,8 @@ class Dashboard:
         start_response: StartResponse, status: str, headers: list[tuple[str, str]], body: Safe
     ) -> list[bytes]:
         data = body.encode("utf-8")
-        headers = [
-            *headers,
-            ("Content-Type", "text/html; charset=utf-8"),
-            ("Content-Length", str(len(data))),
-        ]
-        start_response(status, headers)
+        length = ("Content-Length", str(len(data)))
+        start_response(status, [*headers, ("Content-Type", "text/html; charset=utf-8"), length])
         return [data]
 
     def _service(self, name: str | None) -> WatchedService:
@@ -224,15 +215,9 @@ class Dashboard:
             parts.append(views.error_text(str(exc)))
         else:
             parts.append(html("<p id=letter-count>{} dead letter(s): {}</p>", len(letters), counts))
+            note = '<p class="note">More than {} in {}: narrow the filters to see the rest.</p>'
             if cut:
-                parts.append(
-                    html(
-                        '<p class="note">More than {} in {}: narrow the filters to see the '
-                        "rest.</p>",
-                        LIST_LIMIT,
-                        ", ".join(cut),
-                    )
-                )
+                parts.append(html(note, LIST_LIMIT, ", ".join(cut)))
             if letters:
                 parts.append(views.letters_table(service.name, letters))
                 if not filters.empty or wanted != "all":
@@ -307,15 +292,9 @@ class Dashboard:
         else:  # a whole group: its first MAX_IDS letters, confirmed by id like any others
             with service.dead_letters.select([source], group, MAX_IDS) as (selection,):
                 letters, missing, more = list(selection.letters), [], selection.more
+        token = self.guard.csrf_token(cookie)
         return views.confirm_page(
-            service.name,
-            source,
-            action,
-            letters,
-            missing,
-            self.guard.csrf_token(cookie),
-            group=group,
-            more=more,
+            service.name, source, action, letters, missing, token, group=group, more=more
         )
 
     def _post_act(self, environ: dict[str, Any], user: str) -> Safe:

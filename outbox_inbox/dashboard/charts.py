@@ -1,7 +1,6 @@
 """The dashboard's charts: backlog, lag, handled and dead letters over the last hour, one
 line per service, drawn as inline SVG (outbox_inbox.svgchart) from the snapshots the rates
-are computed from (rates.RateTracker): docs/dashboard.md ("Charts").
-"""
+are computed from (rates.RateTracker): docs/dashboard.md ("Charts")."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Everything here goes through outbox_inbox.status.health and outbox_inbox.dead_letters.DeadLetters,
 the functions behind `outbox-inbox status` and `dead-letters`: the dashboard shows the same
-numbers and acts the same way (by message id: see `act`).
-"""
+numbers and acts the same way (by message id: see `act`)."""
 
 from __future__ import annotations
 

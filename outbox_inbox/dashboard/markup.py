@@ -2,8 +2,7 @@
 
 `html(template, *values)` escapes each value (quotes included) unless it is `Safe`, the result
 of an earlier `html` call; nothing else produces `Safe`. A value therefore reaches the page as
-text, whatever it holds: a payload, a header, an error, a message id, a query parameter.
-"""
+text, whatever it holds: a payload, a header, an error, a message id, a query parameter."""
 
 from __future__ import annotations
 

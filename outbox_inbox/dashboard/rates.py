@@ -1,7 +1,6 @@
 """Rates and the last hour's history from successive status snapshots (`RateTracker`): the
 dashboard asks nothing more of the database. A counter that went down (rows archived or
-purged) gives no rate rather than a wrong one.
-"""
+purged) gives no rate rather than a wrong one."""
 
 from __future__ import annotations
 
@@ -89,17 +88,11 @@ class RateTracker:
         if span < self._min_span:
             return None
 
-        def rate(before: int, after: int, *, monotonic: bool) -> float | None:
-            if monotonic and after < before:
-                return None
-            return (after - before) / span
+        def rate(before: int, after: int, *, monotonic: bool = True) -> float | None:
+            return None if monotonic and after < before else (after - before) / span
 
-        return Rates(
-            span=span,
-            processed=rate(oldest.processed, new.processed, monotonic=True),
-            dead=rate(oldest.dead, new.dead, monotonic=True),
-            backlog=rate(oldest.backlog, new.backlog, monotonic=False),
-        )
+        processed, dead = rate(oldest.processed, new.processed), rate(oldest.dead, new.dead)
+        return Rates(span, processed, dead, rate(oldest.backlog, new.backlog, monotonic=False))
 
     def history(self, service: str) -> list[Sample]:
         """The snapshots of `service` kept (the last `history` seconds), oldest first."""

@@ -1,6 +1,5 @@
 """Who may use the dashboard and from where: the bind check, authentication, CSRF, Host, by
-the rules of docs/dashboard.md ("Who can reach it"). Tokens are compared in constant time.
-"""
+the rules of docs/dashboard.md ("Who can reach it"). Tokens are compared in constant time."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ Environ = dict[str, Any]
 def is_loopback_host(host: str) -> bool:
     """True when `host` (an address or a name) means this machine only.
 
-    A name counts only when every address it resolves to is a loopback address.
-    """
+    A name counts only when every address it resolves to is a loopback address."""
     name = host.strip("[]")
     try:
         return ipaddress.ip_address(name).is_loopback

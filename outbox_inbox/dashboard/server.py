@@ -31,10 +31,8 @@ class _Handler(WSGIRequestHandler):
         log.info("%s %s", self.address_string(), format % args)
 
     def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
-        path = self.path.split("?", 1)[0]
-        log.info(
-            "%s %s %s %s", self.address_string(), self.command, path, code, extra={"status": code}
-        )
+        path, client = self.path.split("?", 1)[0], self.address_string()
+        log.info("%s %s %s %s", client, self.command, path, code, extra={"status": code})
 
 
 def make_dashboard_server(

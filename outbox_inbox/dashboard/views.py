@@ -107,14 +107,7 @@ def trace_id(headers: dict[str, Any]) -> str | None:
 
 def link(path: str, **params: Any) -> str:
     """A dashboard URL with its query string (values of lists repeat the parameter)."""
-    query = urlencode(
-        [
-            (k, item)
-            for k, v in params.items()
-            if v is not None
-            for item in (v if isinstance(v, list | tuple) else [v])
-        ]
-    )
+    query = urlencode({k: v for k, v in params.items() if v is not None}, doseq=True)
     return f"{path}?{query}" if query else path
 
 
@@ -172,15 +165,11 @@ def overview(entries: Sequence[Shown], charts: Safe, refresh: int | None) -> Saf
     rows = []
     for entry in entries:
         name, status, rates = entry.name, entry.status, entry.rates
-        name_cell = html('<a href="{}">{}</a>', link("/service", name=name), name)
+        page_link = link("/service", name=name)
+        name_cell = html('<a href="{}">{}</a>', page_link, name)
         if status is None:
-            rows.append(
-                html(
-                    '<tr><td>{}</td><td colspan="12">{}</td></tr>',
-                    name_cell,
-                    error_text(entry.error or ""),
-                )
-            )
+            failed = error_text(entry.error or "")
+            rows.append(html('<tr><td>{}</td><td colspan="12">{}</td></tr>', name_cell, failed))
             continue
         outbox, inbox = status["outbox"], status["inbox"]
         queue = ((status.get("broker") or {}).get("queues") or {}).get(f"{name}.inbox")
@@ -193,11 +182,7 @@ def overview(entries: Sequence[Shown], charts: Safe, refresh: int | None) -> Saf
             inbox["in_progress"],
             format_age(inbox["oldest_pending_age_seconds"]),
             inbox["processed"],
-            html(
-                '<a href="{}">{}</a>',
-                link("/service", name=name) + "#dead-letters",
-                dead_count(status),
-            ),
+            html('<a href="{}#dead-letters">{}</a>', page_link, dead_count(status)),
             *per_second(rates),
             "-" if queue is None else queue["messages"],
         ]
@@ -283,8 +268,7 @@ def service_status(entry: Shown, charts: Safe) -> Safe:
         parts.append(table(TENANT_HEADERS, (row(c, {1, 2}) for c in listed)))
     if outbox.get("webhooks"):
         parts.append(html("<h2>Webhook endpoints</h2>"))
-        hooks = outbox["webhooks"]
-        fields = ([w[f] if w[f] is not None else "" for f in WEBHOOK_FIELDS] for w in hooks)
+        fields = ([w[f] for f in WEBHOOK_FIELDS] for w in outbox["webhooks"])  # None shows ""
         headers = ["endpoint", "waiting", "failing", "dead", "last error"]
         parts.append(table(headers, (row(c, {1, 2, 3}) for c in fields)))
     held = status["held_keys"]
@@ -292,9 +276,7 @@ def service_status(entry: Shown, charts: Safe) -> Safe:
     if held["keys"]:
         columns = ("key", "message_id", "type", "failures", "waiting", "next_attempt_at")
         headers = ["key", "head message", "type", "failures", "waiting", "next attempt", "error"]
-        rows = (
-            row([*(k[c] for c in columns), k["last_error"] or ""], {3, 4}) for k in held["keys"]
-        )
+        rows = (row([*(k[c] for c in columns), k["last_error"]], {3, 4}) for k in held["keys"])
         parts.append(table(headers, rows))
     broker = status.get("broker")
     if broker is not None:
@@ -303,9 +285,8 @@ def service_status(entry: Shown, charts: Safe) -> Safe:
             (q, "missing", "") if info is None else (q, info["messages"], info["consumers"])
             for q, info in broker["queues"].items()
         ]
-        parts.append(
-            table(["queue", "messages", "consumers"], (row(r, {1, 2}) for r in queue_rows))
-        )
+        headers = ["queue", "messages", "consumers"]
+        parts.append(table(headers, (row(r, {1, 2}) for r in queue_rows)))
         if broker.get("error"):
             parts.append(error_text(f"broker: {broker['error']}"))
     return join(parts)
@@ -316,7 +297,6 @@ def filter_form(name: str, sources: list[str], values: dict[str, str]) -> Safe:
         html("<option{}>{}</option>", Safe(" selected") if values.get("source") == s else "", s)
         for s in ["all", *sources]
     )
-
     fields = (
         html(
             '<label>{} <input name="{}" value="{}" placeholder="{}" size=14></label>',
@@ -348,25 +328,15 @@ def cap_shown(by_type: dict[str, Any]) -> str:
 
 
 def letters_table(name: str, letters: list[DeadLetter]) -> Safe:
-    rows = [
-        row(
-            (
-                d.source,
-                html(
-                    '<a class=letter href="{}">{}</a>',
-                    link("/letter", service=name, source=d.source, id=d.message_id),
-                    d.message_id or "(no message id)",
-                ),
-                d.type,
-                d.reason_shown,
-                format_age(d.age_seconds),
-                "" if d.attempts is None else d.attempts,
-                error_summary(mask_url(d.error) if d.error else None) or "",
-            ),
-            {4, 5},
-        )
-        for d in letters
-    ]
+    rows = []
+    for d in letters:
+        target = link("/letter", service=name, source=d.source, id=d.message_id)
+        shown = html('<a class=letter href="{}">{}</a>', target, d.message_id or "(no message id)")
+        attempts = "" if d.attempts is None else d.attempts
+        error = error_summary(mask_url(d.error) if d.error else None) or ""
+        age = format_age(d.age_seconds)
+        cells = (d.source, shown, d.type, d.reason_shown, age, attempts, error)
+        rows.append(row(cells, {4, 5}))
     headers = ("source", "message id", "type", "reason", "age", "attempts", "error")
     return table(headers, rows, "letters")
 
@@ -403,23 +373,10 @@ def _groups_table(name: str, groups: list[Group], parked: bool) -> Safe:
             for source in g.sources
             for action in actions
         )
-        rows.append(
-            row(
-                (
-                    g.id,
-                    g.count,
-                    ", ".join(g.types),
-                    ", ".join(g.sources),
-                    g.first_seen.isoformat(timespec="seconds") if g.first_seen else "",
-                    g.last_seen.isoformat(timespec="seconds") if g.last_seen else "",
-                    g.replayed,
-                    g.fingerprint,
-                    links,
-                ),
-                {1, 6},
-                row_id=f"group-{g.id}",
-            )
-        )
+        seen = (t.isoformat(timespec="seconds") if t else "" for t in (g.first_seen, g.last_seen))
+        types, sources = ", ".join(g.types), ", ".join(g.sources)
+        cells = (g.id, g.count, types, sources, *seen, g.replayed, g.fingerprint, links)
+        rows.append(row(cells, {1, 6}, row_id=f"group-{g.id}"))
     headers = ["group", "count", "types", "sources", "first seen", "last seen"]
     headers += ["dead again after a replay", "cause", ""]
     return table(headers, rows, "parked-groups" if parked else "dead-groups")
@@ -522,17 +479,9 @@ def confirm_page(
     inputs = join(html('<input type=hidden name={} value="{}">', k, v) for k, v in hidden)
     if group.parked:
         inputs = join([inputs, html("<input type=hidden name=parked value=1>")])
-    parts = [
-        html(
-            "<h1>{} {} dead letter(s) of {} ({})?</h1><p>They will be {}.</p>",
-            action.capitalize(),
-            len(letters),
-            name,
-            source,
-            _WHAT[action],
-        ),
-        letters_table(name, letters),
-    ]
+    heading = "<h1>{} {} dead letter(s) of {} ({})?</h1><p>They will be {}.</p>"
+    asked = html(heading, action.capitalize(), len(letters), name, source, _WHAT[action])
+    parts = [asked, letters_table(name, letters)]
     if group.fingerprint is not None:
         parts.insert(1, html("<p id=group>Group: {}</p>", group.fingerprint))
     if more:
@@ -581,16 +530,9 @@ def result_page(
     missing: list[str],
     error: str | None,
 ) -> Safe:
-    verb = DONE[action]
-    parts = [
-        html(
-            "<h1 id=result>{} {} of {} dead letter(s) ({})</h1>",
-            verb.capitalize(),
-            len(done),
-            len(done) + len(kept) + len(missing),
-            source,
-        )
-    ]
+    verb, total = DONE[action], len(done) + len(kept) + len(missing)
+    heading = "<h1 id=result>{} {} of {} dead letter(s) ({})</h1>"
+    parts = [html(heading, verb.capitalize(), len(done), total, source)]
     if error:
         parts.append(error_text(f"stopped by an error: {error}"))
     listed = (

@@ -1,6 +1,5 @@
 """The statements of the operators' tools: dead letters (list, count, group, replay, park,
-purge), status and metrics, and a role's privileges.
-"""
+purge), status and metrics, and a role's privileges."""
 
 from __future__ import annotations
 
@@ -46,9 +45,6 @@ def dead_since(t: Any) -> Any:
 
 def _float(value: Any) -> float | None:
     return float(value) if value is not None else None
-
-
-# --- dead letters ---------------------------------------------------------------------------------
 
 
 class DeadFilters(TypedDict, total=False):
@@ -205,9 +201,6 @@ def forget_deliveries(conn: Connection, tables: Tables, message_ids: Sequence[uu
     return int(result.rowcount or 0)
 
 
-# --- status and metrics ---------------------------------------------------------------------------
-
-
 #: Per webhook endpoint: deliveries waiting, of those failed at least once, dead; an error.
 WEBHOOK_FIELDS = ("endpoint", "waiting", "failing", "dead", "last_error")
 
@@ -262,22 +255,16 @@ def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
     claimable_since = case(
         (i.c.locked_until > i.c.next_attempt_at, i.c.locked_until), else_=i.c.next_attempt_at
     )
-    ready = conn.execute(
-        select(
-            func.count().label("claimable"), func.max(db_age(claimable_since)).label("oldest")
-        ).where(claimable(i, liveness=False))
-    ).one()
+    since = func.max(db_age(claimable_since)).label("oldest")
+    stmt = select(func.count().label("claimable"), since).where(claimable(i, liveness=False))
+    ready = conn.execute(stmt).one()
     # Each statement reads the partial indexes of its rows, never every finished row: the
     # newest processed_at of the processed rows (one index entry per partition) and of the
     # dead ones; the pending and dead rows through their indexes (an OR, which the planner
     # splits over both, where IN would read the table); the processed rows counted on their
     # narrow index.
-    handled = [
-        conn.execute(
-            select(db_age(func.max(i.c.processed_at))).where(i.c.status == state)
-        ).scalar_one()
-        for state in (PROCESSED, DEAD)
-    ]
+    newest = select(db_age(func.max(i.c.processed_at)))
+    handled = [conn.execute(newest.where(i.c.status == s)).scalar_one() for s in (PROCESSED, DEAD)]
     last_handled = min((age for age in handled if age is not None), default=None)
     leased = and_(i.c.status == PENDING, i.c.locked_until > db_now())
     waiting = and_(
@@ -289,14 +276,8 @@ def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
         func.count().filter(leased).label("in_progress"),
         func.count().filter(i.c.status == DEAD).label("dead"),
     )
-    totals = conn.execute(
-        select(
-            *counts,
-            func.max(db_age(i.c.received_at))
-            .filter(i.c.status == PENDING)
-            .label("oldest_pending_age_seconds"),
-        ).where(unfinished)
-    ).one()
+    oldest = func.max(db_age(i.c.received_at)).filter(i.c.status == PENDING).label("oldest")
+    totals = conn.execute(select(*counts, oldest).where(unfinished)).one()
     processed = conn.execute(select(func.count()).where(i.c.status == PROCESSED)).scalar_one()
     caps: dict[str, dict[str, Any]] = {"cap": {}, "rate": {}}  # as `Handlers.advertised`
     for handlers in conn.execute(select(tables.instances.c.handlers)).scalars():
@@ -305,25 +286,18 @@ def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
                 if h.get(name) is not None:
                     found[h["pattern"]] = min(h[name], found.get(h["pattern"], h[name]))
     left = places_left(conn, tables, caps["cap"], caps["rate"])
-    per_type = conn.execute(
-        select(i.c.routing_key, *counts)
-        .where(unfinished)
-        .group_by(i.c.routing_key)
-        .order_by(i.c.routing_key)
-    ).all()
+    by_type = select(i.c.routing_key, *counts).where(unfinished).group_by(i.c.routing_key)
+    per_type = conn.execute(by_type.order_by(i.c.routing_key)).all()
     pending_tenants = select(i.c.tenant, *counts[:2]).where(i.c.status == PENDING, i.c.tenant != "")
     tenants = pending_tenants.group_by(i.c.tenant).subquery("tenants")
-    per_tenant = conn.execute(
-        select(tenants, func.count().over().label("waiting"))
-        .order_by(tenants.c.pending.desc(), tenants.c.tenant)
-        .limit(TOP_TENANTS)
-    ).all()
+    most = select(tenants, func.count().over().label("waiting")).limit(TOP_TENANTS)
+    per_tenant = conn.execute(most.order_by(tenants.c.pending.desc(), tenants.c.tenant)).all()
     return {
         "pending": int(totals.pending),
         "in_progress": int(totals.in_progress),
         "dead": int(totals.dead),
         "processed": int(processed),
-        "oldest_pending_age_seconds": _float(totals.oldest_pending_age_seconds),
+        "oldest_pending_age_seconds": _float(totals.oldest),
         "claimable": int(ready.claimable),
         "oldest_claimable_age_seconds": _float(ready.oldest),
         "last_handled_age_seconds": _float(last_handled),
@@ -374,6 +348,7 @@ def held_keys(conn: Connection, tables: Tables, limit: int) -> tuple[int, list[R
     messages waiting behind first (key, the head's id, message_id, type, failures,
     next_attempt_at, last_error, ``waiting``)."""
     i = tables.inbox
+    keyed = (i.c.status == PENDING, i.c.key.is_not(None))
     heads = (
         select(
             i.c.key,
@@ -384,17 +359,13 @@ def held_keys(conn: Connection, tables: Tables, limit: int) -> tuple[int, list[R
             i.c.next_attempt_at,
             i.c.last_error,
         )
-        .where(i.c.status == PENDING, i.c.key.is_not(None))
+        .where(*keyed)
         .order_by(i.c.key, i.c.id)
         .distinct(i.c.key)
         .subquery("heads")
     )
-    counts = (
-        select(i.c.key, func.count().label("pending_rows"))
-        .where(i.c.status == PENDING, i.c.key.is_not(None))
-        .group_by(i.c.key)
-        .subquery("counts")
-    )
+    per_key = select(i.c.key, func.count().label("pending_rows")).where(*keyed).group_by(i.c.key)
+    counts = per_key.subquery("counts")
     failing = heads.c.last_error.is_not(None)
     total = conn.execute(select(func.count()).select_from(heads).where(failing)).scalar_one()
     stmt = (
