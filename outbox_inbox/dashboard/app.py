@@ -75,7 +75,7 @@ def parse_filters(query: dict[str, str]) -> Filters:
 
 
 class Dashboard:
-    """The WSGI application. `audit` writes one line per action (outbox_inbox.cli.audit);
+    """The WSGI application. `audit` writes one line per action (cli/audit.py, `write_audit`);
     `refresh` reloads the overview every so many seconds (0: never); `max_lag` (seconds) is
     the lag bound of the health, as `outbox-inbox status --max-lag` (None: no lag limit, and
     a stalled inbox after outbox_inbox.status.STALLED_AFTER)."""
