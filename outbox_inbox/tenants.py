@@ -1,0 +1,453 @@
+"""The tenants fleet: the relays and workers of a service with ``tenants`` drain every tenant.
+
+A `Hub` per process knows the registry (re-read every `REFRESH` seconds) and which tenants have
+work, in the order they were woken: a NOTIFY on the control channel ``<schema>.tenants`` of the
+service's own database (`wake`, sent after a tenant's write commits), and a sweep probing
+`SWEEP` tenants a second whatever their count. `Fleet` threads take the tenants in turn, hold a
+lease on each in ``tenant_leases`` (the database clock, ``lease`` seconds, renewed each batch)
+while they drain it with the tenant's own `Relay.relay_once` / `Worker.work_once`, and move on
+after `QUANTUM` batches. An idle tenant holds no connection; one whose database fails is backed
+off alone (one warning). docs/tenants-fleet.md tells the whole of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg import sql
+from sqlalchemy import Engine, delete, event, exists, literal, select, union_all
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session
+
+from .backoff import Backoff
+from .clock import db_now
+from .errors import ConfigurationError, first_line
+from .queries import roles
+from .role_loop import DRIVER_OUTAGES, UNAVAILABLE
+from .tables import PENDING, outbox_unsent, outbox_webhook
+from .waker import notify_channel, psycopg_conninfo
+from .worker import worker_name
+
+if TYPE_CHECKING:
+    from .relay import Relay
+    from .service import Service
+    from .worker import Worker
+
+log = logging.getLogger(__name__)
+
+RELAY, WORKER = "relay", "worker"
+#: Seconds between two reads of the registry: tenants added or removed are served from then on.
+REFRESH = 5.0
+#: Tenants the sweep probes for work each second, whatever their count (the fallback of `wake`).
+SWEEP = 20
+#: Batches a fleet thread drains of one tenant before it serves the next one with work.
+QUANTUM = 8
+#: Seconds after which a tenant's idle worker connection is closed, and an idle database's pool.
+IDLE = 5.0
+#: Seconds before a tenant leased by another holder is tried again (its lease may expire).
+BUSY = 0.5
+_TICK = 0.5
+_WAKE = "outbox_inbox.tenants.wake"  # Session.info: the tenants to wake after its commit
+_TENANT_DOWN: tuple[type[Exception], ...] = (SQLAlchemyError, *DRIVER_OUTAGES)
+
+
+def channel(schema: str) -> str:
+    """The control channel of the fleet of a service in `schema` of its database."""
+    return notify_channel(schema, "tenants")
+
+
+def wake(engine: Engine, schema: str, role: str, tenants: set[str] | list[str]) -> None:
+    """Wake the fleets of the service whose database `engine` is: `tenants` have work for
+    `role` (RELAY: outbox rows; WORKER: inbox rows). Call it after the rows' commit; a failure
+    is only logged (the sweep finds the rows later)."""
+    try:
+        with engine.begin() as conn:
+            for tenant in tenants:
+                roles.notify(conn, channel(schema), f"{role}:{tenant}")
+    except SQLAlchemyError as exc:
+        log.debug("waking the tenants fleet failed: %s", first_line(exc))
+
+
+def waking(engine: Engine, schema: str, tenant: str) -> Callable[[Session | Any], None]:
+    """What a tenant's `Outbox` calls on each write: once the session's transaction commits,
+    the relays are woken for `tenant` (`wake`); a rollback wakes nobody. A `Connection`'s write
+    wakes nobody: the sweep finds it."""
+
+    def written(session: Session | Any) -> None:
+        if not isinstance(session, Session):
+            return
+        if _WAKE not in session.info:
+            session.info[_WAKE] = set()
+            event.listen(session, "after_commit", _committed)
+            event.listen(session, "after_rollback", lambda s: s.info[_WAKE].clear())
+        session.info[_WAKE].add((engine, schema, tenant))
+
+    return written
+
+
+def _committed(session: Session) -> None:
+    woken, session.info[_WAKE] = session.info[_WAKE], set()
+    for engine, schema in {(e, s) for e, s, _ in woken}:
+        wake(engine, schema, RELAY, [t for e, s, t in woken if (e, s) == (engine, schema)])
+
+
+class _Later(Backoff):
+    """A tenant's `Backoff`: its outage logged once, its next try a time instead of a wait."""
+
+    retry_at = 0.0
+
+    def sleep(self, stop: threading.Event) -> None:
+        self.retry_at = time.monotonic() + self._next * random.uniform(0.5, 1.0)
+        self._next = min(self._next * 2, self._maximum)
+
+
+class Hub:
+    """What the fleet threads of one process share: the registry, the tenants with work for
+    each role (in the order they were woken: round robin), the tenants' outages, and when each
+    tenant database's pool was last used. `run` is its thread: the LISTEN connection, the
+    registry's refresh, the sweep and the idle pools' disposal."""
+
+    def __init__(self, service: Service, served: tuple[str, ...]) -> None:
+        self.service = service
+        self.served = served
+        self._ids: list[str] = []
+        self._cursor = 0
+        self._swept = time.monotonic()
+        self._read = -REFRESH
+        self._work: dict[str, dict[str, None]] = {role: {} for role in served}
+        self._later: dict[tuple[str, str], float] = {}
+        self._outages: dict[tuple[str, str], _Later] = {}
+        self._used: dict[Engine, float] = {}  # a tenant database's engine -> last use
+        self._cond = threading.Condition()
+        self._warned = ""
+
+    def run(self, stop: threading.Event, *, on_started: Callable[[], None] | None = None) -> None:
+        """Listen for wake-ups, refresh the registry, sweep and dispose idle pools until `stop`."""
+        if on_started:
+            on_started()
+        conn: psycopg.Connection[Any] | None = None
+        retry = 0.0
+        try:
+            while not stop.is_set():
+                self._tick()
+                if conn is None and time.monotonic() >= retry:
+                    try:
+                        conn = self._listen()
+                    except psycopg.Error as exc:
+                        log.warning("tenants fleet: no wake-ups (%s): sweep only", first_line(exc))
+                        retry = time.monotonic() + 10 * REFRESH
+                if conn is None:
+                    stop.wait(_TICK)
+                    continue
+                try:
+                    for n in conn.notifies(timeout=_TICK):
+                        role, _, tenant = n.payload.partition(":")
+                        self.mark(role, tenant)
+                except psycopg.Error as exc:
+                    log.warning("tenants fleet: wake-ups lost (%s)", first_line(exc))
+                    conn.close()
+                    conn = None
+        finally:
+            if conn is not None:
+                conn.close()
+
+    def _listen(self) -> psycopg.Connection[Any]:
+        s = self.service.settings
+        url = s.listen_url or self.service.engine.url
+        conn = psycopg.connect(psycopg_conninfo(url), autocommit=True)
+        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel(s.schema))))
+        return conn
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        if now - self._read >= REFRESH:
+            self._read = now
+            self._refresh()
+        rate = min(SWEEP, len(self._ids)) or 1  # each tenant at most once a second
+        due = min(rate, int((now - self._swept) * rate))
+        if due:
+            self._swept = now if due == rate else self._swept + due / rate
+        if due and self._ids:
+            batch = {self._ids[(self._cursor + n) % len(self._ids)] for n in range(due)}
+            self._cursor = (self._cursor + due) % len(self._ids)
+            self._sweep(sorted(batch))
+        for engine, used in list(self._used.items()):
+            if now - used > IDLE:
+                del self._used[engine]
+                engine.dispose()  # its connections close as they come back
+
+    def _refresh(self) -> None:
+        try:
+            ids = self.service.tenant_ids()
+        except ConfigurationError as exc:
+            if str(exc) != self._warned:
+                self._warned = str(exc)
+                log.warning("tenants fleet: keeps the tenants it had: %s", exc)
+            return
+        added = set(ids) - set(self._ids) if self._ids else set()  # the first: by the sweep
+        self._ids = ids
+        with self._cond:
+            for work in self._work.values():
+                for gone in set(work) - set(ids):
+                    del work[gone]
+                work.update(dict.fromkeys(sorted(added)))
+            self._cond.notify_all()
+
+    def _sweep(self, batch: list[str]) -> None:
+        """Probe `batch` for work: one query per database, and mark the tenants that have it."""
+        by_engine: dict[Engine, list[tuple[str, Service]]] = {}
+        for tenant in batch:
+            with contextlib.suppress(ConfigurationError):
+                t = self.service.tenant(tenant)
+                by_engine.setdefault(t.engine, []).append((tenant, t))
+        for engine, found in by_engine.items():
+            probes = []
+            for tenant, t in found:
+                o, i = t.tables.outbox, t.tables.inbox
+                for role in self.served:
+                    if role == RELAY:
+                        has = exists().where(outbox_unsent(o), ~outbox_webhook(o))
+                        has = has.where(o.c.available_at <= db_now())
+                    else:
+                        has = exists().where(i.c.status == PENDING)
+                        has = has.where(i.c.next_attempt_at <= db_now())
+                    probes.append(select(literal(f"{role}:{tenant}")).where(has))
+            try:
+                with engine.connect() as conn:
+                    hits = conn.execute(union_all(*probes)).scalars().all()
+            except _TENANT_DOWN as exc:
+                log.debug("tenants fleet: sweep failed: %s", first_line(exc))
+                continue
+            finally:
+                if engine is not self.service.engine and engine not in self._used:
+                    engine.dispose()  # not in use by the fleet: no connection kept
+            for hit in hits:
+                self.mark(*hit.split(":", 1))
+
+    def mark(self, role: str, tenant: str) -> None:
+        """`tenant` has work for `role`: served after the tenants marked before it."""
+        with self._cond:
+            work = self._work.get(role)
+            if work is not None and tenant not in work:
+                work[tenant] = None
+                self._cond.notify()
+
+    def take(self, role: str, stop: threading.Event) -> str | None:
+        """The next tenant with work for `role` that is not backed off, waiting up to a tick."""
+        deadline = time.monotonic() + _TICK
+        with self._cond:
+            while not stop.is_set():
+                now = time.monotonic()
+                for tenant in self._work[role]:
+                    if self._later.get((role, tenant), 0.0) <= now:
+                        del self._work[role][tenant]
+                        return tenant
+                if now >= deadline:
+                    return None
+                self._cond.wait(min(deadline - now, 0.1))
+        return None
+
+    def later(self, role: str, tenant: str, delay: float) -> None:
+        """Serve `tenant` for `role` again in `delay` seconds, not before."""
+        with self._cond:
+            self._later[(role, tenant)] = time.monotonic() + delay
+            self._work[role][tenant] = None
+
+    def failed(self, role: str, tenant: str, exc: BaseException) -> None:
+        """`tenant`'s database failed: back it off (`Backoff`: one warning per outage)."""
+        s = self.service.settings
+        outage = self._outages.get((role, tenant))
+        if outage is None:
+            what = f"tenants fleet of {self.service.name}: {role} of tenant {tenant}"
+            outage = _Later(s.reconnect_initial, s.reconnect_max, what=what, logger=log)
+            self._outages[(role, tenant)] = outage
+        outage.failed(f"database unavailable: {first_line(exc)}", threading.Event())
+        self.later(role, tenant, outage.retry_at - time.monotonic())
+
+    def succeeded(self, role: str, tenant: str) -> None:
+        outage = self._outages.pop((role, tenant), None)
+        if outage is not None:
+            outage.succeeded()
+        self._later.pop((role, tenant), None)
+
+    def used(self, engine: Engine) -> None:
+        """A tenant database's pool was used now (disposed after `IDLE` seconds without use)."""
+        if engine is not self.service.engine:
+            self._used[engine] = time.monotonic()
+
+
+class Fleet:
+    """One thread of the fleet: drains the tenants with work for `role`, each in turn."""
+
+    def __init__(self, hub: Hub, role: str) -> None:
+        self.hub, self.role = hub, role
+        self.holder = f"{worker_name()}/{role}"
+        self._relays: dict[str, tuple[Service, Relay]] = {}
+        #: Tenants' workers and their open connections, closed after `IDLE` seconds unused.
+        self._open: dict[str, tuple[Service, Worker, Any, float]] = {}
+        self._workers: dict[str, tuple[Service, Worker]] = {}
+
+    def run(self, stop: threading.Event, *, on_started: Callable[[], None] | None = None) -> None:
+        """Serve tenants until `stop` is set; the control database's outages are backed off."""
+        s = self.hub.service.settings
+        what = f"tenants fleet of {self.hub.service.name}: {self.role}"
+        backoff = Backoff(s.reconnect_initial, s.reconnect_max, what=what, logger=log)
+        if on_started:
+            on_started()
+        try:
+            while not stop.is_set():
+                tenant = self.hub.take(self.role, stop)
+                if tenant is not None:
+                    try:
+                        self.serve(tenant)
+                    except UNAVAILABLE as exc:
+                        self.hub.later(self.role, tenant, 0.0)
+                        backoff.failed(exc, stop)
+                        continue
+                    backoff.succeeded()
+                self._close_idle(time.monotonic() - IDLE)
+        finally:
+            self._close_idle(float("inf"))
+
+    def serve(self, tenant: str) -> None:
+        """Drain `tenant` for up to `QUANTUM` batches under its lease. Raises what the control
+        database or the broker raise; the tenant's database failing backs the tenant off."""
+        try:
+            t = self.hub.service.tenant(tenant)
+        except ConfigurationError:
+            return  # removed from the registry meanwhile
+        if not self._lease(tenant):
+            self.hub.later(self.role, tenant, BUSY)
+            return
+        more = False
+        try:
+            more = self._drain(tenant, t)
+        except _TENANT_DOWN as exc:
+            self._forget(tenant)
+            self.hub.failed(self.role, tenant, exc)
+        else:
+            self.hub.succeeded(self.role, tenant)
+        finally:
+            self.hub.used(t.engine)
+            leases = self.hub.service.tables.tenant_leases
+            with self.hub.service.engine.begin() as conn:
+                conn.execute(
+                    delete(leases).where(*self._key(leases, tenant), leases.c.holder == self.holder)
+                )
+        if more:
+            self.hub.mark(self.role, tenant)  # after the others with work
+
+    def _key(self, leases: Any, tenant: str) -> list[Any]:
+        svc = self.hub.service
+        return [leases.c.service == svc.name, leases.c.role == self.role, leases.c.tenant == tenant]
+
+    def _lease(self, tenant: str) -> bool:
+        """Take or renew the lease of `tenant` for this holder; False if another holds it."""
+        svc = self.hub.service
+        leases = svc.tables.tenant_leases
+        until = db_now() + timedelta(seconds=svc.settings.lease)
+        row = {"service": svc.name, "role": self.role, "tenant": tenant}
+        stmt = insert(leases).values(**row, holder=self.holder, locked_until=until)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=list(row),
+            set_={"holder": self.holder, "locked_until": until},
+            where=(leases.c.locked_until < db_now()) | (leases.c.holder == self.holder),
+        )
+        with svc.engine.begin() as conn:
+            return conn.execute(stmt.returning(leases.c.holder)).first() is not None
+
+    def _drain(self, tenant: str, t: Service) -> bool:
+        """Up to `QUANTUM` batches of `tenant`; whether more may be waiting."""
+        for n in range(QUANTUM):
+            if n and not self._lease(tenant):
+                return False
+            if self.role == RELAY:
+                relay = self._relay(tenant, t)
+                try:
+                    count = relay.relay_once()
+                finally:
+                    relay._drop_publisher()
+                if count < t.settings.relay_batch_size:
+                    return False
+            else:
+                worker, conn = self._worker(tenant, t)
+                count = worker.work_once(conn)
+                if not (n or count):
+                    self._forget(tenant, retire=True)  # woken for nothing: no connection kept
+                if count < t.settings.worker_batch_size and not worker.claimed_next:
+                    return False
+        if self.role == WORKER:
+            worker, conn = self._worker(tenant, t)
+            worker.give_back(conn)  # the next turn claims them again
+        return True
+
+    def _relay(self, tenant: str, t: Service) -> Relay:
+        found = self._relays.get(tenant)
+        if found is None or found[0] is not t:
+            found = self._relays[tenant] = (t, t.relay())
+        return found[1]
+
+    def _worker(self, tenant: str, t: Service) -> tuple[Worker, Any]:
+        opened = self._open.get(tenant)
+        if opened is not None and opened[0] is t:
+            self._open[tenant] = (t, opened[1], opened[2], time.monotonic())
+            return opened[1], opened[2]
+        self._forget(tenant)
+        svc = self.hub.service
+        if t.engine is svc.engine and t._sessions_kept is None:
+            svc._liveness_url()  # one probe of the database for all its schemas
+            t._sessions_kept = svc._sessions_kept
+        made = self._workers.get(tenant)
+        if made is None or made[0] is not t:
+            made = self._workers[tenant] = (t, t.worker())
+        conn = made[1].connect()
+        self._open[tenant] = (t, made[1], conn, time.monotonic())
+        return made[1], conn
+
+    def _forget(self, tenant: str, *, retire: bool = False) -> None:
+        """Close `tenant`'s worker connection (its claims free with its liveness lock)."""
+        opened = self._open.pop(tenant, None)
+        if opened is None:
+            return
+        _, worker, conn, _ = opened
+        with contextlib.suppress(*_TENANT_DOWN):
+            if retire:
+                worker.give_back(conn)
+                worker.retire(conn)
+        with contextlib.suppress(*_TENANT_DOWN):
+            conn.close()
+        worker.close_liveness()
+
+    def _close_idle(self, before: float) -> None:
+        for tenant, (*_, used) in list(self._open.items()):
+            if used < before:
+                self._forget(tenant, retire=True)
+
+
+def fleet_roles(service: Service, *, relay: bool, workers: int) -> list[tuple[str, Any]]:
+    """The role threads serving the tenants of `service` beside its own relay and workers:
+    the hub, one relay thread if `relay`, and `workers` worker threads. None without tenants,
+    on SQLite, or for a role with nothing to serve."""
+    if service._tenants is None or service.sqlite or not (relay or workers):
+        return []
+    if workers and service.handlers.any_async:
+        log.warning("service %s: the tenants fleet runs no async handlers", service.name)
+        workers = 0
+    served = ((RELAY,) if relay else ()) + ((WORKER,) if workers else ())
+    if not served:
+        return []
+    hub = Hub(service, served)
+    threads: list[tuple[str, Any]] = [("tenants", hub.run)]
+    if relay:
+        threads.append(("tenants-relay", Fleet(hub, RELAY).run))
+    threads += [(f"tenants-worker-{n}", Fleet(hub, WORKER).run) for n in range(workers)]
+    return threads
