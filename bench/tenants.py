@@ -83,6 +83,7 @@ def _psql(pg: PostgresServer, db: str, script: str) -> None:
         [
             str(pg.bin_dir / "psql"),
             "-q",
+            "-1",  # one transaction: one commit (and one flush) for the whole script
             "-v",
             "ON_ERROR_STOP=1",
             pg.url(db).replace("+psycopg", ""),

@@ -20,7 +20,7 @@ import pytest
 from sqlalchemy import text
 
 from helpers import FAST, received_row, scalar, wait_until
-from outbox_inbox import Message, Service, Tenant
+from outbox_inbox import Message, Service, Tenant, tenants
 from outbox_inbox.queries import roles
 from outbox_inbox.receiver import Receiver
 
@@ -120,6 +120,22 @@ def test_the_relay_fleet_sends_each_tenants_outbox_once(
     assert svc.broker.queue_depth("billing.inbox") == 60
 
 
+def test_a_tenants_commit_wakes_the_relay_fleet_without_the_sweep(
+    db_url: str, mq_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tenants.Hub, "_sweep", lambda self, batch: None)
+    registry = {"a": Tenant(schema="t_a")}
+    svc = _service(db_url, mq_url, registry)
+    svc.declare_topology()
+    _prepare(svc, "a")
+    with _started(svc, receiver=False, workers=0):
+        time.sleep(1.0)  # past the first read of the registry
+        for round_ in range(3):
+            _publish(svc, "a", 1)
+            wait_until(lambda: _unsent(svc, "a") == 0, timeout=10, what=f"round {round_}")
+    assert svc.broker.queue_depth("billing.inbox") == 3
+
+
 @pytest.mark.parametrize("mode", ["schema", "database"])
 def test_the_worker_fleet_handles_each_tenants_inbox_once_in_its_database(
     mode: str, db_url: str, db_url_factory: Callable[[], str], mq_url: str
@@ -157,6 +173,21 @@ def test_sent_in_a_tenants_session_handled_once_in_that_tenants_inbox(
     assert scalar(db_url, "SELECT count(*) FROM outbox_inbox.inbox_messages") == 0
     for tenant in registry:
         assert _count(svc, tenant, "SELECT count(*) FROM {schema}.inbox_messages") == 10
+
+
+def test_a_busy_tenant_does_not_starve_another(db_url: str, mq_url: str) -> None:
+    registry = {"busy": Tenant(schema="t_busy"), "calm": Tenant(schema="t_calm")}
+    svc = _service(db_url, mq_url, registry, worker_batch_size=5)
+    for tenant in registry:
+        _prepare(svc, tenant)
+    _store(svc, "busy", 1000)
+    with _started(svc, relay=False, receiver=False, workers=1):
+        wait_until(lambda: _processed(svc, "busy") > 0, what="the busy tenant served")
+        _store(svc, "calm", 5)
+        wait_until(lambda: _processed(svc, "calm") == 5, timeout=30, what="the calm tenant")
+        busy = _processed(svc, "busy")
+    print(f"the calm tenant was served with {busy} of the busy tenant's 1000 handled")
+    assert busy < 1000
 
 
 def test_a_tenant_added_while_running_is_drained_without_a_restart(
