@@ -1,13 +1,10 @@
 """The tenants fleet: the relays and workers of a service with ``tenants`` drain every tenant.
 
-A `Hub` per process knows the registry (re-read every `REFRESH` seconds) and which tenants have
-work, in the order they were woken: a NOTIFY on the control channel ``<schema>.tenants`` of the
-service's own database (`wake`, sent after a tenant's write commits), and a sweep probing
-`SWEEP` tenants a second whatever their count. `Fleet` threads take the tenants in turn, hold a
-lease on each in ``tenant_leases`` (the database clock, ``lease`` seconds, renewed each batch)
-while they drain it with the tenant's own `Relay.relay_once` / `Worker.work_once`, and move on
-after `QUANTUM` batches. An idle tenant holds no connection; one whose database fails is backed
-off alone (one warning). docs/tenants-fleet.md tells the whole of it.
+A `Hub` per process knows the registry and which tenants have work, in the order they were woken
+(`wake`: a NOTIFY on ``<schema>.tenants`` in the service's own database; a sweep of at most
+`SWEEP` tenants a second). `Fleet` threads take them in turn, each under a lease on the database
+clock in ``tenant_leases``, drain them with the tenant's own `Relay.relay_once` /
+`Worker.work_once` and move on after `QUANTUM` batches (docs/tenants-fleet.md).
 """
 
 from __future__ import annotations
@@ -60,11 +57,6 @@ _WAKE = "outbox_inbox.tenants.wake"  # Session.info: the tenants to wake after i
 _TENANT_DOWN: tuple[type[Exception], ...] = (SQLAlchemyError, *DRIVER_OUTAGES)
 
 
-def channel(schema: str) -> str:
-    """The control channel of the fleet of a service in `schema` of its database."""
-    return notify_channel(schema, "tenants")
-
-
 def wake(engine: Engine, schema: str, role: str, tenants: set[str] | list[str]) -> None:
     """Wake the fleets of the service whose database `engine` is: `tenants` have work for
     `role` (RELAY: outbox rows; WORKER: inbox rows). Call it after the rows' commit; a failure
@@ -72,7 +64,7 @@ def wake(engine: Engine, schema: str, role: str, tenants: set[str] | list[str]) 
     try:
         with engine.begin() as conn:
             for tenant in tenants:
-                roles.notify(conn, channel(schema), f"{role}:{tenant}")
+                roles.notify(conn, notify_channel(schema, "tenants"), f"{role}:{tenant}")
     except SQLAlchemyError as exc:
         log.debug("waking the tenants fleet failed: %s", first_line(exc))
 
@@ -96,8 +88,8 @@ def waking(engine: Engine, schema: str, tenant: str) -> Callable[[Session | Any]
 
 def _committed(session: Session) -> None:
     woken, session.info[_WAKE] = session.info[_WAKE], set()
-    for engine, schema in {(e, s) for e, s, _ in woken}:
-        wake(engine, schema, RELAY, [t for e, s, t in woken if (e, s) == (engine, schema)])
+    for engine, schema, tenant in woken:
+        wake(engine, schema, RELAY, [tenant])
 
 
 class _Later(Backoff):
@@ -117,25 +109,20 @@ class Hub:
     registry's refresh, the sweep and the idle pools' disposal."""
 
     def __init__(self, service: Service, served: tuple[str, ...]) -> None:
-        self.service = service
-        self.served = served
-        self._ids: list[str] = []
-        self._cursor = 0
-        self._swept = time.monotonic()
-        self._read = -REFRESH
+        self.service, self.served, self._ids, self._warned = service, served, list[str](), ""
+        self._cursor, self._swept, self._read = 0, time.monotonic(), -REFRESH
         self._work: dict[str, dict[str, None]] = {role: {} for role in served}
         self._later: dict[tuple[str, str], float] = {}
         self._outages: dict[tuple[str, str], _Later] = {}
         self._used: dict[Engine, float] = {}  # a tenant database's engine -> last use
         self._cond = threading.Condition()
-        self._warned = ""
 
     def run(self, stop: threading.Event, *, on_started: Callable[[], None] | None = None) -> None:
         """Listen for wake-ups, refresh the registry, sweep and dispose idle pools until `stop`."""
         if on_started:
             on_started()
         conn: psycopg.Connection[Any] | None = None
-        retry = 0.0
+        retry = 0.0  # when to LISTEN again after a failure
         try:
             while not stop.is_set():
                 self._tick()
@@ -162,9 +149,9 @@ class Hub:
 
     def _listen(self) -> psycopg.Connection[Any]:
         s = self.service.settings
-        url = s.listen_url or self.service.engine.url
-        conn = psycopg.connect(psycopg_conninfo(url), autocommit=True)
-        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel(s.schema))))
+        conn = psycopg.connect(psycopg_conninfo(s.listen_url or self.service.engine.url))
+        conn.autocommit = True
+        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(s.schema + ".tenants")))
         return conn
 
     def _tick(self) -> None:
@@ -224,19 +211,23 @@ class Hub:
             try:
                 with engine.connect() as conn:
                     hits = conn.execute(union_all(*probes)).scalars().all()
-            except _TENANT_DOWN as exc:
-                log.debug("tenants fleet: sweep failed: %s", first_line(exc))
+            except _TENANT_DOWN as exc:  # the tenants' outage: warned, retried by the fleet
+                for tenant, role in ((t, r) for t, _ in found for r in self.served):
+                    self.failed(role, tenant, exc)
                 continue
             finally:
                 if engine is not self.service.engine and engine not in self._used:
                     engine.dispose()  # not in use by the fleet: no connection kept
             for hit in hits:
-                self.mark(*hit.split(":", 1))
+                self.mark(*hit.split(":", 1))  # type: ignore[arg-type]
 
-    def mark(self, role: str, tenant: str) -> None:
-        """`tenant` has work for `role`: served after the tenants marked before it."""
+    def mark(self, role: str, tenant: str, delay: float = 0.0) -> None:
+        """`tenant` has work for `role`: served after the tenants marked before it, and not
+        before `delay` seconds."""
         with self._cond:
             work = self._work.get(role)
+            if delay:
+                self._later[(role, tenant)] = time.monotonic() + delay
             if work is not None and tenant not in work:
                 work[tenant] = None
                 self._cond.notify()
@@ -256,28 +247,21 @@ class Hub:
                 self._cond.wait(min(deadline - now, 0.1))
         return None
 
-    def later(self, role: str, tenant: str, delay: float) -> None:
-        """Serve `tenant` for `role` again in `delay` seconds, not before."""
-        with self._cond:
-            self._later[(role, tenant)] = time.monotonic() + delay
-            self._work[role][tenant] = None
-
-    def failed(self, role: str, tenant: str, exc: BaseException) -> None:
-        """`tenant`'s database failed: back it off (`Backoff`: one warning per outage)."""
-        s = self.service.settings
-        outage = self._outages.get((role, tenant))
-        if outage is None:
-            what = f"tenants fleet of {self.service.name}: {role} of tenant {tenant}"
-            outage = _Later(s.reconnect_initial, s.reconnect_max, what=what, logger=log)
-            self._outages[(role, tenant)] = outage
-        outage.failed(f"database unavailable: {first_line(exc)}", threading.Event())
-        self.later(role, tenant, outage.retry_at - time.monotonic())
-
-    def succeeded(self, role: str, tenant: str) -> None:
-        outage = self._outages.pop((role, tenant), None)
-        if outage is not None:
-            outage.succeeded()
-        self._later.pop((role, tenant), None)
+    def failed(self, role: str, tenant: str, exc: BaseException | None) -> None:
+        """`tenant`'s database failed (`exc`): back it off, one warning per outage (`Backoff`);
+        or it worked (None): its outage, if any, is over."""
+        s, key = self.service.settings, (role, tenant)
+        with self._cond:  # the hub's sweep and the fleet threads: one outage, one warning
+            outage = self._outages.pop(key, None)
+            if exc is None:
+                self._later.pop(key, None)
+                return outage.succeeded() if outage else None
+            if outage is None:
+                what = f"tenants fleet of {self.service.name}: {role} of tenant {tenant}"
+                outage = _Later(s.reconnect_initial, s.reconnect_max, what=what, logger=log)
+            self._outages[key] = outage
+            outage.failed(f"database unavailable: {first_line(exc)}", threading.Event())
+            self.mark(role, tenant, outage.retry_at - time.monotonic())
 
     def used(self, engine: Engine) -> None:
         """A tenant database's pool was used now (disposed after `IDLE` seconds without use)."""
@@ -289,34 +273,36 @@ class Fleet:
     """One thread of the fleet: drains the tenants with work for `role`, each in turn."""
 
     def __init__(self, hub: Hub, role: str) -> None:
-        self.hub, self.role = hub, role
-        self.holder = f"{worker_name()}/{role}"
-        self._relays: dict[str, tuple[Service, Relay]] = {}
-        #: Tenants' workers and their open connections, closed after `IDLE` seconds unused.
-        self._open: dict[str, tuple[Service, Worker, Any, float]] = {}
-        self._workers: dict[str, tuple[Service, Worker]] = {}
+        self.hub, self.role, self.holder = hub, role, f"{worker_name()}/{role}"
+        self._relays: dict[Service, Relay] = {}  # by tenant Service (a changed entry: another)
+        #: The tenants' workers with their connections and last use, closed after `IDLE` s.
+        self._open: dict[Service, tuple[Worker, Any, float]] = {}
 
     def run(self, stop: threading.Event, *, on_started: Callable[[], None] | None = None) -> None:
         """Serve tenants until `stop` is set; the control database's outages are backed off."""
-        s = self.hub.service.settings
-        what = f"tenants fleet of {self.hub.service.name}: {self.role}"
+        s, name = self.hub.service.settings, self.hub.service.name
+        what = f"tenants fleet of {name}: {self.role}"
         backoff = Backoff(s.reconnect_initial, s.reconnect_max, what=what, logger=log)
         if on_started:
             on_started()
         try:
             while not stop.is_set():
                 tenant = self.hub.take(self.role, stop)
-                if tenant is not None:
-                    try:
+                try:
+                    if tenant is not None:
                         self.serve(tenant)
-                    except UNAVAILABLE as exc:
-                        self.hub.later(self.role, tenant, 0.0)
-                        backoff.failed(exc, stop)
-                        continue
-                    backoff.succeeded()
-                self._close_idle(time.monotonic() - IDLE)
+                except UNAVAILABLE as exc:
+                    if tenant is not None:
+                        self.hub.mark(self.role, tenant)
+                    backoff.failed(exc, stop)
+                    continue
+                backoff.succeeded()
+                for t, (*_, used) in list(self._open.items()):
+                    if used < time.monotonic() - IDLE:
+                        self._close(t)
         finally:
-            self._close_idle(float("inf"))
+            for t in list(self._open):
+                self._close(t)
 
     def serve(self, tenant: str) -> None:
         """Drain `tenant` for up to `QUANTUM` batches under its lease. Raises what the control
@@ -326,29 +312,23 @@ class Fleet:
         except ConfigurationError:
             return  # removed from the registry meanwhile
         if not self._lease(tenant):
-            self.hub.later(self.role, tenant, BUSY)
-            return
+            return self.hub.mark(self.role, tenant, BUSY)
         more = False
         try:
             more = self._drain(tenant, t)
+            self.hub.failed(self.role, tenant, None)
         except _TENANT_DOWN as exc:
-            self._forget(tenant)
+            self._close(t, retire=False)
             self.hub.failed(self.role, tenant, exc)
-        else:
-            self.hub.succeeded(self.role, tenant)
         finally:
             self.hub.used(t.engine)
-            leases = self.hub.service.tables.tenant_leases
-            with self.hub.service.engine.begin() as conn:
-                conn.execute(
-                    delete(leases).where(*self._key(leases, tenant), leases.c.holder == self.holder)
-                )
+            svc, leases = self.hub.service, self.hub.service.tables.tenant_leases
+            key = (leases.c.service == svc.name, leases.c.role == self.role)
+            with svc.engine.begin() as conn:
+                mine = (leases.c.tenant == tenant, leases.c.holder == self.holder)
+                conn.execute(delete(leases).where(*key, *mine))
         if more:
             self.hub.mark(self.role, tenant)  # after the others with work
-
-    def _key(self, leases: Any, tenant: str) -> list[Any]:
-        svc = self.hub.service
-        return [leases.c.service == svc.name, leases.c.role == self.role, leases.c.tenant == tenant]
 
     def _lease(self, tenant: str) -> bool:
         """Take or renew the lease of `tenant` for this holder; False if another holds it."""
@@ -371,66 +351,44 @@ class Fleet:
             if n and not self._lease(tenant):
                 return False
             if self.role == RELAY:
-                relay = self._relay(tenant, t)
+                relay = self._relays.get(t) or self._relays.setdefault(t, t.relay())
                 try:
-                    count = relay.relay_once()
+                    if relay.relay_once() < t.settings.relay_batch_size:
+                        return False
                 finally:
-                    relay._drop_publisher()
-                if count < t.settings.relay_batch_size:
-                    return False
-            else:
-                worker, conn = self._worker(tenant, t)
-                count = worker.work_once(conn)
-                if not (n or count):
-                    self._forget(tenant, retire=True)  # woken for nothing: no connection kept
-                if count < t.settings.worker_batch_size and not worker.claimed_next:
-                    return False
+                    relay._drop_publisher()  # back to the broker's pool
+                continue
+            worker, conn = self._worker(t)
+            count = worker.work_once(conn)
+            if not (n or count):
+                self._close(t)  # woken for nothing: no connection kept
+            if count < t.settings.worker_batch_size and not worker.claimed_next:
+                return False
         if self.role == WORKER:
-            worker, conn = self._worker(tenant, t)
-            worker.give_back(conn)  # the next turn claims them again
+            self._worker(t)[0].give_back(self._worker(t)[1])  # the next turn claims them
         return True
 
-    def _relay(self, tenant: str, t: Service) -> Relay:
-        found = self._relays.get(tenant)
-        if found is None or found[0] is not t:
-            found = self._relays[tenant] = (t, t.relay())
-        return found[1]
-
-    def _worker(self, tenant: str, t: Service) -> tuple[Worker, Any]:
-        opened = self._open.get(tenant)
-        if opened is not None and opened[0] is t:
-            self._open[tenant] = (t, opened[1], opened[2], time.monotonic())
-            return opened[1], opened[2]
-        self._forget(tenant)
+    def _worker(self, t: Service) -> tuple[Worker, Any]:
+        """`t`'s worker and its connection (opened, with its liveness lock, if not open)."""
+        worker, conn, _ = self._open.get(t) or (t.worker(), None, 0.0)
         svc = self.hub.service
-        if t.engine is svc.engine and t._sessions_kept is None:
+        if conn is None and t.engine is svc.engine and t._sessions_kept is None:
             svc._liveness_url()  # one probe of the database for all its schemas
             t._sessions_kept = svc._sessions_kept
-        made = self._workers.get(tenant)
-        if made is None or made[0] is not t:
-            made = self._workers[tenant] = (t, t.worker())
-        conn = made[1].connect()
-        self._open[tenant] = (t, made[1], conn, time.monotonic())
-        return made[1], conn
+        conn = conn or worker.connect()
+        self._open[t] = (worker, conn, time.monotonic())
+        return worker, conn
 
-    def _forget(self, tenant: str, *, retire: bool = False) -> None:
-        """Close `tenant`'s worker connection (its claims free with its liveness lock)."""
-        opened = self._open.pop(tenant, None)
-        if opened is None:
-            return
-        _, worker, conn, _ = opened
-        with contextlib.suppress(*_TENANT_DOWN):
-            if retire:
-                worker.give_back(conn)
-                worker.retire(conn)
-        with contextlib.suppress(*_TENANT_DOWN):
-            conn.close()
-        worker.close_liveness()
-
-    def _close_idle(self, before: float) -> None:
-        for tenant, (*_, used) in list(self._open.items()):
-            if used < before:
-                self._forget(tenant, retire=True)
+    def _close(self, t: Service, *, retire: bool = True) -> None:
+        """Close `t`'s worker connection (its claims free with its liveness lock)."""
+        worker, conn, _ = self._open.pop(t, (None, None, 0.0))
+        if worker is not None and conn is not None:
+            with contextlib.suppress(*_TENANT_DOWN):
+                if retire:
+                    worker.give_back(conn)
+                    worker.retire(conn)
+                conn.close()
+            worker.close_liveness()
 
 
 def fleet_roles(service: Service, *, relay: bool, workers: int) -> list[tuple[str, Any]]:
