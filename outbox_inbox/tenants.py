@@ -14,23 +14,23 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import sql
-from sqlalchemy import Engine, delete, event, exists, literal, select, union_all
+from sqlalchemy import Engine, delete, event
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from .backoff import Backoff
 from .clock import db_now
+from .config import Tenant
 from .errors import ConfigurationError, first_line
 from .queries import roles
 from .role_loop import DRIVER_OUTAGES, UNAVAILABLE
-from .tables import PENDING, outbox_unsent, outbox_webhook
 from .waker import notify_channel, psycopg_conninfo
 from .worker import worker_name
 
@@ -55,6 +55,23 @@ BUSY = 0.5
 _TICK = 0.5
 _WAKE = "outbox_inbox.tenants.wake"  # Session.info: the tenants to wake after its commit
 _TENANT_DOWN: tuple[type[Exception], ...] = (SQLAlchemyError, *DRIVER_OUTAGES)
+_SWEEP_DOWN: tuple[type[Exception], ...] = (
+    *_TENANT_DOWN,
+    psycopg.Error,
+)  # the sweep's probe runs on the driver's cursor
+#: The sweep's probes: whether a tenant's schema holds rows to send (the predicate of the relay's
+#: index ``ix_outbox_messages_relayed``, tables.py) or due rows to handle.
+_PROBES = {
+    RELAY: sql.SQL(
+        "SELECT {tag} WHERE EXISTS (SELECT FROM {schema}.outbox_messages WHERE published_at IS"
+        " NULL AND expired_at IS NULL AND dead_at IS NULL AND NOT (exchange LIKE 'webhook:%')"
+        " AND available_at <= now())"
+    ),
+    WORKER: sql.SQL(
+        "SELECT {tag} WHERE EXISTS (SELECT FROM {schema}.inbox_messages"
+        " WHERE status = 'pending' AND next_attempt_at <= now())"
+    ),
+}
 
 
 def wake(engine: Engine, schema: str, role: str, tenants: set[str] | list[str]) -> None:
@@ -110,6 +127,8 @@ class Hub:
 
     def __init__(self, service: Service, served: tuple[str, ...]) -> None:
         self.service, self.served, self._ids, self._warned = service, served, list[str](), ""
+        self._entries: Mapping[str, Tenant] = {}
+        self._services: dict[str, Service] = {}  # `tenant`'s, until the registry is read again
         self._cursor, self._swept, self._read = 0, time.monotonic(), -REFRESH
         self._work: dict[str, dict[str, None]] = {role: {} for role in served}
         self._later: dict[tuple[str, str], float] = {}
@@ -174,14 +193,15 @@ class Hub:
 
     def _refresh(self) -> None:
         try:
-            ids = self.service.tenant_ids()
+            entries = self.service._registry()
+            ids = sorted(entries)
         except ConfigurationError as exc:
             if str(exc) != self._warned:
                 self._warned = str(exc)
                 log.warning("tenants fleet: keeps the tenants it had: %s", exc)
             return
         added = set(ids) - set(self._ids) if self._ids else set()  # the first: by the sweep
-        self._ids = ids
+        self._ids, self._entries, self._services = ids, entries, {}
         with self._cond:
             for work in self._work.values():
                 for gone in set(work) - set(ids):
@@ -189,37 +209,53 @@ class Hub:
                 work.update(dict.fromkeys(sorted(added)))
             self._cond.notify_all()
 
+    def tenant(self, tenant: str) -> Service:
+        """`Service.tenant` as of the last read of the registry (not read again per call)."""
+        found = self._services.get(tenant)
+        if found is None:
+            if tenant not in self._entries:
+                raise ConfigurationError(f"service {self.service.name} has no tenant {tenant!r}")
+            found = self._services[tenant] = self.service.tenant(tenant)
+        return found
+
     def _sweep(self, batch: list[str]) -> None:
-        """Probe `batch` for work: one query per database, and mark the tenants that have it."""
-        by_engine: dict[Engine, list[tuple[str, Service]]] = {}
+        """Probe `batch` for work, one query per database, and mark the tenants that have it.
+        A schema tenant in the service's database costs no object of its own until it has work."""
+        svc, by_engine = self.service, dict[Engine, list[tuple[str, str]]]()
         for tenant in batch:
-            with contextlib.suppress(ConfigurationError):
-                t = self.service.tenant(tenant)
-                by_engine.setdefault(t.engine, []).append((tenant, t))
+            entry = self._entries.get(tenant)
+            if entry is None:
+                continue
+            if entry.db_url and entry.db_url != svc.settings.db_url:
+                with contextlib.suppress(ConfigurationError):
+                    t = self.tenant(tenant)
+                    by_engine.setdefault(t.engine, []).append((tenant, t.settings.schema))
+            else:
+                schema = entry.schema or svc.settings.schema
+                by_engine.setdefault(svc.engine, []).append((tenant, schema))
         for engine, found in by_engine.items():
-            probes = []
-            for tenant, t in found:
-                o, i = t.tables.outbox, t.tables.inbox
-                for role in self.served:
-                    if role == RELAY:
-                        has = exists().where(outbox_unsent(o), ~outbox_webhook(o))
-                        has = has.where(o.c.available_at <= db_now())
-                    else:
-                        has = exists().where(i.c.status == PENDING)
-                        has = has.where(i.c.next_attempt_at <= db_now())
-                    probes.append(select(literal(f"{role}:{tenant}")).where(has))
+            probes = [
+                _PROBES[role].format(tag=sql.Literal(f"{role}:{t}"), schema=sql.Identifier(schema))
+                for t, schema in found
+                for role in self.served
+            ]
             try:
-                with engine.connect() as conn:
-                    hits = conn.execute(union_all(*probes)).scalars().all()
-            except _TENANT_DOWN as exc:  # the tenants' outage: warned, retried by the fleet
+                with (
+                    engine.connect() as conn,
+                    contextlib.closing(conn.connection.cursor()) as cursor,
+                ):
+                    cursor.execute(sql.SQL(" UNION ALL ").join(probes))  # no parameters
+                    hits = cursor.fetchall()
+            except _SWEEP_DOWN as exc:  # the tenants' outage: warned, retried by the fleet
                 for tenant, role in ((t, r) for t, _ in found for r in self.served):
                     self.failed(role, tenant, exc)
                 continue
             finally:
                 if engine is not self.service.engine and engine not in self._used:
                     engine.dispose()  # not in use by the fleet: no connection kept
-            for hit in hits:
-                self.mark(*hit.split(":", 1))  # type: ignore[arg-type]
+            for (hit,) in hits:
+                role, _, tenant = hit.partition(":")
+                self.mark(role, tenant)
 
     def mark(self, role: str, tenant: str, delay: float = 0.0) -> None:
         """`tenant` has work for `role`: served after the tenants marked before it, and not
@@ -308,7 +344,7 @@ class Fleet:
         """Drain `tenant` for up to `QUANTUM` batches under its lease. Raises what the control
         database or the broker raise; the tenant's database failing backs the tenant off."""
         try:
-            t = self.hub.service.tenant(tenant)
+            t = self.hub.tenant(tenant)
         except ConfigurationError:
             return  # removed from the registry meanwhile
         if not self._lease(tenant):
@@ -383,11 +419,10 @@ class Fleet:
         """Close `t`'s worker connection (its claims free with its liveness lock)."""
         worker, conn, _ = self._open.pop(t, (None, None, 0.0))
         if worker is not None and conn is not None:
-            with contextlib.suppress(*_TENANT_DOWN):
+            with contextlib.suppress(*_TENANT_DOWN), contextlib.closing(conn):
                 if retire:
                     worker.give_back(conn)
                     worker.retire(conn)
-                conn.close()
             worker.close_liveness()
 
 
