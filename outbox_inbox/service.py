@@ -742,7 +742,7 @@ class Service:
 
     def run_relay(self, *, fail_fast: bool | None = None) -> None:
         """Run only the relay in this thread until SIGTERM or SIGINT (waits as `start()`), and
-        the webhooks role in threads when there are `webhooks`."""
+        the webhooks role and the tenants' relay (outbox_inbox.tenants) in threads if any."""
         also = (*self._webhooks(), *tenants.fleet_roles(self, relay=True, workers=0))
         self._run_role(self.relay().run, topology=False, fail_fast=fail_fast, also=also)
 
