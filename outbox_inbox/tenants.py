@@ -55,10 +55,6 @@ BUSY = 0.5
 _TICK = 0.5
 _WAKE = "outbox_inbox.tenants.wake"  # Session.info: the tenants to wake after its commit
 _TENANT_DOWN: tuple[type[Exception], ...] = (SQLAlchemyError, *DRIVER_OUTAGES)
-_SWEEP_DOWN: tuple[type[Exception], ...] = (
-    *_TENANT_DOWN,
-    psycopg.Error,
-)  # the sweep's probe runs on the driver's cursor
 #: The sweep's probes: whether a tenant's schema holds rows to send (the predicate of the relay's
 #: index ``ix_outbox_messages_relayed``, tables.py) or due rows to handle.
 _PROBES = {
@@ -240,20 +236,19 @@ class Hub:
                 for role in self.served
             ]
             try:
-                with (
-                    engine.connect() as conn,
-                    contextlib.closing(conn.connection.cursor()) as cursor,
-                ):
-                    cursor.execute(sql.SQL(" UNION ALL ").join(probes))  # no parameters
-                    hits = cursor.fetchall()
-            except _SWEEP_DOWN as exc:  # the tenants' outage: warned, retried by the fleet
+                with engine.connect() as conn:
+                    query = sql.SQL(" UNION ALL ").join(probes)
+                    text = query.as_string(conn.connection.dbapi_connection)  # type: ignore[arg-type]
+                    once = conn.execution_options(no_parameters=True)  # its '%' is no placeholder
+                    hits = once.exec_driver_sql(text).scalars().all()
+            except _TENANT_DOWN as exc:  # the tenants' outage: warned, retried by the fleet
                 for tenant, role in ((t, r) for t, _ in found for r in self.served):
                     self.failed(role, tenant, exc)
                 continue
             finally:
                 if engine is not self.service.engine and engine not in self._used:
                     engine.dispose()  # not in use by the fleet: no connection kept
-            for (hit,) in hits:
+            for hit in hits:
                 role, _, tenant = hit.partition(":")
                 self.mark(role, tenant)
 
