@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack
@@ -124,6 +124,8 @@ class Outbox:
         self._tables = tables
         self._settings = settings  # max_payload_bytes and the claim check's
         self._tracing = tracing or Tracing(self._service)
+        #: Called with the session of each write (a tenant's: `tenants.waking`).
+        self.written: Callable[[Session | Connection], None] | None = None
 
     @property
     def service(self) -> str:
@@ -207,6 +209,8 @@ class Outbox:
                 self._settings.payload_store.put(session, *offloaded)  # type: ignore[union-attr]
             hooks = self._settings.webhooks if row["kind"] == EVENT else ()
             roles.insert_outbox(session, self._tables, [row, *delivery_rows(row, hooks)])
+            if self.written is not None:
+                self.written(session)
         except SQLAlchemyError as exc:
             raise storage_error(exc, "writing to the outbox") from exc
 

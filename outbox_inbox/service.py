@@ -21,6 +21,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from . import migrate as migrations
+from . import tenants
 from .backoff import Backoff
 from .broker import Broker
 from .clock import as_timedelta
@@ -271,6 +272,8 @@ class Service:
         copy.outbox = Outbox(
             self.name, copy.tables, settings=copy.settings, tracing=copy.tracing, tenant=tenant_id
         )
+        if not self.sqlite:  # its relays are woken after the write commits
+            copy.outbox.written = tenants.waking(self.engine, self.settings.schema, tenant_id)
         with self._lock:
             return self._tenant_services.setdefault(key, copy)
 
@@ -672,8 +675,10 @@ class Service:
             roles += self._webhooks()
         if receiver:
             roles.append(("receiver", self.receiver().run))
-        for n in range(self.settings.worker_threads if workers is None else workers):
+        workers = self.settings.worker_threads if workers is None else workers
+        for n in range(workers):
             roles.append((f"worker-{n}", self._worker_role()))
+        roles += tenants.fleet_roles(self, relay=relay, workers=workers)
         if not roles:
             return
         if not self.sqlite and not self._in_child:  # worker processes' parent runs it
@@ -751,8 +756,9 @@ class Service:
 
     def run_relay(self, *, fail_fast: bool | None = None) -> None:
         """Run only the relay in this thread until SIGTERM or SIGINT (waits as `start()`), and
-        the webhooks role in threads when there are `webhooks`."""
-        self._run_role(self.relay().run, topology=False, fail_fast=fail_fast, also=self._webhooks())
+        the webhooks role and the tenants' relay (outbox_inbox.tenants) in threads if any."""
+        also = (*self._webhooks(), *tenants.fleet_roles(self, relay=True, workers=0))
+        self._run_role(self.relay().run, topology=False, fail_fast=fail_fast, also=also)
 
     def _webhooks(self) -> _Roles:
         """The webhooks role where the relay runs, with `webhooks` (docs/concepts.md)."""
@@ -771,7 +777,8 @@ class Service:
         ``processes`` child processes as `run()` does, or with ``processes=1`` (or on SQLite)
         one worker in this thread."""
         if self.worker_processes() == 1:
-            self._run_role(self._worker_role(), topology=False, fail_fast=fail_fast)
+            also = tuple(tenants.fleet_roles(self, relay=False, workers=1))
+            self._run_role(self._worker_role(), topology=False, fail_fast=fail_fast, also=also)
         else:
             self._run_with_workers(relay=False, receiver=False, fail_fast=fail_fast)
 

@@ -72,6 +72,7 @@ class Tables:
     instances: Table
     rate_counts: Table
     payloads: Table
+    tenant_leases: Table
 
 
 def outbox_webhook(outbox: Table | Any) -> ColumnElement[bool]:
@@ -118,9 +119,21 @@ def build_tables(schema: str | None = "outbox_inbox") -> Tables:
         Column("data", LargeBinary, nullable=False),
         Column("created_at", _Time, nullable=False, server_default=func.now()),
     )
+    # The tenants fleet's (outbox_inbox.tenants): who drains a tenant's outbox (role "relay")
+    # or inbox ("worker") now, until when on the database clock; deleted when it is done.
+    leases = Table(
+        "tenant_leases",
+        metadata,
+        Column("service", String(255), primary_key=True),
+        Column("role", String(16), primary_key=True),
+        Column("tenant", String(255), primary_key=True),
+        Column("holder", String(255), nullable=False),
+        Column("locked_until", _Time, nullable=False),
+    )
     return Tables(
         schema or "",
         *(metadata, outbox, inbox, deliveries, subscriptions, *tables, rate_counts, payloads),
+        leases,
     )
 
 

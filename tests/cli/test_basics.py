@@ -292,7 +292,7 @@ def test_db_upgrade_current_history_downgrade(cli: Cli, db_url: str) -> None:
     current = cli("db", "current", "--db-url", db_url, "--schema", "ops", "--json")
     assert current.returncode == 0, current
     assert '"up_to_date": true' in current.stdout
-    assert "0013 (head)" in cli("db", "current", "--db-url", db_url, "--schema", "ops").stdout
+    assert "0014 (head)" in cli("db", "current", "--db-url", db_url, "--schema", "ops").stdout
 
     checked = cli("db", "check", "--db-url", db_url, "--schema", "ops")
     assert checked.returncode == 0, checked

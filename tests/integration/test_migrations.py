@@ -216,7 +216,8 @@ def test_db_upgrade_and_check_name_the_grants_a_runtime_role_granted_on_the_old_
         upgraded = runner.invoke(db, ["upgrade", "--db-url", db_url])
         assert upgraded.exit_code == 0, upgraded.output
         made = (
-            "tables made: inbox_messages, inbox_rate_counts, instances, outbox_messages, payloads;"
+            "tables made: inbox_messages, inbox_rate_counts, instances, outbox_messages, payloads,"
+            " tenant_leases;"
         )
         assert f"{made} a runtime role needs" in upgraded.output, upgraded.output
         with admin.begin() as conn:
@@ -226,7 +227,7 @@ def test_db_upgrade_and_check_name_the_grants_a_runtime_role_granted_on_the_old_
         checked = runner.invoke(db, ["check", "--db-url", db_url, "--runtime-role", role])
         assert checked.exit_code == 4, checked.output
         # 0005 added instances; 0006 made the message tables again, partitioned; 0011 added
-        # payloads, 0012 inbox_rate_counts.
+        # payloads, 0012 inbox_rate_counts, 0014 tenant_leases.
         grants = [
             f"GRANT SELECT, INSERT, UPDATE, DELETE ON outbox_inbox.{table} TO {role}"
             for table in (
@@ -235,9 +236,10 @@ def test_db_upgrade_and_check_name_the_grants_a_runtime_role_granted_on_the_old_
                 "instances",
                 "outbox_messages",
                 "payloads",
+                "tenant_leases",
             )
         ]
-        assert checked.output.count("lacks:") == 5, checked.output
+        assert checked.output.count("lacks:") == 6, checked.output
         assert all(f"lacks: {grant}\n" in checked.output for grant in grants), checked.output
         with admin.begin() as conn:
             for grant in grants:

@@ -1,0 +1,367 @@
+"""Benchmark of the tenants fleet (outbox_inbox.tenants), an entry point of its own:
+
+    .venv/bin/python bench/tenants.py [--tenants 1000] [--rate 200] [--seconds 20]
+                                      [--idle-seconds 30] [--down-seconds 30]
+
+On its own PostgreSQL and RabbitMQ (outbox_inbox.testing.servers), stopped at the end, one
+service ``bench`` with the fleet running in this process (``start()``: relay, receiver, worker
+and the fleet's threads), for 1 and then for --tenants schema tenants in one database, one of
+them active:
+
+- latency: --rate messages a second for --seconds, each sent in its own transaction of the
+  active tenant's session; commit -> handled p50/p99 (the handler's ``clock_timestamp()``).
+  The handler runs where the receiver stores the message: the tenant's inbox once the receiver
+  routes by tenant, else the service's own inbox (the figure then covers the relay fleet
+  only), and "stored -> handled" does the worker fleet's part: rows stored straight into the
+  active tenant's inbox at --rate with `tenants.wake` (what the receiver does after its commit);
+- idle: --idle-seconds with no message: the process's CPU seconds, and the most server
+  connections held (pg_stat_activity, sampled every second);
+- tenant down (database-per-tenant, 4 tenant databases, --rate spread over them): the other
+  tenants' p99 for --down-seconds with all up, then with one database refusing connections
+  (``ALTER DATABASE ... ALLOW_CONNECTIONS false`` and its sessions terminated) for
+  --down-seconds; then every message committed in the stopped one is handled once.
+
+The --tenants schemas: the active one migrated by alembic, the others ``pg_dump --schema``
+copies of it (the text of the dump with the schema's name replaced, run by psql), since alembic
+takes about a second a schema. A benchmark, not a test: it fails only when a phase cannot end.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":  # as bench/run.py: the repository root on the path, not bench/
+    _here = str(Path(__file__).resolve().parent)
+    sys.path[:] = [p for p in sys.path if p and Path(p).resolve() != Path(_here)]
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import argparse
+import inspect
+import logging
+import os
+import statistics
+import subprocess
+import time
+import uuid
+from typing import Any
+
+from sqlalchemy import create_engine, text
+
+from outbox_inbox import Message, Service, Tenant, tenants
+from outbox_inbox.queries import roles
+from outbox_inbox.receiver import Receiver
+from outbox_inbox.testing.servers import PostgresServer, RabbitMQServer
+
+ROUTING = "tenant_inbox" in inspect.signature(Receiver).parameters
+TEMPLATE = "bench_tenant_template"
+EFFECTS = (
+    "CREATE TABLE IF NOT EXISTS public.bench_effects (message_id text NOT NULL,"
+    " tenant text NOT NULL, handled_at timestamptz NOT NULL DEFAULT clock_timestamp())"
+)
+
+
+def _handler(message: Message, session: Any) -> None:
+    session.execute(
+        text("INSERT INTO public.bench_effects (message_id, tenant) VALUES (:m, :t)"),
+        {"m": str(message.message_id), "t": message.tenant},
+    )
+
+
+def _service(db_url: str, mq_url: str, registry: dict[str, Tenant]) -> Service:
+    svc = Service("bench", db_url=db_url, mq_url=mq_url, tenants=registry, processes=1, lease=10.0)
+    svc.on_command("order.place")(_handler)
+    return svc
+
+
+def _libpq(url: str) -> str:
+    return url.replace("+psycopg", "")
+
+
+def _psql(pg: PostgresServer, db: str, script: str) -> None:
+    subprocess.run(
+        [
+            str(pg.bin_dir / "psql"),
+            "-q",
+            "-1",  # one transaction: one commit (and one flush) for the whole script
+            "-v",
+            "ON_ERROR_STOP=1",
+            pg.url(db).replace("+psycopg", ""),
+        ],
+        input=script.encode(),
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+
+
+def _schemas(pg: PostgresServer, db: str, count: int) -> dict[str, Tenant]:
+    """`count` schema tenants in `db`: t0 migrated, the others copies of a migrated template."""
+    url = pg.url(db)
+    svc = _service(url, "amqp://unused", {"t0": Tenant(schema="t0"), "x": Tenant(schema=TEMPLATE)})
+    svc.migrate()
+    svc.tenant("t0").migrate()
+    with svc.engine.begin() as conn:
+        conn.execute(text(EFFECTS))
+    if count > 1:
+        svc.tenant("x").migrate()
+        dump = subprocess.run(
+            [
+                str(pg.bin_dir / "pg_dump"),
+                "--schema-only",
+                "--schema",
+                TEMPLATE,
+                url.replace("+psycopg", ""),
+            ],
+            check=True,
+            capture_output=True,
+        ).stdout.decode()
+        started = time.monotonic()
+        for first in range(1, count, 100):
+            copies = [
+                dump.replace(TEMPLATE, f"t{n}") for n in range(first, min(first + 100, count))
+            ]
+            _psql(pg, db, "\n".join(copies))
+        print(f"  {count - 1} schemas copied in {time.monotonic() - started:.0f} s", flush=True)
+        with svc.engine.begin() as conn:
+            conn.execute(text(f"DROP SCHEMA {TEMPLATE} CASCADE"))
+    svc.close()
+    return {f"t{n}": Tenant(schema=f"t{n}") for n in range(count)}
+
+
+def _p(values: list[float], q: int) -> float:
+    return statistics.quantiles(values, n=100)[q - 1] if len(values) > 1 else values[0]
+
+
+class Load:
+    """Sends --rate messages a second in the tenants' sessions, spread over `active`."""
+
+    def __init__(self, svc: Service, active: list[str], rate: float) -> None:
+        self.svc, self.active, self.rate = svc, active, rate
+        self.committed: dict[str, tuple[str, float]] = {}  # message id -> (tenant, wall time)
+        self.failed = 0
+
+    def run(self, seconds: float) -> None:
+        started, n = time.monotonic(), 0
+        while (now := time.monotonic()) < started + seconds:
+            target = started + n / self.rate
+            if target > now:
+                time.sleep(target - now)
+            tenant = self.active[n % len(self.active)]
+            n += 1
+            t = self.svc.tenant(tenant)
+            try:
+                with t.session() as session, session.begin():
+                    mid = t.outbox.send(session, "bench", "order.place", {"n": n})
+            except Exception:
+                self.failed += 1
+                continue
+            self.committed[str(mid)] = (tenant, time.time())
+
+    def latencies(
+        self, dbs: list[str], since: int = 0, timeout: float = 120
+    ) -> dict[str, list[float]]:
+        """Seconds from commit to handled, by tenant, once every message was handled once."""
+        ids = list(self.committed)[since:]
+        handled: dict[str, list[float]] = {}
+        deadline = time.monotonic() + timeout
+        while True:
+            found: dict[str, list[float]] = {}
+            for db in dbs:
+                engine = create_engine(db)
+                with engine.connect() as conn:
+                    for mid, at in conn.execute(
+                        text("SELECT message_id, extract(epoch FROM handled_at) FROM bench_effects")
+                    ):
+                        found.setdefault(mid, []).append(float(at))
+                engine.dispose()
+            if all(m in found for m in ids) or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        missing = [m for m in ids if m not in found]
+        doubled = [m for m in ids if len(found.get(m, [])) > 1]
+        if missing or doubled:
+            raise RuntimeError(f"{len(missing)} messages not handled, {len(doubled)} twice")
+        for mid in ids:
+            tenant, at = self.committed[mid]
+            handled.setdefault(tenant, []).append(found[mid][0] - at)
+        return handled
+
+
+def _stored(svc: Service, tenant: str, rate: float, seconds: float) -> list[float]:
+    """Rows stored straight into `tenant`'s inbox at `rate` (woken as the receiver would):
+    stored -> handled seconds, on the database clock."""
+    t = svc.tenant(tenant)
+    started, n, ids = time.monotonic(), 0, []
+    while (now := time.monotonic()) < started + seconds:
+        target = started + n / rate
+        if target > now:
+            time.sleep(target - now)
+        n += 1
+        row = {
+            "message_id": uuid.uuid4(), "source": "orders", "kind": "command",
+            "routing_key": "bench.order.place", "payload": {"n": n}, "headers": {},
+            "version": 1, "correlation_id": None, "causation_id": None, "key": None,
+            "tenant": tenant, "priority": 0, "created_at": None, "expires_at": None,
+        }  # fmt: skip
+        with t.engine.begin() as conn:
+            roles.insert_inbox(conn, t.tables, [row])
+        tenants.wake(svc.engine, svc.settings.schema, tenants.WORKER, [tenant])
+        ids.append(str(row["message_id"]))
+    sql = (
+        f"SELECT extract(epoch FROM e.handled_at - i.received_at) FROM {t.settings.schema}"
+        ".inbox_messages i JOIN public.bench_effects e ON e.message_id = i.message_id::text"
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        with t.engine.connect() as conn:
+            found = [float(v) for (v,) in conn.execute(text(sql))]
+        if len(found) >= len(ids) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
+
+
+def _idle(svc: Service, db_url: str, seconds: float) -> tuple[float, int]:
+    """CPU seconds of this process and the most server connections over `seconds` idle."""
+    time.sleep(5)
+    engine = create_engine(db_url)
+    held = 0
+    cpu = time.process_time()
+    end = time.monotonic() + seconds
+    with engine.connect() as conn:
+        while time.monotonic() < end:
+            sql = "SELECT count(*) FROM pg_stat_activity WHERE pid <> pg_backend_pid()"
+            sql += " AND backend_type = 'client backend'"
+            held = max(held, int(conn.execute(text(sql)).scalar_one()))
+            conn.commit()
+            time.sleep(1)
+    cpu = time.process_time() - cpu
+    engine.dispose()
+    return cpu, held
+
+
+def _schema_phase(
+    pg: PostgresServer, mq: str, count: int, args: argparse.Namespace
+) -> dict[str, float]:
+    db = f"fleet_{count}"
+    pg.create_database(db)
+    print(f"{count} schema tenants: preparing", flush=True)
+    registry = _schemas(pg, db, count)
+    svc = _service(pg.url(db), mq, registry)
+    svc.start()
+    try:
+        time.sleep(3)
+        load = Load(svc, ["t0"], args.rate)
+        load.run(args.seconds)
+        lat = load.latencies([pg.url(db)])["t0"]
+        stored = [] if ROUTING else _stored(svc, "t0", args.rate, args.seconds)
+        cpu, held = _idle(svc, pg.url(db), args.idle_seconds)
+    finally:
+        svc.close()
+    figures = {"p50": _p(lat, 50), "p99": _p(lat, 99), "cpu": cpu, "connections": held}
+    if stored:
+        figures |= {"stored_p50": _p(stored, 50), "stored_p99": _p(stored, 99)}
+    print(f"  {figures}", flush=True)
+    return figures
+
+
+def _down_phase(pg: PostgresServer, mq: str, args: argparse.Namespace) -> dict[str, float]:
+    control = "fleet_down"
+    pg.create_database(control)
+    names = [f"fleet_down_{n}" for n in range(4)]
+    registry = {}
+    for n, name in enumerate(names):
+        pg.create_database(name)
+        registry[f"d{n}"] = Tenant(db_url=pg.url(name))
+    svc = _service(pg.url(control), mq, registry)
+    svc.migrate()
+    for db in [control, *names]:
+        with create_engine(pg.url(db)).begin() as conn:
+            conn.execute(text(EFFECTS))
+    for tenant in registry:
+        svc.tenant(tenant).migrate()
+    dbs = [pg.url(db) for db in [control, *names]]
+    admin = create_engine(pg.url("postgres"), isolation_level="AUTOCOMMIT")
+
+    def allow(value: bool) -> None:
+        with admin.connect() as conn:
+            conn.execute(text(f'ALTER DATABASE "{names[0]}" ALLOW_CONNECTIONS {value}'))
+            conn.execute(
+                text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :d"),
+                {"d": names[0]},
+            )
+
+    svc.start()
+    try:
+        time.sleep(3)
+        load = Load(svc, list(registry), args.rate)
+        load.run(args.down_seconds)
+        calm = load.latencies(dbs)
+        mark = len(load.committed)
+        allow(False)
+        load.run(args.down_seconds)
+        allow(True)
+        down = load.latencies(dbs, since=mark)
+    finally:
+        allow(True)
+        svc.close()
+        admin.dispose()
+    others = [v for t, vs in calm.items() if t != "d0" for v in vs]
+    others_down = [v for t, vs in down.items() if t != "d0" for v in vs]
+    stopped = sum(1 for t, _ in load.committed.values() if t == "d0")
+    figures = {
+        "p99_up": _p(others, 99),
+        "p99_down": _p(others_down, 99),
+        "stopped_committed": stopped,
+        "stopped_refused_writes": load.failed,
+    }
+    print(f"  {figures}", flush=True)
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tenants", type=int, default=1000)
+    parser.add_argument("--rate", type=float, default=200.0)
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--idle-seconds", type=float, default=30.0)
+    parser.add_argument("--down-seconds", type=float, default=30.0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)
+    load = os.getloadavg()
+    pg, mq = PostgresServer(), RabbitMQServer()
+    try:
+        print("starting PostgreSQL and RabbitMQ ...", flush=True)
+        pg.start()
+        mq.start()
+        one = _schema_phase(pg, mq.url, 1, args)
+        many = _schema_phase(pg, mq.url, args.tenants, args)
+        down = _down_phase(pg, mq.url, args)
+    finally:
+        mq.stop()
+        pg.stop()
+    n = args.tenants
+    print(f"\ntenants fleet, load average before the run {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print(f"path: {'tenant inbox' if ROUTING else 'own inbox (no receiver routing)'}")
+    print(f"{'':34}{'1 tenant':>12}{f'{n} tenants':>14}{'ratio':>8}  target")
+    for key, what, scale, target in (
+        ("p50", "commit -> handled p50 (ms)", 1000, ""),
+        ("p99", "commit -> handled p99 (ms)", 1000, "<= 2"),
+        ("stored_p99", "stored -> handled p99 (ms)", 1000, "<= 2"),
+        ("cpu", f"CPU s over {args.idle_seconds:g} s idle", 1, "<= 1.2"),
+        ("connections", "server connections held", 1, "= 1"),
+    ):
+        if key in one:
+            a, b = one[key] * scale, many[key] * scale
+            print(f"{what:34}{a:12.1f}{b:14.1f}{b / a if a else 0:8.2f}  {target}")
+    change = (down["p99_down"] / down["p99_up"] - 1) * 100
+    print(
+        f"tenant database down {args.down_seconds:g} s: others' p99 {down['p99_up'] * 1000:.1f}"
+        f" -> {down['p99_down'] * 1000:.1f} ms ({change:+.1f} %, target within 20 %);"
+        f" {down['stopped_committed']:.0f} messages of the stopped tenant, each handled once;"
+        f" {down['stopped_refused_writes']:.0f} writes refused while it was down"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,441 @@
+"""The tenants fleet: the relays and workers of a service with ``tenants`` drain every tenant.
+
+A `Hub` per process knows the registry and which tenants have work, in the order they were woken
+(`wake`: a NOTIFY on ``<schema>.tenants`` in the service's own database; a sweep of at most
+`SWEEP` tenants a second). `Fleet` threads take them in turn, each under a lease on the database
+clock in ``tenant_leases``, drain them with the tenant's own `Relay.relay_once` /
+`Worker.work_once` and move on after `QUANTUM` batches (docs/tenants-fleet.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg import sql
+from sqlalchemy import Engine, delete, event
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session
+
+from .backoff import Backoff
+from .clock import db_now
+from .config import Tenant
+from .errors import ConfigurationError, first_line
+from .queries import roles
+from .role_loop import DRIVER_OUTAGES, UNAVAILABLE
+from .waker import notify_channel, psycopg_conninfo
+from .worker import worker_name
+
+if TYPE_CHECKING:
+    from .relay import Relay
+    from .service import Service
+    from .worker import Worker
+
+log = logging.getLogger(__name__)
+
+RELAY, WORKER = "relay", "worker"
+#: Seconds between two reads of the registry: tenants added or removed are served from then on.
+REFRESH = 5.0
+#: Tenants the sweep probes for work each second, whatever their count (the fallback of `wake`).
+SWEEP = 20
+#: Batches a fleet thread drains of one tenant before it serves the next one with work.
+QUANTUM = 8
+#: Seconds after which a tenant's idle worker connection is closed, and an idle database's pool.
+IDLE = 5.0
+#: Seconds before a tenant leased by another holder is tried again (its lease may expire).
+BUSY = 0.5
+_TICK = 0.5
+_WAKE = "outbox_inbox.tenants.wake"  # Session.info: the tenants to wake after its commit
+_TENANT_DOWN: tuple[type[Exception], ...] = (SQLAlchemyError, *DRIVER_OUTAGES)
+#: The sweep's probes: whether a tenant's schema holds rows to send (the predicate of the relay's
+#: index ``ix_outbox_messages_relayed``, tables.py) or due rows to handle.
+_PROBES = {
+    RELAY: sql.SQL(
+        "SELECT {tag} WHERE EXISTS (SELECT FROM {schema}.outbox_messages WHERE published_at IS"
+        " NULL AND expired_at IS NULL AND dead_at IS NULL AND NOT (exchange LIKE 'webhook:%')"
+        " AND available_at <= now())"
+    ),
+    WORKER: sql.SQL(
+        "SELECT {tag} WHERE EXISTS (SELECT FROM {schema}.inbox_messages"
+        " WHERE status = 'pending' AND next_attempt_at <= now())"
+    ),
+}
+
+
+def wake(engine: Engine, schema: str, role: str, tenants: set[str] | list[str]) -> None:
+    """Wake the fleets of the service whose database `engine` is: `tenants` have work for
+    `role` (RELAY: outbox rows; WORKER: inbox rows). Call it after the rows' commit; a failure
+    is only logged (the sweep finds the rows later)."""
+    try:
+        with engine.begin() as conn:
+            for tenant in tenants:
+                roles.notify(conn, notify_channel(schema, "tenants"), f"{role}:{tenant}")
+    except SQLAlchemyError as exc:
+        log.debug("waking the tenants fleet failed: %s", first_line(exc))
+
+
+def waking(engine: Engine, schema: str, tenant: str) -> Callable[[Session | Any], None]:
+    """What a tenant's `Outbox` calls on each write: once the session's transaction commits,
+    the relays are woken for `tenant` (`wake`); a rollback wakes nobody. A `Connection`'s write
+    wakes nobody: the sweep finds it."""
+
+    def written(session: Session | Any) -> None:
+        if not isinstance(session, Session):
+            return
+        if _WAKE not in session.info:
+            session.info[_WAKE] = set()
+            event.listen(session, "after_commit", _committed)
+            event.listen(session, "after_rollback", lambda s: s.info[_WAKE].clear())
+        session.info[_WAKE].add((engine, schema, tenant))
+
+    return written
+
+
+def _committed(session: Session) -> None:
+    woken, session.info[_WAKE] = session.info[_WAKE], set()
+    for engine, schema, tenant in woken:
+        wake(engine, schema, RELAY, [tenant])
+
+
+class _Later(Backoff):
+    """A tenant's `Backoff`: its outage logged once, its next try a time instead of a wait."""
+
+    retry_at = 0.0
+
+    def sleep(self, stop: threading.Event) -> None:
+        self.retry_at = time.monotonic() + self._next * random.uniform(0.5, 1.0)
+        self._next = min(self._next * 2, self._maximum)
+
+
+class Hub:
+    """What the fleet threads of one process share: the registry, the tenants with work for
+    each role (in the order they were woken: round robin), the tenants' outages, and when each
+    tenant database's pool was last used. `run` is its thread: the LISTEN connection, the
+    registry's refresh, the sweep and the idle pools' disposal."""
+
+    def __init__(self, service: Service, served: tuple[str, ...]) -> None:
+        self.service, self.served, self._ids, self._warned = service, served, list[str](), ""
+        self._entries: Mapping[str, Tenant] = {}
+        self._services: dict[str, Service] = {}  # `tenant`'s, until the registry is read again
+        self._cursor, self._swept, self._read = 0, time.monotonic(), -REFRESH
+        self._work: dict[str, dict[str, None]] = {role: {} for role in served}
+        self._later: dict[tuple[str, str], float] = {}
+        self._outages: dict[tuple[str, str], _Later] = {}
+        self._used: dict[Engine, float] = {}  # a tenant database's engine -> last use
+        self._cond = threading.Condition()
+
+    def run(self, stop: threading.Event, *, on_started: Callable[[], None] | None = None) -> None:
+        """Listen for wake-ups, refresh the registry, sweep and dispose idle pools until `stop`."""
+        if on_started:
+            on_started()
+        conn: psycopg.Connection[Any] | None = None
+        retry = 0.0  # when to LISTEN again after a failure
+        try:
+            while not stop.is_set():
+                self._tick()
+                if conn is None and time.monotonic() >= retry:
+                    try:
+                        conn = self._listen()
+                    except psycopg.Error as exc:
+                        log.warning("tenants fleet: no wake-ups (%s): sweep only", first_line(exc))
+                        retry = time.monotonic() + 10 * REFRESH
+                if conn is None:
+                    stop.wait(_TICK)
+                    continue
+                try:
+                    for n in conn.notifies(timeout=_TICK):
+                        role, _, tenant = n.payload.partition(":")
+                        self.mark(role, tenant)
+                except psycopg.Error as exc:
+                    log.warning("tenants fleet: wake-ups lost (%s)", first_line(exc))
+                    conn.close()
+                    conn = None
+        finally:
+            if conn is not None:
+                conn.close()
+
+    def _listen(self) -> psycopg.Connection[Any]:
+        s = self.service.settings
+        conn = psycopg.connect(psycopg_conninfo(s.listen_url or self.service.engine.url))
+        conn.autocommit = True
+        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(s.schema + ".tenants")))
+        return conn
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        if now - self._read >= REFRESH:
+            self._read = now
+            self._refresh()
+        rate = min(SWEEP, len(self._ids)) or 1  # each tenant at most once a second
+        due = min(rate, int((now - self._swept) * rate))
+        if due:
+            self._swept = now if due == rate else self._swept + due / rate
+        if due and self._ids:
+            batch = {self._ids[(self._cursor + n) % len(self._ids)] for n in range(due)}
+            self._cursor = (self._cursor + due) % len(self._ids)
+            self._sweep(sorted(batch))
+        for engine, used in list(self._used.items()):
+            if now - used > IDLE:
+                del self._used[engine]
+                engine.dispose()  # its connections close as they come back
+
+    def _refresh(self) -> None:
+        try:
+            entries = self.service._registry()
+            ids = sorted(entries)
+        except ConfigurationError as exc:
+            if str(exc) != self._warned:
+                self._warned = str(exc)
+                log.warning("tenants fleet: keeps the tenants it had: %s", exc)
+            return
+        added = set(ids) - set(self._ids) if self._ids else set()  # the first: by the sweep
+        self._ids, self._entries, self._services = ids, entries, {}
+        with self._cond:
+            for work in self._work.values():
+                for gone in set(work) - set(ids):
+                    del work[gone]
+                work.update(dict.fromkeys(sorted(added)))
+            self._cond.notify_all()
+
+    def tenant(self, tenant: str) -> Service:
+        """`Service.tenant` as of the last read of the registry (not read again per call)."""
+        found = self._services.get(tenant)
+        if found is None:
+            if tenant not in self._entries:
+                raise ConfigurationError(f"service {self.service.name} has no tenant {tenant!r}")
+            found = self._services[tenant] = self.service.tenant(tenant)
+        return found
+
+    def _sweep(self, batch: list[str]) -> None:
+        """Probe `batch` for work, one query per database, and mark the tenants that have it.
+        A schema tenant in the service's database costs no object of its own until it has work."""
+        svc, by_engine = self.service, dict[Engine, list[tuple[str, str]]]()
+        for tenant in batch:
+            entry = self._entries.get(tenant)
+            if entry is None:
+                continue
+            if entry.db_url and entry.db_url != svc.settings.db_url:
+                with contextlib.suppress(ConfigurationError):
+                    t = self.tenant(tenant)
+                    by_engine.setdefault(t.engine, []).append((tenant, t.settings.schema))
+            else:
+                schema = entry.schema or svc.settings.schema
+                by_engine.setdefault(svc.engine, []).append((tenant, schema))
+        for engine, found in by_engine.items():
+            probes = [
+                _PROBES[role].format(tag=sql.Literal(f"{role}:{t}"), schema=sql.Identifier(schema))
+                for t, schema in found
+                for role in self.served
+            ]
+            try:
+                with engine.connect() as conn:
+                    query = sql.SQL(" UNION ALL ").join(probes)
+                    text = query.as_string(conn.connection.dbapi_connection)  # type: ignore[arg-type]
+                    once = conn.execution_options(no_parameters=True)  # its '%' is no placeholder
+                    hits = once.exec_driver_sql(text).scalars().all()
+            except _TENANT_DOWN as exc:  # the tenants' outage: warned, retried by the fleet
+                for tenant, role in ((t, r) for t, _ in found for r in self.served):
+                    self.failed(role, tenant, exc)
+                continue
+            finally:
+                if engine is not self.service.engine and engine not in self._used:
+                    engine.dispose()  # not in use by the fleet: no connection kept
+            for hit in hits:
+                role, _, tenant = hit.partition(":")
+                self.mark(role, tenant)
+
+    def mark(self, role: str, tenant: str, delay: float = 0.0) -> None:
+        """`tenant` has work for `role`: served after the tenants marked before it, and not
+        before `delay` seconds."""
+        with self._cond:
+            work = self._work.get(role)
+            if delay:
+                self._later[(role, tenant)] = time.monotonic() + delay
+            if work is not None and tenant not in work:
+                work[tenant] = None
+                self._cond.notify()
+
+    def take(self, role: str, stop: threading.Event) -> str | None:
+        """The next tenant with work for `role` that is not backed off, waiting up to a tick."""
+        deadline = time.monotonic() + _TICK
+        with self._cond:
+            while not stop.is_set():
+                now = time.monotonic()
+                for tenant in self._work[role]:
+                    if self._later.get((role, tenant), 0.0) <= now:
+                        del self._work[role][tenant]
+                        return tenant
+                if now >= deadline:
+                    return None
+                self._cond.wait(min(deadline - now, 0.1))
+        return None
+
+    def failed(self, role: str, tenant: str, exc: BaseException | None) -> None:
+        """`tenant`'s database failed (`exc`): back it off, one warning per outage (`Backoff`);
+        or it worked (None): its outage, if any, is over."""
+        s, key = self.service.settings, (role, tenant)
+        with self._cond:  # the hub's sweep and the fleet threads: one outage, one warning
+            outage = self._outages.pop(key, None)
+            if exc is None:
+                self._later.pop(key, None)
+                return outage.succeeded() if outage else None
+            if outage is None:
+                what = f"tenants fleet of {self.service.name}: {role} of tenant {tenant}"
+                outage = _Later(s.reconnect_initial, s.reconnect_max, what=what, logger=log)
+            self._outages[key] = outage
+            outage.failed(f"database unavailable: {first_line(exc)}", threading.Event())
+            self.mark(role, tenant, outage.retry_at - time.monotonic())
+
+    def used(self, engine: Engine) -> None:
+        """A tenant database's pool was used now (disposed after `IDLE` seconds without use)."""
+        if engine is not self.service.engine:
+            self._used[engine] = time.monotonic()
+
+
+class Fleet:
+    """One thread of the fleet: drains the tenants with work for `role`, each in turn."""
+
+    def __init__(self, hub: Hub, role: str) -> None:
+        self.hub, self.role, self.holder = hub, role, f"{worker_name()}/{role}"
+        self._relays: dict[Service, Relay] = {}  # by tenant Service (a changed entry: another)
+        #: The tenants' workers with their connections and last use, closed after `IDLE` s.
+        self._open: dict[Service, tuple[Worker, Any, float]] = {}
+
+    def run(self, stop: threading.Event, *, on_started: Callable[[], None] | None = None) -> None:
+        """Serve tenants until `stop` is set; the control database's outages are backed off."""
+        s, name = self.hub.service.settings, self.hub.service.name
+        what = f"tenants fleet of {name}: {self.role}"
+        backoff = Backoff(s.reconnect_initial, s.reconnect_max, what=what, logger=log)
+        if on_started:
+            on_started()
+        try:
+            while not stop.is_set():
+                tenant = self.hub.take(self.role, stop)
+                try:
+                    if tenant is not None:
+                        self.serve(tenant)
+                except UNAVAILABLE as exc:
+                    if tenant is not None:
+                        self.hub.mark(self.role, tenant)
+                    backoff.failed(exc, stop)
+                    continue
+                backoff.succeeded()
+                for t, (*_, used) in list(self._open.items()):
+                    if used < time.monotonic() - IDLE:
+                        self._close(t)
+        finally:
+            for t in list(self._open):
+                self._close(t)
+
+    def serve(self, tenant: str) -> None:
+        """Drain `tenant` for up to `QUANTUM` batches under its lease. Raises what the control
+        database or the broker raise; the tenant's database failing backs the tenant off."""
+        try:
+            t = self.hub.tenant(tenant)
+        except ConfigurationError:
+            return  # removed from the registry meanwhile
+        if not self._lease(tenant):
+            return self.hub.mark(self.role, tenant, BUSY)
+        more = False
+        try:
+            more = self._drain(tenant, t)
+            self.hub.failed(self.role, tenant, None)
+        except _TENANT_DOWN as exc:
+            self._close(t, retire=False)
+            self.hub.failed(self.role, tenant, exc)
+        finally:
+            self.hub.used(t.engine)
+            svc, leases = self.hub.service, self.hub.service.tables.tenant_leases
+            key = (leases.c.service == svc.name, leases.c.role == self.role)
+            with svc.engine.begin() as conn:
+                mine = (leases.c.tenant == tenant, leases.c.holder == self.holder)
+                conn.execute(delete(leases).where(*key, *mine))
+        if more:
+            self.hub.mark(self.role, tenant)  # after the others with work
+
+    def _lease(self, tenant: str) -> bool:
+        """Take or renew the lease of `tenant` for this holder; False if another holds it."""
+        svc = self.hub.service
+        leases = svc.tables.tenant_leases
+        until = db_now() + timedelta(seconds=svc.settings.lease)
+        row = {"service": svc.name, "role": self.role, "tenant": tenant}
+        stmt = insert(leases).values(**row, holder=self.holder, locked_until=until)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=list(row),
+            set_={"holder": self.holder, "locked_until": until},
+            where=(leases.c.locked_until < db_now()) | (leases.c.holder == self.holder),
+        )
+        with svc.engine.begin() as conn:
+            return conn.execute(stmt.returning(leases.c.holder)).first() is not None
+
+    def _drain(self, tenant: str, t: Service) -> bool:
+        """Up to `QUANTUM` batches of `tenant`; whether more may be waiting."""
+        for n in range(QUANTUM):
+            if n and not self._lease(tenant):
+                return False
+            if self.role == RELAY:
+                relay = self._relays.get(t) or self._relays.setdefault(t, t.relay())
+                try:
+                    if relay.relay_once() < t.settings.relay_batch_size:
+                        return False
+                finally:
+                    relay._drop_publisher()  # back to the broker's pool
+                continue
+            worker, conn = self._worker(t)
+            count = worker.work_once(conn)
+            if not (n or count):
+                self._close(t)  # woken for nothing: no connection kept
+            if count < t.settings.worker_batch_size and not worker.claimed_next:
+                return False
+        if self.role == WORKER:
+            self._worker(t)[0].give_back(self._worker(t)[1])  # the next turn claims them
+        return True
+
+    def _worker(self, t: Service) -> tuple[Worker, Any]:
+        """`t`'s worker and its connection (opened, with its liveness lock, if not open)."""
+        worker, conn, _ = self._open.get(t) or (t.worker(), None, 0.0)
+        svc = self.hub.service
+        if conn is None and t.engine is svc.engine and t._sessions_kept is None:
+            svc._liveness_url()  # one probe of the database for all its schemas
+            t._sessions_kept = svc._sessions_kept
+        conn = conn or worker.connect()
+        self._open[t] = (worker, conn, time.monotonic())
+        return worker, conn
+
+    def _close(self, t: Service, *, retire: bool = True) -> None:
+        """Close `t`'s worker connection (its claims free with its liveness lock)."""
+        worker, conn, _ = self._open.pop(t, (None, None, 0.0))
+        if worker is not None and conn is not None:
+            with contextlib.suppress(*_TENANT_DOWN), contextlib.closing(conn):
+                if retire:
+                    worker.give_back(conn)
+                    worker.retire(conn)
+            worker.close_liveness()
+
+
+def fleet_roles(service: Service, *, relay: bool, workers: int) -> list[tuple[str, Any]]:
+    """The role threads serving the tenants of `service` beside its own relay and workers:
+    the hub, one relay thread if `relay`, and `workers` worker threads. None without tenants,
+    on SQLite, or for a role with nothing to serve."""
+    if service._tenants is None or service.sqlite or not (relay or workers):
+        return []
+    if workers and service.handlers.any_async:
+        log.warning("service %s: the tenants fleet runs no async handlers", service.name)
+        workers = 0
+    served = ((RELAY,) if relay else ()) + ((WORKER,) if workers else ())
+    if not served:
+        return []
+    hub = Hub(service, served)
+    threads: list[tuple[str, Any]] = [("tenants", hub.run)]
+    if relay:
+        threads.append(("tenants-relay", Fleet(hub, RELAY).run))
+    threads += [(f"tenants-worker-{n}", Fleet(hub, WORKER).run) for n in range(workers)]
+    return threads
