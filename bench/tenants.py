@@ -53,7 +53,7 @@ from outbox_inbox.queries import roles
 from outbox_inbox.receiver import Receiver
 from outbox_inbox.testing.servers import PostgresServer, RabbitMQServer
 
-ROUTING = "tenant_inbox" in inspect.signature(Receiver).parameters
+ROUTING = "tenants" in inspect.signature(Receiver).parameters
 TEMPLATE = "bench_tenant_template"
 EFFECTS = (
     "CREATE TABLE IF NOT EXISTS public.bench_effects (message_id text NOT NULL,"

@@ -13,6 +13,7 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, OperationalError, SQLAlchemyError
 
+from . import tenants as fleet
 from .broker import Broker, Consumer, Delivery
 from .config import Settings
 from .errors import InvalidMessage, TopologyMissing, first_line, missing_partition
@@ -154,8 +155,14 @@ class Receiver:
                 key = tenant if isinstance(tenant, str) else repr(tenant)
                 groups.setdefault(key, []).append(delivery)
             stored: list[Delivery] = []
+            woken = set()
             for tenant, group in groups.items():
+                before = len(stored)
                 self._store_tenant(tenant, consumer, group, stored)  # its rows committed here
+                if tenant and len(stored) > before:
+                    woken.add(tenant)
+            if woken and (schema := self._own[1].inbox.schema):  # the fleet's workers
+                fleet.wake(self._own[0], schema, fleet.WORKER, woken)
             return self._ack(consumer, stored)
         run: list[Delivery] = []
         for delivery in batch:
