@@ -5,9 +5,9 @@
 
 The `notes` service keeps the outbox, the inbox and the notes of tenant `acme` in schema
 `acme`, and those of `globex` in schema `globex`, of the database given. Each tenant sends
-itself a command in its own transaction; the relay of each tenant publishes it, stamped with
-the tenant (``x-tenant``); the service's one receiver stores each in its tenant's inbox, and
-each tenant's worker runs the handler in a session of the tenant's schema. It prints a trace and
+itself a command in its own transaction; the service's fleet publishes it, stamped with the
+tenant (``x-tenant``); the service's one receiver stores each in its tenant's inbox, and the
+fleet's worker runs the handler in a session of the tenant's schema. It prints a trace and
 exits 0 once each tenant holds its note and only its own; exit 1 after 30 s without.
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import threading
 import time
 import uuid
 from typing import Any
@@ -79,13 +78,8 @@ def main() -> int:
             copy.outbox.send(session, "notes", "note.add", {"text": f"{tenant}'s note, run {run}"})
         trace(tenant, "sent itself note.add in its own transaction")
 
-    stop = threading.Event()
-    roles = [notes.receiver()]  # one receiver for the service, whatever the tenants
-    for tenant in notes.tenant_ids():
-        roles += [notes.tenant(tenant).relay(), notes.tenant(tenant).worker()]
-    threads = [threading.Thread(target=role.run, args=(stop,), daemon=True) for role in roles]
-    for thread in threads:
-        thread.start()
+    # The service's roles and the fleet that drains every tenant (docs/tenants.md, "The fleet").
+    notes.start()
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -103,9 +97,6 @@ def main() -> int:
         trace("demo", "timed out")
         return 1
     finally:
-        stop.set()
-        for thread in threads:
-            thread.join(10)
         notes.close()
 
 
