@@ -5,8 +5,7 @@ Children are forked, not spawned: they need the service object with its handlers
 new interpreter could only rebuild from an import path. The parent forks before it starts
 any thread of its own, and each child drops the parent's pooled database connections without
 closing them (psycopg never closes a connection of another process). The hooks of a
-listener marked `Listener.forwarded_from_workers` are forwarded to the parent.
-"""
+listener marked `Listener.forwarded_from_workers` are forwarded to the parent."""
 
 from __future__ import annotations
 
