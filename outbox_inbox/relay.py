@@ -459,7 +459,7 @@ class Relay:
         by itself is dead at its `relay_max_attempts`-th attempt; nothing else kills a row. SKIPPED
         rows were not tried: they are left as they are."""
         published: list[int] = []
-        failed: dict[str, list[tuple[int, int]]] = {}
+        failed: dict[tuple[str, int], list[int]] = {}  # by (reason, attempts)
         dead: dict[tuple[str, str], list[int]] = {}  # by (error, fingerprint)
         for index, (row_id, kind, attempts, outcome) in enumerate(
             zip(marking.ids, marking.kinds, marking.attempts, outcomes, strict=True)
@@ -475,20 +475,17 @@ class Relay:
                 if why.message_specific and attempts + 1 >= self._settings.relay_max_attempts:
                     dead.setdefault((str(why), refusal_fingerprint(why)), []).append(row_id)
                 else:
-                    failed.setdefault(str(why), []).append((row_id, attempts))
+                    failed.setdefault((str(why), attempts), []).append(row_id)
             else:
                 reason = (
                     "unroutable: no queue is bound for this command"
                     if outcome is PublishOutcome.RETURNED
                     else f"publish {outcome.value}"
                 )
-                failed.setdefault(reason, []).append((row_id, attempts))
+                failed.setdefault((reason, attempts), []).append(row_id)
         roles.mark_published(conn, self._tables, published)
-        for reason, items in failed.items():
-            for attempts, ids in _group_by_attempts(items).items():
-                roles.mark_publish_failed(
-                    conn, self._tables, ids, reason, self._retry_delay(attempts)
-                )
+        for (reason, attempts), ids in failed.items():
+            roles.mark_publish_failed(conn, self._tables, ids, reason, self._retry_delay(attempts))
         for (error, cause), ids in dead.items():
             roles.mark_outbox_dead(
                 conn, self._tables, ids, REFUSED_REASON, error, fingerprint=cause
@@ -646,10 +643,3 @@ class _Batch:
 def _expired(row: Claimed) -> bool:
     expires_at = row["expires_at"]
     return expires_at is not None and bool(expires_at <= row["claimed_at"])
-
-
-def _group_by_attempts(items: list[tuple[int, int]]) -> dict[int, list[int]]:
-    groups: dict[int, list[int]] = {}
-    for row_id, attempts in items:
-        groups.setdefault(attempts, []).append(row_id)
-    return groups
