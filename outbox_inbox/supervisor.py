@@ -152,9 +152,7 @@ class WorkerProcesses:
                 process.join(5)
                 lived = time.monotonic() - started
                 self._failures = 0 if lived >= STABLE_AFTER else self._failures + 1
-                delay = (
-                    0.0 if not self._failures else min(MAX_RESTART_DELAY, 2 ** (self._failures - 1))
-                )
+                delay = min(MAX_RESTART_DELAY, 2 ** (self._failures - 1)) if self._failures else 0.0
                 if stop.is_set():
                     return
                 log.error(
