@@ -674,14 +674,8 @@ def _raise_if_outage(conn: Connection, exc: BaseException) -> None:
     """Raise `ConnectionLost` when `exc`, raised while handling, is the database's and not a
     handler's: the connection is gone, or `errors.database_unreachable`. A driver error a
     handler raised from a connection of its own is the handler's."""
-    if _connection_broken(conn, exc):
+    invalidated = isinstance(exc, DBAPIError) and exc.connection_invalidated
+    if conn.invalidated or conn.closed or invalidated:
         raise ConnectionLost(f"connection lost while handling: {first_line(exc)}") from exc
     if isinstance(exc, DBAPIError) and database_unreachable(exc):
         raise ConnectionLost(f"handling a batch: {first_line(exc)}") from exc
-
-
-def _connection_broken(conn: Connection, exc: BaseException) -> bool:
-    """True when `exc` means the database connection is gone, not that a handler failed."""
-    if conn.invalidated or conn.closed:
-        return True
-    return isinstance(exc, DBAPIError) and exc.connection_invalidated
