@@ -43,9 +43,6 @@ class Backoff:
         stop.wait(self._next * random.uniform(0.5, 1.0))
         self._next = min(self._next * 2, self._maximum)
 
-    def reset(self) -> None:
-        self._next = self._initial
-
     def failed(self, reason: object, stop: threading.Event) -> None:
         """Record a failed try (`reason`: the error, or why) and wait before the next one."""
         if self._since is None:
@@ -68,4 +65,4 @@ class Backoff:
                 "%s: working again after %.1f s", self._what, time.monotonic() - self._since
             )
             self._since = None
-        self.reset()
+        self._next = self._initial

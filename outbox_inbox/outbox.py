@@ -70,15 +70,13 @@ class WriteKeywords(TypedDict, total=False):
 
 @dataclass(frozen=True, kw_only=True)
 class WriteOptions:
-    """How one message is written, besides its name and payload; `Outbox._row` checks them.
-
-    `key`: the ordering key (at most 255 characters). `tenant`: whose work it is (at most 255
-    characters; else the handled message's): fair claims serve tenants in turn. `headers`:
-    the sender's, JSON values, none reserved. `correlation_id`: else the handled message's,
-    else the new message id. `message_id`: else a new UUID. `priority`: 0..255. `ttl`: seconds
-    (or a timedelta) after which it expires unhandled. `version`: the payload version, >= 1.
-    `delay`: seconds (or a timedelta) before it is sent.
-    """
+    """How one message is written, besides its name and payload; `Outbox._row` checks them. `key`:
+    the ordering key (at most 255 characters). `tenant`: whose work it is (at most 255 characters;
+    else the handled message's): fair claims serve tenants in turn. `headers`: the sender's, JSON
+    values, none reserved. `correlation_id`: else the handled message's, else the new message id.
+    `message_id`: else a new UUID. `priority`: 0..255. `ttl`: seconds (or a timedelta) after which
+    it expires unhandled. `version`: the payload version, >= 1. `delay`: seconds (or a timedelta)
+    before it is sent."""
 
     key: str | None = None
     tenant: str | None = None
@@ -107,8 +105,7 @@ class Outbox:
     whose W3C context the row's headers keep as ``traceparent`` / ``tracestate``.
 
     `publish_async` and `send_async` are the same writes, awaited in the caller's `AsyncSession`
-    or `AsyncConnection` (docs/async-services.md); the sync methods refuse those.
-    """
+    or `AsyncConnection` (docs/async-services.md); the sync methods refuse those."""
 
     def __init__(
         self,

@@ -54,8 +54,7 @@ class Relay:
 
     A message the broker refuses by closing the channel cannot stop the others (`_isolate`;
     docs/failures.md); it is dead after ``relay_max_attempts``. `run` keeps up to three
-    batches open at once, each in its own transaction (`_relay_stream`).
-    """
+    batches open at once, each in its own transaction (`_relay_stream`)."""
 
     def __init__(
         self,
@@ -87,11 +86,9 @@ class Relay:
         self._limit_probed = False
 
     def run(self, stop: threading.Event, *, on_started: Callable[[], None] | None = None) -> None:
-        """Relay batches until `stop` is set; the batch in hand is finished first.
-
-        Waits between batches, outages and their log lines are the `RoleLoop`'s; while idle,
-        the publisher goes back to the broker's pool, for another relay thread to use.
-        """
+        """Relay batches until `stop` is set; the batch in hand is finished first. Waits between
+        batches, outages and their log lines are the `RoleLoop`'s; while idle, the publisher goes
+        back to the broker's pool, for another relay thread to use."""
         loop = RoleLoop(
             f"relay of {self._service}",
             self._settings,
@@ -136,19 +133,16 @@ class Relay:
         return count
 
     def _relay_stream(self, stop: threading.Event) -> int:
-        """Relay batches back to back, each in its own transaction, until the backlog is gone.
-
-        While the broker confirms one batch, the next ones are claimed on other connections
-        (up to `_PIPELINE_DEPTH` batches open at once) and their messages go out as the
-        confirms free room in the window, so the broker is not left idle while the relay
-        claims, encodes, marks and commits. A batch is marked and committed once all its
-        confirms are in, in claim order. The open transactions hold their rows and keys
-        exactly as several relays would, so nothing changes for ordering: a later claim skips
-        the rows and keys an earlier one holds. Without a publisher that can keep batches
-        going, or on SQLite (one writing transaction at a time), this is `relay_once`.
-        Returns the row count of the last claim; stops claiming once `stop` is set, and always
-        finishes the batches in hand first.
-        """
+        """Relay batches back to back, each in its own transaction, until the backlog is gone. While
+        the broker confirms one batch, the next ones are claimed on other connections (up to
+        `_PIPELINE_DEPTH` batches open at once) and their messages go out as the confirms free room
+        in the window, so the broker is not left idle while the relay claims, encodes, marks and
+        commits. A batch is marked and committed once all its confirms are in, in claim order. The
+        open transactions hold their rows and keys exactly as several relays would, so nothing
+        changes for ordering: a later claim skips the rows and keys an earlier one holds. Without a
+        publisher that can keep batches going, or on SQLite (one writing transaction at a time),
+        this is `relay_once`. Returns the row count of the last claim; stops claiming once `stop` is
+        set, and always finishes the batches in hand first."""
         s = self._settings
         if self._engine.dialect.name != "postgresql":
             return self.relay_once()
@@ -205,11 +199,9 @@ class Relay:
         return count
 
     def _open_batch(self, publisher: _Pipelined) -> tuple[_Batch | None, int]:
-        """Claim a batch in a new transaction and start publishing it.
-
-        Returns the batch (None when no row is to be published, the transaction then being
-        committed) and the claimed row count, as `relay_once` counts it.
-        """
+        """Claim a batch in a new transaction and start publishing it. Returns the batch (None when
+        no row is to be published, the transaction then being committed) and the claimed row count,
+        as `relay_once` counts it."""
         s = self._settings
         conn = self._engine.connect()
         try:
@@ -270,13 +262,11 @@ class Relay:
         self._committed(published, batch.messages)
 
     def _claim(self, conn: Connection) -> tuple[list[Claimed], int]:
-        """The rows to publish now, and how many rows the claim took (expired ones included).
-
-        Rows whose time to live ran out are marked expired instead. The claim's row locks are
-        bounded first: cut off, the session must not keep them past the partition
-        (`roles.bound_on_server`); the transaction commits without a disk flush, as a mark a
-        server crash undoes only publishes its rows again (`roles.bound_on_server`).
-        """
+        """The rows to publish now, and how many rows the claim took (expired ones included). Rows
+        whose time to live ran out are marked expired instead. The claim's row locks are bounded
+        first: cut off, the session must not keep them past the partition (`roles.bound_on_server`);
+        the transaction commits without a disk flush, as a mark a server crash undoes only publishes
+        its rows again (`roles.bound_on_server`)."""
         roles.bound_on_server(conn, flush_wait=False)
         claimed = roles.claim_outbox(conn, self._tables, self._settings.relay_batch_size)
         rows = self._key_prefixes(conn, claimed)  # no statement for a claim without keys
@@ -297,12 +287,10 @@ class Relay:
         publisher: Publisher | _Pipelined,
         started_ns: int,
     ) -> list[int]:
-        """Mark a batch whose every message has an outcome; return the published row ids.
-
-        If the broker closed the channel over one of them, the messages in doubt are first
-        published alone to find it (`_isolate`). With tracing on, each message gets its
-        ``send`` span, from `started_ns` (when the batch went out) to its final outcome.
-        """
+        """Mark a batch whose every message has an outcome; return the published row ids. If the
+        broker closed the channel over one of them, the messages in doubt are first published alone
+        to find it (`_isolate`). With tracing on, each message gets its ``send`` span, from
+        `started_ns` (when the batch went out) to its final outcome."""
         refusals: dict[int, Refusal] = {}
         if PublishOutcome.REFUSED in outcomes:
             refusal = publisher.refusal or _UNKNOWN_REFUSAL
@@ -320,14 +308,12 @@ class Relay:
         outcomes: Sequence[PublishOutcome],
         refusal: Refusal,
     ) -> tuple[list[PublishOutcome], dict[int, Refusal]]:
-        """Publish the messages in doubt of a refused batch one by one; return their outcomes.
-
-        The broker closed the channel over one message without saying which: the unconfirmed
-        (REFUSED) and unsent (SKIPPED) ones are published again, alone, in id order, under the
-        batch's row locks (docs/failures.md). A key whose message failed keeps its later ones
-        SKIPPED; a destination refused (missing exchange, no permission) is not tried again
-        for the rest; a lost connection leaves the rest unsent for the next batch.
-        """
+        """Publish the messages in doubt of a refused batch one by one; return their outcomes. The
+        broker closed the channel over one message without saying which: the unconfirmed (REFUSED)
+        and unsent (SKIPPED) ones are published again, alone, in id order, under the batch's row
+        locks (docs/failures.md). A key whose message failed keeps its later ones SKIPPED; a
+        destination refused (missing exchange, no permission) is not tried again for the rest; a
+        lost connection leaves the rest unsent for the next batch."""
         self._learn_limit(refusal.max_body)
         result = list(outcomes)
         refusals: dict[int, Refusal] = {}
@@ -386,12 +372,10 @@ class Relay:
         wires: list[WireMessage],
         messages: list[OutgoingMessage],
     ) -> tuple[list[Claimed], list[WireMessage], list[OutgoingMessage]]:
-        """Take the messages larger than the broker accepts out of a batch, marked refused.
-
-        Only once the broker's limit is known (`_learn_limit`). The later messages of a key
-        whose message was refused leave the batch too, unmarked: they wait for that one.
-        `messages` may be empty (no listener); else it is filtered alike.
-        """
+        """Take the messages larger than the broker accepts out of a batch, marked refused. Only
+        once the broker's limit is known (`_learn_limit`). The later messages of a key whose message
+        was refused leave the batch too, unmarked: they wait for that one. `messages` may be empty
+        (no listener); else it is filtered alike."""
         if self._max_body is None or not any(len(w.body) > self._max_body for w in wires):
             return rows, wires, messages
         kept = []
@@ -447,11 +431,9 @@ class Relay:
             )
 
     def _probe_limit(self) -> None:
-        """Ask the broker whether it accepts bodies of max_payload_bytes (advisory).
-
-        Asked at the first connection and again after a connection failed; a refusal in
-        between teaches the limit too (`_learn_limit`).
-        """
+        """Ask the broker whether it accepts bodies of max_payload_bytes (advisory). Asked at the
+        first connection and again after a connection failed; a refusal in between teaches the limit
+        too (`_learn_limit`)."""
         if self._limit_probed:
             return
         try:
@@ -473,13 +455,11 @@ class Relay:
         refusals: Mapping[int, Refusal],
     ) -> list[int]:
         """Mark the published rows, count a failed attempt on the others; return the former.
-
-        `refusals` are the broker's reasons for the REFUSED ones, by index. A row the broker
-        refused by itself is dead at its `relay_max_attempts`-th attempt; nothing else kills a
-        row. SKIPPED rows were not tried: they are left as they are.
-        """
+        `refusals` are the broker's reasons for the REFUSED ones, by index. A row the broker refused
+        by itself is dead at its `relay_max_attempts`-th attempt; nothing else kills a row. SKIPPED
+        rows were not tried: they are left as they are."""
         published: list[int] = []
-        failed: dict[str, list[tuple[int, int]]] = {}
+        failed: dict[tuple[str, int], list[int]] = {}  # by (reason, attempts)
         dead: dict[tuple[str, str], list[int]] = {}  # by (error, fingerprint)
         for index, (row_id, kind, attempts, outcome) in enumerate(
             zip(marking.ids, marking.kinds, marking.attempts, outcomes, strict=True)
@@ -495,20 +475,17 @@ class Relay:
                 if why.message_specific and attempts + 1 >= self._settings.relay_max_attempts:
                     dead.setdefault((str(why), refusal_fingerprint(why)), []).append(row_id)
                 else:
-                    failed.setdefault(str(why), []).append((row_id, attempts))
+                    failed.setdefault((str(why), attempts), []).append(row_id)
             else:
                 reason = (
                     "unroutable: no queue is bound for this command"
                     if outcome is PublishOutcome.RETURNED
                     else f"publish {outcome.value}"
                 )
-                failed.setdefault(reason, []).append((row_id, attempts))
+                failed.setdefault((reason, attempts), []).append(row_id)
         roles.mark_published(conn, self._tables, published)
-        for reason, items in failed.items():
-            for attempts, ids in _group_by_attempts(items).items():
-                roles.mark_publish_failed(
-                    conn, self._tables, ids, reason, self._retry_delay(attempts)
-                )
+        for (reason, attempts), ids in failed.items():
+            roles.mark_publish_failed(conn, self._tables, ids, reason, self._retry_delay(attempts))
         for (error, cause), ids in dead.items():
             roles.mark_outbox_dead(
                 conn, self._tables, ids, REFUSED_REASON, error, fingerprint=cause
@@ -531,11 +508,9 @@ class Relay:
         return published
 
     def _check_publisher(self, used: Publisher | _Pipelined) -> None:
-        """Drop a broken publisher after batches; raise BrokerError if its connection failed.
-
-        A publisher broken by a refusal was dealt with (the refused message was isolated): the
-        next batch simply opens another one.
-        """
+        """Drop a broken publisher after batches; raise BrokerError if its connection failed. A
+        publisher broken by a refusal was dealt with (the refused message was isolated): the next
+        batch simply opens another one."""
         lost = used.broken and used.refusal is None
         current = self._publisher
         if current is not None and current.broken:
@@ -551,12 +526,10 @@ class Relay:
             call(self._listener, "relay_committed", [m for m in messages if m.id in done])
 
     def _key_prefixes(self, conn: Connection, rows: list[Claimed]) -> list[Claimed]:
-        """Drop the claimed rows of any key whose earliest unsent row this claim does not hold.
-
-        See `roles.claim_outbox`: the rows of a key are published only from the first one on;
-        otherwise they stay for a later claim, and this relay's key lock keeps others away
-        until it commits.
-        """
+        """Drop the claimed rows of any key whose earliest unsent row this claim does not hold. See
+        `roles.claim_outbox`: the rows of a key are published only from the first one on; otherwise
+        they stay for a later claim, and this relay's key lock keeps others away until it
+        commits."""
         first: dict[str, int] = {}
         for row in rows:
             key = row["key"]
@@ -670,10 +643,3 @@ class _Batch:
 def _expired(row: Claimed) -> bool:
     expires_at = row["expires_at"]
     return expires_at is not None and bool(expires_at <= row["claimed_at"])
-
-
-def _group_by_attempts(items: list[tuple[int, int]]) -> dict[int, list[int]]:
-    groups: dict[int, list[int]] = {}
-    for row_id, attempts in items:
-        groups.setdefault(attempts, []).append(row_id)
-    return groups

@@ -78,8 +78,7 @@ class Service:
 
     `listener` hears what the roles do (`Listener`; `outbox_inbox.metrics.instrument` adds the
     Prometheus one). Spans go to `tracer_provider`, else to OpenTelemetry's global tracer
-    provider once one is set; with neither, tracing costs nothing (docs/observability.md).
-    """
+    provider once one is set; with neither, tracing costs nothing (docs/observability.md)."""
 
     def __init__(
         self,
@@ -237,14 +236,13 @@ class Service:
         return found
 
     def tenant(self, tenant_id: str) -> Service:
-        """This service in tenant `tenant_id`'s database and schema (docs/tenants.md).
-
-        A Service running no role that shares this one's name, other settings, handlers,
-        broker, listener and tracer provider, and one engine per database URL among all the
-        tenants (the service's own where a tenant's URL is db_url or none); its outbox writes
-        carry the tenant (``x-tenant``) and refuse another. The same object while the tenant's
-        entry is unchanged. Raises ConfigurationError for a tenant the registry does not name
-        now, and for an invalid URL or schema."""
+        """This service in tenant `tenant_id`'s database and schema (docs/tenants.md). A Service
+        running no role that shares this one's name, other settings, handlers, broker, listener and
+        tracer provider, and one engine per database URL among all the tenants (the service's own
+        where a tenant's URL is db_url or none); its outbox writes carry the tenant (``x-tenant``)
+        and refuse another. The same object while the tenant's entry is unchanged. Raises
+        ConfigurationError for a tenant the registry does not name now, and for an invalid URL or
+        schema."""
         entry = self._registry().get(tenant_id)
         if entry is None:
             raise ConfigurationError(f"service {self.name} has no tenant {tenant_id!r}")
@@ -293,8 +291,7 @@ class Service:
         batch, as ``handler(messages, session)`` (or ``handler(batch: BatchContext)``); if it
         raises, each message runs again alone (docs/concepts.md, "Handlers run in batches").
         `version`: the handler takes only messages of this payload version (the sender's
-        ``send(..., version=)``); None takes every version (docs/migrating.md).
-        """
+        ``send(..., version=)``); None takes every version (docs/migrating.md)."""
         if command.split(".", 1)[0] == FAULT:
             raise ConfigurationError(
                 f"command {command!r}: commands named fault.… are faults; use on_fault"
@@ -302,12 +299,10 @@ class Service:
         return self._register(COMMAND, command_routing_key(self.name, command), options)
 
     def on_event(self, pattern: str, **options: Unpack[HandlerKeywords]) -> Callable[[H], H]:
-        """Register a handler of events matching topic `pattern` (e.g. ``orders.order.*``).
-
-        A message matching several event handlers runs them all, in registration order, in
-        one savepoint: they succeed or are retried together. `batch` and `version`: as in
-        `on_command` (a message runs every matching handler of its version or of none).
-        """
+        """Register a handler of events matching topic `pattern` (e.g. ``orders.order.*``). A
+        message matching several event handlers runs them all, in registration order, in one
+        savepoint: they succeed or are retried together. `batch` and `version`: as in `on_command`
+        (a message runs every matching handler of its version or of none)."""
         if not pattern or any(not w for w in pattern.split(".")):
             raise ConfigurationError(f"invalid event pattern {pattern!r}")
         return self._register(EVENT, pattern, options)
@@ -320,8 +315,7 @@ class Service:
         the sender"). `pattern` is the dead message's routing key (``billing.invoice.create``) or a
         topic pattern of it (``billing.#``). The fault is a command to this service whose payload is
         a `Fault`, run like any handler's message; several handlers matching one fault all run, in
-        registration order. `retry`, `batch`: as in `on_command`.
-        """
+        registration order. `retry`, `batch`: as in `on_command`."""
         if not pattern or any(not w for w in pattern.split(".")):
             raise ConfigurationError(f"invalid fault pattern {pattern!r}")
         options: HandlerKeywords = {"retry": retry, "batch": batch}
@@ -371,12 +365,10 @@ class Service:
         self.broker.declare(self.topology())
 
     def check_topology(self) -> None:
-        """Raise TopologyMissing unless the broker holds every queue of this service.
-
-        Declares nothing: passive declares only, which need no configure permission. What
-        `start()` and `run_receiver()` do instead of `declare_topology()` when the ``declare``
-        setting is False. Raises BrokerConnectionError when the broker cannot be reached.
-        """
+        """Raise TopologyMissing unless the broker holds every queue of this service. Declares
+        nothing: passive declares only, which need no configure permission. What `start()` and
+        `run_receiver()` do instead of `declare_topology()` when the ``declare`` setting is False.
+        Raises BrokerConnectionError when the broker cannot be reached."""
         own = [q.name for q in self.topology().queues if q.name.startswith(f"{self.name}.")]
         missing = [name for name in own if self.broker.queue_depth(name) is None]
         if missing:
@@ -638,18 +630,16 @@ class Service:
         workers: int | None = None,
         fail_fast: bool | None = None,
     ) -> None:
-        """Declare the topology, then run the roles in background threads of this process.
-
-        Returns once every role has started. While PostgreSQL or RabbitMQ cannot be reached it
-        waits for them (docs/failures.md, "Startup and configuration"), or returns if `stop()`
-        is called meanwhile; with `fail_fast` (default: the ``fail_fast`` setting) it raises
-        DatabaseUnavailable or BrokerConnectionError at once instead. Configuration errors
-        always raise at once: SchemaMissing, TopologyMismatch, TopologyMissing (with
-        ``declare=False``), BrokerAccessRefused, a refused database login. `workers`: worker
-        threads (default: the ``worker_threads`` setting). The topology is declared when the
-        receiver runs. `run()` runs the workers in processes of their own instead (the
-        ``processes`` setting); `start()` keeps them in this process, which embeds the service.
-        """
+        """Declare the topology, then run the roles in background threads of this process. Returns
+        once every role has started. While PostgreSQL or RabbitMQ cannot be reached it waits for
+        them (docs/failures.md, "Startup and configuration"), or returns if `stop()` is called
+        meanwhile; with `fail_fast` (default: the ``fail_fast`` setting) it raises
+        DatabaseUnavailable or BrokerConnectionError at once instead. Configuration errors always
+        raise at once: SchemaMissing, TopologyMismatch, TopologyMissing (with ``declare=False``),
+        BrokerAccessRefused, a refused database login. `workers`: worker threads (default: the
+        ``worker_threads`` setting). The topology is declared when the receiver runs. `run()` runs
+        the workers in processes of their own instead (the ``processes`` setting); `start()` keeps
+        them in this process, which embeds the service."""
         if self._threads:
             raise ConfigurationError("service already started")
         self._stop.clear()
@@ -697,12 +687,10 @@ class Service:
         log.info("service %s started: %s", self.name, ", ".join(r for r, _ in roles))
 
     def _supervise(self, role: str, run: Callable[..., None], started: threading.Barrier) -> None:
-        """Run a role; if it dies of an unexpected error, log it and start it again.
-
-        Whatever ends the role before the service stops, a `BaseException` included
-        (``SystemExit`` from library code or a thread's own ``KeyboardInterrupt``), is such an
-        error: a role never ends silently while the service runs.
-        """
+        """Run a role; if it dies of an unexpected error, log it and start it again. Whatever ends
+        the role before the service stops, a `BaseException` included (``SystemExit`` from library
+        code or a thread's own ``KeyboardInterrupt``), is such an error: a role never ends silently
+        while the service runs."""
         announced = False
 
         def on_started() -> None:
@@ -744,14 +732,12 @@ class Service:
             log.warning("service %s: threads still running after stop: %s", self.name, alive)
 
     def run(self, *, fail_fast: bool | None = None) -> None:
-        """Run the service until SIGTERM or SIGINT, then stop it gracefully.
-
-        The relay and the receiver run in threads of this process. The workers run in
-        ``processes`` child processes (default: one per CPU this process may use), supervised
-        by this one (outbox_inbox.supervisor: a child that dies is started again); with
-        ``processes=1``, or on SQLite, in threads of this process, as `start()` runs them.
-        Waits for unreachable servers as `start()` does; a signal ends the wait too.
-        """
+        """Run the service until SIGTERM or SIGINT, then stop it gracefully. The relay and the
+        receiver run in threads of this process. The workers run in ``processes`` child processes
+        (default: one per CPU this process may use), supervised by this one
+        (outbox_inbox.supervisor: a child that dies is started again); with ``processes=1``, or on
+        SQLite, in threads of this process, as `start()` runs them. Waits for unreachable servers as
+        `start()` does; a signal ends the wait too."""
         self._run_with_workers(relay=True, receiver=True, fail_fast=fail_fast)
 
     def run_relay(self, *, fail_fast: bool | None = None) -> None:
@@ -852,13 +838,11 @@ class Service:
         workers: int | None = None,
         fail_fast: bool | None = None,
     ) -> None:
-        """`start()` for asyncio code: the workers run as tasks of the running loop.
-
-        The relay and the receiver run in threads, as with `start()`; waiting for the servers
-        happens in a thread too, so the loop runs on meanwhile. Returns once every role runs
-        (or without starting any if `stop_async()` was called meanwhile). Raises what
-        `start()` raises. Pair it with `stop_async()`, e.g. in a FastAPI lifespan.
-        """
+        """`start()` for asyncio code: the workers run as tasks of the running loop. The relay and
+        the receiver run in threads, as with `start()`; waiting for the servers happens in a thread
+        too, so the loop runs on meanwhile. Returns once every role runs (or without starting any if
+        `stop_async()` was called meanwhile). Raises what `start()` raises. Pair it with
+        `stop_async()`, e.g. in a FastAPI lifespan."""
         if self._tasks or self._threads:
             raise ConfigurationError("service already started")
         count = self.settings.worker_threads if workers is None else workers
@@ -909,12 +893,9 @@ class Service:
     async def run_async(
         self, *, relay: bool = True, receiver: bool = True, workers: int | None = None
     ) -> None:
-        """`start_async()`, then run until the task is cancelled, then `stop_async()`.
-
-        Cancellation is the stop signal (``asyncio.run`` cancels on Ctrl-C; a TaskGroup or
-        lifespan cancels its tasks): the batch in hand is finished and committed first, then
-        the cancellation goes on.
-        """
+        """`start_async()`, then run until the task is cancelled, then `stop_async()`. Cancellation
+        is the stop signal (``asyncio.run`` cancels on Ctrl-C; a TaskGroup or lifespan cancels its
+        tasks): the batch in hand is finished and committed first, then the cancellation goes on."""
         try:
             await self.start_async(relay=relay, receiver=receiver, workers=workers)
             await asyncio.Event().wait()  # until cancelled
@@ -939,10 +920,8 @@ class Service:
                 self._supervise("role", run, threading.Barrier(1))
 
     def _wait_until_ready(self, *, topology: bool, fail_fast: bool | None) -> bool:
-        """Check the database (and declare the topology) until it works; False if stopped.
-
-        Only unreachable servers are waited for; anything else raises at once.
-        """
+        """Check the database (and declare the topology) until it works; False if stopped. Only
+        unreachable servers are waited for; anything else raises at once."""
         s = self.settings
         fail_fast = s.fail_fast if fail_fast is None else fail_fast
         backoff = Backoff(

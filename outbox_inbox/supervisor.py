@@ -5,8 +5,7 @@ Children are forked, not spawned: they need the service object with its handlers
 new interpreter could only rebuild from an import path. The parent forks before it starts
 any thread of its own, and each child drops the parent's pooled database connections without
 closing them (psycopg never closes a connection of another process). The hooks of a
-listener marked `Listener.forwarded_from_workers` are forwarded to the parent.
-"""
+listener marked `Listener.forwarded_from_workers` are forwarded to the parent."""
 
 from __future__ import annotations
 
@@ -153,9 +152,7 @@ class WorkerProcesses:
                 process.join(5)
                 lived = time.monotonic() - started
                 self._failures = 0 if lived >= STABLE_AFTER else self._failures + 1
-                delay = (
-                    0.0 if not self._failures else min(MAX_RESTART_DELAY, 2 ** (self._failures - 1))
-                )
+                delay = min(MAX_RESTART_DELAY, 2 ** (self._failures - 1)) if self._failures else 0.0
                 if stop.is_set():
                     return
                 log.error(

@@ -3,8 +3,7 @@
 LISTEN needs a database session of its own, which a connection pooler in transaction mode
 does not give: so a waker proves its path with a self-NOTIFY probe, and polls when the probe
 does not come back. How it checks, when it tries again, and what it logs are in
-docs/runbook.md ("Connection poolers"); the waker's contract is in `Waker`.
-"""
+docs/runbook.md ("Connection poolers"); the waker's contract is in `Waker`."""
 
 from __future__ import annotations
 
@@ -95,16 +94,13 @@ def _where(conninfo: str) -> str:
 
 
 class Waker:
-    """Waits until a NOTIFY arrives on `channel`, `timeout` passes, or `stop` is set.
-
-    Owns one autocommit connection (`conninfo`) used only for LISTEN; while it is broken the
-    waker polls. With `probe` (an engine of the same database) a self-NOTIFY proves the path
-    (docs/runbook.md, "Connection poolers"): `listening` is True once one came back, False
-    while polling because one did not, None before a verdict; `setting` names what the warning
-    tells the operator to set. With `helpers`, one waker of `channel` leads (`leading`) and the
-    others listen on `helpers` (docs/runbook.md, "Only one worker listens at a time"). Not
-    thread-safe: one per loop.
-    """
+    """Waits until a NOTIFY arrives on `channel`, `timeout` passes, or `stop` is set. Owns one
+    autocommit connection (`conninfo`) used only for LISTEN; while it is broken the waker polls.
+    With `probe` (an engine of the same database) a self-NOTIFY proves the path (docs/runbook.md,
+    "Connection poolers"): `listening` is True once one came back, False while polling because one
+    did not, None before a verdict; `setting` names what the warning tells the operator to set. With
+    `helpers`, one waker of `channel` leads (`leading`) and the others listen on `helpers`
+    (docs/runbook.md, "Only one worker listens at a time"). Not thread-safe: one per loop."""
 
     def __init__(
         self,
@@ -337,12 +333,10 @@ def _take_lead(conn: psycopg.Connection[tuple[object, ...]], channel: str) -> bo
 def release_listen(conninfo: str, channel: str, pid: int, *, probe: Engine | None = None) -> bool:
     """UNLISTEN `channel` on the server connection of backend `pid`, behind the pooler at `conninfo`
     (transaction mode); True once done or once that backend is gone (`probe`, an engine of the same
-    database, tells), else a warning and False.
-
-    The pooler picks the server connection of each transaction, so `pid`'s is reached by holding a
-    transaction on each other one it hands out; a step given none within `RELEASE_WAIT` lets go of
-    all, so it never waits while holding. `RELEASE_HOLD` and `RELEASE_TIMEOUT` bound it.
-    """
+    database, tells), else a warning and False. The pooler picks the server connection of each
+    transaction, so `pid`'s is reached by holding a transaction on each other one it hands out; a
+    step given none within `RELEASE_WAIT` lets go of all, so it never waits while holding.
+    `RELEASE_HOLD` and `RELEASE_TIMEOUT` bound it."""
     query = (
         sql.SQL("BEGIN; UNLISTEN {}; SELECT pg_backend_pid()")
         .format(sql.Identifier(channel))

@@ -113,15 +113,12 @@ class _Batch:
 
 
 class Worker:
-    """Claims due inbox rows and handles them. Run several, in threads or processes.
-
-    A batch's handler effects and processed marks commit in one transaction; when a handler
-    fails, the batch is run again with a savepoint per message. Leases, the liveness lock and
-    the redo: docs/concepts.md ("Leases and row locks", "Liveness", "Handlers run in batches").
-    A row claimed before without finishing (a suspect: it may have killed its worker) is run
-    alone, one suspect per claim, so a poison message cannot take its batch-mates to
-    ``abandoned`` with it.
-    """
+    """Claims due inbox rows and handles them. Run several, in threads or processes. A batch's
+    handler effects and processed marks commit in one transaction; when a handler fails, the batch
+    is run again with a savepoint per message. Leases, the liveness lock and the redo:
+    docs/concepts.md ("Leases and row locks", "Liveness", "Handlers run in batches"). A row claimed
+    before without finishing (a suspect: it may have killed its worker) is run alone, one suspect
+    per claim, so a poison message cannot take its batch-mates to ``abandoned`` with it."""
 
     def __init__(
         self,
@@ -178,16 +175,14 @@ class Worker:
         self.processed = 0
 
     def connect(self, opened: Connection | None = None) -> Connection:
-        """Open a connection for `work_once`, with this worker's liveness and hang limit.
-
-        `opened`: a connection to prepare instead of a new one from the engine (the asyncio
-        worker passes the sync face of its AsyncConnection); it is closed if this fails.
-        Each call takes a new `claimant` name (`_hold_liveness`), so the claims of an earlier
-        connection of this worker are free to every worker at once. The hang limit
-        (`roles.limit_worker`) is set once on a session that is the worker's own, else by
-        each transaction (``SET LOCAL``: a pooler passes nothing on to its other clients).
-        Raises SQLAlchemyError if the database cannot be reached.
-        """
+        """Open a connection for `work_once`, with this worker's liveness and hang limit. `opened`:
+        a connection to prepare instead of a new one from the engine (the asyncio worker passes the
+        sync face of its AsyncConnection); it is closed if this fails. Each call takes a new
+        `claimant` name (`_hold_liveness`), so the claims of an earlier connection of this worker
+        are free to every worker at once. The hang limit (`roles.limit_worker`) is set once on a
+        session that is the worker's own, else by each transaction (``SET LOCAL``: a pooler passes
+        nothing on to its other clients). Raises SQLAlchemyError if the database cannot be
+        reached."""
         conn = self._engine.connect() if opened is None else opened
         self._next = []  # claims of an earlier connection are free with its liveness lock
         try:
@@ -296,13 +291,11 @@ class Worker:
         )
 
     def work_once(self, conn: Connection) -> int:
-        """Handle one batch on `conn` (from `connect()`); return how many rows it claimed.
-
-        The batch is the one the last batch's transaction claimed for it (`_run_batch`), else
-        one claimed now. Below ``worker_batch_size``: nothing more was due (after giving
-        suspects back, at least ``worker_batch_size``: they are due). Raises `ConnectionLost`
-        or another SQLAlchemyError when the database fails; handler errors never escape.
-        """
+        """Handle one batch on `conn` (from `connect()`); return how many rows it claimed. The batch
+        is the one the last batch's transaction claimed for it (`_run_batch`), else one claimed now.
+        Below ``worker_batch_size``: nothing more was due (after giving suspects back, at least
+        ``worker_batch_size``: they are due). Raises `ConnectionLost` or another SQLAlchemyError
+        when the database fails; handler errors never escape."""
         s = self._settings
         self._instances.advertise(conn)
         rows, self._next = self._next, []
@@ -479,8 +472,7 @@ class Worker:
         `one_by_one`: each message in a savepoint of its own, each failure recorded, and the
         row that `failed` names not run again (its error is recorded as it was). With
         `claim_next`, the same transaction claims the next batch (`_next`) after the marks,
-        unless the worker is stopping (the rest are then unrun, given back uncounted).
-        """
+        unless the worker is stopping (the rest are then unrun, given back uncounted)."""
         handled: list[Message] = []
         processed: list[int] = []
         unrun: list[int] = []
@@ -682,14 +674,8 @@ def _raise_if_outage(conn: Connection, exc: BaseException) -> None:
     """Raise `ConnectionLost` when `exc`, raised while handling, is the database's and not a
     handler's: the connection is gone, or `errors.database_unreachable`. A driver error a
     handler raised from a connection of its own is the handler's."""
-    if _connection_broken(conn, exc):
+    invalidated = isinstance(exc, DBAPIError) and exc.connection_invalidated
+    if conn.invalidated or conn.closed or invalidated:
         raise ConnectionLost(f"connection lost while handling: {first_line(exc)}") from exc
     if isinstance(exc, DBAPIError) and database_unreachable(exc):
         raise ConnectionLost(f"handling a batch: {first_line(exc)}") from exc
-
-
-def _connection_broken(conn: Connection, exc: BaseException) -> bool:
-    """True when `exc` means the database connection is gone, not that a handler failed."""
-    if conn.invalidated or conn.closed:
-        return True
-    return isinstance(exc, DBAPIError) and exc.connection_invalidated
