@@ -445,16 +445,17 @@ class Service:
             result.pruned_payloads = s.payload_store.delete_older_than(s.retention)
         return result
 
-    def _maintain_quietly(self) -> None:
-        """A maintenance pass of a running role, after one of each tenant's (docs/tenants.md): an
-        unreachable database is the roles' own concern (raised; a tenant's is logged, the others
-        go on); any other failure is logged once per kind and the roles go on."""
-        tenants = []
+    def _maintain_quietly(self, *, tenants: bool = True) -> None:
+        """A maintenance pass of a running role, after one of each tenant's with `tenants`
+        (docs/tenants.md): an unreachable database is the roles' own concern (raised; a
+        tenant's is logged, the others go on); any other failure is logged once per kind."""
+        ids = []
         try:
-            tenants = self.tenant_ids() if self._tenants is not None and not self.tenant_id else []
+            if tenants and self._tenants is not None and not self.tenant_id:
+                ids = self.tenant_ids()
         except ConfigurationError as exc:
             self._maintenance_failed(exc, "")
-        for tenant in [*tenants, ""]:
+        for tenant in [*ids, ""]:
             try:
                 (self.tenant(tenant) if tenant else self).maintain()
             except OutboxInboxError as exc:
@@ -477,8 +478,9 @@ class Service:
         """The maintenance role: a pass every ``maintenance_interval`` seconds, and a warning
         when `unroutable` holds more commands than at the last pass (nothing else says so)."""
         on_started()
-        unroutable = 0
-        while not stop.wait(self.settings.maintenance_interval):
+        unroutable, first = 0, self._tenants is not None  # the tenants' first pass: at once
+        while first or not stop.wait(self.settings.maintenance_interval):
+            first = False
             with contextlib.suppress(OutboxInboxError):  # the broker's roles report it
                 before, unroutable = unroutable, self.broker.queue_depth(UNROUTABLE_QUEUE) or 0
                 if unroutable > before:
@@ -933,7 +935,9 @@ class Service:
         while True:
             try:
                 self.check_database()
-                self._maintain_quietly()  # partitions ahead before anything is written
+                # Partitions ahead before anything is written; the tenants' by the maintenance
+                # role, at once, so that a thousand tenants do not hold up the start.
+                self._maintain_quietly(tenants=False)
                 if topology:
                     self._advertise_before_binding()
                     if s.declare:

@@ -4,7 +4,7 @@ A `Hub` per process knows the registry and which tenants have work, in the order
 (`wake`: a NOTIFY on ``<schema>.tenants`` in the service's own database; a sweep of at most
 `SWEEP` tenants a second). `Fleet` threads take them in turn, each under a lease on the database
 clock in ``tenant_leases``, drain them with the tenant's own `Relay.relay_once` /
-`Worker.work_once` and move on after `QUANTUM` batches (docs/tenants-fleet.md)."""
+`Worker.work_once` and move on after `QUANTUM` batches (docs/tenants.md, "The fleet")."""
 
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -242,6 +243,31 @@ def test_maintenance_runs_on_every_tenant_and_a_tenant_down_is_logged_once(
     assert passes == expected * 2
     failed = [r.getMessage() for r in caplog.records if "maintenance failed" in r.getMessage()]
     assert len(failed) == 1 and "tenant dead" in failed[0], failed
+    svc.close()
+
+
+def test_the_start_maintains_the_own_tables_and_the_maintenance_role_the_tenants_at_once(
+    db_url_factory: Callable[[], str], mq_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    svc, _registry, _where = _billing(db_url_factory, mq_url)
+    real, passes = partitions.maintain, []
+
+    def counted(engine: Any, tables: Any, **options: Any) -> Any:
+        passes.append(tables.metadata.schema)
+        return real(engine, tables, **options)
+
+    monkeypatch.setattr(partitions, "maintain", counted)
+    assert svc._wait_until_ready(topology=False, fail_fast=True)
+    assert passes == ["outbox_inbox"]  # a thousand tenants would not hold up the start
+    stop = threading.Event()
+    role = threading.Thread(target=svc._maintenance, args=(stop,), kwargs={"on_started": list})
+    role.start()  # its interval is 300 s: the tenants' pass comes first, at once
+    try:
+        wait_until(lambda: passes.count("outbox_inbox") == 3, what="the tenants maintained")
+    finally:
+        stop.set()
+        role.join(10)
+    assert passes[1:3] == ["acme", "beta"]
     svc.close()
 
 
