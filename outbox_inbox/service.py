@@ -457,7 +457,9 @@ class Service:
             self._maintenance_failed(exc, "")
         for tenant in [*ids, ""]:
             try:
-                (self.tenant(tenant) if tenant else self).maintain()
+                (target := self.tenant(tenant) if tenant else self).maintain()
+                if target.engine is not self.engine:
+                    target.engine.dispose()  # a tenant database keeps no connection of its own
             except OutboxInboxError as exc:
                 if isinstance(exc, DatabaseUnavailable) and not tenant:
                     raise
