@@ -271,6 +271,18 @@ def test_the_start_maintains_the_own_tables_and_the_maintenance_role_the_tenants
     svc.close()
 
 
+def test_a_maintenance_pass_keeps_no_connection_to_a_tenants_own_database(
+    db_url_factory: Callable[[], str], mq_url: str
+) -> None:
+    svc, _registry, _where = _billing(db_url_factory, mq_url)
+    gamma = svc.tenant("gamma").engine
+    gamma.dispose()
+    sql = "SELECT count(*) FROM pg_stat_activity WHERE datname = :d AND pid <> pg_backend_pid()"
+    svc._maintain_quietly()  # the fleet disposes the pools it used; this pass, its own
+    wait_until(lambda: scalar(svc.settings.db_url, sql, d=gamma.url.database) == 0, timeout=10)
+    svc.close()
+
+
 def test_db_upgrade_migrates_every_tenant_names_those_that_failed_and_resumes(
     db_url_factory: Callable[[], str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
