@@ -499,11 +499,14 @@ class Relay:
                 error,
             )
         if failed:
+            counts: dict[str, int] = {}  # by reason, whatever the attempts
+            for (reason, _), ids in sorted(failed.items()):
+                counts[reason] = counts.get(reason, 0) + len(ids)
             log.warning(
                 "relay: %d of %d messages not confirmed, kept for retry (%s)",
-                sum(len(v) for v in failed.values()),
+                sum(counts.values()),
                 len(outcomes),
-                "; ".join(f"{len(v)} {reason}" for reason, v in sorted(failed.items())),
+                "; ".join(f"{n} {reason}" for reason, n in counts.items()),
             )
         return published
 
