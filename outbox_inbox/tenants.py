@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import psycopg
 from psycopg import sql
@@ -23,6 +23,7 @@ from sqlalchemy import Engine, delete, event
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
+from sqlalchemy.pool import QueuePool
 
 from .backoff import Backoff
 from .clock import db_now
@@ -181,10 +182,10 @@ class Hub:
             batch = {self._ids[(self._cursor + n) % len(self._ids)] for n in range(due)}
             self._cursor = (self._cursor + due) % len(self._ids)
             self._sweep(sorted(batch))
-        for engine, used in list(self._used.items()):
-            if now - used > IDLE:
+        for engine, used in list(self._used.items()):  # none checked out: none is orphaned
+            if now - used > IDLE and not cast(QueuePool, engine.pool).checkedout():
                 del self._used[engine]
-                engine.dispose()  # its connections close as they come back
+                engine.dispose()
 
     def _refresh(self) -> None:
         try:
@@ -245,8 +246,8 @@ class Hub:
                     self.failed(role, tenant, exc)
                 continue
             finally:
-                if engine is not self.service.engine and engine not in self._used:
-                    engine.dispose()  # not in use by the fleet: no connection kept
+                if engine is not self.service.engine:  # not in use: disposed at the next tick
+                    self._used.setdefault(engine, 0.0)
             for hit in hits:
                 role, _, tenant = hit.partition(":")
                 self.mark(role, tenant)
