@@ -172,6 +172,8 @@ class Worker:
         self._per_message: float | None = None
         self._full = False  # the last claim took all it asked for
         self._waker: Waker | None = None  # the current run's (`role_loop`)
+        #: Whether a short batch's transaction claims the next batch too (not in the tenants fleet).
+        self.claims_after_short = True
         self.processed = 0
 
     def connect(self, opened: Connection | None = None) -> Connection:
@@ -321,7 +323,7 @@ class Worker:
         # while its claims come full: the lead keeps up with what is left, the helper waits.
         w = self._waker
         helping = w is not None and w.listening is True and not w.leading
-        self._work(conn, rows, claim_next=full or not helping)
+        self._work(conn, rows, claim_next=full or (self.claims_after_short and not helping))
         return s.worker_batch_size if full else len(rows)
 
     def _claim(self, conn: Connection, *, flush_wait: bool = True) -> list[Claimed]:
