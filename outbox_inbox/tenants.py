@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import psycopg
 from psycopg import sql
-from sqlalchemy import Engine, delete, event
+from sqlalchemy import Engine, delete, event, func, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
@@ -50,7 +50,7 @@ SWEEP = 20
 QUANTUM = 8
 #: Seconds after which a tenant's idle worker connection is closed, and an idle database's pool.
 IDLE = 5.0
-#: Seconds before a tenant leased by another holder is tried again (its lease may expire).
+#: The fewest seconds before a tenant leased by another holder is tried again (when it passes).
 BUSY = 0.5
 _TICK = 0.5
 _WAKE = "outbox_inbox.tenants.wake"  # Session.info: the tenants to wake after its commit
@@ -116,10 +116,10 @@ class _Later(Backoff):
 
 
 class Hub:
-    """What the fleet threads of one process share: the registry, the tenants with work for
-    each role (in the order they were woken: round robin), the tenants' outages, and when each
-    tenant database's pool was last used. `run` is its thread: the LISTEN connection, the
-    registry's refresh, the sweep and the idle pools' disposal."""
+    """What the fleet threads of one process share: the registry, the tenants with work for each
+    role (in the order they were woken: round robin), the tenants' outages, the leases held, and
+    when each tenant database's pool was last used. `run` is its thread: the LISTEN connection,
+    the registry's refresh, the sweep, the idle leases' release and the idle pools' disposal."""
 
     def __init__(self, service: Service, served: tuple[str, ...]) -> None:
         self.service, self.served, self._ids, self._warned = service, served, list[str](), ""
@@ -130,6 +130,8 @@ class Hub:
         self._later: dict[tuple[str, str], float] = {}
         self._outages: dict[tuple[str, str], _Later] = {}
         self._used: dict[Engine, float] = {}  # a tenant database's engine -> last use
+        #: (holder, tenant) -> until when a fleet thread holds the lease, and its last use.
+        self.leases: dict[tuple[str, str], tuple[float, float]] = {}
         self._cond = threading.Condition()
 
     def run(self, stop: threading.Event, *, on_started: Callable[[], None] | None = None) -> None:
@@ -159,6 +161,7 @@ class Hub:
                     conn.close()
                     conn = None
         finally:
+            self._release(list(self.leases))  # handed over at once
             if conn is not None:
                 conn.close()
 
@@ -182,6 +185,7 @@ class Hub:
             batch = {self._ids[(self._cursor + n) % len(self._ids)] for n in range(due)}
             self._cursor = (self._cursor + due) % len(self._ids)
             self._sweep(sorted(batch))
+        self._release([k for k, (_, used) in list(self.leases.items()) if now - used > IDLE])
         for engine, used in list(self._used.items()):  # none checked out: none is orphaned
             if now - used > IDLE and not cast(QueuePool, engine.pool).checkedout():
                 del self._used[engine]
@@ -204,6 +208,23 @@ class Hub:
                     del work[gone]
                 work.update(dict.fromkeys(sorted(added)))
             self._cond.notify_all()
+
+    def _release(self, keys: list[tuple[str, str]]) -> None:
+        """Delete the leases of `keys` (holder, tenant) held by this process's fleet threads:
+        another holder may take them at once. A failure is only logged: they pass in time."""
+        svc, leases = self.service, self.service.tables.tenant_leases
+        for key in keys:
+            self.leases.pop(key, None)
+        if not keys:
+            return
+        try:
+            with svc.engine.begin() as conn:
+                for holder in {holder for holder, _ in keys}:
+                    held = leases.c.tenant.in_([t for h, t in keys if h == holder])
+                    mine = leases.c.holder == holder
+                    conn.execute(delete(leases).where(leases.c.service == svc.name, mine, held))
+        except SQLAlchemyError as exc:
+            log.debug("tenants fleet: leases not released: %s", first_line(exc))
 
     def tenant(self, tenant: str) -> Service:
         """`Service.tenant` as of the last read of the registry (not read again per call)."""
@@ -306,8 +327,9 @@ class Fleet:
     def __init__(self, hub: Hub, role: str) -> None:
         self.hub, self.role, self.holder = hub, role, f"{worker_name()}/{role}"
         self._relays: dict[Service, Relay] = {}  # by tenant Service (a changed entry: another)
-        #: The tenants' workers with their connections and last use, closed after `IDLE` s.
-        self._open: dict[Service, tuple[Worker, Any, float]] = {}
+        #: Per database: this thread's worker connection (one liveness lock and claimant for all
+        #: its schemas), the tenants' workers on it (the first opened it), its last use.
+        self._open: dict[Engine, tuple[Any, dict[Service, Worker], float]] = {}
 
     def run(self, stop: threading.Event, *, on_started: Callable[[], None] | None = None) -> None:
         """Serve tenants until `stop` is set; the control database's outages are backed off."""
@@ -328,9 +350,9 @@ class Fleet:
                     backoff.failed(exc, stop)
                     continue
                 backoff.succeeded()
-                for t, (*_, used) in list(self._open.items()):
+                for engine, (*_, used) in list(self._open.items()):
                     if used < time.monotonic() - IDLE:
-                        self._close(t)
+                        self._close(engine)
         finally:
             for t in list(self._open):
                 self._close(t)
@@ -342,28 +364,30 @@ class Fleet:
             t = self.hub.tenant(tenant)
         except ConfigurationError:
             return  # removed from the registry meanwhile
-        if not self._lease(tenant):
-            return self.hub.mark(self.role, tenant, BUSY)
+        if busy := self._lease(tenant):
+            return self.hub.mark(self.role, tenant, busy)
         more = False
+        self.hub.used(t.engine)  # not disposed meanwhile (and after: `finally`)
         try:
             more = self._drain(tenant, t)
             self.hub.failed(self.role, tenant, None)
         except _TENANT_DOWN as exc:
-            self._close(t, retire=False)
+            self._close(t.engine, retire=False)
             self.hub.failed(self.role, tenant, exc)
         finally:
             self.hub.used(t.engine)
-            svc, leases = self.hub.service, self.hub.service.tables.tenant_leases
-            key = (leases.c.service == svc.name, leases.c.role == self.role)
-            with svc.engine.begin() as conn:
-                mine = (leases.c.tenant == tenant, leases.c.holder == self.holder)
-                conn.execute(delete(leases).where(*key, *mine))
         if more:
             self.hub.mark(self.role, tenant)  # after the others with work
 
-    def _lease(self, tenant: str) -> bool:
-        """Take or renew the lease of `tenant` for this holder; False if another holds it."""
-        svc = self.hub.service
+    def _lease(self, tenant: str) -> float:
+        """Take the lease of `tenant` for this holder, or renew it once half of it has passed
+        (kept until the tenant is idle `IDLE` s: `Hub._release`): 0.0, or the seconds before
+        another holder's lease passes (at least `BUSY`)."""
+        svc, key, now = self.hub.service, (self.holder, tenant), time.monotonic()
+        held = self.hub.leases.get(key, (0.0, 0.0))[0]
+        if held - now > svc.settings.lease / 2:
+            self.hub.leases[key] = (held, now)
+            return 0.0
         leases = svc.tables.tenant_leases
         until = db_now() + timedelta(seconds=svc.settings.lease)
         row = {"service": svc.name, "role": self.role, "tenant": tenant}
@@ -374,15 +398,21 @@ class Fleet:
             where=(leases.c.locked_until < db_now()) | (leases.c.holder == self.holder),
         )
         with svc.engine.begin() as conn:
-            return conn.execute(stmt.returning(leases.c.holder)).first() is not None
+            if conn.execute(stmt.returning(leases.c.holder)).first() is not None:
+                self.hub.leases[key] = (now + svc.settings.lease, now)
+                return 0.0
+            left = func.extract("epoch", leases.c.locked_until - db_now())
+            found = select(left).where(*(leases.c[k] == v for k, v in row.items()))
+            seconds = float(conn.execute(found).scalar() or 0.0)
+        return max(seconds, BUSY)
 
     def _drain(self, tenant: str, t: Service) -> bool:
         """Up to `QUANTUM` batches of `tenant`; whether more may be waiting."""
         for n in range(QUANTUM):
-            if n and not self._lease(tenant):
+            if n and self._lease(tenant):
                 return False
             if self.role == RELAY:
-                relay = self._relays.get(t) or self._relays.setdefault(t, t.relay())
+                relay = self._relays.get(t) or self._relay(t)
                 try:
                     if relay.relay_once() < t.settings.relay_batch_size:
                         return False
@@ -391,41 +421,51 @@ class Fleet:
                 continue
             worker, conn = self._worker(t)
             count = worker.work_once(conn)
-            if not (n or count):
-                self._close(t)  # woken for nothing: no connection kept
             if count < t.settings.worker_batch_size and not worker.claimed_next:
                 return False
         if self.role == WORKER:
             self._worker(t)[0].give_back(self._worker(t)[1])  # the next turn claims them
         return True
 
+    def _relay(self, t: Service) -> Relay:
+        """A new relay of `t`, told the broker's size limit the others know (one probe for all)."""
+        relay = t.relay()
+        for known in list(self._relays.values())[:1]:
+            relay._limit_probed, relay._max_body = known._limit_probed, known._max_body
+        return self._relays.setdefault(t, relay)
+
     def _worker(self, t: Service) -> tuple[Worker, Any]:
-        """`t`'s worker and its connection (opened, with its liveness lock, if not open)."""
-        worker, conn, _ = self._open.get(t) or (t.worker(), None, 0.0)
+        """`t`'s worker on this thread's connection to `t`'s database, opened with its liveness
+        lock if not open: the tenants of one database share it and its claimant."""
+        conn, workers, _ = self._open.get(t.engine) or (None, {}, 0.0)
+        worker = workers.get(t) or workers.setdefault(t, t.worker())
+        worker.claims_after_short = False
         svc = self.hub.service
         if conn is None and t.engine is svc.engine and t._sessions_kept is None:
             svc._liveness_url()  # one probe of the database for all its schemas
             t._sessions_kept = svc._sessions_kept
         conn = conn or worker.connect()
-        self._open[t] = (worker, conn, time.monotonic())
+        worker.claimant = next(iter(workers.values())).claimant
+        self._open[t.engine] = (conn, workers, time.monotonic())
         return worker, conn
 
-    def _close(self, t: Service, *, retire: bool = True) -> None:
-        """Close `t`'s worker connection (its claims free with its liveness lock)."""
-        worker, conn, _ = self._open.pop(t, (None, None, 0.0))
-        if worker is not None and conn is not None:
+    def _close(self, engine: Engine, *, retire: bool = True) -> None:
+        """Close this thread's connection to `engine`'s database (its claims free with its
+        liveness lock), its tenants' workers retired."""
+        conn, workers, _ = self._open.pop(engine, (None, {}, 0.0))
+        if conn is not None:
             with contextlib.suppress(*_TENANT_DOWN), contextlib.closing(conn):
-                if retire:
+                for worker in workers.values() if retire else ():
                     worker.give_back(conn)
                     worker.retire(conn)
-            worker.close_liveness()
+            next(iter(workers.values())).close_liveness()
 
 
 def fleet_roles(service: Service, *, relay: bool, workers: int) -> list[tuple[str, Any]]:
     """The role threads serving the tenants of `service` beside its own relay and workers:
     the hub, one relay thread if `relay`, and `workers` worker threads. None without tenants,
     on SQLite, or for a role with nothing to serve."""
-    if service._tenants is None or service.sqlite or not (relay or workers):
+    if service._tenants is None or service.sqlite:
         return []
     if workers and service.handlers.any_async:
         log.warning("service %s: the tenants fleet runs no async handlers", service.name)

@@ -153,6 +153,45 @@ def test_the_worker_fleet_handles_each_tenants_inbox_once_in_its_database(
         assert found == expected
 
 
+def test_one_fleet_worker_drains_the_schemas_of_a_database_on_one_connection(
+    db_url: str, mq_url: str
+) -> None:
+    registry = {n: Tenant(schema=f"t_{n}") for n in "abcde"}
+    svc = _service(db_url, mq_url, registry)
+    for tenant in registry:
+        _prepare(svc, tenant)
+        _store(svc, tenant, 3)
+    liveness = (
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2"
+        f" AND classid = {roles.WORKER_LOCK} AND database = (SELECT oid FROM pg_database"
+        " WHERE datname = current_database())"
+    )
+    with _started(svc, relay=False, receiver=False, workers=1):
+        for tenant in registry:
+            wait_until(lambda t=tenant: _processed(svc, t) == 3, what=f"tenant {tenant}")
+        held = scalar(db_url, liveness)  # within the 5 s a worker connection outlives its batch
+    # The service's own worker, and the fleet's worker thread once for the five schemas.
+    assert held == 2
+
+
+def test_a_tenants_lease_is_kept_while_it_has_work_and_released_once_idle(
+    db_url: str, mq_url: str
+) -> None:
+    svc = _service(db_url, mq_url, {"kept": Tenant(schema="t_kept")})
+    _prepare(svc, "kept")
+    lease = "SELECT locked_until FROM outbox_inbox.tenant_leases WHERE tenant = 'kept'"
+    with _started(svc, relay=False, receiver=False, workers=1):
+        for n in (1, 2):
+            _store(svc, "kept", 2)
+            tenants.wake(svc.engine, "outbox_inbox", tenants.WORKER, ["kept"])
+            wait_until(lambda n=n: _processed(svc, "kept") == 2 * n, what=f"drain {n}")
+            if n == 1:
+                first = scalar(db_url, lease)
+        assert first is not None, "the lease was given up after the drain"
+        assert scalar(db_url, lease) == first, "a young lease was taken again"
+        wait_until(lambda: scalar(db_url, lease) is None, timeout=20, what="released once idle")
+
+
 @pytest.mark.parametrize("mode", ["schema", "database"])
 def test_sent_in_a_tenants_session_handled_once_in_that_tenants_inbox(
     mode: str,
