@@ -413,9 +413,7 @@ def _utc(value: Any) -> datetime | None:
         return None
     if not isinstance(value, datetime):
         raise TypeError(f"expected a datetime, got {value!r}")
-    if value.tzinfo is None:
-        return value.replace(tzinfo=UTC)
-    return value.astimezone(UTC)
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
 __all__ = ["ArchiveBusy", "ArchiveError", "ArchiveResult", "Archiver", "arrow_schema"]

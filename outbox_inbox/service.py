@@ -445,17 +445,19 @@ class Service:
             result.pruned_payloads = s.payload_store.delete_older_than(s.retention)
         return result
 
-    def _maintain_quietly(self, *, tenants: bool = True) -> None:
-        """A maintenance pass of a running role, after one of each tenant's with `tenants`
-        (docs/tenants.md): an unreachable database is the roles' own concern (raised; a
-        tenant's is logged, the others go on); any other failure is logged once per kind."""
+    def _maintain_quietly(
+        self, *, tenants: bool = True, stop: threading.Event | None = None
+    ) -> None:
+        """A maintenance pass of a running role, then one of each tenant's with `tenants`, spread
+        over ``maintenance_interval`` with `stop` (docs/tenants.md): an unreachable database is
+        the roles' concern (raised; a tenant's is logged); other failures, once per kind."""
         ids = []
         try:
             if tenants and self._tenants is not None and not self.tenant_id:
                 ids = self.tenant_ids()
         except ConfigurationError as exc:
             self._maintenance_failed(exc, "")
-        for tenant in [*ids, ""]:
+        for tenant in ["", *ids]:
             try:
                 (target := self.tenant(tenant) if tenant else self).maintain()
                 if target.engine is not self.engine:
@@ -464,6 +466,8 @@ class Service:
                 if isinstance(exc, DatabaseUnavailable) and not tenant:
                     raise
                 self._maintenance_failed(exc, tenant)
+            if stop is not None and stop.wait(self.settings.maintenance_interval / (len(ids) + 1)):
+                return
 
     def _maintenance_failed(self, exc: OutboxInboxError, tenant: str) -> None:
         if (tenant, type(exc).__name__ + str(exc)[:80]) not in self._maintenance_failures:
@@ -480,9 +484,8 @@ class Service:
         """The maintenance role: a pass every ``maintenance_interval`` seconds, and a warning
         when `unroutable` holds more commands than at the last pass (nothing else says so)."""
         on_started()
-        unroutable, first = 0, self._tenants is not None  # the tenants' first pass: at once
-        while first or not stop.wait(self.settings.maintenance_interval):
-            first = False
+        unroutable, spread = 0, self._tenants is not None  # a pass as long as the interval
+        while not stop.is_set() and (spread or not stop.wait(self.settings.maintenance_interval)):
             with contextlib.suppress(OutboxInboxError):  # the broker's roles report it
                 before, unroutable = unroutable, self.broker.queue_depth(UNROUTABLE_QUEUE) or 0
                 if unroutable > before:
@@ -493,7 +496,7 @@ class Service:
                         UNROUTABLE_QUEUE,
                     )
             try:
-                self._maintain_quietly()
+                self._maintain_quietly(stop=stop if spread else None)
             except DatabaseUnavailable as exc:
                 log.warning("service %s: maintenance waits: %s", self.name, first_line(exc))
 
@@ -938,7 +941,7 @@ class Service:
             try:
                 self.check_database()
                 # Partitions ahead before anything is written; the tenants' by the maintenance
-                # role, at once, so that a thousand tenants do not hold up the start.
+                # role, spread over its interval: a thousand tenants do not hold up the start.
                 self._maintain_quietly(tenants=False)
                 if topology:
                     self._advertise_before_binding()

@@ -108,9 +108,7 @@ def creating(tracing: Tracing, row: dict[str, Any]) -> AbstractContextManager[No
     """The ``create`` span of an outbox row being written, a child of the current span, its
     context put into ``row["headers"]`` before the block runs. Nothing when tracing is off."""
     tracer = tracing.tracer()
-    if tracer is None:
-        return _NOTHING
-    return _creating(tracer, tracing.service, row)
+    return _NOTHING if tracer is None else _creating(tracer, tracing.service, row)
 
 
 @contextmanager

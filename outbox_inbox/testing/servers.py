@@ -565,9 +565,7 @@ class PostgresServer(_LocalServer, _Databases):
         return frozenset({self._proc.pid} if self._proc is not None else ())
 
     def _as_postgres(self, args: list[str]) -> list[str]:
-        if _is_root():
-            return ["runuser", "-u", self.user, "--", *args]
-        return args
+        return ["runuser", "-u", self.user, "--", *args] if _is_root() else args
 
     def _make_temp_dir(self) -> Path:
         base = self._base_dir

@@ -3,9 +3,11 @@ migrations and the partitions' maintenance run on every tenant (docs/tenants.md)
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -239,35 +241,38 @@ def test_maintenance_runs_on_every_tenant_and_a_tenant_down_is_logged_once(
     svc._maintain_quietly()
     svc._maintain_quietly()
     own, other = svc.engine.url.database, svc.tenant("gamma").engine.url.database
-    expected = [(own, "acme"), (own, "beta"), (other, "outbox_inbox"), (own, "outbox_inbox")]
+    expected = [(own, "outbox_inbox"), (own, "acme"), (own, "beta"), (other, "outbox_inbox")]
     assert passes == expected * 2
     failed = [r.getMessage() for r in caplog.records if "maintenance failed" in r.getMessage()]
     assert len(failed) == 1 and "tenant dead" in failed[0], failed
     svc.close()
 
 
-def test_the_start_maintains_the_own_tables_and_the_maintenance_role_the_tenants_at_once(
+def test_the_start_maintains_the_own_tables_and_the_role_the_tenants_spread_over_the_interval(
     db_url_factory: Callable[[], str], mq_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    svc, _registry, _where = _billing(db_url_factory, mq_url)
+    svc, _registry, _where = _billing(db_url_factory, mq_url, maintenance_interval=4.0)
     real, passes = partitions.maintain, []
 
     def counted(engine: Any, tables: Any, **options: Any) -> Any:
-        passes.append(tables.metadata.schema)
+        passes.append((tables.metadata.schema, time.monotonic()))
         return real(engine, tables, **options)
 
     monkeypatch.setattr(partitions, "maintain", counted)
     assert svc._wait_until_ready(topology=False, fail_fast=True)
-    assert passes == ["outbox_inbox"]  # a thousand tenants would not hold up the start
+    assert [p for p, _ in passes] == ["outbox_inbox"]  # a thousand tenants do not hold it up
     stop = threading.Event()
     role = threading.Thread(target=svc._maintenance, args=(stop,), kwargs={"on_started": list})
-    role.start()  # its interval is 300 s: the tenants' pass comes first, at once
+    role.start()  # a pass at once, its four parts 4 / 4 s apart: no burst of all the tenants
     try:
-        wait_until(lambda: passes.count("outbox_inbox") == 3, what="the tenants maintained")
+        wait_until(lambda: len(passes) >= 7, timeout=20, what="a second pass begun")
     finally:
         stop.set()
         role.join(10)
-    assert passes[1:3] == ["acme", "beta"]
+    first = ["outbox_inbox", "acme", "beta", "outbox_inbox"]  # gamma's schema is outbox_inbox
+    assert [p for p, _ in passes[1:7]] == [*first, "outbox_inbox", "acme"]
+    gaps = [b - a for (_, a), (_, b) in itertools.pairwise(passes[1:7])]
+    assert all(0.9 <= gap <= 3.0 for gap in gaps), gaps
     svc.close()
 
 
