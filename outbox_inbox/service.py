@@ -59,6 +59,8 @@ from .worker import Worker, worker_name
 log = logging.getLogger(__name__)
 #: Roles run in threads: their names and their `run`.
 _Roles = tuple[tuple[str, Callable[..., None]], ...]
+#: The fewest seconds between two tenants' maintenance passes: 1,000 tenants an hour at most.
+TENANT_MAINTENANCE_GAP = 3.6
 
 if TYPE_CHECKING:
     from .aio import AsyncWorker
@@ -466,7 +468,8 @@ class Service:
                 if isinstance(exc, DatabaseUnavailable) and not tenant:
                     raise
                 self._maintenance_failed(exc, tenant)
-            if stop is not None and stop.wait(self.settings.maintenance_interval / (len(ids) + 1)):
+            gap = max(self.settings.maintenance_interval / (len(ids) + 1), TENANT_MAINTENANCE_GAP)
+            if stop is not None and stop.wait(gap):
                 return
 
     def _maintenance_failed(self, exc: OutboxInboxError, tenant: str) -> None:

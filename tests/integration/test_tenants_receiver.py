@@ -20,6 +20,7 @@ from sqlalchemy import text
 from helpers import FAST, publish_raw, running, scalar, wait_until
 from outbox_inbox import RetryPolicy, Service, Tenant, partitions
 from outbox_inbox import receiver as receiver_module
+from outbox_inbox import service as service_module
 from outbox_inbox.broker import Consumer, Delivery
 from outbox_inbox.cli.db import db
 from outbox_inbox.dead_letters import QUEUE, DeadLetters, Filters
@@ -251,7 +252,8 @@ def test_maintenance_runs_on_every_tenant_and_a_tenant_down_is_logged_once(
 def test_the_start_maintains_the_own_tables_and_the_role_the_tenants_spread_over_the_interval(
     db_url_factory: Callable[[], str], mq_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    svc, _registry, _where = _billing(db_url_factory, mq_url, maintenance_interval=4.0)
+    svc, _registry, _where = _billing(db_url_factory, mq_url, maintenance_interval=2.0)
+    monkeypatch.setattr(service_module, "TENANT_MAINTENANCE_GAP", 1.0)  # > 2.0 / 4 parts
     real, passes = partitions.maintain, []
 
     def counted(engine: Any, tables: Any, **options: Any) -> Any:
@@ -263,7 +265,7 @@ def test_the_start_maintains_the_own_tables_and_the_role_the_tenants_spread_over
     assert [p for p, _ in passes] == ["outbox_inbox"]  # a thousand tenants do not hold it up
     stop = threading.Event()
     role = threading.Thread(target=svc._maintenance, args=(stop,), kwargs={"on_started": list})
-    role.start()  # a pass at once, its four parts 4 / 4 s apart: no burst of all the tenants
+    role.start()  # a pass at once, its four parts 1 s apart (the gap): no burst of the tenants
     try:
         wait_until(lambda: len(passes) >= 7, timeout=20, what="a second pass begun")
     finally:
