@@ -199,7 +199,7 @@ def _fleet(svc: Service) -> Iterator[int]:
     the bench's writer does not share its interpreter lock. Yields its pid."""
 
     def serve() -> None:
-        for engine in {svc.engine, *(svc.tenant(t).engine for t in svc.tenant_ids())}:
+        for engine in [svc.engine, *svc._engines.values()]:  # no tenant's Service made here
             engine.dispose(close=False)  # the parent's connections stay the parent's
         svc.run()
 
