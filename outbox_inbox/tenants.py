@@ -130,9 +130,10 @@ class Hub:
         self._later: dict[tuple[str, str], float] = {}
         self._outages: dict[tuple[str, str], _Later] = {}
         self._used: dict[Engine, float] = {}  # a tenant database's engine -> last use
-        #: (holder, tenant) -> until when a fleet thread holds the lease, and its last use.
+        #: (holder, tenant) -> until when the lease is held, and its last use. A holder is this
+        #: process's threads of one role: a lease kept by one serves the others.
         self.leases: dict[tuple[str, str], tuple[float, float]] = {}
-        self._cond = threading.Condition()
+        self._cond, self.holder = threading.Condition(), worker_name()
 
     def run(self, stop: threading.Event, *, on_started: Callable[[], None] | None = None) -> None:
         """Listen for wake-ups, refresh the registry, sweep and dispose idle pools until `stop`."""
@@ -325,7 +326,7 @@ class Fleet:
     """One thread of the fleet: drains the tenants with work for `role`, each in turn."""
 
     def __init__(self, hub: Hub, role: str) -> None:
-        self.hub, self.role, self.holder = hub, role, f"{worker_name()}/{role}"
+        self.hub, self.role, self.holder = hub, role, f"{hub.holder}/{role}"
         self._relays: dict[Service, Relay] = {}  # by tenant Service (a changed entry: another)
         #: Per database: this thread's worker connection (one liveness lock and claimant for all
         #: its schemas), the tenants' workers on it (the first opened it), its last use.
@@ -380,9 +381,8 @@ class Fleet:
             self.hub.mark(self.role, tenant)  # after the others with work
 
     def _lease(self, tenant: str) -> float:
-        """Take the lease of `tenant` for this holder, or renew it once half of it has passed
-        (kept until the tenant is idle `IDLE` s: `Hub._release`): 0.0, or the seconds before
-        another holder's lease passes (at least `BUSY`)."""
+        """Take `tenant`'s lease, or renew it once half has passed (released idle: `Hub._release`):
+        0.0, or the seconds before another holder's lease passes (at least `BUSY`)."""
         svc, key, now = self.hub.service, (self.holder, tenant), time.monotonic()
         held = self.hub.leases.get(key, (0.0, 0.0))[0]
         if held - now > svc.settings.lease / 2:

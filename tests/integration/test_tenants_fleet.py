@@ -192,6 +192,18 @@ def test_a_tenants_lease_is_kept_while_it_has_work_and_released_once_idle(
         wait_until(lambda: scalar(db_url, lease) is None, timeout=20, what="released once idle")
 
 
+def test_a_lease_kept_by_one_fleet_thread_does_not_hold_up_the_others_of_its_process(
+    db_url: str, mq_url: str
+) -> None:
+    svc = _service(db_url, mq_url, {"again": Tenant(schema="t_again")})  # lease: 60 s
+    _prepare(svc, "again")
+    with _started(svc, relay=False, receiver=False, workers=3):
+        for n in range(1, 9):  # woken again and again: taken by whichever thread is free
+            _store(svc, "again", 1)
+            tenants.wake(svc.engine, "outbox_inbox", tenants.WORKER, ["again"])
+            wait_until(lambda n=n: _processed(svc, "again") == n, timeout=5, what=f"round {n}")
+
+
 @pytest.mark.parametrize("mode", ["schema", "database"])
 def test_sent_in_a_tenants_session_handled_once_in_that_tenants_inbox(
     mode: str,
