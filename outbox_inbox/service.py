@@ -465,8 +465,8 @@ class Service:
                 if target.engine is not self.engine:
                     target.engine.dispose()  # a tenant database keeps no connection of its own
             except OutboxInboxError as exc:
-                if isinstance(exc, DatabaseUnavailable) and not tenant:
-                    raise
+                if isinstance(exc, DatabaseUnavailable) and not tenant and stop is None:
+                    raise  # the start waits for it; a spread pass logs it and goes on
                 self._maintenance_failed(exc, tenant)
             gap = max(self.settings.maintenance_interval / (len(ids) + 1), TENANT_MAINTENANCE_GAP)
             if stop is not None and stop.wait(gap):

@@ -355,8 +355,8 @@ class Fleet:
                     if used < time.monotonic() - IDLE:
                         self._close(engine)
         finally:
-            for t in list(self._open):
-                self._close(t)
+            for engine in list(self._open):
+                self._close(engine)
 
     def serve(self, tenant: str) -> None:
         """Drain `tenant` for up to `QUANTUM` batches under its lease. Raises what the control

@@ -24,6 +24,7 @@ from outbox_inbox import service as service_module
 from outbox_inbox.broker import Consumer, Delivery
 from outbox_inbox.cli.db import db
 from outbox_inbox.dead_letters import QUEUE, DeadLetters, Filters
+from outbox_inbox.errors import DatabaseUnavailable
 
 INVOICE = "billing.invoice.create"
 
@@ -275,6 +276,29 @@ def test_the_start_maintains_the_own_tables_and_the_role_the_tenants_spread_over
     assert [p for p, _ in passes[1:7]] == [*first, "outbox_inbox", "acme"]
     gaps = [b - a for (_, a), (_, b) in itertools.pairwise(passes[1:7])]
     assert all(0.9 <= gap <= 3.0 for gap in gaps), gaps
+    svc.close()
+
+
+def test_a_spread_maintenance_pass_waits_its_gaps_while_the_database_is_down(
+    db_url_factory: Callable[[], str], mq_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    svc, _registry, _where = _billing(db_url_factory, mq_url, maintenance_interval=2.0)
+    monkeypatch.setattr(service_module, "TENANT_MAINTENANCE_GAP", 0.5)
+    calls: list[str] = []
+
+    def down(engine: Any, tables: Any, **options: Any) -> Any:
+        calls.append(tables.metadata.schema)
+        raise DatabaseUnavailable("the database is down")
+
+    monkeypatch.setattr(partitions, "maintain", down)
+    stop = threading.Event()
+    role = threading.Thread(target=svc._maintenance, args=(stop,), kwargs={"on_started": list})
+    role.start()
+    time.sleep(3)
+    stop.set()
+    role.join(10)
+    # 0.5 s apart (2.0 s / 4 parts): about 6 tries in 3 s, not a loop as fast as it can fail.
+    assert 3 <= len(calls) <= 10, len(calls)
     svc.close()
 
 
