@@ -430,7 +430,7 @@ class Fleet:
     def _relay(self, t: Service) -> Relay:
         """A new relay of `t`, told the broker's size limit the others know (one probe for all)."""
         relay = t.relay()
-        for known in list(self._relays.values())[:1]:
+        if known := next(iter(self._relays.values()), None):
             relay._limit_probed, relay._max_body = known._limit_probed, known._max_body
         return self._relays.setdefault(t, relay)
 
