@@ -19,7 +19,6 @@ from sqlalchemy.exc import SQLAlchemyError
 from .errors import SchemaMissing, storage_error
 from .queries import archive
 from .queries import partitions as sql
-from .queries.operations import database_now
 from .queries.partitions import holds_unfinished, partition_rows
 from .tables import Tables
 
@@ -95,15 +94,44 @@ def partition_name(parent: str, start: datetime, interval: str) -> str:
     return f"{parent}_p{start.astimezone(UTC):{_STAMPS[interval == 'hour']}}"
 
 
-def partitions(conn: Connection, schema: str, parent: str) -> list[Partition]:
-    """The partitions of `schema`.`parent`, oldest first."""
-    found = []
-    for row in sql.partition_catalog(conn, schema, parent):
+@dataclass(frozen=True)
+class Catalog:
+    """The library's tables of a schema as one read of PostgreSQL's catalog finds them."""
+
+    now: datetime  # the database's clock
+    partitioned: list[str]  # of KEYS: both after migration 0006, none on an older revision
+    partitions: dict[str, list[Partition]]  # by parent, oldest first
+    detached: list[tuple[str, str]]  # (name, parent): partitions a pass detached, not dropped
+    stats: dict[str, tuple[float, int]]  # by partition: estimated rows (-1: never), bytes
+
+
+def catalog(conn: Connection, schema: str) -> Catalog:
+    """`schema`'s `Catalog` in one statement. SchemaMissing when the tables do not exist."""
+    rows = sql.schema_catalog(conn, schema)
+    kinds = {r.name: r.kind for r in rows if r.name in KEYS}
+    if len(kinds) < len(KEYS):
+        raise SchemaMissing(
+            f"the outbox/inbox tables do not exist in schema {schema!r}: "
+            "run `outbox-inbox db upgrade`"
+        )
+    found: dict[str, list[Partition]] = {parent: [] for parent in KEYS}
+    for row in (r for r in rows if r.parent in KEYS):
         if (match := _BOUND.search(row.bound)) is None:
             raise ValueError(f"{row.name}: not a range partition ({row.bound})")
         lower, upper = (_bound_time(v) for v in match.groups())
-        found.append(Partition(parent, row.name, lower, upper, bool(row.pending)))
-    return sorted(found, key=lambda p: p.lower or datetime.min.replace(tzinfo=UTC))
+        found[row.parent].append(Partition(row.parent, row.name, lower, upper, bool(row.pending)))
+    for parts in found.values():
+        parts.sort(key=lambda p: p.lower or datetime.min.replace(tzinfo=UTC))
+    detached = [
+        (r.name, m.group(1)) for r in rows if r.parent is None and (m := _NAME.match(r.name))
+    ]
+    stats = {r.name: (r.rows, r.size) for r in rows if r.parent}
+    return Catalog(rows[0].now, [n for n in KEYS if kinds[n] == "p"], found, detached, stats)
+
+
+def partitions(conn: Connection, schema: str, parent: str) -> list[Partition]:
+    """The partitions of `schema`.`parent`, oldest first."""
+    return catalog(conn, schema).partitions[parent]
 
 
 def _bound_time(value: str) -> datetime | None:
@@ -112,17 +140,24 @@ def _bound_time(value: str) -> datetime | None:
     return datetime.fromisoformat(value.strip("'")).astimezone(UTC)
 
 
-def make_ahead(conn: Connection, tables: Tables, interval: str | None, now: datetime) -> list[str]:
+def make_ahead(
+    conn: Connection,
+    tables: Tables,
+    interval: str | None,
+    now: datetime,
+    existing: Catalog | None = None,
+) -> list[str]:
     """Create the partitions from the newest one's end to ``AHEAD[interval]`` past `now`
-    (`interval` None: the newest partition's length), each committed on its own."""
+    (`interval` None: the newest partition's length), each committed on its own. `existing`:
+    the schema's catalog if just read."""
     made: list[str] = []
-    for parent in KEYS:
-        existing = partitions(conn, tables.schema, parent)
-        conn.commit()
-        length = interval or _interval_of(existing)
+    existing = existing or catalog(conn, tables.schema)
+    conn.commit()
+    for parent, parts in existing.partitions.items():
+        length = interval or _interval_of(parts)
         step = INTERVALS[length]
         until = floor_time(now, length) + step * AHEAD[length]
-        start = max((p.upper for p in existing if p.upper), default=floor_time(now, length))
+        start = max((p.upper for p in parts if p.upper), default=floor_time(now, length))
         while start < until:
             end = start + step
             name = partition_name(parent, start, length)
@@ -206,12 +241,12 @@ def _maintain(
     exporter: Exporter | None,
     result: MaintenanceResult,
 ) -> None:
-    if not partitioned(conn, tables.schema):
+    found = catalog(conn, tables.schema)
+    if not found.partitioned:
         # Migration 0006 not applied yet: a service started before it (a rolling upgrade)
         # has nothing to maintain, and a partition made here could not be attached.
         return
-    now = database_now(conn)
-    cutoff, dead_cutoff = retention.cutoffs(now)
+    cutoff, dead_cutoff = retention.cutoffs(found.now)
 
     def retire(parent: str, name: str, was: Partition | None) -> None:
         """A detached partition: export and drop it, or attach it again if a row in it is
@@ -232,39 +267,29 @@ def _maintain(
         result.dropped.append(name)
         log.info("partitions: dropped %s", name)
 
-    for name, parent in _detached(conn, tables.schema):  # left by a pass that died
+    for name, parent in found.detached:  # left by a pass that died
         retire(parent, name, None)
     # Finalised first, whatever its range: while one partition of a table is pending detach,
     # PostgreSQL refuses every other DETACH CONCURRENTLY on that table, so an older partition
     # reached first in the loop below would fail every pass from then on.
-    for parent in KEYS:
-        for p in partitions(conn, tables.schema, parent):
-            if p.detach_pending:
-                sql.detach(conn, tables.schema, parent, p.name, finalize=True)
-                retire(parent, p.name, p)
-    result.created = make_ahead(conn, tables, interval, now)
+    for p in (p for parts in found.partitions.values() for p in parts if p.detach_pending):
+        sql.detach(conn, tables.schema, p.parent, p.name, finalize=True)
+        retire(p.parent, p.name, p)
+    result.created = make_ahead(conn, tables, interval, found.now, found)
     # A worker that died keeps its row until another worker of its service advertises
     # (queries.roles.advertise_instance): a service that no longer runs would keep it for ever.
-    result.pruned_instances = archive.prune_instances(conn, tables, now - STALE_INSTANCE)
+    result.pruned_instances = archive.prune_instances(conn, tables, found.now - STALE_INSTANCE)
     if cutoff is None:
         return
-    for parent in KEYS:
-        for p in partitions(conn, tables.schema, parent):
-            if p.upper is None or p.upper > cutoff:
-                continue
-            if holds_unfinished(conn, partition_rows(tables, parent, p.name), parent, dead_cutoff):
-                result.kept[p.name] = KEPT_UNFINISHED
-                continue
-            sql.detach(conn, tables.schema, parent, p.name, finalize=False)
-            retire(parent, p.name, p)
+    for p in (p for parts in found.partitions.values() for p in parts if not p.detach_pending):
+        if p.upper is None or p.upper > cutoff:
+            continue
+        if holds_unfinished(conn, partition_rows(tables, p.parent, p.name), p.parent, dead_cutoff):
+            result.kept[p.name] = KEPT_UNFINISHED
+            continue
+        sql.detach(conn, tables.schema, p.parent, p.name, finalize=False)
+        retire(p.parent, p.name, p)
     result.pruned_deliveries = archive.prune_deliveries(conn, tables, cutoff)
-
-
-def _detached(conn: Connection, schema: str) -> list[tuple[str, str]]:
-    """Partitions of the library's tables that a pass detached and did not drop."""
-    return [
-        (name, m.group(1)) for name in sql.plain_tables(conn, schema) if (m := _NAME.match(name))
-    ]
 
 
 def _detached_range(
@@ -317,13 +342,7 @@ class PartitionState:
 def partitioned(conn: Connection, schema: str) -> list[str]:
     """The library's tables of `schema` that are partitioned (both, after migration 0006;
     none on an older revision). SchemaMissing when the tables do not exist."""
-    kinds = sql.table_kinds(conn, schema, list(KEYS))
-    if len(kinds) < len(KEYS):
-        raise SchemaMissing(
-            f"the outbox/inbox tables do not exist in schema {schema!r}: "
-            "run `outbox-inbox db upgrade`"
-        )
-    return [name for name in KEYS if kinds[name] == "p"]
+    return catalog(conn, schema).partitioned
 
 
 def survey(conn: Connection, tables: Tables, retention: Retention) -> list[PartitionState]:
@@ -332,20 +351,19 @@ def survey(conn: Connection, tables: Tables, retention: Retention) -> list[Parti
     partitions list``, read-only. Empty for plain tables. Raises StorageError when the
     database fails, SchemaMissing without tables."""
     try:
-        cutoff, dead_cutoff = retention.cutoffs(database_now(conn))
-        found: list[PartitionState] = []
-        for parent in partitioned(conn, tables.schema):
-            catalog = sql.partition_catalog(conn, tables.schema, parent)
-            stats = {r.name: (r.rows, r.size) for r in catalog}
-            for p in partitions(conn, tables.schema, parent):
-                rows, size = stats.get(p.name, (-1, 0))
+        found = catalog(conn, tables.schema)
+        cutoff, dead_cutoff = retention.cutoffs(found.now)
+        states: list[PartitionState] = []
+        for parent in found.partitioned:
+            for p in found.partitions[parent]:
+                rows, size = found.stats.get(p.name, (-1, 0))
                 past = cutoff is not None and p.upper is not None and p.upper <= cutoff
                 held = past and holds_unfinished(
                     conn, partition_rows(tables, parent, p.name), parent, dead_cutoff
                 )
                 count = None if rows < 0 else int(rows)  # -1: never vacuumed or analysed
                 kept = KEPT_UNFINISHED if held else None
-                found.append(PartitionState(p, count, int(size), past, kept))
-        return found
+                states.append(PartitionState(p, count, int(size), past, kept))
+        return states
     except SQLAlchemyError as exc:
         raise storage_error(exc, "reading the partitions") from exc

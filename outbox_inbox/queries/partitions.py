@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Connection, Table, bindparam, column, exists, or_, select, table, text
+from sqlalchemy import Connection, Table, column, exists, or_, select, table, text
 
 from ..tables import DEAD, PARKED, PENDING, Tables, outbox_unsent
 from .archive import try_xact_lock
@@ -31,58 +31,34 @@ def _ddl(conn: Connection, statement: str, schema: str, **names: str) -> None:
     conn.execute(text(statement.format(s=_quote(conn, schema), **quoted)))
 
 
-def partition_catalog(conn: Connection, schema: str, parent: str) -> list[Any]:
-    """A row per partition of `schema`.`parent`: name, bound (its expression), pending (a
-    detach), rows (estimated, -1 if never analysed), size (bytes with indexes and TOAST)."""
+def schema_catalog(conn: Connection, schema: str) -> list[Any]:
+    """A row per table of `schema`: name, kind ('p' partitioned, 'r' plain), parent (of a
+    partition, else NULL), bound (its expression), pending (a detach), rows (estimated, -1 if
+    never analysed), size (of a partition: bytes with indexes and TOAST), now (the clock)."""
     return list(
         conn.execute(
             text(
-                "SELECT c.relname AS name, pg_get_expr(c.relpartbound, c.oid) AS bound, "
-                "i.inhdetachpending AS pending, c.reltuples AS rows, "
-                "pg_total_relation_size(c.oid) AS size "
-                "FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
-                "WHERE i.inhparent = to_regclass(:parent)"
+                "SELECT c.relname AS name, c.relkind AS kind, p.relname AS parent, "
+                "pg_get_expr(c.relpartbound, c.oid) AS bound, i.inhdetachpending AS pending, "
+                "c.reltuples AS rows, CASE WHEN p.oid IS NOT NULL THEN "
+                "pg_total_relation_size(c.oid) END AS size, now() AS now "
+                "FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                "LEFT JOIN pg_inherits i ON i.inhrelid = c.oid "
+                "LEFT JOIN pg_class p ON p.oid = i.inhparent "
+                "WHERE n.nspname = :schema AND c.relkind IN ('r', 'p')"
             ),
-            {"parent": f"{_quote(conn, schema)}.{parent}"},
+            {"schema": schema},
         ).all()
-    )
-
-
-def plain_tables(conn: Connection, schema: str) -> list[str]:
-    """The tables of `schema` that are neither partitioned nor partitions (a detached one)."""
-    return _texts(
-        conn,
-        "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-        "WHERE n.nspname = :schema AND c.relkind = 'r' AND NOT c.relispartition",
-        schema=schema,
     )
 
 
 def check_constraints(conn: Connection, schema: str, name: str) -> list[str]:
     """The definitions of the CHECK constraints of table `schema`.`name`."""
-    return _texts(
-        conn,
-        "SELECT pg_get_constraintdef(oid) FROM pg_constraint "
-        "WHERE conrelid = to_regclass(:name) AND contype = 'c'",
-        name=f"{_quote(conn, schema)}.{name}",
+    query = "SELECT pg_get_constraintdef(oid) FROM pg_constraint WHERE conrelid = "
+    name = f"{_quote(conn, schema)}.{_quote(conn, name)}"
+    return list(
+        conn.execute(text(query + "to_regclass(:n) AND contype = 'c'"), {"n": name}).scalars()
     )
-
-
-def _texts(conn: Connection, query: str, **params: str) -> list[str]:
-    return list(conn.execute(text(query), params).scalars())
-
-
-def table_kinds(conn: Connection, schema: str, names: list[str]) -> dict[str, str]:
-    """Name -> pg_class.relkind ('p' partitioned, 'r' plain) of those of `names` that exist."""
-    rows = conn.execute(
-        text(
-            "SELECT c.relname, c.relkind FROM pg_class c "
-            "JOIN pg_namespace n ON n.oid = c.relnamespace "
-            "WHERE n.nspname = :schema AND c.relname IN :names"
-        ).bindparams(bindparam("names", expanding=True)),
-        {"schema": schema, "names": names},
-    ).all()
-    return {str(name): str(kind) for name, kind in rows}
 
 
 def create_partition(
