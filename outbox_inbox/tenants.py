@@ -242,8 +242,8 @@ class Hub:
         svc, by_engine = self.service, dict[Engine, list[tuple[str, str]]]()
         for tenant in batch:
             entry = self._entries.get(tenant)
-            if entry is None:
-                continue
+            if entry is None or all((role, tenant) in self._outages for role in self.served):
+                continue  # in an outage: tried again by the fleet, at its backoff's pace
             if entry.db_url and entry.db_url != svc.settings.db_url:
                 with contextlib.suppress(ConfigurationError):
                     t = self.tenant(tenant)

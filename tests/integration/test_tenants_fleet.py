@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import Engine, event, text
 
 from helpers import FAST, received_row, scalar, wait_until
 from outbox_inbox import Message, Service, Tenant, tenants
@@ -39,7 +39,8 @@ def _handler(message: Message, session: Any) -> None:
 
 
 def _service(db_url: str, mq_url: str, registry: Any, **settings: Any) -> Service:
-    svc = Service("billing", db_url=db_url, mq_url=mq_url, tenants=registry, **FAST, **settings)
+    settings = {**FAST, **settings}
+    svc = Service("billing", db_url=db_url, mq_url=mq_url, tenants=registry, **settings)
     svc.migrate()
     svc.on_command("invoice.create")(_handler)
     return svc
@@ -261,7 +262,7 @@ def test_a_tenant_added_while_running_is_drained_without_a_restart(
 CHILD = """
 import os, sys, time
 from outbox_inbox import Service, Tenant
-from sqlalchemy import text
+from sqlalchemy import Engine, event, text
 
 def handle(message, session):
     if message.payload.get("hang"):
@@ -327,20 +328,25 @@ def test_a_killed_workers_tenants_are_drained_by_another_within_the_lease(
         assert conn.execute(text("SELECT count(*) FROM public.effects")).scalar() == 16
 
 
-def test_a_tenant_database_down_is_its_own_outage_and_warned_once(
+def test_a_tenant_database_down_is_its_own_outage_warned_once_and_tried_at_its_backoffs_pace(
     db_url: str,
     db_url_factory: Callable[[], str],
     mq_url: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     registry = _tenants("database", db_url, db_url_factory, ["up", "down"])
-    svc = _service(db_url, mq_url, registry)
+    svc = _service(db_url, mq_url, registry, reconnect_max=4.0)
     svc.declare_topology()
     for tenant in registry:
         _prepare(svc, tenant)
     _publish(svc, "down", 5)
     down = svc.tenant("down").engine.url.database
     svc.tenant("down").engine.dispose()
+    tries: list[float] = []  # when a connection to the down database was opened or tried
+
+    def connecting(dialect: Any, record: Any, cargs: Any, cparams: dict[str, Any]) -> None:
+        if cparams.get("dbname") == down:
+            tries.append(time.monotonic())
 
     def allow(value: bool) -> None:
         with svc.engine.connect() as conn:
@@ -353,8 +359,10 @@ def test_a_tenant_database_down_is_its_own_outage_and_warned_once(
 
     allow(False)
     caplog.set_level(logging.INFO, logger="outbox_inbox.tenants")
+    event.listen(Engine, "do_connect", connecting)
     try:
         with _started(svc, receiver=False, workers=0):
+            started = time.monotonic()
             for round_ in range(3):
                 _publish(svc, "up", 10)
                 wait_until(lambda: _unsent(svc, "up") == 0, what=f"round {round_} of up")
@@ -365,10 +373,15 @@ def test_a_tenant_database_down_is_its_own_outage_and_warned_once(
                 if r.name == "outbox_inbox.tenants" and r.levelno == logging.WARNING
             ]
             assert len(warned) == 1, [r.message for r in warned]
+            time.sleep(max(0.0, started + 8 - time.monotonic()))
+            # From 4 s on, the backoff waits 2 to 4 s between tries: not a try a second.
+            late = [t - started for t in tries if t > started + 4]
+            assert len(late) <= 2, f"tried {len(late)} times in 4 s of the outage: {late}"
             allow(True)
             wait_until(lambda: _unsent(svc, "down") == 0, timeout=30, what="down, back")
         assert svc.broker.queue_depth("billing.inbox") == 35
     finally:
+        event.remove(Engine, "do_connect", connecting)
         allow(True)
 
 
