@@ -219,7 +219,8 @@ class Service:
         anything but a mapping of non-empty strings to `Tenant`."""
         return sorted(self._registry())
 
-    def _registry(self) -> Mapping[str, Tenant]:
+    def _registry(self, only: str | None = None) -> Mapping[str, Tenant]:
+        """The registry as read now, each entry checked, or only entry `only` (a lookup)."""
         try:
             found = self._tenants() if callable(self._tenants) else self._tenants
         except Exception as exc:
@@ -228,9 +229,12 @@ class Service:
             ) from exc
         if found is None:
             return {}
+        checked = found
+        if isinstance(found, Mapping) and only is not None:  # a lookup: its entry alone
+            checked = {only: found[only]} if only in found else {}
         if not isinstance(found, Mapping) or not all(
             isinstance(t, str) and 0 < len(t) <= 255 and isinstance(v, Tenant)
-            for t, v in found.items()
+            for t, v in checked.items()
         ):
             raise ConfigurationError(
                 f"service {self.name}: tenants must map ids (1..255 characters) to Tenant"
@@ -245,7 +249,7 @@ class Service:
         and refuse another. The same object while the tenant's entry is unchanged. Raises
         ConfigurationError for a tenant the registry does not name now, and for an invalid URL or
         schema."""
-        entry = self._registry().get(tenant_id)
+        entry = self._registry(tenant_id).get(tenant_id)
         if entry is None:
             raise ConfigurationError(f"service {self.name} has no tenant {tenant_id!r}")
         db_url = entry.db_url or self.settings.db_url or ""

@@ -103,3 +103,14 @@ def test_a_registry_that_raises_or_returns_garbage_is_a_configuration_error(
         app = Service("billing", db_url=f"sqlite:///{tmp_path / 'a.db'}", tenants=registry)
         with pytest.raises(ConfigurationError, match=match):
             app.tenant_ids()
+
+
+def test_a_bad_registry_entry_fails_its_own_lookup_not_another_tenants(tmp_path: Path) -> None:
+    registry = {"good": Tenant(schema="good"), "bad": "not a Tenant"}
+    app = Service("billing", db_url=f"sqlite:///{tmp_path / 'a.db'}", tenants=registry)
+    assert app.tenant("good").tenant_id == "good"
+    with pytest.raises(ConfigurationError, match="map ids"):
+        app.tenant("bad")
+    with pytest.raises(ConfigurationError, match="map ids"):
+        app.tenant_ids()  # the fleet's read: every entry
+    app.close()
