@@ -39,6 +39,7 @@ from .messages import (
     H_ORIGINAL_ROUTING_KEY,
     H_RECEIVE_ATTEMPT,
     H_RETRY_DELAY,
+    H_TENANT,
     TRANSPORT_HEADERS,
     WireMessage,
     _int,
@@ -503,14 +504,18 @@ class QueueSelection:
             raise
 
     def replay(
-        self, pacer: Pacer, progress: Progress, *, before: Callable[[list[str]], None] | None = None
+        self,
+        pacer: Pacer,
+        progress: Progress,
+        *,
+        before: Callable[[list[DeadLetter]], None] | None = None,
     ) -> Outcome:
         """Republish each selected message, in queue order, and ack it once confirmed: a
         ``queue`` message to ``<service>.inbox`` (`replay_headers`), an ``unroutable`` one where
-        it was sent. `before(message_ids)` runs first (where redelivery counters are reset)."""
+        it was sent. `before(letters)` runs first (where redelivery counters are reset)."""
         outcome = self.outcome = Outcome(self.source, len(self._held))
         if before is not None and self._held:
-            before([letter.message_id for letter in self.letters])
+            before(self.letters)
         published: dict[str, str] = {}
         for taken, letter in zip(self._held, self.letters, strict=True):
             pacer.before(1)
@@ -732,6 +737,8 @@ class DeadLetters:
     #: The service's retention (Settings.retention), its inbox's duplicate window: a replay of
     #: ``queue`` letters first sent longer ago warns (ActionReport.warnings). None: no warning.
     retention: timedelta | None = field(default_factory=lambda: as_timedelta(Settings.retention))
+    #: A tenant's service (`Service.tenant`), where its messages' redelivery counters are.
+    tenant: Callable[[str], Any] | None = None
 
     @classmethod
     def of(cls, service: Any) -> DeadLetters:
@@ -742,6 +749,7 @@ class DeadLetters:
             broker=service.broker,
             service=service.name,
             retention=as_timedelta(service.settings.retention),
+            tenant=service.tenant if service._tenants is not None else None,
         )
 
     def reachable(self, source: str = "all") -> tuple[list[str], list[tuple[str, str]]]:
@@ -995,19 +1003,29 @@ class DeadLetters:
             "recognized and could be handled twice"
         ]
 
-    def _reset_counters(self, selection: QueueSelection) -> Callable[[list[str]], None] | None:
-        engine, tables = self.engine, self.tables
-        if selection.source != QUEUE or engine is None or tables is None:
+    def _reset_counters(
+        self, selection: QueueSelection
+    ) -> Callable[[list[DeadLetter]], None] | None:
+        if selection.source != QUEUE or self.engine is None or self.tables is None:
             return None
+        own, tenant_of = (self.engine, self.tables), self.tenant
 
-        def reset(message_ids: list[str]) -> None:
-            """Forget the redelivery counts of `message_ids`: replayed copies start at 0."""
-            try:
-                with engine.begin() as conn:
-                    operations.forget_deliveries(conn, tables, [inbox_id(m) for m in message_ids])
-            except SQLAlchemyError as exc:
-                error = storage_error(exc, "resetting redelivery counters")
-                log.warning("redelivery counters not reset before the replay: %s", error)
+        def reset(letters: list[DeadLetter]) -> None:
+            """Forget the redelivery counts of `letters`, each in its tenant's tables: replayed
+            copies start at 0."""
+            ids: dict[str, list[uuid.UUID]] = {}
+            for letter in letters:
+                tenant = _text(letter.headers.get(H_TENANT)) if tenant_of else ""
+                ids.setdefault(tenant or "", []).append(inbox_id(letter.message_id))
+            for tenant, some in ids.items():
+                try:
+                    t = tenant_of(tenant) if tenant and tenant_of else None
+                    engine, tables = (t.engine, t.tables) if t else own
+                    with engine.begin() as conn:
+                        operations.forget_deliveries(conn, tables, some)
+                except (SQLAlchemyError, ConfigurationError) as exc:
+                    error = storage_error(exc, "resetting redelivery counters")
+                    log.warning("redelivery counters not reset before the replay: %s", error)
 
         return reset
 

@@ -25,6 +25,7 @@ from outbox_inbox.broker import Consumer, Delivery
 from outbox_inbox.cli.db import db
 from outbox_inbox.dead_letters import QUEUE, DeadLetters, Filters
 from outbox_inbox.errors import DatabaseUnavailable
+from outbox_inbox.queries import roles
 
 INVOICE = "billing.invoice.create"
 
@@ -148,6 +149,36 @@ def test_a_redelivered_copy_is_counted_and_dropped_in_its_tenants_inbox(
     assert scalar(url, "SELECT deliveries || '/' || duplicates FROM acme.inbox_deliveries") == "1/1"
     assert scalar(url, "SELECT count(*) FROM outbox_inbox.inbox_deliveries") == 0
     assert svc.broker.queue_depth("billing.inbox") == 0
+    svc.close()
+
+
+def _redelivered(svc: Service, receiver: Any) -> None:
+    """Take the message in billing.inbox, lose it unacknowledged (a receiver killed before it
+    stored it), and give its redelivered copy to `receiver`."""
+    for redelivered in (False, True):
+        consumer = svc.broker.consumer("billing.inbox", prefetch=10)
+        batch = consumer.fetch(10, 5)
+        assert [d.redelivered for d in batch] == [redelivered]
+        if redelivered:
+            receiver.store(consumer, batch)
+        consumer.close()
+
+
+def test_a_tenants_redelivered_dead_letter_is_replayed_with_its_counter_reset_in_its_tables(
+    db_url_factory: Callable[[], str], mq_url: str, tmp_path: Path
+) -> None:
+    svc, _registry, where = _billing(db_url_factory, mq_url, max_redeliveries=1)
+    message_id = _send_raw(mq_url, "gamma")
+    gamma = svc.tenant("gamma")
+    with gamma.engine.begin() as conn:  # a receiver killed after it counted a copy
+        roles.count_deliveries(conn, gamma.tables, [uuid.UUID(message_id)])
+    receiver = svc.receiver()
+    _redelivered(svc, receiver)
+    assert receiver.dead == 1  # counted twice, over the limit of 1
+    DeadLetters.of(svc).replay([QUEUE], Filters(), audit_log=tmp_path / "audit.log")
+    _redelivered(svc, receiver)  # the replayed copy, redelivered once: within the limit
+    assert (receiver.dead, receiver.stored) == (1, 1)
+    assert _inbox(where["gamma"]) == [(message_id, "gamma")]
     svc.close()
 
 
