@@ -277,7 +277,9 @@ class Service:
             self.name, copy.tables, settings=copy.settings, tracing=copy.tracing, tenant=tenant_id
         )
         if not self.sqlite:  # its relays are woken after the write commits
-            copy.outbox.written = tenants.waking(self.engine, self.settings.schema, tenant_id)
+            copy.outbox.written = tenants.waking(
+                self.engine, self.settings.schema, tenant_id, same=engine is self.engine
+            )
         with self._lock:
             return self._tenant_services.setdefault(key, copy)
 

@@ -82,12 +82,23 @@ def wake(engine: Engine, schema: str, role: str, tenants: set[str] | list[str]) 
         log.debug("waking the tenants fleet failed: %s", first_line(exc))
 
 
-def waking(engine: Engine, schema: str, tenant: str) -> Callable[[Session | Any], None]:
-    """What a tenant's `Outbox` calls on each write: once the session's transaction commits,
-    the relays are woken for `tenant` (`wake`); a rollback wakes nobody. A `Connection`'s write
-    wakes nobody: the sweep finds it."""
+def waking(
+    engine: Engine, schema: str, tenant: str, *, same: bool = False
+) -> Callable[[Session | Any], None]:
+    """What a tenant's `Outbox` calls on each write: the relays are woken for `tenant` once the
+    write's transaction commits (`wake`); a rollback wakes nobody. In the service's database
+    (`same`: a schema tenant) the wake-up rides in that transaction, one NOTIFY per transaction
+    and tenant, delivered by its commit. In another database it is sent after a `Session`'s
+    commit; a `Connection`'s write there wakes nobody (the sweep finds it)."""
+    payload = f"{RELAY}:{tenant}"
 
     def written(session: Session | Any) -> None:
+        if same:
+            key, txn = (_WAKE, tenant), session.get_transaction()
+            if session.info.get(key) is not txn:
+                roles.notify(session, notify_channel(schema, "tenants"), payload)
+                session.info[key] = txn
+            return
         if not isinstance(session, Session):
             return
         if _WAKE not in session.info:
@@ -130,6 +141,7 @@ class Hub:
         self._later: dict[tuple[str, str], float] = {}
         self._outages: dict[tuple[str, str], _Later] = {}
         self._used: dict[Engine, float] = {}  # a tenant database's engine -> last use
+        self._probes: dict[tuple[str, str, str], str] = {}  # (role, tenant, schema) -> its text
         #: (holder, tenant) -> until when the lease is held, and its last use. A holder is this
         #: process's threads of one role: a lease kept by one serves the others.
         self.leases: dict[tuple[str, str], tuple[float, float]] = {}
@@ -202,6 +214,8 @@ class Hub:
                 log.warning("tenants fleet: keeps the tenants it had: %s", exc)
             return
         added = set(ids) - set(self._ids) if self._ids else set()  # the first: by the sweep
+        if set(ids) != set(self._ids):
+            self._probes = {}  # none kept for a tenant no longer served
         self._ids, self._entries, self._services = ids, entries, {}
         with self._cond:
             for work in self._work.values():
@@ -252,17 +266,11 @@ class Hub:
                 schema = entry.schema or svc.settings.schema
                 by_engine.setdefault(svc.engine, []).append((tenant, schema))
         for engine, found in by_engine.items():
-            probes = [
-                _PROBES[role].format(tag=sql.Literal(f"{role}:{t}"), schema=sql.Identifier(schema))
-                for t, schema in found
-                for role in self.served
-            ]
+            probes = [self._probe(role, t, schema) for t, schema in found for role in self.served]
             try:
                 with engine.connect() as conn:
-                    query = sql.SQL(" UNION ALL ").join(probes)
-                    text = query.as_string(conn.connection.dbapi_connection)  # type: ignore[arg-type]
                     once = conn.execution_options(no_parameters=True)  # its '%' is no placeholder
-                    hits = once.exec_driver_sql(text).scalars().all()
+                    hits = once.exec_driver_sql(" UNION ALL ".join(probes)).scalars().all()
             except _TENANT_DOWN as exc:  # the tenants' outage: warned, retried by the fleet
                 for tenant, role in ((t, r) for t, _ in found for r in self.served):
                     self.failed(role, tenant, exc)
@@ -273,6 +281,15 @@ class Hub:
             for hit in hits:
                 role, _, tenant = hit.partition(":")
                 self.mark(role, tenant)
+
+    def _probe(self, role: str, tenant: str, schema: str) -> str:
+        """The text of `tenant`'s probe for `role` (`_PROBES`), composed at its first sweep."""
+        if (text := self._probes.get((role, tenant, schema))) is None:
+            probe = _PROBES[role].format(
+                tag=sql.Literal(f"{role}:{tenant}"), schema=sql.Identifier(schema)
+            )
+            text = self._probes[(role, tenant, schema)] = probe.as_string(None)
+        return text
 
     def mark(self, role: str, tenant: str, delay: float = 0.0) -> None:
         """`tenant` has work for `role`: served after the tenants marked before it, and not

@@ -1152,8 +1152,8 @@ def record_subscriptions(
 # --- connections (waker, pooler, worker limits) ---------------------------------------------------
 
 
-def notify(conn: Connection, channel: str, payload: str) -> None:
-    """Send a notification on `channel` when `conn`'s transaction commits (the wake-up probe)."""
+def notify(conn: Connection | Session, channel: str, payload: str) -> None:
+    """Send a notification on `channel` when `conn`'s transaction commits (a wake-up)."""
     conn.execute(select(func.pg_notify(bindparam("c", channel), bindparam("p", payload))))
 
 

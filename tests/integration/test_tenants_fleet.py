@@ -131,7 +131,11 @@ def test_a_tenants_commit_wakes_the_relay_fleet_without_the_sweep(
         for round_ in range(3):
             _publish(svc, "a", 1)
             wait_until(lambda: _unsent(svc, "a") == 0, timeout=10, what=f"round {round_}")
-    assert svc.broker.queue_depth("billing.inbox") == 3
+        a = svc.tenant("a")
+        with a.engine.begin() as conn:  # a Connection's write in the service's database wakes too
+            a.outbox.send(conn, "billing", "invoice.create", {"n": "connection"})
+        wait_until(lambda: _unsent(svc, "a") == 0, timeout=10, what="the Connection's write")
+    assert svc.broker.queue_depth("billing.inbox") == 4
 
 
 @pytest.mark.parametrize("mode", ["schema", "database"])
