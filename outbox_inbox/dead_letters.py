@@ -503,19 +503,11 @@ class QueueSelection:
             self._reader.close()
             raise
 
-    def replay(
-        self,
-        pacer: Pacer,
-        progress: Progress,
-        *,
-        before: Callable[[list[DeadLetter]], None] | None = None,
-    ) -> Outcome:
+    def replay(self, pacer: Pacer, progress: Progress) -> Outcome:
         """Republish each selected message, in queue order, and ack it once confirmed: a
         ``queue`` message to ``<service>.inbox`` (`replay_headers`), an ``unroutable`` one where
-        it was sent. `before(letters)` runs first (where redelivery counters are reset)."""
+        it was sent."""
         outcome = self.outcome = Outcome(self.source, len(self._held))
-        if before is not None and self._held:
-            before(self.letters)
         published: dict[str, str] = {}
         for taken, letter in zip(self._held, self.letters, strict=True):
             pacer.before(1)
@@ -881,9 +873,9 @@ class DeadLetters:
             return selection.park(pacer, progress)
         if action != REPLAY:
             raise ConfigurationError(f"unknown action {action!r}: one of {ACTIONS}")
-        if isinstance(selection, TableSelection):
-            return selection.replay(pacer, progress)
-        return selection.replay(pacer, progress, before=self._reset_counters(selection))
+        if isinstance(selection, QueueSelection) and selection.source == QUEUE:
+            self._reset_counters(selection.letters)
+        return selection.replay(pacer, progress)
 
     def run(
         self,
@@ -1003,31 +995,22 @@ class DeadLetters:
             "recognized and could be handled twice"
         ]
 
-    def _reset_counters(
-        self, selection: QueueSelection
-    ) -> Callable[[list[DeadLetter]], None] | None:
-        if selection.source != QUEUE or self.engine is None or self.tables is None:
-            return None
-        own, tenant_of = (self.engine, self.tables), self.tenant
-
-        def reset(letters: list[DeadLetter]) -> None:
-            """Forget the redelivery counts of `letters`, each in its tenant's tables: replayed
-            copies start at 0."""
-            ids: dict[str, list[uuid.UUID]] = {}
-            for letter in letters:
-                tenant = _text(letter.headers.get(H_TENANT)) if tenant_of else ""
-                ids.setdefault(tenant or "", []).append(inbox_id(letter.message_id))
-            for tenant, some in ids.items():
-                try:
-                    t = tenant_of(tenant) if tenant and tenant_of else None
-                    engine, tables = (t.engine, t.tables) if t else own
-                    with engine.begin() as conn:
-                        operations.forget_deliveries(conn, tables, some)
-                except (SQLAlchemyError, ConfigurationError) as exc:
-                    error = storage_error(exc, "resetting redelivery counters")
-                    log.warning("redelivery counters not reset before the replay: %s", error)
-
-        return reset
+    def _reset_counters(self, letters: list[DeadLetter]) -> None:
+        """Forget the redelivery counts of `letters`, each in its tenant's tables (where a
+        database is known): replayed copies start at 0. A failure is only warned about."""
+        ids: dict[str, list[uuid.UUID]] = {}
+        for letter in letters:
+            tenant = _text(letter.headers.get(H_TENANT)) if self.tenant else ""
+            ids.setdefault(tenant or "", []).append(inbox_id(letter.message_id))
+        for tenant, some in ids.items():
+            try:
+                where = self.tenant(tenant) if tenant and self.tenant else self
+                if where.engine is not None and where.tables is not None:
+                    with where.engine.begin() as conn:
+                        operations.forget_deliveries(conn, where.tables, some)
+            except (SQLAlchemyError, ConfigurationError) as exc:
+                error = storage_error(exc, "resetting redelivery counters")
+                log.warning("redelivery counters not reset before the replay: %s", error)
 
 
 @dataclass
