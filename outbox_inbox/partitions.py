@@ -145,15 +145,15 @@ def make_ahead(
     tables: Tables,
     interval: str | None,
     now: datetime,
-    existing: Catalog | None = None,
+    cat: Catalog | None = None,
 ) -> list[str]:
     """Create the partitions from the newest one's end to ``AHEAD[interval]`` past `now`
-    (`interval` None: the newest partition's length), each committed on its own. `existing`:
-    the schema's catalog if just read."""
+    (`interval` None: the newest partition's length), each committed on its own. `cat`: the
+    schema's catalog if just read."""
     made: list[str] = []
-    existing = existing or catalog(conn, tables.schema)
+    cat = cat or catalog(conn, tables.schema)
     conn.commit()
-    for parent, parts in existing.partitions.items():
+    for parent, parts in cat.partitions.items():
         length = interval or _interval_of(parts)
         step = INTERVALS[length]
         until = floor_time(now, length) + step * AHEAD[length]

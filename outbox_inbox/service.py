@@ -59,8 +59,9 @@ from .worker import Worker, worker_name
 log = logging.getLogger(__name__)
 #: Roles run in threads: their names and their `run`.
 _Roles = tuple[tuple[str, Callable[..., None]], ...]
-#: The fewest seconds between two tenants' maintenance passes: 1,000 tenants an hour at most.
-TENANT_MAINTENANCE_GAP = 3.6
+#: The fewest seconds between two tenants' maintenance passes (360 tenants an hour), unless a
+#: pass over all of them would then last more than a quarter of the partitions' lead.
+TENANT_MAINTENANCE_GAP = 10.0
 
 if TYPE_CHECKING:
     from .aio import AsyncWorker
@@ -113,9 +114,7 @@ class Service:
         self._tenants = tenants
         self._tenant_services: dict[tuple[str, str, str], Service] = {}
         self._engines: dict[str, Engine] = {}  # the tenants' databases other than db_url
-        self._engine = engine
-        self._broker = broker
-        self.listener = listener
+        self._engine, self._broker, self.listener = engine, broker, listener
         self._sessionmaker: sessionmaker[Session] | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -465,6 +464,11 @@ class Service:
                 ids = self.tenant_ids()
         except ConfigurationError as exc:
             self._maintenance_failed(exc, "")
+        from .partitions import AHEAD, INTERVALS
+
+        s, parts = self.settings, len(ids) + 1
+        lead = (INTERVALS[s.partition_interval] * AHEAD[s.partition_interval]).total_seconds()
+        gap = max(s.maintenance_interval / parts, min(TENANT_MAINTENANCE_GAP, lead / 4 / parts))
         for tenant in ["", *ids]:
             try:
                 (target := self.tenant(tenant) if tenant else self).maintain()
@@ -474,7 +478,6 @@ class Service:
                 if isinstance(exc, DatabaseUnavailable) and not tenant and stop is None:
                     raise  # the start waits for it; a spread pass logs it and goes on
                 self._maintenance_failed(exc, tenant)
-            gap = max(self.settings.maintenance_interval / (len(ids) + 1), TENANT_MAINTENANCE_GAP)
             if stop is not None and stop.wait(gap):
                 return
 

@@ -3,6 +3,7 @@ database and schema, and what the copy keeps."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -113,4 +114,35 @@ def test_a_bad_registry_entry_fails_its_own_lookup_not_another_tenants(tmp_path:
         app.tenant("bad")
     with pytest.raises(ConfigurationError, match="map ids"):
         app.tenant_ids()  # the fleet's read: every entry
+    app.close()
+
+
+@pytest.mark.parametrize(
+    ("tenants", "interval", "gap"),
+    [
+        (10, "day", 300 / 11),  # maintenance_interval spread over them
+        (1_000, "day", 10.0),  # the fewest seconds apart
+        (1_000, "hour", 10.0),
+        (20_000, "hour", 48 * 3600 / 4 / 20_001),  # a pass within a quarter of the lead
+    ],
+)
+def test_the_tenants_maintenance_gap_keeps_every_tenants_partitions_ahead(
+    tmp_path: Path, tenants: int, interval: str, gap: float
+) -> None:
+    registry = {f"t{n}": Tenant(schema=f"t{n}") for n in range(tenants)}
+    app = Service(
+        "billing",
+        db_url=f"sqlite:///{tmp_path / 'a.db'}",
+        tenants=registry,
+        partition_interval=interval,
+    )
+    waits: list[float | None] = []
+
+    class Once(threading.Event):  # the first gap asked for, then stopped
+        def wait(self, timeout: float | None = None) -> bool:
+            waits.append(timeout)
+            return True
+
+    app._maintain_quietly(stop=Once())  # the service's own pass, then its first gap
+    assert waits == [pytest.approx(gap)]
     app.close()
