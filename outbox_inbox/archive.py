@@ -163,13 +163,9 @@ class Archiver:
         if batch_size < 1:
             raise ConfigurationError("batch_size must be at least 1")
         require_pyarrow()
-        self._engine = engine
-        self._tables = tables
-        self.service = service
+        self._engine, self._tables, self.service = engine, tables, service
         self.root = Path(root).absolute()
-        self.older_than = older_than
-        self.batch_size = batch_size
-        self._progress = progress
+        self.older_than, self.batch_size, self._progress = older_than, batch_size, progress
 
     def count(self) -> dict[str, int]:
         """How many rows of each source the next run would archive (a point-in-time count)."""

@@ -74,13 +74,8 @@ class Receiver:
         declare: Callable[[], None] | None = None,
         tenants: Any = None,
     ) -> None:
-        self._service = service
-        self._declare = declare
-        self._engine = engine
-        self._tables = tables
-        self._broker = broker
-        self._settings = settings
-        self._listener = listener
+        self._service, self._declare, self._engine, self._tables = service, declare, engine, tables
+        self._broker, self._settings, self._listener = broker, settings, listener
         self._tracing = tracing or Tracing(service)
         # A service with tenants (its `tenant_ids` and `tenant`), those read (`_tenant`), until
         # when each unreachable one is not tried, what was acked or forwarded alone in `store`.

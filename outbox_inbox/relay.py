@@ -68,13 +68,9 @@ class Relay:
         listener: Listener | None = None,
         tracing: Tracing | None = None,
     ) -> None:
-        self._service = service
-        self._listener = listener
+        self._service, self._listener = service, listener
         self._tracing = tracing or Tracing(service)
-        self._engine = engine
-        self._tables = tables
-        self._broker = broker
-        self._settings = settings
+        self._engine, self._tables, self._broker, self._settings = engine, tables, broker, settings
         self._waker_factory = waker_factory
         self._publisher: Publisher | None = None
         self.published = 0  # messages marked published by this relay (for tests and status)

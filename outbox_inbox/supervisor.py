@@ -87,9 +87,7 @@ class WorkerProcesses:
         *,
         stop_timeout: float = 30.0,
     ) -> None:
-        self._name = name
-        self._child = child
-        self._count = count
+        self._name, self._child, self._count = name, child, count
         self._stop_timeout = stop_timeout
         self._context = multiprocessing.get_context("fork")
         self._children: dict[int, tuple[BaseProcess, float]] = {}  # slot -> (process, started)

@@ -116,9 +116,7 @@ class Waker:
         self._channel = channel  # the channel listened on: `_lead`'s, or `_helpers`
         self._lead, self._helpers = channel, helpers
         self.leading = helpers is None
-        self._stop = stop
-        self._probe = probe
-        self._setting = setting
+        self._stop, self._probe, self._setting = stop, probe, setting
         self._conn: psycopg.Connection[tuple[object, ...]] | None = None
         self._pid: int | None = None
         self.listening: bool | None = None

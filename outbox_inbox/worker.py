@@ -141,11 +141,8 @@ class Worker:
         #: The channel on which a claim that took a whole batch wakes the other workers (those
         #: its waker does not lead: `waker.Waker`); None wakes none.
         self._helpers, self._woke = helpers, -float("inf")
-        self._listener = listener
-        self._tracing = tracing or Tracing("")
-        self._engine = engine
-        self._tables = tables
-        self._handlers = handlers
+        self._listener, self._tracing = listener, tracing or Tracing("")
+        self._engine, self._tables, self._handlers = engine, tables, handlers
         self._settings = settings
         self.name = name or worker_name()
         self._connections = itertools.count(1)

@@ -95,9 +95,7 @@ class Dashboard:
         if len(self.services) != len(services):
             raise ValueError("two services have the same name")
         self.guard = guard or Guard()
-        self.audit = audit
-        self.refresh = refresh
-        self.max_lag = max_lag
+        self.audit, self.refresh, self.max_lag = audit, refresh, max_lag
         self.rates = RateTracker()
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:

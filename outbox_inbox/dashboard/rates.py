@@ -58,10 +58,8 @@ class RateTracker:
         history: float = 3600.0,
         spacing: float = 5.0,
     ) -> None:
-        self._window = window
-        self._min_span = min_span
-        self._history = history
-        self._spacing = spacing
+        self._window, self._min_span = window, min_span
+        self._history, self._spacing = history, spacing
         self._samples: dict[str, deque[Sample]] = {}
         self._lock = threading.Lock()
 

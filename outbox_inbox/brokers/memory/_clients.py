@@ -84,9 +84,7 @@ class MemoryConsumer:
     is a deep copy, so what one consumer does to a message no one else sees."""
 
     def __init__(self, core: BrokerCore, queue: str, *, prefetch: int) -> None:
-        self._core = core
-        self.queue = queue
-        self._prefetch = prefetch
+        self._core, self.queue, self._prefetch = core, queue, prefetch
         self._registered = False
         self._closed = False
         self._next_tag = 1
