@@ -9,6 +9,7 @@ clock in ``tenant_leases``, drain them with the tenant's own `Relay.relay_once` 
 from __future__ import annotations
 
 import contextlib
+import heapq
 import logging
 import random
 import threading
@@ -139,6 +140,7 @@ class Hub:
         self._cursor, self._swept, self._read = 0, time.monotonic(), -REFRESH
         self._work: dict[str, dict[str, None]] = {role: {} for role in served}
         self._later: dict[tuple[str, str], float] = {}
+        self._due: list[tuple[float, str, str]] = []  # (when, role, tenant): a retry due then
         self._outages: dict[tuple[str, str], _Later] = {}
         self._used: dict[Engine, float] = {}  # a tenant database's engine -> last use
         self._probes: dict[tuple[str, str, str], str] = {}  # (role, tenant, schema) -> its text
@@ -198,6 +200,9 @@ class Hub:
             batch = {self._ids[(self._cursor + n) % len(self._ids)] for n in range(due)}
             self._cursor = (self._cursor + due) % len(self._ids)
             self._sweep(sorted(batch))
+        with self._cond:
+            while self._due and self._due[0][0] <= now:
+                self.mark(*heapq.heappop(self._due)[1:])
         self._release([k for k, (_, used) in list(self.leases.items()) if now - used > IDLE])
         for engine, used in list(self._used.items()):  # none checked out: none is orphaned
             if now - used > IDLE and not cast(QueuePool, engine.pool).checkedout():
@@ -438,6 +443,10 @@ class Fleet:
                 continue
             worker, conn = self._worker(t)
             count = worker.work_once(conn)
+            if (soonest := worker.retry_soonest) is not None:  # served then, not at the sweep
+                with self.hub._cond:
+                    heapq.heappush(self.hub._due, (time.monotonic() + soonest, WORKER, tenant))
+                worker.retry_soonest = None
             if count < t.settings.worker_batch_size and not worker.claimed_next:
                 return False
         if self.role == WORKER:

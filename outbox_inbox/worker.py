@@ -71,8 +71,7 @@ class _HandlerFailed(Exception):
 
     def __init__(self, row_id: int, error: Exception) -> None:
         super().__init__(row_id, error)
-        self.row_id = row_id
-        self.error = error
+        self.row_id, self.error = row_id, error
 
 
 class _Job(NamedTuple):
@@ -163,6 +162,8 @@ class Worker:
         self._instances = Instances(tables, handlers, settings, service, self.name)
         #: Rows the last batch's transaction claimed for the next batch (see `_run_batch`).
         self._next: list[Claimed] = []
+        #: The soonest retry a batch of this worker scheduled, in seconds (the tenants fleet's).
+        self.retry_soonest: float | None = None
         #: The routing key and tenant of the last row claimed (`roles.claim_inbox`'s `after`).
         self._served: tuple[str, str] | None = None
         #: Seconds the handlers took per message in the last batch (`_claim`); None before one.
@@ -620,6 +621,7 @@ class Worker:
                 level, outcome = logging.WARNING, f"retrying in {delay:.1f}s"
                 due = timedelta(seconds=delay)
                 roles.mark_retry(conn, self._tables, job.id, error[-8000:], due)
+                self.retry_soonest = min(delay, self.retry_soonest or delay)
                 call(self._listener, "failed", message, exc, dead=False)
             case Dead(reason):
                 level = logging.WARNING if isinstance(exc, Reject) else level

@@ -19,7 +19,7 @@ import pytest
 from sqlalchemy import Engine, event, text
 
 from helpers import FAST, received_row, scalar, wait_until
-from outbox_inbox import Message, Service, Tenant, tenants
+from outbox_inbox import Message, Retry, Service, Tenant, tenants
 from outbox_inbox.queries import roles
 
 #: Whether the receiver stores a tenant's delivery in that tenant's inbox (issue 38's
@@ -136,6 +136,30 @@ def test_a_tenants_commit_wakes_the_relay_fleet_without_the_sweep(
             a.outbox.send(conn, "billing", "invoice.create", {"n": "connection"})
         wait_until(lambda: _unsent(svc, "a") == 0, timeout=10, what="the Connection's write")
     assert svc.broker.queue_depth("billing.inbox") == 4
+
+
+def test_a_tenants_retry_is_handled_when_it_is_due_without_the_sweep(
+    db_url: str, mq_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tenants.Hub, "_sweep", lambda self, batch: None)
+    svc = _service(db_url, mq_url, {"a": Tenant(schema="t_flaky")})
+    tries: list[float] = []
+
+    @svc.on_command("invoice.flaky")
+    def flaky(message: Message, session: Any) -> None:
+        tries.append(time.monotonic())
+        if len(tries) == 1:
+            raise Retry(delay=1.0)
+
+    _prepare(svc, "a")
+    with _started(svc, relay=False, receiver=False, workers=1):
+        time.sleep(1.0)  # past the first read of the registry
+        t = svc.tenant("a")
+        with t.engine.begin() as conn:
+            roles.insert_inbox(conn, t.tables, [received_row(routing_key="billing.invoice.flaky")])
+        tenants.wake(svc.engine, svc.settings.schema, "worker", ["a"])
+        wait_until(lambda: _processed(svc, "a") == 1, timeout=10, what="the retry handled")
+    assert len(tries) == 2 and 1.0 <= tries[1] - tries[0] < 3.0, tries
 
 
 @pytest.mark.parametrize("mode", ["schema", "database"])
