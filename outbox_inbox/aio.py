@@ -51,8 +51,7 @@ class AsyncWorker:
     use an AsyncWorker; several may run in one loop, each on its own connection."""
 
     def __init__(self, worker: Worker, engine: AsyncEngine) -> None:
-        self.worker = worker
-        self._engine = engine
+        self.worker, self._engine = worker, engine
         #: The driver's connection under each `connect()`'s, closed by `close` (see `_discard`).
         self._sessions: list[Any] = []
 

@@ -25,8 +25,7 @@ class Backoff:
         what: str = "",
         logger: logging.Logger | None = None,
     ) -> None:
-        self._initial = initial
-        self._maximum = maximum
+        self._initial, self._maximum = initial, maximum
         self._next = initial
         self._what = what
         self._log = logger or logging.getLogger(__name__)

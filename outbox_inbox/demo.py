@@ -36,8 +36,7 @@ class _Tracer(Listener):
     """Prints what the roles of one service do."""
 
     def __init__(self, service: str, trace: Trace) -> None:
-        self._service = service
-        self._trace = trace
+        self._service, self._trace = service, trace
 
     def relay_committed(self, messages: Sequence[OutgoingMessage]) -> None:
         for message in messages:

@@ -75,8 +75,7 @@ class Retry(HandlerOutcome):
     def __init__(self, delay: float | None = None, reason: str | None = None) -> None:
         if delay is not None and delay < 0:
             raise ConfigurationError("Retry delay must be >= 0")
-        self.delay = delay
-        self.reason = reason
+        self.delay, self.reason = delay, reason
         super().__init__(reason or "retry requested by handler")
 
 
@@ -111,8 +110,7 @@ class HandlerExited(OutboxInboxError):
     other, retried by the handler's policy, never the end of the worker that ran it."""
 
     def __init__(self, handler: str, exit: BaseException) -> None:
-        self.handler = handler
-        self.exit = exit
+        self.handler, self.exit = handler, exit
         super().__init__(f"handler {handler} raised {exit!r}")
 
 

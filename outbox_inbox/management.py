@@ -66,8 +66,7 @@ class ManagementAPI:
         password = unquote(parts.password or "guest")
         token = base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
         self._headers = {"Authorization": f"Basic {token}", "Accept": "application/json"}
-        self._vhost = vhost
-        self._timeout = timeout
+        self._vhost, self._timeout = vhost, timeout
 
     @property
     def description(self) -> str:

@@ -114,8 +114,7 @@ class Metrics(Listener):
     forwarded_from_workers = True  # served by the service's own process
 
     def __init__(self, service: str, registry: CollectorRegistry, families: _Families) -> None:
-        self.service = service
-        self.registry = registry
+        self.service, self.registry = service, registry
         f = families
         self._published = {kind: f.published.labels(service, kind) for kind in (COMMAND, "event")}
         self._received = f.received.labels(service)
@@ -210,8 +209,7 @@ class MetricsServer:
     """The HTTP server `Metrics.serve` started."""
 
     def __init__(self, server: WSGIServer, thread: threading.Thread) -> None:
-        self._server = server
-        self._thread = thread
+        self._server, self._thread = server, thread
 
     @property
     def host(self) -> str:

@@ -76,8 +76,7 @@ class Tracing:
     Thread-safe. `tracer()` is None while spans would go nowhere (no provider, or a no-op one)."""
 
     def __init__(self, service: str, provider: TracerProvider | None = None) -> None:
-        self.service = service
-        self.provider = provider
+        self.service, self.provider = service, provider
         self._tracer: Tracer | None = None
 
     def tracer(self) -> Tracer | None:

@@ -40,8 +40,7 @@ class RabbitMQAdmin(Operator):
     names the broker, password masked (`RabbitMQBroker.operator` passes both)."""
 
     def __init__(self, connect: Callable[[], pika.BlockingConnection], description: str) -> None:
-        self._connect = connect
-        self._description = description
+        self._connect, self._description = connect, description
         self._connection: pika.BlockingConnection | None = None
 
     @property

@@ -139,8 +139,7 @@ class MemoryQueueReader:
     broker's exchanges; `QueuedMessage.properties` is unused (the message carries them)."""
 
     def __init__(self, core: BrokerCore, queue: str) -> None:
-        self._core = core
-        self._queue = queue
+        self._core, self._queue = core, queue
         self._taken: dict[int, Entry] = {}
         self._tags = itertools.count(1)
 

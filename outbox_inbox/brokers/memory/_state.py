@@ -142,8 +142,7 @@ class ExchangeState:
 
 class QueueState:
     def __init__(self, spec: Queue, settings: QueueSettings) -> None:
-        self.spec = spec
-        self.settings = settings
+        self.spec, self.settings = spec, settings
         bands = (settings.max_priority or 0) + 1
         self.bands: list[deque[Entry]] = [deque() for _ in range(bands)]
         # A quorum queue serves returned messages first, in the order they came back.
