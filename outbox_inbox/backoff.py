@@ -32,11 +32,6 @@ class Backoff:
         self._since: float | None = None
         self.outages = 0
 
-    @property
-    def in_outage(self) -> bool:
-        """True between a `failed()` and the next `succeeded()`."""
-        return self._since is not None
-
     def sleep(self, stop: threading.Event) -> None:
         """Wait the next delay, or less if `stop` is set."""
         stop.wait(self._next * random.uniform(0.5, 1.0))

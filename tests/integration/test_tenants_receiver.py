@@ -26,6 +26,7 @@ from outbox_inbox.cli.db import db
 from outbox_inbox.dead_letters import QUEUE, DeadLetters, Filters
 from outbox_inbox.errors import DatabaseUnavailable
 from outbox_inbox.queries import roles
+from outbox_inbox.tables import build_tables
 
 INVOICE = "billing.invoice.create"
 
@@ -343,6 +344,31 @@ def test_a_maintenance_pass_keeps_no_connection_to_a_tenants_own_database(
     svc._maintain_quietly()  # the fleet disposes the pools it used; this pass, its own
     wait_until(lambda: scalar(svc.settings.db_url, sql, d=gamma.url.database) == 0, timeout=10)
     svc.close()
+
+
+def test_an_idle_schema_tenants_maintenance_pass_does_its_work_and_keeps_nothing_of_it(
+    db_url_factory: Callable[[], str], mq_url: str
+) -> None:
+    made, registry, _where = _billing(db_url_factory, mq_url)
+    svc = Service("billing", db_url=made.settings.db_url, tenants=registry)  # none made yet
+    parts = (
+        "SELECT array_agg(c.relname::text ORDER BY c.relname DESC) FROM pg_inherits i JOIN"
+        " pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = 'acme.outbox_messages'::regclass"
+    )
+    made_ahead = scalar(svc.settings.db_url, parts)
+    with svc.engine.begin() as conn:  # the newest two: one is within the days kept ahead
+        conn.execute(text(f"DROP TABLE acme.{made_ahead[0]}, acme.{made_ahead[1]}"))
+    svc.maintain()
+    compiled = len(svc.engine._compiled_cache or {})  # the service's own pass's statements
+    build_tables.cache_clear()
+    svc._maintain_quietly()
+    assert build_tables.cache_info().currsize == 1  # gamma's schema, outbox_inbox
+    assert scalar(svc.settings.db_url, parts) == made_ahead[1:]  # made again by acme's pass
+    # acme and beta left nothing behind; gamma, in a database of its own, is kept as before.
+    assert [key[0] for key in svc._tenant_services] == ["gamma"]
+    assert len(svc.engine._compiled_cache or {}) == compiled
+    svc.close()
+    made.close()
 
 
 def test_db_upgrade_migrates_every_tenant_names_those_that_failed_and_resumes(

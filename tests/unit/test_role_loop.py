@@ -76,7 +76,7 @@ def test_an_unavailable_server_is_recovered_backed_off_and_logged_once_per_outag
         "retrying every 0.0 s at most until it answers"
     ]
     assert any("working again after" in r.getMessage() for r in caplog.records)
-    assert loop.backoff.outages == 1 and not loop.backoff.in_outage
+    assert loop.backoff.outages == 1 and loop.backoff._since is None  # the outage is over
 
 
 def test_an_error_the_role_does_not_retry_ends_the_run() -> None:
