@@ -468,10 +468,10 @@ class Service:
             try:
                 if tenant and (idle := self._idle_schema(tenant)):
                     self._maintain(*idle)
-                    continue
-                (target := self.tenant(tenant) if tenant else self).maintain()
-                if target.engine is not self.engine:
-                    target.engine.dispose()  # a tenant database keeps no connection of its own
+                else:
+                    (target := self.tenant(tenant) if tenant else self).maintain()
+                    if target.engine is not self.engine:
+                        target.engine.dispose()  # a tenant database keeps no connection
             except OutboxInboxError as exc:
                 if isinstance(exc, DatabaseUnavailable) and not tenant and stop is None:
                     raise  # the start waits for it; a spread pass logs it and goes on

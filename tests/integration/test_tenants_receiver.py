@@ -285,7 +285,10 @@ def test_maintenance_runs_on_every_tenant_and_a_tenant_down_is_logged_once(
 def test_the_start_maintains_the_own_tables_and_the_role_the_tenants_spread_over_the_interval(
     db_url_factory: Callable[[], str], mq_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    svc, _registry, _where = _billing(db_url_factory, mq_url, maintenance_interval=2.0)
+    made, registry, _where = _billing(db_url_factory, mq_url)
+    # A new process's service: acme and beta, idle, have no tenant Service (passes of their own).
+    url, fast = made.settings.db_url, {**FAST, "maintenance_interval": 2.0}
+    svc = Service("billing", db_url=url, mq_url=mq_url, tenants=registry, **fast)
     monkeypatch.setattr(service_module, "TENANT_MAINTENANCE_GAP", 1.0)  # > 2.0 / 4 parts
     real, passes = partitions.maintain, []
 
@@ -309,6 +312,7 @@ def test_the_start_maintains_the_own_tables_and_the_role_the_tenants_spread_over
     gaps = [b - a for (_, a), (_, b) in itertools.pairwise(passes[1:7])]
     assert all(0.9 <= gap <= 3.0 for gap in gaps), gaps
     svc.close()
+    made.close()
 
 
 def test_a_spread_maintenance_pass_waits_its_gaps_while_the_database_is_down(
