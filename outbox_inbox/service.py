@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import multiprocessing
 import os
@@ -952,12 +953,8 @@ class Service:
         unreachable servers are waited for; anything else raises at once."""
         s = self.settings
         fail_fast = s.fail_fast if fail_fast is None else fail_fast
-        backoff = Backoff(
-            s.reconnect_initial,
-            s.reconnect_max,
-            what=f"service {self.name}: waiting for its servers",
-            logger=log,
-        )
+        what = f"service {self.name}: waiting for its servers"
+        backoff = Backoff(s.reconnect_initial, s.reconnect_max, what=what, logger=log)
         while True:
             try:
                 self.check_database()
@@ -995,10 +992,14 @@ class Service:
 
 @contextlib.contextmanager
 def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
-    """Set `stop` on SIGTERM / SIGINT while the block runs (main thread only)."""
+    """Set `stop` on SIGTERM / SIGINT while the block runs (main thread only: a process run by
+    the library); what the process holds when it begins (modules, settings, the tenant registry)
+    is kept out of the garbage collector's full collections till it ends (`gc.freeze`)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    gc.collect()
+    gc.freeze()
 
     def handler(signum: int, _frame: FrameType | None) -> None:
         log.info("received signal %d, stopping", signum)
@@ -1008,5 +1009,6 @@ def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
     try:
         yield
     finally:
+        gc.unfreeze()
         for sig, old in previous.items():
             signal.signal(sig, old)
