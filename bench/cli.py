@@ -247,11 +247,14 @@ def guarded(ctx: Context, body: Callable[[Context], None]) -> int:
         except BenchError as exc:
             print(f"\nbenchmark failed: {exc}", file=sys.stderr)
             status = 1
-        except Exception:
-            # A bug, here or in the library: say where, and still print what was measured.
-            traceback.print_exc()
-            print("\nbenchmark failed", file=sys.stderr)
-            status = 1
+        except Exception as exc:
+            if _unwinding_an_interrupt(exc):  # e.g. py4j's next call, its socket cut by Ctrl-C
+                print("\ninterrupted; cleaning up", file=sys.stderr)
+                status = 130
+            else:  # a bug, here or in the library: say where, and print what was measured
+                traceback.print_exc()
+                print("\nbenchmark failed", file=sys.stderr)
+                status = 1
         finally:
             previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # let cleanup finish
             try:
@@ -259,6 +262,14 @@ def guarded(ctx: Context, body: Callable[[Context], None]) -> int:
             finally:
                 signal.signal(signal.SIGINT, previous)
     return status
+
+
+def _unwinding_an_interrupt(exc: BaseException) -> bool:
+    """Whether `exc` was raised while a KeyboardInterrupt (Ctrl-C, or SIGTERM) was handled."""
+    context = exc.__context__
+    while context is not None and not isinstance(context, KeyboardInterrupt):
+        context = context.__context__
+    return context is not None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

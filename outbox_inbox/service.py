@@ -998,14 +998,14 @@ def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    gc.collect()
-    gc.freeze()
 
     def handler(signum: int, _frame: FrameType | None) -> None:
         log.info("received signal %d, stopping", signum)
         stop.set()
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    gc.collect()  # after the handlers: a signal meanwhile stops the run, as any other time
+    gc.freeze()
     try:
         yield
     finally:

@@ -92,3 +92,28 @@ def test_bench_run_py_help_lists_its_options() -> None:
         assert result.returncode == 0, result.stderr[-3000:]
         for option in ("--messages", "--only", "--skip", "--db-url", "--mq-url", "--json"):
             assert option in result.stdout, (command, option)
+
+
+def test_an_error_raised_while_an_interrupt_unwinds_exits_as_interrupted() -> None:
+    sys.path.insert(0, str(REPO_ROOT))
+    from bench.cli import guarded
+
+    class Cleaned:
+        done = False
+
+        def cleanup(self) -> None:
+            self.done = True
+
+    def interrupted(_ctx: object) -> None:
+        try:
+            raise KeyboardInterrupt
+        finally:  # as a Spark call's exit does on a socket Ctrl-C cut
+            raise ConnectionError("Answer from Java side is empty")
+
+    def broken(_ctx: object) -> None:
+        raise ConnectionError("a bug")
+
+    ctx = Cleaned()
+    assert guarded(ctx, interrupted) == 130  # type: ignore[arg-type]
+    assert ctx.done
+    assert guarded(Cleaned(), broken) == 1  # type: ignore[arg-type]
