@@ -484,9 +484,9 @@ class Service:
         """For a schema tenant of this database whose `tenant` Service was never made (an idle
         one): the engine and tables of a pass nothing outlives, tables its own and statements
         compiled uncached (1,000 idle tenants' tables held ~265 MB: docs/tenants.md)."""
-        entry = self._registry(tenant).get(tenant)
-        kept = any(key[0] == tenant for key in self._tenant_services)
-        if self.sqlite or kept or not entry or entry.db_url not in (None, self.settings.db_url):
+        kept = any(key[0] == tenant for key in self._tenant_services)  # `tenant` reads it then
+        entry = None if kept else self._registry(tenant).get(tenant)
+        if self.sqlite or not entry or entry.db_url not in (None, self.settings.db_url):
             return None
         schema = entry.schema or self.settings.schema
         return self.engine.execution_options(compiled_cache=None), build_tables.__wrapped__(schema)

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCH = REPO_ROOT / "bench"
 TESTS = REPO_ROOT / "tests"
@@ -94,8 +96,10 @@ def test_bench_run_py_help_lists_its_options() -> None:
             assert option in result.stdout, (command, option)
 
 
-def test_an_error_raised_while_an_interrupt_unwinds_exits_as_interrupted() -> None:
-    sys.path.insert(0, str(REPO_ROOT))
+def test_an_error_raised_while_an_interrupt_unwinds_exits_as_interrupted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
     from bench.cli import guarded
 
     class Cleaned:
