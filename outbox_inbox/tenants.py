@@ -138,6 +138,7 @@ class Hub:
         self._entries: Mapping[str, Tenant] = {}
         self._services: dict[str, Service] = {}  # `tenant`'s, until the registry is read again
         self._cursor, self._swept, self._read = 0, time.monotonic(), -REFRESH
+        self._conn: psycopg.Connection[Any] | None = None  # LISTEN, and the sweep's probes
         self._work: dict[str, dict[str, None]] = {role: {} for role in served}
         self._later: dict[tuple[str, str], float] = {}
         self._due: list[tuple[float, str, str]] = []  # (when, role, tenant): a retry due then
@@ -153,37 +154,36 @@ class Hub:
         """Listen for wake-ups, refresh the registry, sweep and dispose idle pools until `stop`."""
         if on_started:
             on_started()
-        conn: psycopg.Connection[Any] | None = None
         retry = 0.0  # when to LISTEN again after a failure
         try:
             while not stop.is_set():
                 self._tick()
-                if conn is None and time.monotonic() >= retry:
+                if self._conn is None and time.monotonic() >= retry:
                     try:
-                        conn = self._listen()
+                        self._conn = self._listen()
                     except psycopg.Error as exc:
                         log.warning("tenants fleet: no wake-ups (%s): sweep only", first_line(exc))
                         retry = time.monotonic() + 10 * REFRESH
-                if conn is None:
+                if self._conn is None:
                     stop.wait(_TICK)
                     continue
-                try:
-                    for n in conn.notifies(timeout=_TICK):
+                try:  # what came during a sweep on it too (psycopg keeps it for `notifies`)
+                    for n in self._conn.notifies(timeout=_TICK):
                         role, _, tenant = n.payload.partition(":")
                         self.mark(role, tenant)
                 except psycopg.Error as exc:
                     log.warning("tenants fleet: wake-ups lost (%s)", first_line(exc))
-                    conn.close()
-                    conn = None
+                    self._conn.close()
+                    self._conn = None
         finally:
             self._release(list(self.leases))  # handed over at once
-            if conn is not None:
-                conn.close()
+            if self._conn is not None:
+                self._conn.close()
 
     def _listen(self) -> psycopg.Connection[Any]:
         s = self.service.settings
         conn = psycopg.connect(psycopg_conninfo(s.listen_url or self.service.engine.url))
-        conn.autocommit = True
+        conn.autocommit, conn.prepared_max = True, 10_000  # the sweep's groups
         conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(s.schema + ".tenants")))
         return conn
 
@@ -192,14 +192,10 @@ class Hub:
         if now - self._read >= REFRESH:
             self._read = now
             self._refresh()
-        rate = min(SWEEP, len(self._ids)) or 1  # each tenant at most once a second
-        due = min(rate, int((now - self._swept) * rate))
-        if due:
-            self._swept = now if due == rate else self._swept + due / rate
-        if due and self._ids:
-            batch = {self._ids[(self._cursor + n) % len(self._ids)] for n in range(due)}
-            self._cursor = (self._cursor + due) % len(self._ids)
-            self._sweep(sorted(batch))
+        if now - self._swept >= 1.0 and self._ids:  # a group of SWEEP tenants a second
+            self._swept, group = now, self._ids[self._cursor : self._cursor + SWEEP]
+            self._cursor = self._cursor + SWEEP if self._cursor + SWEEP < len(self._ids) else 0
+            self._sweep(group)
         with self._cond:
             while self._due and self._due[0][0] <= now:
                 self.mark(*heapq.heappop(self._due)[1:])
@@ -272,18 +268,22 @@ class Hub:
                 by_engine.setdefault(svc.engine, []).append((tenant, schema))
         for engine, found in by_engine.items():
             probes = [self._probe(role, t, schema) for t, schema in found for role in self.served]
+            text = " UNION ALL ".join(probes)
             try:
-                with engine.connect() as conn:
-                    once = conn.execution_options(no_parameters=True)  # its '%' is no placeholder
-                    hits = once.exec_driver_sql(" UNION ALL ".join(probes)).scalars().all()
-            except _TENANT_DOWN as exc:  # the tenants' outage: warned, retried by the fleet
+                if engine is not svc.engine or self._conn is None:
+                    with engine.connect() as conn:
+                        once = conn.execution_options(no_parameters=True)  # '%': no placeholder
+                        hits = once.exec_driver_sql(text).all()
+                else:  # on the LISTEN session, prepared: one server session keeps the plans and
+                    hits = self._conn.execute(text, prepare=True).fetchall()  # catalogue warm
+            except (SQLAlchemyError, psycopg.Error) as exc:  # the tenants' outage: warned, retried
                 for tenant, role in ((t, r) for t, _ in found for r in self.served):
                     self.failed(role, tenant, exc)
                 continue
             finally:
                 if engine is not self.service.engine:  # not in use: disposed at the next tick
                     self._used.setdefault(engine, 0.0)
-            for hit in hits:
+            for (hit,) in hits:
                 role, _, tenant = hit.partition(":")
                 self.mark(role, tenant)
 
