@@ -151,9 +151,8 @@ class Hub:
         self._cond, self.holder = threading.Condition(), worker_name()
 
     def run(self, stop: threading.Event, *, on_started: Callable[[], None] | None = None) -> None:
-        """Listen for wake-ups, refresh the registry, sweep and dispose idle pools until `stop`."""
-        if on_started:
-            on_started()
+        """Listen for wake-ups, refresh the registry, sweep and dispose idle pools until `stop`.
+        Started (`on_started`) once it listens or cannot: a commit after that wakes it."""
         retry = 0.0  # when to LISTEN again after a failure
         try:
             while not stop.is_set():
@@ -163,7 +162,9 @@ class Hub:
                         self._conn = self._listen()
                     except psycopg.Error as exc:
                         log.warning("tenants fleet: no wake-ups (%s): sweep only", first_line(exc))
-                        retry = time.monotonic() + 10 * REFRESH
+                    retry = time.monotonic() + 10 * REFRESH  # if it has none
+                if on_started:
+                    on_started()
                 if self._conn is None:
                     stop.wait(_TICK)
                     continue
@@ -180,8 +181,10 @@ class Hub:
             if self._conn is not None:
                 self._conn.close()
 
-    def _listen(self) -> psycopg.Connection[Any]:
+    def _listen(self) -> psycopg.Connection[Any] | None:
         s = self.service.settings
+        if not self.service.wakeups():  # proven first (warned once): behind a pooler in
+            return None  # transaction mode LISTEN and the prepared sweep would have no session
         conn = psycopg.connect(psycopg_conninfo(s.listen_url or self.service.engine.url))
         conn.autocommit, conn.prepared_max = True, 10_000  # the sweep's groups
         conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(s.schema + ".tenants")))
@@ -267,13 +270,11 @@ class Hub:
                 schema = entry.schema or svc.settings.schema
                 by_engine.setdefault(svc.engine, []).append((tenant, schema))
         for engine, found in by_engine.items():
-            probes = [self._probe(role, t, schema) for t, schema in found for role in self.served]
-            text = " UNION ALL ".join(probes)
+            text = " UNION ALL ".join(self._probe(r, t, s) for t, s in found for r in self.served)
             try:
                 if engine is not svc.engine or self._conn is None:
-                    with engine.connect() as conn:
-                        once = conn.execution_options(no_parameters=True)  # '%': no placeholder
-                        hits = once.exec_driver_sql(text).all()
+                    with engine.connect() as conn:  # its '%' is no placeholder
+                        hits = conn.exec_driver_sql(text, None, {"no_parameters": True}).all()
                 else:  # on the LISTEN session, prepared: one server session keeps the plans and
                     hits = self._conn.execute(text, prepare=True).fetchall()  # catalogue warm
             except (SQLAlchemyError, psycopg.Error) as exc:  # the tenants' outage: warned, retried
@@ -300,10 +301,9 @@ class Hub:
         """`tenant` has work for `role`: served after the tenants marked before it, and not
         before `delay` seconds."""
         with self._cond:
-            work = self._work.get(role)
             if delay:
                 self._later[(role, tenant)] = time.monotonic() + delay
-            if work is not None and tenant not in work:
+            if (work := self._work.get(role)) is not None and tenant not in work:
                 work[tenant] = None
                 self._cond.notify()
 

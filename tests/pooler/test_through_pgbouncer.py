@@ -27,7 +27,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
 from helpers import make_service, rows, scalar, wait_until
-from outbox_inbox import Service
+from outbox_inbox import Service, Tenant, tenants
 from outbox_inbox.archive import Archiver
 from outbox_inbox.messages import Message
 from outbox_inbox.queries import roles
@@ -313,7 +313,7 @@ def test_a_fresh_client_of_the_transaction_pool_sees_the_server_defaults(
 _CLAIMER = """
 import sys, time
 from datetime import timedelta
-from outbox_inbox import Service
+from outbox_inbox import Service, Tenant, tenants
 from outbox_inbox.queries import roles
 settings = {} if sys.argv[3] == "-" else {"listen_url": sys.argv[3]}
 service = Service("orders", db_url=sys.argv[1], prepare_threshold=None, **settings)
@@ -441,3 +441,53 @@ def test_the_default_engine_behind_a_transaction_pooler_never_prepares_for_concu
     finally:
         service.close()
         direct.close()
+
+
+@pytest.mark.parametrize(("label", "way", "listen"), WAYS, ids=[w[0] for w in WAYS])
+def test_the_tenants_fleet_drains_through_each_way_in_and_prepares_only_on_its_own_session(
+    label: str,
+    way: str,
+    listen: bool,
+    db_url: str,
+    mq_url: str,
+    pooled: Callable[[str, str], str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    registry = {"a": Tenant(schema="t_a"), "b": Tenant(schema="t_b")}
+    direct = Service("orders", db_url=db_url, mq_url=mq_url, tenants=registry)
+    direct.migrate()  # on the direct URL, as docs/runbook.md says
+    for tenant in registry:
+        direct.tenant(tenant).migrate()
+    direct.close()
+    listened: list[Any] = []  # the hub's LISTEN connections: its sweep's session when there
+    real = tenants.Hub._listen
+    monkeypatch.setattr(
+        tenants.Hub, "_listen", lambda hub: listened.append(real(hub)) or listened[-1]
+    )
+    url = pooled(db_url, way)
+    service = Service(
+        "orders", db_url=url, mq_url=mq_url, tenants=registry, **_settings(way, db_url, listen)
+    )
+    service.declare_topology()
+    unsent = "SELECT count(*) FROM {}.outbox_messages WHERE published_at IS NULL"
+    with _running(service, receiver=False, workers=0):
+        for tenant in registry:
+            t = service.tenant(tenant)
+            with t.engine.begin() as conn:  # sent through the pooler; its wake-up too
+                t.outbox.send(conn, "orders", "thing.do", {"tenant": tenant})
+        for tenant in registry:
+            sql = unsent.format(registry[tenant].schema)
+            wait_until(lambda sql=sql: scalar(db_url, sql) == 0, timeout=20, what=f"{tenant} sent")
+    # A transaction pooler keeps no session: the hub neither listens nor prepares through it.
+    assert listened and all((c is None) == (way == "transaction" and not listen) for c in listened)
+    if way == "transaction":  # every server connection of its pool, held at once: none prepared
+        held = [psycopg.connect(url.replace("+psycopg", "")) for _ in range(POOL_SIZE)]
+        try:
+            prepared = [
+                c.execute("SELECT count(*) FROM pg_prepared_statements").fetchone() for c in held
+            ]
+            pids = {c.execute("SELECT pg_backend_pid()").fetchone() for c in held}
+        finally:
+            for c in held:
+                c.close()
+        assert len(pids) == POOL_SIZE and prepared == [(0,)] * POOL_SIZE
