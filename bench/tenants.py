@@ -11,8 +11,10 @@ for --tenants schema tenants in one database, one of them active:
 - latency: --rate messages a second for --seconds, each sent in its own transaction of the
   active tenant's session, stored by the receiver in the tenant's inbox; commit -> handled
   p50/p99 (the handler's ``clock_timestamp()``);
-- idle: --idle-seconds with no message: the service process's CPU seconds, and the most server
-  connections held (pg_stat_activity, sampled every second);
+- idle: --idle-seconds with no message, once the sweep has probed every tenant once (its first
+  round after a start loads their catalogue into the server session it runs on): the service
+  process's CPU seconds and the machine's, and the most server connections held
+  (pg_stat_activity, sampled every second);
 - tenant down (database-per-tenant, 4 tenant databases, --rate spread over them): the other
   tenants' p99 for --down-seconds each with all four written, then with one (d0) up but not
   written (the others' load alone), then with d0 refusing connections (``ALTER DATABASE ...
@@ -52,7 +54,7 @@ from typing import Any
 
 from sqlalchemy import create_engine, text
 
-from outbox_inbox import Message, Service, Tenant
+from outbox_inbox import Message, Service, Tenant, tenants
 from outbox_inbox.testing.servers import PostgresServer, RabbitMQServer
 
 TEMPLATE = "bench_tenant_template"
@@ -215,10 +217,11 @@ def _fleet(svc: Service) -> Iterator[int]:
         fleet.join(30)
 
 
-def _idle(pid: int, db_url: str, seconds: float) -> tuple[float, float, int]:
+def _idle(pid: int, db_url: str, seconds: float, settled: float) -> tuple[float, float, int]:
     """CPU seconds of process `pid` and of the machine (the database's sweep probes included),
-    and the most server connections, over `seconds` idle."""
-    time.sleep(5)
+    and the most server connections, over `seconds` idle from 5 s on, and not before the
+    monotonic time `settled`."""
+    time.sleep(max(5.0, settled - time.monotonic()))
     engine = create_engine(db_url)
     held = 0
     cpu, machine = _cpu(pid), _cpu()
@@ -244,10 +247,13 @@ def _schema_phase(
     registry = _schemas(pg, db, count)
     svc = _service(pg.url(db), mq, registry)
     with _fleet(svc) as pid:
+        # The idle window opens once the sweep has probed every tenant (SWEEP a second): its
+        # first round loads each tenant's catalogue into its server session, once a start.
+        settled = time.monotonic() + count / tenants.SWEEP + 5
         load = Load(svc, ["t0"], args.rate)
         load.run(args.seconds)
         lat = load.latencies([pg.url(db)])["t0"]
-        cpu, machine, held = _idle(pid, pg.url(db), args.idle_seconds)
+        cpu, machine, held = _idle(pid, pg.url(db), args.idle_seconds, settled)
     svc.close()
     figures = {"p50": _p(lat, 50), "p99": _p(lat, 99), "cpu": cpu, "machine": machine}
     figures["connections"] = held
