@@ -151,8 +151,7 @@ class Hub:
         self._cond, self.holder = threading.Condition(), worker_name()
 
     def run(self, stop: threading.Event, *, on_started: Callable[[], None] | None = None) -> None:
-        """Listen for wake-ups, refresh the registry, sweep and dispose idle pools until `stop`.
-        Started (`on_started`) once it listens or cannot: a commit after that wakes it."""
+        """Listen for wake-ups, refresh the registry, sweep and dispose idle pools until `stop`."""
         retry = 0.0  # when to LISTEN again after a failure
         try:
             while not stop.is_set():
@@ -163,7 +162,7 @@ class Hub:
                     except psycopg.Error as exc:
                         log.warning("tenants fleet: no wake-ups (%s): sweep only", first_line(exc))
                     retry = time.monotonic() + 10 * REFRESH  # if it has none
-                if on_started:
+                if on_started:  # once it listens or cannot: a commit after that wakes it
                     on_started()
                 if self._conn is None:
                     stop.wait(_TICK)
@@ -186,7 +185,7 @@ class Hub:
         if not self.service.wakeups():  # proven first (warned once): behind a pooler in
             return None  # transaction mode LISTEN and the prepared sweep would have no session
         conn = psycopg.connect(psycopg_conninfo(s.listen_url or self.service.engine.url))
-        conn.autocommit, conn.prepared_max = True, 10_000  # the sweep's groups
+        conn.autocommit = True
         conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(s.schema + ".tenants")))
         return conn
 
@@ -276,7 +275,8 @@ class Hub:
                     with engine.connect() as conn:  # its '%' is no placeholder
                         hits = conn.exec_driver_sql(text, None, {"no_parameters": True}).all()
                 else:  # on the LISTEN session, prepared: one server session keeps the plans and
-                    hits = self._conn.execute(text, prepare=True).fetchall()  # catalogue warm
+                    self._conn.prepared_max = len(self._ids) // SWEEP + 2  # catalogue warm; a
+                    hits = self._conn.execute(text, prepare=True).fetchall()  # plan per group
             except (SQLAlchemyError, psycopg.Error) as exc:  # the tenants' outage: warned, retried
                 for tenant, role in ((t, r) for t, _ in found for r in self.served):
                     self.failed(role, tenant, exc)

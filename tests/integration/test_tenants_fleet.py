@@ -200,6 +200,39 @@ def test_the_sweep_probes_on_the_listen_session_and_keeps_the_wake_ups_sent_mean
     assert svc.broker.queue_depth("billing.inbox") == 6
 
 
+def test_the_sweeps_prepared_statements_stay_one_per_group_while_the_registry_changes(
+    db_url: str, mq_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tenants, "REFRESH", 0.2)
+    monkeypatch.setattr(tenants, "SWEEP", 2)
+    every = {f"r{n}": Tenant(schema=f"t_r{n}") for n in range(7)}
+    reads = [0]
+
+    def registry() -> dict[str, Tenant]:  # one tenant left out in turn: the groups shift
+        reads[0] += 1
+        return {k: v for n, (k, v) in enumerate(every.items()) if n != reads[0] % len(every)}
+
+    prepared: list[int] = []
+    real = tenants.Hub._sweep
+
+    def sweep(self: tenants.Hub, batch: list[str]) -> None:
+        real(self, batch)
+        if self._conn is not None:
+            found = self._conn.execute("SELECT count(*) FROM pg_prepared_statements").fetchone()
+            prepared.append(int(found[0]) if found else -1)
+
+    monkeypatch.setattr(tenants.Hub, "_sweep", sweep)
+    svc = _service(db_url, mq_url, registry)
+    for tenant in every:
+        t = Service("billing", db_url=db_url, schema=every[tenant].schema, **FAST)
+        t.migrate()
+        t.close()
+    with _started(svc, relay=False, receiver=False, workers=1):
+        wait_until(lambda: len(prepared) >= 12, timeout=30, what="12 sweeps")
+    # 6 tenants at a time in groups of 2: 3 groups, and a dozen group texts over the run.
+    assert 0 < max(prepared) <= 6 // 2 + 2, prepared
+
+
 @pytest.mark.parametrize("mode", ["schema", "database"])
 def test_the_worker_fleet_handles_each_tenants_inbox_once_in_its_database(
     mode: str, db_url: str, db_url_factory: Callable[[], str], mq_url: str
