@@ -313,7 +313,7 @@ def test_a_fresh_client_of_the_transaction_pool_sees_the_server_defaults(
 _CLAIMER = """
 import sys, time
 from datetime import timedelta
-from outbox_inbox import Service, Tenant, tenants
+from outbox_inbox import Service
 from outbox_inbox.queries import roles
 settings = {} if sys.argv[3] == "-" else {"listen_url": sys.argv[3]}
 service = Service("orders", db_url=sys.argv[1], prepare_threshold=None, **settings)
