@@ -265,10 +265,12 @@ def run_audit(
     rows = _reconcile(_expected(outbox, subscriptions), _received(inbox, parts), window)
     rows = _kept(spark, rows)
     try:
-        groups = _aggregate(rows, horizon, keep)
-        figures = _Figures(groups)
+        found = _aggregate(rows, horizon, keep)
+        figures = _Figures(found)
         step = _step(figures.first_published_at, figures.last_at())
-        found = _details(rows, horizon, step and min(step, FINE) if keep else step)
+        if step is not None and step < FINE:  # a span under 20 hours: counted again, finer
+            finer = [r.asDict() for r in _buckets(rows, step).collect()]
+            found = [r for r in found if r[_SET] != "t"] + finer
         inputs = {  # what was read, where, and the grace; `inputs` adds to it
             "archives": list(archives),
             "live_databases": [],
@@ -282,7 +284,7 @@ def run_audit(
     finally:
         rows.unpersist()
     if keep:
-        summary["parts"] = [r.asDict() for r in (*groups, *found)]
+        summary["parts"] = found
     return summary
 
 
@@ -612,17 +614,17 @@ def _states(horizon: datetime) -> dict[str, Column]:
     }
 
 
-# Every figure but the throughput and the examples comes from one job of two aggregations.
-# The counts: every row once ("a"), grouped by what the figures tell apart (its consumer, the
-# producer of a sent row, its type, status and states, its latency bucket...), which makes a
-# few thousand groups at most, summed up on the driver; and the dead rows again ("c") by type,
-# reason and error. The percentiles ("b"): the processed expected deliveries by type.
+# Every figure comes from one query. The counts: every row once ("a"), grouped by what the
+# figures tell apart (its consumer, the producer of a sent row, its type, status and states, its
+# latency bucket...), which makes a few thousand groups at most, summed up on the driver; and the
+# dead rows again ("c") by type, reason and error. The percentiles ("b"): the processed expected
+# deliveries by type. The examples ("l", "w") and the throughput per FINE seconds ("t").
 _SET = "g"
 
 
-def _aggregate(rows: DataFrame, horizon: datetime, keep: bool = False) -> list[Row]:
-    """Every figure but the throughput and the examples, from one job over `rows`; with
-    `keep`, the latencies counted per `_latency_bucket` too ("d")."""
+def _aggregate(rows: DataFrame, horizon: datetime, keep: bool = False) -> list[dict[str, Any]]:
+    """Every figure of the summary from one query over `rows`; with `keep`, the latencies
+    counted per `_latency_bucket` too ("d")."""
     from pyspark.sql import functions as F
 
     s = _states(horizon)
@@ -670,11 +672,25 @@ def _aggregate(rows: DataFrame, horizon: datetime, keep: bool = False) -> list[R
     for stage, column in _stage_seconds().items():
         latencies.append(F.percentile_approx(column, [0.5, 0.9, 0.99], 10000).alias(f"{stage}_p"))
         latencies.append(F.max(column).alias(f"{stage}_max"))
-    done = rows.where(s["done"])
-    query = counts.unionByName(
-        done.groupBy(F.lit("b").alias(_SET), F.col("type")).agg(*latencies),
-        allowMissingColumns=True,
+    lost = (
+        rows.where(s["lost"])
+        .select(
+            F.lit("l").alias(_SET), "message_id", "type", "producer", "consumer", "published_at"
+        )
+        .orderBy("published_at", "message_id")
+        .limit(EXAMPLES)
     )
+    twice = (
+        rows.where(F.col("copies") > 1)
+        .select(F.lit("w").alias(_SET), "message_id", "type", "consumer", "copies")
+        .orderBy(F.desc("copies"), "message_id")
+        .limit(EXAMPLES)
+    )
+    done = rows.where(s["done"])
+    query = reduce(
+        lambda a, b: a.unionByName(b, allowMissingColumns=True),
+        (counts, done.groupBy(F.lit("b").alias(_SET), "type").agg(*latencies), lost, twice),
+    ).unionByName(_buckets(rows, FINE), allowMissingColumns=True)
     if keep:
         stages = [
             F.struct(F.lit(n).alias("stage"), c.alias("s")) for n, c in _stage_seconds().items()
@@ -688,7 +704,7 @@ def _aggregate(rows: DataFrame, horizon: datetime, keep: bool = False) -> list[R
             .agg(F.count("*").alias("n"))
         )
         query = query.unionByName(buckets, allowMissingColumns=True)
-    return query.collect()
+    return [r.asDict() for r in query.collect()]
 
 
 def _latency_bucket(seconds: Column) -> Column:
@@ -888,33 +904,8 @@ def _step(start: datetime | None, end: datetime | None) -> int | None:
     return next((s for s in BUCKET_STEPS if span / s <= MAX_BUCKETS), BUCKET_STEPS[-1])
 
 
-def _details(rows: DataFrame, horizon: datetime, step: int | None) -> list[Row]:
-    """The second job over the reconciled rows, once the first has told the throughput's
-    window: the examples of lost and doubly handled messages, the throughput per `step`."""
-    from pyspark.sql import functions as F
-
-    lost = (
-        rows.where(_states(horizon)["lost"])
-        .select(
-            F.lit("l").alias(_SET), "message_id", "type", "producer", "consumer", "published_at"
-        )
-        .orderBy("published_at", "message_id")
-        .limit(EXAMPLES)
-    )
-    twice = (
-        rows.where(F.col("copies") > 1)
-        .select(F.lit("w").alias(_SET), "message_id", "type", "consumer", "copies")
-        .orderBy(F.desc("copies"), "message_id")
-        .limit(EXAMPLES)
-    )
-    query = lost.unionByName(twice, allowMissingColumns=True)
-    if step is not None:
-        query = query.unionByName(_buckets(rows, step), allowMissingColumns=True)
-    return query.collect()
-
-
 class _Details:
-    """The examples and the throughput, from the rows of `_details` (of one or more windows),
+    """The examples and the throughput, from the rows of `_aggregate` (of one or more windows),
     the throughput in buckets of `step` seconds."""
 
     def __init__(self, rows: Sequence[Any], step: int | None) -> None:
@@ -945,7 +936,8 @@ class _Details:
         sent: Counter[int] = Counter()
         done: Counter[int] = Counter()
         for r in counted:  # buckets of `step` or of a step that divides it
-            sent[int(r["b"]) // self.step * self.step] += int(r["sent"])
+            # "n" published; "sent" in the day results of the versions before 2026-12
+            sent[int(r["b"]) // self.step * self.step] += int(r["n"] if "n" in r else r["sent"])
             done[int(r["b"]) // self.step * self.step] += int(r["done"])
         return {
             "bucket_seconds": self.step,
@@ -977,7 +969,7 @@ def _buckets(rows: DataFrame, step: int) -> DataFrame:
         rows.select(F.inline(marks))
         .where(F.col("b").isNotNull())
         .groupBy(F.lit("t").alias(_SET), "b")
-        .agg(F.sum(1 - F.col("k")).alias("sent"), F.sum("k").alias("done"))
+        .agg(F.sum(1 - F.col("k")).alias("n"), F.sum("k").alias("done"))
     )
 
 

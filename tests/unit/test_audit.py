@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,27 @@ def test_audit_throughput_covers_the_window(summary: dict[str, Any], history: Ex
     assert summary["throughput"]["bucket_seconds"] == 1800  # three days in at most 240 points
     assert sum(p["published"] for p in series) == history.totals["published"]
     assert sum(p["processed"] for p in series) == history.totals["processed"]
+
+
+def test_a_span_under_20_hours_has_its_throughput_counted_in_buckets_under_10_minutes(
+    spark: Any, history: Expected
+) -> None:
+    from outbox_inbox.analytics.audit import Window, run_audit
+
+    start = datetime(2026, 11, 1, 6, tzinfo=UTC)  # two hours of the generator's three days
+    got = run_audit(
+        spark,
+        history.roots,
+        now=history.now,
+        grace=history.grace,
+        window=Window(start, start + timedelta(hours=2)),
+    )
+    series = got["throughput"]["series"]
+    assert got["throughput"]["bucket_seconds"] == 30  # two hours in at most 240 points
+    assert sum(p["published"] for p in series) == got["totals"]["published"] > 0
+    assert sum(p["processed"] for p in series) == got["totals"]["processed"]
+    # Counted per 30 s, not per 10 minutes spread over them: nearly every 30 s have some.
+    assert sum(1 for p in series if p["published"]) > 100
 
 
 def test_audit_command_writes_summary_and_report_and_exits_4_when_messages_were_lost(
