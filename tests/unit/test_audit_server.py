@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -156,3 +158,31 @@ def test_a_root_that_cannot_be_listed_is_an_error_before_spark(
     monkeypatch.setattr(audit.os, "listdir", refuse)
     with pytest.raises(audit.AuditError, match=f"archive {tmp_path} cannot be read: Permission"):
         audit.check_archives([str(tmp_path)], None)
+
+
+_PARTS = """
+import json, sys
+from outbox_inbox.analytics import audit, server
+with server.warm_session(None) as (spark, _):
+    outbox, inbox, _ = audit._read_inputs(spark, sys.argv[1:], [], None)
+    most = int(spark.conf.get("spark.sql.shuffle.partitions"))
+    print(json.dumps({"parts": audit._parts(spark, outbox, inbox), "most": most}))
+"""
+
+
+def test_the_warm_server_spreads_a_small_history_into_as_few_parts_as_a_one_shot_session(
+    warm_spark: dict[str, str], tmp_path: Path
+) -> None:
+    # Spark Connect gives no size estimate: the local files read give it. Without one, every
+    # audit on the server ran in spark.sql.shuffle.partitions parts (a day's audit of the 3M
+    # month: 2.9 s in 8 parts, 2.2 s in 2).
+    expected = generate(tmp_path / "history", 2_000, Faults())
+    env = {**os.environ, **warm_spark}
+    done = subprocess.run(
+        [sys.executable, "-c", _PARTS, *expected.roots], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.splitlines()[-1])
+    if (os.cpu_count() or 1) >= found["most"]:
+        pytest.skip("as many CPUs as shuffle parts: the least and the most are one")
+    assert found["parts"] == os.cpu_count()  # the parallelism: the history is a few kB
