@@ -161,10 +161,11 @@ def business_engine(engine: Engine) -> Engine:
     event.listen(business, "begin", lambda conn: conn.info.pop(flag, None))
     event.listen(business, "commit", lambda conn: conn.info.update({flag: True}))
 
-    @event.listens_for(business, "handle_error")
+    @event.listens_for(business, "handle_error")  # fired for every engine of the dialect
     def _commit_lost(context: ExceptionContext) -> None:
         error, conn = context.original_exception, context.connection
-        if conn is not None and conn.info.pop(flag, False) and database_unreachable(error):
+        lost = conn is not None and conn.info.pop(flag, False) and database_unreachable(error)
+        if lost and context.engine is business:
             raise CommitOutcomeUnknown(
                 f"the commit's outcome is unknown ({first_line(error)}): it may have committed;"
                 " retry it idempotently, with the same message id or business key"
