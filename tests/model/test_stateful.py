@@ -23,9 +23,13 @@ only of a row younger than the retention (inside the duplicate window: it must b
 A row seen unfinished and then gone fails the run (NothingDroppedInsideDuplicateWindow's
 premise: only finished rows go). After the calm, every example lets the retention pass (every
 finished row must be gone), then handles a new message, loses its relay mark and lets a day
-pass before the copy goes out: it must be recognized, not handled twice. A process killed
-outright between two statements and a failover are not driven here (the fault suites kill real
-processes and fail the database over).
+pass before the copy goes out: it must be recognized, not handled twice.
+
+On a primary and its synchronous standby of the test's own (`FailoverPair`), the database fails
+over (once an example): the standby stops receiving while relay, receiver and worker passes run,
+the primary is killed and the standby promoted; what it lacked was never committed, every
+session ends, and every invariant must hold on the new primary. A process killed outright
+between two statements is not driven here (the fault suites kill real processes).
 
 On the servers every example gets a database of its own, copied from a template migrated once
 (``CREATE DATABASE … TEMPLATE``: about 85 ms, where a fresh database and the migrations take
@@ -38,6 +42,9 @@ the test checks that a bystander database and a bystander queue with a message s
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import threading
 import uuid
 from collections import defaultdict, deque
 from collections.abc import Callable, Mapping
@@ -72,6 +79,7 @@ from sqlalchemy import (
     select,
     update,
 )
+from sqlalchemy.exc import SQLAlchemyError
 
 from outbox_inbox import Reject, Retry, RetryPolicy, Service
 from outbox_inbox.broker import Broker, Consumer, Delivery
@@ -82,7 +90,8 @@ from outbox_inbox.partitions import INTERVALS, floor_time, partition_name, parti
 from outbox_inbox.partitions import KEYS as PARTITIONED
 from outbox_inbox.queries import partitions as ddl
 from outbox_inbox.testing import ServiceHarness
-from outbox_inbox.testing.servers import PostgresHandle
+from outbox_inbox.testing.injection import StreamingReplica
+from outbox_inbox.testing.servers import PostgresHandle, PostgresServer, wait_until
 from outbox_inbox.topology import dead_letter_queue, inbox_queue
 
 COMMAND = "thing.do"
@@ -93,6 +102,9 @@ DAY = INTERVALS["day"]
 RETENTION = DEAD_RETENTION = 2 * DAY
 #: The days an example may let pass.
 MAX_DAYS = 9
+#: Seconds a pass runs while the standby receives nothing before the primary crashes: enough
+#: for one that commits asynchronously only, and one that waits for the standby waits this long.
+WINDOW = 1.0
 OUTCOMES = ("fail", "ok", "retry", "reject", "crash")
 #: A transaction's commands: one to three, each of a key and with its handler's outcomes.
 PLANS = st.lists(
@@ -127,6 +139,11 @@ class Place:
     name: str
     migrated: bool  # the database holds the library's and the business tables already
     partitioned = False  # PostgreSQL: time partitions, dropped by maintenance
+    fails_over = False  # a primary and a synchronous standby: `fail_over` promotes it
+    failovers: list[tuple[int, int]]  # per failover: relay marks lost, messages unfinished
+
+    def fail_over(self, window: Callable[[], None], last: Callable[[], None]) -> None:
+        raise NotImplementedError
 
     def close(self) -> None: ...
 
@@ -156,6 +173,8 @@ class OnServers:
         self.prefix = f"sm_{uuid.uuid4().hex[:8]}"
         self.template = f"{self.prefix}_template"
         self.made: list[str] = []  # every service (and database) name an example took
+        #: each failover's relay marks lost, and messages unfinished at it (FailoverPair)
+        self.failovers: list[tuple[int, int]] = []
         postgres.create_database(self.template)
         url = postgres.url(self.template)
         service = Service("template", db_url=url, broker=MemoryBroker())
@@ -176,6 +195,10 @@ class OnServers:
             )
         self.made.append(name)
         return _ServersPlace(self, name)
+
+    def url(self, name: str) -> str:
+        """The db_url of the example database `name`."""
+        return self.postgres.url(name)
 
     def leftovers(self) -> list[str]:
         """The databases and queues of this run's examples still there (none, after them)."""
@@ -228,15 +251,115 @@ def _days_back(service: Service, days: int = 0, *, legacy: bool = False) -> None
                     ddl.create_partition(conn, schema, parent, name, start, start + DAY)
 
 
+#: A row while the standby has flushed all the primary has logged (an asynchronous commit's
+#: record too, before the primary itself wrote it).
+CAUGHT_UP = "SELECT 1 FROM pg_stat_replication WHERE flush_lsn >= pg_current_wal_insert_lsn()"
+
+
+class FailoverPair(OnServers):
+    """A primary of the test's own and its synchronous standby (every commit but those the
+    library makes with ``synchronous_commit = off`` waits for the standby's flush); each
+    example's db_url names both (``target_session_attrs=read-write``), as an operator writes it.
+    `fail_over` crashes the primary and promotes the standby, the primary gone for good; the
+    next example first gets a new standby of the new primary."""
+
+    def __init__(self, mq_url: str) -> None:
+        self.standby: StreamingReplica | None = None
+        primary = PostgresServer(settings={"fsync": "off"})
+        try:
+            primary.start()
+            self.postgres = primary
+            self._new_standby()
+            super().__init__(primary, mq_url)
+        except BaseException:
+            self.cleanup()
+            raise
+
+    def _new_standby(self) -> None:
+        """A standby of the primary, copied from it, synchronous once it streams."""
+        primary = self.postgres
+        assert isinstance(primary, PostgresServer)
+        self.standby = standby = StreamingReplica(primary, name="standby")
+        standby.start()
+        with primary.connect() as conn:
+            conn.execute("ALTER SYSTEM SET synchronous_standby_names = 'standby'")
+            conn.execute("SELECT pg_reload_conf()")
+        wait_until(lambda: standby.streaming("sync"), timeout=30, what="a synchronous standby")
+
+    def example(self) -> Place:
+        if self.standby is None:  # the last example failed over
+            self._new_standby()
+        return super().example()
+
+    def url(self, name: str) -> str:
+        primary, standby = self.postgres, self.standby
+        assert isinstance(primary, PostgresServer) and standby is not None
+        hosts = f"{primary.host}:{primary.port},{standby.host}:{standby.port}"
+        query = f"host={hosts}&target_session_attrs=read-write"
+        return f"postgresql+psycopg://{primary.user}@/{name}?{query}"
+
+    def fail_over(self, window: Callable[[], None], last: Callable[[], None]) -> None:
+        """The primary crashes and the standby is promoted. The primary's walsender is
+        stopped first and `window` runs in a thread meanwhile: what it commits asynchronously
+        reaches the primary alone, and a synchronous commit waits for the standby until the
+        crash ends its session (a database error of `window`; any other is raised). `last`
+        runs on the primary just before the crash."""
+        primary, standby = self.postgres, self.standby
+        assert isinstance(primary, PostgresServer) and standby is not None
+        with primary.connect() as conn:
+            wait_until(
+                lambda: conn.execute(CAUGHT_UP).fetchone() is not None,
+                timeout=10,
+                what="the standby to have every commit",
+            )
+            row = conn.execute("SELECT pid FROM pg_stat_replication").fetchone()
+        assert row is not None, "the standby does not stream"
+        os.kill(row[0], signal.SIGSTOP)
+        failed: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                window()
+            except BaseException as exc:  # looked at once the primary is gone
+                failed.append(exc)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(WINDOW)  # done, or waiting for the standby
+        last()
+        primary.kill()  # with the stopped walsender: nothing more reaches the standby
+        thread.join(30)
+        assert not thread.is_alive(), "a session outlived its server"
+        if failed and not isinstance(failed[0], SQLAlchemyError | WorkerDies):
+            raise failed[0]
+        standby.promote()
+        with standby.connect() as conn:  # alone until the next example's new standby
+            conn.execute("ALTER SYSTEM RESET synchronous_standby_names")
+            conn.execute("SELECT pg_reload_conf()")
+        primary.cleanup()
+        self.postgres, self.standby = standby, None
+
+    def cleanup(self) -> None:
+        for server in (self.standby, self.postgres):
+            if server is not None:
+                server.cleanup()
+
+
 class _ServersPlace(Place):
     partitioned = True
 
     def __init__(self, servers: OnServers, name: str) -> None:
         self.servers = servers
-        self.db_url = servers.postgres.url(name)
+        self.db_url = servers.url(name)
         self.broker = RabbitMQBroker(servers.mq_url)
         self.name = name
         self.migrated = True
+        self.fails_over = isinstance(servers, FailoverPair)
+        self.failovers = servers.failovers
+
+    def fail_over(self, window: Callable[[], None], last: Callable[[], None]) -> None:
+        assert isinstance(self.servers, FailoverPair)
+        self.servers.fail_over(window, last)
 
     def close(self) -> None:
         self.broker.close()
@@ -340,6 +463,7 @@ class Protocol(RuleBasedStateMachine):
         self.seen: dict[int, str] = {}  # each inbox row's status when last seen
         self.gone: set[int] = set()  # messages whose inbox row retention dropped
         self.faults: set[str] = set()  # the causes of the faults seen in the outbox
+        self.failed_over = False
         self.service.on_command(COMMAND)(self._handler)
         self.harness = ServiceHarness(self.service, migrate=not self.place.migrated)
         if not self.place.migrated:
@@ -487,6 +611,50 @@ class Protocol(RuleBasedStateMachine):
             if ids:
                 chosen = data.draw(st.sampled_from(sorted(ids)))
                 conn.execute(update(o).where(o.c.id == chosen).values(published_at=None))
+
+    @precondition(lambda self: self.place.fails_over and not self.failed_over)
+    @rule(plans=PLANS)
+    def fail_over(self, plans: list[tuple[str, list[str]]]) -> None:
+        """The database fails over to its synchronous standby (the model's `failover`): what
+        the standby lacks was never committed, and every session ends (the relay forgets its
+        batch, the receiver's deliveries go back to the queue, the worker comes back under a
+        new name, its liveness lock gone). A transaction commits and the first `cut` (0, 1, 2,
+        in turn from one failover to the next) of a relay, a receiver and a worker pass run;
+        once the standby has all of it, it receives nothing more while the other passes run in
+        turn: their asynchronous commits (the relay's marks, the worker's lone claims) reach
+        the primary alone and are lost with it, and the first synchronous one waits until the
+        crash ends its session, its outcome unknown to its role. An inbox row the primary
+        showed is never lost (the receiver acks what it stored)."""
+        o, i = self.service.tables.outbox, self.service.tables.inbox
+        published = select(func.count()).where(o.c.published_at.is_not(None))
+        stored = select(func.count()).select_from(i)
+        before: list[int] = []
+
+        def last() -> None:  # on the primary, just before it crashes
+            with self.service.engine.connect() as conn:
+                before.extend(conn.execute(q).scalar_one() for q in (published, stored))
+
+        self.write(True, plans)
+        cut = len(self.place.failovers) % 3
+        passes = [self.harness.relay, self._receive, self.work]
+        for step in passes[:cut]:
+            step()
+
+        def window() -> None:
+            for step in passes[cut:]:
+                step()
+
+        self.place.fail_over(window, last)
+        self.failed_over = True
+        self.service.engine.dispose()
+        self.harness._relay = self.service.relay()
+        self.harness._receiver = self.receiver = self.service.receiver()
+        with self.service.engine.connect() as conn:
+            after = [conn.execute(q).scalar_one() for q in (published, stored)]
+        assert after[1] == before[1], f"{before[1] - after[1]} inbox rows seen, then lost"
+        _, _, rows = self._rows()
+        unfinished = [n for n in self.committed if not self._finished(rows, n)]
+        self.place.failovers.append((before[0] - after[0], len(unfinished)))
 
     @rule()
     def work(self) -> None:
@@ -638,6 +806,35 @@ def _settings(examples: int, steps: int) -> settings:
 
 ProtocolThenCalm.TestCase.settings = _settings(40, 30)
 TestProtocolDrivenByTheModel = ProtocolThenCalm.TestCase
+
+
+@pytest.mark.integration
+def test_protocol_across_failovers_to_a_synchronous_standby(
+    local_postgres_server: PostgresHandle, mq_url: str
+) -> None:
+    """The machine on a primary and its synchronous standby of this test's own, with the
+    failover among its rules (once an example: the next example gets a new standby), the
+    invariants read on whichever server is the primary. Both servers are gone after it."""
+    pair = FailoverPair(mq_url)
+
+    class ThroughFailovers(ProtocolThenCalm):
+        def __init__(self) -> None:
+            super().__init__(pair.example)
+
+    try:
+        run_state_machine_as_test(ThroughFailovers, settings=_settings(10, 20))
+    finally:
+        try:
+            pair.close()
+        finally:
+            pair.cleanup()
+    assert pair.made and all(s.temp_dir is None for s in (pair.postgres, pair.standby) if s)
+    # The premises: failovers that lost relay marks the primary had (the model's
+    # W_failoverLost), and failovers with messages unfinished, then finished (W_failoverRecovered).
+    print(f"failovers (relay marks lost, messages unfinished): {pair.failovers}")
+    assert len(pair.failovers) >= 3  # each `cut`
+    assert sum(marks > 0 for marks, _ in pair.failovers) >= 1
+    assert sum(unfinished > 0 for _, unfinished in pair.failovers) >= 2
 
 
 @pytest.mark.integration
