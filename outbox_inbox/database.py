@@ -163,9 +163,8 @@ def business_engine(engine: Engine) -> Engine:
 
     @event.listens_for(business, "handle_error")  # fired for every engine of the dialect
     def _commit_lost(context: ExceptionContext) -> None:
-        error, conn = context.original_exception, context.connection
-        lost = conn is not None and conn.info.pop(flag, False) and database_unreachable(error)
-        if lost and context.engine is business:
+        error, conn = context.original_exception, context.engine is business and context.connection
+        if conn and conn.info.pop(flag, False) and database_unreachable(error):
             raise CommitOutcomeUnknown(
                 f"the commit's outcome is unknown ({first_line(error)}): it may have committed;"
                 " retry it idempotently, with the same message id or business key"
