@@ -9,8 +9,11 @@ back; a relay pass and a receiver pass; a lost relay mark (the relay crashed aft
 confirm: the row is sent again, a duplicate on the wire); a receiver that stores a batch and
 dies before its ack (the broker redelivers the batch when the channel closes: duplicates with
 the redelivered flag, which the receiver counts and drops), or dies with the batch before
-storing it; a worker pass, whose handler succeeds, raises Retry, fails, rejects or kills the
-worker (a BaseException nothing catches: its transaction rolls back, its claims stay) as each
+storing it; a committed message whose decoding kills every receiver that meets it (each dies
+there, its deliveries not acked, until the redelivery count, taken before the decode, passes
+`max_redeliveries` and the message is dead-lettered: it must then have no effect and count as
+finished, after at most `max_redeliveries` + 1 deaths); a worker pass, whose handler succeeds,
+raises Retry, fails, rejects or kills the worker (a BaseException nothing catches: its transaction rolls back, its claims stay) as each
 message's drawn plan says; the leases of those claims running out; the retry delays running
 out. Every receiver pass takes each batch as the broker delivers it out of publication order
 across keys (a drawn interleaving, each key's own order kept: the model's `consume`).
@@ -46,7 +49,7 @@ import os
 import signal
 import threading
 import uuid
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -85,10 +88,11 @@ from outbox_inbox import Reject, Retry, RetryPolicy, Service
 from outbox_inbox.broker import Broker, Consumer, Delivery
 from outbox_inbox.brokers.memory import MemoryBroker
 from outbox_inbox.brokers.rabbitmq import RabbitMQBroker
-from outbox_inbox.messages import H_KEY
+from outbox_inbox.messages import H_KEY, from_wire
 from outbox_inbox.partitions import INTERVALS, floor_time, partition_name, partitions
 from outbox_inbox.partitions import KEYS as PARTITIONED
 from outbox_inbox.queries import partitions as ddl
+from outbox_inbox.receiver import Receiver
 from outbox_inbox.testing import ServiceHarness
 from outbox_inbox.testing.injection import StreamingReplica
 from outbox_inbox.testing.servers import PostgresHandle, PostgresServer, wait_until
@@ -102,6 +106,8 @@ DAY = INTERVALS["day"]
 RETENTION = DEAD_RETENTION = 2 * DAY
 #: The days an example may let pass.
 MAX_DAYS = 9
+#: How often a premise came up in a test's examples (the test checks its own).
+PREMISES: Counter[str] = Counter()
 #: Seconds a pass runs while the standby receives nothing before the primary crashes: enough
 #: for one that commits asynchronously only, and one that waits for the standby waits this long.
 WINDOW = 1.0
@@ -127,6 +133,21 @@ effects = Table(
 class WorkerDies(BaseException):
     """Raised by a handler: the worker process dies there (no handler error: nothing in the
     library catches it)."""
+
+
+class ReceiverDies(BaseException):
+    """Raised where the receiver decodes a poisoned message: the receiver process dies there,
+    its deliveries not acked (nothing in the library catches it)."""
+
+
+def _number(delivery: Delivery) -> int | None:
+    """The machine's number of the command `delivery` carries (None for another message)."""
+    try:
+        payload = from_wire(delivery.message)["payload"]
+    except Exception:
+        return None
+    n = payload.get("n") if isinstance(payload, dict) else None
+    return n if isinstance(n, int) and delivery.message.routing_key.endswith(COMMAND) else None
 
 
 class Place:
@@ -464,12 +485,37 @@ class Protocol(RuleBasedStateMachine):
         self.gone: set[int] = set()  # messages whose inbox row retention dropped
         self.faults: set[str] = set()  # the causes of the faults seen in the outbox
         self.failed_over = False
+        self.poisoned: set[int] = set()  # messages whose decoding kills the receiver, every time
+        self.deaths: Counter[int] = Counter()  # receivers each one killed
+        self.dead_lettered: set[int] = set()  # messages the receiver dead-lettered
         self.service.on_command(COMMAND)(self._handler)
         self.harness = ServiceHarness(self.service, migrate=not self.place.migrated)
         if not self.place.migrated:
             metadata.create_all(self.service.engine)
-        self.receiver = self.service.receiver()
+        self.receiver = self._dying(self.service.receiver())
+        self._dying(self.harness._receiver)
         self.wait = 0.0 if isinstance(self.place.broker, MemoryBroker) else 0.05
+
+    def _dying(self, receiver: Receiver) -> Receiver:
+        """`receiver`, dying where it decodes a poisoned message (`poison_a_message`), and
+        noting the messages it dead-letters."""
+        decode, dead = receiver._decode, receiver._dead
+
+        def decoding(consumer: Any, delivery: Delivery) -> dict[str, Any] | None:
+            row = decode(consumer, delivery)
+            n = _number(delivery)
+            if row is not None and n in self.poisoned:
+                self.deaths[n] += 1
+                raise ReceiverDies(f"the receiver dies decoding message {n}")
+            return row
+
+        def dead_lettering(consumer: Any, delivery: Delivery, reason: str, detail: str) -> None:
+            dead(consumer, delivery, reason, detail)
+            if (n := _number(delivery)) is not None:
+                self.dead_lettered.add(n)
+
+        receiver._decode, receiver._dead = decoding, dead_lettering  # type: ignore[method-assign]
+        return receiver
 
     def _handler(self, message: Any, session: Any) -> None:
         n = int(message.payload["n"])
@@ -512,6 +558,8 @@ class Protocol(RuleBasedStateMachine):
             size = self.service.settings.receive_batch_size
             while (batch := consumer.fetch(size, self.wait)) and store:
                 self.receiver.store(target, batch)
+        except ReceiverDies:
+            pass  # its consumer closes: the deliveries not acked go back, flagged redelivered
         finally:
             consumer.close()
 
@@ -559,9 +607,15 @@ class Protocol(RuleBasedStateMachine):
         on its way; a row waiting for a retry or a lease stays pending), `days` pass (every time
         of the outbox, the inbox and the delivery counters moves back: the rows move to the day
         partition of their new time, and leases and retry delays end), and a maintenance pass
-        drops the partitions past the retention."""
+        drops the partitions past the retention. A poisoned message on its way is a copy too:
+        the receivers it kills pass after pass until it is dead-lettered are part of the
+        catching up (a broker redelivers at once, not days later)."""
         self.harness.relay()
-        self._receive()
+        for _ in range(self.service.settings.max_redeliveries + 2):
+            deaths = self.deaths.total()
+            self._receive()
+            if self.deaths.total() == deaths:
+                break
         self.work()
         self.dead_message_has_no_effect_and_its_fault()  # what finished now, before it is dropped
         self._pass(days)
@@ -648,7 +702,7 @@ class Protocol(RuleBasedStateMachine):
         self.failed_over = True
         self.service.engine.dispose()
         self.harness._relay = self.service.relay()
-        self.harness._receiver = self.receiver = self.service.receiver()
+        self.harness._receiver = self.receiver = self._dying(self.service.receiver())
         with self.service.engine.connect() as conn:
             after = [conn.execute(q).scalar_one() for q in (published, stored)]
         assert after[1] == before[1], f"{before[1] - after[1]} inbox rows seen, then lost"
@@ -662,6 +716,19 @@ class Protocol(RuleBasedStateMachine):
         and its claims held until their lease ends."""
         with contextlib.suppress(WorkerDies):
             self.harness.work()
+
+    @precondition(lambda self: self.committed - self.poisoned)
+    @rule(data=st.data())
+    def poison_a_message(self, data: st.DataObject) -> None:
+        """A committed message not stored yet kills every receiver that decodes it (a body
+        that crashes the decoder): each receiver pass that meets it dies there, its deliveries
+        not acked, until the count of its redeliveries, taken before the decode, passes
+        `max_redeliveries` and a receiver dead-letters it undecoded (the model's
+        `countDelivery`). It never has an effect, and is then finished (the model's `dlq`)."""
+        _, _, rows = self._rows()
+        fresh = sorted(self.committed - rows.keys() - self.gone - self.poisoned)
+        if fresh:
+            self.poisoned.add(data.draw(st.sampled_from(fresh)))
 
     @rule()
     def leases_end(self) -> None:
@@ -706,7 +773,10 @@ class Protocol(RuleBasedStateMachine):
         return counts, log, rows
 
     def _finished(self, rows: dict[int, Any], n: int) -> bool:
-        """Whether message `n` is processed or dead (its row maybe dropped since)."""
+        """Whether message `n` is processed or dead (its row maybe dropped since), or was
+        dead-lettered by the receiver and never stored (the model's `dlq`)."""
+        if n in self.dead_lettered and n not in rows and n not in self.gone:
+            return True
         return n in self.gone or (n in rows and rows[n].status in ("processed", "dead"))
 
     @invariant()
@@ -751,16 +821,26 @@ class Protocol(RuleBasedStateMachine):
     def check_liveness(self) -> None:
         """Once nothing more is injected, every committed message finishes: a handler that
         kills its worker each time ends its message dead (abandoned) after a few leases."""
-        for _ in range((self.service.settings.abandon_after + 2) * (len(self.committed) + 1)):
+        s = self.service.settings
+        rounds = (s.abandon_after + 2) * (len(self.committed) + 1) + s.max_redeliveries + 1
+        for _ in range(rounds * (1 + len(self.poisoned))):
             self.leases_end()
             try:
                 self.harness.run_until_idle()
                 break
             except WorkerDies:
                 pass
+            except ReceiverDies:  # the harness's consumer dies with it: its deliveries go back
+                self.harness._consumer.close()  # type: ignore[union-attr]
+                self.harness._consumer = None
         _, _, rows = self._rows()
         for n in self.committed:
             assert self._finished(rows, n), (n, rows.get(n))
+        # Counted before its decode, a poisoned message kills at most max_redeliveries + 1
+        # receivers (its first delivery is not a redelivery), then it is dead-lettered.
+        for n, deaths in self.deaths.items():
+            assert deaths <= s.max_redeliveries + 1, f"message {n} killed {deaths} receivers"
+        PREMISES["poison dead-lettered"] += len(self.poisoned & self.dead_lettered - rows.keys())
 
 
 class ProtocolThenCalm(Protocol):
@@ -804,8 +884,12 @@ def _settings(examples: int, steps: int) -> settings:
     )
 
 
-ProtocolThenCalm.TestCase.settings = _settings(40, 30)
-TestProtocolDrivenByTheModel = ProtocolThenCalm.TestCase
+def test_protocol_driven_by_the_model_in_memory() -> None:
+    """The machine on SQLite and the in-memory broker (the fast loop); among its runs, a
+    poisoned message dead-lettered by the receiver (the model's `dlq`)."""
+    PREMISES.clear()
+    run_state_machine_as_test(ProtocolThenCalm, settings=_settings(40, 30))
+    assert PREMISES["poison dead-lettered"] >= 1, PREMISES
 
 
 @pytest.mark.integration
@@ -822,7 +906,7 @@ def test_protocol_across_failovers_to_a_synchronous_standby(
             super().__init__(pair.example)
 
     try:
-        run_state_machine_as_test(ThroughFailovers, settings=_settings(10, 20))
+        run_state_machine_as_test(ThroughFailovers, settings=_settings(12, 20))
     finally:
         try:
             pair.close()
@@ -856,9 +940,11 @@ def test_protocol_on_postgres_and_rabbitmq(
             super().__init__(servers.example)
 
     try:
+        PREMISES.clear()
         run_state_machine_as_test(OnTheseServers, settings=_settings(20, 25))
     finally:
         servers.close()
+    assert PREMISES["poison dead-lettered"] >= 1, PREMISES
     assert servers.made and servers.leftovers() == []
     engine = create_engine(db_url)
     with engine.connect() as bystander:
