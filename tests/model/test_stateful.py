@@ -13,10 +13,11 @@ storing it; a committed message whose decoding kills every receiver that meets i
 there, its deliveries not acked, until the redelivery count, taken before the decode, passes
 `max_redeliveries` and the message is dead-lettered: it must then have no effect and count as
 finished, after at most `max_redeliveries` + 1 deaths); a worker pass, whose handler succeeds,
-raises Retry, fails, rejects or kills the worker (a BaseException nothing catches: its transaction rolls back, its claims stay) as each
-message's drawn plan says; the leases of those claims running out; the retry delays running
-out. Every receiver pass takes each batch as the broker delivers it out of publication order
-across keys (a drawn interleaving, each key's own order kept: the model's `consume`).
+raises Retry, fails, rejects or kills the worker (a BaseException nothing catches: its
+transaction rolls back, its claims stay) as each message's drawn plan says; the leases of those
+claims running out; the retry delays running out. Every receiver pass takes each batch as the
+broker delivers it out of publication order across keys (a drawn interleaving, each key's own
+order kept: the model's `consume`).
 
 On PostgreSQL, days pass (the roles catch up first, so no copy of a stored message is left on
 its way: the model's `windowPassed`; every time of the tables moves back, the rows into the day
