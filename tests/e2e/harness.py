@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pika
+from psycopg import sql
 from sqlalchemy import Engine, create_engine, text
 
 from outbox_inbox import Service
 from outbox_inbox.config import broker_urls
+from outbox_inbox.testing.injection import StreamingReplica
 
 from . import apps
 
@@ -52,6 +54,16 @@ def wait_until(
             state = f"; state: {describe()}" if describe is not None else ""
             raise WaitTimeout(f"timed out after {timeout:.0f}s waiting for {what}{state}")
         time.sleep(interval)
+
+
+def make_synchronous(replica: StreamingReplica) -> None:
+    """Make every commit on `replica`'s primary wait for `replica`'s flush
+    (``synchronous_standby_names``; ``synchronous_commit = on``), once it streams so."""
+    with replica.primary.connect() as conn:
+        names = sql.SQL("ALTER SYSTEM SET synchronous_standby_names = {}")
+        conn.execute(names.format(sql.Literal(replica.name)))
+        conn.execute("SELECT pg_reload_conf()")
+    wait_until(lambda: replica.streaming("sync"), timeout=30, what="a synchronous standby")
 
 
 def hold(duration: float, invariant: Callable[[], T], *, what: str) -> T:

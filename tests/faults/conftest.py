@@ -20,9 +20,8 @@ from e2e.conftest import (  # noqa: F401
     processes,
     pytest_runtest_makereport,
 )
-from e2e.harness import Database, Processes, wait_until
+from e2e.harness import Database, Processes, make_synchronous
 from model.conformance import conforming
-from psycopg import sql
 
 from outbox_inbox import Service
 from outbox_inbox.testing.injection import StreamingReplica, iptables_problem
@@ -73,11 +72,7 @@ def failover_pair(
     try:
         primary.start()
         replica.start()
-        with primary.connect() as conn:
-            names = sql.SQL("ALTER SYSTEM SET synchronous_standby_names = {}")
-            conn.execute(names.format(sql.Literal(replica.name)))
-            conn.execute("SELECT pg_reload_conf()")
-        wait_until(lambda: replica.streaming("sync"), timeout=30, what="a synchronous standby")
+        make_synchronous(replica)
         yield primary, replica
     finally:
         try:

@@ -60,6 +60,7 @@ from typing import Any
 
 import pika
 import pytest
+from e2e.harness import make_synchronous
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -301,12 +302,9 @@ class FailoverPair(OnServers):
         """A standby of the primary, copied from it, synchronous once it streams."""
         primary = self.postgres
         assert isinstance(primary, PostgresServer)
-        self.standby = standby = StreamingReplica(primary, name="standby")
-        standby.start()
-        with primary.connect() as conn:
-            conn.execute("ALTER SYSTEM SET synchronous_standby_names = 'standby'")
-            conn.execute("SELECT pg_reload_conf()")
-        wait_until(lambda: standby.streaming("sync"), timeout=30, what="a synchronous standby")
+        self.standby = StreamingReplica(primary, name="standby")
+        self.standby.start()
+        make_synchronous(self.standby)
 
     def example(self) -> Place:
         if self.standby is None:  # the last example failed over
