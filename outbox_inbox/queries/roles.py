@@ -585,14 +585,12 @@ def claim_inbox(
     arrival), each with the `_CLAIMED` columns and ``claimed_at``, the database's time.
     """
     postgres = conn.dialect.name == "postgresql"
-    if postgres:
-        conn.execute(_CLAIM_SETTINGS[flush_wait])
     caps, rates = caps or {}, rates or {}
     capped = tuple((k, caps.get(k), rates.get(k)) for k in sorted({*caps, *rates}))
     weighted = tuple(sorted((weights or {}).items())) if fair else ()
     tenants = tuple(sorted((tenant_weights or {}).items())) if fair else ()
-    if capped and postgres:
-        conn.execute(_LOCK_CAPS, {"keys": [key for key, _, _ in capped]})
+    if postgres:  # the settings, and the capped types' locks: one round trip
+        conn.execute(_CLAIM_SETTINGS[flush_wait, bool(capped)], {"keys": [k for k, *_ in capped]})
     params = {"claimant": worker, "limit": limit, "lease": lease.total_seconds()}
     if fair or capped:
         stmt = _fair_claim_statement(tables, postgres, fair, capped, weighted, tenants)
@@ -674,7 +672,7 @@ def places_left(
 
 #: Claims of a capped type, in key order (no two claims deadlock).
 _LOCK_CAPS = text(
-    "SELECT pg_advisory_xact_lock(:namespace, h) FROM (SELECT DISTINCT hashtext(k) AS h"
+    "SELECT count(pg_advisory_xact_lock(:namespace, h)) FROM (SELECT DISTINCT hashtext(k) AS h"
     " FROM unnest(CAST(:keys AS text[])) AS k ORDER BY h) AS capped"
 ).bindparams(namespace=CAP_LOCK)
 
@@ -748,8 +746,8 @@ def _fair_claim_statement(
         groups = groups.union_all(select(later).select_from(groups.join(later, true())))
         places = _cap_of(tables, groups.c.rk, caps, liveness=True)
         take: Any = limit
-        if places is not None:  # counted once per group
-            groups = select(groups, places.label("places")).cte("capped_groups")
+        if places is not None:  # counted once per group (not inlined)
+            groups = select(groups, places.label("places")).cte("caps").prefix_with("MATERIALIZED")
             take = func.greatest(0, func.least(limit, func.coalesce(groups.c.places, limit)))
         heads = (
             select(i.c.id, i.c.priority, i.c.routing_key, i.c.tenant)
@@ -1267,12 +1265,14 @@ def bound_on_server(conn: Connection, *, flush_wait: bool = True) -> None:
 #: publishes again are dropped by the inbox) and a lone claim (undone with every later
 #: transaction, WAL being flushed in order: claimed again, the attempt uncounted).
 _CLAIM_SETTINGS = {
-    wait: select(
+    (wait, locks): select(
         func.set_config("enable_sort", "off", True),
         func.set_config("jit", "off", True),  # compiling the claim takes seconds; it runs in 1 ms
         *([] if wait else [func.set_config("synchronous_commit", "off", True)]),
+        *([_LOCK_CAPS.columns(column("n", Integer)).scalar_subquery()] if locks else []),
     )
     for wait in (True, False)
+    for locks in (True, False)
 }
 
 

@@ -551,7 +551,7 @@ def test_a_claim_planned_on_an_empty_inbox_reads_its_heads_not_the_whole_backlog
             if settings:
                 literal = {"literal_binds": True}  # what claim_inbox runs before its claim
                 session.execute(
-                    str(roles._CLAIM_SETTINGS[True].compile(engine, compile_kwargs=literal))
+                    str(roles._CLAIM_SETTINGS[True, False].compile(engine, compile_kwargs=literal))
                 )
             given = psycopg.sql.SQL(", ").join(map(psycopg.sql.Literal, arguments))
             explain = psycopg.sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE claim({})")
