@@ -12,13 +12,13 @@ the redelivered flag, which the receiver counts and drops), or dies with the bat
 storing it; a committed message whose decoding kills every receiver that meets it (each dies
 there, its deliveries not acked, until the redelivery count, taken before the decode, passes
 `max_redeliveries` and the message is dead-lettered: it must then have no effect and count as
-finished, after at most `max_redeliveries` deaths at its redeliveries, and one at the first
-delivery of each copy the relay published); a worker pass, whose handler succeeds,
-raises Retry, fails, rejects or kills the worker (a BaseException nothing catches: its
-transaction rolls back, its claims stay) as each message's drawn plan says; the leases of those
-claims running out; the retry delays running out. Every receiver pass takes each batch as the
-broker delivers it out of publication order across keys (a drawn interleaving, each key's own
-order kept: the model's `consume`).
+finished, after at most `max_redeliveries` deaths at its redeliveries; the first delivery of
+each copy the relay published, not a redelivery, may kill one more); a worker pass, whose
+handler succeeds, raises Retry, fails, rejects or kills the worker (a BaseException nothing
+catches: its transaction rolls back, its claims stay) as each message's drawn plan says; the
+leases of those claims running out; the retry delays running out. Every receiver pass takes
+each batch as the broker delivers it out of publication order across keys (a drawn
+interleaving, each key's own order kept: the model's `consume`).
 
 On PostgreSQL, days pass (the roles catch up first, so no copy of a stored message is left on
 its way: the model's `windowPassed`; every time of the tables moves back, the rows into the day
