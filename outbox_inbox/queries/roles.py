@@ -1205,6 +1205,7 @@ def unprepared_behind_pooler(engine: Engine | AsyncEngine) -> None:
 #: ``tcp_user_timeout`` (ms, as the client's `database.CLIENT_BOUNDS`) of the roles'
 #: transactions: what each bounds is in docs/failures.md ("A partition from PostgreSQL").
 WORKER_KEEPALIVE = (10, 5, 3)
+_KEEPALIVES = ("tcp_keepalives_idle", "tcp_keepalives_interval", "tcp_keepalives_count")
 WORKER_USER_TIMEOUT = 10_000
 
 
@@ -1223,12 +1224,9 @@ def limit_worker(dbapi_connection: Any, lease: float, *, local: bool) -> None:
     server connection it picked; called from SQLAlchemy's ``begin`` event, the statement opens
     the transaction. Otherwise for the session, once, on a session that is the worker's own.
     """
-    idle, interval, count = WORKER_KEEPALIVE
     settings = {
         "idle_in_transaction_session_timeout": str(int(lease * 1000)),
-        "tcp_keepalives_idle": str(idle),
-        "tcp_keepalives_interval": str(interval),
-        "tcp_keepalives_count": str(count),
+        **{name: str(v) for name, v in zip(_KEEPALIVES, WORKER_KEEPALIVE, strict=True)},
         "tcp_user_timeout": str(WORKER_USER_TIMEOUT),
         "jit": "off",
         "plan_cache_mode": "force_generic_plan",
@@ -1252,9 +1250,9 @@ def bound_on_server(conn: Connection, *, flush_wait: bool = True) -> None:
     """Bound, on the server, how long the session of the transaction in hand outlives a client
     cut off from it, and its locks with it (`WORKER_USER_TIMEOUT`, `WORKER_KEEPALIVE`; the
     server's defaults: minutes or two hours). The relay and the receiver run it first in each
-    transaction. Without `flush_wait`, also ``synchronous_commit = off`` (`_CLAIM_SETTINGS`).
-    ``SET LOCAL``: nothing outlives the transaction, on whichever server connection a pooler in
-    transaction mode picked. Does nothing on SQLite."""
+    transaction. Without `flush_wait`, also ``synchronous_commit = off`` (`_CLAIM_SETTINGS`);
+    full scans off, as there. ``SET LOCAL``: nothing outlives the transaction, on whichever
+    server connection a pooler in transaction mode picked. Does nothing on SQLite."""
     if is_postgres(conn):
         conn.execute(_tcp_bounds(local=True, user_timeout=True, flush_wait=flush_wait))
 
@@ -1263,10 +1261,12 @@ def bound_on_server(conn: Connection, *, flush_wait: bool = True) -> None:
 #: (``synchronous_commit`` off) the commit waits for no disk flush: only for transactions a
 #: server crash may undo harmlessly, the relay's marks (`bound_on_server`; the copies it
 #: publishes again are dropped by the inbox) and a lone claim (undone with every later
-#: transaction, WAL being flushed in order: claimed again, the attempt uncounted).
+#: transaction, WAL being flushed in order: claimed again, the attempt uncounted). Sorts and
+#: full scans off: the plan a connection keeps, made on an empty inbox, stays on the indexes.
 _CLAIM_SETTINGS = {
     (wait, locks): select(
         func.set_config("enable_sort", "off", True),
+        func.set_config("enable_seqscan", "off", True),
         func.set_config("jit", "off", True),  # compiling the claim takes seconds; it runs in 1 ms
         *([] if wait else [func.set_config("synchronous_commit", "off", True)]),
         *([_LOCK_CAPS.columns(column("n", Integer)).scalar_subquery()] if locks else []),
@@ -1278,14 +1278,12 @@ _CLAIM_SETTINGS = {
 
 @cache
 def _tcp_bounds(*, local: bool, user_timeout: bool = False, flush_wait: bool = True) -> Select[Any]:
-    """``SELECT set_config(...)`` of `WORKER_KEEPALIVE` (and `WORKER_USER_TIMEOUT`; without
-    `flush_wait`, ``synchronous_commit = off``), for the transaction (`local`) or the session.
-    Built once: the relay and the receiver run it in every transaction."""
-    idle, interval, count = WORKER_KEEPALIVE
-    settings: dict[str, Any] = {"tcp_keepalives_idle": idle, "tcp_keepalives_interval": interval}
-    settings["tcp_keepalives_count"] = count
+    """``SELECT set_config(...)`` of `WORKER_KEEPALIVE` (and `WORKER_USER_TIMEOUT`, full scans
+    off; without `flush_wait`, ``synchronous_commit = off``), for the transaction (`local`) or
+    the session. Built once: the relay and the receiver run it in every transaction."""
+    settings: dict[str, Any] = dict(zip(_KEEPALIVES, WORKER_KEEPALIVE, strict=True))
     if user_timeout:
-        settings["tcp_user_timeout"] = WORKER_USER_TIMEOUT
+        settings.update(tcp_user_timeout=WORKER_USER_TIMEOUT, enable_seqscan="off")
     if not flush_wait:
         settings["synchronous_commit"] = "off"
     return select(*(func.set_config(name, str(v), local) for name, v in settings.items()))

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import textwrap
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -582,9 +582,16 @@ def _node(plan: Any, name: str) -> Any:
 
 
 def _claim_to_prepare(service: Service, **options: Any) -> tuple[str, Any, str, Any]:
-    """A claim of 50 by ``w-1`` with `options`, as the driver got it (rolled back): the
-    settings statement and its values, the claim's text for ``PREPARE`` ($n parameters) and
-    its values for ``EXECUTE``."""
+    """A claim of 50 by ``w-1`` with `options` (`_to_prepare`)."""
+    return _to_prepare(
+        service, lambda conn: roles.claim_inbox(conn, service.tables, "w-1", 50, LEASE, **options)
+    )
+
+
+def _to_prepare(service: Service, run: Callable[[Connection], Any]) -> tuple[str, Any, str, Any]:
+    """What `run` sends, as the driver got it (rolled back): the settings statement it sends
+    first and its values, its last statement's text for ``PREPARE`` ($n parameters) and that
+    statement's values for ``EXECUTE``."""
     sent: list[tuple[str, Any]] = []
 
     def note(conn: Any, cursor: Any, statement: str, values: Any, *_: Any) -> None:
@@ -592,13 +599,68 @@ def _claim_to_prepare(service: Service, **options: Any) -> tuple[str, Any, str, 
 
     with service.engine.connect() as conn, conn.begin() as transaction:
         event.listen(conn, "before_cursor_execute", note)
-        roles.claim_inbox(conn, service.tables, "w-1", 50, LEASE, **options)
+        run(conn)
         transaction.rollback()
-    (settings, set_values), (claim, values) = sent  # the settings, then the claim
-    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", claim)))
-    numbered = re.sub(r"%\((\w+)\)s", lambda m: f"${names.index(m[1]) + 1}", claim)
+    (settings, set_values), *_, (last, values) = sent
+    assert "set_config" in settings
+    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", last)))
+    numbered = re.sub(r"%\((\w+)\)s", lambda m: f"${names.index(m[1]) + 1}", last)
     given = psycopg.sql.SQL(", ").join(psycopg.sql.Literal(values[name]) for name in names)
     return settings, set_values, numbered, given
+
+
+def _scanned(node: Any) -> int:
+    """The rows the Seq Scan nodes of an EXPLAIN (ANALYZE, FORMAT JSON) plan read."""
+    read = node["Actual Rows"] + node.get("Rows Removed by Filter", 0)
+    own = read * node["Actual Loops"] if node["Node Type"] == "Seq Scan" else 0
+    return own + sum(_scanned(child) for child in node.get("Plans", []))
+
+
+@pytest.mark.parametrize("statement", ["claim", "insert"])
+def test_a_plan_made_on_an_empty_inbox_still_finds_rows_by_index_once_thousands_are_there(
+    db_url: str, statement: str
+) -> None:
+    """The worker's claim and the receiver's insert are prepared statements whose generic plan
+    a connection keeps. Made while the inbox is empty, as at a start, such a plan reads the
+    whole inbox by a Seq Scan at each call once thousands of rows are there: for the claim's
+    rows by id, for the ids already stored. The settings each sends first keep it on its
+    indexes."""
+    service = make_service("billing", db_url, None)
+    _no_autovacuum(service, db_url)  # no analyze of its own while the test runs
+    with psycopg.connect(db_url.replace("+psycopg", ""), autocommit=True) as c:
+        c.execute(f"VACUUM ANALYZE {INBOX}")  # empty, as at a start
+    new = [received_row() for _ in range(50)]
+    settings, set_values, numbered, given = _to_prepare(
+        service,
+        lambda conn: (
+            roles.claim_inbox(conn, service.tables, "w-1", 50, LEASE)
+            if statement == "claim"
+            else (roles.bound_on_server(conn), roles.insert_inbox(conn, service.tables, new))
+        ),
+    )
+    sessions = {sent: psycopg.connect(db_url.replace("+psycopg", "")) for sent in (False, True)}
+
+    def scanned(session: psycopg.Connection[Any], sent: bool) -> int:
+        with session.transaction(force_rollback=True):
+            if sent:
+                session.execute(settings, set_values)
+            explain = psycopg.sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE s({})")
+            plan = session.execute(explain.format(given)).fetchone()
+        assert plan is not None
+        return _scanned(plan[0][0]["Plan"])
+
+    try:
+        for sent, session in sessions.items():
+            session.execute("SET plan_cache_mode = force_generic_plan")
+            session.execute(f"PREPARE s AS {numbered}")
+            scanned(session, sent)  # planned now, on the empty inbox, and kept
+        _store(service, "bulk.item", 3000)
+        assert scanned(sessions[False], False) >= 3000  # what the settings avoid
+        assert scanned(sessions[True], True) <= 50
+    finally:
+        for session in sessions.values():
+            session.close()
+        service.close()
 
 
 def test_a_claim_finds_the_waiting_types_without_reading_the_rows_handled_before(
@@ -658,10 +720,5 @@ def test_a_claims_generic_plan_leases_its_rows_by_id_not_by_reading_the_inbox(
             session.execute(settings, set_values)
             plan = session.execute(explain.format(given)).fetchone()
     assert plan is not None
-
-    def scanned(node: Any) -> int:
-        own = node["Actual Rows"] * node["Actual Loops"] if node["Node Type"] == "Seq Scan" else 0
-        return own + sum(scanned(child) for child in node.get("Plans", []))
-
-    assert scanned(plan[0][0]["Plan"]) == 0
+    assert _scanned(plan[0][0]["Plan"]) == 0
     service.close()
