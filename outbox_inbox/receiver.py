@@ -313,9 +313,8 @@ class Receiver:
         started = time.time_ns() if tracer is not None else 0
         with self._engine.begin() as conn:
             # Cut off, the session would keep its new message ids locked, and the next insert
-            # of the same messages waiting for it.
-            roles.bound_on_server(conn)
-            new = roles.insert_inbox(conn, self._tables, [row for _, row in items])
+            # of the same messages waiting for it (`roles.bound_on_server`, with the locks).
+            new = roles.insert_inbox(conn, self._tables, [row for _, row in items], bound=True)
             if repeats or len(new) < len(items):  # the common batch has no duplicate
                 ids = (row["message_id"] for _, row in items)
                 dropped = {mid: repeats.get(mid, 0) + (0 if mid in new else 1) for mid in ids}

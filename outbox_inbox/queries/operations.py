@@ -258,11 +258,10 @@ def inbox_status(conn: Connection, tables: Tables) -> dict[str, Any]:
     since = func.max(db_age(claimable_since)).label("oldest")
     stmt = select(func.count().label("claimable"), since).where(claimable(i, liveness=False))
     ready = conn.execute(stmt).one()
-    # Each statement reads the partial indexes of its rows, never every finished row: the
-    # newest processed_at of the processed rows (one index entry per partition) and of the
-    # dead ones; the pending and dead rows through their indexes (an OR, which the planner
-    # splits over both, where IN would read the table); the processed rows counted on their
-    # narrow index.
+    # Each statement reads the partial indexes of its rows, never every finished row: the newest
+    # processed_at of the processed rows (one index entry per partition) and of the dead ones;
+    # the pending and dead rows through their indexes (an OR, which the planner splits over
+    # both, where IN would read the table); the processed rows counted on their narrow index.
     newest = select(db_age(func.max(i.c.processed_at)))
     handled = [conn.execute(newest.where(i.c.status == s)).scalar_one() for s in (PROCESSED, DEAD)]
     last_handled = min((age for age in handled if age is not None), default=None)

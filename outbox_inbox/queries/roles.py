@@ -428,7 +428,7 @@ def _outbox_failed_statement(tables: Tables, postgres: bool, *, dead: bool) -> A
 
 
 def insert_inbox(
-    conn: Connection, tables: Tables, rows: Sequence[Mapping[str, Any]]
+    conn: Connection, tables: Tables, rows: Sequence[Mapping[str, Any]], *, bound: bool = False
 ) -> set[uuid.UUID]:
     """Store received messages once each: a message_id already stored is skipped. Returns the
     message ids of the rows that were new. On PostgreSQL the inbox is partitioned by time, and a
@@ -436,7 +436,7 @@ def insert_inbox(
     the receiver first takes a transaction-level advisory lock on each message id (in one order, so
     that two receivers never deadlock), then inserts only the ids no partition holds yet: a second
     copy being stored at the same moment waits for the first one's commit, and its insert, a new
-    statement, sees that row."""
+    statement, sees that row. `bound`: with `bound_on_server`, in the locks' round trip."""
     if not rows:
         return set()
     if conn.dialect.name == "postgresql":
@@ -444,7 +444,7 @@ def insert_inbox(
         # the statement's text never changes, and no value is adapted one by one (a text
         # array of JSON documents cost psycopg a regular expression per quote).
         batch = _BATCH_JSON([{name: row[name] for name in RECEIVED_COLUMNS} for row in rows])
-        conn.execute(_LOCK_MESSAGE_IDS, {"ids": [str(row["message_id"]) for row in rows]})
+        conn.execute(_locking_ids(bound), {"ids": [str(row["message_id"]) for row in rows]})
         sql_text = _insert_inbox_sql(tables, conn.dialect)
         result = conn.exec_driver_sql(sql_text, {"rows": batch})
         return {message_id for (message_id,) in result.all()}
@@ -502,11 +502,15 @@ def _insert_inbox_statement(tables: Tables) -> Any:
     )
 
 
-#: The receiver's lock on each message id of a batch, in hash order.
-_LOCK_MESSAGE_IDS = text(
-    "SELECT pg_advisory_xact_lock(:namespace, h) FROM (SELECT DISTINCT hashtext(m) AS h"
-    " FROM unnest(CAST(:ids AS text[])) AS m ORDER BY h) AS ids"
-).bindparams(namespace=INBOX_LOCK)
+@cache
+def _locking_ids(bound: bool) -> Select[Any]:
+    """The locks on a batch's message ids, in hash order; `bound`: after `bound_on_server`'s."""
+    locks = text(
+        "SELECT count(pg_advisory_xact_lock(:namespace, h)) FROM (SELECT DISTINCT hashtext(m)"
+        " AS h FROM unnest(CAST(:ids AS text[])) AS m ORDER BY h) AS ids"
+    ).bindparams(namespace=INBOX_LOCK)
+    bounds = _tcp_bounds(local=True, user_timeout=True) if bound else select()
+    return bounds.add_columns(locks.columns(column("n", Integer)).scalar_subquery())
 
 
 def is_stored(conn: Connection, tables: Tables, message_id: uuid.UUID) -> bool:

@@ -151,6 +151,9 @@ def test_a_lone_message_goes_through_each_stage_in_one_transaction(
                 # stores in one; the worker claims in one and handles, marks and claims the
                 # next in one. No further transaction: no poll ran, no batch waited.
                 assert counted.commits() == {"relay": 1, "receiver": 1, "worker": 2}
+                # The receiver's round trips: its bounds with the message's lock, the insert.
+                [stored] = counted.transactions["receiver"]
+                assert len(stored) == 2, stored
     finally:
         counted.close()
         billing.close()
