@@ -635,7 +635,7 @@ def test_a_plan_made_on_an_empty_inbox_still_finds_rows_by_index_once_thousands_
         lambda conn: (
             roles.claim_inbox(conn, service.tables, "w-1", 50, LEASE)
             if statement == "claim"
-            else (roles.bound_on_server(conn), roles.insert_inbox(conn, service.tables, new))
+            else roles.insert_inbox(conn, service.tables, new, bound=True)  # as the receiver
         ),
     )
     sessions = {sent: psycopg.connect(db_url.replace("+psycopg", "")) for sent in (False, True)}
