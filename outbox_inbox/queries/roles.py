@@ -444,7 +444,7 @@ def insert_inbox(
         # the statement's text never changes, and no value is adapted one by one (a text
         # array of JSON documents cost psycopg a regular expression per quote).
         batch = _BATCH_JSON([{name: row[name] for name in RECEIVED_COLUMNS} for row in rows])
-        conn.execute(_locking_ids(bound), {"ids": [str(row["message_id"]) for row in rows]})
+        conn.execute(_locking_ids(bound), {"keys": [str(row["message_id"]) for row in rows]})
         sql_text = _insert_inbox_sql(tables, conn.dialect)
         result = conn.exec_driver_sql(sql_text, {"rows": batch})
         return {message_id for (message_id,) in result.all()}
@@ -504,13 +504,20 @@ def _insert_inbox_statement(tables: Tables) -> Any:
 
 @cache
 def _locking_ids(bound: bool) -> Select[Any]:
-    """The locks on a batch's message ids, in hash order; `bound`: after `bound_on_server`'s."""
-    locks = text(
-        "SELECT count(pg_advisory_xact_lock(:namespace, h)) FROM (SELECT DISTINCT hashtext(m)"
-        " AS h FROM unnest(CAST(:ids AS text[])) AS m ORDER BY h) AS ids"
-    ).bindparams(namespace=INBOX_LOCK)
+    """The locks on a batch's message ids; `bound`: after `bound_on_server`'s settings."""
     bounds = _tcp_bounds(local=True, user_timeout=True) if bound else select()
-    return bounds.add_columns(locks.columns(column("n", Integer)).scalar_subquery())
+    return bounds.add_columns(_xact_locks(INBOX_LOCK))
+
+
+_XACT_LOCKS = text(
+    "SELECT count(pg_advisory_xact_lock(:namespace, h)) FROM (SELECT DISTINCT hashtext(k) AS h"
+    " FROM unnest(CAST(:keys AS text[])) AS k ORDER BY h) AS locked"
+).columns(column("n", Integer))
+
+
+def _xact_locks(namespace: int) -> Any:
+    """Transaction locks in `namespace` on the texts ``:keys``, in hash order, as a scalar."""
+    return _XACT_LOCKS.bindparams(namespace=namespace).scalar_subquery()
 
 
 def is_stored(conn: Connection, tables: Tables, message_id: uuid.UUID) -> bool:
@@ -672,13 +679,6 @@ def places_left(
     capped = tuple((k, caps.get(k), rates.get(k)) for k in sorted({*caps, *rates}))
     left = _cap_of(tables, bindparam("k", type_=String), capped, liveness=is_postgres(conn))
     return {key: conn.execute(select(left), {"k": key}).scalar_one() for key, _, _ in capped}
-
-
-#: Claims of a capped type, in key order (no two claims deadlock).
-_LOCK_CAPS = text(
-    "SELECT count(pg_advisory_xact_lock(:namespace, h)) FROM (SELECT DISTINCT hashtext(k) AS h"
-    " FROM unnest(CAST(:keys AS text[])) AS k ORDER BY h) AS capped"
-).bindparams(namespace=CAP_LOCK)
 
 
 @cache
@@ -1273,7 +1273,7 @@ _CLAIM_SETTINGS = {
         func.set_config("enable_seqscan", "off", True),
         func.set_config("jit", "off", True),  # compiling the claim takes seconds; it runs in 1 ms
         *([] if wait else [func.set_config("synchronous_commit", "off", True)]),
-        *([_LOCK_CAPS.columns(column("n", Integer)).scalar_subquery()] if locks else []),
+        *([_xact_locks(CAP_LOCK)] if locks else []),  # claims of a capped type, one at a time
     )
     for wait in (True, False)
     for locks in (True, False)
