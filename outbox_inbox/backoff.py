@@ -15,7 +15,8 @@ class Backoff:
     is small by default (``reconnect_max``, a few seconds) so a role is back within a few seconds of
     its server, and the jitter keeps many roles from retrying in step. Call `failed()` on each
     failed try and `succeeded()` once it works: an outage is logged as one warning when it starts
-    and one info line, with its duration, when it ends; the tries in between at debug level."""
+    and one info line, with its duration, when it ends; the tries in between at debug level, and
+    a failure within `maximum` seconds of its end (a read worked on a full disk, a write not)."""
 
     def __init__(
         self,
@@ -30,6 +31,7 @@ class Backoff:
         self._what = what
         self._log = logger or logging.getLogger(__name__)
         self._since: float | None = None
+        self._ended = -maximum  # when the last outage ended (monotonic)
         self.outages = 0
 
     def sleep(self, stop: threading.Event) -> None:
@@ -39,6 +41,8 @@ class Backoff:
 
     def failed(self, reason: object, stop: threading.Event) -> None:
         """Record a failed try (`reason`: the error, or why) and wait before the next one."""
+        if self._since is None and time.monotonic() - self._ended < self._maximum:
+            self._since = self._ended  # the same outage, after a try that worked
         if self._since is None:
             self._since = time.monotonic()
             self.outages += 1
@@ -58,5 +62,5 @@ class Backoff:
             self._log.info(
                 "%s: working again after %.1f s", self._what, time.monotonic() - self._since
             )
-            self._since = None
+            self._since, self._ended = None, time.monotonic()
         self._next = self._initial

@@ -89,10 +89,9 @@ class Receiver:
         self.dead = 0  # deliveries sent to the dead letters
 
     def run(self, stop: threading.Event, *, on_started: Callable[[], None] | None = None) -> None:
-        """Receive until `stop` is set; the batch in hand is stored and acked first.
-        `on_started` is called once the first consumer is open. Any error is retried
-        (`RoleLoop`), the consumer closed first; after TopologyMissing the topology is declared
-        again first (`declare`)."""
+        """Receive until `stop` is set; the batch in hand is stored and acked first. `on_started` is
+        called once the first consumer is open. Any error is retried (`RoleLoop`), the consumer
+        closed first; after TopologyMissing the topology is declared again first (`declare`)."""
         s = self._settings
         consumer: Consumer | None = None
         announce = on_started
@@ -312,8 +311,7 @@ class Receiver:
         tracer = self._tracing.tracer()
         started = time.time_ns() if tracer is not None else 0
         with self._engine.begin() as conn:
-            # Cut off, the session would keep its new message ids locked, and the next insert
-            # of the same messages waiting for it (`roles.bound_on_server`, with the locks).
+            # Bound: cut off, the session would keep its message ids locked (`bound_on_server`).
             new = roles.insert_inbox(conn, self._tables, [row for _, row in items], bound=True)
             if repeats or len(new) < len(items):  # the common batch has no duplicate
                 ids = (row["message_id"] for _, row in items)

@@ -179,12 +179,11 @@ class Service:
 
     def with_urls(self, *, db_url: str | None = None, mq_url: str | None = None) -> Service:
         """This service on the servers at `db_url` / `mq_url` (its own where one is not given):
-        itself when neither is another, else a new Service, running no role, that shares the
-        name, other settings, `handlers`, listener, tracer provider, tenant registry, and the
-        engine or broker object this one was given unless a URL replaces it. Handlers that use
-        this object's engine or session keep its database; those writing through the session
-        they are given follow `db_url`. Connects to nothing; raises ConfigurationError for an
-        invalid URL."""
+        itself when neither is another, else a new Service, running no role, that shares the name,
+        other settings, `handlers`, listener, tracer provider, tenant registry, and the engine or
+        broker object this one was given unless a URL replaces it. Handlers that use this object's
+        engine or session keep its database; those writing through the session they are given follow
+        `db_url`. Connects to nothing; raises ConfigurationError for an invalid URL."""
         settings = self.settings
         if (not db_url or db_url == settings.db_url) and (not mq_url or mq_url == settings.mq_url):
             return self

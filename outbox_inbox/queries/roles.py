@@ -593,8 +593,7 @@ def claim_inbox(
     the settings of `_CLAIM_SETTINGS` (`flush_wait`): run the claim last in its transaction. It
     commits with the caller's transaction, so the count survives a crash of the handler. The
     rows come in the order they were served (`served_order`; without `fair`, by priority then
-    arrival), each with the `_CLAIMED` columns and ``claimed_at``, the database's time.
-    """
+    arrival), each with the `_CLAIMED` columns and ``claimed_at``, the database's time."""
     postgres = conn.dialect.name == "postgresql"
     caps, rates = caps or {}, rates or {}
     capped = tuple((k, caps.get(k), rates.get(k)) for k in sorted({*caps, *rates}))

@@ -10,6 +10,7 @@ import time
 import pytest
 from sqlalchemy.exc import OperationalError
 
+from outbox_inbox.backoff import Backoff
 from outbox_inbox.config import Settings
 from outbox_inbox.errors import BrokerConnectionError
 from outbox_inbox.role_loop import RoleLoop
@@ -130,3 +131,22 @@ def test_the_async_loop_awaits_its_step_and_recover_and_waits_off_the_event_loop
     asyncio.run(main())
     assert len(recovered) == 1
     assert ticks >= 5  # the loop ran on during the poll wait after the short step
+
+
+def test_a_failure_soon_after_an_outage_ends_continues_it_and_a_later_one_is_a_new_outage(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """On a full disk a read works between two writes that do not: fail, succeed, fail within
+    the backoff's cap is one outage, one warning. Past the cap, a failure is a new outage."""
+    stop = threading.Event()
+    backoff = Backoff(0.0, 0.2, what="worker w", logger=log)
+    with caplog.at_level(logging.DEBUG, logger=log.name):
+        backoff.failed("database unavailable: disk full", stop)
+        backoff.succeeded()
+        backoff.failed("database unavailable: disk full", stop)  # at once: the same outage
+        backoff.succeeded()
+        time.sleep(0.3)
+        backoff.failed("database unavailable: refused", stop)  # past the cap: a new one
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert [w.split(": ", 2)[2].split(";")[0] for w in warnings] == ["disk full", "refused"]
+    assert backoff.outages == 2
