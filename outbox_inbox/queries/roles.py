@@ -1210,6 +1210,8 @@ def unprepared_behind_pooler(engine: Engine | AsyncEngine) -> None:
 WORKER_KEEPALIVE = (10, 5, 3)
 _KEEPALIVES = ("tcp_keepalives_idle", "tcp_keepalives_interval", "tcp_keepalives_count")
 WORKER_USER_TIMEOUT = 10_000
+#: Each statement of a role's transaction planned once per connection, and never compiled.
+_PLANNED_ONCE = {"jit": "off", "plan_cache_mode": "force_generic_plan"}
 
 
 def limit_worker(dbapi_connection: Any, lease: float, *, local: bool) -> None:
@@ -1218,9 +1220,8 @@ def limit_worker(dbapi_connection: Any, lease: float, *, local: bool) -> None:
     locks; the server ends its session after the lease, so the rows go back to the queue and
     the hung work can never commit. The TCP keepalive settings and ``tcp_user_timeout`` bound
     how long the transaction of a worker whose host vanished or was cut off lives on
-    (`WORKER_KEEPALIVE`, `WORKER_USER_TIMEOUT`). ``jit`` off and ``plan_cache_mode`` =
-    ``force_generic_plan``: the claim is planned once per connection, and never compiled (the
-    server kept planning it anew, and compiling it, each of which cost more than running it).
+    (`WORKER_KEEPALIVE`, `WORKER_USER_TIMEOUT`). `_PLANNED_ONCE`: planning the claim anew at each
+    call, or compiling it, cost more than running it.
 
     `local`: for the transaction being begun only (``SET LOCAL``), so that a pooler in
     transaction mode hands no setting to its other clients and the limit holds on whichever
@@ -1231,8 +1232,7 @@ def limit_worker(dbapi_connection: Any, lease: float, *, local: bool) -> None:
         "idle_in_transaction_session_timeout": str(int(lease * 1000)),
         **{name: str(v) for name, v in zip(_KEEPALIVES, WORKER_KEEPALIVE, strict=True)},
         "tcp_user_timeout": str(WORKER_USER_TIMEOUT),
-        "jit": "off",
-        "plan_cache_mode": "force_generic_plan",
+        **_PLANNED_ONCE,
     }
     # The DB-API face only (no psycopg keywords): the asyncio worker's adapter has no more.
     cursor = dbapi_connection.cursor()
@@ -1282,11 +1282,11 @@ _CLAIM_SETTINGS = {
 @cache
 def _tcp_bounds(*, local: bool, user_timeout: bool = False, flush_wait: bool = True) -> Select[Any]:
     """``SELECT set_config(...)`` of `WORKER_KEEPALIVE` (and `WORKER_USER_TIMEOUT`, full scans
-    off; without `flush_wait`, ``synchronous_commit = off``), for the transaction (`local`) or
-    the session. Built once: the relay and the receiver run it in every transaction."""
+    off, `_PLANNED_ONCE`; without `flush_wait`, ``synchronous_commit = off``), for the transaction
+    (`local`) or the session. Built once: the relay and the receiver run it in every transaction."""
     settings: dict[str, Any] = dict(zip(_KEEPALIVES, WORKER_KEEPALIVE, strict=True))
     if user_timeout:
-        settings.update(tcp_user_timeout=WORKER_USER_TIMEOUT, enable_seqscan="off")
+        settings.update(_PLANNED_ONCE, tcp_user_timeout=WORKER_USER_TIMEOUT, enable_seqscan="off")
     if not flush_wait:
         settings["synchronous_commit"] = "off"
     return select(*(func.set_config(name, str(v), local) for name, v in settings.items()))
