@@ -10,11 +10,13 @@ a relation known to be tiny (the catalogue's pg_database, a partition with a few
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
+import psycopg
 import pytest
 from sqlalchemy import Connection, create_engine, event, text
 
@@ -173,12 +175,43 @@ def _full_reads(plan: dict[str, Any], sizes: dict[str, float], roots: dict[str, 
     return found
 
 
+def _generic_plan(
+    conn: Connection,
+    statement: str,
+    parameters: Any,
+    settings: Callable[[Connection], Any],
+    sent: list[tuple[str, Any]],
+) -> Any:
+    """The plan a role's connection keeps for `statement`: prepared, with `settings` (the
+    role's, which force a generic plan) and the settings statements `sent` before it run
+    first, in a transaction rolled back."""
+    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", statement)))
+    numbered = re.sub(r"%\((\w+)\)s", lambda m: f"${names.index(m[1]) + 1}", statement)
+    values = psycopg.sql.SQL(", ").join(psycopg.sql.Literal(parameters[n]) for n in names)
+    with conn.begin() as transaction:
+        settings(conn)
+        for setting, given in sent:
+            conn.exec_driver_sql(setting, given)
+        with conn.connection.dbapi_connection.cursor() as cursor:  # no placeholders: as sent
+            cursor.execute(f"PREPARE planned AS {numbered.replace('%%', '%')}")
+            cursor.execute(
+                psycopg.sql.SQL("EXPLAIN (FORMAT JSON) EXECUTE planned({})").format(values)
+            )
+            plan = cursor.fetchone()[0]
+            cursor.execute("DEALLOCATE planned")
+        transaction.rollback()
+    return plan
+
+
 def _assert_no_scan_of_a_large_relation(
-    engine: Any, call: Callable[[Connection], Any]
+    engine: Any,
+    call: Callable[[Connection], Any],
+    settings: Callable[[Connection], Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Explain each statement `call` sends; fail if one reads a large relation or index whole
     (`_full_reads`, by the estimates of the last ANALYZE), printing the statement and its
-    plan. Returns the plans, one per statement."""
+    plan. Returns the plans, one per statement. With a role's `settings`, each statement's
+    generic plan is explained too (`_generic_plan`): the one a role's connection keeps."""
     offending, plans = [], []
     with engine.connect() as conn:
         sizes = dict(
@@ -195,17 +228,26 @@ def _assert_no_scan_of_a_large_relation(
             ).all()
         )
         conn.rollback()
+        sent: list[tuple[str, Any]] = []  # the settings statements sent so far
         for statement, parameters in _captured(engine, call):
             with conn.begin() as transaction:
                 plan = conn.exec_driver_sql(
                     "EXPLAIN (FORMAT JSON) " + statement, parameters
                 ).scalar_one()
                 transaction.rollback()
-            plan = (plan if isinstance(plan, list) else json.loads(plan))[0]["Plan"]
-            plans.append(plan)
-            read = _full_reads(plan, sizes, roots)
-            if read:
-                offending.append(f"{', '.join(read)} in\n{statement}\n{json.dumps(plan, indent=1)}")
+            explained = [plan]
+            if settings is not None:
+                explained.append(_generic_plan(conn, statement, parameters, settings, sent))
+            if statement.startswith("SELECT set_config"):
+                sent.append((statement, parameters))
+            for plan in explained:
+                plan = (plan if isinstance(plan, list) else json.loads(plan))[0]["Plan"]
+                plans.append(plan)
+                read = _full_reads(plan, sizes, roots)
+                if read:
+                    offending.append(
+                        f"{', '.join(read)} in\n{statement}\n{json.dumps(plan, indent=1)}"
+                    )
     assert not offending, "\n\n".join(offending)
     return plans
 
@@ -237,7 +279,9 @@ def test_the_fill_spreads_finished_rows_over_three_partitions(engine: Any) -> No
 
 def test_the_workers_claim_uses_the_index_of_pending_rows(engine: Any, tables: Tables) -> None:
     _assert_no_scan_of_a_large_relation(
-        engine, lambda conn: roles.claim_inbox(conn, tables, "w-1", 10, timedelta(seconds=30))
+        engine,
+        lambda conn: roles.claim_inbox(conn, tables, "w-1", 10, timedelta(seconds=30)),
+        _worker_settings,
     )
 
 
@@ -248,6 +292,7 @@ def test_a_claim_under_a_cap_and_a_rate_counts_on_the_indexes(engine: Any, table
         lambda conn: roles.claim_inbox(
             conn, tables, "w-1", 10, timedelta(seconds=30), caps=caps, rates=rates
         ),
+        _worker_settings,
     )
     read = {n.get("Relation Name", "") for plan in plans for n in _scans(plan)}
     # The rate reads its counts, not the rows finished in its period.
@@ -265,21 +310,28 @@ def test_status_counts_a_rate_on_its_counts(engine: Any, tables: Tables) -> None
     _assert_no_scan_of_a_large_relation(engine, status)
 
 
+def _worker_settings(conn: Connection) -> None:
+    """The limits a worker's transactions start with (`roles.limit_worker`)."""
+    roles.limit_worker(conn.connection.dbapi_connection, 30.0, local=True)
+
+
 def test_the_workers_mark_reads_rows_by_id(engine: Any, tables: Tables) -> None:
     ids = _pending_ids(engine, "inbox_messages")
     _assert_no_scan_of_a_large_relation(
-        engine, lambda conn: roles.mark_processed(conn, tables, ids)
+        engine, lambda conn: roles.mark_processed(conn, tables, ids), _worker_settings
     )
 
 
 def test_the_relays_claim_uses_the_index_of_unsent_rows(engine: Any, tables: Tables) -> None:
-    _assert_no_scan_of_a_large_relation(engine, lambda conn: roles.claim_outbox(conn, tables, 10))
+    _assert_no_scan_of_a_large_relation(
+        engine, lambda conn: roles.claim_outbox(conn, tables, 10), roles.bound_on_server
+    )
 
 
 def test_the_relays_mark_reads_rows_by_id(engine: Any, tables: Tables) -> None:
     ids = _pending_ids(engine, "outbox_messages")
     _assert_no_scan_of_a_large_relation(
-        engine, lambda conn: roles.mark_published(conn, tables, ids)
+        engine, lambda conn: roles.mark_published(conn, tables, ids), roles.bound_on_server
     )
 
 
@@ -323,7 +375,7 @@ def test_the_receivers_insert_probes_each_partitions_message_id_index(
         for n, message_id in enumerate([stored, uuid.uuid4(), uuid.uuid4()])
     ]
     plans = _assert_no_scan_of_a_large_relation(
-        engine, lambda conn: roles.insert_inbox(conn, tables, batch)
+        engine, lambda conn: roles.insert_inbox(conn, tables, batch), roles.bound_on_server
     )
     probed = {
         node["Relation Name"]
