@@ -482,7 +482,9 @@ def _insert_inbox_sql(tables: Tables, dialect: Dialect) -> str:
 
 def _insert_inbox_statement(tables: Tables) -> Any:
     """``INSERT … SELECT … FROM jsonb_to_recordset(:rows) AS received(message_id UUID, …)
-    ON CONFLICT DO NOTHING RETURNING message_id``: a batch as one JSON array (PostgreSQL)."""
+    ON CONFLICT DO NOTHING RETURNING message_id``: a batch as one JSON array (PostgreSQL). The
+    stored ids: ``NOT EXISTS (… OFFSET 0)``, an index probe per row, never a join (planned on an
+    empty inbox and kept, a join read the whole index of ids at each insert once it filled)."""
     inbox = tables.inbox
     received = (
         func.jsonb_to_recordset(cast(bindparam("rows", type_=Text), JSONB))
@@ -493,7 +495,8 @@ def _insert_inbox_statement(tables: Tables) -> Any:
     json_null = literal_column("'null'::jsonb", JSONB)
     coalesced = {n: func.coalesce(received.c[n], json_null) for n in RECEIVED_JSON_COLUMNS}
     values = [coalesced.get(n, received.c[n]) for n in RECEIVED_COLUMNS]
-    stored = exists().where(inbox.c.message_id == received.c.message_id)
+    probe = select(1).where(inbox.c.message_id == received.c.message_id)
+    stored = exists(probe.offset(literal_column("0")))
     return (
         pg_insert(inbox)
         .from_select(list(RECEIVED_COLUMNS), select(*values).where(~stored))
@@ -891,10 +894,6 @@ def _inline(value: Any) -> Any:
     return literal(value, literal_execute=True)
 
 
-def _claimant_key(claimant: Any) -> Any:
-    return func.hashtext(claimant)
-
-
 def _claimant_gone(locked_by: Any) -> ColumnElement[bool]:
     """True for a row whose claimant holds no liveness lock in this database (one hashed
     subquery per statement, read only when a leased row is met). Two names with the same hash
@@ -909,7 +908,7 @@ def _claimant_gone(locked_by: Any) -> ColumnElement[bool]:
         _pg_locks.c.objsubid == 2,
         _pg_locks.c.granted,
     )
-    return cast(_claimant_key(locked_by), OID).not_in(live)
+    return cast(func.hashtext(locked_by), OID).not_in(live)  # the key `hold_claimant_lock` takes
 
 
 def hold_claimant_lock(conn: Connection, claimant: str) -> bool:
@@ -919,7 +918,7 @@ def hold_claimant_lock(conn: Connection, claimant: str) -> bool:
     if conn.dialect.name != "postgresql":
         return True
     taken = conn.execute(
-        select(func.pg_try_advisory_lock(WORKER_LOCK, _claimant_key(bindparam("c", claimant))))
+        select(func.pg_try_advisory_lock(WORKER_LOCK, func.hashtext(bindparam("c", claimant))))
     ).scalar_one()
     return bool(taken)
 
