@@ -668,6 +668,45 @@ def test_a_plan_made_on_an_empty_inbox_still_finds_rows_by_index_once_thousands_
         service.close()
 
 
+@pytest.mark.parametrize("statement", ["claim", "mark"])
+def test_the_relays_plans_made_on_an_empty_outbox_read_only_the_rows_they_take_later(
+    db_url: str, statement: str
+) -> None:
+    """The relay's transactions keep one generic plan a statement (`roles.bound_on_server`),
+    made at a start on an empty outbox. Run on 3,000 unsent rows, its claim reads the 250 it
+    takes and its mark the 50 it marks, by their indexes: no plan reads the outbox whole."""
+    service = make_service("orders", db_url, None)
+    with psycopg.connect(db_url.replace("+psycopg", ""), autocommit=True) as c:
+        c.execute("VACUUM ANALYZE outbox_inbox.outbox_messages")  # empty, as at a start
+    settings, set_values, numbered, given = _to_prepare(
+        service,
+        lambda conn: (
+            roles.bound_on_server(conn, flush_wait=False),  # as the relay
+            roles.claim_outbox(conn, service.tables, 250)
+            if statement == "claim"
+            else roles.mark_published(conn, service.tables, list(range(100, 150))),
+        ),
+    )
+    # Autocommit: each EXPLAIN in a transaction of its own, whose now() follows the writes.
+    with psycopg.connect(db_url.replace("+psycopg", ""), autocommit=True) as session:
+        session.execute(f"PREPARE s AS {numbered}")
+
+        def scanned() -> int:
+            with session.transaction(force_rollback=True):
+                session.execute(settings, set_values)
+                explain = psycopg.sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE s({})")
+                plan = session.execute(explain.format(given)).fetchone()
+            assert plan is not None
+            return _scanned(plan[0][0]["Plan"], ANY_SCAN)
+
+        assert scanned() == 0  # planned now, on the empty outbox, and kept
+        with service.session() as business, business.begin():
+            for n in range(3000):
+                service.outbox.publish(business, "order.placed", {"n": n})
+        assert scanned() <= (250 if statement == "claim" else 50)
+    service.close()
+
+
 def test_a_claim_finds_the_waiting_types_without_reading_the_rows_handled_before(
     db_url: str,
 ) -> None:
