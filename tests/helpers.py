@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import uuid
@@ -24,6 +25,15 @@ FAST: dict[str, Any] = {
     "reconnect_max": 1.0,
     "processes": 1,  # run() / run_worker() in the test's process, as start() does
 }
+
+
+def as_prepared(statement: str) -> tuple[str, list[str]]:
+    """`statement` as SQLAlchemy hands it to psycopg (``%(name)s``), written as psycopg sends
+    it to the server and as ``PREPARE`` takes it (``$1``, ``$2``... in order of first use;
+    ``%%`` as ``%``), and the parameter names in that order."""
+    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", statement)))
+    numbered = re.sub(r"%\((\w+)\)s", lambda m: f"${names.index(m[1]) + 1}", statement)
+    return numbered.replace("%%", "%"), names
 
 
 def wait_until(

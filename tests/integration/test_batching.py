@@ -8,7 +8,6 @@ are a minute here: nothing below may depend on a poll.
 
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -17,7 +16,7 @@ from typing import Any
 from sqlalchemy import event, text
 from sqlalchemy.orm import Session
 
-from helpers import make_service, rows, scalar, wait_until
+from helpers import as_prepared, make_service, rows, scalar, wait_until
 from outbox_inbox import Message, Service
 from outbox_inbox.queries.roles import INBOX_LOCK, LEAD_LOCK
 
@@ -172,9 +171,7 @@ def test_each_stage_plans_its_prepared_statements_once_per_connection(
 
     def note_statement(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
         if threading.current_thread().name in ROLES:  # as psycopg sends it: $1, $2...
-            names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", statement)))
-            sent = re.sub(r"%\((\w+)\)s", lambda m: f"${names.index(m[1]) + 1}", statement)
-            ran[threading.current_thread().name].add(sent.replace("%%", "%"))
+            ran[threading.current_thread().name].add(as_prepared(statement)[0])
 
     def note_plans(conn: Any) -> None:  # on the role's own session, before its commit
         if threading.current_thread().name in ROLES:

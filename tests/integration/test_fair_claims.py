@@ -9,7 +9,6 @@ claims and batches, never timed.
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 import textwrap
@@ -26,7 +25,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from sqlalchemy import Connection, event, text
 
-from helpers import make_service, received_row, rows, scalar, wait_until
+from helpers import as_prepared, make_service, received_row, rows, scalar, wait_until
 from outbox_inbox import ConfigurationError, Message, Service
 from outbox_inbox.metrics import instrument
 from outbox_inbox.queries import roles
@@ -538,8 +537,7 @@ def test_a_claim_planned_on_an_empty_inbox_reads_its_heads_not_the_whole_backlog
     [(settings, set_values), (claim, values)] = sent  # the settings, then the claim
     assert "set_config" in settings and "enable_sort" in str(set_values)
     assert "jit" in str(set_values)  # never compiled: that took seconds, for a 1 ms claim
-    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", claim)))  # as PREPARE's $n
-    numbered = re.sub(r"%\((\w+)\)s", lambda m: f"${names.index(m[1]) + 1}", claim)
+    numbered, names = as_prepared(claim)
     kinds = {bool: "bool", int: "int8", float: "float8", str: "text"}
     types = ", ".join(kinds[type(values[name])] for name in names)
     arguments = [values[name] for name in names]
@@ -603,8 +601,7 @@ def _to_prepare(service: Service, run: Callable[[Connection], Any]) -> tuple[str
         transaction.rollback()
     (settings, set_values), *_, (last, values) = sent
     assert "set_config" in settings
-    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", last)))
-    numbered = re.sub(r"%\((\w+)\)s", lambda m: f"${names.index(m[1]) + 1}", last)
+    numbered, names = as_prepared(last)
     given = psycopg.sql.SQL(", ").join(psycopg.sql.Literal(values[name]) for name in names)
     return settings, set_values, numbered, given
 

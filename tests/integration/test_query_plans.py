@@ -10,7 +10,6 @@ a relation known to be tiny (the catalogue's pg_database, a partition with a few
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -20,7 +19,7 @@ import psycopg
 import pytest
 from sqlalchemy import Connection, create_engine, event, text
 
-from helpers import received_row
+from helpers import as_prepared, received_row
 from outbox_inbox.migrate import alembic_config, upgrade
 from outbox_inbox.partitions import partitions
 from outbox_inbox.queries import operations, roles
@@ -185,15 +184,14 @@ def _generic_plan(
     """The plan a role's connection keeps for `statement`: prepared, with `settings` (the
     role's, which force a generic plan) and the settings statements `sent` before it run
     first, in a transaction rolled back."""
-    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", statement)))
-    numbered = re.sub(r"%\((\w+)\)s", lambda m: f"${names.index(m[1]) + 1}", statement)
+    numbered, names = as_prepared(statement)
     values = psycopg.sql.SQL(", ").join(psycopg.sql.Literal(parameters[n]) for n in names)
     with conn.begin() as transaction:
         settings(conn)
         for setting, given in sent:
             conn.exec_driver_sql(setting, given)
         with conn.connection.dbapi_connection.cursor() as cursor:  # no placeholders: as sent
-            cursor.execute(f"PREPARE planned AS {numbered.replace('%%', '%')}")
+            cursor.execute(f"PREPARE planned AS {numbered}")
             cursor.execute(
                 psycopg.sql.SQL("EXPLAIN (FORMAT JSON) EXECUTE planned({})").format(values)
             )
