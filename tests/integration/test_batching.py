@@ -176,7 +176,8 @@ def test_each_stage_plans_its_prepared_statements_once_per_connection(
     def note_plans(conn: Any) -> None:  # on the role's own session, before its commit
         if threading.current_thread().name in ROLES:
             seen = "SELECT statement, custom_plans FROM pg_prepared_statements"
-            custom_plans.update(conn.exec_driver_sql(seen).tuples().all())
+            for text_, n in conn.exec_driver_sql(seen).tuples().all():  # the most of any session
+                custom_plans[text_] = max(n, custom_plans.get(text_, 0))
 
     event.listen(billing.engine, "before_cursor_execute", note_statement)
     event.listen(billing.engine, "commit", note_plans)
