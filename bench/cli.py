@@ -140,11 +140,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if (
         min(args.latency_rate) <= 0
         or args.latency_seconds <= 0
+        or args.latency_warmup < 0
         or min(args.latency_writers, args.latency_writer_processes) < 1
     ):
         parser.error(
             "--latency-rate, --latency-seconds, --latency-writers and"
-            " --latency-writer-processes must be positive"
+            " --latency-writer-processes must be positive, --latency-warmup not negative"
         )
     if args.memory_rows < 1 or args.memory_seconds < 0:
         parser.error("--memory-rows must be positive and --memory-seconds not negative")
@@ -205,6 +206,13 @@ def _add_latency_and_memory_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--latency-seconds", type=float, default=10.0, help="(L) how long the load is offered"
+    )
+    parser.add_argument(
+        "--latency-warmup",
+        type=float,
+        default=1.0,
+        help="(L) seconds of the same load offered first, its messages handled and reported"
+        " apart as the cold start, not in the figures (default 1; 0: none)",
     )
     parser.add_argument(
         "--latency-writers",

@@ -108,25 +108,35 @@ def _measure_at(ctx: Context, rate: float, pipeline: str) -> dict[str, Any]:
         f" {load.writers} writer threads in {load.processes} processes; {what}",
         flush=True,
     )
+    alive = [c for c, _ in children]
+    # The cold start apart: the same load for --latency-warmup seconds first, handled before
+    # the measured load begins, so that the figures are the pipeline's steady state.
+    warm = (
+        _Load(ctx, rate, raw, seconds=ctx.args.latency_warmup) if ctx.args.latency_warmup else None
+    )
     try:
+        if warm is not None:
+            warm.run()
+            _wait_handled(ctx, tables["handled"], warm.total, alive)
+        warm_batches = _batches(ctx, tables)
         before = {name: tree_cpu_seconds(p) or 0.0 for name, p in trees.items()}
         with Timer(extra_pids=pids) as timer:
             written = load.run()
-            _wait_handled(ctx, tables["handled"], load.total, [c for c, _ in children])
+            _wait_handled(ctx, tables["handled"], (warm.total if warm else 0) + load.total, alive)
         spent = {name: (tree_cpu_seconds(p) or 0.0) - before[name] for name, p in trees.items()}
     finally:
         ctx.stop_children()
     columns = {"published": "published_at", "received": "received_at", "handled": "handled_at"}
     times = {stage: epochs(ctx, tables[stage], column) for stage, column in columns.items()}
     committed = load.committed
-    ms = sorted(
-        (at - committed[mid]) * 1000 for mid, at in times["handled"].items() if mid in committed
-    )
+    ms = _latencies(committed, times["handled"])
     if len(ms) != load.total:
         raise BenchError(f"latency: {len(ms)} of {load.total} messages matched a commit time")
     result = _result(load, written, ms, _stages(committed, times), timer)
     result["pipeline"] = pipeline
-    result["batches"] = _batches(ctx, tables)
+    result["cold"] = _cold(warm, times["handled"]) if warm is not None else None
+    batches = _batches(ctx, tables)
+    result["batches"] = {role: n - warm_batches[role] for role, n in batches.items()}
     # Where the CPU went, per process (tree) of the pipeline; the rest is the writers'.
     result["cpu_us_by_process"] = {
         name: seconds / load.total * 1e6 for name, seconds in spent.items()
@@ -134,6 +144,23 @@ def _measure_at(ctx: Context, rate: float, pipeline: str) -> dict[str, Any]:
     result["pipeline_cpu_us"] = sum(result["cpu_us_by_process"].values())
     _print_result(result)
     return result
+
+
+def _latencies(committed: dict[uuid.UUID, float], handled: dict[uuid.UUID, float]) -> list[float]:
+    """Handled - committed, in ms, sorted, of the messages in `committed`."""
+    return sorted((at - committed[mid]) * 1000 for mid, at in handled.items() if mid in committed)
+
+
+def _cold(warm: _Load, handled: dict[uuid.UUID, float]) -> dict[str, float]:
+    """The warm-up's latency, the pipeline's cold start: its first message's, p99 and max."""
+    ms = _latencies(warm.committed, handled)
+    first = min(warm.committed, key=warm.committed.__getitem__)
+    return {
+        "seconds": warm.seconds,
+        "first_ms": (handled[first] - warm.committed[first]) * 1000,
+        "p99_ms": percentile(ms, 99),
+        "max_ms": ms[-1],
+    }
 
 
 def _tables(ctx: Context, raw: bool) -> dict[str, sql.Identifier]:
@@ -169,10 +196,10 @@ class _Load:
     are threads of `--latency-writer-processes` processes of their own, so that the offered rate
     is not bound by one interpreter's lock."""
 
-    def __init__(self, ctx: Context, rate: float, raw: bool) -> None:
+    def __init__(self, ctx: Context, rate: float, raw: bool, seconds: float | None = None) -> None:
         self.ctx = ctx
         self.rate = rate
-        self.seconds: float = ctx.args.latency_seconds
+        self.seconds: float = ctx.args.latency_seconds if seconds is None else seconds
         self.processes: int = ctx.args.latency_writer_processes
         self.writers: int = ctx.args.latency_writers * self.processes
         self.total = max(1, round(self.rate * self.seconds))
@@ -349,4 +376,14 @@ def _print_result(result: dict[str, Any]) -> None:
         + ", ".join(f"{k} {v:.0f}" for k, v in result["cpu_us_by_process"].items())
         + "), the rest the writers'",
         flush=True,
+    )
+    if cold := result["cold"]:
+        print(f"       {cold_text(cold)}", flush=True)
+
+
+def cold_text(cold: dict[str, float]) -> str:
+    """The line of a pipeline's cold start (`_cold`)."""
+    return (
+        f"cold start, the {cold['seconds']:g} s before (left out): first message"
+        f" {cold['first_ms']:.1f} ms, p99 {cold['p99_ms']:.1f} ms, max {cold['max_ms']:.1f} ms"
     )

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.context import Context
+from bench.latency import cold_text
 from bench.timing import fmt
 
 
@@ -197,6 +198,8 @@ def _print_latency(ctx: Context) -> None:
         )
         for name, stage in latency.get("stages", {}).items():
             print(f"  {name:<36} p50 {stage['p50_ms']:8.1f} ms   p99 {stage['p99_ms']:8.1f} ms")
+        if cold := latency.get("cold"):
+            print(f"  {cold_text(cold)}")
 
 
 def _print_memory(ctx: Context) -> None:
