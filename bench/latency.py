@@ -8,7 +8,8 @@ own, with their default settings, as users run them (the relay and receiver in t
 the workers in one process per CPU), so the writers share the bench's interpreter with nothing
 else. One run per offered rate (`--latency-rate`). B's handler inserts
 its row with `clock_timestamp()`, the database server's clock on the same host.
-Latency = handled - committed.
+Latency = handled - committed. The same load offered first for `--latency-warmup` seconds is
+handled before the measured load begins and reported apart, as the pipeline's cold start.
 """
 
 from __future__ import annotations
